@@ -1,0 +1,9 @@
+"""nbgen: a Jupyter-first LLM inference toolkit with its own engine.
+
+``import nbgen as sgl`` runs SGLang's offline-Engine notebooks: ``sgl.Engine(...).generate(...)``.
+"""
+from nbgen.engine import Engine
+from nbgen.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "__version__"]

@@ -1,0 +1,79 @@
+"""The attention-backend interface: one KV page pool per layer, per-step metadata, per-layer forward."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nbgen.runtime.batch import ScheduledBatch
+
+
+@dataclass
+class KVCacheSpec:
+    """Shape of the paged KV cache: per layer, K and V are [num_pages, page_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def bytes_per_page(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+class AttentionMetadata:
+    """Per-step data shared by all layers; each backend subclasses it. ``backend`` routes the call."""
+
+    backend: "AttentionBackend"
+
+
+class AttentionBackend(ABC):
+    """Owns the KV cache tensors; ``prepare`` once per step, ``forward`` once per layer."""
+
+    def __init__(self, spec: KVCacheSpec) -> None:
+        self.spec = spec
+        self.scale = spec.head_dim ** -0.5
+        shape = (spec.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+    @abstractmethod
+    def prepare(self, batch: ScheduledBatch) -> AttentionMetadata:
+        """Build the metadata of one step (slot mapping, page tables, masks / kernel plans)."""
+
+    @abstractmethod
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] for the step's flat tokens -> [T, Hq*D].
+
+        Writes k/v of the new tokens into their pages, then attends over each sequence's cached
+        prefix plus its new tokens (causal within the new tokens).
+        """
+
+    def slot_mapping(self, batch: ScheduledBatch) -> list[int]:
+        """Flat cache slot (page * page_size + offset) of every new token, in batch order."""
+        P = self.spec.page_size
+        out: list[int] = []
+        for s in batch.seqs:
+            pages = s.pages
+            out.extend(pages[p // P] * P + p % P for p in range(s.start_pos, s.kv_len))
+        return out
+
+
+class Attention(nn.Module):
+    """The attention call site inside a model layer: forwards to the step's backend."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        return meta.backend.forward(self.layer_id, q, k, v, meta)

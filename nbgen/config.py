@@ -1,0 +1,95 @@
+"""Engine configuration: SGLang server-arg names, validated at the edge."""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+_POLICIES = ("fcfs", "lpm")
+_BACKENDS = (None, "torch", "flashinfer")
+
+
+def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
+    """A ValueError naming an unknown keyword, with the closest known name when there is one."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown {kind} {key!r}{hint}")
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of an Engine (names follow SGLang's server args).
+
+    ``None`` means "choose for this device" and is resolved by ``resolve()`` once the device is known.
+    """
+
+    model_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    context_length: Optional[int] = None
+    mem_fraction_static: float = 0.85
+    max_running_requests: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    chunked_prefill_size: Optional[int] = None
+    # 16 tokens a page: page tables stay 16x shorter than token lists (cheap per-step metadata),
+    # a prefix match loses at most 15 tokens, and flashinfer's paged kernels run well at this size.
+    page_size: int = 16
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
+    disable_overlap_schedule: bool = False
+    attention_backend: Optional[str] = None
+    random_seed: int = 0
+    log_level: str = "warning"
+    skip_tokenizer_init: bool = False
+    tp_size: int = 1
+    enable_custom_logit_processor: bool = False
+    allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, want: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+
+        check("dtype", self.dtype in _DTYPES, f"one of {_DTYPES}")
+        check("device", self.device in _DEVICES, f"one of {_DEVICES}")
+        check("load_format", self.load_format in _FORMATS, f"one of {_FORMATS}")
+        check("schedule_policy", self.schedule_policy in _POLICIES, f"one of {_POLICIES}")
+        check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
+        check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
+        check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
+        check("tp_size", self.tp_size == 1, "1 (tensor parallelism is not implemented yet)")
+        for name in ("context_length", "max_running_requests", "max_total_tokens",
+                     "chunked_prefill_size", "cuda_graph_max_bs"):
+            v = getattr(self, name)
+            check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
+        if self.model_path is not None:
+            self.model_path = os.path.expanduser(str(self.model_path))
+
+    @classmethod
+    def from_kwargs(cls, model_path: Optional[str], kwargs: dict[str, Any]) -> "EngineConfig":
+        """Build from Engine(**kwargs); an unknown keyword raises naming it (with a suggestion)."""
+        known = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in known:
+                raise unknown_key_error("Engine argument", key, known)
+        return cls(model_path=model_path, **kwargs)
+
+    def resolve_device(self) -> str:
+        """'cuda' or 'cpu' for device='auto'."""
+        if self.device != "auto":
+            return self.device
+        try:
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:  # pragma: no cover - torch is a hard dependency
+            return "cpu"

@@ -1,0 +1,165 @@
+"""Pure row logic for generate_df: rows -> (prompt, params, key), outputs -> column values.
+
+Nothing here touches an engine, so every rule (missing prompts, per-row parameter columns, chat
+messages, n>1 and logprob columns) is unit-tested on plain Python values.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from nbgen.sampling import SamplingParams
+
+BASE_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+LOGPROB_COLUMNS = ("output_token_logprobs", "output_top_logprobs")
+PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.init)
+_INT_PARAMS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"}
+
+Messages = list[dict[str, Any]]
+Prompt = Union[str, Messages]
+
+
+class RowError(ValueError):
+    """A row that cannot be sent: its message goes into the ``error`` column."""
+
+
+def is_missing(v: Any) -> bool:
+    """None, NaN, pd.NA and NaT count as missing."""
+    if v is None:
+        return True
+    try:
+        return bool(v != v)  # NaN, NaT and pd.NA are not equal to themselves
+    except (TypeError, ValueError):  # pd.NA raises on bool(); arrays are ambiguous
+        return v.__class__.__name__ in ("NAType", "NaTType")
+
+
+def resolve_param_columns(columns: Sequence[str],
+                          param_columns: Union[None, Sequence[str], Mapping[str, str]]) -> dict[str, str]:
+    """``param_columns`` -> {column: sampling param}; a ``sampling_params`` param takes dicts."""
+    if param_columns is None:
+        return {}
+    mapping = dict(param_columns) if isinstance(param_columns, Mapping) else {c: c for c in param_columns}
+    for col, name in mapping.items():
+        if col not in columns:
+            raise KeyError(f"param column {col!r} is not in the DataFrame")
+        if name != "sampling_params" and name not in PARAM_NAMES:
+            raise ValueError(f"param column {col!r} maps to unknown sampling param {name!r}")
+    return mapping
+
+
+def _plain(name: str, v: Any) -> Any:
+    """numpy / pandas scalars -> Python values SamplingParams accepts (16.0 -> 16 for ints)."""
+    if hasattr(v, "tolist") and not isinstance(v, (list, dict, str)):
+        v = v.tolist()  # numpy scalar or array -> Python
+    if name in _INT_PARAMS and isinstance(v, float) and v.is_integer():
+        v = int(v)  # an int column with NaN holes becomes float in pandas
+    return v
+
+
+def row_params(base: Mapping[str, Any], values: Mapping[str, Any], mapping: Mapping[str, str]) -> dict[str, Any]:
+    """Merge the call's sampling_params with this row's columns (a missing cell keeps the default)."""
+    params = dict(base)
+    for col, name in mapping.items():
+        v = values[col]
+        if name == "sampling_params":
+            if not isinstance(v, dict) and is_missing(v):
+                continue
+            if not isinstance(v, dict):
+                raise RowError(f"column {col!r} must hold dicts of sampling params, got {type(v).__name__}")
+            params.update({k: _plain(k, x) for k, x in v.items()})
+        elif isinstance(v, (list, tuple, dict)) or not is_missing(v):
+            params[name] = _plain(name, v)
+    try:
+        SamplingParams.from_dict(params)  # validates; the engine gets the dict
+    except (ValueError, TypeError) as e:
+        raise RowError(f"invalid sampling params: {e}") from None
+    return params
+
+
+def row_prompt(value: Any, chat: Optional[bool], system_prompt: Optional[str]) -> Prompt:
+    """A cell -> a prompt string or a chat message list (validated)."""
+    if isinstance(value, (list, tuple)) or hasattr(value, "tolist") and not isinstance(value, str):
+        if hasattr(value, "tolist"):
+            value = value.tolist()
+        if chat is False:
+            raise RowError("prompt is a list but chat=False; pass chat=True for message lists")
+        msgs = list(value)
+        if not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise RowError("a chat prompt must be a non-empty list of {'role', 'content'} dicts")
+        if system_prompt is not None and msgs[0].get("role") != "system":
+            msgs = [{"role": "system", "content": system_prompt}] + msgs
+        return msgs
+    if is_missing(value):
+        raise RowError("missing prompt")
+    if not isinstance(value, str):
+        raise RowError(f"prompt must be text (or a list of chat messages), got {type(value).__name__}: {value!r:.60}")
+    if not value:
+        raise RowError("empty prompt")
+    if chat or system_prompt is not None:
+        msgs = [{"role": "user", "content": value}]
+        if system_prompt is not None:
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+    return value
+
+
+def row_key(prompt_value: Any, params: Mapping[str, Any], options: Mapping[str, Any]) -> str:
+    """Fingerprint of what a row asks for: a checkpointed row is reused only if it matches."""
+    blob = json.dumps([prompt_value, dict(params), dict(options)], sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def output_columns(return_logprob: bool, top_logprobs_num: int) -> tuple[str, ...]:
+    """The columns generate_df adds, in order."""
+    cols = list(BASE_COLUMNS)
+    if return_logprob:
+        cols.append("output_token_logprobs")
+        if top_logprobs_num:
+            cols.append("output_top_logprobs")
+    return tuple(cols)
+
+
+def _one(out: Mapping[str, Any]) -> tuple[str, str, int, int, Optional[str]]:
+    meta = out.get("meta_info", {})
+    fr = meta.get("finish_reason") or {}
+    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    err = None
+    if kind == "abort":
+        err = str(fr.get("message") or "request aborted") if isinstance(fr, dict) else "request aborted"
+    return out.get("text", ""), kind, int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0)), err
+
+
+def output_record(out: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]], cols: Sequence[str]) -> dict[str, Any]:
+    """An engine output (or the n outputs of an ``n>1`` row) -> this row's column values.
+
+    With n>1, ``text`` and ``finish_reason`` are lists of n values, ``completion_tokens`` is the sum.
+    """
+    outs = [out] if isinstance(out, Mapping) else list(out)
+    parts = [_one(o) for o in outs]
+    errors = [p[4] for p in parts if p[4]]
+    rec: dict[str, Any] = {
+        "text": parts[0][0] if len(parts) == 1 else [p[0] for p in parts],
+        "finish_reason": parts[0][1] if len(parts) == 1 else [p[1] for p in parts],
+        "prompt_tokens": parts[0][2],
+        "completion_tokens": sum(p[3] for p in parts),
+        "error": "; ".join(errors) if errors else None,
+    }
+    for c in cols:
+        if c in LOGPROB_COLUMNS:
+            vals = [o.get("meta_info", {}).get(c) for o in outs]
+            rec[c] = vals[0] if len(vals) == 1 else vals
+    return rec
+
+
+def error_record(message: str) -> dict[str, Any]:
+    """Column values of a row that did not run."""
+    return {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
+            "error": message}
+
+
+def tok_s_postfix(out_tokens: int, elapsed: float) -> str:
+    """Progress-bar postfix: output tokens per second of this run."""
+    rate = out_tokens / elapsed if elapsed > 0 else 0.0
+    return f"{rate:,.0f} out tok/s"

@@ -1,0 +1,302 @@
+"""Engine: the SGLang-compatible offline facade (sync, streaming and async generation).
+
+The caller's thread validates, tokenizes and shapes outputs; a LoopThread owns everything else.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import weakref
+from typing import Any, AsyncIterator, Iterator, Optional
+
+from nbgen.config import EngineConfig
+from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
+                             normalize_inputs, per_item)
+from nbgen.progress import BatchProgress
+from nbgen.runtime.loop import LoopThread
+from nbgen.runtime.request import Request
+from nbgen.runtime.tracker import Update
+
+logger = logging.getLogger("nbgen")
+
+
+def _patch_ipython_loop() -> None:
+    """Make asyncio.run() work inside a Jupyter cell (SGLang's notebooks do that); IPython only."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    if get_ipython() is None:
+        return
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return  # no kernel loop running in this thread (e.g. plain IPython terminal)
+    import nest_asyncio
+
+    nest_asyncio.apply()
+
+
+class Engine:
+    """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model."""
+
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any) -> None:
+        self._shut = True
+        cfg = EngineConfig.from_kwargs(model_path, kwargs)
+        logging.getLogger("nbgen").setLevel(cfg.log_level.upper())
+        if cfg.model_path is None:
+            if cfg.load_format == "dummy":
+                raise ValueError("model_path is required with load_format='dummy' (a dir with config.json)")
+            from nbgen.models.embedded import default_model_path
+
+            cfg.model_path = default_model_path()
+        self.config = cfg
+        self._loop = LoopThread(cfg)
+        info = self._loop.start()
+        self._shut = False
+        self._finalizer = weakref.finalize(self, LoopThread.shutdown, self._loop)
+        loaded = info["loaded"]
+        self.device = info["device"]
+        self.scheduler_config = info["scheduler"]
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.dtype = loaded.dtype
+        self._facts = ModelFacts(vocab_size=int(loaded.hf_config.vocab_size),
+                                 context_length=int(loaded.context_length),
+                                 eos_ids=frozenset(loaded.eos_token_ids),
+                                 generation_defaults=dict(loaded.generation_defaults or {}),
+                                 allow_context_overflow=cfg.allow_context_overflow)
+        self._rng = random.Random(cfg.random_seed)
+        _patch_ipython_loop()
+
+    # ---- request preparation --------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._shut or not self._loop.alive:
+            raise RuntimeError("engine is shut down")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's special prefix tokens, as generate() uses)."""
+        if self.tokenizer is None:
+            raise ValueError("this Engine has no tokenizer (skip_tokenizer_init=True): pass input_ids")
+        return list(self.tokenizer.encode(text))
+
+    def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
+                 top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
+                 rid: Any) -> tuple[list[Request], bool]:
+        self._check_alive()
+        items, single, kind = normalize_inputs(prompt, input_ids)
+        n = len(items)
+        if isinstance(sampling_params, list) and single:
+            raise ValueError("sampling_params is a list but a single prompt was given")
+        sps = [build_params(d, self._facts) for d in per_item("sampling_params", sampling_params, n)]
+        lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
+                                    token_ids_logprob, self._facts.vocab_size)
+        rids = per_item("rid", rid, n)
+        ids_list = [self.encode(p) for p in items] if kind == "prompt" else items
+        sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
+        return make_requests(ids_list, sps, lps, rids, self._facts, self._rng), single
+
+    # ---- sync -----------------------------------------------------------------------------------
+    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                 stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
+                 logprob_start_len: Any = -1, token_ids_logprob: Any = None, rid: Any = None,
+                 use_tqdm: Optional[bool] = None) -> Any:
+        """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
+
+        ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
+        """
+        reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
+                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream=True takes a single prompt with n=1")
+            return self._stream(reqs[0])
+        results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
+        outs = [results[r.rid] for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    def generate_iter(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                      **kw: Any) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(index, output)`` as each request finishes; closing early aborts the rest."""
+        reqs, _ = self._prepare(prompt, sampling_params, input_ids, kw.pop("return_logprob", False),
+                                kw.pop("top_logprobs_num", 0), kw.pop("logprob_start_len", -1),
+                                kw.pop("token_ids_logprob", None), kw.pop("rid", None))
+        if kw:
+            raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        for rid, out in self._run_sync(reqs, progress=False):
+            yield index[rid], out
+
+    def _run_sync(self, reqs: list[Request], progress: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+        q: queue.Queue = queue.Queue()
+        pending = {r.rid for r in reqs}
+        bar = BatchProgress(len(reqs), enabled=progress)
+        self._loop.submit(reqs, q.put, stream=False)
+        try:
+            while pending:
+                try:
+                    upd: Update = q.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_alive()
+                    continue
+                if upd.finished:
+                    pending.discard(upd.rid)
+                    bar.update(upd.output)
+                    yield upd.rid, upd.output
+        finally:
+            bar.close()
+            if pending:  # interrupted (KeyboardInterrupt, generator closed): abort what is left
+                self._abort_quietly(list(pending))
+
+    def _stream(self, req: Request) -> Iterator[dict[str, Any]]:
+        q: queue.Queue = queue.Queue()
+        self._loop.submit([req], q.put, stream=True)
+        sent = 0
+        done = False
+        try:
+            while not done:
+                try:
+                    upd: Update = q.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_alive()
+                    continue
+                done = upd.finished
+                yield self._chunk(upd, sent)
+                sent += len(upd.output["text"]) if not done else 0
+        finally:
+            if not done:
+                self._abort_quietly([req.rid])
+
+    @staticmethod
+    def _chunk(upd: Update, sent_chars: int) -> dict[str, Any]:
+        """Final updates carry the full text: cut what earlier chunks already delivered."""
+        if upd.finished:
+            out = dict(upd.output)
+            out["text"] = out["text"][sent_chars:]
+            return out
+        return upd.output
+
+    def _abort_quietly(self, rids: list[str]) -> None:
+        try:
+            self._loop.abort(rids)
+        except RuntimeError:
+            pass
+
+    # ---- async ----------------------------------------------------------------------------------
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                             stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
+                             logprob_start_len: Any = -1, token_ids_logprob: Any = None,
+                             rid: Any = None) -> Any:
+        """Awaitable twin of generate(); with ``stream=True`` it returns an async iterator of chunks."""
+        reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
+                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream=True takes a single prompt with n=1")
+            return self._astream(reqs[0])
+        results: dict[str, dict] = {}
+        async for upd in self._asubmit(reqs, stream=False):
+            results[upd.rid] = upd.output
+        outs = [results[r.rid] for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    async def _asubmit(self, reqs: list[Request], stream: bool) -> AsyncIterator[Update]:
+        loop = asyncio.get_running_loop()
+        aq: asyncio.Queue = asyncio.Queue()
+
+        def sink(u: Update) -> None:
+            try:
+                loop.call_soon_threadsafe(aq.put_nowait, u)
+            except RuntimeError:  # the caller's loop is gone; nobody is listening
+                pass
+
+        pending = {r.rid for r in reqs}
+        self._loop.submit(reqs, sink, stream=stream)
+        try:
+            while pending:
+                upd: Update = await aq.get()
+                if upd.finished:
+                    pending.discard(upd.rid)
+                yield upd
+        finally:
+            if pending:  # cancelled or closed early
+                self._abort_quietly(list(pending))
+
+    async def _astream(self, req: Request) -> AsyncIterator[dict[str, Any]]:
+        sent = 0
+        async for upd in self._asubmit([req], stream=True):
+            yield self._chunk(upd, sent)
+            sent += len(upd.output["text"]) if not upd.finished else 0
+
+    # ---- chat -----------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render one conversation with the tokenizer's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages: Any, sampling_params: Any = None, **kw: Any) -> Any:
+        """generate() over one conversation (-> dict) or a list of conversations (-> list)."""
+        single = bool(messages) and isinstance(messages, list) and isinstance(messages[0], dict)
+        convs = [messages] if single else messages
+        prompts = [self.apply_chat_template(c) for c in convs]
+        return self.generate(prompts[0] if single else prompts, sampling_params, **kw)
+
+    # ---- control and info -----------------------------------------------------------------------
+    def abort(self, rid: Any) -> None:
+        """Abort one request id (or a list); unknown or finished ids are ignored."""
+        self._check_alive()
+        self._loop.abort([rid] if isinstance(rid, str) else list(rid))
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing flushed) while requests are running, as SGLang."""
+        self._check_alive()
+        return self._loop.call(self._loop.scheduler.flush_cache)
+
+    def stats(self) -> dict[str, Any]:
+        """Live numbers for widgets: running/waiting, KV pages, recent tok/s, totals."""
+        self._check_alive()
+        return self._loop.stats()
+
+    def get_server_info(self) -> dict[str, Any]:
+        sc = self.scheduler_config
+        runner = self._loop.runner
+        return {"model_path": self.config.model_path, "device": self.device, "dtype": str(self.dtype),
+                "context_length": self._facts.context_length, "page_size": sc.page_size,
+                "num_pages": sc.num_pages, "max_total_tokens": sc.num_pages * sc.page_size,
+                "max_running_requests": sc.max_running_requests,
+                "chunked_prefill_size": sc.chunked_prefill_size, "schedule_policy": sc.schedule_policy,
+                "disable_radix_cache": sc.disable_radix_cache,
+                "attention_backend": runner.attention_backend_name if runner else None,
+                "cuda_graph_batch_sizes": list(getattr(runner, "cuda_graph_batch_sizes", []) or []),
+                "random_seed": self.config.random_seed}
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,
+                "is_generation": True, "architectures": list(self.hf_config.architectures or []),
+                "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length}
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and free the model; idempotent. Later calls raise RuntimeError."""
+        if self._shut:
+            return
+        self._shut = True
+        self._finalizer()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:  # pragma: no cover
+            pass
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,142 @@
+"""Caller-side input handling for Engine: validate, tokenize and turn arguments into Requests.
+
+Everything here runs on the caller's thread before anything is submitted, so a bad item in a batch
+fails the whole call with a clear error and nothing runs.
+"""
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from nbgen.runtime.request import LogprobRequest, Request
+from nbgen.sampling import SamplingParams
+
+PromptArg = Optional[Union[str, list[str]]]
+IdsArg = Optional[Union[list[int], list[list[int]]]]
+
+
+@dataclass
+class ModelFacts:
+    """What validation needs to know about the loaded model."""
+
+    vocab_size: int
+    context_length: int
+    eos_ids: frozenset[int]
+    generation_defaults: dict[str, Any]
+    allow_context_overflow: bool = False
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], bool, str]:
+    """-> (items, single, kind) where items are str prompts or id lists, kind 'prompt'|'input_ids'."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("give exactly one of prompt or input_ids, got "
+                         + ("both" if prompt is not None else "neither"))
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return [prompt], True, "prompt"
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt must not be an empty list")
+        for i, p in enumerate(prompt):
+            if not isinstance(p, str):
+                raise TypeError(f"prompt[{i}] must be a str, got {type(p).__name__}")
+        return list(prompt), False, "prompt"
+    if not isinstance(input_ids, (list, tuple)):
+        raise TypeError(f"input_ids must be a list of ints or a list of lists, got {type(input_ids).__name__}")
+    if not input_ids:
+        raise ValueError("input_ids must not be empty")
+    if _is_id_list(input_ids):
+        return [list(input_ids)], True, "input_ids"
+    for i, ids in enumerate(input_ids):
+        if not _is_id_list(ids):
+            raise TypeError(f"input_ids[{i}] must be a list of ints, got {ids!r:.60}")
+        if not ids:
+            raise ValueError(f"input_ids[{i}] must not be empty")
+    return [list(x) for x in input_ids], False, "input_ids"
+
+
+def per_item(name: str, value: Any, n: int) -> list[Any]:
+    """Broadcast a per-call argument, or check a per-item list has one entry per prompt."""
+    if isinstance(value, list) and (name != "token_ids_logprob" or (value and isinstance(value[0], list))):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def build_params(d: Any, facts: ModelFacts) -> SamplingParams:
+    """User dict (+ the model's generation_config defaults for keys not given) -> SamplingParams."""
+    if isinstance(d, SamplingParams):
+        sp = d
+    else:
+        if d is not None and not isinstance(d, dict):
+            raise TypeError(f"sampling_params must be a dict or a list of dicts, got {type(d).__name__}")
+        sp = SamplingParams.from_dict({**facts.generation_defaults, **(d or {})})
+    sp.verify(facts.vocab_size)
+    return sp
+
+
+def check_ids(ids: list[int], idx: int, sp: SamplingParams, facts: ModelFacts) -> SamplingParams:
+    """Token ids inside the vocab; prompt + max_new_tokens within the context length."""
+    bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+    if bad:
+        raise ValueError(f"input_ids[{idx}] has token ids outside the vocabulary [0, {facts.vocab_size}): {bad[:5]}")
+    if not ids:
+        raise ValueError(f"prompt[{idx}] is empty after tokenization")
+    room = facts.context_length - len(ids)
+    if room <= 0:
+        raise ValueError(f"prompt[{idx}] has {len(ids)} tokens, over the context length {facts.context_length}")
+    if sp.max_new_tokens is None or sp.max_new_tokens > room:
+        if sp.max_new_tokens is not None and not facts.allow_context_overflow:
+            raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt[{idx}] exceeds "
+                             f"the context length {facts.context_length} (pass a smaller max_new_tokens or "
+                             f"Engine(allow_context_overflow=True) to cut generation at the context length)")
+        sp = SamplingParams(**{**{k: getattr(sp, k) for k in sp.__dataclass_fields__ if k != "stop_strs"},
+                               "max_new_tokens": room})
+    return sp
+
+
+def make_requests(ids_list: list[list[int]], params: list[SamplingParams], logprobs: list[LogprobRequest],
+                  rids: list[Optional[str]], facts: ModelFacts, rng: random.Random) -> list[Request]:
+    """Prompt-major list of Requests; n > 1 samples share a group and get distinct seeds."""
+    out: list[Request] = []
+    for ids, sp, lp, rid in zip(ids_list, params, logprobs, rids):
+        base = rid if rid is not None else uuid.uuid4().hex
+        seed = sp.sampling_seed if sp.sampling_seed is not None else rng.getrandbits(31)
+        stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else facts.eos_ids)
+        for j in range(sp.n):
+            out.append(Request(rid=base if sp.n == 1 else f"{base}-{j}", prompt_ids=list(ids), params=sp,
+                               stop_ids=stop_ids, logprobs=lp, seed=(seed + 1_000_003 * j) % (2**31),
+                               group=base if sp.n > 1 else None))
+    return out
+
+
+def make_logprob_requests(n: int, return_logprob: Any, top_logprobs_num: Any, logprob_start_len: Any,
+                          token_ids_logprob: Any, vocab_size: int) -> list[LogprobRequest]:
+    """Per-prompt logprob options, validated."""
+    rl = per_item("return_logprob", return_logprob, n)
+    tn = per_item("top_logprobs_num", top_logprobs_num, n)
+    ls = per_item("logprob_start_len", logprob_start_len, n)
+    ti = per_item("token_ids_logprob", token_ids_logprob, n)
+    out = []
+    for i in range(n):
+        if not isinstance(tn[i], int) or tn[i] < 0:
+            raise ValueError(f"top_logprobs_num must be an int >= 0, got {tn[i]!r}")
+        if not isinstance(ls[i], int) or ls[i] < -1:
+            raise ValueError(f"logprob_start_len must be -1 or an int >= 0, got {ls[i]!r}")
+        ids = ti[i]
+        if ids is not None:
+            if not _is_id_list(ids) or any(not 0 <= t < vocab_size for t in ids):
+                raise ValueError(f"token_ids_logprob must be token ids in [0, {vocab_size}), got {ids!r:.80}")
+        want = bool(rl[i])
+        out.append(LogprobRequest(return_logprob=want, top_logprobs_num=tn[i] if want else 0,
+                                  logprob_start_len=ls[i] if want else -1,
+                                  token_ids_logprob=list(ids) if (want and ids) else None))
+    return out

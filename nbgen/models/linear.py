@@ -1,0 +1,188 @@
+"""Tensor-parallel-ready linears and embeddings: plain layers at tp_size=1.
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies an HF
+checkpoint tensor into (its shard of) the parameter, so fused q/k/v and gate/up parameters load
+from separate HF tensors, and sharding over GPUs later changes no model file. With tp_size > 1 the
+forward passes communicate through torch.distributed (set up by the caller via ``set_tp``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_TP = (1, 0)  # (tp_size, tp_rank) of this process
+
+
+def set_tp(size: int, rank: int) -> None:
+    """Declare this process's tensor-parallel group (before building a model)."""
+    global _TP
+    assert 0 <= rank < size
+    _TP = (size, rank)
+
+
+def get_tp() -> tuple[int, int]:
+    """(tp_size, tp_rank) of this process."""
+    return _TP
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _TP[0] > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """Copy a whole tensor (cast to the parameter's dtype/device)."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # uninitialised: weights come from a checkpoint or the dummy initialiser
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class _Linear(nn.Module):
+    """y = x @ W.T (+ b) with W [out_local, in_local]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _param(out_features)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split over tp ranks (each rank computes a slice of y)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp()
+        assert out_features % self.tp_size == 0, "output features must divide by tp_size"
+        super().__init__(in_features, out_features // self.tp_size, bias)
+
+    def _shard(self, loaded: torch.Tensor, size: int, index: int) -> torch.Tensor:
+        """Rows [index*size, (index+1)*size) of the checkpoint tensor (dim 0 = output features)."""
+        return loaded.narrow(0, index * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        n = param.shape[0]
+        default_weight_loader(param, self._shard(loaded, n, self.tp_rank))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate|up); shard_id = index into output_sizes."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias)
+        self.output_sizes = [s // self.tp_size for s in output_sizes]   # local sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int), "MergedColumnParallelLinear loads one sub-matrix at a time"
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        default_weight_loader(param.data.narrow(0, offset, size), self._shard(loaded, size, self.tp_rank))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q|k|v projection; shard_id in {"q", "k", "v"}. KV heads are replicated when tp > kv heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp_size, _ = get_tp()
+        assert num_heads % tp_size == 0, "attention heads must divide by tp_size"
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)   # ranks sharing one kv head
+        self.head_dim = head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size, index = {
+            "q": (0, q, self.tp_rank),
+            "k": (q, kv, self.tp_rank // self.kv_replicas),
+            "v": (q + kv, kv, self.tp_rank // self.kv_replicas),
+        }[shard_id]
+        default_weight_loader(param.data.narrow(0, offset, size), self._shard(loaded, size, index))
+
+
+class RowParallelLinear(_Linear):
+    """Input features split over tp ranks; partial outputs are summed (all-reduce) across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_size, self.tp_rank = get_tp()
+        assert in_features % self.tp_size == 0, "input features must divide by tp_size"
+        super().__init__(in_features // self.tp_size, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 2:   # weight: shard the input dim; bias stays whole
+            n = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * n, n)
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = _all_reduce(y)
+        # bias once, after the sum (not once per rank)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over tp ranks (rows outside a rank's range are zero)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp()
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // self.tp_size)            # ceil: last rank may be padded
+        self.start = self.tp_rank * self.per_rank
+        self.weight = _param(self.per_rank, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
+        if rows < self.per_rank:
+            param.data[rows:].zero_()
+        default_weight_loader(param.data[:rows], loaded.narrow(0, self.start, rows))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return _all_reduce(out.masked_fill(outside[:, None], 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection hidden -> vocab logits; may share its weight with the input embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 tied_to: Optional[VocabParallelEmbedding] = None) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        if tied_to is not None:
+            self.weight = tied_to.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """hidden [N, H] -> logits [N, vocab] in the model dtype."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[:, : self.num_embeddings]
+

@@ -1,0 +1,187 @@
+"""Llama family (LlamaForCausalLM, MistralForCausalLM) over a flat token stream.
+
+This is also the shared decoder that Qwen2 and Qwen3 specialise: they override the class
+attributes / small hooks below instead of copying the layers.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nbgen.attention.base import Attention
+from nbgen.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    get_rope,
+    rope_settings,
+)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """Explicit ``head_dim`` when the config has one (Qwen3, Mistral), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))     # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        qkv_bias, o_bias = self.biases(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias)
+        self.q_size = self.qkv_proj.num_heads * self.head_dim          # local (this tp rank)
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias)
+        self.rotary_emb = rotary_emb     # one cos/sin cache per model, shared by all layers
+        self.attn = Attention(layer_id)
+
+    def biases(self, config: PretrainedConfig) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias); Llama uses ``attention_bias`` for both."""
+        b = bool(getattr(config, "attention_bias", False))
+        return b, b
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE (identity here; Qwen3 normalises each head)."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        qkv = self.qkv_proj(x)                                        # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)                                  # [T, Hq * D]
+        return self.o_proj(o)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_id, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (not yet added to the residual stream) -> (out, residual)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        theta, scaling = rope_settings(config)
+        rope = get_rope(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, rope) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                              # [T, H]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM: ``forward`` -> final hidden states [T, H]; ``compute_logits`` -> fp32 logits."""
+
+    model_cls: type[LlamaModel] = LlamaModel
+    # (fused parameter, HF checkpoint name, shard id)
+    stacked_params = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        tied = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """input_ids, positions: [T] (all sequences of the step, concatenated) -> hidden [T, H]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (any order, one at a time); raise if a parameter stays unset."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue   # tied: the embedding already is the output matrix
+            target, shard = name, None
+            for fused, part, shard_id in self.stacked_params:
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            with torch.no_grad():
+                loader(param, tensor, shard) if shard is not None else loader(param, tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        self._check_complete(params, loaded)
+        return loaded
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            fused = [s for f, _, s in self.stacked_params if f".{f}." in name]
+            want = [f"{name}#{s}" for s in fused] if fused else [name]
+            missing += [w for w in want if w not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) of {type(self).__name__}, "
+                             f"e.g. {missing[:5]}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral checkpoints are Llama-shaped (sliding-window attention is not applied)."""

@@ -1,0 +1,26 @@
+"""Qwen2 / Qwen2.5 (Qwen2ForCausalLM): the Llama decoder with a q/k/v bias and no o_proj bias.
+
+Tied embeddings (the small Qwen2.5 models) are handled by the shared LM head.
+"""
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class Qwen2Attention(LlamaAttention):
+    def biases(self, config: PretrainedConfig) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2Model(LlamaModel):
+    layer_cls = Qwen2DecoderLayer
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen2Model

@@ -1,0 +1,148 @@
+"""Pure state and rendering for the notebook widgets: stats history -> numbers, SVG and HTML.
+
+No ipywidgets here: the widgets only copy these strings into their ``value``, so everything a
+person sees is unit-tested without a browser, and the same HTML is the static snapshot shown
+where widgets are unavailable (nbconvert, GitHub, a terminal).
+"""
+from __future__ import annotations
+
+import html
+import time
+from collections import deque
+from typing import Any, Mapping, Optional, Sequence
+
+STAT_KEYS = ("running", "waiting", "kv_pages_used", "kv_pages_total", "prefix_cache_pages", "page_size",
+             "input_tok_s", "output_tok_s", "total_input_tokens", "total_output_tokens",
+             "total_cached_tokens", "total_finished", "uptime_s", "time")
+
+
+class StatsHistory:
+    """The last ``maxlen`` ``Engine.stats()`` snapshots (a ring buffer; oldest dropped)."""
+
+    def __init__(self, maxlen: int = 240) -> None:
+        self._items: deque[dict[str, Any]] = deque(maxlen=maxlen)
+
+    def append(self, stats: Mapping[str, Any]) -> None:
+        s = dict(stats)
+        s.setdefault("time", time.time())
+        self._items.append(s)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def latest(self) -> Optional[dict[str, Any]]:
+        return self._items[-1] if self._items else None
+
+    def series(self, key: str) -> list[float]:
+        return [float(s.get(key, 0) or 0) for s in self._items]
+
+    def seconds_ago(self) -> list[float]:
+        """x axis: seconds relative to the newest snapshot (<= 0)."""
+        if not self._items:
+            return []
+        t1 = float(self._items[-1]["time"])
+        return [float(s["time"]) - t1 for s in self._items]
+
+    def to_frame(self) -> Any:
+        """A pandas DataFrame, one row per snapshot (columns: STAT_KEYS that were reported)."""
+        import pandas as pd
+
+        return pd.DataFrame(list(self._items))
+
+
+def fmt_num(x: float) -> str:
+    """Compact human numbers: 950, 12.3k, 4.56M."""
+    x = float(x)
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.0f}" if x == int(x) or abs(x) >= 100 else f"{x:.1f}"
+
+
+def kv_summary(stats: Mapping[str, Any]) -> dict[str, float]:
+    """KV-cache use: pages used / total, fraction used, and the prefix cache's share of the pages."""
+    used, total = int(stats.get("kv_pages_used", 0)), int(stats.get("kv_pages_total", 0))
+    prefix = int(stats.get("prefix_cache_pages", 0))
+    return {"used": used, "total": total, "frac": used / total if total else 0.0,
+            "prefix_frac": prefix / total if total else 0.0}
+
+
+def svg_lines(xs: Sequence[float], series: Mapping[str, tuple[Sequence[float], str]],
+              width: int = 420, height: int = 120) -> str:
+    """A small line chart as inline SVG: one polyline per series, y from 0 to the max value."""
+    pad = 4
+    ymax = max([max(v) for v, _ in series.values() if len(v)] + [1e-9])
+    xmin, xmax = (min(xs), max(xs)) if xs else (0.0, 1.0)
+    span = (xmax - xmin) or 1.0
+    parts = [f'<svg class="nbgen-chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             f'xmlns="http://www.w3.org/2000/svg"><rect width="100%" height="100%" fill="#fafafa" stroke="#ddd"/>']
+    for name, (values, color) in series.items():
+        if len(values) < 2:
+            continue
+        pts = " ".join(f"{pad + (x - xmin) / span * (width - 2 * pad):.1f},"
+                       f"{height - pad - v / ymax * (height - 2 * pad):.1f}" for x, v in zip(xs, values))
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{pts}">'
+                     f"<title>{html.escape(name)}</title></polyline>")
+    parts.append(f'<text x="{width - pad}" y="12" font-size="10" text-anchor="end" fill="#666">'
+                 f"max {fmt_num(ymax)} tok/s</text></svg>")
+    return "".join(parts)
+
+
+def _bar(frac: float, prefix_frac: float) -> str:
+    f, p = min(max(frac, 0.0), 1.0) * 100, min(max(prefix_frac, 0.0), 1.0) * 100
+    return ('<div style="background:#eee;height:10px;width:100%;position:relative;border-radius:3px">'
+            f'<div style="background:#4c78a8;height:10px;width:{f:.1f}%;border-radius:3px"></div>'
+            f'<div title="prefix cache" style="position:absolute;top:0;left:0;background:#f58518;'
+            f'opacity:0.6;height:10px;width:{p:.1f}%"></div></div>')
+
+
+def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: str = "live") -> str:
+    """The whole dashboard as one HTML fragment (live widget value and static snapshot alike).
+
+    Key numbers are also in ``data-*`` attributes so a browser test can read them.
+    """
+    s = history.latest or {}
+    kv = kv_summary(s)
+    xs = history.seconds_ago()
+    chart = svg_lines(xs, {"input tok/s": (history.series("input_tok_s"), "#4c78a8"),
+                           "output tok/s": (history.series("output_tok_s"), "#e45756")})
+
+    def cell(label: str, value: str, key: str) -> str:
+        return (f'<div style="min-width:92px"><div style="font-size:11px;color:#666">{label}</div>'
+                f'<div class="nbgen-{key}" style="font-size:18px;font-weight:600">{value}</div></div>')
+
+    cells = "".join([
+        cell("input tok/s", fmt_num(s.get("input_tok_s", 0)), "input-tok-s"),
+        cell("output tok/s", fmt_num(s.get("output_tok_s", 0)), "output-tok-s"),
+        cell("running", str(s.get("running", 0)), "running"),
+        cell("waiting", str(s.get("waiting", 0)), "waiting"),
+        cell("finished", fmt_num(s.get("total_finished", 0)), "finished"),
+        cell("tokens in / out", f'{fmt_num(s.get("total_input_tokens", 0))} / '
+                                f'{fmt_num(s.get("total_output_tokens", 0))}', "totals"),
+    ])
+    attrs = " ".join(f'data-{k.replace("_", "-")}="{s.get(k, 0)}"' for k in STAT_KEYS if k in s)
+    return (f'<div class="nbgen-dashboard" data-status="{html.escape(status)}" {attrs} '
+            'style="font-family:system-ui,sans-serif;border:1px solid #ddd;border-radius:6px;padding:8px;'
+            'max-width:460px">'
+            f'<div style="display:flex;justify-content:space-between"><b>{html.escape(title)}</b>'
+            f'<span class="nbgen-status" style="color:#888;font-size:11px">{html.escape(status)} · '
+            f'up {s.get("uptime_s", 0):.0f} s</span></div>'
+            f'<div style="display:flex;flex-wrap:wrap;gap:6px;margin:6px 0">{cells}</div>'
+            f'{chart}<div style="font-size:11px;color:#444;margin-top:4px">KV cache '
+            f'<span class="nbgen-kv">{kv["used"]} / {kv["total"]} pages ({kv["frac"]:.0%})</span>, '
+            f'prefix cache {kv["prefix_frac"]:.0%} '
+            f'<span style="color:#4c78a8">■</span> used <span style="color:#f58518">■</span> prefix</div>'
+            f'{_bar(kv["frac"], kv["prefix_frac"])}</div>')
+
+
+def dashboard_text(stats: Optional[Mapping[str, Any]]) -> str:
+    """One-line plain-text snapshot (terminals, logs)."""
+    if not stats:
+        return "nbgen: no stats yet"
+    kv = kv_summary(stats)
+    return (f"nbgen: in {fmt_num(stats.get('input_tok_s', 0))} tok/s, out {fmt_num(stats.get('output_tok_s', 0))} "
+            f"tok/s | running {stats.get('running', 0)}, waiting {stats.get('waiting', 0)} | KV {kv['used']}/"
+            f"{kv['total']} pages ({kv['frac']:.0%}, prefix {kv['prefix_frac']:.0%}) | finished "
+            f"{stats.get('total_finished', 0)}, tokens in/out {stats.get('total_input_tokens', 0)}/"
+            f"{stats.get('total_output_tokens', 0)}")

@@ -1,0 +1,59 @@
+"""Output dicts in SGLang's shape, built from a finished (or streaming) Request."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+from nbgen.runtime.request import Request
+
+Decode = Optional[Callable[[int], str]]
+
+
+def _entry(lp: Optional[float], tok: int, decode: Decode) -> tuple[Optional[float], int, Optional[str]]:
+    return (lp, tok, decode(tok) if decode else None)
+
+
+def _tops(tops: list[list[tuple[float, int]]], decode: Decode) -> list[list[tuple]]:
+    return [[_entry(lp, t, decode) for lp, t in row] for row in tops]
+
+
+def logprob_fields(req: Request, decode: Decode, start: int = 0) -> dict[str, Any]:
+    """SGLang's logprob lists: (logprob, token_id, text|None); ``start`` skips already-streamed output."""
+    lp = req.logprobs
+    out: dict[str, Any] = {}
+    if lp.logprob_start_len >= 0 and start == 0:
+        first = lp.logprob_start_len
+        inp = [_entry(v, t, decode) for v, t in req.input_token_logprobs]
+        if first == 0 and req.prompt_ids:
+            # the first prompt token has no prediction (SGLang reports None for it)
+            inp = [_entry(None, req.prompt_ids[0], decode)] + inp
+        out["input_token_logprobs"] = inp
+        if lp.top_logprobs_num > 0:
+            pad = [None] if first == 0 and req.prompt_ids else []
+            out["input_top_logprobs"] = pad + _tops(req.input_top_logprobs, decode)
+        if lp.token_ids_logprob:
+            pad = [None] if first == 0 and req.prompt_ids else []
+            out["input_token_ids_logprobs"] = pad + _tops(req.input_ids_logprobs, decode)
+    if lp.return_logprob:
+        out["output_token_logprobs"] = [_entry(v, t, decode) for v, t in req.output_token_logprobs[start:]]
+        if lp.top_logprobs_num > 0:
+            out["output_top_logprobs"] = _tops(req.output_top_logprobs[start:], decode)
+        if lp.token_ids_logprob:
+            out["output_token_ids_logprobs"] = _tops(req.output_ids_logprobs[start:], decode)
+    return out
+
+
+def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
+                 finished: bool, logprob_start: int = 0) -> dict[str, Any]:
+    """The dict a caller receives: text, output_ids and meta_info (finish_reason None while running)."""
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": req.finish_reason if finished else None,
+        "e2e_latency": time.perf_counter() - req.arrival,
+    }
+    if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:
+        meta.update(logprob_fields(req, decode, logprob_start))
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}

@@ -1,0 +1,65 @@
+"""The two typed hand-offs of a step: scheduler -> runner (ScheduledBatch), runner -> scheduler (StepOutput)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from nbgen.runtime.request import Request
+
+
+@dataclass
+class SeqWork:
+    """One request's share of a step."""
+
+    req: Request            # read-only for the runner (sampling params, output ids for penalties, seed)
+    token_ids: list[int]    # tokens to run now: all_ids[start_pos : start_pos + len(token_ids)]
+    start_pos: int          # position of token_ids[0]; tokens [0, start_pos) already have KV in `pages`
+    pages: list[int]        # page table covering at least start_pos + len(token_ids) tokens
+    sample: bool            # this chunk reaches the end of all_ids: sample the next token
+    prompt_logprob_start: int = -1  # >= 0: return logprobs of the prompt tokens at positions
+                                    # [max(start, 1), end of chunk] (prediction from the previous position)
+
+    @property
+    def q_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    """Everything the runner needs for one forward step, in a fixed order."""
+
+    seqs: list[SeqWork]                 # prefill chunks and decodes, any mix
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.q_len for s in self.seqs)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(s.q_len == 1 for s in self.seqs)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob results of one position: chosen token, top-k, and requested ids."""
+
+    logprob: float
+    token_id: int
+    top: list[tuple[float, int]] = field(default_factory=list)      # [(logprob, id)] best first
+    ids: list[tuple[float, int]] = field(default_factory=list)      # for token_ids_logprob
+
+
+@dataclass
+class StepOutput:
+    """The runner's answer for one ScheduledBatch; lists are aligned with batch.seqs."""
+
+    next_token_ids: list[int]                              # sampled id, or -1 where seq.sample is False
+    output_logprobs: list[Optional[TokenLogprobs]]         # for sampled seqs that asked for logprobs
+    prompt_logprobs: list[Optional[list[TokenLogprobs]]]   # per seq: prompt positions of this chunk
+    errors: dict[int, str] = field(default_factory=dict)   # seq index -> message: abort that request only
+    hidden_states: Optional[list] = None                   # per seq: last-layer state (when requested)

@@ -1,0 +1,263 @@
+"""LoopThread: one daemon thread with its own asyncio loop that owns scheduler, runner and model.
+
+Callers cross only through ``submit`` / ``abort`` / ``call`` (thread-safe) and the per-request sinks
+they pass in (thread-safe callables: a queue.put, or a call_soon_threadsafe onto the caller's loop).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from nbgen.config import EngineConfig
+from nbgen.runtime.request import Request
+from nbgen.runtime.tracker import Tracked, Update
+
+logger = logging.getLogger("nbgen")
+
+Sink = Callable[[Update], None]
+
+
+@dataclass
+class _Rates:
+    """Tokens per second over a sliding window (for stats() and the dashboard)."""
+
+    window: float = 2.0
+    events: deque = field(default_factory=deque)  # (time, input tokens, output tokens)
+
+    def add(self, n_in: int, n_out: int) -> None:
+        now = time.time()
+        self.events.append((now, n_in, n_out))
+        while self.events and now - self.events[0][0] > self.window:
+            self.events.popleft()
+
+    def rates(self) -> tuple[float, float]:
+        now = time.time()
+        ev = [e for e in self.events if now - e[0] <= self.window]
+        if not ev:
+            return 0.0, 0.0
+        span = max(now - ev[0][0], 0.25)
+        return sum(e[1] for e in ev) / span, sum(e[2] for e in ev) / span
+
+
+class LoopThread:
+    """Starts the engine's owner thread; ``start()`` blocks until the model is loaded (or raises)."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self._thread = threading.Thread(target=self._run, name="nbgen-engine", daemon=True)
+        self._ready: cf.Future = cf.Future()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._wake: Optional[asyncio.Event] = None
+        self._stopping = False
+        self._tracked: dict[str, Tracked] = {}
+        self._stats_lock = threading.Lock()
+        self._stats: dict[str, Any] = {}
+        self._rates = _Rates()
+        self._totals = {"total_input_tokens": 0, "total_output_tokens": 0,
+                        "total_cached_tokens": 0, "total_finished": 0}
+        self._t0 = time.time()
+        self.runner = None
+        self.scheduler = None
+        self.tokenizer = None
+
+    # ---- caller side (any thread) ---------------------------------------------------------------
+    def start(self) -> dict[str, Any]:
+        self._thread.start()
+        return self._ready.result()
+
+    def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        self._post(self._add, reqs, sink, stream)
+
+    def abort(self, rids: list[str], message: str = "aborted by the caller") -> None:
+        self._post(self._abort, rids, message)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the loop thread between steps and return its result (blocking)."""
+        fut: cf.Future = cf.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                fut.set_exception(e)
+
+        self._post(run)
+        return fut.result()
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            s = dict(self._stats)
+            s.update(self._totals)
+        s["input_tok_s"], s["output_tok_s"] = self._rates.rates()
+        s["uptime_s"] = time.time() - self._t0
+        s["time"] = time.time()
+        return s
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._loop is not None and self._thread.is_alive():
+            self._post(self._stop)
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def _post(self, fn: Callable, *args: Any) -> None:
+        if self._loop is None or self._stopping:
+            raise RuntimeError("engine is shut down")
+        try:
+            self._loop.call_soon_threadsafe(self._wrap, fn, args)
+        except RuntimeError:  # loop already closed
+            raise RuntimeError("engine is shut down") from None
+
+    def _wrap(self, fn: Callable, args: tuple) -> None:
+        try:
+            fn(*args)
+        finally:
+            if self.scheduler is not None:
+                with self._stats_lock:
+                    self._stats.update(self._snapshot())
+            self._wake.set()
+
+    # ---- loop thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            info = self._build()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by start()
+            self._ready.set_exception(e)
+            loop.close()
+            return
+        self._loop = loop
+        self._wake = asyncio.Event()
+        self._ready.set_result(info)
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            self._fail_all("engine is shut down")
+            self.runner = None
+            loop.close()
+
+    def _build(self) -> dict[str, Any]:
+        import torch
+
+        from nbgen.runtime.runner import ModelRunner
+        from nbgen.runtime.scheduler import Scheduler, SchedulerConfig
+
+        device = torch.device(self.cfg.resolve_device())
+        runner = ModelRunner(self.cfg, device)
+        ctx = runner.loaded.context_length
+        on_gpu = device.type == "cuda"
+        sc = SchedulerConfig(
+            page_size=self.cfg.page_size, num_pages=runner.num_pages,
+            max_running_requests=self.cfg.max_running_requests or (256 if on_gpu else 64),
+            chunked_prefill_size=self.cfg.chunked_prefill_size or (8192 if on_gpu else 1024),
+            schedule_policy=self.cfg.schedule_policy, disable_radix_cache=self.cfg.disable_radix_cache,
+            context_length=ctx)
+        self.runner = runner
+        self.scheduler = Scheduler(sc)
+        self.tokenizer = runner.loaded.tokenizer
+        with self._stats_lock:
+            self._stats.update(self._snapshot())
+        return {"device": str(device), "scheduler": sc, "loaded": runner.loaded}
+
+    async def _main(self) -> None:
+        while not self._stopping:
+            if self.scheduler.has_work():
+                self._step()
+                await asyncio.sleep(0)  # let submissions / aborts / calls in between steps
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+
+    def _step(self) -> None:
+        sched = self.scheduler
+        batch = sched.schedule()
+        self._reap()
+        if batch is None:
+            return
+        try:
+            out = self.runner.step(batch)
+        except Exception as e:  # a failing step aborts its requests only; the engine goes on
+            logger.exception("step failed")
+            for s in batch.seqs:
+                sched.abort(s.req.rid, f"{type(e).__name__}: {e}")
+            self._reap()
+            return
+        n_in = sum(s.q_len for s in batch.seqs if not s.sample or s.q_len > 1)
+        changed = sched.update(batch, out)
+        n_out = 0
+        for req in changed:
+            t = self._tracked.get(req.rid)
+            if t is None:
+                continue
+            n_out += len(req.output_ids) - t.n_ids
+            self._emit(t)
+        self._reap()
+        self._rates.add(n_in, n_out)
+        with self._stats_lock:
+            self._stats.update(self._snapshot())
+            self._totals["total_input_tokens"] += n_in
+            self._totals["total_output_tokens"] += n_out
+
+    def _emit(self, t: Tracked) -> None:
+        try:
+            upd = t.advance(self.scheduler)
+        except Exception as e:  # a failure inside one request fails only that request
+            logger.exception("request %s failed", t.req.rid)
+            if not t.req.finished:
+                self.scheduler.abort(t.req.rid, f"{type(e).__name__}: {e}")
+            upd = t.final_update()
+        if upd is None:
+            return
+        if upd.finished:
+            self._tracked.pop(t.req.rid, None)
+            self._totals["total_finished"] += 1
+            self._totals["total_cached_tokens"] += t.req.cached_tokens
+        try:
+            t.sink(upd)
+        except Exception:  # noqa: BLE001 - a broken caller must not stop the engine
+            logger.exception("delivering output of %s failed", t.req.rid)
+
+    def _reap(self) -> None:
+        """Deliver requests the scheduler finished on its own (aborted, or too big to ever fit)."""
+        for t in [t for t in self._tracked.values() if t.req.finished]:
+            self._emit(t)
+
+    def _snapshot(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        return {"running": s["running"], "waiting": s["waiting"], "kv_pages_used": s["pages_used"],
+                "kv_pages_total": s["pages_total"], "prefix_cache_pages": s["prefix_cache_pages"],
+                "page_size": self.cfg.page_size}
+
+    def _add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        for r in reqs:
+            self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
+            self.scheduler.add(r)
+
+    def _abort(self, rids: list[str], message: str) -> None:
+        for rid in rids:
+            if rid in self._tracked:
+                self.scheduler.abort(rid, message)
+        self._reap()
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._tracked):
+            t = self._tracked[rid]
+            if not t.req.finished:
+                try:
+                    self.scheduler.abort(rid, message)
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    t.req.finish_reason = {"type": "abort", "message": message}
+                    t.req.status = type(t.req.status).FINISHED
+            self._emit(t)
+
+    def _stop(self) -> None:
+        self._stopping = True

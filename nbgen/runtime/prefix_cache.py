@@ -1,0 +1,132 @@
+"""PrefixCache: a radix tree over token ids at page granularity, sharing KV pages between requests.
+
+Each edge is exactly one full page of token ids (``page_size`` ids) and each node owns the KV page
+holding them, so a path from the root spells a token prefix whose KV is already computed. Only
+full pages are cached: a partly filled page is still being written by its request.
+
+Reference counting (see pages.PagePool): the cache holds one ref on every page it stores; a request
+that matched a prefix holds its own ref on those pages. A node is therefore *evictable* when its
+page's count is 1 (only the cache holds it). Requests always hold a whole root path (matched
+prefix + their own pages, duplicates swapped for the cached copy by the scheduler), so an ancestor
+of an in-use node is in use too, and every count-1 node can be reached by evicting leaves.
+
+Policies:
+- ``match`` returns the longest cached full-page prefix and touches its nodes' LRU time.
+- ``insert`` adds a request's full pages; for a page already cached under the same tokens the
+  cached page wins and the request's copy stays the request's to free (the returned path tells
+  the caller which page the tree holds at each index).
+- ``evict(n)`` frees least-recently-used evictable leaves (a parent may follow its last child).
+- ``flush()`` drops every evictable node and reports whether the cache is now empty.
+- ``disabled=True`` (``disable_radix_cache``): match finds nothing, insert stores nothing.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+from nbgen.runtime.pages import PagePool
+
+
+class _Node:
+    __slots__ = ("key", "page", "parent", "children", "last")
+
+    def __init__(self, key: tuple, page: int, parent: Optional["_Node"]) -> None:
+        self.key = key                              # page_size token ids of this edge
+        self.page = page                            # KV page holding them (-1 for the root)
+        self.parent = parent
+        self.children: dict[tuple, _Node] = {}
+        self.last = 0                               # LRU clock of the last match/insert touching it
+
+
+class PrefixCache:
+    """Radix tree of full KV pages; installs itself as the pool's evictor."""
+
+    def __init__(self, pool: PagePool, disabled: bool = False) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.disabled = disabled
+        self._root = _Node((), -1, None)
+        self._nodes: dict[int, _Node] = {}          # page -> node
+        self._clock = 0
+        if not disabled:
+            pool.evictor = self.evict
+
+    # ---- queries --------------------------------------------------------------------------------
+    def match(self, token_ids: list[int], touch: bool = True) -> tuple[list[int], int]:
+        """Pages of the longest cached full-page prefix of ``token_ids`` and its length in tokens."""
+        if self.disabled:
+            return [], 0
+        P = self.page_size
+        node, pages = self._root, []
+        self._clock += 1
+        for i in range(len(token_ids) // P):
+            child = node.children.get(tuple(token_ids[i * P:(i + 1) * P]))
+            if child is None:
+                break
+            if touch:
+                child.last = self._clock
+            pages.append(child.page)
+            node = child
+        return pages, len(pages) * P
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages referenced by nobody but the cache (O(cached pages); for stats)."""
+        rc = self.pool.refcount
+        return sum(1 for p in self._nodes if rc[p] == 1)
+
+    # ---- updates --------------------------------------------------------------------------------
+    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
+        """Cache the full pages of ``token_ids`` (KV in ``pages``); returns the tree's page per index.
+
+        New nodes take a cache ref on the caller's page. Where the tokens were already cached the
+        returned page differs from ``pages[i]`` and the caller keeps (and eventually frees) its copy.
+        """
+        P = self.page_size
+        n = min(len(token_ids) // P, len(pages))
+        if self.disabled:
+            return list(pages[:n])
+        self._clock += 1
+        node, path = self._root, []
+        for i in range(n):
+            key = tuple(token_ids[i * P:(i + 1) * P])
+            child = node.children.get(key)
+            if child is None:
+                page = pages[i]
+                assert page not in self._nodes, f"page {page} is already cached elsewhere"
+                child = _Node(key, page, node)
+                node.children[key] = child
+                self._nodes[page] = child
+                self.pool.ref([page])
+            child.last = self._clock
+            path.append(child.page)
+            node = child
+        return path
+
+    def evict(self, n_pages: int) -> int:
+        """Free up to ``n_pages`` least-recently-used evictable pages; returns how many were freed."""
+        if self.disabled or n_pages <= 0:
+            return 0
+        rc = self.pool.refcount
+        heap = [(nd.last, p, nd) for p, nd in self._nodes.items() if not nd.children and rc[p] == 1]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < n_pages:
+            _, page, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key]
+            del self._nodes[page]
+            self.pool.unref([page])
+            freed += 1
+            if parent is not self._root and not parent.children and rc[parent.page] == 1:
+                heapq.heappush(heap, (parent.last, parent.page, parent))
+        return freed
+
+    def flush(self) -> bool:
+        """Drop every evictable node; False if some cached pages are still used by requests."""
+        self.evict(len(self._nodes))
+        return not self._nodes

@@ -1,0 +1,73 @@
+"""Per-request state owned by the loop thread (scheduler, runner and detokenizer read it)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from nbgen.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued (new, or preempted and waiting to recompute)
+    RUNNING = "running"      # holds pages; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class LogprobRequest:
+    """What logprobs a request wants (SGLang's generate() arguments)."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1          # -1: no prompt logprobs; k: prompt positions >= k
+    token_ids_logprob: Optional[list[int]] = None
+
+
+@dataclass
+class Request:
+    """One sequence to generate. ``n > 1`` becomes n Requests sharing a ``group``."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int] = frozenset()   # EOS ids of the model + params.stop_token_ids
+    logprobs: LogprobRequest = field(default_factory=LogprobRequest)
+    seed: int = 0                            # per-request RNG seed (sampling_seed or drawn at submit)
+    group: Optional[str] = None              # samples of one prompt share a group (prefix sharing)
+    arrival: float = field(default_factory=time.perf_counter)
+
+    # --- mutable state (loop thread only) ---
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0                    # tokens of all_ids whose KV is in the cache
+    pages: list[int] = field(default_factory=list)  # page table: page i holds tokens [i*P, (i+1)*P)
+    num_cached_pages: int = 0                # leading pages that came from / are in the prefix cache
+    cached_tokens: int = 0                   # prompt tokens served from the prefix cache (first admit)
+    admit_seq: int = -1                      # admission order (preemption picks the newest)
+    finish_reason: Optional[dict[str, Any]] = None
+    # logprob results, appended by the scheduler from StepOutputs
+    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    prompt_logprobs_done: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.logprobs.logprob_start_len >= 0 and not self.prompt_logprobs_done

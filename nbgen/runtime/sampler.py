@@ -1,0 +1,211 @@
+"""Batched sampler: logit processors, greedy / seeded stochastic sampling, logprobs.
+
+Per step, over a [B, V] float32 logits tensor (row i belongs to seqs[i]), in this order:
+  1. logit_bias                        (added to the logits)
+  2. repetition_penalty                (HF: over prompt+output ids; positive / p, negative * p)
+  3. frequency / presence penalties    (OpenAI: over output ids; - f * count - p * [count > 0])
+  4. min_new_tokens                    (stop ids masked to -inf while too few tokens exist)
+  5. greedy rows (temperature 0 or top_k 1): argmax
+  6. other rows: / temperature, top_k, top_p (on the top-k-renormalised distribution),
+     min_p (relative to the most likely token), then a Gumbel-max draw.
+Everything is vectorised over the batch; Python only builds small per-batch parameter
+tensors, and work no row needs (sorting, penalties, hashing) is skipped.
+
+Seeded randomness: the Gumbel noise of (row, token v) is a pure function of
+(req.seed, len(req.output_ids), v) through a 32-bit integer mix hash evaluated with torch
+int64 ops that never overflow. So a request draws the same tokens whatever else is in
+the batch, in any row order, on CPU and CUDA, without a torch.Generator per request.
+
+Logprobs are the model's log_softmax over the RAW logits (before bias, penalties,
+temperature and filtering), see nbgen.runtime.logprobs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from nbgen.runtime.batch import SeqWork, TokenLogprobs
+from nbgen.runtime.logprobs import token_logprobs
+
+_M32 = 0xFFFFFFFF
+# noise is generated in row blocks so the int64 [rows, V] temporaries stay ~<= 128 MB each
+_NOISE_BLOCK_ELEMS = 1 << 24
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) (torch int64 tensor or int), no int64 overflow.
+
+    Split x into 16-bit halves: lo * c < 2**48 and the high half only matters mod 2**16.
+    """
+    lo = x & 0xFFFF
+    hi = x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """A bijective 32-bit avalanche hash (lowbias32 constants); works on ints and int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, step: int) -> int:
+    """32-bit stream key of one (seed, step); Python ints, so any seed size/sign works."""
+    k = mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
+    return mix32(k ^ mix32((step & _M32) ^ 0x85EBCA6B))
+
+
+def gumbel_noise(keys: Tensor, vocab_hash: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise [b, V] float32 from row keys [b] int64 and hashed vocab ids [V] int64."""
+    h = mix32(keys.view(-1, 1) ^ vocab_hash.view(1, -1))                # [b, V] in [0, 2**32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))         # uniform in (0, 1), exact
+    return -torch.log(-torch.log(u))
+
+
+@dataclass
+class SamplerOutput:
+    """token_ids: [B] long on the logits device; logprobs[i] set where seqs[i] asked for them."""
+
+    token_ids: Tensor
+    logprobs: list[Optional[TokenLogprobs]]
+
+
+class Sampler:
+    """Turns a step's logits into next tokens (and logprobs) for a batch of SeqWork."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        # hashed vocab ids; token v's noise is mix32(row_key ^ vocab_hash[v])
+        self._vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
+                                 ^ 0x27D4EB2F)
+
+    def __call__(self, logits: Tensor, seqs: list[SeqWork]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        raw = logits[:, : self.vocab_size]          # drop padded lm_head columns, if any
+        x = self.process(raw, seqs)
+        greedy = [s.req.params.greedy for s in seqs]
+        if all(greedy):
+            tokens = x.argmax(dim=-1)
+        else:
+            rows = [i for i, g in enumerate(greedy) if not g]
+            if len(rows) == len(seqs):
+                tokens = self._sample(x, seqs)
+            else:
+                tokens = x.argmax(dim=-1)
+                rows_t = torch.tensor(rows, dtype=torch.long, device=x.device)
+                tokens.index_copy_(0, rows_t, self._sample(x[rows_t], [seqs[i] for i in rows]))
+        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw, tokens, seqs))
+
+    # ------------------------------------------------------------------ processors
+    def process(self, x: Tensor, seqs: list[SeqWork]) -> Tensor:
+        """Steps 1-4 on [B, V] logits: x itself when nothing applies, else a modified copy."""
+        dev = x.device
+        bias_r: list[int] = []; bias_c: list[int] = []; bias_v: list[float] = []
+        rep_r: list[int] = []; rep_c: list[int] = []; rep_p = [1.0] * len(seqs)
+        cnt_r: list[int] = []; cnt_c: list[int] = []
+        freq = [0.0] * len(seqs); pres = [0.0] * len(seqs)
+        ban_r: list[int] = []; ban_c: list[int] = []
+        for i, s in enumerate(seqs):
+            req, p = s.req, s.req.params
+            if p.logit_bias:
+                bias_r += [i] * len(p.logit_bias)
+                bias_c += list(p.logit_bias.keys())
+                bias_v += list(p.logit_bias.values())
+            if p.repetition_penalty != 1.0:
+                ids = req.prompt_ids + req.output_ids
+                rep_r += [i] * len(ids); rep_c += ids; rep_p[i] = p.repetition_penalty
+            if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
+                cnt_r += [i] * len(req.output_ids); cnt_c += req.output_ids
+                freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
+            if len(req.output_ids) < p.min_new_tokens and req.stop_ids:
+                ban_r += [i] * len(req.stop_ids); ban_c += sorted(req.stop_ids)
+        if not (bias_r or rep_r or cnt_r or ban_r):
+            return x
+        x = x.clone()
+
+        def idx(r: list[int], c: list[int]) -> tuple[Tensor, Tensor]:
+            # token ids are checked against the vocabulary at the edge (SamplingParams.verify,
+            # prompt validation), so no bounds check here
+            return (torch.tensor(r, dtype=torch.long, device=dev),
+                    torch.tensor(c, dtype=torch.long, device=dev))
+
+        if bias_r:
+            vals = torch.tensor(bias_v, dtype=x.dtype, device=dev)
+            x.index_put_(idx(bias_r, bias_c), vals, accumulate=True)
+        if rep_r:
+            seen = torch.zeros_like(x, dtype=torch.bool)                # [B, V] token occurred
+            seen[idx(rep_r, rep_c)] = True
+            pen = torch.tensor(rep_p, dtype=x.dtype, device=dev).view(-1, 1)
+            x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+        if cnt_r:
+            r, c = idx(cnt_r, cnt_c)
+            counts = torch.zeros_like(x)                                # [B, V] output counts
+            counts.index_put_((r, c), torch.ones(len(r), dtype=x.dtype, device=dev), accumulate=True)
+            f = torch.tensor(freq, dtype=x.dtype, device=dev).view(-1, 1)
+            pr = torch.tensor(pres, dtype=x.dtype, device=dev).view(-1, 1)
+            x = x - f * counts - pr * (counts > 0).to(x.dtype)
+        if ban_r:
+            x[idx(ban_r, ban_c)] = float("-inf")
+        return x
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, x: Tensor, seqs: list[SeqWork]) -> Tensor:
+        """Step 6 for non-greedy rows. x: [b, V] processed logits -> [b] long."""
+        dev, (b, vocab) = x.device, x.shape
+        params = [s.req.params for s in seqs]
+        temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
+        x = x
+        use_k = any(p.top_k > 0 for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if use_k or use_p:
+            sx, order = x.sort(dim=-1, descending=True)                # [b, V] best first
+            if use_k:
+                k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+                ranks = torch.arange(vocab, device=dev).view(1, -1)
+                sx = sx.masked_fill(ranks >= k.view(-1, 1), float("-inf"))
+            if use_p:
+                # smallest prefix whose mass reaches top_p: drop a token once the mass before it
+                # already does; rows with top_p == 1 get threshold 2 (float rounding can't cut)
+                top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                                     dtype=x.dtype, device=dev).view(-1, 1)
+                probs = torch.softmax(sx, dim=-1)
+                before = probs.cumsum(dim=-1) - probs
+                drop = before >= top_p
+                drop[:, 0] = False                                      # always keep the best
+                sx = sx.masked_fill(drop, float("-inf"))
+            x = torch.empty_like(x).scatter_(1, order, sx)             # back to vocab order
+        if any(p.min_p > 0.0 for p in params):
+            # p_v < min_p * p_max  <=>  logit_v < logit_max + log(min_p); min_p 0 -> -inf (off)
+            logmin = torch.tensor([math.log(p.min_p) if p.min_p > 0 else float("-inf")
+                                   for p in params], dtype=x.dtype, device=dev)
+            thr = x.max(dim=-1).values + logmin                         # [b]
+            x = x.masked_fill(x < thr.view(-1, 1), float("-inf"))
+        keys = torch.tensor([row_key(s.req.seed, len(s.req.output_ids)) for s in seqs],
+                            dtype=torch.int64, device=dev)
+        vhash = self._vocab_hash[:vocab].to(dev)
+        block = max(1, _NOISE_BLOCK_ELEMS // max(vocab, 1))
+        out = [(x[s:s + block] + gumbel_noise(keys[s:s + block], vhash)).argmax(dim=-1)
+               for s in range(0, b, block)]                             # Gumbel-max draw
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    # ------------------------------------------------------------------ logprobs
+    @staticmethod
+    def _logprobs(raw: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> list[Optional[TokenLogprobs]]:
+        out: list[Optional[TokenLogprobs]] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.req.logprobs.return_logprob]
+        if not rows:
+            return out
+        rows_t = torch.tensor(rows, dtype=torch.long, device=raw.device)
+        res = token_logprobs(raw[rows_t], tokens[rows_t],
+                             [seqs[i].req.logprobs.top_logprobs_num for i in rows],
+                             [seqs[i].req.logprobs.token_ids_logprob for i in rows])
+        for i, r in zip(rows, res):
+            out[i] = r
+        return out

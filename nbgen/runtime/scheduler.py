@@ -1,0 +1,383 @@
+"""Scheduler: continuous batching with chunked prefill, a paged KV cache and prefix sharing (no torch).
+
+Every step ``schedule()`` builds one ScheduledBatch and ``update()`` applies the runner's StepOutput.
+Requests join and leave at every step. Policies, in the order a step is built:
+
+1. **Decodes**: every running request with exactly one token left to compute (its last sampled
+   token) gets one token, oldest admission first. Decodes count against the step's token budget
+   (``chunked_prefill_size``) but are never held back by it.
+2. **Prefill continuation**: running requests mid-prefill get the next chunk of what the budget
+   leaves, oldest first, so a started prompt finishes before new prompts start.
+3. **Admission** (skipped in a step that had to preempt): waiting requests, while the budget,
+   ``max_running_requests`` and free pages allow. Preempted requests come first (oldest first),
+   then new ones in arrival order (``fcfs``) or longest prefix-cache match first (``lpm``; falls
+   back to fcfs when more than 128 requests wait, to bound the matching cost). On admission the
+   prefix cache is matched: matched pages are shared (ref'd), ``num_computed`` starts after them,
+   and ``cached_tokens`` records the match of the first admission. The match never covers the
+   whole sequence (the last token must be computed to get logits) and, for prompt logprobs, stops
+   before the first position whose logprob is still missing minus one (that position's logits
+   predict it).
+4. **Pages**: before each step a request gets the pages its new tokens need. When the pool (after
+   evicting unreferenced cached pages) runs out, the most recently admitted running request is
+   preempted: its computed full pages go into the prefix cache, its pages are released, and it goes
+   back to the front of the waiting queue to recompute prompt + output-so-far later. A request that
+   cannot fit even alone is aborted with a message (never a spin, never a silent drop).
+5. **n > 1**: members of one ``group`` share a prompt. Only one member is admitted until its prompt
+   prefill is done and inserted into the prefix cache; the others then hit the cache.
+
+Prefix-cache inserts happen when a prompt prefill (or a recompute) completes, at finish and at
+preemption. Decodes cost O(1) Python each per step (no per-step rebuild of token lists).
+"""
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.runtime.pages import PagePool
+from nbgen.runtime.prefix_cache import PrefixCache
+from nbgen.runtime.request import Request, Status
+
+_LPM_MAX_WAITING = 128
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler (resolved from EngineConfig by the loop)."""
+
+    page_size: int = 16
+    num_pages: int = 1024                       # including the scratch page 0
+    max_running_requests: int = 64
+    chunked_prefill_size: Optional[int] = 1024  # token budget per step; None or <= 0: unlimited
+    schedule_policy: str = "fcfs"               # "fcfs" | "lpm"
+    disable_radix_cache: bool = False
+    context_length: Optional[int] = None        # prompt + output never exceeds it
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+
+
+def _abort(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+class Scheduler:
+    """Owns waiting/running requests, the PagePool and the PrefixCache (loop thread only)."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.P = cfg.page_size
+        self.pool = PagePool(cfg.num_pages, cfg.page_size)
+        self.cache = PrefixCache(self.pool, disabled=cfg.disable_radix_cache)
+        cps = cfg.chunked_prefill_size
+        self.budget = cps if cps is not None and cps > 0 else sys.maxsize
+        self.running: list[Request] = []              # admission order (last = newest)
+        self._front: deque[Request] = deque()         # preempted, to resume first
+        self._queue: dict[str, Request] = {}          # new arrivals in arrival order
+        self._live: dict[str, Request] = {}           # rid -> waiting or running request
+        self._leaders: dict[str, Request] = {}        # group -> member prefilling the shared prompt
+        self._admit_counter = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out --------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request; one that can never run is finished at once with an abort reason."""
+        if req.rid in self._live:
+            raise ValueError(f"request id {req.rid!r} is already queued or running")
+        n, ctx, cap = len(req.prompt_ids), self.cfg.context_length, self.pool.num_total * self.P
+        msg = None
+        if n == 0:
+            msg = "empty prompt: at least one input token is needed"
+        elif ctx is not None and (n > ctx or (n == ctx and req.params.max_new_tokens != 0)):
+            msg = f"prompt of {n} tokens leaves no room in the context length {ctx}"
+        elif n > cap:
+            msg = (f"prompt of {n} tokens does not fit in the KV cache ({cap} tokens); "
+                   "raise max_total_tokens or mem_fraction_static")
+        if msg is not None:
+            req.finish_reason, req.status = _abort(msg), Status.FINISHED
+            return
+        req.status = Status.WAITING
+        self._live[req.rid] = req
+        self._queue[req.rid] = req
+
+    def abort(self, rid: str, message: str = "aborted") -> Optional[Request]:
+        """Abort a waiting or running request (its pages are freed); None if unknown or finished."""
+        req = self._live.get(rid)
+        if req is None:
+            return None
+        if req.status is Status.RUNNING:
+            self._finish(req, _abort(message))
+        else:
+            self._unwait(req)
+            self._live.pop(rid, None)
+            req.finish_reason, req.status = _abort(message), Status.FINISHED
+        return req
+
+    def finish(self, req: Request, reason: dict[str, Any]) -> None:
+        """Finish a request from outside (e.g. a stop string matched): free pages, keep KV cached."""
+        if req.finished:
+            req.finish_reason = reason
+        elif req.status is Status.RUNNING:
+            self._finish(req, reason)
+        else:
+            self._unwait(req)
+            self._live.pop(req.rid, None)
+            req.finish_reason, req.status = reason, Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.running or self._front or self._queue)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests run, as SGLang."""
+        if self.running:
+            return False
+        return self.cache.flush()
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self.running), "waiting": len(self._front) + len(self._queue),
+                "pages_used": self.pool.num_used, "pages_total": self.pool.num_total,
+                "pages_free": self.pool.num_free, "page_size": self.P,
+                "prefix_cache_pages": self.cache.num_cached_pages,
+                "num_preemptions": self.num_preemptions}
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """Pick this step's work (decodes, prefill chunks, admissions); None when nothing can run."""
+        budget = self.budget
+        seqs: list[SeqWork] = []
+        preempted = self.num_preemptions
+        P, RUNNING = self.P, Status.RUNNING
+        for req in list(self.running):                       # 1. decodes (hot path: O(1) each)
+            out_ids, c = req.output_ids, req.num_computed
+            if req.status is not RUNNING or len(req.prompt_ids) + len(out_ids) - c != 1:
+                continue
+            if c // P >= len(req.pages) and not self._grow(req, c + 1):
+                continue
+            if out_ids and req.params.max_new_tokens != 0:
+                seqs.append(SeqWork(req, [out_ids[-1]], c, req.pages, True))
+            else:                                            # last prompt token (rare)
+                seqs.append(self._seq(req, c, c + 1))
+            budget -= 1
+        for req in list(self.running):                       # 2. prefill continuation
+            left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
+            if left <= 1 or req.status is not RUNNING:
+                continue
+            if budget <= 0:
+                break
+            end = req.num_computed + min(left, budget)
+            if self._grow(req, end):
+                seqs.append(self._seq(req, req.num_computed, end))
+                budget -= end - req.num_computed
+        if self.num_preemptions == preempted:                # 3. admissions
+            seqs += self._admit_waiting(budget)
+        seqs = [s for s in seqs if s.req.status is Status.RUNNING]
+        return ScheduledBatch(seqs=seqs, page_size=self.P) if seqs else None
+
+    def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        """Apply a step's results; returns requests that got a new token or finished this step."""
+        changed: list[Request] = []
+        done, errors = False, out.errors
+        for i, seq in enumerate(batch.seqs):
+            req = seq.req
+            if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
+                continue                                     # aborted or preempted meanwhile
+            if errors and i in errors:
+                self._finish(req, _abort(errors[i]), cache=False, unlist=False)
+                changed.append(req)
+                done = True
+                continue
+            n_prompt, kv = len(req.prompt_ids), seq.start_pos + len(seq.token_ids)
+            if seq.start_pos < n_prompt and req.wants_prompt_logprobs:
+                if seq.prompt_logprob_start >= 0 and out.prompt_logprobs[i]:
+                    for lp in out.prompt_logprobs[i]:
+                        req.input_token_logprobs.append((lp.logprob, lp.token_id))
+                        req.input_top_logprobs.append(lp.top)
+                        req.input_ids_logprobs.append(lp.ids)
+                if kv >= n_prompt:
+                    req.prompt_logprobs_done = True
+            req.num_computed = kv
+            if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1):
+                self._cache_pages(req, swap=True)            # share the prompt with later arrivals
+                if req.group is not None and self._leaders.get(req.group) is req:
+                    del self._leaders[req.group]
+            reason = None
+            if seq.sample:
+                tok = out.next_token_ids[i]
+                req.output_ids.append(tok)
+                lp = out.output_logprobs[i]
+                if lp is not None:
+                    req.output_token_logprobs.append((lp.logprob, lp.token_id))
+                    req.output_top_logprobs.append(lp.top)
+                    req.output_ids_logprobs.append(lp.ids)
+                reason = self._finish_reason(req, tok)
+                changed.append(req)
+            elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
+                reason = {"type": "length"}
+                changed.append(req)
+            if reason is not None:
+                self._finish(req, reason, unlist=False)
+                done = True
+        if done:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return changed
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _finish_reason(self, req: Request, tok: int) -> Optional[dict[str, Any]]:
+        p, n_out = req.params, len(req.output_ids)
+        if tok in req.stop_ids and n_out >= p.min_new_tokens:
+            return {"type": "stop", "matched": tok}
+        if p.max_new_tokens is not None and n_out >= p.max_new_tokens:
+            return {"type": "length"}
+        ctx = self.cfg.context_length
+        if ctx is not None and req.num_tokens >= ctx:
+            return {"type": "length"}
+        return None
+
+    def _seq(self, req: Request, start: int, end: int) -> SeqWork:
+        """The SeqWork computing tokens [start, end) of req.all_ids (pages already allocated)."""
+        n_prompt = len(req.prompt_ids)
+        if end - start == 1:                                 # decode: O(1), no all_ids rebuild
+            toks = [req.prompt_ids[start] if start < n_prompt else req.output_ids[start - n_prompt]]
+        elif end <= n_prompt:
+            toks = req.prompt_ids[start:end]
+        else:
+            toks = req.all_ids[start:end]
+        sample = end == req.num_tokens and req.params.max_new_tokens != 0
+        pls = self._next_prompt_lp(req) if req.wants_prompt_logprobs and start < n_prompt else -1
+        return SeqWork(req=req, token_ids=toks, start_pos=start, pages=req.pages, sample=sample,
+                       prompt_logprob_start=pls)
+
+    @staticmethod
+    def _next_prompt_lp(req: Request) -> int:
+        """First prompt position whose logprob is not recorded yet (recorded ones are contiguous)."""
+        return max(req.logprobs.logprob_start_len, 1) + len(req.input_token_logprobs)
+
+    def _grow(self, req: Request, kv_len: int) -> bool:
+        """Give req pages for kv_len tokens, preempting newer requests; False if req itself left."""
+        need = self.pool.pages_for(kv_len) - len(req.pages)
+        while need > 0:
+            new = self.pool.alloc(need)
+            if new is not None:
+                req.pages.extend(new)
+                return True
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                cap = self.pool.num_total * self.P
+                self._finish(req, _abort(f"request needs KV cache for {kv_len} tokens but the cache "
+                                         f"holds {cap}; raise max_total_tokens or mem_fraction_static"))
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req, cache=True)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self._front.appendleft(req)
+        self.num_preemptions += 1
+
+    def _admission_order(self) -> Iterator[Request]:
+        """Preempted first, then arrivals (fcfs) or longest cached prefix first (lpm). Lazy for fcfs."""
+        yield from list(self._front)
+        if self.cfg.schedule_policy == "lpm" and len(self._queue) <= _LPM_MAX_WAITING \
+                and not self.cache.disabled:
+            queue = list(self._queue.values())
+            keys = {r.rid: self.cache.match(self._match_ids(r), touch=False)[1] for r in queue}
+            yield from sorted(queue, key=lambda r: -keys[r.rid])   # stable: ties keep arrival order
+        else:
+            yield from self._queue.values()                  # not mutated while this runs
+
+    def _match_ids(self, req: Request) -> list[int]:
+        """The part of all_ids the prefix cache may serve (never all of it; see module doc)."""
+        cap = req.num_tokens - 1
+        if req.wants_prompt_logprobs:
+            cap = min(cap, self._next_prompt_lp(req) - 1)
+        return req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]
+
+    def _admit_waiting(self, budget: int) -> list[SeqWork]:
+        seqs: list[SeqWork] = []
+        taken: list[Request] = []                            # leave the waiting queue after the scan
+        for req in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+                break
+            g = req.group
+            if g is not None and not self.cache.disabled and self._leaders.get(g, req) is not req:
+                continue                                     # wait for the group's shared prompt
+            ids = self._match_ids(req)
+            pages, m = self.cache.match(ids)
+            self.pool.ref(pages)                             # before alloc: eviction must spare them
+            end = min(req.num_tokens, m + budget)
+            new = self.pool.alloc(self.pool.pages_for(end) - len(pages))
+            if new is None:
+                self.pool.unref(pages)
+                if self.running:
+                    break                                    # wait for running requests to free pages
+                taken.append(req)                            # alone and still no room: never fits
+                self._live.pop(req.rid, None)
+                req.finish_reason = _abort(f"request needs KV cache for {end} tokens but the cache "
+                                           f"holds {self.pool.num_total * self.P}")
+                req.status = Status.FINISHED
+                continue
+            taken.append(req)
+            req.pages, req.num_computed, req.num_cached_pages = pages + new, m, len(pages)
+            if req.admit_seq < 0:
+                req.cached_tokens = m
+            req.admit_seq = self._admit_counter
+            self._admit_counter += 1
+            req.status = Status.RUNNING
+            self.running.append(req)
+            if g is not None and m < (min(len(ids), len(req.prompt_ids)) // self.P) * self.P:
+                self._leaders[g] = req                       # its prompt is not cached yet
+            seqs.append(self._seq(req, m, end))
+            budget -= end - m
+        for req in taken:
+            self._unwait(req)
+        return seqs
+
+    def _unwait(self, req: Request) -> None:
+        """Remove req from the waiting queue (O(1) for arrivals; preempted ones are few)."""
+        if self._queue.pop(req.rid, None) is None:
+            try:
+                self._front.remove(req)
+            except ValueError:
+                pass
+
+    def _cache_pages(self, req: Request, swap: bool) -> None:
+        """Insert req's computed full pages into the prefix cache (swap duplicates if still running)."""
+        full = min(req.num_computed // self.P, len(req.pages))
+        if self.cache.disabled or full <= req.num_cached_pages:
+            return
+        n, n_prompt = full * self.P, len(req.prompt_ids)
+        ids = req.prompt_ids[:n] if n <= n_prompt else req.prompt_ids + req.output_ids[: n - n_prompt]
+        path = self.cache.insert(ids, req.pages[:full])
+        if swap:
+            for i in range(req.num_cached_pages, full):
+                if path[i] != req.pages[i]:                  # same tokens already cached: use that copy
+                    self.pool.ref([path[i]])
+                    self.pool.unref([req.pages[i]])
+                    req.pages[i] = path[i]
+        req.num_cached_pages = full
+
+    def _release(self, req: Request, cache: bool) -> None:
+        if cache:
+            self._cache_pages(req, swap=False)
+        self.pool.unref(req.pages)
+        req.pages = []
+        req.num_cached_pages = 0
+        if req.group is not None and self._leaders.get(req.group) is req:
+            del self._leaders[req.group]
+
+    def _finish(self, req: Request, reason: dict[str, Any], cache: bool = True, unlist: bool = True) -> None:
+        self._release(req, cache)
+        req.finish_reason, req.status = reason, Status.FINISHED
+        self._live.pop(req.rid, None)
+        if unlist:
+            self.running.remove(req)

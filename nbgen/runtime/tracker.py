@@ -1,0 +1,84 @@
+"""Per-request output tracking on the loop thread: incremental text, stop strings, updates to callers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from nbgen.outputs import build_output
+from nbgen.runtime.request import Request
+
+
+@dataclass
+class Update:
+    """What a caller's sink receives: a stream delta, or (finished=True) the final output dict."""
+
+    rid: str
+    output: dict[str, Any]   # SGLang-shaped dict; text/output_ids are deltas unless finished
+    finished: bool
+
+
+class Tracked:
+    """Turns a request's new token ids into text deltas, finishing it when a stop string matches."""
+
+    def __init__(self, req: Request, sink: Callable[[Update], None], stream: bool, tokenizer: Any) -> None:
+        from nbgen.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+        self.req = req
+        self.sink = sink
+        self.stream = stream
+        self.tokenizer = tokenizer
+        p = req.params
+        self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
+                                             p.spaces_between_special_tokens) if tokenizer is not None else None)
+        self.matcher = StopStringMatcher(p.stop_strs, p.no_stop_trim) if p.stop_strs else None
+        self.n_ids = 0            # output ids already turned into text
+        self.n_sent_ids = 0       # output ids already sent to a streaming caller
+        self.text = ""            # text released so far
+        self.n_sent_text = 0
+
+    def _decode_one(self, tok: int) -> str:
+        return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
+
+    def advance(self, scheduler: Any) -> Optional[Update]:
+        """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None."""
+        req = self.req
+        new_ids = req.output_ids[self.n_ids:]
+        self.n_ids = len(req.output_ids)
+        fr = req.finish_reason
+        text_ids = new_ids
+        if (req.finished and fr and fr.get("type") == "stop" and isinstance(fr.get("matched"), int)
+                and not req.params.no_stop_trim and text_ids and text_ids[-1] == fr["matched"]):
+            text_ids = text_ids[:-1]  # a matched stop token is not part of the text
+        piece = self.detok.add(text_ids) if (self.detok is not None and text_ids) else ""
+        if req.finished and self.detok is not None:
+            piece += self.detok.flush()
+        if self.matcher is not None and not self.matcher.done:
+            emit, matched = self.matcher.feed(piece)
+            if matched is not None:
+                if not req.finished:
+                    scheduler.finish(req, {"type": "stop", "matched": matched})
+                else:  # finished by length/token in the same step: the string wins, as SGLang
+                    req.finish_reason = {"type": "stop", "matched": matched}
+            elif req.finished:
+                emit += self.matcher.flush()
+            piece = emit
+        elif self.matcher is not None:
+            piece = ""  # text after a matched stop string is dropped
+        self.text += piece
+        if req.finished:
+            return Update(req.rid, build_output(req, self.text, list(req.output_ids), self._dec(),
+                                                finished=True), finished=True)
+        if not self.stream or (not piece and len(req.output_ids) == self.n_sent_ids):
+            return None
+        delta_ids = req.output_ids[self.n_sent_ids:]
+        out = build_output(req, piece, delta_ids, self._dec(), finished=False, logprob_start=self.n_sent_ids)
+        self.n_sent_ids = len(req.output_ids)
+        return Update(req.rid, out, finished=False)
+
+    def final_update(self) -> Update:
+        """The finished output with whatever text was released so far (used after a failure)."""
+        return Update(self.req.rid, build_output(self.req, self.text, list(self.req.output_ids), self._dec(),
+                                                 finished=True), finished=True)
+
+    def _dec(self) -> Optional[Callable[[int], str]]:
+        return None

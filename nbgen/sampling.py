@@ -1,0 +1,153 @@
+"""Sampling parameters (SGLang names and defaults), normalised and validated at the edge."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+from nbgen.config import unknown_key_error
+
+
+def _num(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {v!r}")
+    if math.isnan(v):
+        raise ValueError(f"{name} must not be NaN, got {v!r}")
+    return float(v)
+
+
+def _int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    return int(v)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. ``temperature=0`` means greedy.
+
+    Logprobs reported for a request are the model's log-softmax over the raw logits, before
+    temperature, penalties, logit_bias or top-k/top-p/min-p filtering.
+    """
+
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    logit_bias: Optional[dict[int, float]] = None
+    sampling_seed: Optional[int] = None
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    custom_params: Optional[dict[str, Any]] = None
+    stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None:
+            self.max_new_tokens = _int("max_new_tokens", self.max_new_tokens)
+            if self.max_new_tokens < 0:
+                raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        self.min_new_tokens = _int("min_new_tokens", self.min_new_tokens)
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
+        self.temperature = _num("temperature", self.temperature)
+        if self.temperature < 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        self.top_p = _num("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        self.min_p = _num("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = _num(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+        self.repetition_penalty = _num("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.stop_strs = self._str_list("stop", self.stop)
+        self._str_list("stop_regex", self.stop_regex)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple, set)):
+                raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+                bias[tok] = _num(f"logit_bias[{k!r}]", v)
+            self.logit_bias = bias
+        if self.sampling_seed is not None:
+            self.sampling_seed = _int("sampling_seed", self.sampling_seed)
+        grammars = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"only one of json_schema, regex, ebnf may be set, got {grammars}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @staticmethod
+    def _str_list(name: str, v: Any) -> list[str]:
+        if v is None:
+            return []
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+            raise TypeError(f"{name} must be a non-empty string or a list of them, got {v!r}")
+        return list(items)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        """Build from a user dict; an unknown key raises naming it, with a close match."""
+        if d is None:
+            return cls()
+        if isinstance(d, SamplingParams):
+            return d
+        if not isinstance(d, dict):
+            raise TypeError(f"sampling_params must be a dict, got {type(d).__name__}")
+        known = [f.name for f in fields(cls) if f.init]
+        for key in d:
+            if key not in known:
+                raise unknown_key_error("sampling param", key, known)
+        return cls(**d)
+
+    def verify(self, vocab_size: int) -> None:
+        """Checks that need the model: token ids inside the vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []),
+                          ("logit_bias", list((self.logit_bias or {}).keys()))):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

@@ -1,0 +1,247 @@
+"""The SGLang-compatible Engine API on a tiny random Llama: shapes, modes, validation, control."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import nbgen
+from nbgen.utils import async_stream_and_merge, stream_and_merge
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
+
+
+def test_single_and_batch_shapes(tiny_engine):
+    out = tiny_engine.generate("Hello, my name is", GREEDY)
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    for key in ("id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency"):
+        assert key in meta
+    assert meta["completion_tokens"] == len(out["output_ids"]) > 0
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    prompts = ["The capital of France is", "Hello", "def add(a, b):"]
+    outs = tiny_engine.generate(prompts, GREEDY)
+    assert [o["text"] for o in outs] == [tiny_engine.generate(p, GREEDY)["text"] for p in prompts]
+
+
+def test_per_prompt_params_and_n(tiny_engine):
+    outs = tiny_engine.generate(["a b", "c d"], [{"temperature": 0, "max_new_tokens": 3, "ignore_eos": True},
+                                                 {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}])
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 5]
+    outs = tiny_engine.generate(["x y", "z"], {"temperature": 1.0, "n": 3, "max_new_tokens": 8,
+                                               "ignore_eos": True, "sampling_seed": 7})
+    assert len(outs) == 6
+    assert all(o["meta_info"]["prompt_tokens"] == outs[0]["meta_info"]["prompt_tokens"] for o in outs[:3])
+    assert len({tuple(o["output_ids"]) for o in outs[:3]}) > 1  # samples differ
+
+
+def test_stream_joins_to_full_text(tiny_engine):
+    p = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+    full = tiny_engine.generate("Caf\u00e9 cr\u00e8me", p)
+    chunks = list(tiny_engine.generate("Caf\u00e9 cr\u00e8me", p, stream=True))
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert stream_and_merge(tiny_engine, "Caf\u00e9 cr\u00e8me", p) == full["text"]
+
+
+def test_async_modes(tiny_engine):
+    p = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    ref = tiny_engine.generate("Hello", p)["text"]
+
+    async def main():
+        one = await tiny_engine.async_generate("Hello", p)
+        many = await asyncio.gather(*[tiny_engine.async_generate("Hello", p) for _ in range(8)])
+        pieces = [c["text"] async for c in await tiny_engine.async_generate("Hello", p, stream=True)]
+        merged = [t async for t in async_stream_and_merge(tiny_engine, "Hello", p)]
+        return one, many, pieces, merged
+
+    one, many, pieces, merged = asyncio.run(main())
+    assert one["text"] == ref and all(m["text"] == ref for m in many)
+    assert "".join(pieces) == ref and "".join(merged) == ref
+
+
+def test_threads_at_once(tiny_engine):
+    p = {"temperature": 0.0, "max_new_tokens": 8}
+    ref = tiny_engine.generate("thread", p)["text"]
+    results = []
+
+    def work():
+        results.append(tiny_engine.generate("thread", p)["text"])
+
+    ts = [threading.Thread(target=work) for _ in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert results == [ref] * 6
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+    ({"max_new_tokens": -1}, "max_new_tokens"), ({"n": 0}, "n must"),
+    ({"logit_bias": {10**6: 1.0}}, "logit_bias"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"temprature": 0.5}, "temperature"), ({"max_new_tokens": 10**6}, "max_new_tokens"),
+    ({"top_k": "5"}, "top_k"),
+])
+def test_bad_sampling_params(tiny_engine, params, needle):
+    with pytest.raises((ValueError, TypeError), match=needle):
+        tiny_engine.generate("hi", params)
+
+
+def test_bad_inputs(tiny_engine):
+    with pytest.raises(ValueError, match="exactly one"):
+        tiny_engine.generate()
+    with pytest.raises(ValueError, match="exactly one"):
+        tiny_engine.generate("a", input_ids=[1, 2])
+    with pytest.raises(ValueError, match="empty"):
+        tiny_engine.generate([])
+    with pytest.raises(TypeError, match=r"prompt\[1\]"):
+        tiny_engine.generate(["ok", 3])
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_engine.generate(input_ids=[1, 10**6])
+    with pytest.raises(ValueError, match="sampling_params has 1 entries for 2 prompts"):
+        tiny_engine.generate(["a", "b"], [{}])
+    # a bad item fails the whole call and nothing runs
+    before = tiny_engine.stats()["total_finished"]
+    with pytest.raises(ValueError, match="top_p"):
+        tiny_engine.generate(["a", "b"], [{}, {"top_p": 2}])
+    assert tiny_engine.stats()["total_finished"] == before
+
+
+def test_unknown_engine_kwarg_suggests():
+    with pytest.raises(ValueError, match="did you mean 'max_running_requests'"):
+        nbgen.Engine("/nonexistent", max_runing_requests=4)
+
+
+def test_stop_strings_and_ids(tiny_engine):
+    base = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+    ids, text = base["output_ids"], base["text"]
+    stop_tok = ids[5]
+    out = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True,
+                                               "stop_token_ids": [stop_tok]})
+    first = ids.index(stop_tok)
+    assert out["output_ids"] == ids[: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    if len(text) >= 6:
+        stop = text[3:6]
+        out = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True,
+                                                   "stop": [stop]})
+        assert out["text"] == text[: text.index(stop)]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        kept = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True,
+                                                    "stop": stop, "no_stop_trim": True})
+        assert kept["text"] == text[: text.index(stop) + len(stop)]
+
+
+def test_generate_iter_close_aborts(tiny_engine):
+    p = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+    it = tiny_engine.generate_iter(["a", "b", "c"], [{"temperature": 0, "max_new_tokens": 1}, p, p])
+    idx, out = next(it)
+    assert idx == 0 and out["meta_info"]["completion_tokens"] == 1
+    it.close()
+    deadline = time.time() + 10
+    while tiny_engine.stats()["running"] + tiny_engine.stats()["waiting"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert tiny_engine.stats()["running"] == 0
+
+
+def test_keyboard_interrupt_aborts_and_engine_survives(tiny_engine):
+    import _thread
+
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        tiny_engine.generate(["long"] * 4, {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True},
+                             use_tqdm=False)
+    assert time.time() - t0 < 20
+    out = tiny_engine.generate("after", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 4
+
+
+def test_cancelled_task_aborts_request(tiny_engine):
+    async def main():
+        task = asyncio.ensure_future(tiny_engine.async_generate(
+            "x", {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    deadline = time.time() + 10
+    while tiny_engine.stats()["running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert tiny_engine.stats()["running"] == 0
+
+
+def test_partial_stream_ends_with_abort(tiny_engine):
+    gen = tiny_engine.generate("x", {"temperature": 0, "max_new_tokens": 500, "ignore_eos": True}, stream=True)
+    next(gen)
+    rid = None
+    for chunk in gen:
+        rid = chunk["meta_info"]["id"]
+        tiny_engine.abort(rid)
+        break
+    last = list(gen)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_failure_in_one_request_spares_the_rest(tiny_engine, monkeypatch):
+    from nbgen.runtime import tracker
+
+    orig = tracker.Tracked.advance
+
+    def flaky(self, scheduler):
+        if self.req.prompt_ids and self.req.params.max_new_tokens == 7:
+            raise RuntimeError("boom in one request")
+        return orig(self, scheduler)
+
+    monkeypatch.setattr(tracker.Tracked, "advance", flaky)
+    outs = tiny_engine.generate(["a", "b"], [{"temperature": 0, "max_new_tokens": 7},
+                                             {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}])
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "boom" in outs[0]["meta_info"]["finish_reason"]["message"]
+    assert outs[1]["meta_info"]["completion_tokens"] == 5
+
+
+def test_chat_stats_info(tiny_engine):
+    out = tiny_engine.chat([{"role": "user", "content": "Hello"}], {"temperature": 0, "max_new_tokens": 4})
+    assert out["meta_info"]["prompt_tokens"] > 3
+    s = tiny_engine.stats()
+    for key in ("running", "waiting", "kv_pages_used", "kv_pages_total", "prefix_cache_pages",
+                "input_tok_s", "output_tok_s", "total_input_tokens", "total_output_tokens"):
+        assert key in s
+    assert s["total_output_tokens"] > 0 and s["kv_pages_total"] > 0
+    info = tiny_engine.get_server_info()
+    assert info["page_size"] == 16 and info["attention_backend"]
+    assert tiny_engine.get_model_info()["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_flush_cache(tiny_engine):
+    tiny_engine.generate("flush me " * 10, {"temperature": 0, "max_new_tokens": 2})
+    assert tiny_engine.stats()["prefix_cache_pages"] > 0
+    assert tiny_engine.flush_cache() is True
+    assert tiny_engine.stats()["prefix_cache_pages"] == 0
+
+
+def test_shutdown_and_recreate(tiny_llama_dir):
+    base_threads = threading.active_count()
+    for _ in range(2):
+        eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu")
+        assert eng.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] <= 2
+        eng.shutdown()
+        eng.shutdown()  # idempotent
+        with pytest.raises(RuntimeError, match="engine is shut down"):
+            eng.generate("hi")
+    time.sleep(0.2)
+    assert threading.active_count() <= base_threads
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu") as eng:
+        assert eng.generate("x", {"max_new_tokens": 1})
+    with pytest.raises(RuntimeError, match="engine is shut down"):
+        eng.stats()
