@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbgen.runtime import gpu_ops  # fused flashinfer kernels on CUDA (switched on by the runner)
 from nbgen.models.linear import (  # noqa: F401  (re-exported: one import site for model files)
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -44,6 +45,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if gpu_ops.fused_enabled(x):  # one flashinfer kernel (in place on x and residual)
+            if residual is None:
+                return gpu_ops.rmsnorm(x, self.weight, self.eps)
+            return gpu_ops.add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -57,6 +62,8 @@ class SiluAndMul(nn.Module):
     """[T, 2*I] (gate | up) -> [T, I]: silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gpu_ops.fused_enabled(x):
+            return gpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -118,6 +125,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if gpu_ops.fused_enabled(q):  # in place, cos/sin read from the same fp32 cache
+            return gpu_ops.rope_inplace(positions, q, k, self.head_dim, self.cos_sin_cache)
         cs = self.cos_sin_cache.index_select(0, positions).to(q.dtype)   # [T, D]
         cos, sin = cs[:, None, : self.head_dim // 2], cs[:, None, self.head_dim // 2:]  # [T, 1, D/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -5,6 +5,7 @@ attributes / small hooks below instead of copying the layers.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable, Optional
 
 import torch
@@ -24,6 +25,8 @@ from nbgen.models.layers import (
     get_rope,
     rope_settings,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -184,4 +187,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral checkpoints are Llama-shaped (sliding-window attention is not applied)."""
+    """Mistral checkpoints are Llama-shaped; sliding-window attention is not applied (full attention),
+    which is exact for contexts up to ``sliding_window`` tokens."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        window = getattr(config, "sliding_window", None)
+        if window and window < config.max_position_embeddings:
+            logger.warning("nbgen: sliding_window=%d is not applied; outputs differ from the reference "
+                           "beyond %d tokens of context", window, window)

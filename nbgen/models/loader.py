@@ -11,7 +11,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -43,7 +43,6 @@ class LoadedModel:
     dtype: torch.dtype
     context_length: int
     model_dir: str = ""                      # the HF directory actually read (after GGUF conversion)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def cpu_supports_bf16() -> bool:

@@ -55,6 +55,14 @@ def display(obj: Any, **kw: Any) -> Any:
     return _display(obj, **kw)
 
 
+def _ipython_active() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
 def _exec_count() -> Optional[int]:
     try:
         from IPython import get_ipython
@@ -82,7 +90,7 @@ class Shown:
     def show(self) -> Any:
         """Display now: the widget where widgets run, an HTML snapshot elsewhere."""
         self._shown_in = _exec_count()
-        if in_kernel() or getattr(self, "widget", None) is not None:
+        if _ipython_active():
             self._handle = display(self._bundle(), raw=True, display_id=True)
         else:
             print(self._text())

@@ -53,7 +53,16 @@ class Dashboard(Shown):
         if self.status == "live":
             self.status = why
             self._render()
+            self._refresh_static()
         return False
+
+    def _refresh_static(self) -> None:
+        """Re-publish the display with the current snapshot, so a saved notebook shows final numbers."""
+        if self.widget is not None and self._handle is not None:
+            try:
+                self._handle.update(self._bundle(), raw=True)
+            except Exception:  # the front end is gone; nothing to update
+                pass
 
     def html(self) -> str:
         """The current view as an HTML fragment (also the static snapshot)."""
@@ -93,6 +102,7 @@ class Dashboard(Shown):
     def stop(self) -> None:
         """Stop refreshing (the last view stays)."""
         self._stop.set()
+        self._refresh_static()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 

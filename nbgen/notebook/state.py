@@ -146,3 +146,21 @@ def dashboard_text(stats: Optional[Mapping[str, Any]]) -> str:
             f"{kv['total']} pages ({kv['frac']:.0%}, prefix {kv['prefix_frac']:.0%}) | finished "
             f"{stats.get('total_finished', 0)}, tokens in/out {stats.get('total_input_tokens', 0)}/"
             f"{stats.get('total_output_tokens', 0)}")
+
+
+def svg_bars(labels: Sequence[str], values: Sequence[float], unit: str = "", width: int = 520,
+             bar_h: int = 22, color: str = "#4c78a8") -> str:
+    """A horizontal bar chart as inline SVG (benchmarks notebook; no matplotlib needed)."""
+    label_w, pad = 190, 4
+    vmax = max(list(values) + [1e-9])
+    height = pad * 2 + bar_h * len(values)
+    parts = [f'<svg class="nbgen-bars" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">']
+    for i, (lab, v) in enumerate(zip(labels, values)):
+        y = pad + i * bar_h
+        w = max(v / vmax * (width - label_w - 70), 0.0)
+        parts.append(f'<text x="{label_w - 6}" y="{y + bar_h * 0.68:.1f}" font-size="12" text-anchor="end">'
+                     f'{html.escape(str(lab))}</text><rect x="{label_w}" y="{y + 3}" width="{w:.1f}" '
+                     f'height="{bar_h - 6}" fill="{color}"/><text x="{label_w + w + 4:.1f}" '
+                     f'y="{y + bar_h * 0.68:.1f}" font-size="11">{fmt_num(v)}{html.escape(unit)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)

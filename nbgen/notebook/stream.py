@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Mapping, Optional
 
-from nbgen.notebook._compat import Shown, in_kernel, widgets_or_none
+from nbgen.notebook._compat import Shown, _ipython_active, widgets_or_none
 
 
 class StreamState:
@@ -186,7 +186,7 @@ def stream(engine: Any, prompt: str, sampling_params: Optional[dict[str, Any]] =
     Extra keyword arguments go to ``engine.generate`` (e.g. ``return_logprob=True``).
     """
     cell = StreamCell(engine, prompt, sampling_params, widget=widget, show_prompt=show_prompt, **generate_kw)
-    if display and (cell.widget is not None or in_kernel()):
+    if display and _ipython_active():
         cell.show()
     elif display:
         cell._print = True

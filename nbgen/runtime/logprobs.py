@@ -44,7 +44,7 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, top_ns: Sequence[int],
     if lmax > 0:
         # pad every row's id list to lmax with id 0, gather once, slice per row on the host
         pad = [list(ids or []) + [0] * (lmax - len(ids or [])) for ids in id_lists]
-        ids_t = torch.tensor(pad, dtype=torch.long, device=lp.device)    # [N, L]
+        ids_t = torch.tensor(pad, dtype=torch.long).to(lp.device, non_blocking=True)  # [N, L]
         ids_v = lp.gather(1, ids_t)                                       # [N, L]
 
     # --- one transfer per tensor ---

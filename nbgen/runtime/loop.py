@@ -65,6 +65,7 @@ class LoopThread:
         self.runner = None
         self.scheduler = None
         self.tokenizer = None
+        self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
 
     # ---- caller side (any thread) ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -164,13 +165,17 @@ class LoopThread:
         self.runner = runner
         self.scheduler = Scheduler(sc)
         self.tokenizer = runner.loaded.tokenizer
+        if getattr(runner, "overlap", False):
+            from nbgen.runtime.overlap import OverlapStepper
+
+            self._overlap = OverlapStepper(self)
         with self._stats_lock:
             self._stats.update(self._snapshot())
         return {"device": str(device), "scheduler": sc, "loaded": runner.loaded}
 
     async def _main(self) -> None:
         while not self._stopping:
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() or (self._overlap is not None and self._overlap.pending):
                 self._step()
                 await asyncio.sleep(0)  # let submissions / aborts / calls in between steps
             else:
@@ -178,6 +183,9 @@ class LoopThread:
                 await self._wake.wait()
 
     def _step(self) -> None:
+        if self._overlap is not None:
+            self._overlap.step()
+            return
         sched = self.scheduler
         batch = sched.schedule()
         self._reap()
@@ -201,6 +209,9 @@ class LoopThread:
             n_out += len(req.output_ids) - t.n_ids
             self._emit(t)
         self._reap()
+        self._account(n_in, n_out)
+
+    def _account(self, n_in: int, n_out: int) -> None:
         self._rates.add(n_in, n_out)
         with self._stats_lock:
             self._stats.update(self._snapshot())
@@ -243,6 +254,8 @@ class LoopThread:
             self.scheduler.add(r)
 
     def _abort(self, rids: list[str], message: str) -> None:
+        if self._overlap is not None:
+            self._overlap.flush()  # no placeholder token may reach an aborted request's output
         for rid in rids:
             if rid in self._tracked:
                 self.scheduler.abort(rid, message)
@@ -260,4 +273,6 @@ class LoopThread:
             self._emit(t)
 
     def _stop(self) -> None:
+        if self._overlap is not None:
+            self._overlap.flush()
         self._stopping = True

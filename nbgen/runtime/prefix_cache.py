@@ -7,7 +7,7 @@ full pages are cached: a partly filled page is still being written by its reques
 Reference counting (see pages.PagePool): the cache holds one ref on every page it stores; a request
 that matched a prefix holds its own ref on those pages. A node is therefore *evictable* when its
 page's count is 1 (only the cache holds it). Requests always hold a whole root path (matched
-prefix + their own pages, duplicates swapped for the cached copy by the scheduler), so an ancestor
+prefix + their own pages, duplicates swapped for the cached copy by ``insert_request``), so an ancestor
 of an in-use node is in use too, and every count-1 node can be reached by evicting leaves.
 
 Policies:
@@ -25,6 +25,7 @@ import heapq
 from typing import Optional
 
 from nbgen.runtime.pages import PagePool
+from nbgen.runtime.request import Request
 
 
 class _Node:
@@ -106,6 +107,28 @@ class PrefixCache:
             path.append(child.page)
             node = child
         return path
+
+    def insert_request(self, req: Request, swap: bool) -> None:
+        """Insert req's computed full pages (those not cached yet); ``req.num_cached_pages`` follows.
+
+        ``swap=True`` (request keeps running): where the tree already held a page for the same
+        tokens, the request switches to the cached copy and frees its own, so that it holds a
+        whole root path of tree pages (see module doc). At finish, no swap is needed.
+        """
+        P = self.page_size
+        full = min(req.num_computed // P, len(req.pages))
+        if self.disabled or full <= req.num_cached_pages:
+            return
+        n, n_prompt = full * P, len(req.prompt_ids)
+        ids = req.prompt_ids[:n] if n <= n_prompt else req.prompt_ids + req.output_ids[: n - n_prompt]
+        path = self.insert(ids, req.pages[:full])
+        if swap:
+            for i in range(req.num_cached_pages, full):
+                if path[i] != req.pages[i]:
+                    self.pool.ref([path[i]])
+                    self.pool.unref([req.pages[i]])
+                    req.pages[i] = path[i]
+        req.num_cached_pages = full
 
     def evict(self, n_pages: int) -> int:
         """Free up to ``n_pages`` least-recently-used evictable pages; returns how many were freed."""

@@ -1,23 +1,30 @@
 """ModelRunner: owns the model, the KV cache (through an attention backend) and the sampler.
 
 One ``step(ScheduledBatch) -> StepOutput`` per scheduler step; everything here runs on the loop thread.
+For overlap scheduling the step splits in two: ``launch`` queues the GPU work and returns at once
+(sampled ids stay on the GPU, copied to pinned host memory behind an event), ``resolve`` waits for
+them. A decode token id < 0 in a batch is a placeholder for "the token sampled at row -id-1 of the
+previous launch" and is filled in on the GPU.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from nbgen.attention.base import AttentionBackend, KVCacheSpec
 from nbgen.config import EngineConfig
-from nbgen.runtime.batch import ScheduledBatch, StepOutput, TokenLogprobs
+from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput, TokenLogprobs
 
 logger = logging.getLogger("nbgen")
 
 # CPU default KV budget when max_total_tokens is not given: enough for a notebook's batches while
 # keeping the embedded model's resident memory well under 1.5 GB (its KV is ~23 KB/token in bf16).
 CPU_DEFAULT_TOTAL_TOKENS = 16384
+# GPU memory kept out of the KV pool besides (1 - mem_fraction_static): flashinfer workspace, graph pool
+GPU_RESERVE_BYTES = 1 << 30
 
 
 def _model_dims(hf) -> tuple[int, int, int, int]:
@@ -26,6 +33,16 @@ def _model_dims(hf) -> tuple[int, int, int, int]:
     kv = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return hf.num_hidden_layers, heads, kv, head_dim
+
+
+@dataclass
+class Launched:
+    """A step whose GPU work is queued: sampled ids [S] on the GPU (and on their way to the host)."""
+
+    batch: ScheduledBatch
+    tokens: Optional[torch.Tensor]        # [S] long on the device, S = number of sampling seqs
+    host: Optional[torch.Tensor]          # [S] long pinned copy (valid once `event` completed)
+    event: Optional[Any]                  # torch.cuda.Event after the copy; None on CPU
 
 
 class ModelRunner:
@@ -37,6 +54,7 @@ class ModelRunner:
 
         self.cfg = cfg
         self.device = device
+        self.on_gpu = device.type == "cuda"
         self.loaded = load_model(cfg, device)
         self.model = self.loaded.model
         self.hf_config = self.loaded.hf_config
@@ -47,6 +65,17 @@ class ModelRunner:
                                    self.loaded.dtype, device)
         self.backend = self._make_backend()
         self.sampler = Sampler(self.vocab_size, device)
+        self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
+        self.graphs = None
+        self.cuda_graph_batch_sizes: list[int] = []
+        if self.on_gpu and self.backend_name == "flashinfer" and not cfg.disable_cuda_graph:
+            from nbgen.runtime.cuda_graphs import CudaGraphRunner, default_max_bs
+
+            max_bs = cfg.cuda_graph_max_bs or default_max_bs(device)
+            self.graphs = CudaGraphRunner(self.model, self.backend, max_bs, self.loaded.context_length)
+            self.cuda_graph_batch_sizes = list(self.graphs.batch_sizes)
+        # overlap scheduling needs asynchronous device work; CPU steps are synchronous anyway
+        self.overlap = self.on_gpu and not cfg.disable_overlap_schedule
 
     # ---- sizing -------------------------------------------------------------------------------
     def _bytes_per_page(self) -> int:
@@ -58,10 +87,14 @@ class ModelRunner:
         P = self.cfg.page_size
         if self.cfg.max_total_tokens is not None:
             return max(2, -(-self.cfg.max_total_tokens // P) + 1)  # +1: page 0 is the scratch page
-        if self.device.type == "cuda":
+        if self.on_gpu:
+            # weights are resident now; KV gets mem_fraction_static of the card minus what is in use,
+            # minus a reserve for the attention workspace and the decode graphs (captured after the
+            # KV pool exists, since they bake its addresses in); the rest is for activations.
+            torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            budget = total * self.cfg.mem_fraction_static - used
+            budget = total * self.cfg.mem_fraction_static - used - GPU_RESERVE_BYTES
             if budget <= 0:
                 raise RuntimeError(f"no GPU memory left for the KV cache (mem_fraction_static="
                                    f"{self.cfg.mem_fraction_static}, {used / 2**30:.1f} GiB in use)")
@@ -69,18 +102,27 @@ class ModelRunner:
         return -(-CPU_DEFAULT_TOTAL_TOKENS // P) + 1
 
     def _make_backend(self) -> AttentionBackend:
-        name = self.cfg.attention_backend or ("flashinfer" if self.device.type == "cuda" else "torch")
+        name = self.cfg.attention_backend or ("flashinfer" if self.on_gpu else "torch")
         if name == "flashinfer":
             try:
                 from nbgen.attention.flashinfer_backend import FlashInferBackend
+                backend = FlashInferBackend(self.kv_spec)
             except ImportError as e:
                 if self.cfg.attention_backend == "flashinfer":
                     raise
                 logger.warning("flashinfer unavailable (%s); using the torch attention backend", e)
             else:
-                return FlashInferBackend(self.kv_spec)
+                from nbgen.runtime.gpu_ops import enable_fused
+
+                enable_fused(True)
+                self.backend_name = "flashinfer"
+                return backend
         from nbgen.attention.torch_backend import TorchAttentionBackend
 
+        if self.on_gpu:
+            from nbgen.runtime.gpu_ops import enable_fused
+
+            enable_fused(False)
         self.backend_name = "torch"
         return TorchAttentionBackend(self.kv_spec)
 
@@ -88,10 +130,94 @@ class ModelRunner:
     def attention_backend_name(self) -> str:
         return type(self.backend).__name__
 
+    # ---- inputs -------------------------------------------------------------------------------
+    def _to_dev(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.on_gpu else t
+
+    def _placeholder_patch(self, ids: list[int]) -> Any:
+        """A function filling placeholder ids (< 0) from the previous launch's GPU tokens, or None."""
+        rows = [i for i, t in enumerate(ids) if t < 0]
+        if not rows:
+            return None
+        assert self._last_tokens is not None, "placeholder token without a previous launch"
+        src = [-ids[i] - 1 for i in rows]
+        rows_t, src_t = self._to_dev(rows), self._to_dev(src)
+        for i in rows:
+            ids[i] = 0
+        prev = self._last_tokens
+
+        def patch(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, rows_t, prev.index_select(0, src_t))
+        return patch
+
+    def _forward(self, batch: ScheduledBatch, ids: list[int], pos: list[int]) -> torch.Tensor:
+        """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
+        patch = self._placeholder_patch(ids)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch, ids, pos, self.backend.slot_mapping(batch), patch)
+        input_ids = self._to_dev(ids)
+        if patch is not None:
+            patch(input_ids)
+        positions = self._to_dev(pos)
+        meta = self.backend.prepare(batch)
+        return self.model(input_ids, positions, meta)
+
     # ---- one step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        seqs: list[SeqWork] = []
+        row = 0
+        for s in batch.seqs:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.kv_len))
+            if s.sample:
+                rows.append(row + s.q_len - 1)
+                seqs.append(s)
+            row += s.q_len
+        hidden = self._forward(batch, ids, pos)
+        if not seqs:
+            return Launched(batch, None, None, None)
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, self._to_dev(rows))
+        tokens = self.sampler(self.model.compute_logits(hidden), seqs).token_ids
+        self._last_tokens = tokens
+        if not self.on_gpu:
+            return Launched(batch, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return Launched(batch, tokens, host, ev)
+
+    @staticmethod
+    def resolve(launched: Launched) -> list[int]:
+        """Wait for a launched step; its sampled id per seq (-1 where seq.sample is False)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        toks = launched.host.tolist() if launched.host is not None else []
+        it = iter(toks)
+        return [next(it) if s.sample else -1 for s in launched.batch.seqs]
+
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> StepOutput:
         """Forward the batch's tokens, sample where asked, gather logprobs."""
+        if not any(self._wants_logprobs(s) for s in batch.seqs):
+            out = self.resolve(self.launch(batch))
+            n = len(batch.seqs)
+            return StepOutput(next_token_ids=out, output_logprobs=[None] * n,
+                              prompt_logprobs=[None] * n, errors={})
+        return self._step_logprobs(batch)
+
+    @staticmethod
+    def _wants_logprobs(s: SeqWork) -> bool:
+        return s.prompt_logprob_start >= 0 or (s.sample and s.req.logprobs.return_logprob)
+
+    def _step_logprobs(self, batch: ScheduledBatch) -> StepOutput:
         from nbgen.runtime.logprobs import prompt_logprobs
 
         ids: list[int] = []
@@ -119,20 +245,17 @@ class ModelRunner:
                     prompt_owner.append(i)
             row += s.q_len
         dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = self.backend.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)                     # [T, H]
-        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=dev)
+        hidden = self._forward(batch, ids, pos)                              # [T, H]
+        rows = self._to_dev(sample_rows + prompt_rows)
         logits = self.model.compute_logits(hidden.index_select(0, rows))    # [S + Np, V] fp32
 
         n = len(batch.seqs)
         next_ids = [-1] * n
         out_lps: list[Optional[TokenLogprobs]] = [None] * n
         prm_lps: list[Optional[list[TokenLogprobs]]] = [None] * n
-        errors: dict[int, str] = {}
         if sample_seqs:
             res = self.sampler(logits[: len(sample_rows)], sample_seqs)
+            self._last_tokens = res.token_ids
             toks = res.token_ids.tolist()
             k = 0
             for i, s in enumerate(batch.seqs):
@@ -155,7 +278,7 @@ class ModelRunner:
             if s.prompt_logprob_start >= 0 and prm_lps[i] is None:
                 prm_lps[i] = []
         return StepOutput(next_token_ids=next_ids, output_logprobs=out_lps,
-                          prompt_logprobs=prm_lps, errors=errors)
+                          prompt_logprobs=prm_lps, errors={})
 
     @staticmethod
     def _ids_logprobs(row_logits: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:

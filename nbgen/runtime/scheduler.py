@@ -1,46 +1,38 @@
 """Scheduler: continuous batching with chunked prefill, a paged KV cache and prefix sharing (no torch).
 
-Every step ``schedule()`` builds one ScheduledBatch and ``update()`` applies the runner's StepOutput.
-Requests join and leave at every step. Policies, in the order a step is built:
+Each step ``schedule()`` builds one ScheduledBatch; ``update()`` applies the runner's StepOutput;
+requests join and leave at every step. A step is built in this order:
 
-1. **Decodes**: every running request with exactly one token left to compute (its last sampled
-   token) gets one token, oldest admission first. Decodes count against the step's token budget
-   (``chunked_prefill_size``) but are never held back by it.
-2. **Prefill continuation**: running requests mid-prefill get the next chunk of what the budget
-   leaves, oldest first, so a started prompt finishes before new prompts start.
-3. **Admission** (skipped in a step that had to preempt): waiting requests, while the budget,
-   ``max_running_requests`` and free pages allow. Preempted requests come first (oldest first),
-   then new ones in arrival order (``fcfs``) or longest prefix-cache match first (``lpm``; falls
-   back to fcfs when more than 128 requests wait, to bound the matching cost). On admission the
-   prefix cache is matched: matched pages are shared (ref'd), ``num_computed`` starts after them,
-   and ``cached_tokens`` records the match of the first admission. The match never covers the
-   whole sequence (the last token must be computed to get logits) and, for prompt logprobs, stops
-   before the first position whose logprob is still missing minus one (that position's logits
-   predict it).
-4. **Pages**: before each step a request gets the pages its new tokens need. When the pool (after
-   evicting unreferenced cached pages) runs out, the most recently admitted running request is
-   preempted: its computed full pages go into the prefix cache, its pages are released, and it goes
-   back to the front of the waiting queue to recompute prompt + output-so-far later. A request that
-   cannot fit even alone is aborted with a message (never a spin, never a silent drop).
-5. **n > 1**: members of one ``group`` share a prompt. Only one member is admitted until its prompt
-   prefill is done and inserted into the prefix cache; the others then hit the cache.
+1. **Decodes**: each running request with one token left to compute gets it (oldest first). They
+   count against the token budget (``chunked_prefill_size``) but are never held back by it.
+2. **Prefill continuation**: requests mid-prefill get the next chunk of what the budget leaves.
+3. **Admission** (not in a step that preempted): waiting requests in ``WaitingQueue`` order
+   (preempted first, then fcfs or lpm) while budget, ``max_running_requests`` and pages allow. The
+   prefix cache is matched (``waiting.matchable_ids``: never the whole sequence, and not past the
+   prompt logprobs still missing); matched pages are shared, ``num_computed`` starts after them,
+   and ``cached_tokens`` keeps the match of the first admission.
+4. **Pages**: a request gets the pages its new tokens need before the step. When the pool (after
+   evicting unreferenced cached pages) runs dry, the most recently admitted running request is
+   preempted: its computed full pages go into the prefix cache, its pages are released, and it
+   returns to the front of the queue to recompute prompt + output later. A request that cannot
+   fit even alone is aborted with a message: never a spin, never a silent drop.
+5. **n > 1**: requests of one ``group`` share a prompt: one member is admitted alone until its
+   prompt prefill is done and cached, then the others hit the cache.
 
-Prefix-cache inserts happen when a prompt prefill (or a recompute) completes, at finish and at
-preemption. Decodes cost O(1) Python each per step (no per-step rebuild of token lists).
+Full pages enter the prefix cache when a prefill (or recompute) completes, at finish, at
+preemption and at abort (runner errors excepted). Decodes cost O(1) Python each per step.
 """
 from __future__ import annotations
 
 import sys
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.request import Request, Status
-
-_LPM_MAX_WAITING = 128
+from nbgen.runtime.waiting import WaitingQueue, matchable_ids, next_prompt_logprob
 
 
 @dataclass
@@ -77,8 +69,7 @@ class Scheduler:
         cps = cfg.chunked_prefill_size
         self.budget = cps if cps is not None and cps > 0 else sys.maxsize
         self.running: list[Request] = []              # admission order (last = newest)
-        self._front: deque[Request] = deque()         # preempted, to resume first
-        self._queue: dict[str, Request] = {}          # new arrivals in arrival order
+        self.waiting = WaitingQueue(cfg.schedule_policy)
         self._live: dict[str, Request] = {}           # rid -> waiting or running request
         self._leaders: dict[str, Request] = {}        # group -> member prefilling the shared prompt
         self._admit_counter = 0
@@ -103,19 +94,14 @@ class Scheduler:
             return
         req.status = Status.WAITING
         self._live[req.rid] = req
-        self._queue[req.rid] = req
+        self.waiting.append(req)
 
     def abort(self, rid: str, message: str = "aborted") -> Optional[Request]:
         """Abort a waiting or running request (its pages are freed); None if unknown or finished."""
         req = self._live.get(rid)
         if req is None:
             return None
-        if req.status is Status.RUNNING:
-            self._finish(req, _abort(message))
-        else:
-            self._unwait(req)
-            self._live.pop(rid, None)
-            req.finish_reason, req.status = _abort(message), Status.FINISHED
+        self.finish(req, _abort(message))
         return req
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:
@@ -125,12 +111,12 @@ class Scheduler:
         elif req.status is Status.RUNNING:
             self._finish(req, reason)
         else:
-            self._unwait(req)
+            self.waiting.remove(req)
             self._live.pop(req.rid, None)
             req.finish_reason, req.status = reason, Status.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.running or self._front or self._queue)
+        return bool(self.running or self.waiting)
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests run, as SGLang."""
@@ -139,7 +125,7 @@ class Scheduler:
         return self.cache.flush()
 
     def stats(self) -> dict[str, Any]:
-        return {"running": len(self.running), "waiting": len(self._front) + len(self._queue),
+        return {"running": len(self.running), "waiting": len(self.waiting),
                 "pages_used": self.pool.num_used, "pages_total": self.pool.num_total,
                 "pages_free": self.pool.num_free, "page_size": self.P,
                 "prefix_cache_pages": self.cache.num_cached_pages,
@@ -173,9 +159,10 @@ class Scheduler:
             if self._grow(req, end):
                 seqs.append(self._seq(req, req.num_computed, end))
                 budget -= end - req.num_computed
-        if self.num_preemptions == preempted:                # 3. admissions
+        # 3. admissions; not in a step that preempted (damps admit/preempt thrashing)
+        if self.num_preemptions == preempted:
             seqs += self._admit_waiting(budget)
-        seqs = [s for s in seqs if s.req.status is Status.RUNNING]
+        seqs = [s for s in seqs if s.req.status is RUNNING and s.pages is s.req.pages]  # drop preempted
         return ScheduledBatch(seqs=seqs, page_size=self.P) if seqs else None
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
@@ -202,7 +189,7 @@ class Scheduler:
                     req.prompt_logprobs_done = True
             req.num_computed = kv
             if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1):
-                self._cache_pages(req, swap=True)            # share the prompt with later arrivals
+                self.cache.insert_request(req, swap=True)            # share the prompt with later arrivals
                 if req.group is not None and self._leaders.get(req.group) is req:
                     del self._leaders[req.group]
             reason = None
@@ -248,14 +235,9 @@ class Scheduler:
         else:
             toks = req.all_ids[start:end]
         sample = end == req.num_tokens and req.params.max_new_tokens != 0
-        pls = self._next_prompt_lp(req) if req.wants_prompt_logprobs and start < n_prompt else -1
+        pls = next_prompt_logprob(req) if req.wants_prompt_logprobs and start < n_prompt else -1
         return SeqWork(req=req, token_ids=toks, start_pos=start, pages=req.pages, sample=sample,
                        prompt_logprob_start=pls)
-
-    @staticmethod
-    def _next_prompt_lp(req: Request) -> int:
-        """First prompt position whose logprob is not recorded yet (recorded ones are contiguous)."""
-        return max(req.logprobs.logprob_start_len, 1) + len(req.input_token_logprobs)
 
     def _grow(self, req: Request, kv_len: int) -> bool:
         """Give req pages for kv_len tokens, preempting newer requests; False if req itself left."""
@@ -281,37 +263,19 @@ class Scheduler:
         self.running.remove(req)
         req.num_computed = 0
         req.status = Status.WAITING
-        self._front.appendleft(req)
+        self.waiting.push_front(req)
         self.num_preemptions += 1
-
-    def _admission_order(self) -> Iterator[Request]:
-        """Preempted first, then arrivals (fcfs) or longest cached prefix first (lpm). Lazy for fcfs."""
-        yield from list(self._front)
-        if self.cfg.schedule_policy == "lpm" and len(self._queue) <= _LPM_MAX_WAITING \
-                and not self.cache.disabled:
-            queue = list(self._queue.values())
-            keys = {r.rid: self.cache.match(self._match_ids(r), touch=False)[1] for r in queue}
-            yield from sorted(queue, key=lambda r: -keys[r.rid])   # stable: ties keep arrival order
-        else:
-            yield from self._queue.values()                  # not mutated while this runs
-
-    def _match_ids(self, req: Request) -> list[int]:
-        """The part of all_ids the prefix cache may serve (never all of it; see module doc)."""
-        cap = req.num_tokens - 1
-        if req.wants_prompt_logprobs:
-            cap = min(cap, self._next_prompt_lp(req) - 1)
-        return req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]
 
     def _admit_waiting(self, budget: int) -> list[SeqWork]:
         seqs: list[SeqWork] = []
         taken: list[Request] = []                            # leave the waiting queue after the scan
-        for req in self._admission_order():
+        for req in self.waiting.in_order(self.cache):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
             g = req.group
             if g is not None and not self.cache.disabled and self._leaders.get(g, req) is not req:
                 continue                                     # wait for the group's shared prompt
-            ids = self._match_ids(req)
+            ids = matchable_ids(req)
             pages, m = self.cache.match(ids)
             self.pool.ref(pages)                             # before alloc: eviction must spare them
             end = min(req.num_tokens, m + budget)
@@ -328,7 +292,7 @@ class Scheduler:
                 continue
             taken.append(req)
             req.pages, req.num_computed, req.num_cached_pages = pages + new, m, len(pages)
-            if req.admit_seq < 0:
+            if req.admit_seq < 0:                            # first admission only
                 req.cached_tokens = m
             req.admit_seq = self._admit_counter
             self._admit_counter += 1
@@ -339,38 +303,14 @@ class Scheduler:
             seqs.append(self._seq(req, m, end))
             budget -= end - m
         for req in taken:
-            self._unwait(req)
+            self.waiting.remove(req)
         return seqs
-
-    def _unwait(self, req: Request) -> None:
-        """Remove req from the waiting queue (O(1) for arrivals; preempted ones are few)."""
-        if self._queue.pop(req.rid, None) is None:
-            try:
-                self._front.remove(req)
-            except ValueError:
-                pass
-
-    def _cache_pages(self, req: Request, swap: bool) -> None:
-        """Insert req's computed full pages into the prefix cache (swap duplicates if still running)."""
-        full = min(req.num_computed // self.P, len(req.pages))
-        if self.cache.disabled or full <= req.num_cached_pages:
-            return
-        n, n_prompt = full * self.P, len(req.prompt_ids)
-        ids = req.prompt_ids[:n] if n <= n_prompt else req.prompt_ids + req.output_ids[: n - n_prompt]
-        path = self.cache.insert(ids, req.pages[:full])
-        if swap:
-            for i in range(req.num_cached_pages, full):
-                if path[i] != req.pages[i]:                  # same tokens already cached: use that copy
-                    self.pool.ref([path[i]])
-                    self.pool.unref([req.pages[i]])
-                    req.pages[i] = path[i]
-        req.num_cached_pages = full
 
     def _release(self, req: Request, cache: bool) -> None:
         if cache:
-            self._cache_pages(req, swap=False)
+            self.cache.insert_request(req, swap=False)
         self.pool.unref(req.pages)
-        req.pages = []
+        req.pages = []               # a new list: stale SeqWorks keep the old one (see schedule)
         req.num_cached_pages = 0
         if req.group is not None and self._leaders.get(req.group) is req:
             del self._leaders[req.group]

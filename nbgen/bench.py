@@ -1,0 +1,223 @@
+"""Throughput benchmark: ``python -m nbgen.bench --model DIR --load-format dummy --workload nano``.
+
+Workloads (DESIGN.md "Benchmarks"; all ignore_eos, greedy, ``random.seed(0)``, random ids < 10000):
+  nano   256 seqs, input and output lengths randint(100, 1024)
+  fixed  256 seqs, input randint(100, 1024), output exactly 512 (comparable with HF generate_batch)
+  bs1    1 seq, 256 in / 256 out (decode latency)
+  chat32 (CPU mode) 32 chat-templated short questions x 64 new tokens
+The floor is the bytes a perfect engine must read in its decode steps (weights once per step plus
+every live sequence's KV), divided by the device copy bandwidth measured in the same run. Decode
+steps are counted as if all sequences ran together (step j reads (in_i + j) KV tokens of each seq
+with out_i > j); prefill is not in the floor.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from typing import Any, Optional
+
+import torch
+
+QUESTIONS = [
+    "What is the capital of France?", "How do plants make food?", "Name three primary colors.",
+    "Why is the sky blue?", "What is 12 times 7?", "Explain gravity in one sentence.",
+    "Who wrote Romeo and Juliet?", "What is a prime number?", "How many legs does a spider have?",
+    "What is the boiling point of water?", "Give me a synonym for happy.", "What is photosynthesis?",
+    "How far is the Moon from Earth?", "What does a CPU do?", "Translate 'thank you' to Spanish.",
+    "What is the largest ocean?", "Why do we have seasons?", "What is machine learning?",
+    "Name a famous painting.", "How do airplanes fly?", "What is the speed of light?",
+    "Suggest a name for a cat.", "What is an atom?", "Why do leaves change color?",
+    "What is the tallest mountain?", "How does a rainbow form?", "What is democracy?",
+    "Write a haiku about rain.", "What is the square root of 81?", "Who painted the Mona Lisa?",
+    "What language is spoken in Brazil?", "How do bees make honey?",
+]
+
+
+def make_workload(name: str) -> tuple[list[list[int]], list[int]]:
+    """(prompt token ids, output lengths) of a random-id workload."""
+    random.seed(0)
+    if name == "bs1":
+        return [[random.randint(0, 9999) for _ in range(256)]], [256]
+    ins = [random.randint(100, 1024) for _ in range(256)]
+    outs = [random.randint(100, 1024) for _ in range(256)] if name == "nano" else [512] * 256
+    return [[random.randint(0, 9999) for _ in range(n)] for n in ins], outs
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (bytes read + bytes written), median of 10 copies."""
+    if device.type == "cpu":
+        nbytes = 256 << 20
+    a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); b.copy_(a); e.record(); e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter(); b.copy_(a); times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
+    """(weight bytes read per decode step, KV bytes per token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if not getattr(hf, "tie_word_embeddings", False):
+        total -= emb.numel() * emb.element_size()    # a decode step reads a few embedding rows only
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return total, 2 * hf.num_hidden_layers * kv * hd * emb.element_size()
+
+
+def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: int, bw: float) -> float:
+    steps = max(outs) - 1                            # the first token of each seq comes from prefill
+    kv_tokens = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(ins, outs))  # sum_j (i + j), j=1..o-1
+    return (steps * weight_bytes + kv_tokens * kv_bytes) / bw
+
+
+def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[str, Any]:
+    import nbgen
+
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
+    for k in ("disable_cuda_graph", "disable_overlap_schedule"):
+        if getattr(args, k):
+            kw[k] = True
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    t0 = time.perf_counter()
+    eng = nbgen.Engine(args.model, **kw) if args.model else nbgen.Engine(**kw)
+    startup = time.perf_counter() - t0
+    info = eng.get_server_info()
+    sps = [{"max_new_tokens": o, "temperature": 0.0, "ignore_eos": True} for o in outs]
+    warm = prompts[:4] if isinstance(prompts[0], str) else [p[:64] for p in prompts[:4]]
+    eng.generate(**_inputs(warm), sampling_params={"max_new_tokens": 8, "ignore_eos": True}, use_tqdm=False)
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
+    n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
+    runner = eng._loop.runner
+    wb, kvb = model_bytes(runner.model, runner.hf_config)
+    out = {"engine": "nbgen", "seconds": secs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
+           "weight_bytes": wb, "kv_bytes_per_token": kvb, "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
+           "server_info": {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes")},
+           "first_ids": res[0]["output_ids"][:16]}
+    eng.shutdown()
+    del eng, runner, res
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def _inputs(prompts: Any) -> dict[str, Any]:
+    return {"prompt": prompts} if isinstance(prompts[0], str) else {"input_ids": prompts}
+
+
+def run_hf(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[str, Any]:
+    """HF transformers on the same workload: generate_batch on GPU, left-padded generate() on CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    if args.device == "cpu":
+        from nbgen.models.embedded import default_model_path
+
+        path = args.model or default_model_path()
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            g = model.generate(**enc, max_new_tokens=outs[0], min_new_tokens=outs[0], do_sample=False,
+                               pad_token_id=tok.pad_token_id or 0)
+        secs = time.perf_counter() - t0
+        n_out = int((g.shape[1] - enc["input_ids"].shape[1]) * g.shape[0])
+        return {"engine": "hf generate", "seconds": secs, "out_tokens": n_out,
+                "in_tokens": int(enc["attention_mask"].sum()), "first_ids": g[0, enc["input_ids"].shape[1]:][:16].tolist()}
+    if len(set(outs)) != 1:
+        return {"engine": "hf generate_batch", "error": "needs one output length for all requests (use --workload fixed)"}
+    cfg = AutoConfig.from_pretrained(args.model)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
+    gen = GenerationConfig(max_new_tokens=outs[0], do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(inputs=[p[:32] for p in prompts[:4]], generation_config=GenerationConfig(
+        max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = model.generate_batch(inputs=prompts, generation_config=gen)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    n_out = sum(len(r.generated_tokens) for r in res.values())
+    return {"engine": "hf generate_batch", "seconds": secs, "out_tokens": n_out,
+            "in_tokens": sum(len(p) for p in prompts)}
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(prog="python -m nbgen.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--workload", default=None, choices=["nano", "fixed", "bs1", "chat32"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--peer", default=None, choices=["hf"])
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--disable-overlap-schedule", action="store_true")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    workload = args.workload or ("chat32" if args.device == "cpu" else "nano")
+    dev = torch.device(args.device)
+    if workload == "chat32":
+        if args.dtype is None and args.device == "cpu":
+            args.dtype = "float32"   # the HF peer runs fp32 too
+        from transformers import AutoTokenizer
+
+        from nbgen.models.embedded import default_model_path
+
+        tok = AutoTokenizer.from_pretrained(args.model or default_model_path())
+        prompts: Any = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                add_generation_prompt=True) for q in QUESTIONS]
+        outs = [64] * len(prompts)
+    else:
+        prompts, outs = make_workload(workload)
+    bw = copy_bandwidth(dev)
+    rows = [run_nbgen(args, prompts, outs)]
+    if args.peer == "hf":
+        try:
+            rows.append(run_hf(args, prompts, outs))
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep nbgen's numbers
+            rows.append({"engine": "hf", "error": f"{type(e).__name__}: {e}"})
+    ins = rows[0]["prompt_lens"]
+    floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw)
+    print(f"\nworkload {workload}  model {args.model or 'embedded'}  device {args.device}  "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s  floor {floor:.2f} s  startup {rows[0]['startup_s']:.1f} s")
+    print(f"server: {rows[0]['server_info']}")
+    print(f"{'engine':<20}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'copy GB/s':>11}{'floor s':>9}{'% floor':>9}")
+    for r in rows:
+        r.update(workload=workload, copy_bw=bw, floor_s=floor)
+        if "error" in r:
+            print(f"{r['engine']:<20} error: {r['error']}")
+            continue
+        r["out_tok_s"] = r["out_tokens"] / r["seconds"]
+        r["total_tok_s"] = (r["out_tokens"] + r["in_tokens"]) / r["seconds"]
+        r["pct_floor"] = 100 * floor / r["seconds"]
+        print(f"{r['engine']:<20}{r['seconds']:>9.2f}{r['out_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}"
+              f"{bw / 1e9:>11.0f}{floor:>9.2f}{r['pct_floor']:>8.1f}%")
+    if len(rows) > 1 and "error" not in rows[1]:
+        print(f"nbgen / {rows[1]['engine']}: {rows[0]['out_tok_s'] / rows[1]['out_tok_s']:.1f}x output tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "prompt_lens"} for r in rows], f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

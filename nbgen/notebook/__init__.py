@@ -1,0 +1,10 @@
+"""Notebook helpers: live dashboard, streamed output cells, sampling playground.
+
+ipywidgets is imported only when a widget is built; without it the helpers fall back to
+updating HTML outputs (dashboard, stream) or a one-shot view (playground).
+"""
+from nbgen.notebook.dashboard import Dashboard, dashboard
+from nbgen.notebook.playground import Playground, playground
+from nbgen.notebook.stream import StreamCell, stream
+
+__all__ = ["Dashboard", "dashboard", "StreamCell", "stream", "Playground", "playground"]

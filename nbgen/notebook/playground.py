@@ -1,0 +1,243 @@
+"""nbgen.playground(engine, prompt=...): sampling sliders, k samples side by side, tok/s shown.
+
+Any change regenerates after a short pause (debounced); a newer change aborts the samples still
+running. Each sample streams on its own thread into its own box.
+"""
+from __future__ import annotations
+
+import html
+import threading
+import time
+import uuid
+from typing import Any, Callable, Mapping, Optional
+
+from nbgen.notebook._compat import Shown, widgets_or_none
+from nbgen.sampling import SamplingParams
+
+# name: (min, max, step, default); top_k 0 on the slider means "off" (-1 for the engine)
+SLIDERS: dict[str, tuple[float, float, float, float]] = {
+    "temperature": (0.0, 2.0, 0.05, 0.7),
+    "top_p": (0.05, 1.0, 0.05, 0.95),
+    "top_k": (0, 200, 1, 0),
+    "min_p": (0.0, 0.5, 0.01, 0.0),
+    "repetition_penalty": (0.5, 2.0, 0.05, 1.0),
+    "max_new_tokens": (1, 512, 1, 64),
+}
+INT_SLIDERS = ("top_k", "max_new_tokens")
+
+
+def sample_params(values: Mapping[str, Any], k: int, seed: int) -> list[dict[str, Any]]:
+    """Slider values -> k validated sampling-param dicts (sample i uses seed + i)."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    base = {name: (int(values[name]) if name in INT_SLIDERS else float(values[name]))
+            for name in SLIDERS if name in values}
+    if base.get("top_k", -1) == 0:
+        base["top_k"] = -1
+    out = [{**base, "sampling_seed": int(seed) + i} for i in range(k)]
+    for p in out:
+        SamplingParams.from_dict(p)  # raise here, with the engine's message, not in a thread
+    return out
+
+
+class Debouncer:
+    """Call ``fn`` once, ``delay`` seconds after the last ``trigger()`` (slider drags -> one run)."""
+
+    def __init__(self, delay: float, fn: Callable[[], None]) -> None:
+        self.delay, self.fn = delay, fn
+        self._timer: Optional[threading.Timer] = None
+        self._lock = threading.Lock()
+
+    def trigger(self, *_: Any) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.delay, self.fn)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+
+def sample_html(i: int, text: str, tokens: int, seconds: float, status: str) -> str:
+    """One sample's box."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return (f'<div class="nbgen-sample" style="border:1px solid #ddd;border-radius:6px;padding:6px;'
+            f'min-width:220px;flex:1"><div style="font-size:11px;color:#888">#{i + 1} · {status} · '
+            f'{tokens} tokens · <span class="nbgen-tok-s">{rate:.1f}</span> tok/s</div>'
+            f'<div style="white-space:pre-wrap;font-family:monospace">{html.escape(text)}</div></div>')
+
+
+class Playground(Shown):
+    """Sliders + prompt box + k sample boxes. ``.values``, ``.regenerate()``, ``.texts``."""
+
+    def __init__(self, engine: Any, prompt: str = "Once upon a time", k: int = 2, seed: int = 0,
+                 chat: bool = False, debounce: float = 0.4, widget: Optional[bool] = None, **initial: Any) -> None:
+        unknown = set(initial) - set(SLIDERS)
+        if unknown:
+            raise ValueError(f"unknown playground setting(s) {sorted(unknown)}; known: {list(SLIDERS)}")
+        self.engine, self.prompt, self.k, self.seed, self.chat = engine, prompt, k, seed, chat
+        self.values = {n: initial.get(n, spec[3]) for n, spec in SLIDERS.items()}
+        sample_params(self.values, k, seed)  # bad initial settings fail now
+        self._gen = 0  # generation counter: threads of an older generation stop drawing
+        self._rids: list[str] = []
+        self._lock = threading.Lock()
+        self.texts: list[str] = [""] * k
+        self._boxes_html: list[str] = [sample_html(i, "", 0, 0.0, "waiting") for i in range(k)]
+        self._done = threading.Event()
+        self._debouncer = Debouncer(debounce, self.regenerate)
+        w = widgets_or_none(widget)
+        self.widget = self._build(w) if w is not None else None
+
+    # ---- widgets ----------------------------------------------------------------------------------
+    def _build(self, w: Any) -> Any:
+        self.controls: dict[str, Any] = {}
+        for name, (lo, hi, step, _) in SLIDERS.items():
+            cls = w.IntSlider if name in INT_SLIDERS else w.FloatSlider
+            self.controls[name] = cls(value=self.values[name], min=lo, max=hi, step=step, description=name,
+                                      continuous_update=False, style={"description_width": "130px"})
+        self.controls["seed"] = w.IntText(value=self.seed, description="seed", style={"description_width": "130px"})
+        self.controls["k"] = w.IntSlider(value=self.k, min=1, max=4, description="samples (k)",
+                                         style={"description_width": "130px"})
+        self.controls["chat"] = w.Checkbox(value=self.chat, description="chat template")
+        self.prompt_box = w.Textarea(value=self.prompt, layout=w.Layout(width="100%", height="70px"))
+        for c in [*self.controls.values(), self.prompt_box]:
+            c.observe(self._on_change, names="value")
+        self.out = w.HTML(value=self._samples_html())
+        self.status = w.Label(value="")
+        left = w.VBox(list(self.controls.values()))
+        return w.VBox([self.prompt_box, w.HBox([left, w.VBox([self.out, self.status])])])
+
+    def _on_change(self, change: Mapping[str, Any]) -> None:
+        self.prompt = self.prompt_box.value
+        for name in SLIDERS:
+            self.values[name] = self.controls[name].value
+        self.seed, self.chat = int(self.controls["seed"].value), bool(self.controls["chat"].value)
+        if self.controls["k"].value != self.k:
+            self.k = int(self.controls["k"].value)
+        self._debouncer.trigger()
+
+    def _samples_html(self) -> str:
+        return '<div style="display:flex;gap:8px;flex-wrap:wrap">' + "".join(self._boxes_html) + "</div>"
+
+    def _render(self) -> None:
+        if self.widget is not None:
+            self.out.value = self._samples_html()
+        elif getattr(self, "_handle", None) is not None:
+            self._handle.update(self._bundle(), raw=True)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def regenerate(self, wait: bool = False) -> None:
+        """Abort running samples and start k new ones with the current settings."""
+        try:
+            params = sample_params(self.values, self.k, self.seed)
+            prompt = (self.engine.apply_chat_template([{"role": "user", "content": self.prompt}])
+                      if self.chat else self.prompt)
+        except (ValueError, TypeError) as e:
+            self._set_status(f"invalid settings: {e}")
+            return
+        with self._lock:
+            self._gen += 1
+            gen, old = self._gen, self._rids
+            self._rids = [f"nbgen-play-{uuid.uuid4().hex[:10]}" for _ in range(self.k)]
+            self.texts = [""] * self.k
+            self._boxes_html = [sample_html(i, "", 0, 0.0, "starting") for i in range(self.k)]
+            self._done.clear()
+        if old:
+            try:
+                self.engine.abort(old)
+            except RuntimeError:
+                pass
+        remaining = [self.k]
+        rids = list(self._rids)
+        threads = [threading.Thread(target=self._sample, args=(gen, i, prompt, p, rids[i], remaining), daemon=True)
+                   for i, p in enumerate(params)]
+        for t in threads:
+            t.start()
+        if wait:
+            for t in threads:
+                t.join()
+
+    def _sample(self, gen: int, i: int, prompt: str, params: dict[str, Any], rid: str,
+                remaining: list[int]) -> None:
+        t0, text, tokens, status = time.perf_counter(), "", 0, "running"
+        last = 0.0
+        try:
+            for chunk in self.engine.generate(prompt, params, stream=True, rid=rid):
+                if gen != self._gen:
+                    return  # a newer run took over (and aborted this request)
+                text += chunk.get("text") or ""
+                meta = chunk.get("meta_info") or {}
+                tokens = int(meta.get("completion_tokens", tokens + len(chunk.get("output_ids") or [])))
+                fr = meta.get("finish_reason")
+                if fr:
+                    status = fr.get("type", "done")
+                now = time.perf_counter()
+                if fr or now - last > 0.1:
+                    self._update(gen, i, text, tokens, now - t0, status)
+                    last = now
+        except Exception as e:
+            self._update(gen, i, text, tokens, time.perf_counter() - t0, f"error: {e}")
+        finally:
+            with self._lock:
+                remaining[0] -= 1
+                if remaining[0] == 0 and gen == self._gen:
+                    self._done.set()
+
+    def _update(self, gen: int, i: int, text: str, tokens: int, seconds: float, status: str) -> None:
+        with self._lock:
+            if gen != self._gen:
+                return
+            self.texts[i] = text
+            self._boxes_html[i] = sample_html(i, text, tokens, seconds, status)
+        self._render()
+
+    def _set_status(self, msg: str) -> None:
+        if self.widget is not None:
+            self.status.value = msg
+
+    def wait(self, timeout: Optional[float] = None) -> list[str]:
+        """Block until the current samples finish; return their texts."""
+        self._done.wait(timeout)
+        return list(self.texts)
+
+    def close(self) -> None:
+        """Stop regenerating and abort running samples."""
+        self._debouncer.cancel()
+        with self._lock:
+            self._gen += 1
+            old, self._rids = self._rids, []
+        if old:
+            try:
+                self.engine.abort(old)
+            except RuntimeError:
+                pass
+
+    # ---- display ----------------------------------------------------------------------------------
+    def _text(self) -> str:
+        return "\n---\n".join(self.texts)
+
+    def _bundle(self) -> dict[str, Any]:
+        b: dict[str, Any] = {"text/plain": self._text(), "text/html": self._samples_html()}
+        if self.widget is not None:
+            b.update(self.widget._repr_mimebundle_() or {})
+            b["text/plain"] = self._text()
+        return b
+
+
+def playground(engine: Any, prompt: str = "Once upon a time", k: int = 2, seed: int = 0, chat: bool = False,
+               widget: Optional[bool] = None, display: bool = True, **initial: Any) -> Playground:
+    """Show the sampling playground and run the first generation; returns the Playground.
+
+    ``initial`` sets starting values (temperature, top_p, top_k (0 = off), min_p,
+    repetition_penalty, max_new_tokens). Without ipywidgets it runs once and shows the samples.
+    """
+    pg = Playground(engine, prompt=prompt, k=k, seed=seed, chat=chat, widget=widget, **initial)
+    if display:
+        pg.show()
+    pg.regenerate(wait=pg.widget is None)
+    return pg

@@ -1,0 +1,72 @@
+"""Fused GPU kernels (flashinfer) for the model's hot ops, behind one switch.
+
+``nbgen.models.layers`` calls ``fused_enabled(x)`` at its existing call sites (RMSNorm, add+RMSNorm,
+SiLU-and-mul, RoPE): on CUDA tensors with the switch on, the flashinfer kernel runs; otherwise the
+torch code runs (CPU, reference). The runner turns the switch on when flashinfer imports.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_ENABLED = False
+_fi_norm = _fi_act = _fi_rope = None
+
+
+def enable_fused(on: bool = True) -> bool:
+    """Turn the fused kernels on (if flashinfer imports) or off; returns the resulting state."""
+    global _ENABLED, _fi_norm, _fi_act, _fi_rope
+    if on and _fi_norm is None:
+        try:
+            import flashinfer.activation as act
+            import flashinfer.norm as norm
+            import flashinfer.rope as rope
+        except ImportError:
+            on = False
+        else:
+            _fi_norm, _fi_act, _fi_rope = norm, act, rope
+    _ENABLED = bool(on)
+    return _ENABLED
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    """True when ``x`` should go through a fused kernel (CUDA tensor, switch on)."""
+    return _ENABLED and x.is_cuda
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (any leading shape) -> same shape."""
+    shape = x.shape
+    out = _fi_norm.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps)
+    return out.view(shape)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), computed in place in one kernel (x and residual are scratch)."""
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        x, residual = x.contiguous(), residual.contiguous()
+    _fi_norm.fused_add_rmsnorm(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up in one kernel."""
+    return _fi_act.silu_and_mul(x.contiguous())
+
+
+def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style RoPE (HF rotate_half) on q [T, Hq*D], k [T, Hkv*D] from a [max_pos, D] fp32 cos|sin cache."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    _fi_rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, cos_sin_cache, is_neox=True)
+    return q, k
+
+
+def maybe_pin(t: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """A CPU tensor -> on ``device`` without a host sync (pinned staging + non_blocking copy)."""
+    if device is None or device.type != "cuda":
+        return t.to(device) if device is not None else t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,70 @@
+"""WaitingQueue: requests that hold no pages yet, and the order admission considers them in.
+
+Order: preempted requests first (the oldest preempted first: they already produced output and
+hold a place in line), then new arrivals, either in arrival order (``fcfs``) or longest
+prefix-cache match first (``lpm``; ties keep arrival order). lpm matches every waiting request each
+step, so with more than ``LPM_MAX_WAITING`` waiting it falls back to fcfs, as SGLang does.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator
+
+from nbgen.runtime.prefix_cache import PrefixCache
+from nbgen.runtime.request import Request
+
+LPM_MAX_WAITING = 128
+
+
+def next_prompt_logprob(req: Request) -> int:
+    """First prompt position whose logprob is not recorded yet (recorded ones are contiguous)."""
+    return max(req.logprobs.logprob_start_len, 1) + len(req.input_token_logprobs)
+
+
+def matchable_ids(req: Request) -> list[int]:
+    """The leading part of all_ids the prefix cache may serve.
+
+    Never all of it (the last token must be computed to get logits), and for prompt logprobs
+    only up to the position before the first missing logprob (its logits predict that token).
+    """
+    cap = req.num_tokens - 1
+    if req.wants_prompt_logprobs:
+        cap = min(cap, next_prompt_logprob(req) - 1)
+    return req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]
+
+
+class WaitingQueue:
+    """Preempted requests (a short deque) in front of arrivals (an insertion-ordered dict: O(1) removal)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._front: deque[Request] = deque()
+        self._arrivals: dict[str, Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._arrivals)
+
+    def append(self, req: Request) -> None:
+        """A new arrival joins the back."""
+        self._arrivals[req.rid] = req
+
+    def push_front(self, req: Request) -> None:
+        """A preempted request goes before everything else."""
+        self._front.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        if self._arrivals.pop(req.rid, None) is None:
+            try:
+                self._front.remove(req)
+            except ValueError:
+                pass
+
+    def in_order(self, cache: PrefixCache) -> Iterator[Request]:
+        """Requests in admission order; lazy for fcfs. Do not add or remove while iterating."""
+        yield from list(self._front)
+        if self.policy == "lpm" and len(self._arrivals) <= LPM_MAX_WAITING and not cache.disabled:
+            queue = list(self._arrivals.values())
+            keys = {r.rid: cache.match(matchable_ids(r), touch=False)[1] for r in queue}
+            yield from sorted(queue, key=lambda r: -keys[r.rid])   # stable: ties keep arrival order
+        else:
+            yield from self._arrivals.values()

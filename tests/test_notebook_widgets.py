@@ -1,0 +1,223 @@
+"""Widget logic without a browser: pure state/rendering, ipywidgets with their dummy comm, patched display."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from nb_fakes import FakeEngine  # noqa: E402
+
+from nbgen.notebook import _compat  # noqa: E402
+from nbgen.notebook.dashboard import Dashboard, dashboard  # noqa: E402
+from nbgen.notebook.playground import Debouncer, Playground, sample_params  # noqa: E402
+from nbgen.notebook.state import StatsHistory, dashboard_html, dashboard_text, fmt_num, kv_summary, svg_lines  # noqa: E402
+from nbgen.notebook.stream import StreamState, stream  # noqa: E402
+
+
+def _wait_for(pred, timeout: float = 5.0) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+# ---- pure state ----------------------------------------------------------------------------------
+def test_fmt_and_kv_summary() -> None:
+    assert [fmt_num(x) for x in (0, 7, 2.5, 950, 12345, 4.56e6)] == ["0", "7", "2.5", "950", "12.3k", "4.56M"]
+    kv = kv_summary({"kv_pages_used": 25, "kv_pages_total": 100, "prefix_cache_pages": 10})
+    assert kv == {"used": 25, "total": 100, "frac": 0.25, "prefix_frac": 0.1}
+    assert kv_summary({})["frac"] == 0.0  # no division by zero before the engine reports
+
+
+def test_stats_history_ring_buffer_and_frame() -> None:
+    h = StatsHistory(maxlen=3)
+    for i in range(5):
+        h.append({"output_tok_s": float(i), "time": 100.0 + i})
+    assert len(h) == 3 and h.series("output_tok_s") == [2.0, 3.0, 4.0]
+    assert h.seconds_ago() == [-2.0, -1.0, 0.0]
+    assert list(h.to_frame()["output_tok_s"]) == [2.0, 3.0, 4.0]
+
+
+def test_svg_lines_scales_points_into_the_box() -> None:
+    svg = svg_lines([0, 1, 2], {"a": ([0.0, 5.0, 10.0], "#f00")}, width=104, height=104)
+    pts = svg.split('points="')[1].split('"')[0].split()
+    xy = [tuple(map(float, p.split(","))) for p in pts]
+    assert xy == [(4.0, 100.0), (52.0, 52.0), (100.0, 4.0)]  # 4 px padding, y grows downward
+    assert "<polyline" not in svg_lines([0], {"a": ([1.0], "#f00")})  # one point draws no line
+
+
+def test_dashboard_html_and_text_show_the_numbers() -> None:
+    h = StatsHistory()
+    h.append({"running": 3, "waiting": 2, "kv_pages_used": 50, "kv_pages_total": 200, "prefix_cache_pages": 20,
+              "input_tok_s": 1500.0, "output_tok_s": 250.0, "total_output_tokens": 12345, "time": 1.0})
+    page = dashboard_html(h, "t", "live")
+    assert 'data-running="3"' in page and 'data-total-output-tokens="12345"' in page
+    assert "50 / 200 pages (25%)" in page and "prefix cache 10%" in page and "1.5k" in page
+    text = dashboard_text(h.latest)
+    assert "running 3, waiting 2" in text and "KV 50/200 pages (25%, prefix 10%)" in text
+
+
+def test_stream_state_accumulates_and_reports() -> None:
+    t = iter([0.0, 1.0, 2.0])
+    s = StreamState(clock=lambda: next(t))
+    s.add({"text": "Hel", "meta_info": {"completion_tokens": 1}})
+    s.add({"text": "lo <b>", "meta_info": {"completion_tokens": 4, "finish_reason": {"type": "length"}}})
+    assert s.text == "Hello <b>" and s.tokens == 4 and s.tok_s == 2.0 and s.done
+    assert s.status() == "done (length) · 4 tokens · 2.0 tok/s"
+    assert "Hello &lt;b&gt;" in s.html()  # generated text is escaped, never rendered as HTML
+
+
+def test_sample_params_and_debouncer() -> None:
+    ps = sample_params({"temperature": 0.5, "top_k": 0, "max_new_tokens": 16.0}, 3, seed=7)
+    assert [p["sampling_seed"] for p in ps] == [7, 8, 9]
+    assert ps[0]["top_k"] == -1 and ps[0]["max_new_tokens"] == 16 and isinstance(ps[0]["max_new_tokens"], int)
+    with pytest.raises(ValueError, match="top_p"):
+        sample_params({"top_p": 0.0}, 1, 0)
+    calls = []
+    d = Debouncer(0.05, lambda: calls.append(time.time()))
+    for _ in range(5):
+        d.trigger()
+        time.sleep(0.01)
+    assert _wait_for(lambda: calls, 1.0)
+    time.sleep(0.1)
+    assert len(calls) == 1  # five quick changes -> one regeneration
+
+
+# ---- dashboard -------------------------------------------------------------------------------------
+def test_dashboard_refreshes_in_background_and_stops_at_shutdown() -> None:
+    eng = FakeEngine(delay=0.02)
+    d = Dashboard(eng, interval=0.05, widget=True).start()
+    assert d.widget is not None and "nbgen-dashboard" in d.widget.value
+    it = eng.generate("a b c d e f g h i j", {"max_new_tokens": 10}, stream=True)
+    next(it)  # one request running now
+    assert _wait_for(lambda: 'data-running="1"' in d.widget.value)
+    list(it)
+    assert _wait_for(lambda: 'data-total-output-tokens="10"' in d.widget.value and 'data-running="0"' in d.widget.value)
+    eng.shutdown()
+    assert _wait_for(lambda: not d.running)
+    assert d.status == "engine shut down" and 'data-status="engine shut down"' in d.widget.value
+
+
+def test_dashboard_does_not_keep_engine_alive() -> None:
+    eng = FakeEngine()
+    d = Dashboard(eng, interval=0.05, widget=False).start()
+    del eng
+    gc.collect()
+    assert _wait_for(lambda: not d.running) and d.status == "engine released"
+
+
+def test_dashboard_without_widgets_updates_a_display_handle(monkeypatch) -> None:
+    updates, shown = [], []
+
+    class Handle:
+        def update(self, obj, raw=False):
+            updates.append(obj)
+
+    def fake_display(obj, **kw):
+        shown.append((obj, kw))
+        return Handle()
+
+    monkeypatch.setattr(_compat, "display", fake_display)
+    monkeypatch.setattr(_compat, "_ipython_active", lambda: True)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install ipywidgets"):
+        _compat.require_widgets()
+    eng = FakeEngine()
+    with pytest.warns(UserWarning, match="pip install ipywidgets"):
+        monkeypatch.setattr(_compat, "_warned", False)
+        d = dashboard(eng, interval=0.05)
+    assert d.widget is None and shown[0][1]["raw"] and "text/html" in shown[0][0]
+    assert "application/vnd.jupyter.widget-view+json" not in shown[0][0]
+    assert _wait_for(lambda: len(updates) >= 2) and "nbgen-dashboard" in updates[-1]["text/html"]
+    d.stop()
+    assert not d.running
+
+
+def test_shown_once_per_cell(monkeypatch) -> None:
+    count, shown = [5], []
+    monkeypatch.setattr(_compat, "_exec_count", lambda: count[0])
+    monkeypatch.setattr(_compat, "_ipython_active", lambda: True)
+    monkeypatch.setattr(_compat, "display", lambda obj, **kw: shown.append(obj))
+    d = Dashboard(FakeEngine(), widget=False)
+    d.show()
+    d._ipython_display_()  # the same cell's result: not shown twice
+    assert len(shown) == 1
+    count[0] = 6
+    d._ipython_display_()  # `d` alone in a later cell shows it again
+    assert len(shown) == 2 and "text/html" in d._repr_mimebundle_()
+
+
+def test_dashboard_live_during_blocking_generate(tiny_engine) -> None:
+    """The refresh thread keeps sampling while the caller's thread is blocked in generate()."""
+    d = Dashboard(tiny_engine, interval=0.05, widget=True).start()
+    before = tiny_engine.stats()["total_output_tokens"]
+    tiny_engine.generate(["hello"] * 4, {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0.0})
+    after = tiny_engine.stats()["total_output_tokens"]
+    time.sleep(0.15)
+    d.stop()
+    seen = d.history.series("total_output_tokens")
+    assert after - before == 4 * 48
+    assert any(before < v < after for v in seen), seen  # a snapshot taken mid-generation
+    assert max(d.history.series("running")) >= 1
+
+
+# ---- stream cell ---------------------------------------------------------------------------------------
+def test_stream_cell_stop_button_aborts() -> None:
+    eng = FakeEngine(delay=0.05)
+    cell = stream(eng, " ".join(f"w{i}" for i in range(40)), {"max_new_tokens": 40}, widget=True, display=False)
+    assert _wait_for(lambda: cell.state.tokens >= 2)
+    cell._button.click()  # what a click in the browser runs
+    text = cell.wait(5)
+    assert cell.done and cell.state.finish_reason["type"] == "abort"
+    assert 2 <= len(text.split()) < 40 and cell._button.disabled
+    assert cell._label.value.startswith("stopped")
+
+
+def test_stream_cell_real_engine_matches_generate(tiny_engine) -> None:
+    sp = {"max_new_tokens": 12, "temperature": 0.0}
+    cell = stream(tiny_engine, "The capital of France is", sp, widget=True, display=False)
+    text = cell.wait(30)
+    assert text == tiny_engine.generate("The capital of France is", sp)["text"]
+    assert cell.output["meta_info"]["completion_tokens"] == cell.state.tokens > 0
+    assert "done (" in cell._label.value
+
+
+def test_stream_rejects_bad_params_in_the_callers_cell() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        stream(FakeEngine(), "x", {"top_p": 2.0}, display=False)
+
+
+# ---- playground ----------------------------------------------------------------------------------------
+def test_playground_regenerates_on_change() -> None:
+    eng = FakeEngine()
+    pg = Playground(eng, prompt="a b c", k=2, debounce=0.05, widget=True, temperature=0.3)
+    pg.regenerate(wait=True)
+    assert pg.texts == ["c b a", "c b a"] and len(eng.calls) == 0  # streamed, not batch calls
+    pg.prompt_box.value = "x y"
+    pg.controls["k"].value = 3
+    pg.controls["max_new_tokens"].value = 1
+    assert _wait_for(lambda: pg.texts == ["y"] * 3, 3.0)
+    assert pg.out.value.count("nbgen-sample") == 3 and "1 tokens" in pg.out.value
+    pg.controls["top_p"].value = 0.05  # still valid
+    pg.controls["chat"].value = True
+    assert _wait_for(lambda: pg.texts[0] == "<assistant>", 3.0)
+    with pytest.raises(ValueError, match="unknown playground setting"):
+        Playground(eng, temprature=1.0, widget=False)
+    pg.close()
+
+
+def test_playground_real_engine_seeds_are_reproducible(tiny_engine) -> None:
+    pg = Playground(tiny_engine, prompt="hello", k=2, seed=3, widget=False, temperature=1.0, max_new_tokens=8)
+    pg.regenerate(wait=True)
+    first = list(pg.texts)
+    pg.regenerate(wait=True)
+    assert pg.texts == first and all(first)
+    ref = tiny_engine.generate("hello", {**sample_params(pg.values, 2, 3)[1]})
+    assert first[1] == ref["text"]
