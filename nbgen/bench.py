@@ -100,9 +100,18 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     eng.generate(**_inputs(warm), sampling_params={"max_new_tokens": 8, "ignore_eos": True}, use_tqdm=False)
     if args.device != "cpu":
         torch.cuda.synchronize()
+    prof = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
     t0 = time.perf_counter()
     res = eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False)
     secs = time.perf_counter() - t0
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        _print_profile(prof, secs)
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng._loop.runner
@@ -117,6 +126,17 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+def _print_profile(prof: Any, wall: float) -> None:
+    """GPU busy time (sum of kernel times) against wall time, and the kernels that take the most."""
+    ev = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None]
+    dev_t = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    ev.sort(key=dev_t, reverse=True)
+    busy = sum(dev_t(e) for e in ev) / 1e6
+    print(f"profile: wall {wall:.2f} s, GPU kernels busy {busy:.2f} s ({100 * busy / wall:.0f}%)")
+    for e in ev[:14]:
+        print(f"  {dev_t(e) / 1e6:8.3f} s {e.count:8d}x  {e.key[:110]}")
 
 
 def _inputs(prompts: Any) -> dict[str, Any]:
@@ -171,6 +191,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--peer", default=None, choices=["hf"])
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
     workload = args.workload or ("chat32" if args.device == "cpu" else "nano")

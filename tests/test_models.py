@@ -136,7 +136,7 @@ def test_dummy_load_from_real_config_shapes(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     ec = EngineConfig(model_path=str(tmp_path / "config.json"), load_format="dummy", dtype="bfloat16",
                       random_seed=3)
-    loaded = load_model(ec, "cpu")
+    loaded = load_model(ec, "cpu", prepack=False)  # reads raw weights below
     m = loaded.model
     assert loaded.tokenizer is None and loaded.dtype == torch.bfloat16
     assert loaded.eos_token_ids == [cfg["eos_token_id"]] and loaded.context_length == 40960
@@ -149,7 +149,7 @@ def test_dummy_load_from_real_config_shapes(tmp_path: Path) -> None:
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     w = attn.qkv_proj.weight.float()
     assert 0.015 < w.std().item() < 0.025
-    again = load_model(ec, "cpu").model.model.layers[0].self_attn.qkv_proj.weight
+    again = load_model(ec, "cpu", prepack=False).model.model.layers[0].self_attn.qkv_proj.weight
     assert torch.equal(again, attn.qkv_proj.weight)                       # deterministic from the seed
     logits = _run(loaded, [[1, 2, 3, 4, 5]])
     assert logits.shape == (5, 512) and logits.dtype == torch.float32 and torch.isfinite(logits).all()

@@ -14,6 +14,7 @@ pinned host memory without a host sync.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -60,7 +61,8 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         ratio = spec.num_q_heads // spec.num_kv_heads
-        self.use_tensor_cores = ratio not in (1, 2, 4, 8)
+        # NBGEN_DECODE_TENSOR_CORES=1 forces the tensor-core decode kernel (for benchmarking)
+        self.use_tensor_cores = ratio not in (1, 2, 4, 8) or os.environ.get("NBGEN_DECODE_TENSOR_CORES") == "1"
         self.decode_wrapper = self.make_decode_wrapper()
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;

