@@ -2,8 +2,10 @@
 
 ``import nbgen as sgl`` runs SGLang's offline-Engine notebooks: ``sgl.Engine(...).generate(...)``.
 """
+from nbgen.dataframe import generate_df
 from nbgen.engine import Engine
+from nbgen.notebook import dashboard, playground, stream
 from nbgen.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "__version__"]
+__all__ = ["Engine", "SamplingParams", "generate_df", "dashboard", "stream", "playground", "__version__"]

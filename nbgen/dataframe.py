@@ -30,7 +30,7 @@ def default_engine() -> Any:
     global _default_engine
     with _default_lock:
         e = _default_engine
-        if e is None or getattr(e, "_shut", False) is True:  # the user shut the default engine down
+        if e is None or e.is_shutdown:  # the user shut the default engine down
             from nbgen.engine import Engine
 
             _default_engine = Engine()

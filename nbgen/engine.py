@@ -71,9 +71,14 @@ class Engine:
         self._rng = random.Random(cfg.random_seed)
         _patch_ipython_loop()
 
+    @property
+    def is_shutdown(self) -> bool:
+        """True once shutdown() ran (or the loop thread died)."""
+        return self._shut or not self._loop.alive
+
     # ---- request preparation --------------------------------------------------------------------
     def _check_alive(self) -> None:
-        if self._shut or not self._loop.alive:
+        if self.is_shutdown:
             raise RuntimeError("engine is shut down")
 
     def encode(self, text: str) -> list[int]:

@@ -209,3 +209,16 @@ def test_generate_df_real_engine_matches_generate(tiny_engine, tmp_path) -> None
         assert all(math.isfinite(t[0]) for t in out.loc[i, "output_token_logprobs"])
     lines = [json.loads(x) for x in open(tmp_path / "r.jsonl")]
     assert len([r for r in lines if not r.get("error")]) == 12
+
+
+def test_generate_df_real_engine_n_samples_and_chat(tiny_engine) -> None:
+    df = pd.DataFrame({"prompt": ["hello", "the cat"]})
+    sp = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "n": 2, "sampling_seed": 11}
+    out = generate_df(df, engine=tiny_engine, sampling_params=sp, progress=False)
+    ref = tiny_engine.generate(["hello", "the cat"], sp)  # prompt-major: 2 samples per prompt
+    assert out["text"].tolist() == [[ref[0]["text"], ref[1]["text"]], [ref[2]["text"], ref[3]["text"]]]
+    assert out["completion_tokens"].tolist() == [10, 10]
+    chat = generate_df(df, engine=tiny_engine, system_prompt="be brief", progress=False,
+                       sampling_params={"temperature": 0.0, "max_new_tokens": 4})
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert chat.loc[0, "text"] == tiny_engine.chat(msgs, {"temperature": 0.0, "max_new_tokens": 4})["text"]

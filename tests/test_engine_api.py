@@ -245,3 +245,47 @@ def test_shutdown_and_recreate(tiny_llama_dir):
         assert eng.generate("x", {"max_new_tokens": 1})
     with pytest.raises(RuntimeError, match="engine is shut down"):
         eng.stats()
+
+
+def test_seed_reproducible_across_batch_compositions(tiny_engine):
+    p = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 1234}
+    alone = tiny_engine.generate("seeded prompt", p)["output_ids"]
+    others = {"temperature": 0.7, "max_new_tokens": 9, "ignore_eos": True}
+    batch = tiny_engine.generate(["other one", "seeded prompt", "and another"], [others, p, others])
+    assert batch[1]["output_ids"] == alone
+    other_seed = tiny_engine.generate("seeded prompt", {**p, "sampling_seed": 99})["output_ids"]
+    assert other_seed != alone
+
+
+def test_output_logprobs_match_teacher_forcing(tiny_engine, tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tiny_engine.generate("Hello, my name is", {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+                               return_logprob=True, top_logprobs_num=3, token_ids_logprob=[5, 7])
+    meta = out["meta_info"]
+    lps = meta["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert all(len(row) == 3 and row[0][0] >= row[1][0] >= row[2][0] for row in meta["output_top_logprobs"])
+    assert all([t for _, t, _ in row] == [5, 7] for row in meta["output_token_ids_logprobs"])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = tiny_engine.encode("Hello, my name is")
+    full = torch.tensor([ids + out["output_ids"]])
+    with torch.no_grad():
+        ref = hf(full).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    for i, (lp, tok, _) in enumerate(lps):
+        assert abs(lp - ref[i, tok].item()) < 1e-4
+        assert meta["output_top_logprobs"][i][0][1] == ref[i].argmax().item()
+
+
+def test_script_without_main_guard_exits_cleanly(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text("import nbgen\n"
+                      f"llm = nbgen.Engine({tiny_llama_dir!r}, dtype='float32')\n"
+                      "print(len(llm.generate(['a', 'b'], {'max_new_tokens': 3}, use_tqdm=False)))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "2"
