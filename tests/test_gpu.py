@@ -52,44 +52,57 @@ def _prompts(n: int = 12) -> list[list[int]]:
     return [[rng.randrange(2, 512) for _ in range(rng.choice([1, 5, 17, 64, 200, 700]))] for _ in range(n)]
 
 
-def _gen(path: str, prompts: list[list[int]], **cfg) -> list[list[int]]:
+def _gen(path: str, prompts: list[list[int]], logprobs: bool = False, **cfg) -> list[dict]:
     with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, **cfg) as eng:
-        out = eng.generate(input_ids=prompts, sampling_params=SP, use_tqdm=False)
+        out = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=logprobs, use_tqdm=False)
         info = eng.get_server_info()
     if cfg.get("attention_backend") != "torch":
         assert info["attention_backend"] == "FlashInferBackend"
         assert (info["cuda_graph_batch_sizes"] == []) == bool(cfg.get("disable_cuda_graph"))
-    return [o["output_ids"] for o in out]
+    return out
 
 
-def _close(a: list[list[int]], b: list[list[int]]) -> None:
-    """bf16 greedy runs whose kernels tile differently: most sequences identical, the rest agreeing on
-    a long prefix (a systematic error diverges at once; a near-tie flips one token somewhere)."""
-    same = sum(x == y for x, y in zip(a, b)) / len(a)
-    prefix = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
-    assert same >= 0.6 and statistics.mean(prefix) >= 0.7 * SP["max_new_tokens"], (same, prefix)
+def _ids(outs: list[dict]) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
 
 
-def test_graph_eager_overlap_identical(model_dir):
+def _close(a: list[dict], b: list[dict]) -> None:
+    """Two bf16 greedy runs through differently tiled kernels. On random models the top-2 logits are
+    often within bf16 noise, so free-running sequences may fork at a near-tie; up to the fork the
+    chosen tokens are the same and their logprobs (decode path) must agree closely. A broken kernel
+    forks at once on most sequences and shows large logprob errors."""
+    diffs, forks = [], []
+    for x, y in zip(a, b):
+        lx = [lp for lp, _t, _s in x["meta_info"]["output_token_logprobs"]]
+        ly = [lp for lp, _t, _s in y["meta_info"]["output_token_logprobs"]]
+        n = next((i for i, (p, q) in enumerate(zip(x["output_ids"], y["output_ids"])) if p != q), len(lx))
+        forks.append(n)
+        diffs += [abs(p - q) for p, q in zip(lx[:n], ly[:n])]
+    assert sum(f >= 1 for f in forks) >= 0.9 * len(forks), forks      # the prefill token matches
+    assert len(diffs) >= 4 * len(forks), forks                          # decode steps were compared
+    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
+
+
+def test_graph_eager_overlap(model_dir):
     prompts = _prompts()
-    base = _gen(model_dir, prompts)                                   # graphs + overlap (defaults)
-    # same kernels, same order: overlap must not change a single token
-    assert _gen(model_dir, prompts, disable_overlap_schedule=True) == base
-    # eager decode plans an unpadded batch (different split-kv choices than the padded graph)
-    _close(_gen(model_dir, prompts, disable_cuda_graph=True), base)
+    # same kernels in the same order: overlap scheduling must not change a single token
+    assert _ids(_gen(model_dir, prompts)) == _ids(_gen(model_dir, prompts, disable_overlap_schedule=True))
+    base = _gen(model_dir, prompts, logprobs=True)                     # decode through CUDA graphs
+    _close(_gen(model_dir, prompts, logprobs=True, disable_cuda_graph=True), base)
     # chunked prefill over cached prefixes, then prefix-cache hits on a second run
     with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
                       chunked_prefill_size=64) as eng:
-        a = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=SP, use_tqdm=False)]
-        b = eng.generate(input_ids=prompts, sampling_params=SP, use_tqdm=False)
+        a = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, use_tqdm=False)
+        b = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, use_tqdm=False)
     _close(a, base)
-    _close([o["output_ids"] for o in b], a)
+    _close(b, a)
     assert b[-1]["meta_info"]["cached_tokens"] > 0 or len(prompts[-1]) < 16
 
 
 def test_flashinfer_matches_torch_backend(model_dir):
     prompts = _prompts()
-    _close(_gen(model_dir, prompts), _gen(model_dir, prompts, attention_backend="torch", disable_cuda_graph=True))
+    _close(_gen(model_dir, prompts, logprobs=True),
+           _gen(model_dir, prompts, logprobs=True, attention_backend="torch", disable_cuda_graph=True))
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
@@ -99,11 +112,13 @@ def test_hf_parity_teacher_forced(model_dir, chunk):
     rng = random.Random(1)
     seqs = [[rng.randrange(2, 512) for _ in range(n)] for n in (64, 200, 333, 512)]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ref_top, ref_lp = [], []
+    ref_top, ref_lp, margin = [], [], []
     with torch.no_grad():
         for s in seqs:
             lp = hf(torch.tensor([s], device="cuda")).logits[0].float().log_softmax(-1)   # [L, V]
             ref_top += lp[:-1].argmax(-1).tolist()
+            top2 = lp[:-1].topk(2, dim=-1).values
+            margin += (top2[:, 0] - top2[:, 1]).tolist()
             ref_lp += [lp[i - 1, s[i]].item() for i in range(1, len(s))]
     del hf
     torch.cuda.empty_cache()
@@ -118,6 +133,11 @@ def test_hf_parity_teacher_forced(model_dir, chunk):
     assert len(got_lp) == len(ref_lp) and len(got_top) == len(ref_top)
     agree = sum(a == b for a, b in zip(got_top, ref_top)) / len(ref_top)
     dlp = statistics.median(abs(a - b) for a, b in zip(got_lp, ref_lp))
-    print(f"top-1 agreement {agree:.4f}, median |dlogprob| {dlp:.4f}")
-    assert agree >= 0.99
+    # random models have many near-ties; top-1 must agree wherever HF's top-2 gap exceeds bf16 noise
+    clear = [a == b for a, b, m in zip(got_top, ref_top, margin) if m > 0.1]
+    agree_clear = sum(clear) / len(clear)
+    print(f"top-1 agreement {agree:.4f} (margin > 0.1: {agree_clear:.4f} of {len(clear)}), "
+          f"median |dlogprob| {dlp:.4f}")
+    assert agree >= 0.95 and len(clear) >= len(ref_top) // 2
+    assert agree_clear >= 0.99
     assert dlp <= 0.05

@@ -102,9 +102,16 @@ def test_dashboard_renders_and_updates_in_jupyterlab(jupyterlab) -> None:
             # the kernel must be up before "Run All" (its status shows in the toolbar)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=120_000)
             # Run > Run All Cells, as a person would
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-            page.get_by_text("Run All Cells", exact=True).first.click()
-            page.wait_for_selector(".nbgen-dashboard", timeout=300_000)  # engine load + first render
+            for attempt in range(2):  # a click can land before JupyterLab wires its menus: retry once
+                page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+                page.get_by_text("Run All Cells", exact=True).first.click()
+                try:
+                    page.wait_for_selector(".nbgen-dashboard", timeout=150_000)  # engine load + first render
+                    break
+                except Exception:
+                    page.screenshot(path=os.path.join(ARTIFACTS, f"no-dashboard-{attempt}.png"), full_page=True)
+                    if attempt == 1:
+                        raise
             seen, t_end = [], time.time() + 400
             while time.time() < t_end:
                 nums = _dash_numbers(page)
@@ -118,12 +125,12 @@ def test_dashboard_renders_and_updates_in_jupyterlab(jupyterlab) -> None:
             page.screenshot(path=os.path.join(ARTIFACTS, "dashboard-final.png"), full_page=True)
         finally:
             browser.close()
-    outs = [s["out"] for s in seen if s["status"] == "live"]
     running_samples = [s for s in seen if s["running"] > 0]
     assert running_samples, f"never saw a running request: {seen[-5:]}"
     # the total output tokens moved while requests were running: live updates, not one render
     mid = {s["out"] for s in running_samples}
     assert len(mid) >= 2, f"numbers did not change during the generation: {sorted(mid)}"
-    assert max(outs) == 8 * 24, seen[-3:]  # the notebook's batch: 8 prompts x 24 tokens (ignore_eos)
+    # the final total (the last live sample or the snapshot published at shutdown): 8 prompts x 24 tokens
+    assert max(s["out"] for s in seen) == 8 * 24, seen[-3:]  # the notebook's batch: 8 prompts x 24 tokens (ignore_eos)
     assert seen[-1]["status"] == "engine shut down"
     assert os.path.exists(os.path.join(ARTIFACTS, "dashboard.png"))
