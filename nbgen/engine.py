@@ -15,6 +15,7 @@ from nbgen.config import EngineConfig
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
                              normalize_inputs, per_item)
 from nbgen.progress import BatchProgress
+from nbgen.request_options import attach_options, check_structured
 from nbgen.runtime.loop import LoopThread
 from nbgen.runtime.request import Request
 from nbgen.runtime.tracker import Update
@@ -89,31 +90,43 @@ class Engine:
 
     def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
                  top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
-                 rid: Any) -> tuple[list[Request], bool]:
+                 rid: Any, return_hidden_states: Any = False,
+                 custom_logit_processor: Any = None) -> tuple[list[Request], bool]:
         self._check_alive()
         items, single, kind = normalize_inputs(prompt, input_ids)
         n = len(items)
         if isinstance(sampling_params, list) and single:
             raise ValueError("sampling_params is a list but a single prompt was given")
         sps = [build_params(d, self._facts) for d in per_item("sampling_params", sampling_params, n)]
+        for sp in sps:
+            check_structured(sp)   # invalid json_schema / regex / ebnf / stop_regex -> ValueError
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size)
         rids = per_item("rid", rid, n)
         ids_list = [self.encode(p) for p in items] if kind == "prompt" else items
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
-        return make_requests(ids_list, sps, lps, rids, self._facts, self._rng), single
+        reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
+        attach_options(reqs, sps, per_item("return_hidden_states", return_hidden_states, n),
+                       per_item("custom_logit_processor", custom_logit_processor, n),
+                       self.config.enable_custom_logit_processor)
+        return reqs, single
 
     # ---- sync -----------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, token_ids_logprob: Any = None, rid: Any = None,
-                 use_tqdm: Optional[bool] = None) -> Any:
+                 use_tqdm: Optional[bool] = None, return_hidden_states: Any = False,
+                 custom_logit_processor: Any = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
         ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
+        ``return_hidden_states=True`` adds ``meta_info["hidden_states"]`` (one last-layer state per
+        generated token); ``custom_logit_processor`` takes ``CustomLogitProcessor.to_str()`` strings
+        (Engine(enable_custom_logit_processor=True) only).
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
-                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid)
+                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
+                                     return_hidden_states, custom_logit_processor)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -127,7 +140,8 @@ class Engine:
         """Yield ``(index, output)`` as each request finishes; closing early aborts the rest."""
         reqs, _ = self._prepare(prompt, sampling_params, input_ids, kw.pop("return_logprob", False),
                                 kw.pop("top_logprobs_num", 0), kw.pop("logprob_start_len", -1),
-                                kw.pop("token_ids_logprob", None), kw.pop("rid", None))
+                                kw.pop("token_ids_logprob", None), kw.pop("rid", None),
+                                kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None))
         if kw:
             raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
         index = {r.rid: i for i, r in enumerate(reqs)}
@@ -193,10 +207,12 @@ class Engine:
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                              stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
                              logprob_start_len: Any = -1, token_ids_logprob: Any = None,
-                             rid: Any = None) -> Any:
+                             rid: Any = None, return_hidden_states: Any = False,
+                             custom_logit_processor: Any = None) -> Any:
         """Awaitable twin of generate(); with ``stream=True`` it returns an async iterator of chunks."""
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
-                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid)
+                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
+                                     return_hidden_states, custom_logit_processor)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")

@@ -56,4 +56,6 @@ def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
     }
     if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:
         meta.update(logprob_fields(req, decode, logprob_start))
+    if req.return_hidden_states:   # one final-normed last-layer state per generated token
+        meta["hidden_states"] = req.hidden_states[logprob_start:len(req.output_ids)]
     return {"text": text, "output_ids": output_ids, "meta_info": meta}

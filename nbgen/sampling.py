@@ -151,3 +151,6 @@ class SamplingParams:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+from nbgen.logit_processor import CustomLogitProcessor  # noqa: E402,F401  (SGLang's import site)

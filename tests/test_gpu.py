@@ -13,7 +13,7 @@ import torch
 
 import nbgen
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 SP = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
 
@@ -83,6 +83,7 @@ def _close(a: list[dict], b: list[dict]) -> None:
     assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
 
 
+@gpu
 def test_graph_eager_overlap(model_dir):
     prompts = _prompts()
     # same kernels in the same order: overlap scheduling must not change a single token
@@ -99,12 +100,14 @@ def test_graph_eager_overlap(model_dir):
     assert b[-1]["meta_info"]["cached_tokens"] > 0 or len(prompts[-1]) < 16
 
 
+@gpu
 def test_flashinfer_matches_torch_backend(model_dir):
     prompts = _prompts()
     _close(_gen(model_dir, prompts, logprobs=True),
            _gen(model_dir, prompts, logprobs=True, attention_backend="torch", disable_cuda_graph=True))
 
 
+@gpu
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_hf_parity_teacher_forced(model_dir, chunk):
     from transformers import AutoModelForCausalLM
@@ -141,3 +144,49 @@ def test_hf_parity_teacher_forced(model_dir, chunk):
     assert agree >= 0.95 and len(clear) >= len(ref_top) // 2
     assert agree_clear >= 0.99
     assert dlp <= 0.05
+
+
+def test_decode_tables_match_page_lists():
+    """CPU: the numpy decode page tables equal the list-built ones while pages grow, get replaced
+    (preemption) and get rewritten in place after a prompt step (prefix-cache swap)."""
+    from nbgen.attention.base import AttentionBackend
+    from nbgen.attention.flashinfer_backend import DecodeTables, page_tables
+    from nbgen.runtime.batch import ScheduledBatch, SeqWork
+    from nbgen.runtime.request import Request
+    from nbgen.sampling import SamplingParams
+
+    P, rng = 4, random.Random(0)
+    reqs = [Request(str(i), [1] * rng.randint(1, 9), SamplingParams()) for i in range(6)]
+    for r in reqs:
+        r.pages = [rng.randrange(1, 1000) for _ in range(-(-len(r.prompt_ids) // P))]
+    tables = DecodeTables(P)
+    kv = {r.rid: len(r.prompt_ids) for r in reqs}
+    for step in range(60):
+        live = [r for r in reqs if rng.random() < 0.8]
+        if step % 7 == 3:                     # a prompt step: entries of its seqs are forgotten, then swapped
+            r = live[0] if live else reqs[0]
+            tables.forget(ScheduledBatch([SeqWork(r, [1, 1], 0, r.pages, True)], P))
+            r.pages[0] = rng.randrange(1, 1000)
+        if step % 11 == 5 and live:           # preemption hands the request a new list
+            live[-1].pages = list(live[-1].pages)
+        seqs = []
+        for r in live:
+            kv[r.rid] += 1
+            while len(r.pages) * P < kv[r.rid]:
+                r.pages.append(rng.randrange(1, 1000))
+            r.output_ids = [0] * (kv[r.rid] - len(r.prompt_ids))
+            seqs.append(SeqWork(r, [0], kv[r.rid] - 1, r.pages, True))
+        if not seqs:
+            continue
+        batch = ScheduledBatch(seqs, P)
+        indptr, idx, last, pos, slots = tables.build(batch)
+        _, ref_ptr, ref_idx, ref_last = page_tables(batch, P)
+        assert indptr.tolist() == ref_ptr and idx.tolist() == ref_idx and last.tolist() == ref_last
+        assert slots.tolist() == AttentionBackend.slot_mapping(tables_backend(P), batch)
+        assert pos.tolist() == [s.start_pos for s in seqs]
+
+
+def tables_backend(P: int):
+    class _B:
+        spec = type("S", (), {"page_size": P})()
+    return _B()

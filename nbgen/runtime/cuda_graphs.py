@@ -5,26 +5,42 @@ with the KV writes and decode attention, final norm) over static input buffers; 
 memory pool (captured largest first, so smaller graphs reuse its blocks). A decode step of n seqs
 replays the smallest graph with bs >= n: rows n..bs-1 are padding whose page table is the scratch
 page 0 (one token) and whose KV slot is slot 0 of that page, so they never touch live pages.
-Before each replay the bs-sized flashinfer wrapper is re-planned into its fixed GPU buffers.
+
+Per replay the host does numpy work only: the step's token ids, positions, KV slots and placeholder
+sources go to the GPU in one copy from a pinned staging buffer, its kv_indices in a second one
+straight into the wrapper's indices buffer, and the bs-sized wrapper is re-planned. Overlap
+placeholders (token id -(k+1) = "row k of the previous step's sampled ids") are resolved inside the
+graph from a static copy of those ids, so no extra host->device transfer is needed for them.
+Staging buffers alternate between two slots, each guarded by an event, because a step's copies
+may still be queued on the GPU while the host prepares the next step.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
-from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata, page_tables
+from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.runtime.batch import ScheduledBatch
 from nbgen.runtime.pages import SCRATCH_PAGE
 
 logger = logging.getLogger("nbgen")
 
+# previous step's sampled ids that placeholders can refer to inside a graph (larger batches: eager)
+PREV_CAPACITY = 4096
+
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to max_bs (and max_bs itself)."""
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
+    """1, 2, 4, 8, 16, 24, 32, then steps of 16 up to 64, of 32 up to 256, of 64 beyond (and max_bs).
+
+    Decode is bandwidth-bound, so padding a batch by up to ~25 % costs little; fewer graphs make
+    start-up faster (each capture runs the model three times).
+    """
+    cand = [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, 257, 32)) + list(range(320, max_bs + 1, 64))
+    sizes = [b for b in cand if b <= max_bs]
     if max_bs not in sizes:
         sizes.append(max_bs)
     return sorted(set(sizes))
@@ -46,63 +62,116 @@ class CudaGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         dev = backend.spec.device
         P = backend.spec.page_size
-        # static inputs: row 0 token ids, row 1 positions, row 2 KV slots (one H2D copy per step)
-        self.io = torch.zeros(3, self.max_bs, dtype=torch.long, device=dev)
-        self.indptr = torch.zeros(self.max_bs + 1, dtype=torch.int32, device=dev)
+        mb = self.max_bs
+        # static inputs, flat so that each graph's [4, bs] view is contiguous (one H2D copy per step):
+        # row 0 token ids, row 1 positions, row 2 KV slots, row 3 placeholder source row (-1: none)
+        self.io = torch.zeros(4 * mb, dtype=torch.long, device=dev)
+        self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
+        self.indptr = torch.zeros(mb + 1, dtype=torch.int32, device=dev)
         pages_per_seq = (max_context + P - 1) // P + 1
-        self.indices = torch.zeros(self.max_bs * pages_per_seq, dtype=torch.int32, device=dev)
-        self.last = torch.zeros(self.max_bs, dtype=torch.int32, device=dev)
+        self.indices = torch.zeros(mb * pages_per_seq, dtype=torch.int32, device=dev)
+        self.last = torch.zeros(mb, dtype=torch.int32, device=dev)
+        # two pinned staging slots: (io [4*mb] i64, indptr [mb+1] i32, last [mb] i32, indices i32, event)
+        self._stage = [[torch.zeros(4 * mb, dtype=torch.long).pin_memory(),
+                        torch.zeros(mb + 1, dtype=torch.int32).pin_memory(),
+                        torch.zeros(mb, dtype=torch.int32).pin_memory(),
+                        torch.zeros(self.indices.numel(), dtype=torch.int32).pin_memory(), None]
+                       for _ in range(2)]
+        self._np = [[t.numpy() for t in st[:4]] for st in self._stage]
+        self._slot = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.wrappers: dict[int, Any] = {}
         self.pool = None
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
-        for bs in reversed(self.batch_sizes):
-            self._capture(bs)
+        for i, bs in enumerate(reversed(self.batch_sizes)):
+            self._capture(bs, warmup=2 if i == 0 else 1)
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
         logger.info("captured %d decode graphs (bs %s) in %.1f s, %.0f MiB", len(self.graphs),
                     self.batch_sizes, self.capture_seconds, self.memory_bytes / 2**20)
 
-    def _plan_padding(self, bs: int, n: int, kv_ptr: list[int], idx: list[int], last: list[int]) -> None:
-        pad = bs - n
-        kv_ptr = kv_ptr + [kv_ptr[-1] + i + 1 for i in range(pad)]
-        self.backend.plan_decode(self.wrappers[bs], kv_ptr, idx + [SCRATCH_PAGE] * pad, last + [1] * pad)
+    def _forward_static(self, bs: int, meta: FlashInferMetadata) -> torch.Tensor:
+        """What a graph runs: resolve placeholders from ``prev``, then the model over the static rows."""
+        v = self.io[: 4 * bs].view(4, bs)
+        src = v[3]
+        ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), v[0])
+        return self.model(ids, v[1], meta)
 
-    def _capture(self, bs: int) -> None:
+    def _stage_slot(self) -> tuple[list, list]:
+        """The next pinned staging slot, once the GPU has consumed its previous contents."""
+        self._slot ^= 1
+        st = self._stage[self._slot]
+        if st[4] is not None:
+            st[4].synchronize()
+        return st, self._np[self._slot]
+
+    def _plan(self, bs: int, st: list, npv: list, n: int, nnz: int) -> None:
+        """Copy kv_indices (already staged for n seqs, nnz pages) to the GPU and plan the bs wrapper;
+        padding rows get one page each (the scratch page) holding one token."""
+        pad = bs - n
+        ip, last, idx = npv[1], npv[2], npv[3]
+        ip[n + 1: bs + 1] = ip[n] + np.arange(1, pad + 1, dtype=np.int32)
+        last[n:bs] = 1
+        idx[nnz: nnz + pad] = SCRATCH_PAGE
+        total = nnz + pad
+        self.indices[:total].copy_(st[3][:total], non_blocking=True)
+        # indices are passed as the device buffer itself: flashinfer's copy into it is then a no-op
+        self.backend.plan_decode(self.wrappers[bs], st[1][: bs + 1], self.indices[:total], st[2][:bs])
+
+    def _capture(self, bs: int, warmup: int) -> None:
         w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs])
         self.wrappers[bs] = w
-        self._plan_padding(bs, 0, [0], [], [])
-        meta = FlashInferMetadata(self.backend, self.io[2, :bs], w)
-        ids, pos = self.io[0, :bs], self.io[1, :bs]
+        st, npv = self._stage_slot()
+        npv[1][0] = 0
+        npv[0][: 4 * bs] = 0
+        npv[0][3 * bs: 4 * bs] = -1
+        self.io[: 4 * bs].copy_(st[0][: 4 * bs])
+        self._plan(bs, st, npv, 0, 0)
+        meta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], w)
         with torch.inference_mode():
-            for _ in range(2):   # warm-up: kernel selection, lazy allocations, JIT loads
-                self.model(ids, pos, meta)
+            for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
+                self._forward_static(bs, meta)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = self.model(ids, pos, meta)
+                out = self._forward_static(bs, meta)
         if self.pool is None:
             self.pool = g.pool()
         self.graphs[bs] = g
         self.outputs[bs] = out
 
-    def can_run(self, batch: ScheduledBatch) -> bool:
-        return batch.is_decode_only and len(batch.seqs) <= self.max_bs
+    def can_run(self, batch: ScheduledBatch, prev: Optional[torch.Tensor] = None) -> bool:
+        return (batch.is_decode_only and len(batch.seqs) <= self.max_bs
+                and (prev is None or prev.numel() <= PREV_CAPACITY))
 
-    def run(self, batch: ScheduledBatch, ids: list[int], pos: list[int], slots: list[int],
-            patch: Any = None) -> torch.Tensor:
-        """Replay for a decode-only batch; ``patch(input_ids_view)`` may fill placeholder ids on the GPU."""
+    def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replay for a decode-only batch; ids < 0 are placeholders for rows of ``prev`` (GPU ids)."""
         n = len(batch.seqs)
         bs = next(b for b in self.batch_sizes if b >= n)
-        pad = [0] * (bs - n)   # padding: token 0 at position 0 into slot 0 of the scratch page
-        host = torch.tensor([ids + pad, pos + pad, slots + pad], dtype=torch.long).pin_memory()
-        self.io[:, :bs].copy_(host, non_blocking=True)
-        if patch is not None:
-            patch(self.io[0, :bs])
-        _, kv_ptr, idx, last = page_tables(batch, self.backend.spec.page_size)
-        self._plan_padding(bs, n, kv_ptr, idx, last)
+        kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch)
+        st, npv = self._stage_slot()
+        io = npv[0][: 4 * bs].reshape(4, bs)
+        tok = np.fromiter(ids, dtype=np.int64, count=n)
+        ph = tok < 0
+        io[0, :n] = np.where(ph, 0, tok)
+        io[1, :n] = pos
+        io[2, :n] = slots
+        io[3, :n] = np.where(ph, -tok - 1, -1)
+        io[:3, n:] = 0                    # padding: token 0 at position 0 into slot 0 of the scratch page
+        io[3, n:] = -1
+        nnz = len(idx)
+        npv[1][: n + 1] = kv_ptr
+        npv[2][:n] = last
+        npv[3][:nnz] = idx
+        self.io[: 4 * bs].copy_(st[0][: 4 * bs], non_blocking=True)
+        if prev is not None and bool(ph.any()):
+            self.prev[: prev.numel()].copy_(prev)
+        self._plan(bs, st, npv, n, nnz)
+        ev = torch.cuda.Event()
+        ev.record()
+        st[4] = ev
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

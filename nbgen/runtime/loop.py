@@ -66,6 +66,7 @@ class LoopThread:
         self.scheduler = None
         self.tokenizer = None
         self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
+        self._grammar = None  # GrammarService, made at the first json_schema / regex / ebnf request
 
     # ---- caller side (any thread) ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -142,6 +143,8 @@ class LoopThread:
         try:
             loop.run_until_complete(self._main())
         finally:
+            if self._grammar is not None:
+                self._grammar.shutdown("engine is shut down")
             self._fail_all("engine is shut down")
             self.runner = None
             loop.close()
@@ -244,14 +247,30 @@ class LoopThread:
 
     def _snapshot(self) -> dict[str, Any]:
         s = self.scheduler.stats()
-        return {"running": s["running"], "waiting": s["waiting"], "kv_pages_used": s["pages_used"],
+        held = len(self._grammar.held) if self._grammar is not None else 0   # waiting for a grammar
+        return {"running": s["running"], "waiting": s["waiting"] + held, "kv_pages_used": s["pages_used"],
                 "kv_pages_total": s["pages_total"], "prefix_cache_pages": s["prefix_cache_pages"],
                 "page_size": self.cfg.page_size}
 
     def _add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         for r in reqs:
             self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
-            self.scheduler.add(r)
+            if r.params.json_schema is None and r.params.regex is None and r.params.ebnf is None:
+                self.scheduler.add(r)
+            else:  # compiled in a worker thread; admitted once ready
+                self._grammars().prepare(r)
+
+    def _grammars(self) -> Any:
+        if self._grammar is None:
+            from nbgen.runtime.grammar import GrammarService
+
+            self._grammar = GrammarService(self.tokenizer, self.runner.vocab_size, self._post,
+                                           admit=self._admit, finished=self._reap)
+        return self._grammar
+
+    def _admit(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self._reap()   # add() finishes a request that can never fit at once
 
     def _abort(self, rids: list[str], message: str) -> None:
         if self._overlap is not None:
@@ -259,6 +278,8 @@ class LoopThread:
         for rid in rids:
             if rid in self._tracked:
                 self.scheduler.abort(rid, message)
+                if self._grammar is not None:
+                    self._grammar.abort(rid, message)
         self._reap()
 
     def _fail_all(self, message: str) -> None:

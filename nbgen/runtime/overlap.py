@@ -10,8 +10,9 @@ Per loop iteration (``OverlapStepper.step``):
      bookkeeping only depend on counts), and N+1 becomes the pending step.
 A request that hit a stop token at step N has already been scheduled for N+1; that extra token is
 dropped because ``update`` skips requests that are no longer running. Batches that need host-side
-token values (logprobs, penalties over output ids) run synchronously after a flush, so greedy and
-seeded outputs are identical with and without overlap.
+token values (logprobs, penalties over output ids, grammars, custom logit processors, hidden
+states) run synchronously after a flush, so greedy and seeded outputs are identical with and
+without overlap.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def overlappable(batch: ScheduledBatch) -> bool:
         if s.prompt_logprob_start >= 0 or lp.return_logprob:
             return False
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            return False
+        r = s.req   # grammar matchers and custom processors need each real token before the next step
+        if r.grammar is not None or r.logit_processor is not None or r.return_hidden_states:
             return False
     return True
 

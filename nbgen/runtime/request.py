@@ -37,6 +37,8 @@ class Request:
     seed: int = 0                            # per-request RNG seed (sampling_seed or drawn at submit)
     group: Optional[str] = None              # samples of one prompt share a group (prefix sharing)
     arrival: float = field(default_factory=time.perf_counter)
+    logit_processor: Optional[Any] = None    # custom logit processor instance (caller-supplied code)
+    return_hidden_states: bool = False       # collect the last layer's state per generated token
 
     # --- mutable state (loop thread only) ---
     status: Status = Status.WAITING
@@ -55,6 +57,8 @@ class Request:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     output_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     prompt_logprobs_done: bool = False
+    grammar: Optional[Any] = None            # GrammarState (json_schema / regex / ebnf), set before admission
+    hidden_states: list[list[float]] = field(default_factory=list)  # [completion_tokens][hidden]
 
     @property
     def all_ids(self) -> list[int]:

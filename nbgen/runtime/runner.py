@@ -9,7 +9,7 @@ previous launch" and is filled in on the GPU.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -43,6 +43,8 @@ class Launched:
     tokens: Optional[torch.Tensor]        # [S] long on the device, S = number of sampling seqs
     host: Optional[torch.Tensor]          # [S] long pinned copy (valid once `event` completed)
     event: Optional[Any]                  # torch.cuda.Event after the copy; None on CPU
+    errors: dict[int, str] = field(default_factory=dict)  # sampling row -> error (custom processors)
+    hidden: Optional[torch.Tensor] = None  # [S, H] final-normed states of the sampling rows, if asked
 
 
 class ModelRunner:
@@ -153,9 +155,9 @@ class ModelRunner:
 
     def _forward(self, batch: ScheduledBatch, ids: list[int], pos: list[int]) -> torch.Tensor:
         """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
+        if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
+            return self.graphs.run(batch, ids, self._last_tokens)   # placeholders resolved in the graph
         patch = self._placeholder_patch(ids)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, ids, pos, self.backend.slot_mapping(batch), patch)
         input_ids = self._to_dev(ids)
         if patch is not None:
             patch(input_ids)
@@ -167,32 +169,39 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""
-        ids: list[int] = []
-        pos: list[int] = []
-        rows: list[int] = []
-        seqs: list[SeqWork] = []
-        row = 0
-        for s in batch.seqs:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.kv_len))
-            if s.sample:
-                rows.append(row + s.q_len - 1)
-                seqs.append(s)
-            row += s.q_len
-        hidden = self._forward(batch, ids, pos)
+        if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
+            # decode-only graph replay: one token per seq, positions and slots come from the page tables
+            seqs = [s for s in batch.seqs if s.sample]
+            hidden = self.graphs.run(batch, [s.token_ids[0] for s in batch.seqs], self._last_tokens)
+            rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
+        else:
+            ids: list[int] = []
+            pos: list[int] = []
+            rows = []
+            seqs = []
+            row = 0
+            for s in batch.seqs:
+                ids.extend(s.token_ids)
+                pos.extend(range(s.start_pos, s.kv_len))
+                if s.sample:
+                    rows.append(row + s.q_len - 1)
+                    seqs.append(s)
+                row += s.q_len
+            hidden = self._forward(batch, ids, pos)
         if not seqs:
             return Launched(batch, None, None, None)
-        if len(rows) != hidden.shape[0]:
+        if len(seqs) != hidden.shape[0]:
             hidden = hidden.index_select(0, self._to_dev(rows))
-        tokens = self.sampler(self.model.compute_logits(hidden), seqs).token_ids
-        self._last_tokens = tokens
+        res = self.sampler(self.model.compute_logits(hidden), seqs)
+        tokens = self._last_tokens = res.token_ids
+        keep = hidden if any(s.req.return_hidden_states for s in seqs) else None
         if not self.on_gpu:
-            return Launched(batch, tokens, tokens, None)
+            return Launched(batch, tokens, tokens, None, res.errors, keep)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        return Launched(batch, tokens, host, ev)
+        return Launched(batch, tokens, host, ev, res.errors, keep)
 
     @staticmethod
     def resolve(launched: Launched) -> list[int]:
@@ -207,11 +216,28 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> StepOutput:
         """Forward the batch's tokens, sample where asked, gather logprobs."""
         if not any(self._wants_logprobs(s) for s in batch.seqs):
-            out = self.resolve(self.launch(batch))
+            launched = self.launch(batch)
+            out = self.resolve(launched)
             n = len(batch.seqs)
+            errors, hs = self._per_seq(batch, launched.errors, launched.hidden)
             return StepOutput(next_token_ids=out, output_logprobs=[None] * n,
-                              prompt_logprobs=[None] * n, errors={})
+                              prompt_logprobs=[None] * n, errors=errors, hidden_states=hs)
         return self._step_logprobs(batch)
+
+    @staticmethod
+    def _per_seq(batch: ScheduledBatch, errors: dict[int, str],
+                 hidden: Optional[torch.Tensor]) -> tuple[dict[int, str], Optional[list]]:
+        """Sampling-row errors and hidden states [S, H] -> keyed / listed by seq index."""
+        sample_idx = [i for i, s in enumerate(batch.seqs) if s.sample]
+        out_err = {sample_idx[k]: msg for k, msg in errors.items()}
+        if hidden is None:
+            return out_err, None
+        hs: list = [None] * len(batch.seqs)
+        rows = hidden.float().tolist()
+        for k, i in enumerate(sample_idx):
+            if batch.seqs[i].req.return_hidden_states:
+                hs[i] = rows[k]
+        return out_err, hs
 
     @staticmethod
     def _wants_logprobs(s: SeqWork) -> bool:
@@ -247,14 +273,18 @@ class ModelRunner:
         dev = self.device
         hidden = self._forward(batch, ids, pos)                              # [T, H]
         rows = self._to_dev(sample_rows + prompt_rows)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))    # [S + Np, V] fp32
+        hidden = hidden.index_select(0, rows)                                # [S + Np, H]
+        logits = self.model.compute_logits(hidden)                          # [S + Np, V] fp32
 
         n = len(batch.seqs)
         next_ids = [-1] * n
         out_lps: list[Optional[TokenLogprobs]] = [None] * n
         prm_lps: list[Optional[list[TokenLogprobs]]] = [None] * n
+        errors, hs = {}, None
         if sample_seqs:
             res = self.sampler(logits[: len(sample_rows)], sample_seqs)
+            want_hs = any(s.req.return_hidden_states for s in sample_seqs)
+            errors, hs = self._per_seq(batch, res.errors, hidden[: len(sample_rows)] if want_hs else None)
             self._last_tokens = res.token_ids
             toks = res.token_ids.tolist()
             k = 0
@@ -278,7 +308,7 @@ class ModelRunner:
             if s.prompt_logprob_start >= 0 and prm_lps[i] is None:
                 prm_lps[i] = []
         return StepOutput(next_token_ids=next_ids, output_logprobs=out_lps,
-                          prompt_logprobs=prm_lps, errors={})
+                          prompt_logprobs=prm_lps, errors=errors, hidden_states=hs)
 
     @staticmethod
     def _ids_logprobs(row_logits: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:

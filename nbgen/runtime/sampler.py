@@ -5,6 +5,7 @@ Per step, over a [B, V] float32 logits tensor (row i belongs to seqs[i]), in thi
   2. repetition_penalty                (HF: over prompt+output ids; positive / p, negative * p)
   3. frequency / presence penalties    (OpenAI: over output ids; - f * count - p * [count > 0])
   4. min_new_tokens                    (stop ids masked to -inf while too few tokens exist)
+     then custom logit processors and grammar bitmasks (runtime/constraints.py, only their rows)
   5. greedy rows (temperature 0 or top_k 1): argmax
   6. other rows: / temperature, top_k, top_p (on the top-k-renormalised distribution),
      min_p (relative to the most likely token), then a Gumbel-max draw.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional
 
@@ -112,6 +113,7 @@ class SamplerOutput:
 
     token_ids: Tensor
     logprobs: list[Optional[TokenLogprobs]]
+    errors: dict[int, str] = field(default_factory=dict)   # row -> message: abort that request only
 
 
 class Sampler:
@@ -123,8 +125,11 @@ class Sampler:
         Eager, the hash runs ~30 int64 passes over [b, V] (~8 ms at b=256, V=152k on an H100);
         fused it is one read of the logits. Any compile failure falls back to eager once.
         """
+        from nbgen.runtime.constraints import Constraints
+
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.constraints = Constraints(vocab_size, self.device)  # grammar masks, custom processors
         if use_compile is None:
             use_compile = self.device.type == "cuda"
         self._fused = torch.compile(noisy_argmax, dynamic=True) if use_compile else None
@@ -136,6 +141,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits[:, : self.vocab_size].float()  # drop padded lm_head columns; no-op on fp32
         x = self.process(raw, seqs)
+        errors: dict[int, str] = {}
+        if self.constraints.wanted(seqs):
+            x, errors = self.constraints.apply(x, raw, seqs)
         greedy = [s.req.params.greedy for s in seqs]
         if all(greedy):
             tokens = x.argmax(dim=-1)
@@ -147,7 +155,7 @@ class Sampler:
                 tokens = x.argmax(dim=-1)
                 rows_t = host_tensor(rows, torch.long, x.device)
                 tokens.index_copy_(0, rows_t, self._sample(x[rows_t], [seqs[i] for i in rows]))
-        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw, tokens, seqs))
+        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw, tokens, seqs), errors=errors)
 
     # ------------------------------------------------------------------ processors
     def process(self, x: Tensor, seqs: list[SeqWork]) -> Tensor:

@@ -201,7 +201,11 @@ class Scheduler:
                     req.output_token_logprobs.append((lp.logprob, lp.token_id))
                     req.output_top_logprobs.append(lp.top)
                     req.output_ids_logprobs.append(lp.ids)
+                if out.hidden_states is not None and out.hidden_states[i] is not None:
+                    req.hidden_states.append(out.hidden_states[i])
                 reason = self._finish_reason(req, tok)
+                if req.grammar is not None:                  # accept the token; a complete grammar stops
+                    reason = req.grammar.on_token(tok, reason)
                 changed.append(req)
             elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
                 reason = {"type": "length"}

@@ -21,7 +21,8 @@ class Tracked:
     """Turns a request's new token ids into text deltas, finishing it when a stop string matches."""
 
     def __init__(self, req: Request, sink: Callable[[Update], None], stream: bool, tokenizer: Any) -> None:
-        from nbgen.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+        from nbgen.runtime.detokenizer import IncrementalDetokenizer
+        from nbgen.runtime.stop_regex import make_stop_matcher
 
         self.req = req
         self.sink = sink
@@ -30,8 +31,9 @@ class Tracked:
         p = req.params
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
                                              p.spaces_between_special_tokens) if tokenizer is not None else None)
-        self.matcher = StopStringMatcher(p.stop_strs, p.no_stop_trim) if p.stop_strs else None
-        self.n_ids = 0            # output ids already turned into text
+        self.matcher = make_stop_matcher(p.stop_strs, p.stop_regex, p.no_stop_trim)
+        self.n_ids = 0            # output ids already seen (counted as generated)
+        self.n_text = 0           # output ids already turned into text
         self.n_sent_ids = 0       # output ids already sent to a streaming caller
         self.text = ""            # text released so far
         self.n_sent_text = 0
@@ -42,8 +44,11 @@ class Tracked:
     def advance(self, scheduler: Any) -> Optional[Update]:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None."""
         req = self.req
-        new_ids = req.output_ids[self.n_ids:]
         self.n_ids = len(req.output_ids)
+        if not req.finished and not self.stream and self.matcher is None:
+            return None  # nobody reads text before the end: detokenize once, when the request finishes
+        new_ids = req.output_ids[self.n_text:]
+        self.n_text = len(req.output_ids)
         fr = req.finish_reason
         text_ids = new_ids
         if (req.finished and fr and fr.get("type") == "stop" and isinstance(fr.get("matched"), int)

@@ -1,0 +1,48 @@
+"""Caller-side checks and per-request options of structured output and custom logit processors.
+
+Runs on the caller's thread before anything is submitted: an invalid json_schema / regex / ebnf /
+stop_regex, or a custom logit processor on an Engine that does not allow them, raises here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from nbgen.runtime.request import Request
+from nbgen.sampling import SamplingParams
+
+
+def check_structured(sp: SamplingParams) -> None:
+    """ValueError for an invalid grammar or stop_regex (xgrammar / regex parse, cached)."""
+    if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
+        from nbgen.runtime.grammar import check_grammar
+
+        check_grammar(sp)
+    if sp.stop_regex:
+        from nbgen.runtime.stop_regex import compile_stop_regex
+
+        compile_stop_regex([sp.stop_regex] if isinstance(sp.stop_regex, str) else sp.stop_regex)
+
+
+def attach_options(reqs: list[Request], sps: list[SamplingParams], return_hidden_states: list[Any],
+                   processors: list[Any], allow_processors: bool) -> None:
+    """Set return_hidden_states / logit_processor on the Requests (n per prompt, prompt-major)."""
+    loaded: dict[int, Any] = {}
+    for i, spec in enumerate(processors):
+        if spec is None:
+            continue
+        if not allow_processors:
+            raise ValueError("custom_logit_processor runs caller-supplied code: create the Engine with "
+                             "enable_custom_logit_processor=True to allow it")
+        from nbgen.logit_processor import load_processor
+
+        loaded[i] = load_processor(spec)
+    for flag in return_hidden_states:
+        if not isinstance(flag, bool):
+            raise TypeError(f"return_hidden_states must be a bool, got {flag!r}")
+    k = 0
+    for i, sp in enumerate(sps):
+        for _ in range(sp.n):
+            reqs[k].return_hidden_states = return_hidden_states[i]
+            reqs[k].logit_processor = loaded.get(i)
+            k += 1
+    assert k == len(reqs), (k, len(reqs))

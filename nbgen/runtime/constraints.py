@@ -1,0 +1,110 @@
+"""Per-request logit constraints inside the batched sampler: custom logit processors, grammar masks.
+
+Applied after bias / penalties and before temperature and sampling, only to the rows of requests
+that have them (a batch without any costs one Python scan). Order: custom processors first, then
+the grammar mask, so a grammar is never violated by a processor.
+
+Grammar masks: each constrained row's matcher fills its row of an int32 bitmask [B, ceil(V/32)] on
+the host (in parallel threads for large batches; on CUDA this overlaps the queued forward pass),
+the bitmask goes to the logits' device and xgrammar's kernel sets disallowed logits to -inf.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from nbgen.runtime.batch import SeqWork
+
+logger = logging.getLogger("nbgen")
+
+BATCH_FILL_MIN = 8  # constrained rows from which the bitmask is filled by xgrammar's thread pool
+
+
+class Constraints:
+    """Applies custom processors and grammar bitmasks to [B, V] float32 logits (loop thread)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._host: Optional[Tensor] = None      # int32 [rows, ceil(V/32)] host bitmask (pinned on CUDA)
+        self._batch_matcher: Optional[Any] = None
+        self._backend = "cpu" if self.device.type == "cpu" else "triton"
+
+    @staticmethod
+    def wanted(seqs: list[SeqWork]) -> bool:
+        return any(s.req.grammar is not None or s.req.logit_processor is not None for s in seqs)
+
+    def apply(self, x: Tensor, raw: Tensor, seqs: list[SeqWork]) -> tuple[Tensor, dict[int, str]]:
+        """-> (logits with constraints applied, {row: error message} for failed processors).
+
+        ``raw`` are the unprocessed logits (kept intact for logprobs): x is copied if it is raw.
+        """
+        procs = [i for i, s in enumerate(seqs) if s.req.logit_processor is not None]
+        gram = [i for i, s in enumerate(seqs) if s.req.grammar is not None]
+        if not procs and not gram:
+            return x, {}
+        if x is raw or x.data_ptr() == raw.data_ptr():
+            x = x.clone()
+        errors = self._run_processors(x, seqs, procs) if procs else {}
+        if gram:
+            self._mask(x, seqs, [i for i in gram if i not in errors])
+        return x, errors
+
+    # ------------------------------------------------------------------ custom processors
+    @staticmethod
+    def _run_processors(x: Tensor, seqs: list[SeqWork], rows: list[int]) -> dict[int, str]:
+        """Each request's processor on its own row; an exception fails that request only."""
+        errors: dict[int, str] = {}
+        for i in rows:
+            req = seqs[i].req
+            try:
+                out = req.logit_processor(x[i:i + 1].clone(), [dict(req.params.custom_params or {})])
+                if not isinstance(out, Tensor) or out.numel() != x.shape[1]:
+                    raise TypeError(f"must return a [1, {x.shape[1]}] tensor, got "
+                                    f"{tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__}")
+                x[i] = out.reshape(-1).to(device=x.device, dtype=x.dtype)
+            except Exception as e:  # noqa: BLE001 - caller-supplied code: abort its request only
+                logger.warning("custom logit processor of %s failed: %s: %s", req.rid, type(e).__name__, e)
+                errors[i] = f"custom logit processor failed: {type(e).__name__}: {e}"
+        return errors
+
+    # ------------------------------------------------------------------ grammar masks
+    def _bitmask(self, rows: int) -> Tensor:
+        import xgrammar as xgr
+
+        if self._host is None or self._host.shape[0] < rows:
+            n = max(rows, 2 * self._host.shape[0] if self._host is not None else 8)
+            t = xgr.allocate_token_bitmask(n, self.vocab_size)               # int32 [n, ceil(V/32)]
+            self._host = t.pin_memory() if self.device.type == "cuda" else t
+        return self._host
+
+    def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int]) -> None:
+        if not rows:
+            return
+        import xgrammar as xgr
+
+        bm = self._bitmask(x.shape[0])
+        if len(rows) >= BATCH_FILL_MIN:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(
+                [seqs[i].req.grammar.matcher for i in rows], bm, indices=rows)
+        else:
+            for i in rows:
+                seqs[i].req.grammar.fill(bm, i)
+        # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
+        # (synchronise) before the next one is built
+        dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
+        try:
+            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=self.vocab_size, indices=rows,
+                                            backend=self._backend)
+        except Exception as e:  # noqa: BLE001 - e.g. no triton on this GPU host: torch fallback
+            if self._backend in ("cpu", "torch_native"):
+                raise
+            logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
+            self._backend = "torch_native"
+            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=self.vocab_size, indices=rows,
+                                            backend=self._backend)

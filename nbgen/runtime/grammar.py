@@ -1,0 +1,189 @@
+"""Structured output with xgrammar: grammar checks, off-thread compilation, per-request matchers.
+
+- ``check_grammar`` (caller thread): parses a request's json_schema / regex / ebnf with xgrammar
+  (no tokenizer needed, cached) so a bad one raises ValueError before anything is submitted.
+- ``GrammarService`` (loop thread): compiles grammars against the model's tokenizer in a worker
+  thread (xgrammar's GrammarCompiler caches per grammar), holds a request until its grammar is
+  ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
+  other requests meanwhile.
+- ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
+  sampling, accepts each sampled token, and ends the request when the grammar terminates.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+from collections import OrderedDict
+import json
+import logging
+from typing import Any, Callable, Optional
+
+from nbgen.sampling import SamplingParams
+
+logger = logging.getLogger("nbgen")
+
+MAX_READY = 256       # compiled grammars kept on the loop side (xgrammar's compiler caches too)
+ANY_JSON = "$$ANY$$"   # json_schema value meaning "any JSON value" (as SGLang)
+Key = tuple[str, str]  # (kind, grammar text), kind in json_schema | regex | ebnf
+
+
+def grammar_key(p: SamplingParams) -> Optional[Key]:
+    """(kind, text) of a request's grammar, or None for a free request."""
+    for kind in ("json_schema", "regex", "ebnf"):
+        v = getattr(p, kind)
+        if v is not None:
+            return kind, v
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _parse(kind: str, text: str) -> None:
+    import xgrammar as xgr
+
+    if kind == "json_schema":
+        if text != ANY_JSON:
+            xgr.Grammar.from_json_schema(text)
+    elif kind == "regex":
+        xgr.Grammar.from_regex(text)
+    else:
+        xgr.Grammar.from_ebnf(text)
+
+
+def check_grammar(p: SamplingParams) -> None:
+    """Raise ValueError when the request's json_schema / regex / ebnf is invalid (caller thread)."""
+    if isinstance(p.json_schema, dict):       # a convenience: a schema dict instead of its JSON text
+        p.json_schema = json.dumps(p.json_schema)
+    key = grammar_key(p)
+    if key is None:
+        return
+    kind, text = key
+    if not isinstance(text, str) or not text:
+        raise TypeError(f"{kind} must be a non-empty string, got {text!r:.80}")
+    if kind == "json_schema" and text != ANY_JSON:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    try:
+        _parse(kind, text)
+    except ImportError as e:
+        raise ImportError("structured output needs xgrammar: pip install xgrammar") from e
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ValueError(f"invalid {kind}: {msg}") from None
+
+
+class GrammarState:
+    """One request's xgrammar matcher (loop thread only)."""
+
+    def __init__(self, compiled: Any, stop_ids: frozenset[int]) -> None:
+        import xgrammar as xgr
+
+        # the request's stop ids (model EOS + stop_token_ids) end the grammar; with ignore_eos and
+        # no stop_token_ids the tokenizer's EOS still does (a grammar needs some way to end)
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids) or None)
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        """Write the allowed next tokens into row ``row`` of an int32 [B, ceil(V/32)] bitmask."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def on_token(self, tok: int, reason: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        """Accept a sampled token; returns the request's finish reason after it (or None)."""
+        if self.matcher.is_terminated():
+            return reason
+        if not self.matcher.accept_token(tok):
+            return {"type": "abort", "message": f"sampled token {tok} is not allowed by the grammar"}
+        if self.matcher.is_terminated():
+            # the grammar accepted a stop token: it is complete; a length cut in the same step loses
+            return reason if reason is not None and reason.get("type") == "stop" else {"type": "stop", "matched": tok}
+        return reason
+
+
+class GrammarService:
+    """Compiles grammars in a worker thread and holds requests until theirs is ready (loop thread)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, post: Callable[..., None],
+                 admit: Callable[[Any], None], finished: Callable[[], None], threads: int = 2) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size          # the logits width (config.vocab_size), may exceed the tokenizer's
+        self._post = post                      # post(fn, *args): run fn on the loop thread (thread-safe)
+        self._admit = admit                    # hand a ready request to the scheduler
+        self._finished = finished              # deliver requests finished here (the loop's reap)
+        self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nbgen-grammar")
+        self._compiler: Optional[Any] = None   # built lazily in a worker (TokenizerInfo takes ~0.1-1 s)
+        self._ready: OrderedDict[Key, Any] = OrderedDict()  # compiled grammars, least recently used first
+        self._futures: dict[Key, cf.Future] = {}
+        self.held: dict[str, Any] = {}         # rid -> Request waiting for its grammar
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+    def _compile(self, key: Key) -> Any:  # worker thread
+        kind, text = key
+        comp = self._get_compiler()
+        if kind == "json_schema":
+            return comp.compile_builtin_json_grammar() if text == ANY_JSON else comp.compile_json_schema(text)
+        if kind == "regex":
+            return comp.compile_regex(text)
+        return comp.compile_grammar(text)
+
+    def prepare(self, req: Any) -> None:
+        """Give req its GrammarState and admit it now, or once its grammar compiled off-thread."""
+        if self._tokenizer is None:
+            self._fail(req, "structured output needs a tokenizer (the engine has skip_tokenizer_init=True)")
+            return
+        key = grammar_key(req.params)
+        if key in self._ready:
+            self._ready.move_to_end(key)
+            req.grammar = GrammarState(self._ready[key], req.stop_ids)
+            self._admit(req)
+            return
+        self.held[req.rid] = req
+        if key not in self._futures:
+            fut = self._futures[key] = self._pool.submit(self._compile, key)
+            fut.add_done_callback(lambda f, k=key: self._post_safely(self._done, k, f))
+
+    def _fail(self, req: Any, message: str) -> None:
+        from nbgen.runtime.request import Status
+
+        req.finish_reason, req.status = {"type": "abort", "message": message}, Status.FINISHED
+        self._finished()
+
+    def _post_safely(self, *args: Any) -> None:
+        try:
+            self._post(*args)
+        except RuntimeError:  # engine shut down meanwhile
+            pass
+
+    def _done(self, key: Key, fut: cf.Future) -> None:  # loop thread
+        self._futures.pop(key, None)
+        err = fut.exception()
+        if err is None:
+            self._ready[key] = fut.result()
+            while len(self._ready) > MAX_READY:
+                self._ready.popitem(last=False)
+        waiting = [r for r in self.held.values() if grammar_key(r.params) == key]
+        for req in waiting:
+            del self.held[req.rid]
+            if err is not None:
+                self._fail(req, f"grammar compilation failed: {err}")
+            else:
+                req.grammar = GrammarState(fut.result(), req.stop_ids)
+                self._admit(req)
+
+    def abort(self, rid: str, message: str) -> None:
+        """Abort a request still waiting for its grammar (unknown rids are ignored)."""
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self._fail(req, message)
+
+    def shutdown(self, message: str) -> None:
+        """Abort every held request and stop the workers (at engine shutdown)."""
+        for rid in list(self.held):
+            self.abort(rid, message)
+        self._pool.shutdown(wait=False, cancel_futures=True)

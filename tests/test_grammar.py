@@ -1,0 +1,235 @@
+"""Structured output (xgrammar json_schema / regex / ebnf), stop_regex, hidden states, custom logit
+processors — on the embedded SmolLM2 model (CPU), sampled at temperature 1.0."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+import nbgen
+from nbgen.logit_processor import CustomLogitProcessor
+from nbgen.runtime.stop_regex import StopRegexMatcher
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "enum": ["red", "green", "blue"]}}}}
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "big"],
+        "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+                       "big": {"type": "boolean"}}}
+REGEXES = [r"\d{3}-\d{3}-\d{4}", r"(Mon|Tues|Wednes|Thurs|Fri)day", r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)",
+           r"#[0-9a-f]{6}"]
+# not regular: parentheses nest
+EBNF = r"""
+root ::= expr
+expr ::= term (("+" | "-" | "*") term){0,3}
+term ::= num | "(" expr ")"
+num ::= [1-9] [0-9]{0,2}
+"""
+
+
+def parse_expr(s: str) -> bool:
+    """Recogniser of EBNF above (recursive descent); True when s is one complete expr."""
+    pos = 0
+
+    def num() -> bool:
+        nonlocal pos
+        m = re.compile(r"[1-9][0-9]{0,2}").match(s, pos)
+        if not m:
+            return False
+        pos = m.end()
+        return True
+
+    def term() -> bool:
+        nonlocal pos
+        if pos < len(s) and s[pos] == "(":
+            pos += 1
+            if not expr() or pos >= len(s) or s[pos] != ")":
+                return False
+            pos += 1
+            return True
+        return num()
+
+    def expr() -> bool:
+        nonlocal pos
+        if not term():
+            return False
+        for _ in range(3):
+            if pos < len(s) and s[pos] in "+-*":
+                pos += 1
+                if not term():
+                    return False
+            else:
+                break
+        return True
+
+    return expr() and pos == len(s)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = nbgen.Engine(enable_custom_logit_processor=True)
+    yield e
+    e.shutdown()
+
+
+def _prompts(eng, what: str, n: int = 24) -> list[str]:
+    return [eng.apply_chat_template([{"role": "user", "content": f"{what} (example {i})"}]) for i in range(n)]
+
+
+def _complete(outs: list[dict]) -> list[dict]:
+    done = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert len(done) >= 0.9 * len(outs), [o["meta_info"]["finish_reason"] for o in outs]
+    return done
+
+
+def test_json_schema_outputs_validate(eng):
+    schemas = [PERSON, CITY] * 12
+    prompts = _prompts(eng, "Give me a JSON record")
+    outs = eng.generate(prompts, [{"temperature": 1.0, "max_new_tokens": 80, "json_schema": json.dumps(s)}
+                                  for s in schemas], use_tqdm=False)
+    for o, s in zip(outs, schemas):
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(o["text"]), s)
+    _complete(outs)
+
+
+def test_regex_outputs_fullmatch(eng):
+    prompts = _prompts(eng, "Write a phone number, weekday, email or colour")
+    outs = eng.generate(prompts, [{"temperature": 1.0, "max_new_tokens": 40, "regex": REGEXES[i % 4]}
+                                  for i in range(24)], use_tqdm=False)
+    for i, o in enumerate(outs):
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(REGEXES[i % 4], o["text"]), (REGEXES[i % 4], o["text"])
+    _complete(outs)
+
+
+def test_ebnf_outputs_parse(eng):
+    outs = eng.generate(_prompts(eng, "Write an arithmetic expression"),
+                        {"temperature": 1.0, "max_new_tokens": 48, "ebnf": EBNF}, use_tqdm=False)
+    for o in _complete(outs):
+        assert parse_expr(o["text"]), o["text"]
+    assert parse_expr("(1+2)*3") and not parse_expr("(1+2") and not parse_expr("1+")
+
+
+def test_mixed_batch_free_requests_unchanged(eng):
+    free = ["The capital of France is", "List three fruits:", "def fibonacci(n):"]
+    sp_free = {"temperature": 0.0, "max_new_tokens": 16}
+    alone = [o["text"] for o in eng.generate(free, sp_free, use_tqdm=False)]
+    constrained = _prompts(eng, "Give me a JSON record", 4)
+    mixed = eng.generate(constrained[:2] + free + constrained[2:],
+                         [{"temperature": 1.0, "max_new_tokens": 40, "json_schema": json.dumps(CITY)}] * 2
+                         + [sp_free] * 3 + [{"temperature": 1.0, "max_new_tokens": 30, "regex": REGEXES[0]}] * 2,
+                         use_tqdm=False)
+    assert [o["text"] for o in mixed[2:5]] == alone
+
+
+@pytest.mark.parametrize("sp", [{"json_schema": "{not json"}, {"json_schema": '{"type": "nonsense"}'},
+                                {"regex": "(ab"}, {"ebnf": 'root ::= "a" | '}, {"ebnf": "root ::= undefined_rule"},
+                                {"regex": "a", "ebnf": 'root ::= "a"'}, {"stop_regex": "(x"}, {"stop_regex": "a*"}])
+def test_invalid_grammar_raises_before_running(eng, sp):
+    before = eng.stats()["total_finished"]
+    with pytest.raises(ValueError):
+        eng.generate(["ok", "also ok"], [{"max_new_tokens": 4}, sp], use_tqdm=False)
+    assert eng.stats()["total_finished"] == before   # nothing ran, not even the valid prompt
+
+
+def test_stop_regex_trims_and_streams(eng):
+    sp = {"temperature": 0.0, "max_new_tokens": 40, "stop_regex": r"\b7\b"}
+    out = eng.generate("Count: 1, 2, 3,", sp)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\b7\b"}
+    assert out["text"].rstrip().endswith("6,") and "7" not in out["text"]
+    kept = eng.generate("Count: 1, 2, 3,", {**sp, "no_stop_trim": True})
+    assert kept["text"] == out["text"] + "7"
+    chunks = list(eng.generate("Count: 1, 2, 3,", sp, stream=True))
+    assert "".join(c["text"] for c in chunks) == out["text"]
+
+
+def test_stop_regex_matcher_holds_back_partial_matches():
+    m = StopRegexMatcher([r"\d{3}"], ["END"])
+    assert m.feed("ab 1") == ("ab ", None)          # "1" may start a match: held
+    assert m.feed("2x E") == ("12x ", None)         # "12x" cannot; "E" may start "END"
+    assert m.feed("N") == ("", None)
+    assert m.feed("D tail") == ("", "END")
+    m = StopRegexMatcher([r"foo\w+bar"])
+    assert m.feed("a fo") == ("a ", None) and m.feed("oxx") == ("", None) and m.flush() == "fooxx"
+
+
+def test_hidden_states_are_final_states_of_each_token(eng):
+    out = eng.generate("The capital of France is", {"temperature": 0.0, "max_new_tokens": 6},
+                       return_hidden_states=True)
+    hs = out["meta_info"]["hidden_states"]
+    assert len(hs) == out["meta_info"]["completion_tokens"] == 6
+    assert all(len(h) == eng.hf_config.hidden_size for h in hs)
+    model = eng._loop.runner.model   # read-only use: the state through lm_head gives the greedy token
+    with torch.inference_mode():
+        logits = model.compute_logits(torch.tensor(hs, dtype=eng.dtype))
+    assert logits.argmax(-1).tolist() == out["output_ids"]
+    assert "hidden_states" not in eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]
+
+
+class ForceToken(CustomLogitProcessor):
+    def __call__(self, logits, custom_param_list=None):
+        p = custom_param_list[0]
+        if p.get("boom"):
+            raise RuntimeError("boom")
+        out = torch.full_like(logits, float("-inf"))
+        out[:, p["token_id"]] = 0.0
+        return out
+
+
+def test_custom_logit_processor_refused_without_flag(tiny_engine):
+    with pytest.raises(ValueError, match="enable_custom_logit_processor"):
+        tiny_engine.generate("hi", {"max_new_tokens": 2, "custom_params": {"token_id": 5}},
+                             custom_logit_processor=ForceToken.to_str())
+
+
+def test_custom_logit_processor_applied_and_failure_isolated(eng):
+    tok = eng.encode(" banana")[-1]
+    proc = ForceToken.to_str()
+    outs = eng.generate(["a", "b", "c"], [{"temperature": 1.0, "max_new_tokens": 5, "custom_params": {"token_id": tok}},
+                                          {"temperature": 1.0, "max_new_tokens": 5, "custom_params": {"boom": True}},
+                                          {"temperature": 0.0, "max_new_tokens": 5}],
+                        custom_logit_processor=[proc, proc, None], use_tqdm=False)
+    assert outs[0]["output_ids"] == [tok] * 5
+    assert outs[1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "boom" in outs[1]["meta_info"]["finish_reason"]["message"]
+    assert outs[2]["meta_info"]["finish_reason"]["type"] == "length"
+    assert outs[2]["text"] == eng.generate("c", {"temperature": 0.0, "max_new_tokens": 5})["text"]
+
+
+def test_grammar_compilation_does_not_block_other_requests(eng, monkeypatch):
+    """A grammar whose compilation is held (until the free request is done) must not stall the loop."""
+    from nbgen.runtime.grammar import GrammarService
+
+    release, started, waited = threading.Event(), threading.Event(), {}
+    original = GrammarService._compile
+
+    def slow_compile(self, key):
+        started.set()
+        waited["released"] = release.wait(timeout=30)   # False: the free request never finished
+        return original(self, key)
+
+    monkeypatch.setattr(GrammarService, "_compile", slow_compile)
+    schema = json.dumps({**CITY, "title": f"unique-{time.time()}"})  # not compiled before
+    it = eng.generate_iter(["Give me a city as JSON", "Tell me a story"],
+                           [{"temperature": 1.0, "max_new_tokens": 40, "json_schema": schema},
+                            {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}])
+    first, out = next(it)
+    assert first == 1 and out["meta_info"]["completion_tokens"] == 8
+    assert started.is_set() and "released" not in waited     # compiling while the free one ran
+    assert eng.stats()["waiting"] == 1                        # held until its grammar is ready
+    release.set()
+    second, out = next(it)
+    assert second == 0 and waited["released"]
+    jsonschema.validate(json.loads(out["text"]), CITY)
