@@ -197,8 +197,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     workload = args.workload or ("chat32" if args.device == "cpu" else "nano")
     dev = torch.device(args.device)
     if workload == "chat32":
-        if args.dtype is None and args.device == "cpu":
-            args.dtype = "float32"   # the HF peer runs fp32 too
+        # nbgen runs its CPU default dtype (bf16 where the CPU has native bf16); the HF peer runs
+        # fp32 as the baseline does ("padded batch, fp32, same weights"); --dtype overrides nbgen's
         from transformers import AutoTokenizer
 
         from nbgen.models.embedded import default_model_path
