@@ -106,9 +106,21 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
 
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
+    hprof = None
+    if args.host_profile:   # cProfile of the engine's loop thread (where all host work of a step runs)
+        import cProfile
+
+        hprof = cProfile.Profile()
+        eng._loop.call(hprof.enable)
     t0 = time.perf_counter()
     res = eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False)
     secs = time.perf_counter() - t0
+    if hprof is not None:
+        import pstats
+
+        eng._loop.call(hprof.disable)
+        print(f"host profile (loop thread, wall {secs:.2f} s under cProfile):")
+        pstats.Stats(hprof).sort_stats("tottime").print_stats(22)
     if prof is not None:
         prof.__exit__(None, None, None)
         _print_profile(prof, secs)
@@ -192,6 +204,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
     workload = args.workload or ("chat32" if args.device == "cpu" else "nano")

@@ -127,7 +127,10 @@ class GrammarService:
         kind, text = key
         comp = self._get_compiler()
         if kind == "json_schema":
-            return comp.compile_builtin_json_grammar() if text == ANY_JSON else comp.compile_json_schema(text)
+            if text == ANY_JSON:
+                return comp.compile_builtin_json_grammar()
+            # compact separators: free whitespace lets small models pad with blanks until max_new_tokens
+            return comp.compile_json_schema(text, any_whitespace=False)
         if kind == "regex":
             return comp.compile_regex(text)
         return comp.compile_grammar(text)
