@@ -48,6 +48,19 @@ def _validity(outs: list[dict], schema: dict) -> dict[str, int]:
     return stats
 
 
+def grammar_consistent(eng: Any, outs: list[dict], schema: dict) -> int:
+    """How many outputs a fresh xgrammar matcher accepts token by token (a check of the masks)."""
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(eng.tokenizer, vocab_size=len(eng.tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    ok = 0
+    for o in outs:
+        m = xgr.GrammarMatcher(compiled)
+        ok += all(m.accept_token(t) for t in o["output_ids"])
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
@@ -83,16 +96,30 @@ def main() -> None:
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in rows.items()}
     ratio = best["json"]["out_tok_s"] / best["free"]["out_tok_s"]
     valid = _validity(last["json"], SCHEMA)
+    consistent = grammar_consistent(eng, last["json"], SCHEMA)
     lens = sorted(o["meta_info"]["completion_tokens"] for o in last["json"])
     print(f"json/free throughput: {100 * ratio:.1f}%  (best of {args.repeats} each); constrained outputs: "
           f"{valid['complete']}/{args.num} completed the grammar, {valid['valid']} of those valid; "
+          f"{consistent} accepted token by token by a fresh matcher; "
           f"completion tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}")
     print("sample:", repr(last["json"][0]["text"][:160]))
+    # checks on this device: free requests give the same greedy text beside constrained ones
+    free_sp = {**base, "max_new_tokens": 24}
+    k = max(1, min(8, len(prompts) // 2))
+    alone = [o["text"] for o in eng.generate(prompts[:k], free_sp, use_tqdm=False)]
+    mixed = eng.generate(prompts[:2 * k], [free_sp] * k + [{**free_sp, "json_schema": json.dumps(SCHEMA)}] * k,
+                         use_tqdm=False)
+    hs = eng.generate(prompts[0], {**free_sp, "max_new_tokens": 4}, return_hidden_states=True)
+    checks = {"mixed_free_identical": [o["text"] for o in mixed[:k]] == alone,
+              "hidden_states": [len(hs["meta_info"]["hidden_states"]), len(hs["meta_info"]["hidden_states"][0])]}
+    print("checks:", checks)
     info = eng.get_server_info()
     eng.shutdown()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": rows, "best": best, "ratio": ratio, "validity": valid, "model": args.model,
+            json.dump({"runs": rows, "best": best, "ratio": ratio, "validity": valid, "consistent": consistent,
+                       "checks": checks,
+                       "model": args.model,
                        "device": info["device"], "attention_backend": info["attention_backend"]}, f, indent=1)
 
 

@@ -20,7 +20,7 @@ from nbgen.runtime.batch import SeqWork
 
 logger = logging.getLogger("nbgen")
 
-BATCH_FILL_MIN = 8  # constrained rows from which the bitmask is filled by xgrammar's thread pool
+BATCH_FILL_MIN = 32  # constrained rows from which the bitmask is filled by xgrammar's thread pool
 
 
 class Constraints:
@@ -29,7 +29,7 @@ class Constraints:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._host: Optional[Tensor] = None      # int32 [rows, ceil(V/32)] host bitmask (pinned on CUDA)
+        self._host: Optional[Tensor] = None      # int32 [rows, ceil(tokenizer vocab/32)] (pinned on CUDA)
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
 
@@ -72,12 +72,13 @@ class Constraints:
         return errors
 
     # ------------------------------------------------------------------ grammar masks
-    def _bitmask(self, rows: int) -> Tensor:
+    def _bitmask(self, rows: int, vocab: int) -> Tensor:
         import xgrammar as xgr
 
-        if self._host is None or self._host.shape[0] < rows:
+        width = -(-vocab // 32)
+        if self._host is None or self._host.shape[0] < rows or self._host.shape[1] != width:
             n = max(rows, 2 * self._host.shape[0] if self._host is not None else 8)
-            t = xgr.allocate_token_bitmask(n, self.vocab_size)               # int32 [n, ceil(V/32)]
+            t = xgr.allocate_token_bitmask(n, vocab)                          # int32 [n, width]
             self._host = t.pin_memory() if self.device.type == "cuda" else t
         return self._host
 
@@ -86,7 +87,8 @@ class Constraints:
             return
         import xgrammar as xgr
 
-        bm = self._bitmask(x.shape[0])
+        vocab = seqs[rows[0]].req.grammar.vocab          # the tokenizer's size (same for all grammars)
+        bm = self._bitmask(x.shape[0], vocab)
         if len(rows) >= BATCH_FILL_MIN:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher()
@@ -98,13 +100,15 @@ class Constraints:
         # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
         # (synchronise) before the next one is built
         dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
+        width = min(vocab, x.shape[1])
+        if x.shape[1] > vocab:  # logits of ids the tokenizer does not have (padded embedding rows)
+            rows_t = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)
+            x[:, vocab:].index_fill_(0, rows_t, float("-inf"))
         try:
-            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=self.vocab_size, indices=rows,
-                                            backend=self._backend)
+            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=rows, backend=self._backend)
         except Exception as e:  # noqa: BLE001 - e.g. no triton on this GPU host: torch fallback
             if self._backend in ("cpu", "torch_native"):
                 raise
             logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
             self._backend = "torch_native"
-            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=self.vocab_size, indices=rows,
-                                            backend=self._backend)
+            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=rows, backend=self._backend)
