@@ -32,7 +32,7 @@ def main() -> None:
                                   "Is 17 a prime number?"], "topic": ["language", "language", "math"]})
     res = generate_df(df, "prompt", engine=llm, sampling_params={"temperature": 0, "max_new_tokens": 32},
                       system_prompt="You are a concise assistant.")
-    with pd.option_context("display.max_colwidth", 60, "display.width", 160):
+    with pd.option_context("display.max_colwidth", 48, "display.width", 220, "display.max_columns", 20):
         print("\n== generate_df")
         print(res[["prompt", "topic", "text", "finish_reason", "completion_tokens", "error"]])
     llm.shutdown()

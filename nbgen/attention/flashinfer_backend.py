@@ -200,5 +200,7 @@ class FlashInferBackend(AttentionBackend):
         # write the new tokens' K/V into their slots (padding rows of a graph batch hit scratch page 0)
         kc.view(-1, sp.num_kv_heads, sp.head_dim).index_copy_(0, meta.slot_mapping, k.reshape(T, sp.num_kv_heads, sp.head_dim))
         vc.view(-1, sp.num_kv_heads, sp.head_dim).index_copy_(0, meta.slot_mapping, v.reshape(T, sp.num_kv_heads, sp.head_dim))
-        o = meta.wrapper.run(q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous(), (kc, vc))
+        # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
+        o = meta.wrapper.run(q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else
+                             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous(), (kc, vc))
         return o.view(T, sp.num_q_heads * sp.head_dim)

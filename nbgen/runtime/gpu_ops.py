@@ -37,6 +37,10 @@ def fused_enabled(x: torch.Tensor) -> bool:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape) -> same shape."""
+    if x.dim() == 3 and x.stride(-1) == 1:
+        # per-head norm (Qwen3 q/k norm) on a strided [T, H, D] view of the qkv projection: flashinfer's
+        # QK-RMSNorm takes both strides, so no copy to contiguous first; the output is contiguous
+        return _fi_norm.rmsnorm(x, weight, eps)
     shape = x.shape
     out = _fi_norm.rmsnorm(x.reshape(-1, shape[-1]).contiguous(), weight, eps)
     return out.view(shape)
