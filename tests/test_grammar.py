@@ -233,3 +233,49 @@ def test_grammar_compilation_does_not_block_other_requests(eng, monkeypatch):
     second, out = next(it)
     assert second == 0 and waited["released"]
     jsonschema.validate(json.loads(out["text"]), CITY)
+
+
+def test_grammar_with_overlap_scheduling_same_outputs(eng):
+    """The overlap stepper (forced on for CPU; GPU default) resolves each step before the next
+    bitmask: seeded constrained outputs equal the plain loop's, beside free requests."""
+    from nbgen.runtime.overlap import OverlapStepper
+
+    prompts = _prompts(eng, "Give me a JSON record", 6) + ["The capital of France is", "List three fruits:"]
+    sps = [{"temperature": 1.0, "max_new_tokens": 48, "sampling_seed": i, "json_schema": json.dumps(PERSON)}
+           for i in range(3)] + [{"temperature": 1.0, "max_new_tokens": 24, "sampling_seed": i,
+                                  "regex": REGEXES[i % 4]} for i in range(3)] + [{"temperature": 0.0, "max_new_tokens": 16}] * 2
+    plain = eng.generate(prompts, sps, use_tqdm=False)
+    loop = eng._loop
+    loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+    try:
+        over = eng.generate(prompts, sps, use_tqdm=False)
+    finally:
+        loop.call(lambda: setattr(loop, "_overlap", None))
+    assert [o["text"] for o in over] == [o["text"] for o in plain]
+    assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
+    for o in over[:3]:
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(o["text"]), PERSON)
+
+
+def test_abort_while_grammar_compiles(eng, monkeypatch):
+    from nbgen.runtime.grammar import GrammarService
+
+    release, started = threading.Event(), threading.Event()
+    original = GrammarService._compile
+
+    def slow_compile(self, key):
+        started.set()
+        release.wait(timeout=30)
+        return original(self, key)
+
+    monkeypatch.setattr(GrammarService, "_compile", slow_compile)
+    schema = json.dumps({**CITY, "title": f"abort-{time.time()}"})
+    it = eng.generate_iter("Give me a city", {"max_new_tokens": 20, "json_schema": schema}, rid="held-1")
+    threading.Thread(target=lambda: (started.wait(10), eng.abort("held-1"))).start()
+    try:
+        _, out = next(it)
+    finally:
+        release.set()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert eng.stats()["waiting"] == 0

@@ -43,7 +43,8 @@ class Constraints:
         ``raw`` are the unprocessed logits (kept intact for logprobs): x is copied if it is raw.
         """
         procs = [i for i, s in enumerate(seqs) if s.req.logit_processor is not None]
-        gram = [i for i, s in enumerate(seqs) if s.req.grammar is not None]
+        # a request finished meanwhile (overlap: its previous token ended the grammar) is skipped
+        gram = [i for i, s in enumerate(seqs) if s.req.grammar is not None and not s.req.finished]
         if not procs and not gram:
             return x, {}
         if x is raw or x.data_ptr() == raw.data_ptr():

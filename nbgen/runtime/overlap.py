@@ -10,9 +10,12 @@ Per loop iteration (``OverlapStepper.step``):
      bookkeeping only depend on counts), and N+1 becomes the pending step.
 A request that hit a stop token at step N has already been scheduled for N+1; that extra token is
 dropped because ``update`` skips requests that are no longer running. Batches that need host-side
-token values (logprobs, penalties over output ids, grammars, custom logit processors, hidden
-states) run synchronously after a flush, so greedy and seeded outputs are identical with and
-without overlap.
+token values (logprobs, penalties over output ids, custom logit processors, hidden states) run
+synchronously after a flush, so greedy and seeded outputs are identical with and without overlap.
+Grammar requests overlap: step N is resolved inside the launch of N+1, after its forward is queued
+and before its sampling, so the matchers accept N's tokens before N+1's bitmask is filled. N's
+outputs are delivered there too (before the fill): the GPU is busy with N+1's forward meanwhile,
+whereas after sampling is queued it has only the short sampling kernels left to hide host work.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ def overlappable(batch: ScheduledBatch) -> bool:
             return False
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
             return False
-        r = s.req   # grammar matchers and custom processors need each real token before the next step
-        if r.grammar is not None or r.logit_processor is not None or r.return_hidden_states:
+        r = s.req   # custom processors may read output ids; hidden states are copied to the host
+        if r.logit_processor is not None or r.return_hidden_states:
             return False
     return True
 
@@ -45,6 +48,7 @@ class OverlapStepper:
     def __init__(self, loop: Any) -> None:
         self.loop = loop
         self.pending: Optional[tuple[Any, list[Request], int]] = None  # (launched, changed, n_in)
+        self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
 
     def step(self) -> None:
         loop, sched = self.loop, self.loop.scheduler
@@ -56,8 +60,11 @@ class OverlapStepper:
             self.flush()
             self._sync_step(batch)
             return
+        # grammar rows: the previous step resolves after this forward is queued and before sampling,
+        # so their matchers accept its tokens and the bitmask is filled while the GPU runs the forward
+        grammar = any(s.req.grammar is not None for s in batch.seqs)
         try:
-            launched = loop.runner.launch(batch)
+            launched = loop.runner.launch(batch, before_sample=self.flush if grammar else None)
         except Exception as e:  # noqa: BLE001 - fail this step's requests only
             self.flush()
             self._fail(batch, e)
@@ -75,6 +82,14 @@ class OverlapStepper:
 
     def flush(self) -> None:
         """Resolve the pending step (wait for its ids), then deliver its outputs."""
+        self._resolve()
+        if self._undelivered is not None:
+            changed, n_in = self._undelivered
+            self._undelivered = None
+            self._deliver(changed, n_in)
+
+    def _resolve(self) -> None:
+        """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops."""
         if self.pending is None:
             return
         launched, changed, n_in = self.pending
@@ -91,15 +106,18 @@ class OverlapStepper:
             if not (0 <= at < len(req.output_ids) and req.output_ids[at] == ph):
                 continue                                 # never appended (aborted / preempted before)
             req.output_ids[at] = tok
-            if tok in req.stop_ids and at + 1 >= req.params.min_new_tokens:
-                reason = {"type": "stop", "matched": tok}
+            reason = {"type": "stop", "matched": tok} if (tok in req.stop_ids
+                                                          and at + 1 >= req.params.min_new_tokens) else None
+            if req.grammar is not None:
+                reason = req.grammar.on_token(tok, reason)
+            if reason is not None:
                 if req.status is Status.FINISHED:
                     req.finish_reason = reason           # length and stop in the same step: stop wins
                 else:
                     sched.finish(req, reason)
                 if req not in changed:
                     changed.append(req)
-        self._deliver(changed, n_in)
+        self._undelivered = (changed, n_in)
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         loop = self.loop

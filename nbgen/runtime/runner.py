@@ -167,8 +167,12 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> Launched:
-        """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""
+    def launch(self, batch: ScheduledBatch, before_sample: Optional[Any] = None) -> Launched:
+        """Queue forward + sampling (no logprobs); the sampled ids stay on the device.
+
+        ``before_sample()`` runs on the host once the forward is queued, before sampling is built
+        (overlap + grammars: the previous step resolves there, so the matchers see its tokens).
+        """
         if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs = [s for s in batch.seqs if s.sample]
@@ -192,7 +196,10 @@ class ModelRunner:
             return Launched(batch, None, None, None)
         if len(seqs) != hidden.shape[0]:
             hidden = hidden.index_select(0, self._to_dev(rows))
-        res = self.sampler(self.model.compute_logits(hidden), seqs)
+        logits = self.model.compute_logits(hidden)
+        if before_sample is not None:
+            before_sample()
+        res = self.sampler(logits, seqs)
         tokens = self._last_tokens = res.token_ids
         keep = hidden if any(s.req.return_hidden_states for s in seqs) else None
         if not self.on_gpu:

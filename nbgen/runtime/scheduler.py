@@ -204,7 +204,7 @@ class Scheduler:
                 if out.hidden_states is not None and out.hidden_states[i] is not None:
                     req.hidden_states.append(out.hidden_states[i])
                 reason = self._finish_reason(req, tok)
-                if req.grammar is not None:                  # accept the token; a complete grammar stops
+                if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)
                 changed.append(req)
             elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
