@@ -201,7 +201,8 @@ class ModelRunner:
             before_sample()
         res = self.sampler(logits, seqs)
         tokens = self._last_tokens = res.token_ids
-        keep = hidden if any(s.req.return_hidden_states for s in seqs) else None
+        # clone: under CUDA graphs `hidden` views the graph output buffer, which the next replay overwrites
+        keep = hidden.clone() if any(s.req.return_hidden_states for s in seqs) else None
         if not self.on_gpu:
             return Launched(batch, tokens, tokens, None, res.errors, keep)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
