@@ -41,9 +41,14 @@ class AttentionBackend(ABC):
     def __init__(self, spec: KVCacheSpec) -> None:
         self.spec = spec
         self.scale = spec.head_dim ** -0.5
-        shape = (spec.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        shape = self.cache_shape()
         self.k_cache = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+    def cache_shape(self) -> tuple[int, ...]:
+        """Per-layer K (and V) tensor shape; default NHD pages: [num_pages, page_size, Hkv, D]."""
+        sp = self.spec
+        return (sp.num_pages, sp.page_size, sp.num_kv_heads, sp.head_dim)
 
     @abstractmethod
     def prepare(self, batch: ScheduledBatch) -> AttentionMetadata:

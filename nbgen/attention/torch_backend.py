@@ -11,6 +11,9 @@ from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpe
 from nbgen.runtime.batch import ScheduledBatch
 
 
+KEY_BUCKET = 64  # decode key lengths are padded to a multiple of this
+
+
 @dataclass
 class _PrefillSeq:
     tok_start: int                 # first row of this seq in the flat token stream
@@ -26,20 +29,25 @@ class TorchAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor                       # [T] flat cache slot of each new token
     decode_rows: Optional[torch.Tensor] = None       # [Bd] rows of single-token (decode) seqs
     decode_slots: Optional[torch.Tensor] = None      # [Bd, Kmax] cache slots, padded with 0
-    decode_pad: Optional[torch.Tensor] = None        # [Bd, 1, 1, Kmax] True where a key is padding
+    decode_pad: Optional[torch.Tensor] = None        # [1, Bd, 1, Kmax] True where a key is padding
     prefill: list[_PrefillSeq] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes of a step share one padded SDPA call; prefill chunks run one SDPA each.
+    """Decodes of a step share one padded matmul-softmax-matmul; prefill chunks run one SDPA each.
 
     Padding the decode group keeps the per-layer Python work constant in the batch size (one gather,
-    one SDPA), which is what matters on a CPU; prefill chunks are long enough that a call each is cheap.
+    one attention), which is what matters on a CPU; prefill chunks are long enough that a call each is cheap.
     """
 
     def __init__(self, spec: KVCacheSpec) -> None:
         super().__init__(spec)
         self.gqa = spec.num_q_heads // spec.num_kv_heads
+
+    def cache_shape(self) -> tuple[int, ...]:
+        """Head-major [Hkv, num_pages * page_size, D]: a gather of slots is directly [Hkv, K, D]."""
+        sp = self.spec
+        return (sp.num_kv_heads, sp.num_pages * sp.page_size, sp.head_dim)
 
     def prepare(self, batch: ScheduledBatch) -> TorchAttentionMetadata:
         dev = self.spec.device
@@ -65,15 +73,18 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.prefill.append(_PrefillSeq(row, s.q_len, s.start_pos, kv_slots, mask))
             row += s.q_len
         if dec_rows:
-            max_pages = max(len(p) for p in dec_pages)
+            # Key length rounded up to a bucket: the batched matmuls then see few distinct shapes, so
+            # oneDNN reuses its compiled kernels instead of JIT-compiling one per new length (padded
+            # keys read the scratch page 0 and are masked out).
+            kmax = -(-max(dec_lens) // KEY_BUCKET) * KEY_BUCKET
+            max_pages = -(-kmax // P)
             table = torch.tensor([p + [0] * (max_pages - len(p)) for p in dec_pages], dtype=torch.long)
-            # [Bd, max_pages, P] -> [Bd, max_pages * P] slots, cut to the longest sequence
-            kmax = max(dec_lens)
+            # [Bd, max_pages, P] -> [Bd, max_pages * P] slots, cut to the bucketed length
             all_slots = (table[:, :, None] * P + torch.arange(P)).reshape(len(dec_rows), -1)[:, :kmax]
             lens = torch.tensor(dec_lens)
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
             meta.decode_slots = all_slots.contiguous().to(dev)
-            meta.decode_pad = (torch.arange(kmax)[None, :] >= lens[:, None]).to(dev)[:, None, None, :]
+            meta.decode_pad = (torch.arange(kmax)[None, :] >= lens[:, None]).to(dev)[None, :, None, :]
         return meta
 
     def _slots(self, pages: list[int], n: int) -> torch.Tensor:
@@ -85,42 +96,40 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchAttentionMetadata) -> torch.Tensor:
         sp = self.spec
-        T = q.shape[0]
-        q = q.view(T, sp.num_q_heads, sp.head_dim)
-        k = k.view(T, sp.num_kv_heads, sp.head_dim)
-        v = v.view(T, sp.num_kv_heads, sp.head_dim)
-        k_flat = self.k_cache[layer_id].view(-1, sp.num_kv_heads, sp.head_dim)
-        v_flat = self.v_cache[layer_id].view(-1, sp.num_kv_heads, sp.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
+        T, hkv, d = q.shape[0], sp.num_kv_heads, sp.head_dim
+        q = q.view(T, sp.num_q_heads, d)
+        k = k.view(T, hkv, d)
+        v = v.view(T, hkv, d)
+        kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]              # [Hkv, slots, D]
+        kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kc.dtype))
+        vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(vc.dtype))
         out = torch.empty_like(q)
-        gqa = self.gqa > 1
         if meta.decode_rows is not None:
             # Plain matmul-softmax-matmul: for one query row per sequence this is ~7x faster on a CPU
-            # than SDPA's flash kernel (measured at 32 seqs x 90 keys, bf16); softmax runs in fp32.
-            bd = meta.decode_rows.shape[0]
-            qd = q.index_select(0, meta.decode_rows).view(bd, sp.num_kv_heads, self.gqa, sp.head_dim)
-            # index_select over the flat slot list is far cheaper on a CPU than advanced indexing
+            # than SDPA's flash kernel (32 seqs x 90 keys, bf16); softmax runs in fp32. Batches are
+            # (kv head, seq) pairs so the gathered keys are used in place, without a transposing copy.
+            bd, g = meta.decode_rows.shape[0], self.gqa
             kmax = meta.decode_slots.shape[1]
+            qd = q.index_select(0, meta.decode_rows).view(bd, hkv, g, d).transpose(0, 1)
+            qd = qd.reshape(hkv * bd, g, d)                                   # [Hkv*Bd, G, D]
             flat = meta.decode_slots.view(-1)
-            kd = k_flat.index_select(0, flat).view(bd, kmax, sp.num_kv_heads, sp.head_dim)
-            vd = v_flat.index_select(0, flat).view(bd, kmax, sp.num_kv_heads, sp.head_dim)
-            kd = kd.permute(0, 2, 3, 1)                                    # [Bd, Hkv, D, Kmax]
-            vd = vd.transpose(1, 2)                                        # [Bd, Hkv, Kmax, D]
-            scores = torch.matmul(qd, kd.to(qd.dtype)).float() * self.scale  # [Bd, Hkv, G, Kmax]
-            scores.masked_fill_(meta.decode_pad, float("-inf"))
-            od = torch.matmul(scores.softmax(-1).to(vd.dtype), vd)        # [Bd, Hkv, G, D]
-            out.index_copy_(0, meta.decode_rows, od.reshape(bd, sp.num_q_heads, sp.head_dim).to(out.dtype))
+            # index_select over a flat slot list is far cheaper on a CPU than advanced indexing
+            kd = kc.index_select(1, flat).view(hkv * bd, kmax, d)            # [Hkv*Bd, Kmax, D]
+            vd = vc.index_select(1, flat).view(hkv * bd, kmax, d)
+            scores = torch.bmm(qd, kd.transpose(1, 2).to(qd.dtype)).float() * self.scale
+            scores = scores.view(hkv, bd, g, kmax).masked_fill_(meta.decode_pad, float("-inf"))
+            probs = scores.softmax(-1).to(vd.dtype).view(hkv * bd, g, kmax)
+            od = torch.bmm(probs, vd).view(hkv, bd, g, d).transpose(0, 1)     # [Bd, Hkv, G, D]
+            out.index_copy_(0, meta.decode_rows, od.reshape(bd, sp.num_q_heads, d).to(out.dtype))
         for p in meta.prefill:
             qs = q[p.tok_start:p.tok_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
             if p.kv_slots is None:  # fresh prompt chunk: its own k/v are the whole context
-                ks = k[p.tok_start:p.tok_start + p.q_len]
-                vs = v[p.tok_start:p.tok_start + p.q_len]
+                ks = k[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
+                vs = v[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
             else:
-                ks, vs = k_flat.index_select(0, p.kv_slots), v_flat.index_select(0, p.kv_slots)
-            ks = ks.transpose(0, 1).unsqueeze(0)                                    # [1, Hkv, K, D]
-            vs = vs.transpose(0, 1).unsqueeze(0)
-            os_ = F.scaled_dot_product_attention(qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=p.mask,
-                                                 is_causal=p.mask is None, scale=self.scale, enable_gqa=gqa)
+                ks, vs = kc.index_select(1, p.kv_slots), vc.index_select(1, p.kv_slots)  # [Hkv, K, D]
+            os_ = F.scaled_dot_product_attention(qs, ks.unsqueeze(0).to(qs.dtype), vs.unsqueeze(0).to(qs.dtype),
+                                                 attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
+                                                 enable_gqa=self.gqa > 1)
             out[p.tok_start:p.tok_start + p.q_len] = os_.squeeze(0).transpose(0, 1)
-        return out.view(T, sp.num_q_heads * sp.head_dim)
+        return out.view(T, sp.num_q_heads * d)
