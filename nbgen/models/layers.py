@@ -38,6 +38,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 or x.device.type == "cpu":
+            # one fused kernel (fp32 math inside); in fp32 it equals HF's formula below
+            return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -114,6 +117,7 @@ class RotaryEmbedding(nn.Module):
         # [max_position, D] = cos of the D/2 frequencies | sin of them, fp32 like HF computes them
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
+        self._last: Optional[tuple] = None   # ((positions, dtype), (cos, sin)) of the current step
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -127,9 +131,18 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if gpu_ops.fused_enabled(q):  # in place, cos/sin read from the same fp32 cache
             return gpu_ops.rope_inplace(positions, q, k, self.head_dim, self.cos_sin_cache)
-        cs = self.cos_sin_cache.index_select(0, positions).to(q.dtype)   # [T, D]
-        cos, sin = cs[:, None, : self.head_dim // 2], cs[:, None, self.head_dim // 2:]  # [T, 1, D/2]
+        cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] at positions; all layers of a step share one positions tensor, so the
+        lookup is done once per step (kept only for that tensor object)."""
+        key = (positions, dtype)
+        if self._last is None or self._last[0][0] is not positions or self._last[0][1] != dtype:
+            cs = self.cos_sin_cache.index_select(0, positions).to(dtype)    # [T, D]
+            half = self.head_dim // 2
+            self._last = (key, (cs[:, None, :half], cs[:, None, half:]))
+        return self._last[1]
 
 
 def get_rope(head_dim: int, max_position: int, base: float,
