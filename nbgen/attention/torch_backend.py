@@ -110,7 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
             # (kv head, seq) pairs so the gathered keys are used in place, without a transposing copy.
             bd, g = meta.decode_rows.shape[0], self.gqa
             kmax = meta.decode_slots.shape[1]
-            qd = q.index_select(0, meta.decode_rows).view(bd, hkv, g, d).transpose(0, 1)
+            all_decode = bd == T  # decode-only step: rows are 0..T-1, no gather/scatter of q needed
+            qd = (q if all_decode else q.index_select(0, meta.decode_rows)).view(bd, hkv, g, d).transpose(0, 1)
             qd = qd.reshape(hkv * bd, g, d)                                   # [Hkv*Bd, G, D]
             flat = meta.decode_slots.view(-1)
             # index_select over a flat slot list is far cheaper on a CPU than advanced indexing
@@ -120,7 +121,10 @@ class TorchAttentionBackend(AttentionBackend):
             scores = scores.view(hkv, bd, g, kmax).masked_fill_(meta.decode_pad, float("-inf"))
             probs = scores.softmax(-1).to(vd.dtype).view(hkv * bd, g, kmax)
             od = torch.bmm(probs, vd).view(hkv, bd, g, d).transpose(0, 1)     # [Bd, Hkv, G, D]
-            out.index_copy_(0, meta.decode_rows, od.reshape(bd, sp.num_q_heads, d).to(out.dtype))
+            od = od.reshape(bd, sp.num_q_heads, d).to(out.dtype)
+            if all_decode:
+                return od.reshape(T, sp.num_q_heads * d)
+            out.index_copy_(0, meta.decode_rows, od)
         for p in meta.prefill:
             qs = q[p.tok_start:p.tok_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
             if p.kv_slots is None:  # fresh prompt chunk: its own k/v are the whole context
