@@ -37,7 +37,8 @@ def tiny_engine(tiny_llama_dir):
     """One fp32 Engine on the tiny Llama shared by the API tests."""
     import nbgen
 
-    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", random_seed=0)
+    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device=os.environ.get("NBGEN_TEST_DEVICE", "cpu"),
+                       random_seed=0)
     yield eng
     eng.shutdown()
 

@@ -5,6 +5,7 @@ run that hits the prefix cache, with chunked prefill, and under a KV budget that
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from tests.tiny_models import make_tiny_model
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
 LENGTHS = [1, 2, 7, 16, 17, 40, 130, 320]
 NEW = 24
+DEVICE = os.environ.get("NBGEN_TEST_DEVICE", "cpu")  # the GPU host runs these with cuda too
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -56,7 +58,7 @@ def _ids(outs: list[dict]) -> list[list[int]]:
 
 def test_parity_batched_and_prefix_cache(family_case):
     path, prompts, ref_ids, ref_lps = family_case
-    with nbgen.Engine(path, dtype="float32", device="cpu") as eng:
+    with nbgen.Engine(path, dtype="float32", device=DEVICE) as eng:
         first = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, logprob_start_len=0)
         assert _ids(first) == ref_ids
         for out, ref in zip(first, ref_lps):
@@ -71,14 +73,14 @@ def test_parity_batched_and_prefix_cache(family_case):
 
 def test_parity_chunked_prefill(family_case):
     path, prompts, ref_ids, _ = family_case
-    with nbgen.Engine(path, dtype="float32", device="cpu", chunked_prefill_size=16) as eng:
+    with nbgen.Engine(path, dtype="float32", device=DEVICE, chunked_prefill_size=16) as eng:
         assert _ids(eng.generate(input_ids=prompts, sampling_params=SP)) == ref_ids
 
 
 def test_parity_under_preemption(family_case):
     path, prompts, ref_ids, _ = family_case
     # 360 tokens of KV for ~530 tokens of prompts + 192 new ones: decode growth must preempt
-    with nbgen.Engine(path, dtype="float32", device="cpu", max_total_tokens=360, page_size=8) as eng:
+    with nbgen.Engine(path, dtype="float32", device=DEVICE, max_total_tokens=360, page_size=8) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params=SP)
         assert _ids(outs) == ref_ids
         assert eng._loop.scheduler.stats().get("num_preemptions", 0) > 0

@@ -104,7 +104,11 @@ class ModelRunner:
         return -(-CPU_DEFAULT_TOTAL_TOKENS // P) + 1
 
     def _make_backend(self) -> AttentionBackend:
-        name = self.cfg.attention_backend or ("flashinfer" if self.on_gpu else "torch")
+        # flashinfer's kernels are half-precision only: fp32 on a GPU (parity runs) uses the torch backend
+        half = self.loaded.dtype in (torch.bfloat16, torch.float16)
+        name = self.cfg.attention_backend or ("flashinfer" if self.on_gpu and half else "torch")
+        if name == "flashinfer" and not half:
+            raise ValueError(f"attention_backend='flashinfer' needs dtype bfloat16 or float16, got {self.loaded.dtype}")
         if name == "flashinfer":
             try:
                 from nbgen.attention.flashinfer_backend import FlashInferBackend
