@@ -92,6 +92,7 @@ def test_sample_params_and_debouncer() -> None:
 
 # ---- dashboard -------------------------------------------------------------------------------------
 def test_dashboard_refreshes_in_background_and_stops_at_shutdown() -> None:
+    pytest.importorskip("ipywidgets")
     eng = FakeEngine(delay=0.02)
     d = Dashboard(eng, interval=0.05, widget=True).start()
     assert d.widget is not None and "nbgen-dashboard" in d.widget.value
@@ -155,6 +156,7 @@ def test_shown_once_per_cell(monkeypatch) -> None:
 
 
 def test_dashboard_live_during_blocking_generate(tiny_engine) -> None:
+    pytest.importorskip("ipywidgets")
     """The refresh thread keeps sampling while the caller's thread is blocked in generate()."""
     d = Dashboard(tiny_engine, interval=0.05, widget=True).start()
     before = tiny_engine.stats()["total_output_tokens"]
@@ -170,6 +172,7 @@ def test_dashboard_live_during_blocking_generate(tiny_engine) -> None:
 
 # ---- stream cell ---------------------------------------------------------------------------------------
 def test_stream_cell_stop_button_aborts() -> None:
+    pytest.importorskip("ipywidgets")
     eng = FakeEngine(delay=0.05)
     cell = stream(eng, " ".join(f"w{i}" for i in range(40)), {"max_new_tokens": 40}, widget=True, display=False)
     assert _wait_for(lambda: cell.state.tokens >= 2)
@@ -181,6 +184,7 @@ def test_stream_cell_stop_button_aborts() -> None:
 
 
 def test_stream_cell_real_engine_matches_generate(tiny_engine) -> None:
+    pytest.importorskip("ipywidgets")
     sp = {"max_new_tokens": 12, "temperature": 0.0}
     cell = stream(tiny_engine, "The capital of France is", sp, widget=True, display=False)
     text = cell.wait(30)
@@ -196,6 +200,7 @@ def test_stream_rejects_bad_params_in_the_callers_cell() -> None:
 
 # ---- playground ----------------------------------------------------------------------------------------
 def test_playground_regenerates_on_change() -> None:
+    pytest.importorskip("ipywidgets")
     eng = FakeEngine()
     pg = Playground(eng, prompt="a b c", k=2, debounce=0.05, widget=True, temperature=0.3)
     pg.regenerate(wait=True)

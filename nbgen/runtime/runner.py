@@ -100,7 +100,10 @@ class ModelRunner:
             if budget <= 0:
                 raise RuntimeError(f"no GPU memory left for the KV cache (mem_fraction_static="
                                    f"{self.cfg.mem_fraction_static}, {used / 2**30:.1f} GiB in use)")
-            return max(2, int(budget // self._bytes_per_page()))
+            # never more KV than the engine can use: every running request at the full context
+            # (keeps a tiny model from taking the card, so several engines share one GPU)
+            useful = (self.cfg.max_running_requests or 256) * int(self.loaded.context_length)
+            return max(2, min(int(budget // self._bytes_per_page()), -(-useful // P) + 1))
         return -(-CPU_DEFAULT_TOTAL_TOKENS // P) + 1
 
     def _make_backend(self) -> AttentionBackend:
