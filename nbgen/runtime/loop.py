@@ -203,7 +203,10 @@ class LoopThread:
             self._reap()
             return
         n_in = sum(s.q_len for s in batch.seqs if not s.sample or s.q_len > 1)
-        changed = sched.update(batch, out)
+        self.deliver(sched.update(batch, out), n_in)
+
+    def deliver(self, changed: list[Request], n_in: int) -> None:
+        """Send the step's changed requests to their callers, then count the step's tokens."""
         n_out = 0
         for req in changed:
             t = self._tracked.get(req.rid)

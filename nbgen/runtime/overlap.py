@@ -120,16 +120,7 @@ class OverlapStepper:
         self._undelivered = (changed, n_in)
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
-        loop = self.loop
-        n_out = 0
-        for req in changed:
-            t = loop._tracked.get(req.rid)
-            if t is None:
-                continue
-            n_out += len(req.output_ids) - t.n_ids
-            loop._emit(t)
-        loop._reap()
-        loop._account(n_in, n_out)
+        self.loop.deliver(changed, n_in)
 
     def _sync_step(self, batch: ScheduledBatch) -> None:
         try:

@@ -31,13 +31,9 @@ def _free_port() -> int:
 
 
 def _embedded_model_ready() -> bool:
-    try:
-        from nbgen.models.embedded import embedded_gguf_path
-        from nbgen.models.gguf_convert import is_converted
-    except ImportError:
-        return False
-    p = embedded_gguf_path()
-    return p.exists() or is_converted(str(p))
+    from nbgen.models.embedded import embedded_model_ready
+
+    return embedded_model_ready()
 
 
 @pytest.fixture
