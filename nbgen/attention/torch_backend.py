@@ -31,6 +31,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_slots: Optional[torch.Tensor] = None      # [Bd, Kmax] cache slots, padded with 0
     decode_pad: Optional[torch.Tensor] = None        # [1, Bd, 1, Kmax] True where a key is padding
     prefill: list[_PrefillSeq] = field(default_factory=list)
+    kv_buf: Optional[torch.Tensor] = None            # [2, Hkv, Bd * Kmax, D] decode gather buffer
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -115,8 +116,10 @@ class TorchAttentionBackend(AttentionBackend):
             qd = qd.reshape(hkv * bd, g, d)                                   # [Hkv*Bd, G, D]
             flat = meta.decode_slots.view(-1)
             # index_select over a flat slot list is far cheaper on a CPU than advanced indexing
-            kd = kc.index_select(1, flat).view(hkv * bd, kmax, d)            # [Hkv*Bd, Kmax, D]
-            vd = vc.index_select(1, flat).view(hkv * bd, kmax, d)
+            if meta.kv_buf is None:  # one gather buffer per step, reused by every layer (fewer mallocs)
+                meta.kv_buf = torch.empty((2, hkv, flat.numel(), d), dtype=kc.dtype, device=kc.device)
+            kd = torch.index_select(kc, 1, flat, out=meta.kv_buf[0]).view(hkv * bd, kmax, d)  # [Hkv*Bd, Kmax, D]
+            vd = torch.index_select(vc, 1, flat, out=meta.kv_buf[1]).view(hkv * bd, kmax, d)
             scores = torch.bmm(qd, kd.transpose(1, 2).to(qd.dtype)).float() * self.scale
             scores = scores.view(hkv, bd, g, kmax).masked_fill_(meta.decode_pad, float("-inf"))
             probs = scores.softmax(-1).to(vd.dtype).view(hkv * bd, g, kmax)
