@@ -222,13 +222,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         outs = [64] * len(prompts)
     else:
         prompts, outs = make_workload(workload)
-    bw = copy_bandwidth(dev)
     rows = [run_nbgen(args, prompts, outs)]
     if args.peer == "hf":
         try:
             rows.append(run_hf(args, prompts, outs))
         except Exception as e:  # noqa: BLE001 - report the peer's failure, keep nbgen's numbers
             rows.append({"engine": "hf", "error": f"{type(e).__name__}: {e}"})
+    # measured last: on a CPU its large buffers change malloc's behaviour for the rest of the process
+    bw = copy_bandwidth(dev)
     ins = rows[0]["prompt_lens"]
     floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw)
     print(f"\nworkload {workload}  model {args.model or 'embedded'}  device {args.device}  "
