@@ -289,3 +289,23 @@ def test_script_without_main_guard_exits_cleanly(tiny_llama_dir, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "2"
+
+
+def test_prompt_top_and_id_logprobs(tiny_engine, tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tiny_engine.generate("Hello, my name is", {"temperature": 0, "max_new_tokens": 1},
+                               return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+                               token_ids_logprob=[5, 6])
+    meta = out["meta_info"]
+    ids = tiny_engine.encode("Hello, my name is")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)          # [L, V]
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(ids)
+    for pos in range(1, len(ids)):
+        top = meta["input_top_logprobs"][pos]
+        assert [t for _, t, _ in top] == ref[pos - 1].topk(2).indices.tolist()
+        got = {t: lp for lp, t, _ in meta["input_token_ids_logprobs"][pos]}
+        assert abs(got[5] - ref[pos - 1, 5].item()) < 1e-4 and abs(got[6] - ref[pos - 1, 6].item()) < 1e-4

@@ -309,24 +309,16 @@ class ModelRunner:
                     out_lps[i] = res.logprobs[k]
                     k += 1
         if prompt_rows:
-            top = max(batch.seqs[i].req.logprobs.top_logprobs_num for i in set(prompt_owner))
-            id_lists = [batch.seqs[i].req.logprobs.token_ids_logprob for i in prompt_owner]
-            lps = prompt_logprobs(logits[len(sample_rows):],
-                                  torch.tensor(prompt_targets, device=dev), top, None)
-            for j, (owner, lp) in enumerate(zip(prompt_owner, lps)):
-                req_lp = batch.seqs[owner].req.logprobs
-                lp.top = lp.top[: req_lp.top_logprobs_num]
-                if id_lists[j]:
-                    lp.ids = self._ids_logprobs(logits[len(sample_rows) + j], id_lists[j])
-                prm_lps[owner] = (prm_lps[owner] or []) + [lp]
+            # each seq's prompt rows are contiguous: one call per seq with its own top-n / token ids
+            base = len(sample_rows)
+            for owner in dict.fromkeys(prompt_owner):
+                lo = prompt_owner.index(owner)
+                hi = lo + prompt_owner.count(owner)
+                want = batch.seqs[owner].req.logprobs
+                prm_lps[owner] = prompt_logprobs(logits[base + lo: base + hi], prompt_targets[lo:hi],
+                                                 want.top_logprobs_num, want.token_ids_logprob)
         for i, s in enumerate(batch.seqs):
             if s.prompt_logprob_start >= 0 and prm_lps[i] is None:
                 prm_lps[i] = []
         return StepOutput(next_token_ids=next_ids, output_logprobs=out_lps,
                           prompt_logprobs=prm_lps, errors=errors, hidden_states=hs)
-
-    @staticmethod
-    def _ids_logprobs(row_logits: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:
-        lp = torch.log_softmax(row_logits.float(), dim=-1)
-        vals = lp[torch.tensor(ids, device=lp.device)].tolist()
-        return list(zip(vals, ids))
