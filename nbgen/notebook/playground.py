@@ -109,8 +109,10 @@ class Playground(Shown):
             c.observe(self._on_change, names="value")
         self.out = w.HTML(value=self._samples_html())
         self.status = w.Label(value="")
-        left = w.VBox(list(self.controls.values()))
-        return w.VBox([self.prompt_box, w.HBox([left, w.VBox([self.out, self.status])])])
+        # sliders keep their width; samples take the rest and wrap below on narrow notebooks
+        left = w.VBox(list(self.controls.values()), layout=w.Layout(flex="0 0 auto", width="440px"))
+        right = w.VBox([self.out, self.status], layout=w.Layout(flex="1 1 320px", min_width="320px"))
+        return w.VBox([self.prompt_box, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap", width="100%"))])
 
     def _on_change(self, change: Mapping[str, Any]) -> None:
         self.prompt = self.prompt_box.value
