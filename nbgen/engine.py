@@ -45,6 +45,7 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any) -> None:
         self._shut = True
+        self.final_stats: Optional[dict[str, Any]] = None  # stats() as of shutdown()
         cfg = EngineConfig.from_kwargs(model_path, kwargs)
         logging.getLogger("nbgen").setLevel(cfg.log_level.upper())
         if cfg.model_path is None:
@@ -310,6 +311,7 @@ class Engine:
             return
         self._shut = True
         self._finalizer()
+        self.final_stats = self._loop.stats()  # last numbers, for widgets that outlive the engine
         try:
             import torch
 

@@ -236,6 +236,7 @@ def test_shutdown_and_recreate(tiny_llama_dir):
         eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu")
         assert eng.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] <= 2
         eng.shutdown()
+        assert eng.final_stats["total_finished"] == 1 and eng.final_stats["running"] == 0
         eng.shutdown()  # idempotent
         with pytest.raises(RuntimeError, match="engine is shut down"):
             eng.generate("hi")

@@ -43,7 +43,10 @@ class Dashboard(Shown):
             return self._ended("engine released")
         try:
             stats = eng.stats()
-        except RuntimeError:  # "engine is shut down"
+        except RuntimeError:  # "engine is shut down": show the numbers it had at shutdown
+            final = getattr(eng, "final_stats", None)
+            if self.status == "live" and final:
+                self.history.append(final)
             return self._ended("engine shut down")
         self.history.append(stats)
         self._render()

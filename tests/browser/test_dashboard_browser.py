@@ -100,19 +100,22 @@ def test_dashboard_renders_and_updates_in_jupyterlab(jupyterlab) -> None:
             # Run > Run All Cells, as a person would
             # a click can land before JupyterLab wires its menus: retry until a cell starts running
             started = "() => [...document.querySelectorAll('.jp-InputPrompt')].some(e => /\\[(\\*|\\d+)\\]/.test(e.textContent))"
-            for attempt in range(4):
+            for attempt in range(6):
+                page.wait_for_timeout(1000)
                 dialog = page.locator(".jp-Dialog .jp-mod-accept")
                 if dialog.count():  # "Select Kernel" can pop up while the session starts: accept it
                     dialog.first.click()
-                    page.wait_for_timeout(1000)
-                page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-                page.get_by_text("Run All Cells", exact=True).first.click()
+                    continue
                 try:
+                    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click(timeout=5_000)
+                    page.get_by_text("Run All Cells", exact=True).first.click(timeout=5_000)
                     page.wait_for_function(started, timeout=20_000)
                     break
-                except Exception:
+                except Exception:  # a dialog got in the way, or the menu was not wired yet
                     page.screenshot(path=os.path.join(ARTIFACTS, f"not-started-{attempt}.png"))
                     page.keyboard.press("Escape")
+            else:
+                pytest.fail("could not start the notebook (see not-started-*.png)")
             page.wait_for_selector(".nbgen-dashboard", timeout=300_000)  # engine load + first render
             seen, t_end = [], time.time() + 400
             while time.time() < t_end:
