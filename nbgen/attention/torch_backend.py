@@ -120,9 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.kv_buf = torch.empty((2, hkv, flat.numel(), d), dtype=kc.dtype, device=kc.device)
             kd = torch.index_select(kc, 1, flat, out=meta.kv_buf[0]).view(hkv * bd, kmax, d)  # [Hkv*Bd, Kmax, D]
             vd = torch.index_select(vc, 1, flat, out=meta.kv_buf[1]).view(hkv * bd, kmax, d)
-            scores = torch.bmm(qd, kd.transpose(1, 2).to(qd.dtype)).float() * self.scale
+            scores = torch.bmm(qd, kd.transpose(1, 2).to(qd.dtype)).float().mul_(self.scale)
             scores = scores.view(hkv, bd, g, kmax).masked_fill_(meta.decode_pad, float("-inf"))
-            probs = scores.softmax(-1).to(vd.dtype).view(hkv * bd, g, kmax)
+            probs = torch.softmax(scores, -1, dtype=torch.float32).to(vd.dtype).view(hkv * bd, g, kmax)
             od = torch.bmm(probs, vd).view(hkv, bd, g, d).transpose(0, 1)     # [Bd, Hkv, G, D]
             od = od.reshape(bd, sp.num_q_heads, d).to(out.dtype)
             if all_decode:
