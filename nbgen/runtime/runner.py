@@ -285,7 +285,6 @@ class ModelRunner:
                     prompt_targets.append(s.req.prompt_ids[t])
                     prompt_owner.append(i)
             row += s.q_len
-        dev = self.device
         hidden = self._forward(batch, ids, pos)                              # [T, H]
         rows = self._to_dev(sample_rows + prompt_rows)
         hidden = hidden.index_select(0, rows)                                # [S + Np, H]

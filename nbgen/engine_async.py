@@ -1,0 +1,62 @@
+"""The awaitable half of Engine: async_generate and async streaming, bridged onto the caller's loop.
+
+Results cross from the loop thread through ``call_soon_threadsafe`` into an asyncio.Queue on the
+caller's own event loop; cancelling the awaiting task aborts its requests.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from nbgen.runtime.request import Request
+from nbgen.runtime.tracker import Update
+
+
+class AsyncGenerateMixin:
+    """async_generate() for Engine (uses its _prepare, _single, _chunk, _abort_quietly and _loop)."""
+
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                             stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
+                             logprob_start_len: Any = -1, token_ids_logprob: Any = None,
+                             rid: Any = None, return_hidden_states: Any = False,
+                             custom_logit_processor: Any = None) -> Any:
+        """Awaitable twin of generate(); with ``stream=True`` it returns an async iterator of chunks."""
+        reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
+                                     top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
+                                     return_hidden_states, custom_logit_processor)
+        if stream:
+            return self._astream(self._single(reqs))
+        results: dict[str, dict] = {}
+        async for upd in self._asubmit(reqs, stream=False):
+            results[upd.rid] = upd.output
+        outs = [results[r.rid] for r in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    async def _asubmit(self, reqs: list[Request], stream: bool) -> AsyncIterator[Update]:
+        loop = asyncio.get_running_loop()
+        aq: asyncio.Queue = asyncio.Queue()
+
+        def sink(u: Update) -> None:
+            try:
+                loop.call_soon_threadsafe(aq.put_nowait, u)
+            except RuntimeError:  # the caller's loop is gone; nobody is listening
+                pass
+
+        pending = {r.rid for r in reqs}
+        self._loop.submit(reqs, sink, stream=stream)
+        try:
+            while pending:
+                upd: Update = await aq.get()
+                if upd.finished:
+                    pending.discard(upd.rid)
+                yield upd
+        finally:
+            if pending:  # cancelled or closed early
+                self._abort_quietly(list(pending))
+
+    async def _astream(self, req: Request) -> AsyncIterator[dict[str, Any]]:
+        sent = 0
+        async for upd in self._asubmit([req], stream=True):
+            yield self._chunk(upd, sent)
+            sent += len(upd.output["text"]) if not upd.finished else 0
+
