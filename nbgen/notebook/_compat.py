@@ -81,11 +81,21 @@ class Shown:
 
     _shown_in: Optional[int] = None
 
-    def _bundle(self) -> dict[str, Any]:  # pragma: no cover - abstract
+    widget: Any = None
+
+    def _snapshot_html(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _text(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _bundle(self) -> dict[str, Any]:
+        """The widget view where a widget manager runs; the HTML snapshot and text everywhere else."""
+        bundle: dict[str, Any] = {"text/plain": self._text(), "text/html": self._snapshot_html()}
+        if self.widget is not None:
+            bundle.update(self.widget._repr_mimebundle_() or {})
+            bundle["text/plain"] = self._text()
+        return bundle
 
     def show(self) -> Any:
         """Display now: the widget where widgets run, an HTML snapshot elsewhere."""

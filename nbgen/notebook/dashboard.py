@@ -117,13 +117,8 @@ class Dashboard(Shown):
     def _text(self) -> str:
         return self.text()
 
-    def _bundle(self) -> dict[str, Any]:
-        # the widget view where a widget manager runs; the HTML snapshot everywhere else
-        bundle: dict[str, Any] = {"text/plain": self.text(), "text/html": self.html()}
-        if self.widget is not None:
-            bundle.update(self.widget._repr_mimebundle_() or {})
-            bundle["text/plain"] = self.text()
-        return bundle
+    def _snapshot_html(self) -> str:
+        return self.html()
 
 
 def _title(engine: Any) -> str:

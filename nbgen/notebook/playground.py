@@ -223,12 +223,8 @@ class Playground(Shown):
     def _text(self) -> str:
         return "\n---\n".join(self.texts)
 
-    def _bundle(self) -> dict[str, Any]:
-        b: dict[str, Any] = {"text/plain": self._text(), "text/html": self._samples_html()}
-        if self.widget is not None:
-            b.update(self.widget._repr_mimebundle_() or {})
-            b["text/plain"] = self._text()
-        return b
+    def _snapshot_html(self) -> str:
+        return self._samples_html()
 
 
 def playground(engine: Any, prompt: str = "Once upon a time", k: int = 2, seed: int = 0, chat: bool = False,

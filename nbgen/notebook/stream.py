@@ -167,14 +167,9 @@ class StreamCell(Shown):
     def _text(self) -> str:
         return self.state.text
 
-    def _bundle(self) -> dict[str, Any]:
-        b: dict[str, Any] = {"text/plain": self.state.text,
-                             "text/html": self.state.html(self._shown_prompt())
-                             + f'<div style="color:#888;font-size:11px">{html.escape(self.state.status())}</div>'}
-        if self.widget is not None:
-            b.update(self.widget._repr_mimebundle_() or {})
-            b["text/plain"] = self.state.text
-        return b
+    def _snapshot_html(self) -> str:
+        return (self.state.html(self._shown_prompt())
+                + f'<div style="color:#888;font-size:11px">{html.escape(self.state.status())}</div>')
 
 
 def stream(engine: Any, prompt: str, sampling_params: Optional[dict[str, Any]] = None, *,
