@@ -160,6 +160,24 @@ class ModelRunner:
             input_ids.index_copy_(0, rows_t, prev.index_select(0, src_t))
         return patch
 
+    @staticmethod
+    def _flatten(batch: ScheduledBatch) -> tuple[list[int], list[int], list[int], list[SeqWork], list[int]]:
+        """Flat token ids and positions of the step, the row of each sampling seq's last token,
+        the sampling seqs, and the first row of every seq."""
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        seqs: list[SeqWork] = []
+        starts: list[int] = []
+        for s in batch.seqs:
+            starts.append(len(ids))
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.kv_len))
+            if s.sample:
+                rows.append(len(ids) - 1)
+                seqs.append(s)
+        return ids, pos, rows, seqs, starts
+
     def _forward(self, batch: ScheduledBatch, ids: list[int], pos: list[int]) -> torch.Tensor:
         """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
         if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
@@ -186,18 +204,7 @@ class ModelRunner:
             hidden = self.graphs.run(batch, [s.token_ids[0] for s in batch.seqs], self._last_tokens)
             rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
         else:
-            ids: list[int] = []
-            pos: list[int] = []
-            rows = []
-            seqs = []
-            row = 0
-            for s in batch.seqs:
-                ids.extend(s.token_ids)
-                pos.extend(range(s.start_pos, s.kv_len))
-                if s.sample:
-                    rows.append(row + s.q_len - 1)
-                    seqs.append(s)
-                row += s.q_len
+            ids, pos, rows, seqs, _ = self._flatten(batch)
             hidden = self._forward(batch, ids, pos)
         if not seqs:
             return Launched(batch, None, None, None)
@@ -261,30 +268,20 @@ class ModelRunner:
     def _step_logprobs(self, batch: ScheduledBatch) -> StepOutput:
         from nbgen.runtime.logprobs import prompt_logprobs
 
-        ids: list[int] = []
-        pos: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs = []
+        ids, pos, sample_rows, sample_seqs, starts = self._flatten(batch)
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_owner: list[int] = []  # seq index of each prompt-logprob row
-        row = 0
         for i, s in enumerate(batch.seqs):
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.kv_len))
-            if s.sample:
-                sample_rows.append(row + s.q_len - 1)
-                sample_seqs.append(s)
             if s.prompt_logprob_start >= 0:
                 # hidden at position p predicts token p+1: targets t in [max(L, 1, start+1), min(kv_len, prompt_len-1)]
                 plen = len(s.req.prompt_ids)
                 lo = max(s.prompt_logprob_start, 1, s.start_pos + 1)
                 hi = min(s.kv_len, plen - 1)
                 for t in range(lo, hi + 1):
-                    prompt_rows.append(row + (t - 1 - s.start_pos))
+                    prompt_rows.append(starts[i] + (t - 1 - s.start_pos))
                     prompt_targets.append(s.req.prompt_ids[t])
                     prompt_owner.append(i)
-            row += s.q_len
         hidden = self._forward(batch, ids, pos)                              # [T, H]
         rows = self._to_dev(sample_rows + prompt_rows)
         hidden = hidden.index_select(0, rows)                                # [S + Np, H]
