@@ -40,6 +40,11 @@ class ScheduledBatch:
         return sum(s.q_len for s in self.seqs)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (or recompute) tokens of the step: everything but one-token decodes."""
+        return sum(s.q_len for s in self.seqs if not s.sample or s.q_len > 1)
+
+    @property
     def is_decode_only(self) -> bool:
         return all(s.q_len == 1 for s in self.seqs)
 

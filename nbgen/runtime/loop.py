@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from nbgen.config import EngineConfig
+from nbgen.runtime.batch import ScheduledBatch
 from nbgen.runtime.request import Request
 from nbgen.runtime.tracker import Tracked, Update
 
@@ -189,21 +190,26 @@ class LoopThread:
         if self._overlap is not None:
             self._overlap.step()
             return
-        sched = self.scheduler
-        batch = sched.schedule()
+        batch = self.scheduler.schedule()
         self._reap()
-        if batch is None:
-            return
+        if batch is not None:
+            self.run_step(batch)
+
+    def run_step(self, batch: ScheduledBatch) -> None:
+        """Run one batch synchronously and deliver its results."""
         try:
             out = self.runner.step(batch)
-        except Exception as e:  # a failing step aborts its requests only; the engine goes on
-            logger.exception("step failed")
-            for s in batch.seqs:
-                sched.abort(s.req.rid, f"{type(e).__name__}: {e}")
-            self._reap()
+        except Exception as e:  # noqa: BLE001 - handed to fail_batch
+            self.fail_batch(batch, e)
             return
-        n_in = sum(s.q_len for s in batch.seqs if not s.sample or s.q_len > 1)
-        self.deliver(sched.update(batch, out), n_in)
+        self.deliver(self.scheduler.update(batch, out), batch.num_prefill_tokens)
+
+    def fail_batch(self, batch: ScheduledBatch, e: Exception) -> None:
+        """A failing step aborts its own requests only; the engine goes on."""
+        logger.exception("step failed")
+        for s in batch.seqs:
+            self.scheduler.abort(s.req.rid, f"{type(e).__name__}: {e}")
+        self._reap()
 
     def deliver(self, changed: list[Request], n_in: int) -> None:
         """Send the step's changed requests to their callers, then count the step's tokens."""

@@ -19,13 +19,10 @@ whereas after sampling is queued it has only the short sampling kernels left to 
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from nbgen.runtime.batch import ScheduledBatch, StepOutput
 from nbgen.runtime.request import Request, Status
-
-logger = logging.getLogger("nbgen")
 
 
 def overlappable(batch: ScheduledBatch) -> bool:
@@ -58,7 +55,7 @@ class OverlapStepper:
             return
         if not overlappable(batch):
             self.flush()
-            self._sync_step(batch)
+            self.loop.run_step(batch)
             return
         # grammar rows: the previous step resolves after this forward is queued and before sampling,
         # so their matchers accept its tokens and the bitmask is filled while the GPU runs the forward
@@ -67,7 +64,7 @@ class OverlapStepper:
             launched = loop.runner.launch(batch, before_sample=self.flush if grammar else None)
         except Exception as e:  # noqa: BLE001 - fail this step's requests only
             self.flush()
-            self._fail(batch, e)
+            self.loop.fail_batch(batch, e)
             return
         self.flush()
         n = len(batch.seqs)
@@ -77,8 +74,7 @@ class OverlapStepper:
                 fake[i] = -(k + 1)
                 k += 1
         changed = sched.update(batch, StepOutput(fake, [None] * n, [None] * n))
-        n_in = sum(s.q_len for s in batch.seqs if not s.sample or s.q_len > 1)
-        self.pending = (launched, changed, n_in)
+        self.pending = (launched, changed, batch.num_prefill_tokens)
 
     def flush(self) -> None:
         """Resolve the pending step (wait for its ids), then deliver its outputs."""
@@ -122,17 +118,3 @@ class OverlapStepper:
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         self.loop.deliver(changed, n_in)
 
-    def _sync_step(self, batch: ScheduledBatch) -> None:
-        try:
-            out = self.loop.runner.step(batch)
-        except Exception as e:  # noqa: BLE001
-            self._fail(batch, e)
-            return
-        n_in = sum(s.q_len for s in batch.seqs if not s.sample or s.q_len > 1)
-        self._deliver(self.loop.scheduler.update(batch, out), n_in)
-
-    def _fail(self, batch: ScheduledBatch, e: Exception) -> None:
-        logger.exception("step failed")
-        for s in batch.seqs:
-            self.loop.scheduler.abort(s.req.rid, f"{type(e).__name__}: {e}")
-        self.loop._reap()
