@@ -5,6 +5,7 @@ fails the whole call with a clear error and nothing runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import uuid
 from dataclasses import dataclass
@@ -98,8 +99,7 @@ def check_ids(ids: list[int], idx: int, sp: SamplingParams, facts: ModelFacts) -
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt[{idx}] exceeds "
                              f"the context length {facts.context_length} (pass a smaller max_new_tokens or "
                              f"Engine(allow_context_overflow=True) to cut generation at the context length)")
-        sp = SamplingParams(**{**{k: getattr(sp, k) for k in sp.__dataclass_fields__ if k != "stop_strs"},
-                               "max_new_tokens": room})
+        sp = dataclasses.replace(sp, max_new_tokens=room)
     return sp
 
 
