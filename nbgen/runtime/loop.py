@@ -124,8 +124,7 @@ class LoopThread:
             fn(*args)
         finally:
             if self.scheduler is not None:
-                with self._stats_lock:
-                    self._stats.update(self._snapshot())
+                self._publish()
             self._wake.set()
 
     # ---- loop thread ----------------------------------------------------------------------------
@@ -173,8 +172,7 @@ class LoopThread:
             from nbgen.runtime.overlap import OverlapStepper
 
             self._overlap = OverlapStepper(self)
-        with self._stats_lock:
-            self._stats.update(self._snapshot())
+        self._publish()
         return {"device": str(device), "scheduler": sc, "loaded": runner.loaded}
 
     async def _main(self) -> None:
@@ -253,6 +251,11 @@ class LoopThread:
         """Deliver requests the scheduler finished on its own (aborted, or too big to ever fit)."""
         for t in [t for t in self._tracked.values() if t.req.finished]:
             self._emit(t)
+
+    def _publish(self) -> None:
+        """Refresh the stats() snapshot that callers read from other threads."""
+        with self._stats_lock:
+            self._stats.update(self._snapshot())
 
     def _snapshot(self) -> dict[str, Any]:
         s = self.scheduler.stats()
