@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
+from nbgen.runtime import cpu_ops
 from nbgen.runtime.batch import ScheduledBatch
 
 
@@ -30,20 +31,27 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_rows: Optional[torch.Tensor] = None       # [Bd] rows of single-token (decode) seqs
     decode_slots: Optional[torch.Tensor] = None      # [Bd, Kmax] cache slots, padded with 0
     decode_pad: Optional[torch.Tensor] = None        # [1, Bd, 1, Kmax] True where a key is padding
+    decode_table: Optional[torch.Tensor] = None      # [Bd, max_pages] int64 page ids (C kernel path)
+    decode_lens: Optional[torch.Tensor] = None       # [Bd] int64 cached tokens incl. the new one
     prefill: list[_PrefillSeq] = field(default_factory=list)
     kv_buf: Optional[torch.Tensor] = None            # [2, Hkv, Bd * Kmax, D] decode gather buffer
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decodes of a step share one padded matmul-softmax-matmul; prefill chunks run one SDPA each.
+    """Decodes of a step share one attention call; prefill chunks run one SDPA each.
 
-    Padding the decode group keeps the per-layer Python work constant in the batch size (one gather,
-    one attention), which is what matters on a CPU; prefill chunks are long enough that a call each is cheap.
+    On a CPU the decodes go to nbgen's C kernel (``cpu_ops.paged_decode_attention``: reads each
+    sequence's pages in place); without it (no compiler, other devices, ``use_cpu_kernels=False``)
+    they share one padded gather + matmul-softmax-matmul, which keeps the per-layer Python work
+    constant in the batch size. Prefill chunks are long enough that a call each is cheap.
     """
 
-    def __init__(self, spec: KVCacheSpec) -> None:
+    def __init__(self, spec: KVCacheSpec, use_cpu_kernels: Optional[bool] = None) -> None:
         super().__init__(spec)
         self.gqa = spec.num_q_heads // spec.num_kv_heads
+        usable = spec.device.type == "cpu" and cpu_ops.supports_decode(
+            spec.dtype, spec.dtype, spec.num_q_heads, spec.num_kv_heads)
+        self.cpu_kernels = usable and use_cpu_kernels is not False and cpu_ops.available()
 
     def cache_shape(self) -> tuple[int, ...]:
         """Head-major [Hkv, num_pages * page_size, D]: a gather of slots is directly [Hkv, K, D]."""
@@ -73,7 +81,12 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.arange(s.kv_len, device=dev)[None, :] <= q_pos[:, None]
                 meta.prefill.append(_PrefillSeq(row, s.q_len, s.start_pos, kv_slots, mask))
             row += s.q_len
-        if dec_rows:
+        if dec_rows and self.cpu_kernels:
+            width = max(len(p) for p in dec_pages)
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long)
+            meta.decode_table = torch.tensor([p + [0] * (width - len(p)) for p in dec_pages], dtype=torch.long)
+            meta.decode_lens = torch.tensor(dec_lens, dtype=torch.long)
+        elif dec_rows:
             # Key length rounded up to a bucket: the batched matmuls then see few distinct shapes, so
             # oneDNN reuses its compiled kernels instead of JIT-compiling one per new length (padded
             # keys read the scratch page 0 and are masked out).
@@ -105,7 +118,15 @@ class TorchAttentionBackend(AttentionBackend):
         kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kc.dtype))
         vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(vc.dtype))
         out = torch.empty_like(q)
-        if meta.decode_rows is not None:
+        if meta.decode_table is not None:
+            bd = meta.decode_rows.shape[0]
+            qd = q if bd == T else q.index_select(0, meta.decode_rows)          # [Bd, Hq, D]
+            od = cpu_ops.paged_decode_attention(qd, kc, vc, meta.decode_table, meta.decode_lens,
+                                                sp.page_size, self.scale)
+            if bd == T:
+                return od.view(T, sp.num_q_heads * d)
+            out.index_copy_(0, meta.decode_rows, od)
+        elif meta.decode_rows is not None:
             # Plain matmul-softmax-matmul: for one query row per sequence this is ~7x faster on a CPU
             # than SDPA's flash kernel (32 seqs x 90 keys, bf16); softmax runs in fp32. Batches are
             # (kv head, seq) pairs so the gathered keys are used in place, without a transposing copy.

@@ -1,0 +1,124 @@
+"""nbgen's own CPU kernels (``nbgen/csrc/cpu_ops.c``): built with the system C compiler on first
+use, cached, called through ctypes — the CPU counterpart of ``gpu_ops`` (flashinfer on CUDA).
+
+The build is plain C with no torch headers (about a second with gcc), so it happens inside the
+first ``Engine()`` rather than at install time. The shared library is cached under the nbgen cache
+dir keyed by the source, the compiler and this CPU (it is built with ``-march=native``). It links
+libgomp by its soname, so inside a torch process it shares torch's OpenMP runtime and thread pool.
+
+When there is no compiler, the build fails, or ``NBGEN_CPU_KERNELS=0`` is set, ``available()`` is
+False and callers use their torch code path (same results up to float rounding, slower).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("nbgen")
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_DECODE_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _i64, _i64, _f32, _int]
+
+
+def _cpu_key() -> str:
+    """Identifies this CPU's instruction set (the library is built with -march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(cc: str) -> Path:
+    from nbgen.models.gguf_convert import cache_dir
+
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
+    out_dir = cache_dir() / "kernels"
+    lib = out_dir / f"cpu_ops-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:   # build aside, then rename: never half a file
+        tmp_lib = Path(tmp) / lib.name
+        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_lib), "-lm"],
+                             capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cc} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp_lib, lib)
+    return lib
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The kernel library, building it on first call; None when it cannot be had (logged once)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("NBGEN_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+            return None
+        cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        if cc is None:
+            logger.warning("nbgen: no C compiler found; CPU attention uses the slower torch path")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            lib.paged_decode_attention.argtypes = _DECODE_ARGS
+            lib.paged_decode_attention.restype = None
+            _lib = lib
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: use the torch path
+            logger.warning("nbgen: CPU kernels unavailable (%s); using the torch path", str(e)[:500])
+        return _lib
+
+
+def available() -> bool:
+    """True when the C kernels are built and loaded (building them now if needed)."""
+    return load() is not None
+
+
+def supports_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
+    """Whether ``paged_decode_attention`` handles this dtype / head configuration."""
+    return q_dtype == kv_dtype and q_dtype in (torch.bfloat16, torch.float32) and num_q_heads % num_kv_heads == 0
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           table: torch.Tensor, lens: torch.Tensor, page_size: int, scale: float,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One query token per sequence against its pages, read in place (no gather).
+
+    q [B, Hq, D] (rows may be strided; heads and dims contiguous); k_cache / v_cache [Hkv, S, D]
+    contiguous head-major caches of one layer; table [B, max_pages] int64 page ids; lens [B] int64
+    cached tokens per sequence, the new one included. Returns out [B, Hq, D] in q's dtype.
+    """
+    lib = load()
+    assert lib is not None, "cpu_ops.paged_decode_attention called without the kernels (check available())"
+    B, Hq, D = q.shape
+    Hkv, S, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == D and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert table.dtype == torch.int64 and lens.dtype == torch.int64 and table.is_contiguous()
+    if out is None:
+        out = torch.empty((B, Hq, D), dtype=q.dtype)
+    lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                               table.data_ptr(), lens.data_ptr(), B, Hq, Hkv, D, page_size, table.shape[1], S,
+                               scale, int(q.dtype == torch.bfloat16))
+    return out
