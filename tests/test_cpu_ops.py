@@ -65,3 +65,63 @@ def test_engine_decodes_with_the_kernel_on_cpu(tiny_engine, device):
     if device != "cpu":
         pytest.skip("CPU engine only")
     assert tiny_engine._loop.runner.backend.cpu_kernels is True
+
+
+def _hf_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then weight * it (in the model dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    # bf16: one rounding step apart at most (the fp32 sums run in another order); fp32: ~1e-6
+    rtol, atol = (1e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5, 1e-6)
+    return torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_and_add_rmsnorm_match_hf(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 96, generator=g) * 3).to(dtype)
+    r = torch.randn(37, 96, generator=g).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    assert _close(cpu_ops.rmsnorm(x, w, 1e-6), _hf_rmsnorm(x, w, 1e-6), dtype)
+    s_ref = x + r                                    # HF adds residuals in the model dtype
+    y, s = cpu_ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-6)
+    assert torch.equal(s, s_ref)
+    assert _close(y, _hf_rmsnorm(s_ref, w, 1e-6), dtype)
+    # per-head [T, H, D] view with strided rows (Qwen3's q/k norm on the qkv projection)
+    qkv = torch.randn(5, 4 * 32 + 8, generator=g).to(dtype)
+    heads = qkv[:, :128].view(5, 4, 32)
+    wh = (torch.rand(32, generator=g) + 0.5).to(dtype)
+    assert _close(cpu_ops.rmsnorm(heads, wh, 1e-6), _hf_rmsnorm(heads, wh, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_inplace_matches_torch_path(dtype):
+    from nbgen.models.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, (6 + 2 + 2) * 64, generator=g).to(dtype)
+    q, k = qkv[:, :384], qkv[:, 384:512]             # strided views, as the model passes them
+    pos = torch.tensor([0, 1, 2, 63, 64, 200, 300, 511, 7])
+    cos, sin = rope._cos_sin(pos, dtype)
+    q_ref, k_ref = rope._rotate(q, cos, sin), rope._rotate(k, cos, sin)
+    v_before = qkv[:, 512:].clone()
+    cpu_ops.rope_inplace(pos, q, k, 64, rope.cos_sin_cache)
+    assert _close(q, q_ref, dtype) and _close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, 512:], v_before)     # v untouched
+    with pytest.raises(ValueError, match="positions"):
+        cpu_ops.rope_inplace(torch.tensor([512]), q[:1], k[:1], 64, rope.cos_sin_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(11, 2 * 200, generator=g) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])        # saturated and zero gates
+    gate, up = x.chunk(2, dim=-1)
+    assert _close(cpu_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)

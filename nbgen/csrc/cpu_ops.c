@@ -14,6 +14,10 @@
  * GQA: query head i reads kv head i / G (G = Hq / Hkv), as HF's repeat_kv.
  * Math in fp32 (scores, softmax, weighted sum); bf16 inputs are widened exactly, the output is
  * rounded to nearest even.
+ *
+ * rmsnorm / rope / silu_and_mul: the per-layer elementwise ops, one pass each instead of 4-8 torch
+ * ops. They reproduce HF's rounding steps in bf16 (each op HF runs in the model dtype is rounded
+ * where HF rounds it), so they give the torch path's numbers up to fp32 summation order.
  */
 #include <math.h>
 #include <omp.h>
@@ -47,10 +51,20 @@ static inline void narrow(const float *src, int is_bf16, void *dst, int64_t n) {
     }
 }
 
-/* exp(x) for x <= 0 in a form the compiler vectorises (libm's expf is a scalar call): x = n ln2 + r,
+/* round an fp32 value to the nearest bf16 and back (HF's intermediate roundings in bf16) */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* exp(x) for x in [-87, 88] (clamped outside) in a form the compiler vectorises (libm's expf is a scalar call): x = n ln2 + r,
  * e^r by a degree-6 polynomial on |r| <= ln2/2, 2^n through the exponent bits. Relative error ~2e-7. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     /* round to nearest by the 1.5 * 2^23 trick (vectorises; roundf would stay a scalar call) */
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
@@ -105,7 +119,7 @@ static void attend_one(const float *qf, const char *kh, const char *vh, const in
         for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < n; t++) {
-            sg[t] = exp_neg(sg[t] - mx);
+            sg[t] = exp_clamped(sg[t] - mx);
             sum += sg[t];
         }
         const float inv = 1.f / sum;
@@ -160,4 +174,89 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *k, cons
         }
     }
     free(scratch);
+}
+
+/* Rows (t, h) of width D at base + t * stride + h * D, for t < T, h < H (H = 1 for a plain [T, D]).
+ * With r: r <- x + r (rounded to the storage type, as HF adds residuals), then y = norm(r) * w;
+ * without: y = norm(x) * w. norm in fp32: h = v / sqrt(mean(v^2) + eps); bf16 rounds h before
+ * the weight multiply, as HF's `weight * hidden.to(dtype)`. */
+void rmsnorm(const void *x, int64_t x_stride, void *r, int64_t r_stride, const void *w, void *y,
+             int64_t y_stride, int64_t T, int H, int D, float eps, int is_bf16) {
+    const size_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T * H * D > 65536)
+    for (int64_t row = 0; row < T * H; row++) {
+        const int64_t t = row / H, h = row % H;
+        float v[D], rv[D], wf[D];
+        widen((const char *)x + (size_t)(t * x_stride + h * D) * es, is_bf16, v, D);
+        if (r != NULL) {
+            char *rp = (char *)r + (size_t)(t * r_stride + h * D) * es;
+            widen(rp, is_bf16, rv, D);
+            for (int d = 0; d < D; d++) v[d] = is_bf16 ? round_bf16(v[d] + rv[d]) : v[d] + rv[d];
+            narrow(v, is_bf16, rp, D);
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int d = 0; d < D; d++) ss += v[d] * v[d];
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        widen(w, is_bf16, wf, D);
+        if (is_bf16)
+            for (int d = 0; d < D; d++) v[d] = wf[d] * round_bf16(v[d] * inv);
+        else
+            for (int d = 0; d < D; d++) v[d] = wf[d] * (v[d] * inv);
+        narrow(v, is_bf16, (char *)y + (size_t)(t * y_stride + h * D) * es, D);
+    }
+}
+
+/* In-place rotate-half RoPE on q [T, Hq, D] and k [T, Hk, D] (row strides q_stride / k_stride) at
+ * positions pos [T]; cos_sin [max_pos, D] fp32 = cos of the D/2 frequencies | their sin. bf16 as
+ * HF: cos/sin cast to bf16, x*cos and rotate_half(x)*sin rounded, then their sum rounded. */
+void rope(void *q, int64_t q_stride, int Hq, void *k, int64_t k_stride, int Hk, const int64_t *pos,
+          const float *cos_sin, int D, int64_t T, int is_bf16) {
+    const size_t es = is_bf16 ? 2 : 4;
+    const int half = D / 2;
+#pragma omp parallel for schedule(static) if (T * (Hq + Hk) * D > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float c[half], sn[half], x[D];
+        const float *cs = cos_sin + pos[t] * D;
+        for (int i = 0; i < half; i++) {
+            c[i] = is_bf16 ? round_bf16(cs[i]) : cs[i];
+            sn[i] = is_bf16 ? round_bf16(cs[half + i]) : cs[half + i];
+        }
+        for (int h = 0; h < Hq + Hk; h++) {
+            char *p = h < Hq ? (char *)q + (size_t)(t * q_stride + h * D) * es
+                             : (char *)k + (size_t)(t * k_stride + (h - Hq) * D) * es;
+            widen(p, is_bf16, x, D);
+            float o[D];
+            if (is_bf16) {
+                for (int i = 0; i < half; i++) {
+                    o[i] = round_bf16(round_bf16(x[i] * c[i]) - round_bf16(x[half + i] * sn[i]));
+                    o[half + i] = round_bf16(round_bf16(x[half + i] * c[i]) + round_bf16(x[i] * sn[i]));
+                }
+            } else {
+                for (int i = 0; i < half; i++) {
+                    o[i] = x[i] * c[i] - x[half + i] * sn[i];
+                    o[half + i] = x[half + i] * c[i] + x[i] * sn[i];
+                }
+            }
+            narrow(o, is_bf16, p, D);
+        }
+    }
+}
+
+/* out [T, I] = silu(gate) * up for x [T, 2I] = gate | up (row stride x_stride); bf16 rounds silu's
+ * result before the multiply, as HF's act_fn(gate) * up. */
+void silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t T, int I, int is_bf16) {
+    const size_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T * I > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        float g[I], u[I];
+        widen((const char *)x + (size_t)(t * x_stride) * es, is_bf16, g, I);
+        widen((const char *)x + (size_t)(t * x_stride + I) * es, is_bf16, u, I);
+#pragma omp simd
+        for (int i = 0; i < I; i++) {
+            float sv = g[i] / (1.f + exp_clamped(-g[i]));
+            g[i] = (is_bf16 ? round_bf16(sv) : sv) * u[i];
+        }
+        narrow(g, is_bf16, (char *)out + (size_t)(t * I) * es, I);
+    }
 }

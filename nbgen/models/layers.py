@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbgen.runtime import cpu_ops  # nbgen's C kernels on the CPU (when a compiler built them)
 from nbgen.runtime import gpu_ops  # fused flashinfer kernels on CUDA (switched on by the runner)
 from nbgen.models.linear import (  # noqa: F401  (re-exported: one import site for model files)
     ColumnParallelLinear,
@@ -23,6 +24,16 @@ from nbgen.models.linear import (  # noqa: F401  (re-exported: one import site f
     VocabParallelEmbedding,
     default_weight_loader,
 )
+
+
+def fused_ops(x: torch.Tensor) -> Any:
+    """The fused-kernel module serving ``x`` (flashinfer's on CUDA, nbgen's C kernels on the CPU),
+    or None for plain torch. Both offer rmsnorm, add_rmsnorm, silu_and_mul and rope_inplace."""
+    if gpu_ops.fused_enabled(x):
+        return gpu_ops
+    if cpu_ops.fused_enabled(x):
+        return cpu_ops
+    return None
 
 
 class RMSNorm(nn.Module):
@@ -48,10 +59,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        if gpu_ops.fused_enabled(x):  # one flashinfer kernel (in place on x and residual)
+        ops = fused_ops(x)
+        if ops is not None:  # one kernel (in place on x and residual)
             if residual is None:
-                return gpu_ops.rmsnorm(x, self.weight, self.eps)
-            return gpu_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+                return ops.rmsnorm(x, self.weight, self.eps)
+            return ops.add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -65,8 +77,9 @@ class SiluAndMul(nn.Module):
     """[T, 2*I] (gate | up) -> [T, I]: silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gpu_ops.fused_enabled(x):
-            return gpu_ops.silu_and_mul(x)
+        ops = fused_ops(x)
+        if ops is not None:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -129,8 +142,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if gpu_ops.fused_enabled(q):  # in place, cos/sin read from the same fp32 cache
-            return gpu_ops.rope_inplace(positions, q, k, self.head_dim, self.cos_sin_cache)
+        ops = fused_ops(q)
+        if ops is not None:  # in place, cos/sin read from the same fp32 cache
+            return ops.rope_inplace(positions, q, k, self.head_dim, self.cos_sin_cache)
         cos, sin = self._cos_sin(positions, q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

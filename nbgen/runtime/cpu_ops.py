@@ -34,7 +34,15 @@ _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_DECODE_ARGS = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _i64, _i64, _f32, _int]
+_SIGNATURES = {
+    "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _i64, _i64,
+                               _f32, _int],
+    "rmsnorm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int, _int, _f32, _int],
+    "rope": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _ptr, _int, _i64, _int],
+    "silu_and_mul": [_ptr, _i64, _ptr, _i64, _int, _int],
+}
+_DTYPES = (torch.bfloat16, torch.float32)
+_checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
 
 
 def _cpu_key() -> str:
@@ -83,8 +91,9 @@ def load() -> Optional[ctypes.CDLL]:
             return None
         try:
             lib = ctypes.CDLL(str(_build(cc)))
-            lib.paged_decode_attention.argtypes = _DECODE_ARGS
-            lib.paged_decode_attention.restype = None
+            for name, args in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, None
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use the torch path
             logger.warning("nbgen: CPU kernels unavailable (%s); using the torch path", str(e)[:500])
@@ -93,7 +102,13 @@ def load() -> Optional[ctypes.CDLL]:
 
 def available() -> bool:
     """True when the C kernels are built and loaded (building them now if needed)."""
-    return load() is not None
+    return (_lib is not None) if _tried else load() is not None
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    """True when ``x`` should go through a C kernel (CPU bf16/fp32 tensor, inference, kernels built):
+    the CPU counterpart of ``gpu_ops.fused_enabled`` at the same call sites in nbgen.models.layers."""
+    return x.device.type == "cpu" and x.dtype in _DTYPES and not x.requires_grad and available()
 
 
 def supports_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
@@ -121,4 +136,68 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                table.data_ptr(), lens.data_ptr(), B, Hq, Hkv, D, page_size, table.shape[1], S,
                                scale, int(q.dtype == torch.bfloat16))
+    return out
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(row stride, rows) of a [T, W] tensor whose last dim is contiguous."""
+    assert x.dim() == 2 and x.stride(1) == 1, "expected [T, W] with a contiguous last dim"
+    return x.stride(0), x.shape[0]
+
+
+def _same_dtype(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return w if w.dtype == x.dtype else w.to(x.dtype)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim -> a new contiguous tensor. x: [T, H] or a per-head [T, Hh, D] view
+    (Qwen3's q/k norm on the qkv projection; heads contiguous, rows strided)."""
+    if x.dim() == 3:
+        assert x.stride(2) == 1 and x.stride(1) == x.shape[2], "per-head rows must be contiguous"
+        T, H, D = x.shape
+        y = torch.empty((T, H, D), dtype=x.dtype)
+    else:
+        x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        _, T = _rows(x)
+        H, D = 1, x.shape[1]
+        y = torch.empty((T, D), dtype=x.dtype)
+    load().rmsnorm(x.data_ptr(), x.stride(0), None, 0, _same_dtype(weight, x).data_ptr(), y.data_ptr(),
+                   H * D, T, H, D, eps, int(x.dtype == torch.bfloat16))
+    return y
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual) in one pass, in place: residual gets the sum, x the norm
+    (both are scratch, as with flashinfer's fused_add_rmsnorm)."""
+    xs, T = _rows(x)
+    rs, _ = _rows(residual)
+    load().rmsnorm(x.data_ptr(), xs, residual.data_ptr(), rs, _same_dtype(weight, x).data_ptr(), x.data_ptr(),
+                   xs, T, 1, x.shape[1], eps, int(x.dtype == torch.bfloat16))
+    return x, residual
+
+
+def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE in place on q [T, Hq*D] and k [T, Hkv*D] (rows may be strided views of the
+    qkv projection); cos_sin_cache [max_pos, D] fp32 (cos | sin); positions [T] int64 in range."""
+    global _checked_positions
+    qs, T = _rows(q)
+    ks, _ = _rows(k)
+    assert positions.dtype == torch.int64 and positions.is_contiguous() and cos_sin_cache.dtype == torch.float32
+    if _checked_positions is not positions:   # all layers of a step share one positions tensor
+        if T and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
+            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}) (the model's max_position_embeddings)")
+        _checked_positions = positions
+    load().rope(q.data_ptr(), qs, q.shape[1] // head_dim, k.data_ptr(), ks, k.shape[1] // head_dim,
+                positions.data_ptr(), cos_sin_cache.data_ptr(), head_dim, T, int(q.dtype == torch.bfloat16))
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> [T, I]: silu(gate) * up in one pass."""
+    xs, T = _rows(x)
+    inter = x.shape[1] // 2
+    out = torch.empty((T, inter), dtype=x.dtype)
+    load().silu_and_mul(x.data_ptr(), xs, out.data_ptr(), T, inter, int(x.dtype == torch.bfloat16))
     return out
