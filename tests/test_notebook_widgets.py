@@ -159,12 +159,13 @@ def test_dashboard_live_during_blocking_generate(tiny_engine) -> None:
     """The refresh thread keeps sampling while the caller's thread is blocked in generate()."""
     d = Dashboard(tiny_engine, interval=0.05, widget=True).start()
     before = tiny_engine.stats()["total_output_tokens"]
-    tiny_engine.generate(["hello"] * 4, {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0.0})
+    # long enough (~0.5 s even with the CPU kernels) that several 50 ms samples land mid-generation
+    tiny_engine.generate(["hello"] * 4, {"max_new_tokens": 600, "ignore_eos": True, "temperature": 0.0})
     after = tiny_engine.stats()["total_output_tokens"]
     time.sleep(0.15)
     d.stop()
     seen = d.history.series("total_output_tokens")
-    assert after - before == 4 * 48
+    assert after - before == 4 * 600
     assert any(before < v < after for v in seen), seen  # a snapshot taken mid-generation
     assert max(d.history.series("running")) >= 1
 
