@@ -101,10 +101,35 @@ def test_graph_eager_overlap(model_dir):
 
 
 @gpu
-def test_flashinfer_matches_torch_backend(model_dir):
+@pytest.mark.parametrize("layout,tensor_cores", [("HND", "1"), ("NHD", "0")])
+def test_flashinfer_matches_torch_backend(model_dir, layout, tensor_cores, monkeypatch):
+    # the default (HND pages, tensor-core decode) and the other KV layout with the CUDA-core decode kernel
+    monkeypatch.setenv("NBGEN_KV_LAYOUT", layout)
+    monkeypatch.setenv("NBGEN_DECODE_TENSOR_CORES", tensor_cores)
     prompts = _prompts()
     _close(_gen(model_dir, prompts, logprobs=True),
            _gen(model_dir, prompts, logprobs=True, attention_backend="torch", disable_cuda_graph=True))
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("heads,dim,page", [(8, 128, 16), (2, 64, 64), (5, 64, 16)])
+def test_kv_write_kernel(layout, heads, dim, page):
+    """The Triton K/V write puts every row where the torch indexing write does (strided k/v rows)."""
+    from nbgen.attention.kv_write import write_kv, write_kv_reference
+
+    torch.manual_seed(0)
+    n_pages, T = 50, 37
+    shape = (n_pages, heads, page, dim) if layout == "HND" else (n_pages, page, heads, dim)
+    qkv = torch.randn(T, 6 * heads * dim, device="cuda", dtype=torch.bfloat16)
+    k, v = qkv[:, 4 * heads * dim: 5 * heads * dim], qkv[:, 5 * heads * dim:]    # strided views
+    slots = torch.randperm(n_pages * page - page, device="cuda")[:T] + page       # never page 0
+    got = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    ref = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    write_kv(k, v, got[0], got[1], slots, layout)
+    write_kv_reference(k, v, ref[0], ref[1], slots, layout)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert got[0].abs().sum() > 0
 
 
 @gpu

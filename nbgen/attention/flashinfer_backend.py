@@ -1,11 +1,12 @@
 """flashinfer attention backend (CUDA): paged prefill / decode kernels planned once per step.
 
-KV layout is NHD, per layer ``k_cache``/``v_cache`` [num_pages, page_size, Hkv, D] (the base class
-allocates them). A step's new K/V are written into their page slots with one ``index_copy_`` per
-layer (over the flat [num_pages * page_size, Hkv, D] view), then attention runs over each sequence's
-page table:
-  * decode-only step  -> BatchDecodeWithPagedKVCacheWrapper (tensor-core variant when the q/kv head
-    ratio is not 1, 2, 4 or 8, where the CUDA-core kernel has no specialisation);
+Per layer ``k_cache``/``v_cache`` are paged in the layout ``kv_layout`` (``KV_LAYOUT`` unless the
+environment sets ``NBGEN_KV_LAYOUT=NHD|HND``): NHD [num_pages, page_size, Hkv, D] or HND
+[num_pages, Hkv, page_size, D] (each head's tokens of a page contiguous, which flashinfer's decode
+kernel reads faster). A step's new K/V are written into their page slots by one Triton kernel per
+layer for K and V together (``kv_write``), then attention runs over each sequence's page table:
+  * decode-only step  -> BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query
+    attention (``decode_tensor_cores``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over the whole batch
     (decodes are rows with q_len 1); ``causal=True`` aligns each chunk's queries to the end of its
     KV, which is what cached prefixes and chunked prefill need.
@@ -23,9 +24,28 @@ import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
+from nbgen.attention.kv_write import write_kv, write_kv_reference
 from nbgen.runtime.batch import ScheduledBatch
 
 WORKSPACE_BYTES = 256 << 20
+# KV layout of the paged cache on CUDA: HND's per-head contiguous pages let the decode kernel read
+# ~1.5 % faster than NHD (docs/benchmarks.md "Third pass"); NBGEN_KV_LAYOUT=NHD|HND overrides
+KV_LAYOUT = "HND"
+
+
+def decode_tensor_cores(group: int) -> bool:
+    """Whether decode uses flashinfer's tensor-core kernel for q/kv head ratio ``group``.
+
+    Measured on an H200 at batch 256 x 200-2000 tokens (docs/benchmarks.md "Third pass"): the
+    CUDA-core kernel reads the KV at 86 % of copy bandwidth for group 2 and 59 % for group 4, the
+    tensor-core one at 94-96 % for both; so it is used for every grouped-query model (group > 1;
+    the CUDA-core kernel has no specialisation for ratios other than 1, 2, 4, 8 anyway). MHA
+    (group 1) keeps the CUDA-core kernel (not measured). NBGEN_DECODE_TENSOR_CORES=0|1 overrides.
+    """
+    env = os.environ.get("NBGEN_DECODE_TENSOR_CORES")
+    if env in ("0", "1"):
+        return env == "1" or group not in (1, 2, 4, 8)
+    return group > 1
 
 
 class FlashInferMetadata(AttentionMetadata):
@@ -118,27 +138,38 @@ class FlashInferBackend(AttentionBackend):
     """Paged attention through flashinfer; also builds the fixed-size wrappers CUDA graphs replay."""
 
     def __init__(self, spec: KVCacheSpec) -> None:
-        super().__init__(spec)
         import flashinfer
+
+        self.kv_layout = os.environ.get("NBGEN_KV_LAYOUT", KV_LAYOUT)
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"NBGEN_KV_LAYOUT must be NHD or HND, got {self.kv_layout!r}")
+        # NBGEN_KV_WRITE=torch: the two-op torch write instead of the Triton kernel (A/B benchmarks)
+        self._write_kv = write_kv_reference if os.environ.get("NBGEN_KV_WRITE") == "torch" else write_kv
+        super().__init__(spec)      # allocates the caches in cache_shape(), which needs kv_layout
 
         self._fi = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
-        ratio = spec.num_q_heads // spec.num_kv_heads
-        # NBGEN_DECODE_TENSOR_CORES=1 forces the tensor-core decode kernel (for benchmarking)
-        self.use_tensor_cores = ratio not in (1, 2, 4, 8) or os.environ.get("NBGEN_DECODE_TENSOR_CORES") == "1"
+        self.use_tensor_cores = decode_tensor_cores(spec.num_q_heads // spec.num_kv_heads)
         self.decode_wrapper = self.make_decode_wrapper()
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout)
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
+
+    def cache_shape(self) -> tuple[int, ...]:
+        """Per-layer K (and V) shape in this backend's layout (NHD or HND pages)."""
+        sp = self.spec
+        if self.kv_layout == "HND":
+            return (sp.num_pages, sp.num_kv_heads, sp.page_size, sp.head_dim)
+        return (sp.num_pages, sp.page_size, sp.num_kv_heads, sp.head_dim)
 
     def make_decode_wrapper(self, indptr: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
                             last_page_len: Optional[torch.Tensor] = None) -> Any:
         """A decode wrapper; with the three GPU buffers it is a fixed-batch-size CUDA-graph wrapper."""
         graph = indptr is not None
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=graph, use_tensor_cores=self.use_tensor_cores,
+            self.workspace, self.kv_layout, use_cuda_graph=graph, use_tensor_cores=self.use_tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len)
 
@@ -197,9 +228,9 @@ class FlashInferBackend(AttentionBackend):
         sp = self.spec
         T = q.shape[0]
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]
-        # write the new tokens' K/V into their slots (padding rows of a graph batch hit scratch page 0)
-        kc.view(-1, sp.num_kv_heads, sp.head_dim).index_copy_(0, meta.slot_mapping, k.reshape(T, sp.num_kv_heads, sp.head_dim))
-        vc.view(-1, sp.num_kv_heads, sp.head_dim).index_copy_(0, meta.slot_mapping, v.reshape(T, sp.num_kv_heads, sp.head_dim))
+        # write the new tokens' K/V into their slots, K and V in one kernel
+        # (padding rows of a graph batch hit slot 0 of the scratch page)
+        self._write_kv(k, v, kc, vc, meta.slot_mapping, self.kv_layout)
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         o = meta.wrapper.run(q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else
                              q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous(), (kc, vc))
