@@ -129,6 +129,13 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no logit processing at all (bias, penalties): the raw logits' argmax.
+        (min_new_tokens and grammars depend on the request's state; the sampler checks those.)"""
+        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
+                and not self.frequency_penalty and not self.presence_penalty)
+
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
         """Build from a user dict; an unknown key raises naming it, with a close match."""

@@ -52,6 +52,27 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy(device: torch.device) -> None:
     assert greedy.logprobs == [None] * 6
 
 
+def test_bf16_logits_greedy_and_processed_rows() -> None:
+    """bf16 logits (the model dtype on GPU/CPU): plain greedy rows take their argmax directly;
+    rows with processing or logprobs see the fp32 widening, with the same choices."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 40).to(torch.bfloat16)
+    s = Sampler(40, CPU)
+    ref = logits.float().argmax(-1)
+    plain = s(logits, [seq({"temperature": 0.0}, seed=i) for i in range(4)])
+    assert torch.equal(plain.token_ids, ref) and plain.logprobs == [None] * 4
+    banned = int(ref[0])
+    biased = s(logits, [seq({"temperature": 0.0, "logit_bias": {str(banned): -100.0}}, seed=0)]
+               + [seq({"temperature": 0.0}, seed=i) for i in range(1, 4)])
+    assert int(biased.token_ids[0]) != banned and torch.equal(biased.token_ids[1:], ref[1:])
+    with_lp = s(logits, [seq({"temperature": 0.0}, seed=i, lp=LogprobRequest(return_logprob=True))
+                         for i in range(4)])
+    assert torch.equal(with_lp.token_ids, ref)
+    assert with_lp.logprobs[0] is not None
+    exp = logits.float().log_softmax(-1)[0, banned].item()
+    assert abs(with_lp.logprobs[0].logprob - exp) < 1e-5
+
+
 def test_padded_vocab_columns_never_sampled() -> None:
     logits = torch.zeros(64, 13)
     logits[:, 10:] = 100.0                       # lm_head padding beyond vocab_size=10

@@ -125,7 +125,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM: ``forward`` -> final hidden states [T, H]; ``compute_logits`` -> fp32 logits."""
+    """Decoder-only LM: ``forward`` -> final hidden states [T, H]; ``compute_logits`` -> logits."""
 
     model_cls: type[LlamaModel] = LlamaModel
     # (fused parameter, HF checkpoint name, shard id)
@@ -147,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, H] -> logits [N, vocab] in the model dtype (the sampler widens them to fp32
+        only when it processes them or reports logprobs)."""
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (any order, one at a time); raise if a parameter stays unset."""

@@ -285,7 +285,7 @@ class ModelRunner:
         hidden = self._forward(batch, ids, pos)                              # [T, H]
         rows = self._to_dev(sample_rows + prompt_rows)
         hidden = hidden.index_select(0, rows)                                # [S + Np, H]
-        logits = self.model.compute_logits(hidden)                          # [S + Np, V] fp32
+        logits = self.model.compute_logits(hidden).float()                  # [S + Np, V] fp32
 
         n = len(batch.seqs)
         next_ids = [-1] * n

@@ -102,6 +102,13 @@ def _flat_index(ids_by_row: dict[int, list[int]], vocab: int, device: torch.devi
     return torch.repeat_interleave(offs, lens_t, output_size=total) + cols
 
 
+def _plain_greedy(s: SeqWork) -> bool:
+    """The row's token is the argmax of its raw logits: nothing to process, constrain or report."""
+    req, p = s.req, s.req.params
+    return (p.plain_greedy and not req.logprobs.return_logprob and req.grammar is None
+            and req.logit_processor is None and not (len(req.output_ids) < p.min_new_tokens and req.stop_ids))
+
+
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
     """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long."""
     return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
@@ -138,8 +145,14 @@ class Sampler:
                                  ^ 0x27D4EB2F)
 
     def __call__(self, logits: Tensor, seqs: list[SeqWork]) -> SamplerOutput:
+        """logits [B, V'] in the model dtype (V' >= vocab: padded lm_head columns are dropped)."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
-        raw = logits[:, : self.vocab_size].float()  # drop padded lm_head columns; no-op on fp32
+        raw = logits[:, : self.vocab_size]
+        if all(_plain_greedy(s) for s in seqs):
+            # argmax of bf16 logits == argmax of their exact fp32 widening (ties too: first index),
+            # so the [B, V] fp32 copy is skipped (~0.1 s of a 6 s GPU run, ~1 ms a step on a CPU)
+            return SamplerOutput(token_ids=raw.argmax(dim=-1), logprobs=[None] * len(seqs), errors={})
+        raw = raw.float()  # no-op on fp32
         x = self.process(raw, seqs)
         errors: dict[int, str] = {}
         if self.constraints.wanted(seqs):
