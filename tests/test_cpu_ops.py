@@ -125,3 +125,15 @@ def test_silu_and_mul_matches_torch(dtype):
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])        # saturated and zero gates
     gate, up = x.chunk(2, dim=-1)
     assert _close(cpu_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_incl_ties_inf_nan(dtype):
+    g = torch.Generator().manual_seed(3)
+    for vocab in (5, 1024, 1025, 3000):
+        x = torch.randn(8, vocab + 7, generator=g).to(dtype)[:, :vocab]   # strided rows, as the sampler slices
+        x[1, vocab // 2] = x[1].max()                 # a tie: the first index wins
+        x[2] = float("-inf")
+        x[3, vocab // 3] = float("nan")               # NaN counts as the largest
+        x[4, -1] = 1e4
+        assert torch.equal(cpu_ops.argmax(x), x.argmax(-1))

@@ -260,3 +260,42 @@ void silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t T, int I, 
         narrow(g, is_bf16, (char *)out + (size_t)(t * I) * es, I);
     }
 }
+
+/* out[t] = the first index of the largest value in row t of x [T, V] (row stride x_stride), as
+ * torch.argmax (a NaN counts as largest). Vectorised per 1024-column chunk: the chunk max (and whether
+ * it holds a NaN); then the first index of the row max inside the first chunk that holds it. */
+void argmax_rows(const void *x, int64_t x_stride, int64_t T, int64_t V, int64_t *out, int is_bf16) {
+    const size_t es = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T * V > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const char *row = (const char *)x + (size_t)(t * x_stride) * es;
+        float buf[1024], mx = -INFINITY;
+        int64_t best = 0, found = -1;
+        for (int64_t c0 = 0; c0 < V && found < 0; c0 += 1024) {
+            const int64_t m = V - c0 < 1024 ? V - c0 : 1024;
+            widen(row + (size_t)c0 * es, is_bf16, buf, m);
+            float cm = -INFINITY;
+            int nan = 0;
+#pragma omp simd reduction(max : cm) reduction(| : nan)
+            for (int64_t i = 0; i < m; i++) {
+                cm = buf[i] > cm ? buf[i] : cm;
+                nan |= buf[i] != buf[i];
+            }
+            if (nan) {                                     /* the first NaN wins, as in torch */
+                for (int64_t i = 0; i < m && found < 0; i++)
+                    if (buf[i] != buf[i]) found = c0 + i;
+            } else if (cm > mx) {
+                mx = cm;
+                best = c0;
+            }
+        }
+        if (found < 0) {
+            const int64_t m = V - best < 1024 ? V - best : 1024;
+            widen(row + (size_t)best * es, is_bf16, buf, m);
+            found = best;
+            for (int64_t i = 0; i < m; i++)
+                if (buf[i] == mx) { found = best + i; break; }
+        }
+        out[t] = found;
+    }
+}

@@ -40,6 +40,7 @@ _SIGNATURES = {
     "rmsnorm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int, _int, _f32, _int],
     "rope": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _ptr, _int, _i64, _int],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _int, _int],
+    "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr, _int],
 }
 _DTYPES = (torch.bfloat16, torch.float32)
 _checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
@@ -200,4 +201,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[1] // 2
     out = torch.empty((T, inter), dtype=x.dtype)
     load().silu_and_mul(x.data_ptr(), xs, out.data_ptr(), T, inter, int(x.dtype == torch.bfloat16))
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """[T, V] -> [T] int64 first index of each row's max (torch.argmax(-1) semantics incl. NaN).
+    On a CPU torch's bf16 argmax is ~2x slower than widening to fp32 first, and both are scalar."""
+    xs, T = _rows(x)
+    out = torch.empty(T, dtype=torch.int64)
+    load().argmax_rows(x.data_ptr(), xs, T, x.shape[1], out.data_ptr(), int(x.dtype == torch.bfloat16))
     return out
