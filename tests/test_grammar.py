@@ -1,8 +1,13 @@
 """Structured output (xgrammar json_schema / regex / ebnf), stop_regex, hidden states, custom logit
-processors — on the embedded SmolLM2 model (CPU), sampled at temperature 1.0."""
+processors — on the embedded SmolLM2 model, sampled at temperature 1.0.
+
+Device: NBGEN_TEST_DEVICE (default cpu). NBGEN_TEST_GRAMMAR_MODEL (a config dir, dummy weights) with
+NBGEN_TEST_GRAMMAR_TOKENIZER replaces the embedded model where it cannot be fetched (the GPU host):
+random weights complete fewer grammars, so there only the outputs that do complete are checked."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -76,9 +81,20 @@ def parse_expr(s: str) -> bool:
     return expr() and pos == len(s)
 
 
+DEVICE = os.environ.get("NBGEN_TEST_DEVICE", "cpu")
+DUMMY_MODEL = os.environ.get("NBGEN_TEST_GRAMMAR_MODEL")
+
+
 @pytest.fixture(scope="module")
 def eng():
-    e = nbgen.Engine(enable_custom_logit_processor=True)
+    kw = {"device": DEVICE, "enable_custom_logit_processor": True}
+    if DEVICE != "cpu":
+        kw["mem_fraction_static"] = 0.4   # leave room for conftest's tiny_engine beside it
+    if DUMMY_MODEL:
+        kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
+        e = nbgen.Engine(DUMMY_MODEL, **kw)
+    else:
+        e = nbgen.Engine(**kw)
     yield e
     e.shutdown()
 
@@ -89,7 +105,8 @@ def _prompts(eng, what: str, n: int = 24) -> list[str]:
 
 def _complete(outs: list[dict]) -> list[dict]:
     done = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
-    assert len(done) >= 0.9 * len(outs), [o["meta_info"]["finish_reason"] for o in outs]
+    # a trained model completes nearly all; random weights must still complete some to check them
+    assert len(done) >= (1 if DUMMY_MODEL else 0.9 * len(outs)), [o["meta_info"]["finish_reason"] for o in outs]
     return done
 
 
@@ -145,6 +162,8 @@ def test_invalid_grammar_raises_before_running(eng, sp):
 
 
 def test_stop_regex_trims_and_streams(eng):
+    if DUMMY_MODEL:
+        pytest.skip("needs a trained model (it counts to 7); stop_regex runs on the host on any device")
     sp = {"temperature": 0.0, "max_new_tokens": 40, "stop_regex": r"\b7\b"}
     out = eng.generate("Count: 1, 2, 3,", sp)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\b7\b"}
@@ -173,8 +192,11 @@ def test_hidden_states_are_final_states_of_each_token(eng):
     assert all(len(h) == eng.hf_config.hidden_size for h in hs)
     model = eng._loop.runner.model   # read-only use: the state through lm_head gives the greedy token
     with torch.inference_mode():
-        logits = model.compute_logits(torch.tensor(hs, dtype=eng.dtype))
-    assert logits.argmax(-1).tolist() == out["output_ids"]
+        logits = model.compute_logits(torch.tensor(hs, dtype=eng.dtype, device=eng._loop.runner.device)).float()
+    picked = logits.gather(1, torch.tensor(out["output_ids"], device=logits.device).view(-1, 1)).view(-1)
+    # the same kernels on CPU: exact; on a GPU another batch size may round the top logits differently
+    tol = 0.0 if DEVICE == "cpu" else 0.05
+    assert (logits.max(-1).values - picked <= tol).all(), (logits.argmax(-1).tolist(), out["output_ids"])
     assert "hidden_states" not in eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]
 
 
@@ -244,13 +266,15 @@ def test_grammar_with_overlap_scheduling_same_outputs(eng):
     sps = [{"temperature": 1.0, "max_new_tokens": 48, "sampling_seed": i, "json_schema": json.dumps(PERSON)}
            for i in range(3)] + [{"temperature": 1.0, "max_new_tokens": 24, "sampling_seed": i,
                                   "regex": REGEXES[i % 4]} for i in range(3)] + [{"temperature": 0.0, "max_new_tokens": 16}] * 2
-    plain = eng.generate(prompts, sps, use_tqdm=False)
     loop = eng._loop
-    loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+    default = loop._overlap                 # None on CPU, a stepper on CUDA
+    loop.call(lambda: setattr(loop, "_overlap", None))
     try:
+        plain = eng.generate(prompts, sps, use_tqdm=False)
+        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
         over = eng.generate(prompts, sps, use_tqdm=False)
     finally:
-        loop.call(lambda: setattr(loop, "_overlap", None))
+        loop.call(lambda: setattr(loop, "_overlap", default))
     assert [o["text"] for o in over] == [o["text"] for o in plain]
     assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
     for o in over[:3]:
@@ -279,3 +303,18 @@ def test_abort_while_grammar_compiles(eng, monkeypatch):
         release.set()
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
     assert eng.stats()["waiting"] == 0
+
+
+def test_matcher_failure_aborts_the_request(eng, monkeypatch):
+    """A matcher that cannot be built (xgrammar refusing it) fails its request instead of losing it."""
+    import nbgen.runtime.grammar as grammar
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no matcher")
+
+    monkeypatch.setattr(grammar, "GrammarState", broken)
+    out = eng.generate("Give me a city", {"max_new_tokens": 8, "json_schema": json.dumps(CITY)})
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
+    assert "no matcher" in out["meta_info"]["finish_reason"]["message"]
+    monkeypatch.undo()
+    assert eng.generate("Hi", {"max_new_tokens": 2, "json_schema": json.dumps(CITY)})["meta_info"]["completion_tokens"] >= 1

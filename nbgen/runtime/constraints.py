@@ -5,12 +5,15 @@ that have them (a batch without any costs one Python scan). Order: custom proces
 the grammar mask, so a grammar is never violated by a processor.
 
 Grammar masks: each constrained row's matcher fills its row of an int32 bitmask [B, ceil(V/32)] on
-the host (in parallel threads for large batches; on CUDA this overlaps the queued forward pass),
-the bitmask goes to the logits' device and xgrammar's kernel sets disallowed logits to -inf.
+the host (xgrammar's thread pool for large batches; on CUDA this overlaps the queued forward pass),
+the bitmask goes to the logits' device and xgrammar's kernel sets disallowed logits to -inf. When
+every row is constrained and the logits are wider than the tokenizer, sampling runs over a view of
+the tokenizer's columns.
 """
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -40,18 +43,30 @@ class Constraints:
     def apply(self, x: Tensor, raw: Tensor, seqs: list[SeqWork]) -> tuple[Tensor, dict[int, str]]:
         """-> (logits with constraints applied, {row: error message} for failed processors).
 
-        ``raw`` are the unprocessed logits (kept intact for logprobs): x is copied if it is raw.
+        ``raw`` are the unprocessed logits, kept intact for logprobs: x is copied if it is raw and
+        some row wants logprobs (otherwise raw is not read again and is masked in place). When every
+        row is constrained, the result may be narrowed to the tokenizer's ids (a view).
         """
-        procs = [i for i, s in enumerate(seqs) if s.req.logit_processor is not None]
-        # a request finished meanwhile (overlap: its previous token ended the grammar) is skipped
-        gram = [i for i, s in enumerate(seqs) if s.req.grammar is not None and not s.req.finished]
+        procs: list[int] = []
+        gram: list[int] = []
+        copy = False
+        for i, s in enumerate(seqs):   # one scan: this runs every step of a constrained batch
+            req = s.req
+            if req.logit_processor is not None:
+                procs.append(i)
+            # a request finished meanwhile (overlap: its previous token ended the grammar) is skipped
+            if req.grammar is not None and not req.finished:
+                gram.append(i)
+            copy = copy or req.logprobs.return_logprob
         if not procs and not gram:
             return x, {}
-        if x is raw or x.data_ptr() == raw.data_ptr():
+        if copy and (x is raw or x.data_ptr() == raw.data_ptr()):
             x = x.clone()
         errors = self._run_processors(x, seqs, procs) if procs else {}
         if gram:
-            self._mask(x, seqs, [i for i in gram if i not in errors])
+            if errors:
+                gram = [i for i in gram if i not in errors]
+            x = self._mask(x, seqs, gram)
         return x, errors
 
     # ------------------------------------------------------------------ custom processors
@@ -83,33 +98,53 @@ class Constraints:
             self._host = t.pin_memory() if self.device.type == "cuda" else t
         return self._host
 
-    def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int]) -> None:
-        if not rows:
-            return
+    def _fill(self, seqs: list[SeqWork], rows: list[int], bm: Tensor) -> None:
+        """Fill the bitmask rows of seqs[rows] (xgrammar's thread pool for large batches)."""
         import xgrammar as xgr
 
-        vocab = seqs[rows[0]].req.grammar.vocab          # the tokenizer's size (same for all grammars)
-        bm = self._bitmask(x.shape[0], vocab)
         if len(rows) >= BATCH_FILL_MIN:
             if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
+                self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads())
             self._batch_matcher.batch_fill_next_token_bitmask(
                 [seqs[i].req.grammar.matcher for i in rows], bm, indices=rows)
         else:
             for i in rows:
                 seqs[i].req.grammar.fill(bm, i)
+
+    def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int]) -> Tensor:
+        if not rows:
+            return x
+        import xgrammar as xgr
+
+        vocab = seqs[rows[0]].req.grammar.vocab          # the tokenizer's size (same for all grammars)
+        bm = self._bitmask(x.shape[0], vocab)
+        self._fill(seqs, rows, bm)
         # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
         # (synchronise) before the next one is built
         dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
-        width = min(vocab, x.shape[1])
+        every = len(rows) == x.shape[0]
         if x.shape[1] > vocab:  # logits of ids the tokenizer does not have (padded embedding rows)
-            rows_t = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)
-            x[:, vocab:].index_fill_(0, rows_t, float("-inf"))
+            if every:           # no row can pick them: sample over the tokenizer's ids only (a view)
+                x = x[:, :vocab]
+            else:
+                rows_t = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)
+                x[:, vocab:].index_fill_(0, rows_t, float("-inf"))
+        width = min(vocab, x.shape[1])
+        idx = None if every else rows   # indices cost the kernel an extra host->device copy
         try:
-            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=rows, backend=self._backend)
+            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
         except Exception as e:  # noqa: BLE001 - e.g. no triton on this GPU host: torch fallback
             if self._backend in ("cpu", "torch_native"):
                 raise
             logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
             self._backend = "torch_native"
-            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=rows, backend=self._backend)
+            xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
+        return x
+
+
+def fill_threads() -> int:
+    """Threads of xgrammar's batch bitmask fill: NBGEN_GRAMMAR_THREADS, else half the cores (<= 8)."""
+    env = os.environ.get("NBGEN_GRAMMAR_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(8, (os.cpu_count() or 2) // 2))

@@ -80,10 +80,15 @@ class GrammarState:
         import xgrammar as xgr
 
         self.vocab = vocab   # the tokenizer's ids [0, vocab) are in the bitmask; logits beyond are masked
-
         # the request's stop ids (model EOS + stop_token_ids) end the grammar; with ignore_eos and
-        # no stop_token_ids the tokenizer's EOS still does (a grammar needs some way to end)
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids) or None)
+        # no stop_token_ids the tokenizer's EOS still does (a grammar needs some way to end). Ids past
+        # the tokenizer (a model EOS the tokenizer lacks) can never be sampled under a mask: dropped.
+        stops = sorted(t for t in stop_ids if 0 <= t < vocab) or list(compiled.tokenizer_info.stop_token_ids)
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+        # the matcher terminates exactly when it accepts one of these: tracked here, so a step costs
+        # one call into xgrammar per row (accept_token) instead of three (+ is_terminated twice)
+        self.stops = frozenset(stops)
+        self.done = False
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of an int32 [B, ceil(vocab/32)] bitmask."""
@@ -91,12 +96,13 @@ class GrammarState:
 
     def on_token(self, tok: int, reason: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         """Accept a sampled token; returns the request's finish reason after it (or None)."""
-        if self.matcher.is_terminated():
+        if self.done:
             return reason
         if not self.matcher.accept_token(tok):
             return {"type": "abort", "message": f"sampled token {tok} is not allowed by the grammar"}
-        if self.matcher.is_terminated():
+        if tok in self.stops:
             # the grammar accepted a stop token: it is complete; a length cut in the same step loses
+            self.done = True
             return reason if reason is not None and reason.get("type") == "stop" else {"type": "stop", "matched": tok}
         return reason
 
@@ -148,8 +154,7 @@ class GrammarService:
         key = grammar_key(req.params)
         if key in self._ready:
             self._ready.move_to_end(key)
-            req.grammar = GrammarState(self._ready[key], req.stop_ids, self._vocab)
-            self._admit(req)
+            self._start(req, self._ready[key])
             return
         self.held[req.rid] = req
         if key not in self._futures:
@@ -181,8 +186,16 @@ class GrammarService:
             if err is not None:
                 self._fail(req, f"grammar compilation failed: {err}")
             else:
-                req.grammar = GrammarState(fut.result(), req.stop_ids, self._vocab)
-                self._admit(req)
+                self._start(req, fut.result())
+
+    def _start(self, req: Any, compiled: Any) -> None:
+        """Give req its matcher and admit it; a matcher that cannot be built fails req (never lost)."""
+        try:
+            req.grammar = GrammarState(compiled, req.stop_ids, self._vocab)
+        except Exception as e:  # noqa: BLE001 - e.g. xgrammar refusing a stop id
+            self._fail(req, f"grammar matcher failed: {type(e).__name__}: {e}")
+            return
+        self._admit(req)
 
     def abort(self, rid: str, message: str) -> None:
         """Abort a request still waiting for its grammar (unknown rids are ignored)."""
