@@ -59,6 +59,9 @@ class Request:
     prompt_logprobs_done: bool = False
     grammar: Optional[Any] = None            # GrammarState (json_schema / regex / ebnf), set before admission
     hidden_states: list[list[float]] = field(default_factory=list)  # [completion_tokens][hidden]
+    # the sampler's per-request "argmax of the raw logits" flag, set at its first step (params,
+    # logprobs, processor and grammar are fixed by then); min_new_tokens is checked per step
+    plain_greedy: Optional[bool] = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -111,10 +111,17 @@ def _argmax(x: Tensor) -> Tensor:
 
 
 def _plain_greedy(s: SeqWork) -> bool:
-    """The row's token is the argmax of its raw logits: nothing to process, constrain or report."""
-    req, p = s.req, s.req.params
-    return (p.plain_greedy and not req.logprobs.return_logprob and req.grammar is None
-            and req.logit_processor is None and not (len(req.output_ids) < p.min_new_tokens and req.stop_ids))
+    """The row's token is the argmax of its raw logits: nothing to process, constrain or report.
+    (Runs for every row every step: the static part is computed once per request.)"""
+    req = s.req
+    flag = req.plain_greedy
+    if flag is None:
+        flag = req.plain_greedy = (req.params.plain_greedy and not req.logprobs.return_logprob
+                                   and req.grammar is None and req.logit_processor is None)
+    if not flag:
+        return False
+    least = req.params.min_new_tokens
+    return not least or len(req.output_ids) >= least or not req.stop_ids
 
 
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
