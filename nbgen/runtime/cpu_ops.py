@@ -114,7 +114,7 @@ def fused_enabled(x: torch.Tensor) -> bool:
 
 def supports_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
     """Whether ``paged_decode_attention`` handles this dtype / head configuration."""
-    return q_dtype == kv_dtype and q_dtype in (torch.bfloat16, torch.float32) and num_q_heads % num_kv_heads == 0
+    return q_dtype == kv_dtype and q_dtype in _DTYPES and num_q_heads % num_kv_heads == 0
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -61,7 +61,7 @@ class Request:
     hidden_states: list[list[float]] = field(default_factory=list)  # [completion_tokens][hidden]
     # the sampler's per-request "argmax of the raw logits" flag, set at its first step (params,
     # logprobs, processor and grammar are fixed by then); min_new_tokens is checked per step
-    plain_greedy: Optional[bool] = None
+    raw_argmax: Optional[bool] = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -114,9 +114,9 @@ def _plain_greedy(s: SeqWork) -> bool:
     """The row's token is the argmax of its raw logits: nothing to process, constrain or report.
     (Runs for every row every step: the static part is computed once per request.)"""
     req = s.req
-    flag = req.plain_greedy
+    flag = req.raw_argmax
     if flag is None:
-        flag = req.plain_greedy = (req.params.plain_greedy and not req.logprobs.return_logprob
+        flag = req.raw_argmax = (req.params.plain_greedy and not req.logprobs.return_logprob
                                    and req.grammar is None and req.logit_processor is None)
     if not flag:
         return False
