@@ -50,7 +50,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(spec)
         self.gqa = spec.num_q_heads // spec.num_kv_heads
         usable = spec.device.type == "cpu" and cpu_ops.supports_decode(
-            spec.dtype, spec.dtype, spec.num_q_heads, spec.num_kv_heads)
+            spec.dtype, spec.num_q_heads, spec.num_kv_heads)
         self.cpu_kernels = usable and use_cpu_kernels is not False and cpu_ops.available()
 
     def cache_shape(self) -> tuple[int, ...]:

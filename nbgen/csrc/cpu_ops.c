@@ -183,10 +183,12 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *k, cons
 void rmsnorm(const void *x, int64_t x_stride, void *r, int64_t r_stride, const void *w, void *y,
              int64_t y_stride, int64_t T, int H, int D, float eps, int is_bf16) {
     const size_t es = is_bf16 ? 2 : 4;
+    float wf[D];                                           /* the weight, widened once for all rows */
+    widen(w, is_bf16, wf, D);
 #pragma omp parallel for schedule(static) if (T * H * D > 65536)
     for (int64_t row = 0; row < T * H; row++) {
         const int64_t t = row / H, h = row % H;
-        float v[D], rv[D], wf[D];
+        float v[D], rv[D];
         widen((const char *)x + (size_t)(t * x_stride + h * D) * es, is_bf16, v, D);
         if (r != NULL) {
             char *rp = (char *)r + (size_t)(t * r_stride + h * D) * es;
@@ -198,7 +200,6 @@ void rmsnorm(const void *x, int64_t x_stride, void *r, int64_t r_stride, const v
 #pragma omp simd reduction(+ : ss)
         for (int d = 0; d < D; d++) ss += v[d] * v[d];
         const float inv = 1.f / sqrtf(ss / (float)D + eps);
-        widen(w, is_bf16, wf, D);
         if (is_bf16)
             for (int d = 0; d < D; d++) v[d] = wf[d] * round_bf16(v[d] * inv);
         else

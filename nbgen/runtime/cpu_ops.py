@@ -112,9 +112,9 @@ def fused_enabled(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and not x.requires_grad and available()
 
 
-def supports_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
-    """Whether ``paged_decode_attention`` handles this dtype / head configuration."""
-    return q_dtype == kv_dtype and q_dtype in _DTYPES and num_q_heads % num_kv_heads == 0
+def supports_decode(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> bool:
+    """Whether ``paged_decode_attention`` handles this dtype (of q and the KV cache) / head configuration."""
+    return dtype in _DTYPES and num_q_heads % num_kv_heads == 0
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

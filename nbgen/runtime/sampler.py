@@ -27,7 +27,7 @@ import math
 from array import array
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -117,11 +117,13 @@ def _plain_greedy(s: SeqWork) -> bool:
     flag = req.raw_argmax
     if flag is None:
         flag = req.raw_argmax = (req.params.plain_greedy and not req.logprobs.return_logprob
-                                   and req.grammar is None and req.logit_processor is None)
-    if not flag:
-        return False
-    least = req.params.min_new_tokens
-    return not least or len(req.output_ids) >= least or not req.stop_ids
+                                 and req.grammar is None and req.logit_processor is None)
+    return flag and not _stop_ids_banned(req)
+
+
+def _stop_ids_banned(req: Any) -> bool:
+    """min_new_tokens not reached yet: the request's EOS / stop ids are masked this step."""
+    return len(req.output_ids) < req.params.min_new_tokens and bool(req.stop_ids)
 
 
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
@@ -180,7 +182,7 @@ class Sampler:
             if len(rows) == len(seqs):
                 tokens = self._sample(x, seqs)
             else:
-                tokens = x.argmax(dim=-1)
+                tokens = _argmax(x)
                 rows_t = host_tensor(rows, torch.long, x.device)
                 tokens.index_copy_(0, rows_t, self._sample(x[rows_t], [seqs[i] for i in rows]))
         return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw, tokens, seqs), errors=errors)
@@ -202,7 +204,7 @@ class Sampler:
             if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
                 cnt[i] = req.output_ids
                 freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
-            if len(req.output_ids) < p.min_new_tokens and req.stop_ids:
+            if _stop_ids_banned(req):
                 ban[i] = sorted(req.stop_ids)
         if not (bias or rep or cnt or ban):
             return x
