@@ -282,6 +282,92 @@ def test_grammar_with_overlap_scheduling_same_outputs(eng):
             jsonschema.validate(json.loads(o["text"]), PERSON)
 
 
+def _forced_overlap(eng, fn):
+    """fn() once with the plain loop and once under the overlap stepper (forced on for CPU)."""
+    from nbgen.runtime.overlap import OverlapStepper
+
+    loop = eng._loop
+    default = loop._overlap
+    loop.call(lambda: setattr(loop, "_overlap", None))
+    try:
+        plain = fn()
+        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+        over = fn()
+    finally:
+        loop.call(lambda: setattr(loop, "_overlap", default))
+    return plain, over
+
+
+def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
+    """>= BATCH_FILL_MIN constrained rows: under overlap the bitmask is filled in the worker
+    thread while the loop delivers and schedules; outputs equal the plain loop's."""
+    from nbgen.runtime.constraints import BATCH_FILL_MIN
+
+    n = BATCH_FILL_MIN + 8
+    prompts = _prompts(eng, "Give me a JSON record", n) + ["The capital of France is"]
+    sps = [{"temperature": 1.0, "max_new_tokens": 20 + i % 7, "sampling_seed": i,
+            **({"json_schema": json.dumps(PERSON)} if i % 2 else {"regex": REGEXES[i % 4]})} for i in range(n)]
+    sps.append({"temperature": 0.0, "max_new_tokens": 16})
+    jobs = []
+    constraints = eng._loop.runner.sampler.constraints
+    original = constraints.fill_async
+
+    def spy(seqs):
+        job = original(seqs)
+        jobs.append(job is not None and job.future is not None)
+        return job
+
+    constraints.fill_async = spy
+    try:
+        plain, over = _forced_overlap(eng, lambda: eng.generate(prompts, sps, use_tqdm=False))
+    finally:
+        del constraints.fill_async
+    assert any(jobs), "the worker-thread fill never ran"
+    assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
+    assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
+
+
+def test_abort_during_grammar_pipeline(eng):
+    """An abort while a grammar step's forward is staged drops that forward; every other
+    request still gets exactly the plain loop's tokens, the aborted one a clean prefix."""
+    from nbgen.runtime.overlap import OverlapStepper
+
+    class Recording(OverlapStepper):
+        def flush(self) -> None:
+            flushed_staged.append(self.staged is not None)
+            super().flush()
+
+    n, flushed_staged = 36, []
+    prompts = _prompts(eng, "Give me a JSON record", n)
+    sps = [{"temperature": 1.0, "max_new_tokens": 40, "sampling_seed": i, "json_schema": json.dumps(PERSON)}
+           for i in range(n)]
+    plain = eng.generate(prompts, sps, use_tqdm=False)
+    rids = [f"pipe-{time.time()}-{i}" for i in range(n)]
+    loop = eng._loop
+    default = loop._overlap
+    loop.call(lambda: setattr(loop, "_overlap", Recording(loop)))
+    try:
+        t0 = eng.stats()["total_output_tokens"]
+
+        def abort_soon() -> None:
+            while eng.stats()["total_output_tokens"] - t0 < 3 * n:
+                time.sleep(0.002)
+            eng.abort(rids[5])
+
+        aborter = threading.Thread(target=abort_soon)
+        aborter.start()
+        over = eng.generate(prompts, sps, rid=rids, use_tqdm=False)
+        aborter.join(10)
+    finally:
+        loop.call(lambda: setattr(loop, "_overlap", default))
+    assert any(flushed_staged), "no flush dropped a staged forward"
+    a = over[5]
+    assert a["meta_info"]["finish_reason"]["type"] == "abort"
+    assert a["output_ids"] == plain[5]["output_ids"][: len(a["output_ids"])]
+    keep = [i for i in range(n) if i != 5]
+    assert [over[i]["output_ids"] for i in keep] == [plain[i]["output_ids"] for i in keep]
+
+
 def test_abort_while_grammar_compiles(eng, monkeypatch):
     from nbgen.runtime.grammar import GrammarService
 

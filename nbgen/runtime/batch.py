@@ -27,6 +27,12 @@ class SeqWork:
     def kv_len(self) -> int:
         return self.start_pos + len(self.token_ids)
 
+    @property
+    def out_index(self) -> int:
+        """Index in req.output_ids of the token this seq samples (independent of when the
+        scheduler appends it: overlap scheduling may apply a step before sampling it)."""
+        return self.start_pos + len(self.token_ids) - len(self.req.prompt_ids)
+
 
 @dataclass
 class ScheduledBatch:

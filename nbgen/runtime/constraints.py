@@ -9,11 +9,18 @@ the host (xgrammar's thread pool for large batches; on CUDA this overlaps the qu
 the bitmask goes to the logits' device and xgrammar's kernel sets disallowed logits to -inf. When
 every row is constrained and the logits are wider than the tokenizer, sampling runs over a view of
 the tokenizer's columns.
+
+Under overlap scheduling the fill starts earlier, in a worker thread (``fill_async``): xgrammar's
+fill releases the GIL, so it runs while the loop thread delivers the previous step and schedules
+the next; the sampler then only waits for it (``FillJob``).
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
+import threading
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -26,6 +33,25 @@ logger = logging.getLogger("nbgen")
 BATCH_FILL_MIN = 32  # constrained rows from which the bitmask is filled by xgrammar's thread pool
 
 
+@dataclass
+class FillJob:
+    """A bitmask fill started ahead of sampling: ``rows`` of ``bitmask`` once ``future`` is done."""
+
+    rows: list[int]
+    bitmask: Tensor                 # int32 [>= B, ceil(vocab/32)] host buffer
+    future: Optional[cf.Future]     # None: filled inline already
+
+    def wait(self) -> None:
+        """Wait for the fill; re-raises its error."""
+        if self.future is not None:
+            self.future.result()
+
+    def settle(self) -> None:
+        """Wait for the fill without raising (the buffer and matchers are free again afterwards)."""
+        if self.future is not None:
+            cf.wait([self.future])
+
+
 class Constraints:
     """Applies custom processors and grammar bitmasks to [B, V] float32 logits (loop thread)."""
 
@@ -35,12 +61,14 @@ class Constraints:
         self._host: Optional[Tensor] = None      # int32 [rows, ceil(tokenizer vocab/32)] (pinned on CUDA)
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
+        self._worker: Optional[cf.ThreadPoolExecutor] = None   # fill_async's thread
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
         return any(s.req.grammar is not None or s.req.logit_processor is not None for s in seqs)
 
-    def apply(self, x: Tensor, raw: Tensor, seqs: list[SeqWork]) -> tuple[Tensor, dict[int, str]]:
+    def apply(self, x: Tensor, raw: Tensor, seqs: list[SeqWork],
+              fill: Optional[FillJob] = None) -> tuple[Tensor, dict[int, str]]:
         """-> (logits with constraints applied, {row: error message} for failed processors).
 
         ``raw`` are the unprocessed logits, kept intact for logprobs: x is copied if it is raw and
@@ -54,8 +82,9 @@ class Constraints:
             req = s.req
             if req.logit_processor is not None:
                 procs.append(i)
-            # a request finished meanwhile (overlap: its previous token ended the grammar) is skipped
-            if req.grammar is not None and not req.finished:
+            # a matcher whose grammar already completed (overlap: the previous token ended it) is
+            # skipped; a request only cut by length still gets its mask (its token is kept)
+            if req.grammar is not None and not req.grammar.done:
                 gram.append(i)
             copy = copy or req.logprobs.return_logprob
         if not procs and not gram:
@@ -66,7 +95,7 @@ class Constraints:
         if gram:
             if errors:
                 gram = [i for i in gram if i not in errors]
-            x = self._mask(x, seqs, gram)
+            x = self._mask(x, seqs, gram, fill)
         return x, errors
 
     # ------------------------------------------------------------------ custom processors
@@ -111,14 +140,50 @@ class Constraints:
             for i in rows:
                 seqs[i].req.grammar.fill(bm, i)
 
-    def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int]) -> Tensor:
+    def fill_async(self, seqs: list[SeqWork]) -> Optional[FillJob]:
+        """Start filling the bitmask rows of seqs' live grammar requests in the worker thread.
+
+        Call after the matchers accepted every earlier token; the matchers must not be touched
+        until the job is waited for (the sampler does).
+        """
+        rows = [i for i, s in enumerate(seqs) if s.req.grammar is not None and not s.req.grammar.done]
+        if not rows:
+            return None
+        bm = self._bitmask(len(seqs), seqs[rows[0]].req.grammar.vocab)
+        if len(rows) < BATCH_FILL_MIN:      # small: a thread hand-off costs more than it hides
+            self._fill(seqs, rows, bm)
+            return FillJob(rows, bm, None)
+        if self._worker is None:
+            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
+        started = threading.Event()
+
+        def work() -> None:
+            started.set()
+            self._fill(seqs, rows, bm)
+
+        fut = self._worker.submit(work)
+        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
+        # interpreter's switch interval (5 ms) while this thread runs Python; the fill itself
+        # releases the GIL inside xgrammar, so both threads then proceed in parallel
+        started.wait()
+        return FillJob(rows, bm, fut)
+
+    def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int], fill: Optional[FillJob] = None) -> Tensor:
         if not rows:
             return x
         import xgrammar as xgr
 
         vocab = seqs[rows[0]].req.grammar.vocab          # the tokenizer's size (same for all grammars)
-        bm = self._bitmask(x.shape[0], vocab)
-        self._fill(seqs, rows, bm)
+        if fill is not None:
+            fill.wait()
+            bm = fill.bitmask
+            done = set(fill.rows)
+            missing = [i for i in rows if i not in done]  # none in practice: rows only ever drop out
+            if missing:
+                self._fill(seqs, missing, bm)
+        else:
+            bm = self._bitmask(x.shape[0], vocab)
+            self._fill(seqs, rows, bm)
         # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
         # (synchronise) before the next one is built
         dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)

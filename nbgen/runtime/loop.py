@@ -177,7 +177,7 @@ class LoopThread:
 
     async def _main(self) -> None:
         while not self._stopping:
-            if self.scheduler.has_work() or (self._overlap is not None and self._overlap.pending):
+            if self.scheduler.has_work() or (self._overlap is not None and self._overlap.busy):
                 self._step()
                 await asyncio.sleep(0)  # let submissions / aborts / calls in between steps
             else:

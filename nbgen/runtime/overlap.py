@@ -12,10 +12,13 @@ A request that hit a stop token at step N has already been scheduled for N+1; th
 dropped because ``update`` skips requests that are no longer running. Batches that need host-side
 token values (logprobs, penalties over output ids, custom logit processors, hidden states) run
 synchronously after a flush, so greedy and seeded outputs are identical with and without overlap.
-Grammar requests overlap: step N is resolved inside the launch of N+1, after its forward is queued
-and before its sampling, so the matchers accept N's tokens before N+1's bitmask is filled. N's
-outputs are delivered there too (before the fill): the GPU is busy with N+1's forward meanwhile,
-whereas after sampling is queued it has only the short sampling kernels left to hide host work.
+Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
+Step N+1's forward is queued without its sampling (``staged``); then step N resolves (its tokens are
+accepted by the matchers), the bitmask fill for N+1 starts in a worker thread, N's outputs are
+delivered, N+1 is applied with placeholders and N+2 is scheduled; only then does N+1's sampling wait
+for the fill, and N+2's forward is queued right behind it (staged for the next call). A staged
+forward is never applied to the scheduler before it is sampled, so ``flush`` may drop it: the next
+schedule recomputes the same positions (its KV writes are simply repeated).
 """
 from __future__ import annotations
 
@@ -45,45 +48,91 @@ class OverlapStepper:
     def __init__(self, loop: Any) -> None:
         self.loop = loop
         self.pending: Optional[tuple[Any, list[Request], int]] = None  # (launched, changed, n_in)
+        self.staged: Optional[Any] = None      # Forwarded grammar step: forward queued, not sampled
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
+
+    @property
+    def busy(self) -> bool:
+        return self.pending is not None or self.staged is not None
 
     def step(self) -> None:
         loop, sched = self.loop, self.loop.scheduler
-        batch = sched.schedule()
-        if batch is None:
-            self.flush()
+        fwd, self.staged = self.staged, None
+        if fwd is None:
+            batch = sched.schedule()
+            if batch is None:
+                self.flush()
+                return
+            if not overlappable(batch):
+                self.flush()
+                self.loop.run_step(batch)
+                return
+            try:
+                fwd = loop.runner.forward(batch)
+            except Exception as e:  # noqa: BLE001 - fail this step's requests only
+                self.flush()
+                self.loop.fail_batch(batch, e)
+                return
+        batch = fwd.batch
+        if any(s.req.grammar is not None for s in fwd.seqs):
+            self._grammar_step(fwd)
             return
-        if not overlappable(batch):
-            self.flush()
-            self.loop.run_step(batch)
-            return
-        # grammar rows: the previous step resolves after this forward is queued and before sampling,
-        # so their matchers accept its tokens and the bitmask is filled while the GPU runs the forward
-        grammar = any(s.req.grammar is not None for s in batch.seqs)
         try:
-            launched = loop.runner.launch(batch, before_sample=self.flush if grammar else None)
-        except Exception as e:  # noqa: BLE001 - fail this step's requests only
+            launched = loop.runner.sample(fwd)
+        except Exception as e:  # noqa: BLE001
             self.flush()
             self.loop.fail_batch(batch, e)
             return
         self.flush()
+        self.pending = (launched, self._apply(batch), batch.num_prefill_tokens)
+
+    def _grammar_step(self, fwd: Any) -> None:
+        """Sample a staged grammar step once its bitmask is filled; stage the next step's forward."""
+        loop, sched, batch = self.loop, self.loop.scheduler, fwd.batch
+        self._resolve()                               # previous step: tokens accepted by the matchers
+        fill = None
+        try:
+            fill = loop.runner.sampler.constraints.fill_async(fwd.seqs)
+        except Exception as e:  # noqa: BLE001 - e.g. a matcher failing: this step's requests only
+            self.flush()
+            self.loop.fail_batch(batch, e)
+            return
+        self.flush()                                  # deliver the previous step (fill runs meanwhile)
+        changed = self._apply(batch)
+        nxt = sched.schedule()
+        try:
+            launched = loop.runner.sample(fwd, fill)
+        except Exception as e:  # noqa: BLE001
+            _drop_placeholders(batch)
+            self.loop.fail_batch(batch, e)
+            return
+        self.pending = (launched, changed, batch.num_prefill_tokens)
+        if nxt is None or not overlappable(nxt):
+            return                                    # dropped: the next step() schedules it again
+        try:
+            self.staged = loop.runner.forward(nxt)
+        except Exception as e:  # noqa: BLE001
+            self.flush()
+            self.loop.fail_batch(nxt, e)
+
+    def _apply(self, batch: ScheduledBatch) -> list[Request]:
+        """Apply a launched batch with placeholder ids (lengths and pages only depend on counts)."""
         n = len(batch.seqs)
         fake, k = [-1] * n, 0
         for i, s in enumerate(batch.seqs):
             if s.sample:
                 fake[i] = -(k + 1)
                 k += 1
-        changed = sched.update(batch, StepOutput(fake, [None] * n, [None] * n))
-        self.pending = (launched, changed, batch.num_prefill_tokens)
+        return self.loop.scheduler.update(batch, StepOutput(fake, [None] * n, [None] * n))
 
     def flush(self) -> None:
-        """Resolve the pending step (wait for its ids), then deliver its outputs."""
+        """Resolve the pending step (wait for its ids), then deliver its outputs; drop a staged one."""
+        self.staged = None
         self._resolve()
         if self._undelivered is not None:
             changed, n_in = self._undelivered
             self._undelivered = None
             self._deliver(changed, n_in)
-
     def _resolve(self) -> None:
         """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops."""
         if self.pending is None:
@@ -98,7 +147,7 @@ class OverlapStepper:
                 continue
             ph, tok, k = -(k + 1), toks[i], k + 1
             req = s.req
-            at = s.kv_len - len(req.prompt_ids)          # index of this step's token in output_ids
+            at = s.out_index                             # index of this step's token in output_ids
             if not (0 <= at < len(req.output_ids) and req.output_ids[at] == ph):
                 continue                                 # never appended (aborted / preempted before)
             req.output_ids[at] = tok
@@ -118,3 +167,11 @@ class OverlapStepper:
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         self.loop.deliver(changed, n_in)
 
+
+
+def _drop_placeholders(batch: ScheduledBatch) -> None:
+    """Remove the placeholder ids a failed launch left at the end of its requests' outputs."""
+    for s in batch.seqs:
+        out = s.req.output_ids
+        while out and out[-1] < 0:
+            out.pop()

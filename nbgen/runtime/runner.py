@@ -1,9 +1,9 @@
 """ModelRunner: owns the model, the KV cache (through an attention backend) and the sampler.
 
 One ``step(ScheduledBatch) -> StepOutput`` per scheduler step; everything here runs on the loop thread.
-For overlap scheduling the step splits in two: ``launch`` queues the GPU work and returns at once
-(sampled ids stay on the GPU, copied to pinned host memory behind an event), ``resolve`` waits for
-them. A decode token id < 0 in a batch is a placeholder for "the token sampled at row -id-1 of the
+For overlap scheduling the step splits up: ``forward`` queues the forward pass, ``sample`` the
+sampling (``launch`` = both; the sampled ids stay on the GPU, copied to pinned host memory behind
+an event), ``resolve`` waits for them. A decode token id < 0 in a batch is a placeholder for "the token sampled at row -id-1 of the
 previous launch" and is filled in on the GPU.
 """
 from __future__ import annotations
@@ -34,6 +34,16 @@ def _model_dims(hf) -> tuple[int, int, int, int]:
     kv = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return hf.num_hidden_layers, heads, kv, head_dim
+
+
+@dataclass
+class Forwarded:
+    """A step whose forward pass is queued: logits [S, V] of its S sampling rows, not sampled yet."""
+
+    batch: ScheduledBatch
+    seqs: list[SeqWork]                   # the sampling seqs, in logits row order
+    logits: Optional[torch.Tensor]
+    hidden: Optional[torch.Tensor]        # [S, H] final-normed states (views graph memory under replay)
 
 
 @dataclass
@@ -193,12 +203,8 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, before_sample: Optional[Any] = None) -> Launched:
-        """Queue forward + sampling (no logprobs); the sampled ids stay on the device.
-
-        ``before_sample()`` runs on the host once the forward is queued, before sampling is built
-        (overlap + grammars: the previous step resolves there, so the matchers see its tokens).
-        """
+    def forward(self, batch: ScheduledBatch) -> Forwarded:
+        """Queue the forward pass and the logits of the sampling rows (nothing is sampled yet)."""
         if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs = [s for s in batch.seqs if s.sample]
@@ -208,16 +214,28 @@ class ModelRunner:
             ids, pos, rows, seqs, _ = self._flatten(batch)
             hidden = self._forward(batch, ids, pos)
         if not seqs:
-            return Launched(batch, None, None, None)
+            return Forwarded(batch, seqs, None, None)
         if len(seqs) != hidden.shape[0]:
             hidden = hidden.index_select(0, self._to_dev(rows))
-        logits = self.model.compute_logits(hidden)
-        if before_sample is not None:
-            before_sample()
-        res = self.sampler(logits, seqs)
+        return Forwarded(batch, seqs, self.model.compute_logits(hidden), hidden)
+
+    @torch.inference_mode()
+    def sample(self, fwd: Forwarded, fill: Optional[Any] = None) -> Launched:
+        """Queue the sampling of a forwarded step; the sampled ids stay on the device.
+
+        ``fill``: a grammar bitmask job started for these rows (``Constraints.fill_async``).
+        """
+        batch, seqs = fwd.batch, fwd.seqs
+        if not seqs:
+            return Launched(batch, None, None, None)
+        try:
+            res = self.sampler(fwd.logits, seqs, fill=fill)
+        finally:
+            if fill is not None:
+                fill.settle()
         tokens = self._last_tokens = res.token_ids
         # clone: under CUDA graphs `hidden` views the graph output buffer, which the next replay overwrites
-        keep = hidden.clone() if any(s.req.return_hidden_states for s in seqs) else None
+        keep = fwd.hidden.clone() if any(s.req.return_hidden_states for s in seqs) else None
         if not self.on_gpu:
             return Launched(batch, tokens, tokens, None, res.errors, keep)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -225,6 +243,10 @@ class ModelRunner:
         ev = torch.cuda.Event()
         ev.record()
         return Launched(batch, tokens, host, ev, res.errors, keep)
+
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""
+        return self.sample(self.forward(batch))
 
     @staticmethod
     def resolve(launched: Launched) -> list[int]:

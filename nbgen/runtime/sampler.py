@@ -13,7 +13,7 @@ Everything is vectorised over the batch; Python only builds small per-batch para
 tensors, and work no row needs (sorting, penalties, hashing) is skipped.
 
 Seeded randomness: the Gumbel noise of (row, token v) is a pure function of
-(req.seed, len(req.output_ids), v) through a 32-bit integer mix hash evaluated with torch
+(req.seed, index of the output token, v) through a 32-bit integer mix hash evaluated with torch
 int64 ops that never overflow. So a request draws the same tokens whatever else is in
 the batch, in any row order, on CPU and CUDA, without a torch.Generator per request.
 
@@ -118,12 +118,12 @@ def _plain_greedy(s: SeqWork) -> bool:
     if flag is None:
         flag = req.raw_argmax = (req.params.plain_greedy and not req.logprobs.return_logprob
                                  and req.grammar is None and req.logit_processor is None)
-    return flag and not _stop_ids_banned(req)
+    return flag and not _stop_ids_banned(s)
 
 
-def _stop_ids_banned(req: Any) -> bool:
+def _stop_ids_banned(s: SeqWork) -> bool:
     """min_new_tokens not reached yet: the request's EOS / stop ids are masked this step."""
-    return len(req.output_ids) < req.params.min_new_tokens and bool(req.stop_ids)
+    return s.out_index < s.req.params.min_new_tokens and bool(s.req.stop_ids)
 
 
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
@@ -161,8 +161,11 @@ class Sampler:
         self._vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
                                  ^ 0x27D4EB2F)
 
-    def __call__(self, logits: Tensor, seqs: list[SeqWork]) -> SamplerOutput:
-        """logits [B, V'] in the model dtype (V' >= vocab: padded lm_head columns are dropped)."""
+    def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None) -> SamplerOutput:
+        """logits [B, V'] in the model dtype (V' >= vocab: padded lm_head columns are dropped).
+
+        ``fill``: a grammar bitmask job already started for these rows (overlap scheduling).
+        """
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits[:, : self.vocab_size]
         if all(_plain_greedy(s) for s in seqs):
@@ -173,7 +176,7 @@ class Sampler:
         x = self.process(raw, seqs)
         errors: dict[int, str] = {}
         if self.constraints.wanted(seqs):
-            x, errors = self.constraints.apply(x, raw, seqs)
+            x, errors = self.constraints.apply(x, raw, seqs, fill)
         greedy = [s.req.params.greedy for s in seqs]
         if all(greedy):
             tokens = _argmax(x)
@@ -204,7 +207,7 @@ class Sampler:
             if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
                 cnt[i] = req.output_ids
                 freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
-            if _stop_ids_banned(req):
+            if _stop_ids_banned(s):
                 ban[i] = sorted(req.stop_ids)
         if not (bias or rep or cnt or ban):
             return x
@@ -264,7 +267,7 @@ class Sampler:
                                   for p in params], x.dtype, dev)
             thr = x.max(dim=-1).values + logmin                         # [b]
             x = x.masked_fill(x < thr.view(-1, 1), float("-inf"))
-        keys = host_tensor([row_key(s.req.seed, len(s.req.output_ids)) for s in seqs],
+        keys = host_tensor([row_key(s.req.seed, s.out_index) for s in seqs],
                            torch.int64, dev)
         vhash = self._vocab_hash[:vocab].to(dev)
         if self._fused is not None:
