@@ -131,7 +131,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng._loop.runner
     wb, kvb = model_bytes(runner.model, runner.hf_config)
-    info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes")}
+    info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes", "startup_s")}
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)

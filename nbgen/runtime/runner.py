@@ -65,10 +65,14 @@ class ModelRunner:
         from nbgen.models.loader import load_model
         from nbgen.runtime.sampler import Sampler
 
+        import time
+
         self.cfg = cfg
         self.device = device
         self.on_gpu = device.type == "cuda"
+        t0 = time.perf_counter()
         self.loaded = load_model(cfg, device)
+        t1 = time.perf_counter()
         self.model = self.loaded.model
         self.hf_config = self.loaded.hf_config
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -78,6 +82,7 @@ class ModelRunner:
                                    self.loaded.dtype, device)
         self.backend = self._make_backend()
         self.sampler = Sampler(self.vocab_size, device)
+        t2 = time.perf_counter()
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
         self.graphs = None
         self.cuda_graph_batch_sizes: list[int] = []
@@ -87,6 +92,9 @@ class ModelRunner:
             max_bs = cfg.cuda_graph_max_bs or default_max_bs(device)
             self.graphs = CudaGraphRunner(self.model, self.backend, max_bs, self.loaded.context_length)
             self.cuda_graph_batch_sizes = list(self.graphs.batch_sizes)
+        # start-up phases in seconds (get_server_info()["startup_s"]): where a slow start goes
+        self.startup_s = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2),
+                          "cuda_graphs": round(time.perf_counter() - t2, 2)}
         # overlap scheduling needs asynchronous device work; CPU steps are synchronous anyway
         self.overlap = self.on_gpu and not cfg.disable_overlap_schedule
 
