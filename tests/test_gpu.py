@@ -215,3 +215,49 @@ def tables_backend(P: int):
     class _B:
         spec = type("S", (), {"page_size": P})()
     return _B()
+
+
+@gpu
+@pytest.mark.parametrize("heads", [(16, 8), (14, 2)])
+def test_fast_replan_matches_public_plan(heads):
+    """The graph wrappers' fast re-plan (flashinfer's C++ planner called directly) produces the
+    same plan and the same attention output as flashinfer's public plan(), step after step."""
+    from nbgen.attention.base import KVCacheSpec
+    from nbgen.attention.flashinfer_backend import FlashInferBackend
+
+    hq, hkv = heads
+    P, bs, dev = 16, 24, torch.device("cuda")
+    spec = KVCacheSpec(1, 4096, P, hq, hkv, 128, torch.bfloat16, dev)
+    be = FlashInferBackend(spec)
+    if not be.use_tensor_cores:
+        pytest.skip("fast re-plan covers tensor-core decode only")
+    bufs = [(torch.zeros(bs + 1, dtype=torch.int32, device=dev), torch.zeros(bs * 200, dtype=torch.int32, device=dev),
+             torch.zeros(bs, dtype=torch.int32, device=dev)) for _ in range(2)]
+    ws = [be.make_decode_wrapper(*b) for b in bufs]
+    torch.manual_seed(0)
+    be.k_cache[0].normal_()
+    be.v_cache[0].normal_()
+    rng = random.Random(1)
+    for step in range(4):
+        lens = [rng.randint(1, 3000) for _ in range(bs)]
+        npages = [-(-n // P) for n in lens]
+        indptr = torch.tensor([0] + list(torch.tensor(npages).cumsum(0)), dtype=torch.int32).pin_memory()
+        last = torch.tensor([n - (p - 1) * P for n, p in zip(lens, npages)], dtype=torch.int32).pin_memory()
+        idx = torch.randint(1, 4096, (int(indptr[-1]),), dtype=torch.int32, device=dev)
+        outs, infos = [], []
+        for w, b in zip(ws, bufs):
+            b[1][: idx.numel()].copy_(idx)
+            if step == 0:       # first plan of a wrapper: always the public one
+                be.plan_decode(w, indptr, b[1][: idx.numel()], last)
+            elif w is ws[1]:
+                assert be._replan_fast(w, indptr, last)
+            else:
+                w.plan(indptr, b[1][: idx.numel()], last, hq, hkv, 128, P, pos_encoding_mode="NONE",
+                           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=be.scale,
+                           non_blocking=True)
+            q = torch.randn(bs, hq, 128, dtype=torch.bfloat16, device=dev, generator=torch.Generator(dev).manual_seed(step))
+            outs.append(w.run(q, (be.k_cache[0], be.v_cache[0])))
+            infos.append(list(w._plan_info))
+        torch.cuda.synchronize()
+        assert infos[0] == infos[1], step
+        assert torch.equal(outs[0], outs[1]), step

@@ -31,6 +31,8 @@ WORKSPACE_BYTES = 256 << 20
 # KV layout of the paged cache on CUDA: HND's per-head contiguous pages let the decode kernel read
 # ~1.5 % faster than NHD (docs/benchmarks.md "Third pass"); NBGEN_KV_LAYOUT=NHD|HND overrides
 KV_LAYOUT = "HND"
+# NBGEN_FAST_REPLAN=0: graph decode wrappers re-plan through flashinfer's public plan() (A/B checks)
+FAST_REPLAN = os.environ.get("NBGEN_FAST_REPLAN", "1") != "0"
 
 
 def decode_tensor_cores(group: int) -> bool:
@@ -156,6 +158,7 @@ class FlashInferBackend(AttentionBackend):
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
+        self._qo_indptr: dict[int, torch.Tensor] = {}   # bs -> arange(bs + 1) on the host (fast re-plan)
 
     def cache_shape(self) -> tuple[int, ...]:
         """Per-layer K (and V) shape in this backend's layout (NHD or HND pages)."""
@@ -191,10 +194,45 @@ class FlashInferBackend(AttentionBackend):
         """
         sp = self.spec
         self._before_plan()
-        wrapper.plan(kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads,
-                     sp.head_dim, sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype,
-                     kv_data_type=sp.dtype, sm_scale=self.scale, non_blocking=True)
+        if not self._replan_fast(wrapper, kv_indptr, last):
+            wrapper.plan(kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads,
+                         sp.head_dim, sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype,
+                         kv_data_type=sp.dtype, sm_scale=self.scale, non_blocking=True)
         self._after_plan()
+
+    def _replan_fast(self, wrapper: Any, kv_indptr: torch.Tensor, last: torch.Tensor) -> bool:
+        """Re-plan a CUDA-graph tensor-core wrapper planned before, straight through flashinfer's
+        C++ planner; False when this wrapper / flashinfer version needs the public plan().
+
+        Why: plan() spends ~0.4 ms of Python per call at batch 256 (it takes Python's max() over a
+        tensor, element by element, and re-derives dtypes and buffers) in a decode step whose host
+        budget is ~4 ms. For a graph wrapper only the device copies of indptr / last_page_len and
+        the planner's output change between steps; the same C++ call with the same arguments as
+        plan() makes (flashinfer 0.6's fa2 tensor-core path) does that. tests/test_gpu.py checks
+        the two give identical plans and outputs.
+        """
+        if not (FAST_REPLAN and getattr(wrapper, "_plan_info", None) is not None
+                and getattr(wrapper, "is_cuda_graph_enabled", False) and wrapper.use_tensor_cores
+                and getattr(wrapper, "_backend", None) == "fa2"
+                and getattr(wrapper, "_cached_module", None) is not None):
+            return False
+        sp = self.spec
+        bs = len(last)
+        ip = kv_indptr.numpy()
+        kv_lens = (ip[1:] - ip[:-1] - 1) * sp.page_size + last.numpy()      # [bs] tokens per seq
+        wrapper._paged_kv_indptr_buf.copy_(kv_indptr, non_blocking=True)
+        wrapper._paged_kv_last_page_len_buf.copy_(last, non_blocking=True)
+        qo = self._qo_indptr.get(bs)
+        if qo is None:
+            qo = self._qo_indptr[bs] = torch.arange(bs + 1, dtype=torch.int32)
+        wrapper._max_kv_len = int(kv_lens.max()) if bs else 0
+        wrapper._plan_info = wrapper._cached_module.plan(
+            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+            wrapper._pin_memory_int_workspace_buffer, qo, kv_indptr, torch.from_numpy(kv_lens.astype(np.int32)),
+            bs, bs, sp.num_q_heads, sp.num_kv_heads, sp.page_size, True, sp.head_dim, sp.head_dim,
+            False, -1,          # causal, window_left
+            -1, False, 0, 0)    # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+        return True
 
     def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int]) -> None:
         sp = self.spec

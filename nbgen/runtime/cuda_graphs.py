@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -31,6 +32,15 @@ logger = logging.getLogger("nbgen")
 
 # previous step's sampled ids that placeholders can refer to inside a graph (larger batches: eager)
 PREV_CAPACITY = 4096
+
+
+@dataclass
+class Staged:
+    """A decode step whose inputs and plan are queued for replay of the bs-sized graph."""
+
+    n: int                 # live rows
+    bs: int                # graph batch size (rows n..bs-1 are padding)
+    placeholders: bool     # some token ids come from the previous step's sampled ids
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -143,12 +153,14 @@ class CudaGraphRunner:
         self.graphs[bs] = g
         self.outputs[bs] = out
 
-    def can_run(self, batch: ScheduledBatch, prev: Optional[torch.Tensor] = None) -> bool:
-        return (batch.is_decode_only and len(batch.seqs) <= self.max_bs
-                and (prev is None or prev.numel() <= PREV_CAPACITY))
+    def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
+        """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""
+        return batch.is_decode_only and len(batch.seqs) <= self.max_bs and n_prev <= PREV_CAPACITY
 
-    def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Replay for a decode-only batch; ids < 0 are placeholders for rows of ``prev`` (GPU ids)."""
+    def stage(self, batch: ScheduledBatch, ids: list[int]) -> Staged:
+        """Copy a decode-only batch's inputs to the GPU and plan its graph's attention (queued
+        work only). Safe while an earlier step is still queued: everything here lands in stream
+        order after it. ids < 0 are placeholders for rows of the previous step's sampled ids."""
         n = len(batch.seqs)
         bs = next(b for b in self.batch_sizes if b >= n)
         kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch)
@@ -167,11 +179,21 @@ class CudaGraphRunner:
         npv[2][:n] = last
         npv[3][:nnz] = idx
         self.io[: 4 * bs].copy_(st[0][: 4 * bs], non_blocking=True)
-        if prev is not None and bool(ph.any()):
-            self.prev[: prev.numel()].copy_(prev)
         self._plan(bs, st, npv, n, nnz)
         ev = torch.cuda.Event()
         ev.record()
         st[4] = ev
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return Staged(n, bs, bool(ph.any()))
+
+    def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Replay a staged step; ``prev``: the previous step's sampled ids (GPU) its placeholders
+        name. Returns the last hidden states [n, H] (a view of the graph's output buffer)."""
+        if staged.placeholders:
+            assert prev is not None and prev.numel() <= PREV_CAPACITY, "placeholder without previous ids"
+            self.prev[: prev.numel()].copy_(prev)
+        self.graphs[staged.bs].replay()
+        return self.outputs[staged.bs][: staged.n]
+
+    def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Stage and replay a decode-only batch (see ``stage`` / ``replay``)."""
+        return self.replay(self.stage(batch, ids), prev)

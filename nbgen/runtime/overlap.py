@@ -15,8 +15,9 @@ synchronously after a flush, so greedy and seeded outputs are identical with and
 Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
 Step N+1's forward is queued without its sampling (``staged``); then step N resolves (its tokens are
 accepted by the matchers), the bitmask fill for N+1 starts in a worker thread, N's outputs are
-delivered, N+1 is applied with placeholders and N+2 is scheduled; only then does N+1's sampling wait
-for the fill, and N+2's forward is queued right behind it (staged for the next call). A staged
+delivered, N+1 is applied with placeholders, N+2 is scheduled and its inputs and attention plan are
+queued (graph steps); only then does N+1's sampling wait for the fill, and N+2's forward is queued
+right behind it (staged for the next call). A staged
 forward is never applied to the scheduler before it is sampled, so ``flush`` may drop it: the next
 schedule recomputes the same positions (its KV writes are simply repeated).
 """
@@ -100,17 +101,24 @@ class OverlapStepper:
         self.flush()                                  # deliver the previous step (fill runs meanwhile)
         changed = self._apply(batch)
         nxt = sched.schedule()
+        if nxt is not None and not overlappable(nxt):
+            nxt = None                                # dropped: the next step() schedules it again
+        prep = None
         try:
+            if nxt is not None:                       # its inputs and plan, still under the fill
+                prep = loop.runner.prepare(nxt, len(fwd.seqs))
             launched = loop.runner.sample(fwd, fill)
         except Exception as e:  # noqa: BLE001
+            if fill is not None:
+                fill.settle()
             _drop_placeholders(batch)
             self.loop.fail_batch(batch, e)
             return
         self.pending = (launched, changed, batch.num_prefill_tokens)
-        if nxt is None or not overlappable(nxt):
-            return                                    # dropped: the next step() schedules it again
+        if nxt is None:
+            return
         try:
-            self.staged = loop.runner.forward(nxt)
+            self.staged = loop.runner.forward(nxt, prep)
         except Exception as e:  # noqa: BLE001
             self.flush()
             self.loop.fail_batch(nxt, e)

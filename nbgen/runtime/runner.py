@@ -199,7 +199,7 @@ class ModelRunner:
 
     def _forward(self, batch: ScheduledBatch, ids: list[int], pos: list[int]) -> torch.Tensor:
         """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
-        if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
+        if self._graphable(batch):
             return self.graphs.run(batch, ids, self._last_tokens)   # placeholders resolved in the graph
         patch = self._placeholder_patch(ids)
         input_ids = self._to_dev(ids)
@@ -210,13 +210,29 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     # ---- one step -----------------------------------------------------------------------------
+    def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
+        if n_prev is None:
+            n_prev = self._last_tokens.numel() if self._last_tokens is not None else 0
+        return self.graphs is not None and self.graphs.can_run(batch, n_prev)
+
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> Forwarded:
-        """Queue the forward pass and the logits of the sampling rows (nothing is sampled yet)."""
-        if self.graphs is not None and self.graphs.can_run(batch, self._last_tokens):
+    def prepare(self, batch: ScheduledBatch, n_prev: int) -> Optional[Any]:
+        """Queue a decode-only batch's inputs and attention plan ahead of its forward (graph path;
+        None otherwise). ``n_prev``: sampled ids of the step before it, which may still be queued."""
+        if not self._graphable(batch, n_prev):
+            return None
+        return self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch, staged: Optional[Any] = None) -> Forwarded:
+        """Queue the forward pass and the logits of the sampling rows (nothing is sampled yet).
+        ``staged``: this batch's ``prepare`` result, made after the previous step was sampled."""
+        if staged is not None or self._graphable(batch):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs = [s for s in batch.seqs if s.sample]
-            hidden = self.graphs.run(batch, [s.token_ids[0] for s in batch.seqs], self._last_tokens)
+            if staged is None:
+                staged = self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+            hidden = self.graphs.replay(staged, self._last_tokens)
             rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
         else:
             ids, pos, rows, seqs, _ = self._flatten(batch)
