@@ -153,11 +153,18 @@ def test_generate_iter_close_aborts(tiny_engine):
 def test_keyboard_interrupt_aborts_and_engine_survives(tiny_engine):
     import _thread
 
-    timer = threading.Timer(0.5, _thread.interrupt_main)
-    timer.start()
+    start = tiny_engine.stats()["total_output_tokens"]
+
+    def interrupt_once_decoding() -> None:   # not a fixed delay: a fast engine could finish first
+        deadline = time.time() + 20
+        while tiny_engine.stats()["total_output_tokens"] < start + 64 and time.time() < deadline:
+            time.sleep(0.005)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_decoding, daemon=True).start()
     t0 = time.time()
     with pytest.raises(KeyboardInterrupt):
-        tiny_engine.generate(["long"] * 4, {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True},
+        tiny_engine.generate(["long"] * 32, {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True},
                              use_tqdm=False)
     assert time.time() - t0 < 20
     out = tiny_engine.generate("after", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})

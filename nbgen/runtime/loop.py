@@ -212,11 +212,16 @@ class LoopThread:
     def deliver(self, changed: list[Request], n_in: int) -> None:
         """Send the step's changed requests to their callers, then count the step's tokens."""
         n_out = 0
+        tracked = self._tracked
         for req in changed:
-            t = self._tracked.get(req.rid)
+            t = tracked.get(req.rid)
             if t is None:
                 continue
-            n_out += len(req.output_ids) - t.n_ids
+            m = len(req.output_ids)
+            n_out += m - t.n_ids
+            if t.quiet and not req.finished:   # the common decode step: nothing to send yet
+                t.n_ids = m
+                continue
             self._emit(t)
         self._reap()
         self._account(n_in, n_out)
@@ -233,8 +238,11 @@ class LoopThread:
             upd = t.advance(self.scheduler)
         except Exception as e:  # a failure inside one request fails only that request
             logger.exception("request %s failed", t.req.rid)
+            msg = f"{type(e).__name__}: {e}"
             if not t.req.finished:
-                self.scheduler.abort(t.req.rid, f"{type(e).__name__}: {e}")
+                self.scheduler.abort(t.req.rid, msg)
+            else:                  # its output could not be built: say so rather than "length"/"stop"
+                t.req.finish_reason = {"type": "abort", "message": msg}
             upd = t.final_update()
         if upd is None:
             return

@@ -32,6 +32,8 @@ class Tracked:
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
                                              p.spaces_between_special_tokens) if tokenizer is not None else None)
         self.matcher = make_stop_matcher(p.stop_strs, p.stop_regex, p.no_stop_trim)
+        # nobody reads this request's text before it finishes: steps only count its tokens
+        self.quiet = not stream and self.matcher is None
         self.n_ids = 0            # output ids already seen (counted as generated)
         self.n_text = 0           # output ids already turned into text
         self.n_sent_ids = 0       # output ids already sent to a streaming caller
@@ -45,7 +47,7 @@ class Tracked:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None."""
         req = self.req
         self.n_ids = len(req.output_ids)
-        if not req.finished and not self.stream and self.matcher is None:
+        if not req.finished and self.quiet:
             return None  # nobody reads text before the end: detokenize once, when the request finishes
         new_ids = req.output_ids[self.n_text:]
         self.n_text = len(req.output_ids)
