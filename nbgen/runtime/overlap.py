@@ -155,7 +155,7 @@ class OverlapStepper:
                 continue
             ph, tok, k = -(k + 1), toks[i], k + 1
             req = s.req
-            at = s.out_index                             # index of this step's token in output_ids
+            at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
             if not (0 <= at < len(req.output_ids) and req.output_ids[at] == ph):
                 continue                                 # never appended (aborted / preempted before)
             req.output_ids[at] = tok

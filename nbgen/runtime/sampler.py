@@ -123,7 +123,8 @@ def _plain_greedy(s: SeqWork) -> bool:
 
 def _stop_ids_banned(s: SeqWork) -> bool:
     """min_new_tokens not reached yet: the request's EOS / stop ids are masked this step."""
-    return s.out_index < s.req.params.min_new_tokens and bool(s.req.stop_ids)
+    n = s.req.params.min_new_tokens
+    return bool(n) and s.out_index < n and bool(s.req.stop_ids)
 
 
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
