@@ -93,3 +93,22 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         except ImportError:  # pragma: no cover - torch is a hard dependency
             return "cpu"
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler (resolved from EngineConfig by the loop)."""
+
+    page_size: int = 16
+    num_pages: int = 1024                       # including the scratch page 0
+    max_running_requests: int = 64
+    chunked_prefill_size: Optional[int] = 1024  # token budget per step; None or <= 0: unlimited
+    schedule_policy: str = "fcfs"               # "fcfs" | "lpm"
+    disable_radix_cache: bool = False
+    context_length: Optional[int] = None        # prompt + output never exceeds it
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

@@ -9,41 +9,17 @@ import asyncio
 import concurrent.futures as cf
 import logging
 import threading
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from nbgen.config import EngineConfig
 from nbgen.runtime.batch import ScheduledBatch
+from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.request import Request
 from nbgen.runtime.tracker import Tracked, Update
 
 logger = logging.getLogger("nbgen")
 
 Sink = Callable[[Update], None]
-
-
-@dataclass
-class _Rates:
-    """Tokens per second over a sliding window (for stats() and the dashboard)."""
-
-    window: float = 2.0
-    events: deque = field(default_factory=deque)  # (time, input tokens, output tokens)
-
-    def add(self, n_in: int, n_out: int) -> None:
-        now = time.time()
-        self.events.append((now, n_in, n_out))
-        while self.events and now - self.events[0][0] > self.window:
-            self.events.popleft()
-
-    def rates(self) -> tuple[float, float]:
-        now = time.time()
-        ev = [e for e in self.events if now - e[0] <= self.window]
-        if not ev:
-            return 0.0, 0.0
-        span = max(now - ev[0][0], 0.25)
-        return sum(e[1] for e in ev) / span, sum(e[2] for e in ev) / span
 
 
 class LoopThread:
@@ -57,12 +33,7 @@ class LoopThread:
         self._wake: Optional[asyncio.Event] = None
         self._stopping = False
         self._tracked: dict[str, Tracked] = {}
-        self._stats_lock = threading.Lock()
-        self._stats: dict[str, Any] = {}
-        self._rates = _Rates()
-        self._totals = {"total_input_tokens": 0, "total_output_tokens": 0,
-                        "total_cached_tokens": 0, "total_finished": 0}
-        self._t0 = time.time()
+        self._stats = LoopStats()
         self.runner = None
         self.scheduler = None
         self.tokenizer = None
@@ -94,13 +65,7 @@ class LoopThread:
         return fut.result()
 
     def stats(self) -> dict[str, Any]:
-        with self._stats_lock:
-            s = dict(self._stats)
-            s.update(self._totals)
-        s["input_tok_s"], s["output_tok_s"] = self._rates.rates()
-        s["uptime_s"] = time.time() - self._t0
-        s["time"] = time.time()
-        return s
+        return self._stats.read()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._loop is not None and self._thread.is_alive():
@@ -227,11 +192,7 @@ class LoopThread:
         self._account(n_in, n_out)
 
     def _account(self, n_in: int, n_out: int) -> None:
-        self._rates.add(n_in, n_out)
-        with self._stats_lock:
-            self._stats.update(self._snapshot())
-            self._totals["total_input_tokens"] += n_in
-            self._totals["total_output_tokens"] += n_out
+        self._stats.account(n_in, n_out, self._snapshot())
 
     def _emit(self, t: Tracked) -> None:
         try:
@@ -248,8 +209,7 @@ class LoopThread:
             return
         if upd.finished:
             self._tracked.pop(t.req.rid, None)
-            self._totals["total_finished"] += 1
-            self._totals["total_cached_tokens"] += t.req.cached_tokens
+            self._stats.finished(t.req.cached_tokens)
         try:
             t.sink(upd)
         except Exception:  # noqa: BLE001 - a broken caller must not stop the engine
@@ -262,8 +222,7 @@ class LoopThread:
 
     def _publish(self) -> None:
         """Refresh the stats() snapshot that callers read from other threads."""
-        with self._stats_lock:
-            self._stats.update(self._snapshot())
+        self._stats.publish(self._snapshot())
 
     def _snapshot(self) -> dict[str, Any]:
         s = self.scheduler.stats()

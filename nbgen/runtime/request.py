@@ -78,3 +78,14 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.logprobs.logprob_start_len >= 0 and not self.prompt_logprobs_done
+
+    def end_after(self, tok: int, context_length: Optional[int]) -> Optional[dict[str, Any]]:
+        """Finish reason once ``tok`` (the last of output_ids) was generated, or None to go on."""
+        p, n_out = self.params, len(self.output_ids)
+        if tok in self.stop_ids and n_out >= p.min_new_tokens:
+            return {"type": "stop", "matched": tok}
+        if p.max_new_tokens is not None and n_out >= p.max_new_tokens:
+            return {"type": "length"}
+        if context_length is not None and self.num_tokens >= context_length:
+            return {"type": "length"}
+        return None

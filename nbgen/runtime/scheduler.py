@@ -25,33 +25,14 @@ preemption and at abort (runner errors excepted). Decodes cost O(1) Python each 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any, Optional
 
+from nbgen.config import SchedulerConfig
 from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue, matchable_ids, next_prompt_logprob
-
-
-@dataclass
-class SchedulerConfig:
-    """Knobs of the scheduler (resolved from EngineConfig by the loop)."""
-
-    page_size: int = 16
-    num_pages: int = 1024                       # including the scratch page 0
-    max_running_requests: int = 64
-    chunked_prefill_size: Optional[int] = 1024  # token budget per step; None or <= 0: unlimited
-    schedule_policy: str = "fcfs"               # "fcfs" | "lpm"
-    disable_radix_cache: bool = False
-    context_length: Optional[int] = None        # prompt + output never exceeds it
-
-    def __post_init__(self) -> None:
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
 
 
 def _abort(message: str) -> dict[str, Any]:
@@ -203,7 +184,7 @@ class Scheduler:
                     req.output_ids_logprobs.append(lp.ids)
                 if out.hidden_states is not None and out.hidden_states[i] is not None:
                     req.hidden_states.append(out.hidden_states[i])
-                reason = self._finish_reason(req, tok)
+                reason = req.end_after(tok, self.cfg.context_length)
                 if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)
                 changed.append(req)
@@ -218,17 +199,6 @@ class Scheduler:
         return changed
 
     # ---- internals --------------------------------------------------------------------------------
-    def _finish_reason(self, req: Request, tok: int) -> Optional[dict[str, Any]]:
-        p, n_out = req.params, len(req.output_ids)
-        if tok in req.stop_ids and n_out >= p.min_new_tokens:
-            return {"type": "stop", "matched": tok}
-        if p.max_new_tokens is not None and n_out >= p.max_new_tokens:
-            return {"type": "length"}
-        ctx = self.cfg.context_length
-        if ctx is not None and req.num_tokens >= ctx:
-            return {"type": "length"}
-        return None
-
     def _seq(self, req: Request, start: int, end: int) -> SeqWork:
         """The SeqWork computing tokens [start, end) of req.all_ids (pages already allocated)."""
         n_prompt = len(req.prompt_ids)
