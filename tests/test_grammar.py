@@ -327,6 +327,21 @@ def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
     assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
 
 
+def test_grammar_pipeline_beside_logprob_requests(eng):
+    """Requests that need host-side values (logprobs) arriving among pipelined grammar steps: the
+    stepper drops its staged forward and runs those steps synchronously; outputs stay the same."""
+    from nbgen.runtime.constraints import BATCH_FILL_MIN
+
+    n = BATCH_FILL_MIN + 4
+    prompts = _prompts(eng, "Give me a JSON record", n) + ["The capital of France is"] * 2
+    sps = [{"temperature": 1.0, "max_new_tokens": 18, "sampling_seed": i, "json_schema": json.dumps(PERSON)}
+           for i in range(n)] + [{"temperature": 0.0, "max_new_tokens": 12}] * 2
+    kw = {"return_logprob": [False] * (n + 1) + [True], "use_tqdm": False}
+    plain, over = _forced_overlap(eng, lambda: eng.generate(prompts, sps, **kw))
+    assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
+    assert len(over[-1]["meta_info"]["output_token_logprobs"]) == 12
+
+
 def test_abort_during_grammar_pipeline(eng):
     """An abort while a grammar step's forward is staged drops that forward; every other
     request still gets exactly the plain loop's tokens, the aborted one a clean prefix."""
