@@ -261,3 +261,35 @@ def test_fast_replan_matches_public_plan(heads):
         torch.cuda.synchronize()
         assert infos[0] == infos[1], step
         assert torch.equal(outs[0], outs[1]), step
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (14, 2)])
+def test_fused_qk_norm_rope_matches_hf_arithmetic(hq, hkv):
+    """Qwen3's fused q/k norm + RoPE kernel equals HF's bf16 arithmetic (RMSNorm then rotate_half
+    RoPE with rounded cos/sin) up to the last bit of fp32 reductions; v is left alone."""
+    from nbgen.models import qk_norm_rope as fq
+    from nbgen.models.layers import RMSNorm, get_rope
+
+    torch.manual_seed(0)
+    D, T, dev = 128, 77, "cuda"
+    qkv = torch.randn(T, (hq + 2 * hkv) * D, device=dev, dtype=torch.bfloat16) * 3
+    pos = torch.randint(0, 4000, (T,), device=dev)
+    qn, kn = RMSNorm(D, 1e-6).to(dev, torch.bfloat16), RMSNorm(D, 1e-6).to(dev, torch.bfloat16)
+    with torch.no_grad():
+        qn.weight.uniform_(0.5, 1.5)
+        kn.weight.uniform_(0.5, 1.5)
+    rope = get_rope(D, 4096, 1e6, None).to(dev)
+    q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+    ref_q = qn._norm(q.reshape(T, hq, D)).reshape(T, -1)          # the torch path = HF's formula
+    ref_k = kn._norm(k.reshape(T, hkv, D)).reshape(T, -1)
+    cos, sin = rope._cos_sin(pos, torch.bfloat16)
+    ref_q, ref_k = rope._rotate(ref_q, cos, sin), rope._rotate(ref_k, cos, sin)
+    v0 = v.clone()
+    assert fq.supported(qkv, D)
+    fq.qk_norm_rope_(qkv, pos, qn.weight, kn.weight, 1e-6, rope.cos_sin_cache, hq, hkv, D)
+    for got, ref in ((q, ref_q), (k, ref_k)):
+        diff = (got.float() - ref.float()).abs()
+        assert (diff == 0).float().mean() > 0.99                     # bit-identical almost everywhere
+        assert bool((diff <= ref.float().abs() * 2 ** -6 + 1e-3).all())   # else within ~2 bf16 ulp
+    assert torch.equal(v, v0)

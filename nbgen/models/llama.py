@@ -73,11 +73,16 @@ class LlamaAttention(nn.Module):
         """Hook before RoPE (identity here; Qwen3 normalises each head)."""
         return q, k
 
+    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k (views of qkv) -> what attention reads: qk_norm (Qwen3), then RoPE."""
+        q, k = self.qk_norm(q, k)
+        return self.rotary_emb(positions, q, k)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)                                        # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.norm_rope(positions, qkv, q, k)
         o = self.attn(q, k, v, meta)                                  # [T, Hq * D]
         return self.o_proj(o)
 

@@ -4,12 +4,19 @@ Qwen3 configs carry an explicit ``head_dim`` (128 for 0.6B, where hidden / heads
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nbgen.models import qk_norm_rope as fused_qk
 from nbgen.models.layers import RMSNorm
 from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from nbgen.runtime.gpu_ops import fused_enabled
+
+# NBGEN_FUSED_QK=0: q/k norm and RoPE as three flashinfer launches instead of one Triton kernel
+FUSED_QK = os.environ.get("NBGEN_FUSED_QK", "1") != "0"
 
 
 class Qwen3Attention(LlamaAttention):
@@ -24,6 +31,16 @@ class Qwen3Attention(LlamaAttention):
         q = self.q_norm(q.reshape(T, -1, D)).view(T, -1)
         k = self.k_norm(k.reshape(T, -1, D)).view(T, -1)
         return q, k
+
+    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        if FUSED_QK and fused_enabled(qkv) and fused_qk.supported(qkv, self.head_dim):
+            # one kernel, in place on qkv: q and k stay its (strided) views
+            fused_qk.qk_norm_rope_(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                   self.rotary_emb.cos_sin_cache, self.qkv_proj.num_heads,
+                                   self.qkv_proj.num_kv_heads, self.head_dim)
+            return q, k
+        return super().norm_rope(positions, qkv, q, k)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
