@@ -267,7 +267,9 @@ def test_fast_replan_matches_public_plan(heads):
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (14, 2)])
 def test_fused_qk_norm_rope_matches_hf_arithmetic(hq, hkv):
     """Qwen3's fused q/k norm + RoPE kernel follows HF's bf16 arithmetic (RMSNorm then rotate_half
-    RoPE with rounded cos/sin): mostly bit-identical, never more than one bf16 ulp off; v untouched.
+    RoPE with rounded cos/sin): mostly bit-identical, else within two bf16 ulp of the products it
+    sums (a single-rounding RoPE scores ~70 % / 2 ulp, flashinfer's norm + RoPE ~55 % / 3 ulp,
+    a sign error ~6 % / 500 ulp in a CPU emulation of this check); v untouched.
     (Measured on an H100: 82 % bit-identical. The flashinfer norm + RoPE it replaces are not exact
     either; end-to-end agreement with HF is test_hf_parity_teacher_forced's job.)"""
     from nbgen.models import qk_norm_rope as fq
@@ -283,16 +285,22 @@ def test_fused_qk_norm_rope_matches_hf_arithmetic(hq, hkv):
         kn.weight.uniform_(0.5, 1.5)
     rope = get_rope(D, 4096, 1e6, None).to(dev)
     q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
-    ref_q = qn._norm(q.reshape(T, hq, D)).reshape(T, -1)          # the torch path = HF's formula
-    ref_k = kn._norm(k.reshape(T, hkv, D)).reshape(T, -1)
+    ref_nq = qn._norm(q.reshape(T, hq, D)).reshape(T, -1)         # the torch path = HF's formula
+    ref_nk = kn._norm(k.reshape(T, hkv, D)).reshape(T, -1)
     cos, sin = rope._cos_sin(pos, torch.bfloat16)
-    ref_q, ref_k = rope._rotate(ref_q, cos, sin), rope._rotate(ref_k, cos, sin)
+    ref_q, ref_k = rope._rotate(ref_nq, cos, sin), rope._rotate(ref_nk, cos, sin)
     v0 = v.clone()
     assert fq.supported(qkv, D)
     fq.qk_norm_rope_(qkv, pos, qn.weight, kn.weight, 1e-6, rope.cos_sin_cache, hq, hkv, D)
-    for got, ref in ((q, ref_q), (k, ref_k)):
+    for got, ref, normed in ((q, ref_q, ref_nq), (k, ref_k, ref_nk)):
         diff = (got.float() - ref.float()).abs()
-        ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=2 ** -100))) - 7)
+        # the scale of the two rounded products each output sums (|x1 cos| + |x2 sin|): a one-ulp
+        # difference upstream shows at that scale, also where the sum itself cancels to ~0
+        n = normed.float().abs().view(T, -1, D)
+        c, sn = cos.float().abs(), sin.float().abs()
+        n1, n2 = n[..., : D // 2], n[..., D // 2:]
+        scale = torch.cat([n1 * c + n2 * sn, n2 * c + n1 * sn], dim=-1).view(T, -1)
+        ulp = torch.exp2(torch.floor(torch.log2(scale.clamp(min=2 ** -60))) - 7)
         assert (diff == 0).float().mean() > 0.75                     # mostly bit-identical
-        assert bool((diff <= ulp).all()), float((diff / ulp).max())   # never more than one bf16 ulp
+        assert bool((diff <= 2 * ulp).all()), float((diff / ulp).max())   # else within two bf16 ulp
     assert torch.equal(v, v0)

@@ -6,8 +6,8 @@ mostly fixed cost, ~28 layers x 3 per step. One program per (token, head) does t
 registers, following HF's rounding steps: normalise in fp32, round, scale by the weight, round (as
 Qwen3RMSNorm); then rotate_half RoPE with cos/sin rounded to the model dtype and each product and
 the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). On an H100 the result equals torch's
-evaluation of HF's formulas bit for bit in ~82 % of elements and within one bf16 ulp elsewhere
-(tests/test_gpu.py); the flashinfer kernels it replaces round once per op and are no closer.
+evaluation of HF's formulas bit for bit in ~82 % of elements and within two bf16 ulp elsewhere
+(tests/test_gpu.py); the flashinfer kernels it replaces round once per op and are further off.
 q and k stay views of qkv.
 """
 from __future__ import annotations
