@@ -17,6 +17,7 @@ instead of re-flattening every request's Python list each step.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
@@ -26,6 +27,8 @@ import torch
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
 from nbgen.attention.kv_write import write_kv, write_kv_reference
 from nbgen.runtime.batch import ScheduledBatch
+
+logger = logging.getLogger("nbgen")
 
 WORKSPACE_BYTES = 256 << 20
 # KV layout of the paged cache on CUDA: HND's per-head contiguous pages let the decode kernel read
@@ -159,6 +162,8 @@ class FlashInferBackend(AttentionBackend):
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
         self._qo_indptr: dict[int, torch.Tensor] = {}   # bs -> arange(bs + 1) on the host (fast re-plan)
+        # the fast re-plan mirrors flashinfer 0.6's plan(); other versions take the public path
+        self._fast_replan = FAST_REPLAN and flashinfer.__version__.startswith("0.6.")
 
     def cache_shape(self) -> tuple[int, ...]:
         """Per-layer K (and V) shape in this backend's layout (NHD or HND pages)."""
@@ -211,7 +216,7 @@ class FlashInferBackend(AttentionBackend):
         plan() makes (flashinfer 0.6's fa2 tensor-core path) does that. tests/test_gpu.py checks
         the two give identical plans and outputs.
         """
-        if not (FAST_REPLAN and getattr(wrapper, "_plan_info", None) is not None
+        if not (self._fast_replan and getattr(wrapper, "_plan_info", None) is not None
                 and getattr(wrapper, "is_cuda_graph_enabled", False) and wrapper.use_tensor_cores
                 and getattr(wrapper, "_backend", None) == "fa2"
                 and getattr(wrapper, "_cached_module", None) is not None):
@@ -225,13 +230,19 @@ class FlashInferBackend(AttentionBackend):
         qo = self._qo_indptr.get(bs)
         if qo is None:
             qo = self._qo_indptr[bs] = torch.arange(bs + 1, dtype=torch.int32)
-        wrapper._max_kv_len = int(kv_lens.max()) if bs else 0
-        wrapper._plan_info = wrapper._cached_module.plan(
-            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
-            wrapper._pin_memory_int_workspace_buffer, qo, kv_indptr, torch.from_numpy(kv_lens.astype(np.int32)),
-            bs, bs, sp.num_q_heads, sp.num_kv_heads, sp.page_size, True, sp.head_dim, sp.head_dim,
-            False, -1,          # causal, window_left
-            -1, False, 0, 0)    # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+        try:
+            info = wrapper._cached_module.plan(
+                wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+                wrapper._pin_memory_int_workspace_buffer, qo, kv_indptr,
+                torch.from_numpy(kv_lens.astype(np.int32)),
+                bs, bs, sp.num_q_heads, sp.num_kv_heads, sp.page_size, True, sp.head_dim, sp.head_dim,
+                False, -1,          # causal, window_left
+                -1, False, 0, 0)    # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
+        except (TypeError, RuntimeError) as e:   # a planner signature we do not know: public plan()
+            logger.warning("fast decode re-plan unavailable (%s); using flashinfer's plan()", e)
+            self._fast_replan = False
+            return False
+        wrapper._plan_info, wrapper._max_kv_len = info, int(kv_lens.max()) if bs else 0
         return True
 
     def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int]) -> None:

@@ -59,8 +59,9 @@ class LoopStats:
             self._totals["total_output_tokens"] += n_out
 
     def finished(self, cached_tokens: int) -> None:
-        self._totals["total_finished"] += 1
-        self._totals["total_cached_tokens"] += cached_tokens
+        with self._lock:
+            self._totals["total_finished"] += 1
+            self._totals["total_cached_tokens"] += cached_tokens
 
     def read(self) -> dict[str, Any]:
         with self._lock:

@@ -17,9 +17,9 @@ Step N+1's forward is queued without its sampling (``staged``); then step N reso
 accepted by the matchers), the bitmask fill for N+1 starts in a worker thread, N's outputs are
 delivered, N+1 is applied with placeholders, N+2 is scheduled and its inputs and attention plan are
 queued (graph steps); only then does N+1's sampling wait for the fill, and N+2's forward is queued
-right behind it (staged for the next call). A staged
-forward is never applied to the scheduler before it is sampled, so ``flush`` may drop it: the next
-schedule recomputes the same positions (its KV writes are simply repeated).
+right behind it (staged for the next call). A staged forward is never applied to the scheduler
+before it is sampled, so ``flush`` may drop it: the next schedule recomputes the same positions
+(its KV writes are simply repeated).
 """
 from __future__ import annotations
 
@@ -91,7 +91,6 @@ class OverlapStepper:
         """Sample a staged grammar step once its bitmask is filled; stage the next step's forward."""
         loop, sched, batch = self.loop, self.loop.scheduler, fwd.batch
         self._resolve()                               # previous step: tokens accepted by the matchers
-        fill = None
         try:
             fill = loop.runner.sampler.constraints.fill_async(fwd.seqs)
         except Exception as e:  # noqa: BLE001 - e.g. a matcher failing: this step's requests only
@@ -104,13 +103,14 @@ class OverlapStepper:
         if nxt is not None and not overlappable(nxt):
             nxt = None                                # dropped: the next step() schedules it again
         prep = None
-        try:
-            if nxt is not None:                       # its inputs and plan, still under the fill
+        if nxt is not None:                           # its inputs and plan, still under the fill
+            try:
                 prep = loop.runner.prepare(nxt, len(fwd.seqs))
-            launched = loop.runner.sample(fwd, fill)
+            except Exception:  # noqa: BLE001 - forward(nxt) below stages it again and fails nxt there
+                prep = None
+        try:
+            launched = loop.runner.sample(fwd, fill)  # waits for the fill (also when it raises)
         except Exception as e:  # noqa: BLE001
-            if fill is not None:
-                fill.settle()
             _drop_placeholders(batch)
             self.loop.fail_batch(batch, e)
             return
@@ -141,6 +141,7 @@ class OverlapStepper:
             changed, n_in = self._undelivered
             self._undelivered = None
             self._deliver(changed, n_in)
+
     def _resolve(self) -> None:
         """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops."""
         if self.pending is None:
@@ -174,7 +175,6 @@ class OverlapStepper:
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         self.loop.deliver(changed, n_in)
-
 
 
 def _drop_placeholders(batch: ScheduledBatch) -> None:

@@ -3,12 +3,14 @@
 One ``step(ScheduledBatch) -> StepOutput`` per scheduler step; everything here runs on the loop thread.
 For overlap scheduling the step splits up: ``forward`` queues the forward pass, ``sample`` the
 sampling (``launch`` = both; the sampled ids stay on the GPU, copied to pinned host memory behind
-an event), ``resolve`` waits for them. A decode token id < 0 in a batch is a placeholder for "the token sampled at row -id-1 of the
+an event), ``resolve`` waits for them; ``prepare`` queues a graph step's inputs ahead of its forward.
+A decode token id < 0 in a batch is a placeholder for "the token sampled at row -id-1 of the
 previous launch" and is filled in on the GPU.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -64,8 +66,6 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
         from nbgen.models.loader import load_model
         from nbgen.runtime.sampler import Sampler
-
-        import time
 
         self.cfg = cfg
         self.device = device
@@ -226,7 +226,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, staged: Optional[Any] = None) -> Forwarded:
         """Queue the forward pass and the logits of the sampling rows (nothing is sampled yet).
-        ``staged``: this batch's ``prepare`` result, made after the previous step was sampled."""
+        ``staged``: this batch's ``prepare`` result (made before the previous step was sampled)."""
         if staged is not None or self._graphable(batch):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs = [s for s in batch.seqs if s.sample]
