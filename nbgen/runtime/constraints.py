@@ -127,15 +127,17 @@ class Constraints:
             self._host = t.pin_memory() if self.device.type == "cuda" else t
         return self._host
 
-    def _fill(self, seqs: list[SeqWork], rows: list[int], bm: Tensor) -> None:
-        """Fill the bitmask rows of seqs[rows] (xgrammar's thread pool for large batches)."""
+    def _fill(self, seqs: list[SeqWork], rows: list[int], bm: Tensor, matchers: Optional[list] = None) -> None:
+        """Fill the bitmask rows of seqs[rows] (xgrammar's thread pool for large batches;
+        ``matchers``: those rows' matchers, when the caller collected them already)."""
         import xgrammar as xgr
 
         if len(rows) >= BATCH_FILL_MIN:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads())
-            self._batch_matcher.batch_fill_next_token_bitmask(
-                [seqs[i].req.grammar.matcher for i in rows], bm, indices=rows)
+            if matchers is None:
+                matchers = [seqs[i].req.grammar.matcher for i in rows]
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bm, indices=rows)
         else:
             for i in rows:
                 seqs[i].req.grammar.fill(bm, i)
@@ -156,10 +158,12 @@ class Constraints:
         if self._worker is None:
             self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
         started = threading.Event()
+        # collected here, so the worker goes straight into xgrammar (which drops the GIL)
+        matchers = [seqs[i].req.grammar.matcher for i in rows]
 
         def work() -> None:
             started.set()
-            self._fill(seqs, rows, bm)
+            self._fill(seqs, rows, bm, matchers)
 
         fut = self._worker.submit(work)
         # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
