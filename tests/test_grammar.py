@@ -419,3 +419,19 @@ def test_matcher_failure_aborts_the_request(eng, monkeypatch):
     assert "no matcher" in out["meta_info"]["finish_reason"]["message"]
     monkeypatch.undo()
     assert eng.generate("Hi", {"max_new_tokens": 2, "json_schema": json.dumps(CITY)})["meta_info"]["completion_tokens"] >= 1
+
+
+def test_grammar_request_that_can_never_fit_is_aborted(tiny_llama_dir):
+    """Admitted after its grammar compiled, a request too big for the KV cache finishes at once
+    with a message (it is delivered, not left waiting), and its neighbour still completes."""
+    with nbgen.Engine(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=48) as e:
+        big = list(range(5, 105))
+        alone = e.generate(input_ids=big, sampling_params={"max_new_tokens": 4, "regex": "[ab]+"})
+        assert alone["meta_info"]["finish_reason"]["type"] == "abort"   # no step runs: delivered at admission
+        outs = e.generate(input_ids=[big, [5, 6, 7]],
+                          sampling_params=[{"max_new_tokens": 4, "regex": "[ab]+"},
+                                           {"max_new_tokens": 4, "regex": "[ab]+"}], use_tqdm=False)
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "does not fit" in outs[0]["meta_info"]["finish_reason"]["message"]
+    assert outs[1]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    assert len(outs[1]["output_ids"]) >= 1

@@ -249,7 +249,9 @@ class LoopThread:
 
     def _admit(self, req: Request) -> None:
         self.scheduler.add(req)
-        self._reap()   # add() finishes a request that can never fit at once
+        t = self._tracked.get(req.rid)
+        if t is not None and req.finished:   # add() finishes a request that can never fit at once
+            self._emit(t)
 
     def _abort(self, rids: list[str], message: str) -> None:
         if self._overlap is not None:
