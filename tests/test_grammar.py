@@ -435,3 +435,29 @@ def test_grammar_request_that_can_never_fit_is_aborted(tiny_llama_dir):
     assert "does not fit" in outs[0]["meta_info"]["finish_reason"]["message"]
     assert outs[1]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
     assert len(outs[1]["output_ids"]) >= 1
+
+
+def test_grammar_pipeline_with_preemption_same_outputs(tiny_llama_dir):
+    """A KV pool too small for the batch: requests are preempted (and recomputed) while grammar
+    steps are pipelined; seeded constrained outputs still equal the plain loop's."""
+    from nbgen.runtime.constraints import BATCH_FILL_MIN
+    from nbgen.runtime.overlap import OverlapStepper
+
+    n = BATCH_FILL_MIN + 8
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(6 + i % 9)] for i in range(n)]
+    sps = [{"temperature": 1.0, "max_new_tokens": 24, "sampling_seed": i,
+            "regex": ["[ab]{40,60}", "(cat|dog)( (cat|dog)){12,20}", "[0-9]{3,12}"][i % 3]} for i in range(n)]
+    outs = []
+    for overlap in (False, True):
+        with nbgen.Engine(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=400) as e:
+            if overlap:
+                loop = e._loop
+                loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+            outs.append(e.generate(input_ids=prompts, sampling_params=sps, use_tqdm=False))
+            preempted = e._loop.scheduler.num_preemptions
+        assert preempted > 0, "the pool was meant to be too small"
+    plain, over = outs
+    assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
+    assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
+    assert all(re.fullmatch(sps[i]["regex"], o["text"]) for i, o in enumerate(over)
+               if o["meta_info"]["finish_reason"]["type"] == "stop")
