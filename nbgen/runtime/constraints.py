@@ -84,7 +84,7 @@ class Constraints:
                 procs.append(i)
             # a matcher whose grammar already completed (overlap: the previous token ended it) is
             # skipped; a request only cut by length still gets its mask (its token is kept)
-            if req.grammar is not None and not req.grammar.done:
+            if _live_grammar(req):
                 gram.append(i)
             copy = copy or req.logprobs.return_logprob
         if not procs and not gram:
@@ -148,7 +148,7 @@ class Constraints:
         Call after the matchers accepted every earlier token; the matchers must not be touched
         until the job is waited for (the sampler does).
         """
-        rows = [i for i, s in enumerate(seqs) if s.req.grammar is not None and not s.req.grammar.done]
+        rows = [i for i, s in enumerate(seqs) if _live_grammar(s.req)]
         if not rows:
             return None
         bm = self._bitmask(len(seqs), seqs[rows[0]].req.grammar.vocab)
@@ -209,6 +209,11 @@ class Constraints:
             self._backend = "torch_native"
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
         return x
+
+
+def _live_grammar(req: Any) -> bool:
+    """The request has a matcher whose grammar is not complete yet (it gets a mask row)."""
+    return req.grammar is not None and not req.grammar.done
 
 
 def fill_threads() -> int:

@@ -32,7 +32,8 @@ class Tracked:
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
                                              p.spaces_between_special_tokens) if tokenizer is not None else None)
         self.matcher = make_stop_matcher(p.stop_strs, p.stop_regex, p.no_stop_trim)
-        # nobody reads this request's text before it finishes: steps only count its tokens
+        # nobody reads this request's text before it finishes: the loop only counts its tokens per
+        # step and calls advance() once, at the finish (the text is detokenized in one go there)
         self.quiet = not stream and self.matcher is None
         self.n_ids = 0            # output ids already seen (counted as generated)
         self.n_text = 0           # output ids already turned into text
@@ -44,11 +45,10 @@ class Tracked:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
 
     def advance(self, scheduler: Any) -> Optional[Update]:
-        """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None."""
+        """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None.
+        (The loop skips quiet requests until they finish.)"""
         req = self.req
         self.n_ids = len(req.output_ids)
-        if not req.finished and self.quiet:
-            return None  # nobody reads text before the end: detokenize once, when the request finishes
         new_ids = req.output_ids[self.n_text:]
         self.n_text = len(req.output_ids)
         fr = req.finish_reason
