@@ -6,11 +6,10 @@ attributes / small hooks below instead of copying the layers.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from nbgen.attention.base import Attention
 from nbgen.models.layers import (
@@ -25,6 +24,9 @@ from nbgen.models.layers import (
     get_rope,
     rope_settings,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 

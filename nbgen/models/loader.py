@@ -13,15 +13,18 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from nbgen.config import EngineConfig
 from nbgen.models.gguf_convert import gguf_to_hf_dir
+from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class LoadedModel:
     """What the runner and the engine need from a loaded model."""
 
     model: nn.Module
-    hf_config: PretrainedConfig
+    hf_config: Union[ModelConfig, PretrainedConfig]   # ModelConfig for the families nbgen reads itself
     tokenizer: Optional[Any]                 # HF tokenizer (has .chat_template) or None
     eos_token_ids: list[int]
     generation_defaults: dict[str, Any]      # sampling defaults from generation_config.json
@@ -141,7 +144,7 @@ def _dummy_init(model: nn.Module, seed: int) -> None:
                 p.normal_(0.0, 0.02, generator=gens[p.device])
 
 
-def _eos_ids(model_dir: str, config: PretrainedConfig, tokenizer: Any) -> tuple[list[int], dict]:
+def _eos_ids(model_dir: str, config: Any, tokenizer: Any) -> tuple[list[int], dict]:
     """Union of EOS ids from generation_config.json, config.json and the tokenizer; plus gen defaults."""
     ids: set[int] = set()
 
@@ -182,7 +185,7 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     """Build the model named by `cfg` on `device` and fill its weights."""
     device = torch.device(device)
     model_dir = _model_dir(cfg)
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+    config = read_model_config(model_dir, trust_remote_code=cfg.trust_remote_code)
     cls = get_model_class(config)
     dtype = resolve_dtype(cfg.dtype, device)
     with _default_dtype(dtype), torch.device(device):

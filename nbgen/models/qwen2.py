@@ -4,9 +4,12 @@ Tied embeddings (the small Qwen2.5 models) are handled by the shared LM head.
 """
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen2Attention(LlamaAttention):

@@ -5,15 +5,18 @@ Qwen3 configs carry an explicit ``head_dim`` (128 for 0.6B, where hidden / heads
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from nbgen.models import qk_norm_rope as fused_qk
 from nbgen.models.layers import RMSNorm
 from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from nbgen.runtime.gpu_ops import fused_enabled
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # NBGEN_FUSED_QK=0: q/k norm and RoPE as three flashinfer launches instead of one Triton kernel
 FUSED_QK = os.environ.get("NBGEN_FUSED_QK", "1") != "0"

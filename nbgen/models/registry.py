@@ -1,12 +1,16 @@
 """Maps ``config.architectures[0]`` to the nbgen model class that implements it."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from nbgen.models.llama import LlamaForCausalLM, MistralForCausalLM
 from nbgen.models.qwen2 import Qwen2ForCausalLM
 from nbgen.models.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
