@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from nbgen.attention.base import Attention
+from nbgen.models import small_gemm
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -24,6 +25,7 @@ from nbgen.models.layers import (
     get_rope,
     rope_settings,
 )
+from nbgen.runtime import gpu_ops
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -49,7 +51,11 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))     # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        gate_up = self.gate_up_proj
+        if gate_up.bias is None and gpu_ops.fused_enabled(x) and small_gemm.usable(x, gate_up.weight):
+            # decode of a few rows: SiLU-and-mul in the matmul's epilogue ([T, 2I] never stored)
+            return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
+        return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
 
 class LlamaAttention(nn.Module):

@@ -1,0 +1,163 @@
+"""Decode-size matmuls (a few rows of x against a large weight) as one streaming Triton kernel.
+
+At batch 1-4 a linear is a weight read: y[m, n] = sum_k x[m, k] * W[n, k]. cuBLAS picks split-K
+kernels for some of these shapes (a second reduce launch) and reaches ~80-90 % of copy bandwidth
+on an H100; a kernel that only streams W's rows through registers, each program owning BLOCK_N
+output features over the whole K, needs no reduction pass. The gate|up variant also applies
+SiLU-and-mul to its two halves in the epilogue (one launch and one [M, 2I] round trip fewer).
+On Hopper the kernel is launched as a programmatic dependent launch: its programs start while the
+previous kernel drains and wait (griddepcontrol) only before touching memory, which hides most of
+the launch gap between the ~300 small kernels of a batch-1 decode step.
+
+Numerics: fp32 accumulation, one rounding to the output dtype, like cuBLAS; the summation order
+differs, so results can differ from F.linear in the last bit. The SiLU epilogue rounds gate and up
+to the model dtype first, as the unfused path does.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+logger = logging.getLogger(__name__)
+
+# rows of x up to which the streaming kernel replaces F.linear (0 turns it off)
+MAX_ROWS = int(os.environ.get("NBGEN_SMALL_GEMM_ROWS", "4"))
+# NBGEN_PDL=0: launch without programmatic dependent launch (A/B; Hopper and newer only)
+PDL = os.environ.get("NBGEN_PDL", "1") != "0"
+
+
+def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on an H100 over the Llama-3.1-8B and
+    Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py; best or within 2 % of it on each shape)."""
+    if M == 1:
+        bk = 1024 if K <= 3072 or N > 65536 else 512
+        return (4 if N <= 4096 else 8), bk, (8 if bk == 1024 else 4), 4
+    return (64, 256, 4, 5) if N * K >= (1 << 24) else (32, 128, 4, 5)   # tensor-core dot, x padded to 16 rows
+
+
+if triton is not None:
+    from triton.language.extra import cuda as _tl_cuda
+
+    @triton.jit
+    def _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K: tl.constexpr):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        return w, kk, k_mask
+
+    @triton.jit
+    def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr):
+        # x [K] against BLOCK_N weight rows whose first tile w0 is already loaded -> fp32 [1, BLOCK_N]:
+        # elementwise FMAs into a [BLOCK_N, BLOCK_K] tile, one reduction at the end
+        rk = tl.arange(0, BLOCK_K)
+        acc = w0.to(tl.float32) * tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w, kk, k_mask = _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K)
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        return tl.sum(acc, 1)[None, :]
+
+    @triton.jit
+    def _few_rows(x_ptr, w_rows, K, sxm, n_mask, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        # x rows [0, M) padded to BLOCK_M (>= 16) against BLOCK_N weight rows, tensor-core dot
+        rm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w, kk, k_mask = _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :],
+                        other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        return acc
+
+    @triton.jit
+    def _small_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HALF,
+                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_n = HALF if SILU_MUL else N
+        n_mask = rn < out_n
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * swn
+        u_rows = w_ptr + (rn + HALF).to(tl.int64)[:, None] * swn   # SILU_MUL: rows [HALF, 2 HALF) are "up"
+        if BLOCK_M == 1:
+            # the weights do not depend on the kernel before: their first tiles load before the wait
+            w0, _kk, _km = _row_tile(w_rows, x_ptr, 0, K, n_mask, BLOCK_K)
+            if SILU_MUL:
+                u0, _kk, _km = _row_tile(u_rows, x_ptr, 0, K, n_mask, BLOCK_K)
+            if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
+                _tl_cuda.gdc_wait()
+            y = _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K)
+            if SILU_MUL:
+                u = _one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K)
+        else:
+            if USE_PDL:
+                _tl_cuda.gdc_wait()
+            y = _few_rows(x_ptr, w_rows, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
+            if SILU_MUL:
+                u = _few_rows(x_ptr, u_rows, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
+        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
+            _tl_cuda.gdc_launch_dependents()
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        dt = y_ptr.dtype.element_ty
+        if SILU_MUL:
+            # gate and up rounded to the model dtype before the activation, as the unfused path does
+            g = y.to(dt).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * u
+        rm = tl.arange(0, BLOCK_M)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y.to(dt), mask=(rm < M)[:, None] & n_mask[None, :])
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when ``x @ weight.T`` should take the streaming kernel (CUDA, few rows, contiguous W)."""
+    return (triton is not None and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2
+            and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(1) == 1
+            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
+
+
+_pdl_ok: dict[int, bool] = {}     # device index -> launch with PDL
+
+
+def _use_pdl(device: torch.device) -> bool:
+    ok = _pdl_ok.get(device.index or 0)
+    if ok is None:
+        ok = _pdl_ok[device.index or 0] = (PDL and device.type == "cuda"
+                                           and torch.cuda.get_device_capability(device)[0] >= 9)
+    return ok
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               silu_mul: bool = False, config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]; with ``silu_mul`` -> [M, N/2] = silu(gate) * up."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out_n = N // 2 if silu_mul else N
+    y = torch.empty((M, out_n), dtype=x.dtype, device=x.device)
+    bm = 1 if M == 1 else max(16, triton.next_power_of_2(M))
+    bn, bk, warps, stages = config or pick_config(M, out_n, K)
+    args = (x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0),
+            y.stride(0), N // 2)
+    kw = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+              num_warps=warps, num_stages=stages)
+    grid = (triton.cdiv(out_n, bn),)
+    if _use_pdl(x.device):
+        try:
+            _small_gemm_kernel[grid](*args, USE_PDL=True, launch_pdl=True, **kw)
+            return y
+        except Exception as e:   # noqa: BLE001 - a Triton without launch_pdl / gdc_wait: plain launches
+            logger.warning("nbgen: programmatic dependent launch unavailable (%s); plain launches", e)
+            _pdl_ok[x.device.index or 0] = False
+    _small_gemm_kernel[grid](*args, USE_PDL=False, **kw)
+    return y

@@ -1,0 +1,87 @@
+"""Decode-size matmul kernels (nbgen.models.small_gemm, CUDA only): against fp32 references and, end to
+end, against the cuBLAS + separate SiLU path on random models."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_gpu import _close, _gen, _prompts, model_dir  # noqa: F401  (fixture re-used)
+
+gpu = pytest.mark.gpu
+ULP = 2.0 ** -8          # bf16 relative rounding step (8 significant bits)
+
+
+def _within_rounding(y: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -> None:
+    """y (bf16) is ref (fp32, exact up to summation order) rounded once: |y - ref| <= ulps * ULP * |ref|,
+    plus a tiny absolute slack for fp32 summation-order noise near zero."""
+    err = (y.float() - ref).abs()
+    bound = ulps * ULP * ref.abs() + 1e-5 * ref.abs().max()
+    assert bool((err <= bound).all()), (err - bound).max().item()
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("N,K,bias", [(6144, 4096, False), (1000, 1000, True), (4096, 14336, False)])
+def test_small_gemm_is_one_rounding_of_the_exact_product(M, N, K, bias):
+    from nbgen.models import small_gemm as sg
+
+    g = torch.Generator(device="cuda").manual_seed(M * N)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).bfloat16()
+    b = torch.randn(N, device="cuda", generator=g).bfloat16() if bias else None
+    ref = F.linear(x.float(), w.float(), b.float() if bias else None)
+    y = sg.small_gemm(x, w, b)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    _within_rounding(y, ref)
+    # cuBLAS rounds the same exact value: nearly every element is bit-identical
+    same = (y == F.linear(x, w, b)).float().mean().item()
+    assert same > 0.95, same
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 3])
+def test_silu_mul_epilogue(M):
+    from nbgen.models import small_gemm as sg
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    N, K = 2 * 1536, 1024
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.05).bfloat16()
+    gate_up = F.linear(x.float(), w.float()).bfloat16().float()   # unfused path: matmul output in bf16
+    ref = F.silu(gate_up[:, : N // 2]) * gate_up[:, N // 2:]
+    y = sg.small_gemm(x, w, silu_mul=True)
+    assert y.shape == (M, N // 2)
+    # gate/up may round differently from cuBLAS's (one ulp) before the activation
+    _within_rounding(y, ref, ulps=4.0)
+    assert (y == ref.bfloat16()).float().mean().item() > 0.9
+
+
+@gpu
+def test_pdl_launch_gives_the_same_bits(monkeypatch):
+    """Programmatic dependent launch only changes when programs start, never what they compute."""
+    from nbgen.models import small_gemm as sg
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(6144, 4096, device="cuda", generator=g) * 0.02).bfloat16()
+    monkeypatch.setattr(sg, "_pdl_ok", {})
+    monkeypatch.setattr(sg, "PDL", True)
+    with_pdl = sg.small_gemm(sg.small_gemm(x, w)[:, :4096].contiguous(), w)   # a dependent chain
+    monkeypatch.setattr(sg, "_pdl_ok", {})
+    monkeypatch.setattr(sg, "PDL", False)
+    plain = sg.small_gemm(sg.small_gemm(x, w)[:, :4096].contiguous(), w)
+    assert torch.equal(with_pdl, plain)
+
+
+@gpu
+def test_engine_small_gemm_path_matches_cublas_path(model_dir, monkeypatch):
+    """Decode through the streaming kernel (batch <= MAX_ROWS, in graphs) agrees with the cuBLAS +
+    flashinfer SiLU path on the same random weights."""
+    from nbgen.models import small_gemm as sg
+
+    prompts = _prompts(4)                                        # batch 4: graphs of 1, 2, 4 rows
+    fused = _gen(model_dir, prompts, logprobs=True)
+    monkeypatch.setattr(sg, "MAX_ROWS", 0)
+    plain = _gen(model_dir, prompts, logprobs=True)
+    _close(fused, plain)
