@@ -110,7 +110,13 @@ def _assert_same(model_dir: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(RAW))
 def test_raw_configs_match_autoconfig(tmp_path: Path, name: str) -> None:
-    _assert_same(_write(tmp_path, RAW[name]))
+    model_dir = _write(tmp_path, RAW[name])
+    if "legacy-layer-types" in name:   # transformers renames these since 5.2x; 5.17 rejects them
+        try:
+            transformers.AutoConfig.from_pretrained(model_dir)
+        except Exception as e:   # huggingface_hub's StrictDataclassClassValidationError
+            pytest.skip(f"transformers {transformers.__version__} rejects legacy layer_types: {type(e).__name__}")
+    _assert_same(model_dir)
 
 
 @pytest.mark.parametrize("name", sorted(HF_MADE))
