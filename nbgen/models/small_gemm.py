@@ -39,8 +39,7 @@ def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on an H100 over the Llama-3.1-8B and
     Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py; best or within 2 % of it on each shape)."""
     if M == 1:
-        bk = 1024 if K <= 3072 or N > 65536 else 512
-        return (4 if N <= 4096 else 8), bk, (8 if bk == 1024 else 4), 4
+        return (4 if N <= 4096 else 8), 1024, (8 if K <= 4096 else 4), 4
     return (64, 256, 4, 5) if N * K >= (1 << 24) else (32, 128, 4, 5)   # tensor-core dot, x padded to 16 rows
 
 
