@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbgen.models import small_gemm
-from nbgen.runtime import gpu_ops
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 
@@ -91,7 +90,7 @@ class _Linear(nn.Module):
     def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
-        if gpu_ops.fused_enabled(x) and small_gemm.usable(x, self.weight):
+        if small_gemm.usable(x, self.weight):
             return small_gemm.small_gemm(x, self.weight, bias)    # decode batch of a few rows
         return F.linear(x, self.weight, bias)
 
@@ -220,7 +219,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """hidden [N, H] -> logits [N, vocab] in the model dtype."""
         if self.packed is not None:
             logits = packed_linear(hidden, self.packed, None)
-        elif gpu_ops.fused_enabled(hidden) and small_gemm.usable(hidden, self.weight):
+        elif small_gemm.usable(hidden, self.weight):
             logits = small_gemm.small_gemm(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from nbgen.runtime import gpu_ops
+
 try:
     import triton
     import triton.language as tl
@@ -120,8 +122,9 @@ if triton is not None:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when ``x @ weight.T`` should take the streaming kernel (CUDA, few rows, contiguous W)."""
-    return (triton is not None and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2
+    """True when ``x @ weight.T`` should take the streaming kernel (fused GPU kernels on, few rows,
+    contiguous W)."""
+    return (triton is not None and gpu_ops.fused_enabled(x) and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2
             and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(1) == 1
             and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
 
