@@ -46,7 +46,10 @@ def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 
 if triton is not None:
-    from triton.language.extra import cuda as _tl_cuda
+    try:
+        from triton.language.extra import cuda as _tl_cuda   # gdc_wait / gdc_launch_dependents (PDL)
+    except ImportError:   # pragma: no cover - an older Triton: the PDL launch fails and falls back
+        _tl_cuda = None
 
     @triton.jit
     def _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K: tl.constexpr):
