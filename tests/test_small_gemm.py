@@ -61,16 +61,20 @@ def test_silu_mul_epilogue(M):
 def test_pdl_launch_gives_the_same_bits(monkeypatch):
     """Programmatic dependent launch only changes when programs start, never what they compute."""
     from nbgen.models import small_gemm as sg
+    from nbgen.runtime import pdl
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
     w = (torch.randn(6144, 4096, device="cuda", generator=g) * 0.02).bfloat16()
-    monkeypatch.setattr(sg, "_pdl_ok", {})
-    monkeypatch.setattr(sg, "PDL", True)
+    monkeypatch.setattr(pdl, "PDL", True)
+    pdl.reset()
+    assert pdl.enabled(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
     with_pdl = sg.small_gemm(sg.small_gemm(x, w)[:, :4096].contiguous(), w)   # a dependent chain
-    monkeypatch.setattr(sg, "_pdl_ok", {})
-    monkeypatch.setattr(sg, "PDL", False)
+    monkeypatch.setattr(pdl, "PDL", False)
+    pdl.reset()
+    assert not pdl.enabled(x.device)
     plain = sg.small_gemm(sg.small_gemm(x, w)[:, :4096].contiguous(), w)
+    pdl.reset()
     assert torch.equal(with_pdl, plain)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -27,6 +27,10 @@ class KVCacheSpec:
     def bytes_per_page(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+# (k_cache, v_cache, slots [T] long, layout): where a fused kernel writes a layer's new K/V
+KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]
 
 
 class AttentionMetadata:
@@ -56,12 +60,18 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] for the step's flat tokens -> [T, Hq*D].
 
-        Writes k/v of the new tokens into their pages, then attends over each sequence's cached
-        prefix plus its new tokens (causal within the new tokens).
+        Writes k/v of the new tokens into their pages (unless ``kv_written``: a fused kernel already
+        stored them at ``kv_target``), then attends over each sequence's cached prefix plus its new
+        tokens (causal within the new tokens).
         """
+
+    def kv_target(self, layer_id: int, meta: AttentionMetadata) -> Optional[KVTarget]:
+        """Where a fused kernel may write this step's K/V itself: (k_cache, v_cache, slots [T] long,
+        layout "NHD" | "HND" paged); None when this backend writes them in ``forward``."""
+        return None
 
     def slot_mapping(self, batch: ScheduledBatch) -> list[int]:
         """Flat cache slot (page * page_size + offset) of every new token, in batch order."""
@@ -80,5 +90,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
-        return meta.backend.forward(self.layer_id, q, k, v, meta)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
+                kv_written: bool = False) -> torch.Tensor:
+        return meta.backend.forward(self.layer_id, q, k, v, meta, kv_written)
+
+    def kv_target(self, meta: Any) -> Optional[KVTarget]:
+        """This layer's K/V destination for a fused write (see AttentionBackend.kv_target)."""
+        return meta.backend.kv_target(self.layer_id, meta)

@@ -24,7 +24,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
+from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, KVTarget
+from nbgen.attention import small_decode
 from nbgen.attention.kv_write import write_kv, write_kv_reference
 from nbgen.runtime.batch import ScheduledBatch
 
@@ -155,7 +156,10 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.use_tensor_cores = decode_tensor_cores(spec.num_q_heads // spec.num_kv_heads)
+        # decode batches of <= small_bs seqs: nbgen's one-launch split-KV kernel (attention/small_decode)
+        self.small_bs = small_decode.MAX_BS if small_decode.triton is not None else 0
         self.decode_wrapper = self.make_decode_wrapper()
+        self.small_wrapper = self._small_wrapper(self.small_bs) if self.small_bs else None
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout)
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
@@ -172,10 +176,18 @@ class FlashInferBackend(AttentionBackend):
             return (sp.num_pages, sp.num_kv_heads, sp.page_size, sp.head_dim)
         return (sp.num_pages, sp.page_size, sp.num_kv_heads, sp.head_dim)
 
+    def _small_wrapper(self, max_bs: int, *buffers: torch.Tensor) -> small_decode.SmallDecodeWrapper:
+        sp = self.spec
+        return small_decode.SmallDecodeWrapper(sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
+                                               self.kv_layout, max_bs, sp.device, *buffers)
+
     def make_decode_wrapper(self, indptr: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
                             last_page_len: Optional[torch.Tensor] = None) -> Any:
-        """A decode wrapper; with the three GPU buffers it is a fixed-batch-size CUDA-graph wrapper."""
+        """A decode wrapper; with the three GPU buffers it is a fixed-batch-size CUDA-graph wrapper
+        (nbgen's small-batch kernel for batch sizes up to ``small_bs``, else flashinfer's)."""
         graph = indptr is not None
+        if graph and len(last_page_len) <= self.small_bs:
+            return self._small_wrapper(len(last_page_len), indptr, indices, last_page_len)
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, self.kv_layout, use_cuda_graph=graph, use_tensor_cores=self.use_tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
@@ -197,6 +209,9 @@ class FlashInferBackend(AttentionBackend):
         own indices buffer): flashinfer copies host indices into that buffer *blocking*, which
         would wait for all queued GPU work every step and undo overlap scheduling.
         """
+        if isinstance(wrapper, small_decode.SmallDecodeWrapper):   # no planner: page tables only
+            wrapper.plan(kv_indptr, kv_indices, last)
+            return
         sp = self.spec
         self._before_plan()
         if not self._replan_fast(wrapper, kv_indptr, last):
@@ -258,8 +273,9 @@ class FlashInferBackend(AttentionBackend):
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
         if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch)
-            self.plan_decode(self.decode_wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
-            wrapper = self.decode_wrapper
+            small = len(batch.seqs) <= self.small_bs
+            wrapper = self.small_wrapper if small else self.decode_wrapper
+            self.plan_decode(wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
         else:
             self.tables.forget(batch)
             qo, kv_ptr, idx, last = page_tables(batch, self.spec.page_size)
@@ -272,14 +288,21 @@ class FlashInferBackend(AttentionBackend):
             slot_mapping = _pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
         return FlashInferMetadata(self, slot_mapping, wrapper)
 
+    def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
+        """The layer's caches and slots, unless the torch write is forced (NBGEN_KV_WRITE=torch)."""
+        if self._write_kv is not write_kv:
+            return None
+        return self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping, self.kv_layout
+
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata) -> torch.Tensor:
+                meta: FlashInferMetadata, kv_written: bool = False) -> torch.Tensor:
         sp = self.spec
         T = q.shape[0]
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]
-        # write the new tokens' K/V into their slots, K and V in one kernel
-        # (padding rows of a graph batch hit slot 0 of the scratch page)
-        self._write_kv(k, v, kc, vc, meta.slot_mapping, self.kv_layout)
+        # write the new tokens' K/V into their slots, K and V in one kernel, unless the model's
+        # fused RoPE kernel did (padding rows of a graph batch hit slot 0 of the scratch page)
+        if not kv_written:
+            self._write_kv(k, v, kc, vc, meta.slot_mapping, self.kv_layout)
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         o = meta.wrapper.run(q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else
                              q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous(), (kc, vc))

@@ -6,12 +6,14 @@ attributes / small hooks below instead of copying the layers.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from nbgen.attention.base import Attention
+from nbgen.models import qk_norm_rope as fused_rope
 from nbgen.models import small_gemm
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
@@ -26,10 +28,15 @@ from nbgen.models.layers import (
     rope_settings,
 )
 
+from nbgen.runtime.gpu_ops import fused_enabled
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
+# NBGEN_FUSED_QK=0: RoPE (and Qwen3's q/k norm) as flashinfer launches and the K/V write in the
+# attention backend, instead of the one Triton kernel of models/qk_norm_rope.py
+FUSED_ROPE = os.environ.get("NBGEN_FUSED_QK", "1") != "0"
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -80,18 +87,22 @@ class LlamaAttention(nn.Module):
         """Hook before RoPE (identity here; Qwen3 normalises each head)."""
         return q, k
 
-    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k (views of qkv) -> what attention reads: qk_norm (Qwen3), then RoPE."""
-        q, k = self.qk_norm(q, k)
-        return self.rotary_emb(positions, q, k)
+    def qk_norm_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+        """(q weight, k weight, eps) of ``qk_norm`` for the fused kernel; (None, None, 0) = no norm."""
+        return None, None, 0.0
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
         qkv = self.qkv_proj(x)                                        # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.norm_rope(positions, qkv, q, k)
-        o = self.attn(q, k, v, meta)                                  # [T, Hq * D]
-        return self.o_proj(o)
+        if FUSED_ROPE and fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
+            # one kernel, in place on qkv (q and k stay its strided views): q/k norm (Qwen3), RoPE,
+            # and where the backend allows it the K/V write into the paged cache
+            kv = self.attn.kv_target(meta)
+            fused_rope.qk_norm_rope_(qkv, positions, *self.qk_norm_weights(), self.rotary_emb.cos_sin_cache,
+                                     self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, kv=kv)
+            return self.o_proj(self.attn(q, k, v, meta, kv_written=kv is not None))
+        q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
+        return self.o_proj(self.attn(q, k, v, meta))                  # attention: [T, Hq * D]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,18 +1,24 @@
-"""Qwen3's per-head q/k RMSNorm and RoPE in one Triton kernel, in place on the qkv projection.
+"""RoPE of q and k in one Triton kernel, in place on the qkv projection: with Qwen3's per-head q/k
+RMSNorm first, and with the step's K and V written into their paged-cache slots.
 
-Unfused, a Qwen3 layer spends three launches here (flashinfer q-norm, k-norm, RoPE) plus a copy of
-q and k out of the strided qkv rows. At decode batch sizes each launch is a few microseconds of
-mostly fixed cost, ~28 layers x 3 per step. One program per (token, head) does the whole chain in
-registers, following HF's rounding steps: normalise in fp32, round, scale by the weight, round (as
-Qwen3RMSNorm); then rotate_half RoPE with cos/sin rounded to the model dtype and each product and
-the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). On an H100 the result equals torch's
-evaluation of HF's formulas bit for bit in ~82 % of elements and within two bf16 ulp elsewhere
-(tests/test_gpu.py); the flashinfer kernels it replaces round once per op and are further off.
-q and k stay views of qkv.
+Unfused, a layer spends up to four launches here (Qwen3's q-norm and k-norm, RoPE, the K/V write)
+plus a copy of q and k out of the strided qkv rows. At decode batch sizes each launch is a few
+microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per (token, head) does
+the chain in registers, following HF's rounding steps: normalise in fp32, round, scale by the
+weight, round (as Qwen3RMSNorm); then rotate_half RoPE with cos/sin rounded to the model dtype
+and each product and the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). The k-head
+programs also store the rotated k and the matching v head into the cache (NHD or HND pages, flat
+slots ``page * page_size + offset`` as the attention backends use). On an H100 the result equals
+torch's evaluation of HF's formulas bit for bit in ~82 % of elements (with the norm) and within two
+bf16 ulp elsewhere (tests/test_gpu.py). q and k stay views of qkv. Launched with PDL (runtime/pdl).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from nbgen.runtime import pdl
 
 try:
     import triton
@@ -22,37 +28,56 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the un
 
 if triton is not None:
     @triton.jit
-    def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps,
-                             HQ: tl.constexpr, D: tl.constexpr):
+    def _rnd(x, dt: tl.constexpr):
+        # round an fp32 value to the model dtype and back (one HF op's output rounding)
+        return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+
+    @triton.jit
+    def _qk_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
+                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                        NORM: tl.constexpr, WRITE_KV: tl.constexpr, HND: tl.constexpr, USE_PDL: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)                                   # q heads 0..HQ-1, then k heads
         HALF: tl.constexpr = D // 2
         offs = tl.arange(0, HALF)
-        base = qkv_ptr + t.to(tl.int64) * row_stride + h * D
-        a = tl.load(base + offs)
-        b = tl.load(base + HALF + offs)
-        dt = a.dtype
-        a32, b32 = a.to(tl.float32), b.to(tl.float32)
-        r = tl.math.rsqrt((tl.sum(a32 * a32, 0) + tl.sum(b32 * b32, 0)) / D + eps)
-        if h < HQ:
-            wa, wb = tl.load(qw_ptr + offs), tl.load(qw_ptr + HALF + offs)
-        else:
-            wa, wb = tl.load(kw_ptr + offs), tl.load(kw_ptr + HALF + offs)
-        # Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in the model dtype
-        na = (wa.to(tl.float32) * (a32 * r).to(dt, fp_downcast_rounding="rtne").to(tl.float32))
-        nb = (wb.to(tl.float32) * (b32 * r).to(dt, fp_downcast_rounding="rtne").to(tl.float32))
-        na = na.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-        nb = nb.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+        dt = qkv_ptr.dtype.element_ty
+        # inputs that the previous kernel does not write: read before waiting for it
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = tl.load(cs_ptr + pos * D + offs).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-        sin = tl.load(cs_ptr + pos * D + HALF + offs).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+        cos = _rnd(tl.load(cs_ptr + pos * D + offs), dt)
+        sin = _rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)
+        if NORM:
+            if h < HQ:
+                wa, wb = tl.load(qw_ptr + offs).to(tl.float32), tl.load(qw_ptr + HALF + offs).to(tl.float32)
+            else:
+                wa, wb = tl.load(kw_ptr + offs).to(tl.float32), tl.load(kw_ptr + HALF + offs).to(tl.float32)
+        if USE_PDL:
+            pdl.gdc_wait()                                     # qkv is the previous kernel's output
+            pdl.gdc_launch_dependents()
+        row = qkv_ptr + t.to(tl.int64) * row_stride
+        a = tl.load(row + h * D + offs).to(tl.float32)
+        b = tl.load(row + h * D + HALF + offs).to(tl.float32)
+        if NORM:
+            r = tl.math.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+            # Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in the model dtype
+            a = _rnd(wa * _rnd(a * r, dt), dt)
+            b = _rnd(wb * _rnd(b * r, dt), dt)
         # x * cos + rotate_half(x) * sin, each product rounded to the model dtype as in HF
-        oa = ((na * cos).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-              - (nb * sin).to(dt, fp_downcast_rounding="rtne").to(tl.float32))
-        ob = ((nb * cos).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-              + (na * sin).to(dt, fp_downcast_rounding="rtne").to(tl.float32))
-        tl.store(base + offs, oa.to(dt, fp_downcast_rounding="rtne"))
-        tl.store(base + HALF + offs, ob.to(dt, fp_downcast_rounding="rtne"))
+        oa = (_rnd(a * cos, dt) - _rnd(b * sin, dt)).to(dt, fp_downcast_rounding="rtne")
+        ob = (_rnd(b * cos, dt) + _rnd(a * sin, dt)).to(dt, fp_downcast_rounding="rtne")
+        tl.store(row + h * D + offs, oa)
+        tl.store(row + h * D + HALF + offs, ob)
+        if WRITE_KV:
+            if h >= HQ:
+                kh = h - HQ
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                if HND:    # [pages, Hkv, P, D]
+                    dst = (slot // P) * (HKV * P * D) + kh * (P * D) + (slot % P) * D
+                else:      # [pages, P, Hkv, D] = [slots, Hkv, D]
+                    dst = slot * (HKV * D) + kh * D
+                tl.store(kc_ptr + dst + offs, oa)
+                tl.store(kc_ptr + dst + HALF + offs, ob)
+                dd = tl.arange(0, D)
+                tl.store(vc_ptr + dst + dd, tl.load(row + (HQ + HKV + kh) * D + dd))
 
 
 def supported(qkv: torch.Tensor, head_dim: int) -> bool:
@@ -61,16 +86,28 @@ def supported(qkv: torch.Tensor, head_dim: int) -> bool:
             and qkv.stride(-1) == 1 and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
 
 
-def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                  eps: float, cos_sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
-                  head_dim: int) -> None:
-    """In place on qkv [T, (Hq + 2 Hkv) * D]: RMSNorm + RoPE of the q and k heads (v untouched).
+def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional[torch.Tensor],
+                  k_weight: Optional[torch.Tensor], eps: float, cos_sin_cache: torch.Tensor, num_q_heads: int,
+                  num_kv_heads: int, head_dim: int,
+                  kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = None) -> None:
+    """In place on qkv [T, (Hq + 2 Hkv) * D]: (RMSNorm +) RoPE of the q and k heads (v untouched).
 
-    positions [T] (any int dtype); weights [D]; cos_sin_cache [max_pos, D] fp32 (cos | sin halves).
+    positions [T] (any int dtype); q/k weights [D] or None (no norm, Llama / Qwen2); cos_sin_cache
+    [max_pos, D] fp32 (cos | sin halves); ``kv`` = (k_cache, v_cache, slots [T] long, layout "NHD" |
+    "HND"): also write the rotated k and v of every token into its slot.
     """
     T = qkv.shape[0]
     if T == 0:
         return
-    _qk_norm_rope_kernel[(T, num_q_heads + num_kv_heads)](
-        qkv, positions, q_weight, k_weight, cos_sin_cache, qkv.stride(0), eps,
-        HQ=num_q_heads, D=head_dim, num_warps=1 if head_dim <= 128 else 2)
+    norm = q_weight is not None
+    if kv is not None:
+        kc, vc, slots, layout = kv
+        P = kc.shape[2] if layout == "HND" else kc.shape[1]
+    else:
+        kc = vc = slots = qkv
+        layout, P = "NHD", 1
+    pdl.launch(_qk_rope_kernel, (T, num_q_heads + num_kv_heads),
+               (qkv, positions, q_weight if norm else qkv, k_weight if norm else qkv, cos_sin_cache,
+                qkv.stride(0), eps, kc, vc, slots),
+               qkv.device, HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, P=P, NORM=norm,
+               WRITE_KV=kv is not None, HND=layout == "HND", num_warps=1 if head_dim <= 128 else 2)

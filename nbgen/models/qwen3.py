@@ -4,22 +4,16 @@ Qwen3 configs carry an explicit ``head_dim`` (128 for 0.6B, where hidden / heads
 """
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
-from nbgen.models import qk_norm_rope as fused_qk
 from nbgen.models.layers import RMSNorm
 from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from nbgen.runtime.gpu_ops import fused_enabled
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-# NBGEN_FUSED_QK=0: q/k norm and RoPE as three flashinfer launches instead of one Triton kernel
-FUSED_QK = os.environ.get("NBGEN_FUSED_QK", "1") != "0"
 
 
 class Qwen3Attention(LlamaAttention):
@@ -35,15 +29,8 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(k.reshape(T, -1, D)).view(T, -1)
         return q, k
 
-    def norm_rope(self, positions: torch.Tensor, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        if FUSED_QK and fused_enabled(qkv) and fused_qk.supported(qkv, self.head_dim):
-            # one kernel, in place on qkv: q and k stay its (strided) views
-            fused_qk.qk_norm_rope_(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                   self.rotary_emb.cos_sin_cache, self.qkv_proj.num_heads,
-                                   self.qkv_proj.num_kv_heads, self.head_dim)
-            return q, k
-        return super().norm_rope(positions, qkv, q, k)
+    def qk_norm_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

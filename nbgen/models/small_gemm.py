@@ -15,13 +15,12 @@ to the model dtype first, as the unfused path does.
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Optional
 
 import torch
 
-from nbgen.runtime import gpu_ops
+from nbgen.runtime import gpu_ops, pdl
 
 try:
     import triton
@@ -29,12 +28,8 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-logger = logging.getLogger(__name__)
-
 # rows of x up to which the streaming kernel replaces F.linear (0 turns it off)
 MAX_ROWS = int(os.environ.get("NBGEN_SMALL_GEMM_ROWS", "4"))
-# NBGEN_PDL=0: launch without programmatic dependent launch (A/B; Hopper and newer only)
-PDL = os.environ.get("NBGEN_PDL", "1") != "0"
 
 
 def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -46,13 +41,8 @@ def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 
 if triton is not None:
-    try:
-        from triton.language.extra import cuda as _tl_cuda   # gdc_wait / gdc_launch_dependents (PDL)
-    except ImportError:   # pragma: no cover - an older Triton: the PDL launch fails and falls back
-        _tl_cuda = None
-
     @triton.jit
-    def _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K: tl.constexpr):
+    def _row_tile(w_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
@@ -66,7 +56,7 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         acc = w0.to(tl.float32) * tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, kk, k_mask = _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K)
+            w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         return tl.sum(acc, 1)[None, :]
@@ -78,7 +68,7 @@ if triton is not None:
         rm = tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            w, kk, k_mask = _row_tile(w_rows, x_ptr, k0, K, n_mask, BLOCK_K)
+            w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :],
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
@@ -96,22 +86,22 @@ if triton is not None:
         u_rows = w_ptr + (rn + HALF).to(tl.int64)[:, None] * swn   # SILU_MUL: rows [HALF, 2 HALF) are "up"
         if BLOCK_M == 1:
             # the weights do not depend on the kernel before: their first tiles load before the wait
-            w0, _kk, _km = _row_tile(w_rows, x_ptr, 0, K, n_mask, BLOCK_K)
+            w0, _kk, _km = _row_tile(w_rows, 0, K, n_mask, BLOCK_K)
             if SILU_MUL:
-                u0, _kk, _km = _row_tile(u_rows, x_ptr, 0, K, n_mask, BLOCK_K)
+                u0, _kk, _km = _row_tile(u_rows, 0, K, n_mask, BLOCK_K)
             if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
-                _tl_cuda.gdc_wait()
+                pdl.gdc_wait()
             y = _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K)
             if SILU_MUL:
                 u = _one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K)
         else:
             if USE_PDL:
-                _tl_cuda.gdc_wait()
+                pdl.gdc_wait()
             y = _few_rows(x_ptr, w_rows, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
             if SILU_MUL:
                 u = _few_rows(x_ptr, u_rows, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
         if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
-            _tl_cuda.gdc_launch_dependents()
+            pdl.gdc_launch_dependents()
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         dt = y_ptr.dtype.element_ty
@@ -132,17 +122,6 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16))
 
 
-_pdl_ok: dict[int, bool] = {}     # device index -> launch with PDL
-
-
-def _use_pdl(device: torch.device) -> bool:
-    ok = _pdl_ok.get(device.index or 0)
-    if ok is None:
-        ok = _pdl_ok[device.index or 0] = (PDL and device.type == "cuda"
-                                           and torch.cuda.get_device_capability(device)[0] >= 9)
-    return ok
-
-
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                silu_mul: bool = False, config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]; with ``silu_mul`` -> [M, N/2] = silu(gate) * up."""
@@ -156,13 +135,5 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             y.stride(0), N // 2)
     kw = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
               num_warps=warps, num_stages=stages)
-    grid = (triton.cdiv(out_n, bn),)
-    if _use_pdl(x.device):
-        try:
-            _small_gemm_kernel[grid](*args, USE_PDL=True, launch_pdl=True, **kw)
-            return y
-        except Exception as e:   # noqa: BLE001 - a Triton without launch_pdl / gdc_wait: plain launches
-            logger.warning("nbgen: programmatic dependent launch unavailable (%s); plain launches", e)
-            _pdl_ok[x.device.index or 0] = False
-    _small_gemm_kernel[grid](*args, USE_PDL=False, **kw)
+    pdl.launch(_small_gemm_kernel, (triton.cdiv(out_n, bn),), args, x.device, **kw)
     return y

@@ -1,0 +1,170 @@
+"""Decode attention for small batches (1-4 sequences) as one Triton kernel: split-KV with the merge
+done by the last split to finish, instead of flashinfer's attention + merge launches.
+
+At batch 1 a Llama-8B layer's decode attention reads ~1 MB of KV; flashinfer's tensor-core decode
+takes ~10 us for it on an H100 (two launches, ~8 + 2 us), i.e. it is latency-bound, ~32 times per
+step. Here one launch does it: program (b, kv head, split) streams its share of the sequence's
+pages (online softmax in fp32, the group's q heads together), stores its partial (m, l, acc), and
+counts itself in through an atomic; the split that arrives last merges the NSPLIT partials into the
+output and re-arms the counter for the next launch. Pages are read in place (NHD or HND layout,
+through the cache's strides), so the kernel serves CUDA-graph replays with any KV lengths.
+
+Numerics: fp32 scores, probabilities and accumulation (flashinfer rounds probabilities to bf16 for
+its tensor-core P.V), one rounding of the output.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from nbgen.runtime import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton never build this wrapper
+    triton = None
+
+# decode batches up to this many sequences take this kernel (0: flashinfer for every batch)
+MAX_BS = int(os.environ.get("NBGEN_SMALL_DECODE_BS", "4"))
+LOG2E = 1.4426950408889634
+
+
+def num_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per (sequence, kv head): about one program per SM over the batch, a power of 2 in [1, 32].
+
+    Computed for bs rounded up to a power of 2, as the CUDA graphs pad it (1, 2, 4): an eager step of
+    3 seqs then splits (and so sums) exactly like the graph of 4 would.
+    """
+    bs = 1 << max(0, bs - 1).bit_length()
+    want = max(1, num_sms // max(1, bs * num_kv_heads))
+    return max(1, min(32, 1 << (want.bit_length() - 1)))
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
+                       part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                       NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        s = tl.program_id(2)
+        HKV = tl.num_programs(1)
+        # page table: host-to-device copies made before the step, not the previous kernel's output
+        start = tl.load(indptr_ptr + b)
+        kv_len = (tl.load(indptr_ptr + b + 1) - start - 1) * P + tl.load(last_ptr + b)
+        chunk = tl.cdiv(tl.cdiv(kv_len, NSPLIT), BLOCK_N) * BLOCK_N        # tokens per split
+        lo = s * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        if USE_PDL:
+            pdl.gdc_wait()                  # q and this step's K/V are written by the kernel before
+            pdl.gdc_launch_dependents()
+        q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
+                    mask=(g < G)[:, None], other=0.0).to(tl.float32) * qk_scale   # [GP, D], log2 units
+        m = tl.full([GP], float("-inf"), tl.float32)
+        l = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tm = t < hi
+            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
+            off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
+            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            sc = tl.sum(q[:, None, :] * k[None, :, :], 2)                              # [GP, BLOCK_N]
+            sc = tl.where(tm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)     # [GP, D]
+            m = m_new
+        o_rows = o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :]
+        if NSPLIT == 1:
+            tl.store(o_rows, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        else:
+            pair = b * HKV + kh
+            cell = pair * NSPLIT + s
+            tl.store(part_ptr + cell.to(tl.int64) * (GP * D) + g[:, None] * D + d[None, :], acc)
+            tl.store(ml_ptr + cell * (2 * GP) + g, m)
+            tl.store(ml_ptr + cell * (2 * GP) + GP + g, l)
+            # every thread's partial stores, then one release/acquire increment (CUTLASS's semaphore
+            # pattern): the split that sees NSPLIT - 1 arrived last and all partials are visible
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
+            if arrived == NSPLIT - 1:
+                sp = tl.arange(0, NSPLIT)
+                mls = ml_ptr + (pair * NSPLIT + sp)[:, None] * (2 * GP) + g[None, :]
+                ms = tl.load(mls, cache_modifier=".cg")                                # [NSPLIT, GP]
+                ls = tl.load(mls + GP, cache_modifier=".cg")
+                mx = tl.max(ms, 0)                       # finite: split 0 holds >= 1 token
+                den = tl.sum(tl.exp2(ms - mx[None, :]) * ls, 0)                        # empty splits: 0
+                out = tl.zeros([GP, D], tl.float32)
+                for j in range(NSPLIT):
+                    cj = pair * NSPLIT + j
+                    wj = tl.exp2(tl.load(ml_ptr + cj * (2 * GP) + g, cache_modifier=".cg") - mx)   # [GP]
+                    pj = tl.load(part_ptr + cj.to(tl.int64) * (GP * D) + g[:, None] * D + d[None, :],
+                                 cache_modifier=".cg")
+                    out += wj[:, None] * pj
+                tl.store(o_rows, (out / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+                tl.store(count_ptr + pair, 0)                                          # re-arm
+
+
+class SmallDecodeWrapper:
+    """flashinfer-wrapper-shaped ``plan`` / ``run`` over the small-batch kernel, for batches of up to
+    ``max_bs`` sequences. Given device buffers (a CUDA graph's), ``plan`` only copies the host page
+    tables into them; otherwise it keeps its own, grown on demand."""
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, layout: str,
+                 max_bs: int, device: torch.device, indptr: Optional[torch.Tensor] = None,
+                 indices: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None) -> None:
+        self.hq, self.hkv, self.d, self.P = num_q_heads, num_kv_heads, head_dim, page_size
+        self.hnd = layout == "HND"               # else NHD pages
+        self.group = num_q_heads // num_kv_heads
+        self.gp = triton.next_power_of_2(self.group)
+        self.device = device
+        self.fixed = indptr is not None
+        self.indptr, self.indices, self.last = indptr, indices, last
+        # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+        self.max_bs = max_bs
+        cells = max(b * num_kv_heads * num_splits(b, num_kv_heads, self.sms) for b in range(1, max_bs + 1))
+        self.part = torch.empty(cells * self.gp * head_dim, dtype=torch.float32, device=device)
+        self.ml = torch.empty(cells * 2 * self.gp, dtype=torch.float32, device=device)
+        self.count = torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device)
+        self.scale = head_dim ** -0.5
+        # q heads of a group x tokens per block bounded so the [GP, BLOCK_N, D] products stay in registers
+        self.block_n = max(8, min(64, 64 // self.gp))
+        self.bs = 0
+
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device."""
+        self.bs = len(last_page_len)
+        if not self.fixed:
+            if self.indices is None or self.indices.numel() < kv_indices.numel():
+                self.indices = torch.empty(max(1024, 2 * kv_indices.numel()), dtype=torch.int32, device=self.device)
+                self.indptr = torch.empty(self.max_bs + 1, dtype=torch.int32, device=self.device)
+                self.last = torch.empty(self.max_bs, dtype=torch.int32, device=self.device)
+        if kv_indices.data_ptr() != self.indices.data_ptr():
+            self.indices[: kv_indices.numel()].copy_(kv_indices, non_blocking=True)
+        self.indptr[: self.bs + 1].copy_(kv_indptr, non_blocking=True)
+        self.last[: self.bs].copy_(last_page_len, non_blocking=True)
+
+    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables."""
+        kc, vc = kv_cache
+        B = q.shape[0]
+        o = torch.empty((B, self.hq, self.d), dtype=q.dtype, device=q.device)
+        s_page, s_head, s_tok = (kc.stride(0), kc.stride(1), kc.stride(2)) if self.hnd else \
+            (kc.stride(0), kc.stride(2), kc.stride(1))
+        nsplit = num_splits(B, self.hkv, self.sms)
+        args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
+                q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
+        pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, GP=self.gp,
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=self.block_n, num_warps=4)
+        return o
