@@ -61,7 +61,7 @@ def test_small_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
         o = w.run(q, (kc, vc))
         ref = _reference(q, kc, vc, indptr, indices, lens, layout)
         err = (o.float() - ref).abs()
-        assert bool((err <= 2 ** -8 * ref.abs() + 2e-3).all()), err.max().item()
+        assert bool((err <= 2 ** -8 * ref.abs() + 6e-3).all()), err.max().item()   # P rounded to bf16
     assert int(w.count.sum()) == 0
 
 

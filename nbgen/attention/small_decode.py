@@ -9,8 +9,8 @@ counts itself in through an atomic; the split that arrives last merges the NSPLI
 output and re-arms the counter for the next launch. Pages are read in place (NHD or HND layout,
 through the cache's strides), so the kernel serves CUDA-graph replays with any KV lengths.
 
-Numerics: fp32 scores, probabilities and accumulation (flashinfer rounds probabilities to bf16 for
-its tensor-core P.V), one rounding of the output.
+Numerics as flashinfer's tensor-core decode: q.K and P.V on tensor cores with fp32 accumulation,
+probabilities rounded to the KV dtype for P.V, fp32 softmax state and merge, one output rounding.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton never buil
 # decode batches up to this many sequences take this kernel (0: flashinfer for every batch)
 MAX_BS = int(os.environ.get("NBGEN_SMALL_DECODE_BS", "4"))
 LOG2E = 1.4426950408889634
+BLOCK_N = int(os.environ.get("NBGEN_SMALL_DECODE_BLOCK", "64"))   # KV tokens per tile (head_dim <= 128)
 
 
 def num_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -47,8 +48,8 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale,
-                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                       NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                       G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                       NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
@@ -59,59 +60,65 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(kv_len, NSPLIT), BLOCK_N) * BLOCK_N        # tokens per split
         lo = s * chunk
         hi = tl.minimum(lo + chunk, kv_len)
-        g = tl.arange(0, GP)
+        g = tl.arange(0, GP)                       # the group's q heads, padded to a tensor-core tile
         d = tl.arange(0, D)
         if USE_PDL:
             pdl.gdc_wait()                  # q and this step's K/V are written by the kernel before
             pdl.gdc_launch_dependents()
         q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
-                    mask=(g < G)[:, None], other=0.0).to(tl.float32) * qk_scale   # [GP, D], log2 units
+                    mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for t0 in range(lo, hi, BLOCK_N):
+        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=2):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
             page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
             off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
-            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            sc = tl.sum(q[:, None, :] * k[None, :, :], 2)                              # [GP, BLOCK_N]
+            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [GP, BLOCK_N], log2 units
             sc = tl.where(tm[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)     # [GP, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [GP, D]
             m = m_new
-        o_rows = o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :]
+        g2 = tl.arange(0, G2)
+        o_rows = o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :]
         if NSPLIT == 1:
-            tl.store(o_rows, (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+            o = acc / l[:, None]
+            tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
         else:
             pair = b * HKV + kh
             cell = pair * NSPLIT + s
-            tl.store(part_ptr + cell.to(tl.int64) * (GP * D) + g[:, None] * D + d[None, :], acc)
-            tl.store(ml_ptr + cell * (2 * GP) + g, m)
-            tl.store(ml_ptr + cell * (2 * GP) + GP + g, l)
+            keep = g < G2
+            tl.store(part_ptr + cell.to(tl.int64) * (G2 * D) + g[:, None] * D + d[None, :], acc,
+                     mask=keep[:, None])
+            tl.store(ml_ptr + cell * (2 * G2) + g, m, mask=keep)
+            tl.store(ml_ptr + cell * (2 * G2) + G2 + g, l, mask=keep)
             # every thread's partial stores, then one release/acquire increment (CUTLASS's semaphore
             # pattern): the split that sees NSPLIT - 1 arrived last and all partials are visible
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
             if arrived == NSPLIT - 1:
                 sp = tl.arange(0, NSPLIT)
-                mls = ml_ptr + (pair * NSPLIT + sp)[:, None] * (2 * GP) + g[None, :]
-                ms = tl.load(mls, cache_modifier=".cg")                                # [NSPLIT, GP]
-                ls = tl.load(mls + GP, cache_modifier=".cg")
+                mls = ml_ptr + (pair * NSPLIT + sp)[:, None] * (2 * G2) + g2[None, :]
+                ms = tl.load(mls, cache_modifier=".cg")                                # [NSPLIT, G2]
+                ls = tl.load(mls + G2, cache_modifier=".cg")
                 mx = tl.max(ms, 0)                       # finite: split 0 holds >= 1 token
                 den = tl.sum(tl.exp2(ms - mx[None, :]) * ls, 0)                        # empty splits: 0
-                out = tl.zeros([GP, D], tl.float32)
-                for j in range(NSPLIT):
-                    cj = pair * NSPLIT + j
-                    wj = tl.exp2(tl.load(ml_ptr + cj * (2 * GP) + g, cache_modifier=".cg") - mx)   # [GP]
-                    pj = tl.load(part_ptr + cj.to(tl.int64) * (GP * D) + g[:, None] * D + d[None, :],
-                                 cache_modifier=".cg")
-                    out += wj[:, None] * pj
-                tl.store(o_rows, (out / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+                out = tl.zeros([G2, D], tl.float32)
+                for j0 in tl.static_range(0, NSPLIT, SB):       # SB splits' partials per load
+                    cj = pair * NSPLIT + j0 + tl.arange(0, SB)
+                    wj = tl.exp2(tl.load(ml_ptr + cj[:, None] * (2 * G2) + g2[None, :], cache_modifier=".cg")
+                                 - mx[None, :])                                        # [SB, G2]
+                    pj = tl.load(part_ptr + cj.to(tl.int64)[:, None, None] * (G2 * D)
+                                 + g2[None, :, None] * D + d[None, None, :], cache_modifier=".cg")
+                    out += tl.sum(wj[:, :, None] * pj, 0)
+                tl.store(o_rows, (out / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g2 < G)[:, None])
                 tl.store(count_ptr + pair, 0)                                          # re-arm
 
 
@@ -126,7 +133,8 @@ class SmallDecodeWrapper:
         self.hq, self.hkv, self.d, self.P = num_q_heads, num_kv_heads, head_dim, page_size
         self.hnd = layout == "HND"               # else NHD pages
         self.group = num_q_heads // num_kv_heads
-        self.gp = triton.next_power_of_2(self.group)
+        self.g2 = triton.next_power_of_2(self.group)       # partial rows per (seq, kv head, split)
+        self.gp = max(16, self.g2)                         # q rows of the tensor-core tile
         self.device = device
         self.fixed = indptr is not None
         self.indptr, self.indices, self.last = indptr, indices, last
@@ -134,12 +142,11 @@ class SmallDecodeWrapper:
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
         self.max_bs = max_bs
         cells = max(b * num_kv_heads * num_splits(b, num_kv_heads, self.sms) for b in range(1, max_bs + 1))
-        self.part = torch.empty(cells * self.gp * head_dim, dtype=torch.float32, device=device)
-        self.ml = torch.empty(cells * 2 * self.gp, dtype=torch.float32, device=device)
+        self.part = torch.empty(cells * self.g2 * head_dim, dtype=torch.float32, device=device)
+        self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
-        # q heads of a group x tokens per block bounded so the [GP, BLOCK_N, D] products stay in registers
-        self.block_n = max(8, min(64, 64 // self.gp))
+        self.block_n = BLOCK_N if head_dim <= 128 else BLOCK_N // 2
         self.bs = 0
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
@@ -163,8 +170,9 @@ class SmallDecodeWrapper:
         s_page, s_head, s_tok = (kc.stride(0), kc.stride(1), kc.stride(2)) if self.hnd else \
             (kc.stride(0), kc.stride(2), kc.stride(1))
         nsplit = num_splits(B, self.hkv, self.sms)
+        sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
-        pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=self.block_n, num_warps=4)
+        pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=self.block_n, SB=sb, num_warps=4)
         return o
