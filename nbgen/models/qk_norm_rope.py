@@ -6,11 +6,12 @@ plus a copy of q and k out of the strided qkv rows. At decode batch sizes each l
 microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per (token, head) does
 the chain in registers, following HF's rounding steps: normalise in fp32, round, scale by the
 weight, round (as Qwen3RMSNorm); then rotate_half RoPE with cos/sin rounded to the model dtype
-and each product and the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). The k-head
-programs also store the rotated k and the matching v head into the cache (NHD or HND pages, flat
-slots ``page * page_size + offset`` as the attention backends use). On an H100 the result equals
-torch's evaluation of HF's formulas bit for bit in ~82 % of elements (with the norm) and within two
-bf16 ulp elsewhere (tests/test_gpu.py). q and k stay views of qkv. Launched with PDL (runtime/pdl).
+and each product and the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). The kernel is
+compiled without FMA contraction, so each product is rounded where torch rounds it: without the
+norm the result equals torch's evaluation of HF's formulas bit for bit on an H100 (with
+contraction, 82 % of elements did). The k-head programs also store the rotated k and the matching
+v head into the cache (NHD or HND pages, flat slots ``page * page_size + offset`` as the attention
+backends use). q and k stay views of qkv. Launched with PDL (runtime/pdl).
 """
 from __future__ import annotations
 
@@ -110,4 +111,5 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
                (qkv, positions, q_weight if norm else qkv, k_weight if norm else qkv, cos_sin_cache,
                 qkv.stride(0), eps, kc, vc, slots),
                qkv.device, HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, P=P, NORM=norm,
-               WRITE_KV=kv is not None, HND=layout == "HND", num_warps=1 if head_dim <= 128 else 2)
+               WRITE_KV=kv is not None, HND=layout == "HND", num_warps=1 if head_dim <= 128 else 2,
+               enable_fp_fusion=False)    # no FMA contraction: each product rounds as in torch
