@@ -3,10 +3,12 @@
 Per layer ``k_cache``/``v_cache`` are paged in the layout ``kv_layout`` (``KV_LAYOUT`` unless the
 environment sets ``NBGEN_KV_LAYOUT=NHD|HND``): NHD [num_pages, page_size, Hkv, D] or HND
 [num_pages, Hkv, page_size, D] (each head's tokens of a page contiguous, which flashinfer's decode
-kernel reads faster). A step's new K/V are written into their page slots by one Triton kernel per
-layer for K and V together (``kv_write``), then attention runs over each sequence's page table:
-  * decode-only step  -> BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query
-    attention (``decode_tensor_cores``);
+kernel reads faster). A step's new K/V are written into their page slots by the model's fused RoPE
+kernel (``kv_target``) or else by one Triton kernel per layer for K and V together (``kv_write``),
+then attention runs over each sequence's page table:
+  * decode-only step of <= ``small_bs`` seqs -> nbgen's one-launch split-KV kernel (small_decode);
+  * other decode-only steps -> BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for
+    grouped-query attention (``decode_tensor_cores``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over the whole batch
     (decodes are rows with q_len 1); ``causal=True`` aligns each chunk's queries to the end of its
     KV, which is what cached prefixes and chunked prefill need.
