@@ -159,7 +159,7 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.use_tensor_cores = decode_tensor_cores(spec.num_q_heads // spec.num_kv_heads)
         # decode batches of <= small_bs seqs: nbgen's one-launch split-KV kernel (attention/small_decode)
-        self.small_bs = small_decode.MAX_BS if small_decode.triton is not None else 0
+        self.small_bs = small_decode.MAX_BS if small_decode.supported(spec.head_dim) else 0
         self.decode_wrapper = self.make_decode_wrapper()
         self.small_wrapper = self._small_wrapper(self.small_bs) if self.small_bs else None
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout)

@@ -33,6 +33,11 @@ LOG2E = 1.4426950408889634
 BLOCK_N = int(os.environ.get("NBGEN_SMALL_DECODE_BLOCK", "64"))   # KV tokens per tile (head_dim <= 128)
 
 
+def supported(head_dim: int) -> bool:
+    """Head sizes the kernel's tiles take: a power of 2 in [16, 256]."""
+    return triton is not None and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 def num_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits per (sequence, kv head): about one program per SM over the batch, a power of 2 in [1, 32].
 
@@ -85,13 +90,11 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [GP, D]
             m = m_new
-        g2 = tl.arange(0, G2)
-        o_rows = o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :]
         if NSPLIT == 1:
-            o = acc / l[:, None]
             tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+                     (acc / l[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
         else:
+            g2 = tl.arange(0, G2)
             pair = b * HKV + kh
             cell = pair * NSPLIT + s
             keep = g < G2
@@ -118,7 +121,8 @@ if triton is not None:
                     pj = tl.load(part_ptr + cj.to(tl.int64)[:, None, None] * (G2 * D)
                                  + g2[None, :, None] * D + d[None, None, :], cache_modifier=".cg")
                     out += tl.sum(wj[:, :, None] * pj, 0)
-                tl.store(o_rows, (out / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g2 < G)[:, None])
+                tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :],
+                         (out / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g2 < G)[:, None])
                 tl.store(count_ptr + pair, 0)                                          # re-arm
 
 
@@ -147,11 +151,10 @@ class SmallDecodeWrapper:
         self.count = torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
         self.block_n = BLOCK_N if head_dim <= 128 else BLOCK_N // 2
-        self.bs = 0
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device."""
-        self.bs = len(last_page_len)
+        bs = len(last_page_len)
         if not self.fixed:
             if self.indices is None or self.indices.numel() < kv_indices.numel():
                 self.indices = torch.empty(max(1024, 2 * kv_indices.numel()), dtype=torch.int32, device=self.device)
@@ -159,8 +162,8 @@ class SmallDecodeWrapper:
                 self.last = torch.empty(self.max_bs, dtype=torch.int32, device=self.device)
         if kv_indices.data_ptr() != self.indices.data_ptr():
             self.indices[: kv_indices.numel()].copy_(kv_indices, non_blocking=True)
-        self.indptr[: self.bs + 1].copy_(kv_indptr, non_blocking=True)
-        self.last[: self.bs].copy_(last_page_len, non_blocking=True)
+        self.indptr[: bs + 1].copy_(kv_indptr, non_blocking=True)
+        self.last[: bs].copy_(last_page_len, non_blocking=True)
 
     def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables."""
