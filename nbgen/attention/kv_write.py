@@ -18,6 +18,14 @@ except ImportError:  # pragma: no cover - CPU installs without triton never reac
 
 if triton is not None:
     @triton.jit
+    def head_row(slot, h, HD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, HND: tl.constexpr):
+        """Offset of kv head ``h``'s D-element row for token ``slot`` in a paged cache (also used by
+        the fused RoPE kernel): HND [pages, Hkv, P, D] or NHD [pages, P, Hkv, D] (HD = Hkv * D)."""
+        if HND:
+            return (slot // P) * (HD * P) + h * (P * D) + (slot % P) * D
+        return slot * HD + h * D
+
+    @triton.jit
     def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_row, v_row,
                          HD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, HND: tl.constexpr,
                          BLOCK: tl.constexpr):
@@ -25,12 +33,7 @@ if triton is not None:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < HD
-        if HND:
-            page = slot // P
-            h = offs // D
-            dst = page * (HD * P) + h * (P * D) + (slot % P) * D + offs % D
-        else:
-            dst = slot * HD + offs
+        dst = head_row(slot, offs // D, HD, D, P, HND) + offs % D
         row = t.to(tl.int64)
         k = tl.load(k_ptr + row * k_row + offs, mask=mask)
         v = tl.load(v_ptr + row * v_row + offs, mask=mask)

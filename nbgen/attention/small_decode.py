@@ -140,11 +140,13 @@ class SmallDecodeWrapper:
         self.g2 = triton.next_power_of_2(self.group)       # partial rows per (seq, kv head, split)
         self.gp = max(16, self.g2)                         # q rows of the tensor-core tile
         self.device = device
-        self.fixed = indptr is not None
+        self.fixed = indptr is not None        # a graph's buffers; else own ones (indices grown on demand)
+        if indptr is None:
+            indptr = torch.empty(max_bs + 1, dtype=torch.int32, device=device)
+            last = torch.empty(max_bs, dtype=torch.int32, device=device)
         self.indptr, self.indices, self.last = indptr, indices, last
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-        self.max_bs = max_bs
         cells = max(b * num_kv_heads * num_splits(b, num_kv_heads, self.sms) for b in range(1, max_bs + 1))
         self.part = torch.empty(cells * self.g2 * head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
@@ -155,11 +157,8 @@ class SmallDecodeWrapper:
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device."""
         bs = len(last_page_len)
-        if not self.fixed:
-            if self.indices is None or self.indices.numel() < kv_indices.numel():
-                self.indices = torch.empty(max(1024, 2 * kv_indices.numel()), dtype=torch.int32, device=self.device)
-                self.indptr = torch.empty(self.max_bs + 1, dtype=torch.int32, device=self.device)
-                self.last = torch.empty(self.max_bs, dtype=torch.int32, device=self.device)
+        if not self.fixed and (self.indices is None or self.indices.numel() < kv_indices.numel()):
+            self.indices = torch.empty(max(1024, 2 * kv_indices.numel()), dtype=torch.int32, device=self.device)
         if kv_indices.data_ptr() != self.indices.data_ptr():
             self.indices[: kv_indices.numel()].copy_(kv_indices, non_blocking=True)
         self.indptr[: bs + 1].copy_(kv_indptr, non_blocking=True)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from nbgen.attention.base import KVTarget
 from nbgen.runtime import pdl
 
 try:
@@ -28,6 +29,8 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the un
     triton = None
 
 if triton is not None:
+    from nbgen.attention.kv_write import head_row
+
     @triton.jit
     def _rnd(x, dt: tl.constexpr):
         # round an fp32 value to the model dtype and back (one HF op's output rounding)
@@ -70,11 +73,7 @@ if triton is not None:
         if WRITE_KV:
             if h >= HQ:
                 kh = h - HQ
-                slot = tl.load(slot_ptr + t).to(tl.int64)
-                if HND:    # [pages, Hkv, P, D]
-                    dst = (slot // P) * (HKV * P * D) + kh * (P * D) + (slot % P) * D
-                else:      # [pages, P, Hkv, D] = [slots, Hkv, D]
-                    dst = slot * (HKV * D) + kh * D
+                dst = head_row(tl.load(slot_ptr + t).to(tl.int64), kh, HKV * D, D, P, HND)
                 tl.store(kc_ptr + dst + offs, oa)
                 tl.store(kc_ptr + dst + HALF + offs, ob)
                 dd = tl.arange(0, D)
@@ -90,7 +89,7 @@ def supported(qkv: torch.Tensor, head_dim: int) -> bool:
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional[torch.Tensor],
                   k_weight: Optional[torch.Tensor], eps: float, cos_sin_cache: torch.Tensor, num_q_heads: int,
                   num_kv_heads: int, head_dim: int,
-                  kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]] = None) -> None:
+                  kv: Optional[KVTarget] = None) -> None:
     """In place on qkv [T, (Hq + 2 Hkv) * D]: (RMSNorm +) RoPE of the q and k heads (v untouched).
 
     positions [T] (any int dtype); q/k weights [D] or None (no norm, Llama / Qwen2); cos_sin_cache
