@@ -54,7 +54,8 @@ if triton is not None:
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                       NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, USE_PDL: tl.constexpr):
+                       NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
+                       USE_PDL: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
@@ -75,7 +76,7 @@ if triton is not None:
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=2):
+        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
             page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
@@ -176,5 +177,5 @@ class SmallDecodeWrapper:
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
         pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=self.block_n, SB=sb, num_warps=4)
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=self.block_n, SB=sb, STAGES=2, num_warps=4)
         return o
