@@ -3,14 +3,14 @@ RMSNorm first, and with the step's K and V written into their paged-cache slots.
 
 Unfused, a layer spends up to four launches here (Qwen3's q-norm and k-norm, RoPE, the K/V write)
 plus a copy of q and k out of the strided qkv rows. At decode batch sizes each launch is a few
-microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per (token, head) does
-the chain in registers, following HF's rounding steps: normalise in fp32, round, scale by the
+microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per token does the
+chain for all its q and k heads in registers (a program per (token, head) was 4x slower at 256
+tokens: 6k one-warp programs in two waves, each waiting on its own chain of loads), following HF's rounding steps: normalise in fp32, round, scale by the
 weight, round (as Qwen3RMSNorm); then rotate_half RoPE with cos/sin rounded to the model dtype
 and each product and the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). The kernel is
 compiled without FMA contraction, so each product is rounded where torch rounds it: without the
 norm the result equals torch's evaluation of HF's formulas bit for bit on an H100 (with
-contraction, 82 % of elements did). The k-head programs also store the rotated k and the matching
-v head into the cache (NHD or HND pages, flat slots ``page * page_size + offset`` as the attention
+contraction, 82 % of elements did). It also stores the rotated k heads and the v heads into the cache (NHD or HND pages, flat slots ``page * page_size + offset`` as the attention
 backends use). q and k stay views of qkv. Launched with PDL (runtime/pdl).
 """
 from __future__ import annotations
@@ -38,46 +38,55 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
-                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                        NORM: tl.constexpr, WRITE_KV: tl.constexpr, HND: tl.constexpr, USE_PDL: tl.constexpr):
+                        HQ: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
+                        D: tl.constexpr, P: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+                        HND: tl.constexpr, USE_PDL: tl.constexpr):
+        # one program per token, all its q and k heads as one [HP, D/2] tile (HP: HQ + HKV rounded up to a
+        # power of 2): a decode step is then one wave of programs, each with one chain of dependent loads
         t = tl.program_id(0)
-        h = tl.program_id(1)                                   # q heads 0..HQ-1, then k heads
         HALF: tl.constexpr = D // 2
         offs = tl.arange(0, HALF)
+        h = tl.arange(0, HP)                                   # q heads 0..HQ-1, then k heads
+        hm = (h < HQ + HKV)[:, None]
         dt = qkv_ptr.dtype.element_ty
         # inputs that the previous kernel does not write: read before waiting for it
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = _rnd(tl.load(cs_ptr + pos * D + offs), dt)
-        sin = _rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)
+        cos = _rnd(tl.load(cs_ptr + pos * D + offs), dt)[None, :]
+        sin = _rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)[None, :]
         if NORM:
-            if h < HQ:
-                wa, wb = tl.load(qw_ptr + offs).to(tl.float32), tl.load(qw_ptr + HALF + offs).to(tl.float32)
-            else:
-                wa, wb = tl.load(kw_ptr + offs).to(tl.float32), tl.load(kw_ptr + HALF + offs).to(tl.float32)
+            isq = (h < HQ)[:, None]
+            wa = tl.where(isq, tl.load(qw_ptr + offs)[None, :], tl.load(kw_ptr + offs)[None, :]).to(tl.float32)
+            wb = tl.where(isq, tl.load(qw_ptr + HALF + offs)[None, :],
+                          tl.load(kw_ptr + HALF + offs)[None, :]).to(tl.float32)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
         if USE_PDL:
             pdl.gdc_wait()                                     # qkv is the previous kernel's output
             pdl.gdc_launch_dependents()
         row = qkv_ptr + t.to(tl.int64) * row_stride
-        a = tl.load(row + h * D + offs).to(tl.float32)
-        b = tl.load(row + h * D + HALF + offs).to(tl.float32)
+        ptr = row + h[:, None] * D + offs[None, :]             # [HP, HALF]: first halves of the heads
+        a = tl.load(ptr, mask=hm, other=0.0).to(tl.float32)
+        b = tl.load(ptr + HALF, mask=hm, other=0.0).to(tl.float32)
         if NORM:
-            r = tl.math.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / D + eps)
+            r = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
             # Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in the model dtype
             a = _rnd(wa * _rnd(a * r, dt), dt)
             b = _rnd(wb * _rnd(b * r, dt), dt)
         # x * cos + rotate_half(x) * sin, each product rounded to the model dtype as in HF
         oa = (_rnd(a * cos, dt) - _rnd(b * sin, dt)).to(dt, fp_downcast_rounding="rtne")
         ob = (_rnd(b * cos, dt) + _rnd(a * sin, dt)).to(dt, fp_downcast_rounding="rtne")
-        tl.store(row + h * D + offs, oa)
-        tl.store(row + h * D + HALF + offs, ob)
+        tl.store(ptr, oa, mask=hm)
+        tl.store(ptr + HALF, ob, mask=hm)
         if WRITE_KV:
-            if h >= HQ:
-                kh = h - HQ
-                dst = head_row(tl.load(slot_ptr + t).to(tl.int64), kh, HKV * D, D, P, HND)
-                tl.store(kc_ptr + dst + offs, oa)
-                tl.store(kc_ptr + dst + HALF + offs, ob)
-                dd = tl.arange(0, D)
-                tl.store(vc_ptr + dst + dd, tl.load(row + (HQ + HKV + kh) * D + dd))
+            isk = hm & (h >= HQ)[:, None]                      # rotated k heads into the cache
+            dst = head_row(slot, h - HQ, HKV * D, D, P, HND)[:, None] + offs[None, :]
+            tl.store(kc_ptr + dst, oa, mask=isk)
+            tl.store(kc_ptr + dst + HALF, ob, mask=isk)
+            hv = tl.arange(0, HVP)                             # v heads: copied as they are
+            dd = tl.arange(0, D)
+            vm = (hv < HKV)[:, None]
+            v = tl.load(row + (HQ + HKV + hv)[:, None] * D + dd[None, :], mask=vm)
+            tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P, HND)[:, None] + dd[None, :], v, mask=vm)
 
 
 def supported(qkv: torch.Tensor, head_dim: int) -> bool:
@@ -106,9 +115,10 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
     else:
         kc = vc = slots = qkv
         layout, P = "NHD", 1
-    pdl.launch(_qk_rope_kernel, (T, num_q_heads + num_kv_heads),
+    pdl.launch(_qk_rope_kernel, (T,),
                (qkv, positions, q_weight if norm else qkv, k_weight if norm else qkv, cos_sin_cache,
                 qkv.stride(0), eps, kc, vc, slots),
-               qkv.device, HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, P=P, NORM=norm,
-               WRITE_KV=kv is not None, HND=layout == "HND", num_warps=1 if head_dim <= 128 else 2,
+               qkv.device, HQ=num_q_heads, HKV=num_kv_heads, HP=triton.next_power_of_2(num_q_heads + num_kv_heads),
+               HVP=triton.next_power_of_2(num_kv_heads), D=head_dim, P=P, NORM=norm,
+               WRITE_KV=kv is not None, HND=layout == "HND", num_warps=4,
                enable_fp_fusion=False)    # no FMA contraction: each product rounds as in torch
