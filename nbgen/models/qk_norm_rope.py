@@ -3,15 +3,16 @@ RMSNorm first, and with the step's K and V written into their paged-cache slots.
 
 Unfused, a layer spends up to four launches here (Qwen3's q-norm and k-norm, RoPE, the K/V write)
 plus a copy of q and k out of the strided qkv rows. At decode batch sizes each launch is a few
-microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per token does the
-chain for all its q and k heads in registers (a program per (token, head) was 4x slower at 256
-tokens: 6k one-warp programs in two waves, each waiting on its own chain of loads), following HF's rounding steps: normalise in fp32, round, scale by the
-weight, round (as Qwen3RMSNorm); then rotate_half RoPE with cos/sin rounded to the model dtype
-and each product and the sum rounded (as HF's apply_rotary_pos_emb in bf16/fp16). The kernel is
-compiled without FMA contraction, so each product is rounded where torch rounds it: without the
-norm the result equals torch's evaluation of HF's formulas bit for bit on an H100 (with
-contraction, 82 % of elements did). It also stores the rotated k heads and the v heads into the cache (NHD or HND pages, flat slots ``page * page_size + offset`` as the attention
-backends use). q and k stay views of qkv. Launched with PDL (runtime/pdl).
+microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per token does the chain
+for all its q and k heads in registers (a program per (token, head) was 4x slower at 256 tokens: 6k
+one-warp programs in two waves, each waiting on its own chain of loads), following HF's rounding
+steps: normalise in fp32, round, scale by the weight, round (as Qwen3RMSNorm); then rotate_half RoPE
+with cos/sin rounded to the model dtype and each product and the sum rounded (as HF's
+apply_rotary_pos_emb in bf16/fp16). The kernel is compiled without FMA contraction, so each product
+is rounded where torch rounds it: without the norm the result equals torch's evaluation of HF's
+formulas bit for bit on an H100 (with contraction, 82 % of elements did). It also stores the rotated
+k heads and the v heads into the cache (NHD or HND pages, flat slots ``page * page_size + offset``
+as the attention backends use). q and k stay views of qkv. Launched with PDL (runtime/pdl).
 """
 from __future__ import annotations
 
