@@ -271,7 +271,7 @@ def test_fused_qk_norm_rope_matches_hf_arithmetic(hq, hkv):
     sums (a single-rounding RoPE scores ~70 % / 2 ulp, flashinfer's norm + RoPE ~55 % / 3 ulp,
     a sign error ~6 % / 500 ulp in a CPU emulation of this check); v untouched.
     (Measured on an H100: 82 % bit-identical while the kernel was compiled with FMA contraction;
-    without it the RoPE part is exact (tests/test_small_decode.py). The flashinfer norm + RoPE it
+    without it the RoPE part is exact (tests/test_triton_decode.py). The flashinfer norm + RoPE it
     replaces are not exact either; end-to-end agreement with HF is test_hf_parity_teacher_forced's job.)"""
     from nbgen.models import qk_norm_rope as fq
     from nbgen.models.layers import RMSNorm, get_rope

@@ -91,15 +91,15 @@ def eng():
     mp = pytest.MonkeyPatch()
     if DEVICE != "cpu":
         kw["mem_fraction_static"] = 0.4   # leave room for conftest's tiny_engine beside it
-        # no small-batch kernels (streaming matmul, one-launch decode attention; <= 4 rows) beside
-        # cuBLAS / flashinfer: a row's last bits then depend on whether the batch has <= 4 rows, and
+        # neither the streaming matmul (<= 4 rows, else cuBLAS) nor nbgen's decode attention (its split
+        # count follows the batch size): a row's last bits then depend on the batch size, and
         # overlap scheduling keeps finished requests one step longer (and a mixed batch is larger than
         # its free requests alone), so greedy near-ties of the random model flipped between the runs
         # compared below
-        from nbgen.attention import small_decode
+        from nbgen.attention import triton_decode
         from nbgen.models import small_gemm
         mp.setattr(small_gemm, "MAX_ROWS", 0)
-        mp.setattr(small_decode, "MAX_BS", 0)
+        mp.setattr(triton_decode, "MAX_BS", 0)
     if DUMMY_MODEL:
         kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
         e = nbgen.Engine(DUMMY_MODEL, **kw)

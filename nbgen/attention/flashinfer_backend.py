@@ -6,9 +6,11 @@ environment sets ``NBGEN_KV_LAYOUT=NHD|HND``): NHD [num_pages, page_size, Hkv, D
 kernel reads faster). A step's new K/V are written into their page slots by the model's fused RoPE
 kernel (``kv_target``) or else by one Triton kernel per layer for K and V together (``kv_write``),
 then attention runs over each sequence's page table:
-  * decode-only step of <= ``small_bs`` seqs -> nbgen's one-launch split-KV kernel (small_decode);
-  * other decode-only steps -> BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for
-    grouped-query attention (``decode_tensor_cores``);
+  * decode-only step -> nbgen's split-KV Triton kernel, merge included (``triton_decode``; faster
+    than flashinfer's decode + merge at every batch size measured), for power-of-2 head sizes;
+  * otherwise, or with ``NBGEN_TRITON_DECODE_BS`` below the batch size,
+    BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query attention
+    (``decode_tensor_cores``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over the whole batch
     (decodes are rows with q_len 1); ``causal=True`` aligns each chunk's queries to the end of its
     KV, which is what cached prefixes and chunked prefill need.
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, KVTarget
-from nbgen.attention import small_decode
+from nbgen.attention import triton_decode
 from nbgen.attention.kv_write import write_kv, write_kv_reference
 from nbgen.runtime.batch import ScheduledBatch
 
@@ -158,10 +160,10 @@ class FlashInferBackend(AttentionBackend):
         self._fi = flashinfer
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.use_tensor_cores = decode_tensor_cores(spec.num_q_heads // spec.num_kv_heads)
-        # decode batches of <= small_bs seqs: nbgen's one-launch split-KV kernel (attention/small_decode)
-        self.small_bs = small_decode.MAX_BS if small_decode.supported(spec.head_dim) else 0
+        # decode batches of <= triton_bs seqs (all, by default): nbgen's split-KV kernel (attention/triton_decode)
+        self.triton_bs = triton_decode.MAX_BS if triton_decode.supported(spec.head_dim) else 0
         self.decode_wrapper = self.make_decode_wrapper()
-        self.small_wrapper = self._small_wrapper(self.small_bs) if self.small_bs else None
+        self.triton_wrapper = self._triton_wrapper() if self.triton_bs else None
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout)
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
@@ -178,18 +180,18 @@ class FlashInferBackend(AttentionBackend):
             return (sp.num_pages, sp.num_kv_heads, sp.page_size, sp.head_dim)
         return (sp.num_pages, sp.page_size, sp.num_kv_heads, sp.head_dim)
 
-    def _small_wrapper(self, max_bs: int, *buffers: torch.Tensor) -> small_decode.SmallDecodeWrapper:
+    def _triton_wrapper(self, *buffers: torch.Tensor) -> triton_decode.TritonDecodeWrapper:
         sp = self.spec
-        return small_decode.SmallDecodeWrapper(sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
-                                               self.kv_layout, max_bs, sp.device, *buffers)
+        return triton_decode.TritonDecodeWrapper(sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
+                                                 self.kv_layout, sp.device, *buffers)
 
     def make_decode_wrapper(self, indptr: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
                             last_page_len: Optional[torch.Tensor] = None) -> Any:
         """A decode wrapper; with the three GPU buffers it is a fixed-batch-size CUDA-graph wrapper
-        (nbgen's small-batch kernel for batch sizes up to ``small_bs``, else flashinfer's)."""
+        (nbgen's Triton decode for batch sizes up to ``triton_bs``, else flashinfer's)."""
         graph = indptr is not None
-        if graph and len(last_page_len) <= self.small_bs:
-            return self._small_wrapper(len(last_page_len), indptr, indices, last_page_len)
+        if graph and len(last_page_len) <= self.triton_bs:
+            return self._triton_wrapper(indptr, indices, last_page_len)
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, self.kv_layout, use_cuda_graph=graph, use_tensor_cores=self.use_tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
@@ -211,7 +213,7 @@ class FlashInferBackend(AttentionBackend):
         own indices buffer): flashinfer copies host indices into that buffer *blocking*, which
         would wait for all queued GPU work every step and undo overlap scheduling.
         """
-        if isinstance(wrapper, small_decode.SmallDecodeWrapper):   # no planner: page tables only
+        if isinstance(wrapper, triton_decode.TritonDecodeWrapper):   # no planner: page tables only
             wrapper.plan(kv_indptr, kv_indices, last)
             return
         sp = self.spec
@@ -275,8 +277,7 @@ class FlashInferBackend(AttentionBackend):
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
         if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch)
-            small = len(batch.seqs) <= self.small_bs
-            wrapper = self.small_wrapper if small else self.decode_wrapper
+            wrapper = self.triton_wrapper if len(batch.seqs) <= self.triton_bs else self.decode_wrapper
             self.plan_decode(wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
         else:
             self.tables.forget(batch)

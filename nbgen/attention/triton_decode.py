@@ -1,13 +1,15 @@
-"""Decode attention for small batches (1-4 sequences) as one Triton kernel: split-KV with the merge
-done by the last split to finish, instead of flashinfer's attention + merge launches.
+"""Decode attention as one Triton kernel for every decode batch size: split-KV with the merge done
+by the last split to finish, instead of flashinfer's attention + merge launches.
 
-At batch 1 a Llama-8B layer's decode attention reads ~1 MB of KV; flashinfer's tensor-core decode
-takes ~10 us for it on an H100 (two launches, ~8 + 2 us), i.e. it is latency-bound, ~32 times per
-step. Here one launch does it: program (b, kv head, split) streams its share of the sequence's
-pages (online softmax in fp32, the group's q heads together), stores its partial (m, l, acc), and
-counts itself in through an atomic; the split that arrives last merges the NSPLIT partials into the
-output and re-arms the counter for the next launch. Pages are read in place (NHD or HND layout,
-through the cache's strides), so the kernel serves CUDA-graph replays with any KV lengths.
+Program (b, kv head, split) streams its share of sequence b's pages (online softmax in fp32, the
+group's q heads together on tensor cores), stores its partial (m, l, acc) and counts itself in
+through an atomic; the split that arrives last merges the partials into the output and re-arms the
+counter for the next launch (one split: the output is written directly). Pages are read in place
+(NHD or HND layout, through the cache's strides), so the kernel serves CUDA-graph replays with any
+KV lengths. Against flashinfer's tensor-core decode on an H100 (Qwen3-0.6B heads, KV ~1k tokens a
+sequence; .gpu/tools/attn_big.py): batch 1 11.9 -> 7.9 us a layer, 8: 23.6 -> 18.9, 16: 38.8 -> 35.3,
+64: 118.5 -> 114, 256: 389.5 -> 384.6 (the last at the device's read bandwidth). At batch 1 a layer's
+decode attention is latency-bound (~1 MB of KV), so the split count follows the batch size.
 
 Numerics as flashinfer's tensor-core decode: q.K and P.V on tensor cores with fp32 accumulation,
 probabilities rounded to the KV dtype for P.V, fp32 softmax state and merge, one output rounding.
@@ -27,10 +29,11 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton never build this wrapper
     triton = None
 
-# decode batches up to this many sequences take this kernel (0: flashinfer for every batch)
-MAX_BS = int(os.environ.get("NBGEN_SMALL_DECODE_BS", "4"))
+# decode batches up to this many sequences take this kernel (0: flashinfer's decode for every batch)
+MAX_BS = int(os.environ.get("NBGEN_TRITON_DECODE_BS", str(1 << 30)))
 LOG2E = 1.4426950408889634
-BLOCK_N = int(os.environ.get("NBGEN_SMALL_DECODE_BLOCK", "64"))   # KV tokens per tile (head_dim <= 128)
+PROGRAMS_PER_SM = 4      # split target; from the batch x split grid in docs/benchmarks.md (session 7)
+MAX_SPLITS = 16
 
 
 def supported(head_dim: int) -> bool:
@@ -39,14 +42,17 @@ def supported(head_dim: int) -> bool:
 
 
 def num_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head): about one program per SM over the batch, a power of 2 in [1, 32].
+    """Splits per (sequence, kv head): about PROGRAMS_PER_SM programs per SM over the batch, a power of
+    2 in [1, MAX_SPLITS]. ``bs`` must be the CUDA-graph batch size the batch pads to
+    (``padded_batch_size``), so that an eager step splits (and sums) exactly like a graph replay."""
+    want = max(1, PROGRAMS_PER_SM * num_sms // max(1, bs * num_kv_heads))
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
-    Computed for bs rounded up to a power of 2, as the CUDA graphs pad it (1, 2, 4): an eager step of
-    3 seqs then splits (and so sums) exactly like the graph of 4 would.
-    """
-    bs = 1 << max(0, bs - 1).bit_length()
-    want = max(1, num_sms // max(1, bs * num_kv_heads))
-    return max(1, min(32, 1 << (want.bit_length() - 1)))
+
+def block_n(bs: int, head_dim: int) -> int:
+    """KV tokens per tile: 64 for 1-2 seqs (short splits; Llama-8B at batch 1 was tuned on it), else 128."""
+    n = 64 if bs <= 2 else 128
+    return n if head_dim <= 128 else n // 2
 
 
 if triton is not None:
@@ -127,39 +133,43 @@ if triton is not None:
                 tl.store(count_ptr + pair, 0)                                          # re-arm
 
 
-class SmallDecodeWrapper:
-    """flashinfer-wrapper-shaped ``plan`` / ``run`` over the small-batch kernel, for batches of up to
-    ``max_bs`` sequences. Given device buffers (a CUDA graph's), ``plan`` only copies the host page
-    tables into them; otherwise it keeps its own, grown on demand."""
+class TritonDecodeWrapper:
+    """flashinfer-wrapper-shaped ``plan`` / ``run`` over the kernel. Given device buffers (a CUDA
+    graph's, for one batch size), ``plan`` only copies the host page tables into them; otherwise the
+    wrapper keeps its own, grown on demand, and serves any batch size (eager steps)."""
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, layout: str,
-                 max_bs: int, device: torch.device, indptr: Optional[torch.Tensor] = None,
+                 device: torch.device, indptr: Optional[torch.Tensor] = None,
                  indices: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None) -> None:
+        from nbgen.runtime.cuda_graphs import padded_batch_size   # runtime imports this module first
+
         self.hq, self.hkv, self.d, self.P = num_q_heads, num_kv_heads, head_dim, page_size
         self.hnd = layout == "HND"               # else NHD pages
         self.group = num_q_heads // num_kv_heads
         self.g2 = triton.next_power_of_2(self.group)       # partial rows per (seq, kv head, split)
         self.gp = max(16, self.g2)                         # q rows of the tensor-core tile
         self.device = device
-        self.fixed = indptr is not None        # a graph's buffers; else own ones (indices grown on demand)
-        if indptr is None:
-            indptr = torch.empty(max_bs + 1, dtype=torch.int32, device=device)
-            last = torch.empty(max_bs, dtype=torch.int32, device=device)
+        self.pad = padded_batch_size
+        self.fixed = indptr is not None        # a graph's buffers; else own ones, grown on demand
         self.indptr, self.indices, self.last = indptr, indices, last
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-        cells = max(b * num_kv_heads * num_splits(b, num_kv_heads, self.sms) for b in range(1, max_bs + 1))
+        # split scratch: pairs x splits <= PROGRAMS_PER_SM x SMs whenever splits > 1 (else unused)
+        cells = max(PROGRAMS_PER_SM * self.sms, MAX_SPLITS)
         self.part = torch.empty(cells * self.g2 * head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
-        self.count = torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device)
+        self.count = torch.zeros(cells, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
-        self.block_n = BLOCK_N if head_dim <= 128 else BLOCK_N // 2
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device."""
         bs = len(last_page_len)
-        if not self.fixed and (self.indices is None or self.indices.numel() < kv_indices.numel()):
-            self.indices = torch.empty(max(1024, 2 * kv_indices.numel()), dtype=torch.int32, device=self.device)
+        if not self.fixed:
+            if self.indices is None or self.indices.numel() < kv_indices.numel():
+                self.indices = torch.empty(max(1024, 2 * kv_indices.numel()), dtype=torch.int32, device=self.device)
+            if self.last is None or self.last.numel() < bs:
+                self.indptr = torch.empty(2 * bs + 1, dtype=torch.int32, device=self.device)
+                self.last = torch.empty(2 * bs, dtype=torch.int32, device=self.device)
         if kv_indices.data_ptr() != self.indices.data_ptr():
             self.indices[: kv_indices.numel()].copy_(kv_indices, non_blocking=True)
         self.indptr[: bs + 1].copy_(kv_indptr, non_blocking=True)
@@ -172,10 +182,11 @@ class SmallDecodeWrapper:
         o = torch.empty((B, self.hq, self.d), dtype=q.dtype, device=q.device)
         s_page, s_head, s_tok = (kc.stride(0), kc.stride(1), kc.stride(2)) if self.hnd else \
             (kc.stride(0), kc.stride(2), kc.stride(1))
-        nsplit = num_splits(B, self.hkv, self.sms)
+        bs = self.pad(B)
+        nsplit = num_splits(bs, self.hkv, self.sms)
         sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
         pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=self.block_n, SB=sb, STAGES=2, num_warps=4)
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=2, num_warps=4)
         return o

@@ -1,4 +1,4 @@
-"""Small-batch decode attention (nbgen.attention.small_decode) and the fused RoPE + K/V write
+"""nbgen's Triton decode attention (nbgen.attention.triton_decode) and the fused RoPE + K/V write
 (nbgen.models.qk_norm_rope), CUDA only: against fp32 / HF-formula references, under CUDA-graph
 replays with changing lengths, and end to end against flashinfer's decode path."""
 from __future__ import annotations
@@ -46,16 +46,18 @@ def _reference(q, kc, vc, indptr, indices, lens, layout) -> torch.Tensor:
 @gpu
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("hq,hkv,D,P", [(32, 8, 128, 16), (14, 2, 64, 16), (8, 8, 128, 1), (16, 2, 128, 32)])
-@pytest.mark.parametrize("lens", [[1], [300], [17, 4099], [5, 16, 33, 1000]])
-def test_small_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
+@pytest.mark.parametrize("lens", [[1], [300], [17, 4099], [5, 16, 33, 1000], [1, 2, 3, 15, 16, 17, 64, 999, 2048],
+                                  [(37 * i) % 1500 + 1 for i in range(50)]])
+def test_triton_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
     """One rounding of the exact attention: within a bf16 step of the fp32 reference, for single-token,
-    page-boundary and long sequences, every group size (1, 4, 7 padded to 8, 8), both layouts."""
-    from nbgen.attention.small_decode import SmallDecodeWrapper
+    page-boundary and long sequences, every group size (1, 4, 7 padded to 8, 8), both layouts, and
+    batch sizes with many splits, a few, and one (written without the merge)."""
+    from nbgen.attention.triton_decode import TritonDecodeWrapper
 
     kc, vc, indptr, indices, last = _paged(lens, hkv, D, P, layout, seed=len(lens) * D + P)
     qkv = torch.randn(len(lens), (hq + 2 * hkv) * D, device="cuda").bfloat16()
     q = qkv[:, : hq * D].view(len(lens), hq, D)                  # strided rows, as the model passes q
-    w = SmallDecodeWrapper(hq, hkv, D, P, layout, 4, torch.device("cuda"))
+    w = TritonDecodeWrapper(hq, hkv, D, P, layout, torch.device("cuda"))
     for _ in range(2):                                            # the second launch reuses re-armed counters
         w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
         o = w.run(q, (kc, vc))
@@ -66,27 +68,29 @@ def test_small_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
 
 
 @gpu
-def test_small_decode_graph_replays_follow_the_plan():
-    """Captured once (as the engine's bs-1..4 graphs), replayed with new lengths and pages each step:
+@pytest.mark.parametrize("bs", [3, 24, 64])
+def test_triton_decode_graph_replays_follow_the_plan(bs):
+    """Captured once (as the engine's decode graphs), replayed with new lengths and pages each step:
     every replay equals an eager launch over the same tables (split counters re-armed in the graph)."""
-    from nbgen.attention.small_decode import SmallDecodeWrapper
+    from nbgen.attention.triton_decode import TritonDecodeWrapper
 
-    hq, hkv, D, P, bs = 32, 8, 128, 16, 3
+    hq, hkv, D, P = 32, 8, 128, 16
     kc, vc, _ip, _ix, _l = _paged([4000] * bs, hkv, D, P, "HND", seed=1)
     buf_ip = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
     buf_ix = torch.zeros(kc.shape[0], dtype=torch.int32, device="cuda")
     buf_l = torch.zeros(bs, dtype=torch.int32, device="cuda")
-    w = SmallDecodeWrapper(hq, hkv, D, P, "HND", bs, torch.device("cuda"), buf_ip, buf_ix, buf_l)
-    eager = SmallDecodeWrapper(hq, hkv, D, P, "HND", bs, torch.device("cuda"))
+    w = TritonDecodeWrapper(hq, hkv, D, P, "HND", torch.device("cuda"), buf_ip, buf_ix, buf_l)
+    eager = TritonDecodeWrapper(hq, hkv, D, P, "HND", torch.device("cuda"))
     q = torch.randn(bs, hq, D, device="cuda").bfloat16()
-    w.plan(torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.ones(3, dtype=torch.int32).cuda(),
+    w.plan(torch.arange(bs + 1, dtype=torch.int32), torch.ones(bs, dtype=torch.int32).cuda(),
            torch.ones(bs, dtype=torch.int32))
     w.run(q, (kc, vc))
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = w.run(q, (kc, vc))
-    for step, lens in enumerate([[1, 2, 3], [700, 16, 1], [3999, 2500, 64], [33, 33, 33]]):
+    for step, base in enumerate([[1, 2, 3], [700, 16, 1], [3999, 2500, 64], [33, 33, 33]]):
+        lens = [base[i % 3] + i for i in range(bs)]
         npg = [(n + P - 1) // P for n in lens]
         ip = torch.zeros(bs + 1, dtype=torch.int32)
         ip[1:] = torch.cumsum(torch.tensor(npg), 0)
@@ -144,14 +148,26 @@ def test_fused_rope_writes_rotated_k_and_v_into_the_cache(layout, norm):
 
 
 @gpu
-def test_engine_small_decode_matches_flashinfer_decode(model_dir, monkeypatch):
-    """Batches of 1-4 through the small-batch kernel (graphs and eager) agree with flashinfer's decode."""
-    from nbgen.attention import small_decode
+def test_engine_triton_decode_matches_flashinfer_decode(model_dir, monkeypatch):
+    """Decode batches of 1-12 through nbgen's kernel (graphs and eager) agree with flashinfer's decode."""
+    from nbgen.attention import triton_decode
 
-    prompts = _prompts(4)
+    prompts = _prompts(12)
     ours = _gen(model_dir, prompts, logprobs=True)
     eager = _gen(model_dir, prompts, logprobs=True, disable_cuda_graph=True)
-    monkeypatch.setattr(small_decode, "MAX_BS", 0)
+    monkeypatch.setattr(triton_decode, "MAX_BS", 0)
     theirs = _gen(model_dir, prompts, logprobs=True)
     _close(ours, theirs)
     assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in eager]
+
+
+def test_padded_batch_size_is_the_graph_size_a_batch_replays_at():
+    """Kernels that pick splits by batch size use padded_batch_size, so it must name the CUDA graph
+    a decode batch of n seqs replays (the smallest default graph size >= n) for every n."""
+    from nbgen.runtime.cuda_graphs import graph_batch_sizes, padded_batch_size
+
+    for max_bs in (64, 128, 256, 512):
+        sizes = graph_batch_sizes(max_bs)
+        for n in range(1, max_bs + 1):
+            assert padded_batch_size(n) == next(b for b in sizes if b >= n), (max_bs, n)
+    assert padded_batch_size(3) == 4 and padded_batch_size(1000) == 1024
