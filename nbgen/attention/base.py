@@ -5,6 +5,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,8 +79,14 @@ class AttentionBackend(ABC):
         P = self.spec.page_size
         out: list[int] = []
         for s in batch.seqs:
-            pages = s.pages
-            out.extend(pages[p // P] * P + p % P for p in range(s.start_pos, s.kv_len))
+            a, b = s.start_pos, s.kv_len
+            if b - a == 1:                   # a decode token (hot path: no numpy per token)
+                out.append(s.pages[a // P] * P + a % P)
+                continue
+            # a prefill chunk: vectorised (a per-token generator cost ~3 ms per 8k-token step)
+            pages = np.asarray(s.pages[a // P: (b - 1) // P + 1], dtype=np.int64)
+            pos = np.arange(a, b)
+            out.extend((pages[pos // P - a // P] * P + pos % P).tolist())
         return out
 
 

@@ -114,7 +114,7 @@ class LoopThread:
             self._fail_all("engine is shut down")
             self.runner = None
             loop.close()
-            gc.unfreeze()      # collectable again (at exit too: frozen extension objects read as leaks)
+            _thaw_heap()
 
     def _build(self) -> dict[str, Any]:
         import torch
@@ -283,10 +283,27 @@ class LoopThread:
         self._stopping = True
 
 
+_frozen_by = 0                 # live loops that froze the heap
+_frozen_lock = threading.Lock()
+
+
 def _freeze_heap() -> None:
     """Move every object alive after start-up (torch, transformers, the model's modules) out of the
     cyclic GC's reach. Otherwise a full collection, which a batch's many short-lived objects trigger
     every so often, walks millions of them while holding the GIL: on the H100 host one took 0.28 s in
     the middle of W-nano's prefill, with the GPU idle (vLLM and SGLang freeze after start-up too)."""
-    gc.collect()
-    gc.freeze()
+    global _frozen_by
+    with _frozen_lock:
+        _frozen_by += 1
+        gc.collect()
+        gc.freeze()
+
+
+def _thaw_heap() -> None:
+    """After the last live loop stops, frozen objects become collectable again (and get finalised at
+    exit: extension objects left frozen are reported as leaks there)."""
+    global _frozen_by
+    with _frozen_lock:
+        _frozen_by = max(0, _frozen_by - 1)
+        if _frozen_by == 0:
+            gc.unfreeze()

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, KVCacheSpec
@@ -160,7 +161,7 @@ class ModelRunner:
 
     # ---- inputs -------------------------------------------------------------------------------
     def _to_dev(self, values: list[int]) -> torch.Tensor:
-        t = torch.tensor(values, dtype=torch.long)
+        t = torch.from_numpy(np.asarray(values, dtype=np.int64))     # ~3x faster than torch.tensor(list)
         return t.pin_memory().to(self.device, non_blocking=True) if self.on_gpu else t
 
     def _placeholder_patch(self, ids: list[int]) -> Any:
