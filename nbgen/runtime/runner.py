@@ -20,6 +20,7 @@ import torch
 from nbgen.attention.base import AttentionBackend, KVCacheSpec
 from nbgen.config import EngineConfig
 from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.runtime.cuda_graphs import padded_batch_size
 from nbgen.runtime.logprob_step import per_seq, step_with_logprobs, wants_logprobs
 
 logger = logging.getLogger("nbgen")
@@ -235,14 +236,29 @@ class ModelRunner:
                 staged = self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
             hidden = self.graphs.replay(staged, self._last_tokens)
             rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
+            if not rows and seqs:             # logits over the graph's padded rows, see _logits
+                return Forwarded(batch, seqs, self._logits(self.graphs.outputs[staged.bs], len(seqs)), hidden)
         else:
             ids, pos, rows, seqs, _ = self._flatten(batch)
             hidden = self._forward(batch, ids, pos)
         if not seqs:
             return Forwarded(batch, seqs, None, None)
-        if len(seqs) != hidden.shape[0]:
+        n = len(seqs)
+        if self.on_gpu and padded_batch_size(n) != hidden.shape[0]:
+            if not rows:
+                rows = list(range(n))
+            full = hidden.index_select(0, self._to_dev(rows + [rows[-1]] * (padded_batch_size(n) - n)))
+            return Forwarded(batch, seqs, self._logits(full, n), full[:n])
+        if n != hidden.shape[0]:
             hidden = hidden.index_select(0, self._to_dev(rows))
-        return Forwarded(batch, seqs, self.model.compute_logits(hidden), hidden)
+        return Forwarded(batch, seqs, self._logits(hidden, n), hidden)
+
+    def _logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """Logits [n, vocab] of the first n rows of ``hidden``, whose row count on CUDA is a graph batch
+        size (``padded_batch_size``): cuBLAS chooses its kernel on the host the first time it sees a row
+        count, ~4 ms on an H100 for the LM head, and a decode batch shrinks through every count as its
+        requests finish (W-nano paid it ~256 times); padded, at most one per graph batch size."""
+        return self.model.compute_logits(hidden)[:n]
 
     @torch.inference_mode()
     def sample(self, fwd: Forwarded, fill: Optional[Any] = None) -> Launched:
