@@ -94,6 +94,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["dtype"] = args.dtype
     if args.page_size:
         kw["page_size"] = args.page_size
+    if args.chunked_prefill_size:
+        kw["chunked_prefill_size"] = args.chunked_prefill_size
     t0 = time.perf_counter()
     eng = nbgen.Engine(args.model, **kw) if args.model else nbgen.Engine(**kw)
     startup = time.perf_counter() - t0
@@ -208,6 +210,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--page-size", type=int, default=None, help="KV page size (default: the engine's)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=None, help="token budget per step (default: the engine's)")
     ap.add_argument("--peer", default=None, choices=["hf"])
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
