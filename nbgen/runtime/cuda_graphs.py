@@ -207,6 +207,10 @@ class CudaGraphRunner:
         self.graphs[staged.bs].replay()
         return self.outputs[staged.bs][: staged.n]
 
+    def padded_output(self, staged: Staged) -> torch.Tensor:
+        """The replayed step's hidden states with its padding rows: [bs, H] (rows n.. are padding)."""
+        return self.outputs[staged.bs]
+
     def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Stage and replay a decode-only batch (see ``stage`` / ``replay``)."""
         return self.replay(self.stage(batch, ids), prev)

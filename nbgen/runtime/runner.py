@@ -237,7 +237,7 @@ class ModelRunner:
             hidden = self.graphs.replay(staged, self._last_tokens)
             rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
             if not rows and seqs:             # logits over the graph's padded rows, see _logits
-                return Forwarded(batch, seqs, self._logits(self.graphs.outputs[staged.bs], len(seqs)), hidden)
+                return Forwarded(batch, seqs, self._logits(self.graphs.padded_output(staged), len(seqs)), hidden)
         else:
             ids, pos, rows, seqs, _ = self._flatten(batch)
             hidden = self._forward(batch, ids, pos)
