@@ -161,63 +161,6 @@ def test_engine_triton_decode_matches_flashinfer_decode(model_dir, monkeypatch):
     assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in eager]
 
 
-@gpu
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("hq,hkv,D,norm", [(16, 8, 128, True), (32, 8, 128, False), (14, 2, 64, False)])
-@pytest.mark.parametrize("lens", [[1], [300, 17, 4099], [(37 * i) % 1500 + 1 for i in range(40)]])
-def test_decode_rope_in_prologue_matches_separate_kernels(layout, hq, hkv, D, norm, lens):
-    """RoPE (+ Qwen3's q/k norm) and the K/V write in the decode kernel's prologue: the cache gets the
-    same k / v as the separate fused RoPE kernel writes, qkv is left unrotated, and the attention
-    output agrees with RoPE kernel + decode kernel within rounding (many splits, a few, one)."""
-    from nbgen.attention.base import RopeArgs
-    from nbgen.attention.triton_decode import TritonDecodeWrapper
-    from nbgen.models import qk_norm_rope as fq
-    from nbgen.models.layers import get_rope
-
-    P, B = 16, len(lens)
-    kc, vc, indptr, indices, last = _paged(lens, hkv, D, P, layout, seed=B + D)
-    torch.manual_seed(B)
-    qkv = torch.randn(B, (hq + 2 * hkv) * D, device="cuda").bfloat16() * 2
-    rope = get_rope(D, 8192, 1e6, None).cuda()
-    wq = torch.rand(D, device="cuda").bfloat16() + 0.5 if norm else None
-    wk = torch.rand(D, device="cuda").bfloat16() + 0.5 if norm else None
-    pos = torch.tensor(lens, device="cuda") - 1
-    slots = torch.tensor([int(indices[int(indptr[b]) + (n - 1) // P]) * P + (n - 1) % P for b, n in enumerate(lens)],
-                         device="cuda")
-    w = TritonDecodeWrapper(hq, hkv, D, P, layout, torch.device("cuda"))
-    w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
-    kc1, vc1, x1 = kc.clone(), vc.clone(), qkv.clone()
-    fq.qk_norm_rope_(x1, pos, wq, wk, 1e-6, rope.cos_sin_cache, hq, hkv, D, kv=(kc1, vc1, slots, layout))
-    o1 = w.run(x1[:, : hq * D].view(B, hq, D), (kc1, vc1)).float()
-    kc2, vc2, x2 = kc.clone(), vc.clone(), qkv.clone()
-    q, k, v = x2.split([hq * D, hkv * D, hkv * D], dim=-1)
-    o2 = w.run(q.view(B, hq, D), (kc2, vc2), RopeArgs(k, v, rope.cos_sin_cache, wq, wk, 1e-6)).float()
-    assert torch.equal(x2, qkv) and torch.equal(vc1, vc2)
-    if norm:    # the norm's sum of squares may contract into FMAs here (the RoPE kernel is built without)
-        diff = (kc1.float() - kc2.float()).abs()
-        assert (diff == 0).float().mean().item() > 0.999
-        assert bool((diff <= 2 ** -6 * kc1.float().abs() + 1e-6).all())
-    else:
-        assert torch.equal(kc1, kc2)
-    err = (o1 - o2).abs()
-    assert bool((err <= 2 ** -7 * o1.abs() + 4e-3).all()), err.max().item()
-    assert int(w.count.sum()) == 0
-
-
-@gpu
-def test_engine_decode_rope_in_prologue_matches_separate_kernel(model_dir, monkeypatch):
-    """Engine decode with RoPE + K/V write inside the decode kernel agrees with the separate fused RoPE
-    kernel (NBGEN_DECODE_ROPE=0), and graph replays equal eager steps token for token."""
-    from nbgen.attention import flashinfer_backend
-
-    prompts = _prompts(12)
-    ours = _gen(model_dir, prompts, logprobs=True)
-    eager = _gen(model_dir, prompts, logprobs=True, disable_cuda_graph=True)
-    monkeypatch.setattr(flashinfer_backend, "DECODE_ROPE", False)
-    theirs = _gen(model_dir, prompts, logprobs=True)
-    _close(ours, theirs)
-    assert [o["output_ids"] for o in ours] == [o["output_ids"] for o in eager]
-
 def test_padded_batch_size_is_the_graph_size_a_batch_replays_at():
     """Kernels that pick splits by batch size use padded_batch_size, so it must name the CUDA graph
     a decode batch of n seqs replays (the smallest default graph size >= n) for every n."""

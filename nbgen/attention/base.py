@@ -34,19 +34,6 @@ class KVCacheSpec:
 KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]
 
 
-@dataclass
-class RopeArgs:
-    """What a decode kernel needs to apply (q/k RMSNorm +) RoPE itself (``AttentionBackend.rope_in_forward``):
-    the step's unrotated k / v rows (views of the qkv projection), the [max_pos, D] fp32 cos|sin cache
-    and the per-head norm weights [D] (None: no norm, Llama / Qwen2)."""
-    k: torch.Tensor
-    v: torch.Tensor
-    cos_sin: torch.Tensor
-    q_weight: Optional[torch.Tensor] = None
-    k_weight: Optional[torch.Tensor] = None
-    eps: float = 0.0
-
-
 class AttentionMetadata:
     """Per-step data shared by all layers; each backend subclasses it. ``backend`` routes the call."""
 
@@ -74,19 +61,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_written: bool = False, rope: Optional[RopeArgs] = None) -> torch.Tensor:
+                meta: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] for the step's flat tokens -> [T, Hq*D].
 
         Writes k/v of the new tokens into their pages (unless ``kv_written``: a fused kernel already
         stored them at ``kv_target``), then attends over each sequence's cached prefix plus its new
-        tokens (causal within the new tokens). With ``rope`` (only where ``rope_in_forward``), q, k
-        are unrotated and the backend applies the norm + RoPE itself.
+        tokens (causal within the new tokens).
         """
-
-    def rope_in_forward(self, meta: AttentionMetadata) -> bool:
-        """Whether this step's attention applies (q/k norm +) RoPE and the K/V write itself (a decode
-        kernel that does it in its prologue); the model then passes ``RopeArgs`` instead."""
-        return False
 
     def kv_target(self, layer_id: int, meta: AttentionMetadata) -> Optional[KVTarget]:
         """Where a fused kernel may write this step's K/V itself: (k_cache, v_cache, slots [T] long,
@@ -117,12 +98,8 @@ class Attention(nn.Module):
         self.layer_id = layer_id
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
-                kv_written: bool = False, rope: Optional[RopeArgs] = None) -> torch.Tensor:
-        return meta.backend.forward(self.layer_id, q, k, v, meta, kv_written, rope)
-
-    def rope_in_forward(self, meta: Any) -> bool:
-        """See AttentionBackend.rope_in_forward."""
-        return meta.backend.rope_in_forward(meta)
+                kv_written: bool = False) -> torch.Tensor:
+        return meta.backend.forward(self.layer_id, q, k, v, meta, kv_written)
 
     def kv_target(self, meta: Any) -> Optional[KVTarget]:
         """This layer's K/V destination for a fused write (see AttentionBackend.kv_target)."""

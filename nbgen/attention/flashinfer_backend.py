@@ -28,7 +28,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, KVTarget, RopeArgs
+from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, KVTarget
 from nbgen.attention import triton_decode
 from nbgen.attention.kv_write import write_kv, write_kv_reference
 from nbgen.runtime.batch import ScheduledBatch
@@ -41,8 +41,6 @@ WORKSPACE_BYTES = 256 << 20
 KV_LAYOUT = "HND"
 # NBGEN_FAST_REPLAN=0: graph decode wrappers re-plan through flashinfer's public plan() (A/B checks)
 FAST_REPLAN = os.environ.get("NBGEN_FAST_REPLAN", "1") != "0"
-# decode steps: (q/k norm +) RoPE and the K/V write inside nbgen's decode kernel (0: the separate kernel)
-DECODE_ROPE = os.environ.get("NBGEN_DECODE_ROPE", "1") != "0"
 
 
 def decode_tensor_cores(group: int) -> bool:
@@ -299,19 +297,11 @@ class FlashInferBackend(AttentionBackend):
             return None
         return self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping, self.kv_layout
 
-    def rope_in_forward(self, meta: FlashInferMetadata) -> bool:
-        """Decode steps through nbgen's Triton kernel apply RoPE + the K/V write in its prologue
-        (one launch per layer fewer; ``NBGEN_DECODE_ROPE=0`` keeps the separate fused RoPE kernel)."""
-        return DECODE_ROPE and isinstance(meta.wrapper, triton_decode.TritonDecodeWrapper)
-
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata, kv_written: bool = False, rope: Optional[RopeArgs] = None) -> torch.Tensor:
+                meta: FlashInferMetadata, kv_written: bool = False) -> torch.Tensor:
         sp = self.spec
         T = q.shape[0]
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]
-        if rope is not None:            # nbgen's decode kernel: RoPE, K/V write and attention in one
-            o = meta.wrapper.run(q.view(T, sp.num_q_heads, sp.head_dim), (kc, vc), rope)
-            return o.view(T, sp.num_q_heads * sp.head_dim)
         # write the new tokens' K/V into their slots, K and V in one kernel, unless the model's
         # fused RoPE kernel did (padding rows of a graph batch hit slot 0 of the scratch page)
         if not kv_written:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, RopeArgs
+from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
 from nbgen.runtime import cpu_ops
 from nbgen.runtime.batch import ScheduledBatch
 
@@ -108,8 +108,8 @@ class TorchAttentionBackend(AttentionBackend):
         return (table[:, None] * P + torch.arange(P)).reshape(-1)[:n].to(self.spec.device)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: TorchAttentionMetadata, kv_written: bool = False, rope: Optional[RopeArgs] = None) -> torch.Tensor:
-        assert not kv_written and rope is None, "the torch backend writes K/V itself, after the model's RoPE"
+                meta: TorchAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+        assert not kv_written, "the torch backend writes K/V itself (kv_target is None)"
         sp = self.spec
         T, hkv, d = q.shape[0], sp.num_kv_heads, sp.head_dim
         q = q.view(T, sp.num_q_heads, d)

@@ -21,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from nbgen.attention.base import RopeArgs
 from nbgen.runtime import pdl
 
 try:
@@ -57,15 +56,12 @@ def block_n(bs: int, head_dim: int) -> int:
 
 
 if triton is not None:
-    from nbgen.models.qk_norm_rope import norm_rope_rows
-
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale,
-                       kn_ptr, vn_ptr, sn_t, cs_ptr, qw_ptr, kw_ptr, eps,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
-                       ROPE: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                       USE_PDL: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         s = tl.program_id(2)
@@ -78,52 +74,14 @@ if triton is not None:
         hi = tl.minimum(lo + chunk, kv_len)
         g = tl.arange(0, GP)                       # the group's q heads, padded to a tensor-core tile
         d = tl.arange(0, D)
-        qrow = q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h
-        gm = (g < G)[:, None]
-        if ROPE:
-            # q and the new token's k / v come unrotated from the qkv projection: (q/k norm +) RoPE
-            # here, at position kv_len - 1; the new K/V go into the cache from here, and no split
-            # reads that slot this step (the split that owns it folds it in from registers)
-            dt = kc_ptr.dtype.element_ty
-            pos = kv_len - 1
-            dp = (d + D // 2) % D                                   # rotate_half partner of each d
-            cos = tl.load(cs_ptr + pos * D + d % (D // 2))[None, :]
-            cos = cos.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-            sin = tl.load(cs_ptr + pos * D + D // 2 + d % (D // 2))[None, :]
-            sin = sin.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-            if NORM:
-                qw, qwp = tl.load(qw_ptr + d)[None, :].to(tl.float32), tl.load(qw_ptr + dp)[None, :].to(tl.float32)
-                kw, kwp = tl.load(kw_ptr + d)[None, :].to(tl.float32), tl.load(kw_ptr + dp)[None, :].to(tl.float32)
-            else:
-                qw, qwp, kw, kwp = cos, cos, cos, cos              # unused without the norm
-            new_off = (tl.load(indices_ptr + start + pos // P).to(tl.int64) * s_page + kh * s_head
-                       + (pos % P) * s_tok)
-            owner = (pos >= lo) & (pos < hi)                        # this split holds the new token
-            hi = tl.minimum(hi, pos)                                # the cache part of this split
         if USE_PDL:
             pdl.gdc_wait()                  # q and this step's K/V are written by the kernel before
             pdl.gdc_launch_dependents()
-        if ROPE:
-            q = norm_rope_rows(tl.load(qrow + d[None, :], mask=gm, other=0.0).to(tl.float32),
-                               tl.load(qrow + dp[None, :], mask=gm, other=0.0).to(tl.float32),
-                               qw, qwp, cos, sin, eps, D, NORM, dt)                       # [GP, D]
-        else:
-            q = tl.load(qrow + d[None, :], mask=gm, other=0.0)                           # [GP, D]
+        q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
+                    mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        if ROPE:
-            if owner:
-                nrow = b.to(tl.int64) * sn_t + kh * D
-                kn = norm_rope_rows(tl.load(kn_ptr + nrow + d)[None, :].to(tl.float32),
-                                    tl.load(kn_ptr + nrow + dp)[None, :].to(tl.float32),
-                                    kw, kwp, cos, sin, eps, D, NORM, dt)                   # [1, D]
-                vn = tl.load(vn_ptr + nrow + d[None, :])                                  # [1, D]
-                tl.store(kc_ptr + new_off + d[None, :], kn)
-                tl.store(vc_ptr + new_off + d[None, :], vn)
-                m = tl.sum(q.to(tl.float32) * kn.to(tl.float32), 1) * qk_scale           # [GP]
-                l = tl.full([GP], 1.0, tl.float32)
-                acc = tl.zeros([GP, D], tl.float32) + vn.to(tl.float32)
         for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
@@ -217,13 +175,8 @@ class TritonDecodeWrapper:
         self.indptr[: bs + 1].copy_(kv_indptr, non_blocking=True)
         self.last[: bs].copy_(last_page_len, non_blocking=True)
 
-    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-            rope: Optional[RopeArgs] = None) -> torch.Tensor:
-        """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables.
-
-        With ``rope``, q is unrotated, the cache holds each sequence's tokens but its last, and the
-        kernel applies (q/k norm +) RoPE at position kv_len - 1 to q and to ``rope.k``, writes that
-        k and ``rope.v`` into the last slot, and attends over the cache plus them."""
+    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables."""
         kc, vc = kv_cache
         B = q.shape[0]
         o = torch.empty((B, self.hq, self.d), dtype=q.dtype, device=q.device)
@@ -232,18 +185,8 @@ class TritonDecodeWrapper:
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
         sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load
-        if rope is not None:
-            assert rope.k.stride(0) == rope.v.stride(0) and rope.k.stride(-1) == 1, "k / v rows of one qkv"
-            norm = rope.q_weight is not None
-            extra = (rope.k, rope.v, rope.k.stride(0), rope.cos_sin, rope.q_weight if norm else rope.cos_sin,
-                     rope.k_weight if norm else rope.cos_sin, rope.eps)
-        else:
-            norm = False
-            extra = (q, q, 0, q, q, q, 0.0)
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
-                q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E,
-                *extra)
+                q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
         pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=2,
-                   ROPE=rope is not None, NORM=norm, num_warps=4)
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=2, num_warps=4)
         return o

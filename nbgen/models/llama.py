@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 from torch import nn
 
-from nbgen.attention.base import Attention, RopeArgs
+from nbgen.attention.base import Attention
 from nbgen.models import qk_norm_rope as fused_rope
 from nbgen.models import small_gemm
 from nbgen.models.layers import (
@@ -95,10 +95,6 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)                                        # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if FUSED_ROPE and fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
-            if self.attn.rope_in_forward(meta):      # decode: the attention kernel's prologue does it all
-                qw, kw, eps = self.qk_norm_weights()
-                rope = RopeArgs(k, v, self.rotary_emb.cos_sin_cache, qw, kw, eps)
-                return self.o_proj(self.attn(q, k, v, meta, rope=rope))
             # one kernel, in place on qkv (q and k stay its strided views): q/k norm (Qwen3), RoPE,
             # and where the backend allows it the K/V write into the paged cache
             kv = self.attn.kv_target(meta)

@@ -38,20 +38,6 @@ if triton is not None:
         return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
 
     @triton.jit
-    def norm_rope_rows(x, xp, w, wp, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr, dt: tl.constexpr):
-        """(RMSNorm +) RoPE of head rows x [R, D] (fp32) in HF's rounding steps, given each element's
-        rotate_half partner xp (x[d + D/2] for the first half, x[d - D/2] for the second), the norm
-        weights w / wp at d and at the partner, and cos / sin [1, D] (each half's values repeated)."""
-        if NORM:
-            r = tl.math.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-            x = _rnd(w * _rnd(x * r, dt), dt)
-            xp = _rnd(wp * _rnd(xp * r, dt), dt)
-        first = (tl.arange(0, D) < D // 2)[None, :]
-        # x * cos + rotate_half(x) * sin, rotate_half = (-x2, x1); each product rounded as in HF
-        return (_rnd(x * cos, dt) + tl.where(first, -_rnd(xp * sin, dt), _rnd(xp * sin, dt))).to(
-            dt, fp_downcast_rounding="rtne")
-
-    @triton.jit
     def _qk_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
                         HQ: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
                         D: tl.constexpr, P: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
