@@ -327,3 +327,34 @@ def test_startup_heap_is_frozen(tiny_engine):
     assert gc.get_freeze_count() > 10_000   # torch alone is hundreds of thousands of objects
     out = tiny_engine.generate("hello", {"temperature": 0.0, "max_new_tokens": 4})
     assert len(out["output_ids"]) == 4
+
+
+def test_code_loaded_by_steps_is_frozen_when_idle(tiny_engine):
+    """Modules imported after start-up (on CUDA the first prefill loads flashinfer's prefill module)
+    join the frozen heap once the loop goes idle after its steps, so later full collections skip them;
+    without new modules an idle loop freezes nothing."""
+    import gc
+    import sys
+    import types
+
+    def in_collected_heap(obj: object) -> bool:
+        return any(o is obj for o in gc.get_objects())
+
+    tiny_engine.generate("warm", {"temperature": 0.0, "max_new_tokens": 2})
+    fresh = types.ModuleType("nbgen_test_lazy_module")
+    exec("def helper(x):\n    return [x]\n", fresh.__dict__)
+    before = gc.get_freeze_count()
+    tiny_engine.generate("hello", {"temperature": 0.0, "max_new_tokens": 2})
+    time.sleep(0.2)
+    assert gc.get_freeze_count() == before           # no module loaded: nothing frozen
+    assert in_collected_heap(fresh.helper)
+    sys.modules[fresh.__name__] = fresh               # "imported" while the engine runs steps
+    try:
+        tiny_engine.generate("hello", {"temperature": 0.0, "max_new_tokens": 2})
+        deadline = time.time() + 5
+        while in_collected_heap(fresh.helper) and time.time() < deadline:
+            time.sleep(0.02)
+        assert not in_collected_heap(fresh.helper)    # now in the permanent generation
+        assert gc.get_freeze_count() > before
+    finally:
+        del sys.modules[fresh.__name__]
