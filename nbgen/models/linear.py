@@ -7,6 +7,7 @@ forward passes communicate through torch.distributed (set up by the caller via `
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -43,9 +44,20 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: o
     param.data.copy_(loaded)
 
 
+@functools.lru_cache(maxsize=None)
 def cpu_packed_matmul_available() -> bool:
-    """oneDNN can pre-pack bf16 linear weights on this CPU (saves a weight reorder per call)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN can pre-pack bf16 linear weights on this CPU (saves a weight reorder per call).
+
+    Probed once with a tiny weight: the bf16 reorder needs AVX512 (bw/vl/dq) or AVX-NE-CONVERT, and on
+    an AVX2-only CPU torch raises at the first pack (the plain F.linear path is used there)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        w = torch.zeros(32, 32, dtype=torch.bfloat16)
+        packed_linear(torch.zeros(2, 32, dtype=torch.bfloat16), pack_linear_weight(w), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
