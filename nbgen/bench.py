@@ -118,6 +118,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
 
         hprof = cProfile.Profile()
         eng._loop.call(hprof.enable)
+    gcs = _GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
         if i:
@@ -125,7 +126,9 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         t0 = time.perf_counter()
         res = eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False)
         runs.append(time.perf_counter() - t0)
+    gcs.close()
     secs = statistics.median(runs)
+    print(gcs.summary(sum(runs)))
     if len(runs) > 1:
         print("nbgen runs: " + ", ".join(f"{r:.2f}" for r in runs) + f" s (median {secs:.2f} s is reported)")
     if hprof is not None:
@@ -147,7 +150,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
             info[k] = getattr(runner.backend, k)
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
-           "server_info": info,
+           "server_info": info, "gc_pauses_s": [round(t, 4) for _, t in gcs.pauses if t >= 1e-3],
            "first_ids": res[0]["output_ids"][:16]}
     eng.shutdown()
     del eng, runner, res
@@ -155,6 +158,32 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
+
+
+class _GcPauses:
+    """Cyclic-GC pauses in any thread while it is open (a full collection stalls the engine's loop
+    thread, and with it the GPU, for as long as it walks the heap)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []     # (generation, seconds)
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def summary(self, wall: float) -> str:
+        total = sum(t for _, t in self.pauses)
+        full = [t for g, t in self.pauses if g == 2]
+        longest = max((t for _, t in self.pauses), default=0.0)
+        return (f"GC during the timed runs ({wall:.2f} s): {len(self.pauses)} collections, {1e3 * total:.1f} ms; "
+                f"{len(full)} full, {1e3 * sum(full):.1f} ms; longest {1e3 * longest:.1f} ms")
 
 
 def _print_profile(prof: Any, wall: float) -> None:
