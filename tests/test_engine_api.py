@@ -341,6 +341,7 @@ def test_code_loaded_by_steps_is_frozen_when_idle(tiny_engine):
         return any(o is obj for o in gc.get_objects())
 
     tiny_engine.generate("warm", {"temperature": 0.0, "max_new_tokens": 2})
+    time.sleep(0.2)                                   # the loop goes idle (and freezes) after delivering
     fresh = types.ModuleType("nbgen_test_lazy_module")
     exec("def helper(x):\n    return [x]\n", fresh.__dict__)
     before = gc.get_freeze_count()
