@@ -113,10 +113,12 @@ class ModelRunner:
         the middle of its run (W-nano: 8.0 s first vs 7.35 s later runs on the same engine)."""
         if self.graphs is None:
             return
+        from nbgen.runtime.sampler import _argmax   # the sampler's greedy path, not a copy of it
+
         H = self.hf_config.hidden_size
         for bs in self.cuda_graph_batch_sizes:
             hidden = torch.zeros(bs, H, dtype=self.loaded.dtype, device=self.device)
-            self.model.compute_logits(hidden).argmax(dim=-1)
+            _argmax(self.model.compute_logits(hidden))
         torch.cuda.synchronize(self.device)
 
     # ---- sizing -------------------------------------------------------------------------------
