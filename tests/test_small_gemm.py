@@ -89,3 +89,38 @@ def test_engine_small_gemm_path_matches_cublas_path(model_dir, monkeypatch):
     monkeypatch.setattr(sg, "MAX_ROWS", 0)
     plain = _gen(model_dir, prompts, logprobs=True)
     _close(fused, plain)
+
+
+class _FakeKernel:
+    """Stands in for a Triton kernel: records launches, raises ``fault`` on PDL launches."""
+
+    def __init__(self, fault: Exception) -> None:
+        self.fault, self.calls = fault, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.calls.append(kw.get("USE_PDL"))
+            if kw.get("launch_pdl"):
+                raise self.fault
+        return run
+
+
+@pytest.mark.parametrize("fault,pdl_stays_on", [
+    (type("OutOfResources", (Exception,), {})("out of resource: shared memory"), True),
+    (TypeError("launch_pdl is not a launch option"), False),
+])
+def test_pdl_fallback_only_for_pdl_refusals(monkeypatch, fault, pdl_stays_on):
+    """A kernel config over the SM's limits raises as it is and leaves PDL on for every other kernel; a
+    Triton that refuses the PDL launch itself switches PDL off and the kernel runs once, plainly."""
+    from nbgen.runtime import pdl
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(pdl, "_ok", {0: True})            # as if enabled on a Hopper
+    k = _FakeKernel(fault)
+    if pdl_stays_on:
+        with pytest.raises(type(fault)):
+            pdl.launch(k, (1,), (), dev)
+        assert k.calls == [True] and pdl.enabled(dev)
+    else:
+        pdl.launch(k, (1,), (), dev)
+        assert k.calls == [True, False] and not pdl.enabled(dev)

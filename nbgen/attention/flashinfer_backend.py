@@ -164,7 +164,9 @@ class FlashInferBackend(AttentionBackend):
         self.triton_bs = triton_decode.MAX_BS if triton_decode.supported(spec.head_dim) else 0
         self.decode_wrapper = self.make_decode_wrapper()
         self.triton_wrapper = self._triton_wrapper() if self.triton_bs else None
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout)
+        # NBGEN_PREFILL_BACKEND=fa2|fa3: flashinfer's prefill kernel family (default: its own choice; A/B)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, self.kv_layout, backend=os.environ.get("NBGEN_PREFILL_BACKEND", "auto"))
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)

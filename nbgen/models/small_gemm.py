@@ -62,12 +62,15 @@ if triton is not None:
         return tl.sum(acc, 1)[None, :]
 
     @triton.jit
-    def _few_rows(x_ptr, w_rows, K, sxm, n_mask, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _few_rows(x_ptr, w_rows, w0, K, sxm, n_mask, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-        # x rows [0, M) padded to BLOCK_M (>= 16) against BLOCK_N weight rows, tensor-core dot
+        # x rows [0, M) padded to BLOCK_M (>= 16) against BLOCK_N weight rows whose first tile w0 is
+        # already loaded, tensor-core dot
         rm = tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        rk = tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w0), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :],
                         other=0.0)
@@ -84,22 +87,20 @@ if triton is not None:
         n_mask = rn < out_n
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * swn
         u_rows = w_ptr + (rn + HALF).to(tl.int64)[:, None] * swn   # SILU_MUL: rows [HALF, 2 HALF) are "up"
+        # the weights do not depend on the kernel before: their first tiles load before the wait
+        w0, _kk, _km = _row_tile(w_rows, 0, K, n_mask, BLOCK_K)
+        if SILU_MUL:
+            u0, _kk, _km = _row_tile(u_rows, 0, K, n_mask, BLOCK_K)
+        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
+            pdl.gdc_wait()
         if BLOCK_M == 1:
-            # the weights do not depend on the kernel before: their first tiles load before the wait
-            w0, _kk, _km = _row_tile(w_rows, 0, K, n_mask, BLOCK_K)
-            if SILU_MUL:
-                u0, _kk, _km = _row_tile(u_rows, 0, K, n_mask, BLOCK_K)
-            if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
-                pdl.gdc_wait()
             y = _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K)
             if SILU_MUL:
                 u = _one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K)
         else:
-            if USE_PDL:
-                pdl.gdc_wait()
-            y = _few_rows(x_ptr, w_rows, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
+            y = _few_rows(x_ptr, w_rows, w0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
             if SILU_MUL:
-                u = _few_rows(x_ptr, u_rows, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
+                u = _few_rows(x_ptr, u_rows, u0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
         if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
             pdl.gdc_launch_dependents()
         if HAS_BIAS:

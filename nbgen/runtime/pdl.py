@@ -53,9 +53,17 @@ def launch(kernel: Any, grid: Sequence[int], args: Sequence[Any], device: torch.
             kernel[grid](*args, USE_PDL=True, launch_pdl=True, **kw)
             return
         except Exception as e:   # noqa: BLE001 - any Triton-side refusal of the PDL launch
+            if _kernel_fault(e):
+                raise        # this kernel's own fault (a config over the SM's limits): PDL stays on
             logger.warning("nbgen: programmatic dependent launch unavailable (%s); plain launches", e)
             _ok[device.index or 0] = False
     kernel[grid](*args, USE_PDL=False, **kw)
+
+
+def _kernel_fault(e: Exception) -> bool:
+    """Errors that a plain launch would raise as well (Triton's OutOfResources: shared memory or
+    registers over the limit), so they say nothing about PDL support."""
+    return type(e).__name__ in ("OutOfResources", "OutOfResourcesError") or "out of resource" in str(e)
 
 
 if _tl_cuda is not None:
