@@ -21,7 +21,7 @@ def _within_rounding(y: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -> N
 
 
 @gpu
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 24, 32])
 @pytest.mark.parametrize("N,K,bias", [(6144, 4096, False), (1000, 1000, True), (4096, 14336, False)])
 def test_small_gemm_is_one_rounding_of_the_exact_product(M, N, K, bias):
     from nbgen.models import small_gemm as sg
@@ -40,7 +40,7 @@ def test_small_gemm_is_one_rounding_of_the_exact_product(M, N, K, bias):
 
 
 @gpu
-@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("M", [1, 3, 8, 32])
 def test_silu_mul_epilogue(M):
     from nbgen.models import small_gemm as sg
 
@@ -84,7 +84,7 @@ def test_engine_small_gemm_path_matches_cublas_path(model_dir, monkeypatch):
     flashinfer SiLU path on the same random weights."""
     from nbgen.models import small_gemm as sg
 
-    prompts = _prompts(4)                                        # batch 4: graphs of 1, 2, 4 rows
+    prompts = _prompts(12)                        # batch 12 shrinking: graphs of 16, 8, 4, 2, 1 rows
     fused = _gen(model_dir, prompts, logprobs=True)
     monkeypatch.setattr(sg, "MAX_ROWS", 0)
     plain = _gen(model_dir, prompts, logprobs=True)

@@ -1,6 +1,6 @@
 """Decode-size matmuls (a few rows of x against a large weight) as one streaming Triton kernel.
 
-At batch 1-4 a linear is a weight read: y[m, n] = sum_k x[m, k] * W[n, k]. cuBLAS picks split-K
+At batch 1-16 a linear is mostly a weight read: y[m, n] = sum_k x[m, k] * W[n, k]. cuBLAS picks split-K
 kernels for some of these shapes (a second reduce launch) and reaches ~80-90 % of copy bandwidth
 on an H100; a kernel that only streams W's rows through registers, each program owning BLOCK_N
 output features over the whole K, needs no reduction pass. The gate|up variant also applies
@@ -29,15 +29,19 @@ except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
 # rows of x up to which the streaming kernel replaces F.linear (0 turns it off)
-MAX_ROWS = int(os.environ.get("NBGEN_SMALL_GEMM_ROWS", "4"))
+# (16: at 24-32 rows cuBLAS's Llama-8B gate|up beats it, docs/benchmarks.md session 9)
+MAX_ROWS = int(os.environ.get("NBGEN_SMALL_GEMM_ROWS", "16"))
 
 
 def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on an H100 over the Llama-3.1-8B and
-    Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py; best or within 2 % of it on each shape)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from sweeps on an H100 over the Llama-3.1-8B and
+    Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py for 1-4 rows, gemm_mb2.py for 8-32; best or
+    within ~2 % of it on each shape)."""
     if M == 1:
         return (4 if N <= 4096 else 8), 1024, (8 if K <= 4096 else 4), 4
-    return (64, 256, 4, 5) if N * K >= (1 << 24) else (32, 128, 4, 5)   # tensor-core dot, x padded to 16 rows
+    if M <= 4:   # tensor-core dot, x padded to 16 rows
+        return (64, 256, 4, 5) if N * K >= (1 << 24) else (32, 128, 4, 5)
+    return (16 if N <= 1024 else 32), (256 if K >= 2048 else 128), 4, 4
 
 
 if triton is not None:
