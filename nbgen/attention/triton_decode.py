@@ -32,7 +32,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton never buil
 # decode batches up to this many sequences take this kernel (0: flashinfer's decode for every batch)
 MAX_BS = int(os.environ.get("NBGEN_TRITON_DECODE_BS", str(1 << 30)))
 LOG2E = 1.4426950408889634
-PROGRAMS_PER_SM = 4      # split target; from the batch x split grid in docs/benchmarks.md (session 7)
+# split target; from the batch x split grid in docs/benchmarks.md (session 7)
+PROGRAMS_PER_SM = int(os.environ.get("NBGEN_DECODE_PROGRAMS_PER_SM", "4"))
+STAGES = int(os.environ.get("NBGEN_DECODE_STAGES", "2"))     # K/V tiles in flight per program
 MAX_SPLITS = 16
 
 
@@ -188,5 +190,5 @@ class TritonDecodeWrapper:
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
         pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=2, num_warps=4)
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=STAGES, num_warps=4)
         return o
