@@ -35,8 +35,8 @@ MAX_ROWS = int(os.environ.get("NBGEN_SMALL_GEMM_ROWS", "16"))
 
 def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from sweeps on an H100 over the Llama-3.1-8B and
-    Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py for 1-4 rows, gemm_mb2.py / gemm_rule.py for 5-16; best or
-    within ~2 % of it on each shape)."""
+    Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py for 1-4 rows, gemm_mb2.py / gemm_rule.py for
+    5-16; best or within ~2 % of it on each shape)."""
     if M == 1:
         return (4 if N <= 4096 else 8), 1024, (8 if K <= 4096 else 4), 4
     if M <= 4:   # tensor-core dot, x padded to 16 rows
