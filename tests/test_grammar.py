@@ -91,7 +91,7 @@ def eng():
     mp = pytest.MonkeyPatch()
     if DEVICE != "cpu":
         kw["mem_fraction_static"] = 0.4   # leave room for conftest's tiny_engine beside it
-        # neither the streaming matmul (<= 4 rows, else cuBLAS) nor nbgen's decode attention (its split
+        # neither the streaming matmul (<= 16 rows, else cuBLAS) nor nbgen's decode attention (its split
         # count follows the batch size): a row's last bits then depend on the batch size, and
         # overlap scheduling keeps finished requests one step longer (and a mixed batch is larger than
         # its free requests alone), so greedy near-ties of the random model flipped between the runs

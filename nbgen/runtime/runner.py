@@ -108,7 +108,7 @@ class ModelRunner:
 
         Logits are computed outside the decode graphs, over rows padded to a graph batch size. The first
         call at a row count picks cuBLAS's kernel on the host (~4 ms for the LM head on an H100) or, at
-        1-4 rows, loads or compiles a Triton variant of the streaming matmul (0.63 s measured at one
+        1-16 rows, loads or compiles a Triton variant of the streaming matmul (0.63 s measured at one
         row); a shrinking decode batch meets every size once, so the first big generate paid that in
         the middle of its run (W-nano: 8.0 s first vs 7.35 s later runs on the same engine)."""
         if self.graphs is None:
