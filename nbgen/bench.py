@@ -88,7 +88,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     import nbgen
 
     kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
-    for k in ("disable_cuda_graph", "disable_overlap_schedule"):
+    for k in ("disable_cuda_graph", "disable_piecewise_cuda_graph", "disable_overlap_schedule"):
         if getattr(args, k):
             kw[k] = True
     if args.dtype:
@@ -144,7 +144,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng._loop.runner
     wb, kvb = model_bytes(runner.model, runner.hf_config)
-    info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes", "startup_s")}
+    info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes",
+                                "piecewise_cuda_graph_tokens", "startup_s")}
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
@@ -250,6 +251,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="token budget per step (default: the engine's)")
     ap.add_argument("--peer", default=None, choices=["hf"])
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                    help="steps with prefill chunks run eagerly (A/B of the piecewise prefill graphs)")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")

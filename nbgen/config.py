@@ -44,6 +44,9 @@ class EngineConfig:
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
+    # steps with prefill chunks as graph pieces around an eager attention (runtime/prefill_graphs.py)
+    disable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: Optional[int] = None   # None: the chunk budget, at most 8192
     disable_overlap_schedule: bool = False
     attention_backend: Optional[str] = None
     random_seed: int = 0
@@ -68,7 +71,7 @@ class EngineConfig:
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
         check("tp_size", self.tp_size == 1, "1 (tensor parallelism is not implemented yet)")
         for name in ("context_length", "max_running_requests", "max_total_tokens",
-                     "chunked_prefill_size", "cuda_graph_max_bs"):
+                     "chunked_prefill_size", "cuda_graph_max_bs", "piecewise_cuda_graph_max_tokens"):
             v = getattr(self, name)
             check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
         if self.model_path is not None:

@@ -253,6 +253,7 @@ class Engine(AsyncGenerateMixin):
                 "disable_radix_cache": sc.disable_radix_cache,
                 "attention_backend": runner.attention_backend_name if runner else None,
                 "cuda_graph_batch_sizes": list(getattr(runner, "cuda_graph_batch_sizes", []) or []),
+                "piecewise_cuda_graph_tokens": list(getattr(runner, "piecewise_cuda_graph_tokens", []) or []),
                 "startup_s": dict(getattr(runner, "startup_s", {}) or {}),
                 "random_seed": self.config.random_seed}
 

@@ -101,6 +101,39 @@ def test_graph_eager_overlap(model_dir):
 
 
 @gpu
+def test_piecewise_prefill_graphs(model_dir):
+    """Steps with prefill chunks replayed as graph pieces around an eager attention per layer give the
+    eager forward's logprobs: several token buckets (padding rows), chunks over cached prefixes, mixed
+    steps with decodes (placeholder ids under overlap)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (3, 31, 100, 257, 600, 1000)]
+    prompts += [p[: len(p) // 2] + [7, 8, 9] for p in prompts[3:]]      # shared prefixes
+
+    def run(logprobs: bool, **cfg) -> tuple[dict, list[dict]]:
+        with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+                          chunked_prefill_size=512, **cfg) as eng:
+            info = eng.get_server_info()
+            kw = {"return_logprob": True, "logprob_start_len": 0} if logprobs else {}
+            return info, eng.generate(input_ids=prompts, sampling_params=SP, use_tqdm=False, **kw)
+
+    info, on = run(True)
+    info_off, off = run(True, disable_piecewise_cuda_graph=True)
+    assert info["piecewise_cuda_graph_tokens"] == [32, 64, 128, 256, 384, 512]
+    assert info_off["piecewise_cuda_graph_tokens"] == [] and info_off["cuda_graph_batch_sizes"]
+    d = [abs(a[0] - b[0]) for x, y in zip(on, off) for a, b in
+         zip(x["meta_info"]["input_token_logprobs"][1:], y["meta_info"]["input_token_logprobs"][1:])]
+    assert len(d) == sum(len(p) - 1 for p in prompts)
+    print(f"prompt logprobs, graphs vs eager: median |d| {statistics.median(d):.5f}, max {max(d):.4f}")
+    assert statistics.median(d) <= 0.01 and max(d) <= 0.25
+    _close(on, off)
+    # the overlap path (no logprobs): greedy tokens of graph and eager prefill steps
+    a, b = _ids(run(False)[1]), _ids(run(False, disable_piecewise_cuda_graph=True)[1])
+    same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) / sum(len(s) for s in a)
+    print(f"greedy tokens equal: {same:.4f}")
+    assert same >= 0.9
+
+
+@gpu
 @pytest.mark.parametrize("layout,tensor_cores", [("HND", "1"), ("NHD", "0")])
 def test_flashinfer_matches_torch_backend(model_dir, layout, tensor_cores, monkeypatch):
     # the default (HND pages, tensor-core decode) and the other KV layout with the CUDA-core decode kernel
@@ -169,6 +202,19 @@ def test_hf_parity_teacher_forced(model_dir, chunk):
     assert agree >= 0.95 and len(clear) >= len(ref_top) // 2
     assert agree_clear >= 0.99
     assert dlp <= 0.05
+
+
+def test_prefill_token_buckets():
+    """CPU: buckets rise to the budget, end at it, and pad a step by at most 1/3 (1/8 above 4k)."""
+    from nbgen.runtime.prefill_graphs import token_buckets
+
+    b = token_buckets(8192)
+    assert b[0] == 32 and b[-1] == 8192 and b == sorted(set(b))
+    assert all(y / x <= 1.5 for x, y in zip(b[3:], b[4:])) and all(y / x <= 1.25 for x, y in zip(b, b[1:]) if x >= 4096)
+    assert token_buckets(512) == [32, 64, 128, 256, 384, 512]
+    assert token_buckets(100) == [32, 64, 100] and token_buckets(16) == [16]
+    with pytest.raises(ValueError, match="piecewise_cuda_graph_max_tokens"):
+        nbgen.Engine("unused", piecewise_cuda_graph_max_tokens=0)
 
 
 def test_decode_tables_match_page_lists():

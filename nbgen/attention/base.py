@@ -61,8 +61,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_written: bool = False) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D] for the step's flat tokens -> [T, Hq*D].
+                meta: AttentionMetadata, kv_written: bool = False,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] for the step's flat tokens -> [T, Hq*D] (written into ``out``
+        when given: a contiguous [T, Hq*D] buffer, as piecewise prefill graphs pass).
 
         Writes k/v of the new tokens into their pages (unless ``kv_written``: a fused kernel already
         stored them at ``kv_target``), then attends over each sequence's cached prefix plus its new
@@ -98,8 +100,8 @@ class Attention(nn.Module):
         self.layer_id = layer_id
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any,
-                kv_written: bool = False) -> torch.Tensor:
-        return meta.backend.forward(self.layer_id, q, k, v, meta, kv_written)
+                kv_written: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return meta.backend.forward(self.layer_id, q, k, v, meta, kv_written, out)
 
     def kv_target(self, meta: Any) -> Optional[KVTarget]:
         """This layer's K/V destination for a fused write (see AttentionBackend.kv_target)."""

@@ -300,7 +300,8 @@ class FlashInferBackend(AttentionBackend):
         return self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping, self.kv_layout
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata, kv_written: bool = False) -> torch.Tensor:
+                meta: FlashInferMetadata, kv_written: bool = False,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
         sp = self.spec
         T = q.shape[0]
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]
@@ -314,8 +315,8 @@ class FlashInferBackend(AttentionBackend):
         if meta.wrapper is self.prefill_wrapper:
             # every row is a planned query token, so the kernel writes all of `out`: without one,
             # flashinfer zero-fills a fresh buffer first (~11 us a layer at 8k tokens on an H100)
-            o = meta.wrapper.run(q3, (kc, vc), out=torch.empty((T, sp.num_q_heads, sp.head_dim),
-                                                               dtype=q.dtype, device=q.device))
-        else:
-            o = meta.wrapper.run(q3, (kc, vc))
-        return o.view(T, sp.num_q_heads * sp.head_dim)
+            o = torch.empty((T, sp.num_q_heads, sp.head_dim), dtype=q.dtype, device=q.device) \
+                if out is None else out.view(T, sp.num_q_heads, sp.head_dim)
+            return meta.wrapper.run(q3, (kc, vc), out=o).view(T, sp.num_q_heads * sp.head_dim)
+        o = meta.wrapper.run(q3, (kc, vc)).view(T, sp.num_q_heads * sp.head_dim)
+        return o if out is None else out.copy_(o)

@@ -108,7 +108,13 @@ class TorchAttentionBackend(AttentionBackend):
         return (table[:, None] * P + torch.arange(P)).reshape(-1)[:n].to(self.spec.device)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: TorchAttentionMetadata, kv_written: bool = False) -> torch.Tensor:
+                meta: TorchAttentionMetadata, kv_written: bool = False,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        o = self._attend(layer_id, q, k, v, meta, kv_written)
+        return o if out is None else out.copy_(o)
+
+    def _attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TorchAttentionMetadata, kv_written: bool) -> torch.Tensor:
         assert not kv_written, "the torch backend writes K/V itself (kv_target is None)"
         sp = self.spec
         T, hkv, d = q.shape[0], sp.num_kv_heads, sp.head_dim

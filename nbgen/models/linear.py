@@ -99,15 +99,21 @@ class _Linear(nn.Module):
         self.packed = pack_linear_weight(self.weight.data)
         self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
-    def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is not None:
+            # into the caller's buffer (piecewise prefill graphs keep q/k/v in a static one): the same
+            # cuBLAS call F.linear makes (addmm / mm with the transposed weight)
+            w = self.weight.t()
+            return torch.addmm(bias, x, w, out=out) if bias is not None else torch.mm(x, w, out=out)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         if small_gemm.usable(x, self.weight):
             return small_gemm.small_gemm(x, self.weight, bias)    # decode batch of a few rows
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mm(x, self.bias)
+    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] -> [T, out]; ``out``: a [T, out] buffer to write into (CUDA, cuBLAS path)."""
+        return self._mm(x, self.bias, out)
 
 
 class ColumnParallelLinear(_Linear):

@@ -91,8 +91,11 @@ class LlamaAttention(nn.Module):
         """(q weight, k weight, eps) of ``qk_norm`` for the fused kernel; (None, None, 0) = no norm."""
         return None, None, 0.0
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        qkv = self.qkv_proj(x)                                        # [T, (Hq + 2 Hkv) * D]
+    def project(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
+                qkv_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """Everything before attention: qkv projection (into ``qkv_out`` when given), (q/k norm,) RoPE,
+        and where the backend allows it the K/V write -> (q, k, v, whether K/V are written)."""
+        qkv = self.qkv_proj(x, out=qkv_out)                           # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if FUSED_ROPE and fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
             # one kernel, in place on qkv (q and k stay its strided views): q/k norm (Qwen3), RoPE,
@@ -100,9 +103,13 @@ class LlamaAttention(nn.Module):
             kv = self.attn.kv_target(meta)
             fused_rope.qk_norm_rope_(qkv, positions, *self.qk_norm_weights(), self.rotary_emb.cos_sin_cache,
                                      self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, kv=kv)
-            return self.o_proj(self.attn(q, k, v, meta, kv_written=kv is not None))
+            return q, k, v, kv is not None
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
-        return self.o_proj(self.attn(q, k, v, meta))                  # attention: [T, Hq * D]
+        return q, k, v, False
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        q, k, v, written = self.project(positions, x, meta)
+        return self.o_proj(self.attn(q, k, v, meta, kv_written=written))   # attention: [T, Hq * D]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,16 +122,27 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output (not yet added to the residual stream) -> (out, residual)."""
+    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], meta: Any,
+                      qkv_out: Optional[torch.Tensor] = None) -> tuple[tuple, torch.Tensor]:
+        """x: the previous layer's output (not yet added to the residual stream) -> ((q, k, v, K/V written),
+        residual). The residual is updated in place where the fused add+RMSNorm runs."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.project(positions, x, meta, qkv_out), residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (not yet added to the residual stream) -> (out, residual).
+        The same three parts that piecewise CUDA graphs replay around an eager attention."""
+        (q, k, v, written), residual = self.pre_attention(positions, x, residual, meta)
+        return self.post_attention(self.self_attn.attn(q, k, v, meta, kv_written=written), residual)
 
 
 class LlamaModel(nn.Module):

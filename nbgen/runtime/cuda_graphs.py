@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -41,6 +41,32 @@ class Staged:
     n: int                 # live rows
     bs: int                # graph batch size (rows n..bs-1 are padding)
     placeholders: bool     # some token ids come from the previous step's sampled ids
+
+
+class StagingRing:
+    """Two sets of pinned host buffers used in turn for host->device copies: a set is handed out again
+    only once the GPU has run the copies queued from it (an event per set), because under overlap a
+    step's copies may still be queued while the host fills the next step's inputs."""
+
+    def __init__(self, make: Callable[[], list[torch.Tensor]]) -> None:
+        self._sets = [[t.pin_memory() for t in make()] for _ in range(2)]
+        self._np = [[t.numpy() for t in st] for st in self._sets]
+        self._events: list[Optional[torch.cuda.Event]] = [None, None]
+        self._i = 0
+
+    def next(self) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+        """The next set (pinned tensors, their numpy views), once its previous copies have run."""
+        self._i ^= 1
+        ev = self._events[self._i]
+        if ev is not None:
+            ev.synchronize()
+        return self._sets[self._i], self._np[self._i]
+
+    def done(self) -> None:
+        """Mark the copies from the current set as queued (recorded behind them on the stream)."""
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[self._i] = ev
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -94,14 +120,11 @@ class CudaGraphRunner:
         pages_per_seq = (max_context + P - 1) // P + 1
         self.indices = torch.zeros(mb * pages_per_seq, dtype=torch.int32, device=dev)
         self.last = torch.zeros(mb, dtype=torch.int32, device=dev)
-        # two pinned staging slots: (io [4*mb] i64, indptr [mb+1] i32, last [mb] i32, indices i32, event)
-        self._stage = [[torch.zeros(4 * mb, dtype=torch.long).pin_memory(),
-                        torch.zeros(mb + 1, dtype=torch.int32).pin_memory(),
-                        torch.zeros(mb, dtype=torch.int32).pin_memory(),
-                        torch.zeros(self.indices.numel(), dtype=torch.int32).pin_memory(), None]
-                       for _ in range(2)]
-        self._np = [[t.numpy() for t in st[:4]] for st in self._stage]
-        self._slot = 0
+        # pinned staging: io [4*mb] i64, indptr [mb+1] i32, last [mb] i32, indices i32
+        self._ring = StagingRing(lambda: [torch.zeros(4 * mb, dtype=torch.long),
+                                          torch.zeros(mb + 1, dtype=torch.int32),
+                                          torch.zeros(mb, dtype=torch.int32),
+                                          torch.zeros(self.indices.numel(), dtype=torch.int32)])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.wrappers: dict[int, Any] = {}
@@ -123,14 +146,6 @@ class CudaGraphRunner:
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), v[0])
         return self.model(ids, v[1], meta)
 
-    def _stage_slot(self) -> tuple[list, list]:
-        """The next pinned staging slot, once the GPU has consumed its previous contents."""
-        self._slot ^= 1
-        st = self._stage[self._slot]
-        if st[4] is not None:
-            st[4].synchronize()
-        return st, self._np[self._slot]
-
     def _plan(self, bs: int, st: list, npv: list, n: int, nnz: int) -> None:
         """Copy kv_indices (already staged for n seqs, nnz pages) to the GPU and plan the bs wrapper;
         padding rows get one page each (the scratch page) holding one token."""
@@ -147,7 +162,7 @@ class CudaGraphRunner:
     def _capture(self, bs: int, warmup: int) -> None:
         w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs])
         self.wrappers[bs] = w
-        st, npv = self._stage_slot()
+        st, npv = self._ring.next()
         npv[1][0] = 0
         npv[0][: 4 * bs] = 0
         npv[0][3 * bs: 4 * bs] = -1
@@ -177,7 +192,7 @@ class CudaGraphRunner:
         n = len(batch.seqs)
         bs = next(b for b in self.batch_sizes if b >= n)
         kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch)
-        st, npv = self._stage_slot()
+        st, npv = self._ring.next()
         io = npv[0][: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids, dtype=np.int64, count=n)
         ph = tok < 0
@@ -193,9 +208,7 @@ class CudaGraphRunner:
         npv[3][:nnz] = idx
         self.io[: 4 * bs].copy_(st[0][: 4 * bs], non_blocking=True)
         self._plan(bs, st, npv, n, nnz)
-        ev = torch.cuda.Event()
-        ev.record()
-        st[4] = ev
+        self._ring.done()
         return Staged(n, bs, bool(ph.any()))
 
     def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:

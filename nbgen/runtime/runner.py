@@ -95,12 +95,35 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, max_bs, self.loaded.context_length)
             self.cuda_graph_batch_sizes = list(self.graphs.batch_sizes)
         t3 = time.perf_counter()
+        self.prefill_graphs = self._make_prefill_graphs()
+        self.piecewise_cuda_graph_tokens = list(self.prefill_graphs.buckets) if self.prefill_graphs else []
+        t4 = time.perf_counter()
         self._warm_logits()
         # start-up phases in seconds (get_server_info()["startup_s"]): where a slow start goes
         self.startup_s = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2),
-                          "cuda_graphs": round(t3 - t2, 2), "warm_logits": round(time.perf_counter() - t3, 2)}
+                          "cuda_graphs": round(t3 - t2, 2), "prefill_graphs": round(t4 - t3, 2),
+                          "warm_logits": round(time.perf_counter() - t4, 2)}
         # overlap scheduling needs asynchronous device work; CPU steps are synchronous anyway
         self.overlap = self.on_gpu and not cfg.disable_overlap_schedule
+
+    def _make_prefill_graphs(self) -> Optional[Any]:
+        """Piecewise graphs for steps with prefill chunks (with the decode graphs; None when off, or
+        when the model or memory does not allow them: then those steps run eagerly)."""
+        cfg = self.cfg
+        if self.graphs is None or cfg.disable_piecewise_cuda_graph:
+            return None
+        from nbgen.runtime import prefill_graphs as pg
+
+        if not pg.supported(self.model):
+            return None
+        budget = cfg.chunked_prefill_size or pg.DEFAULT_MAX_TOKENS
+        max_tokens = cfg.piecewise_cuda_graph_max_tokens or min(budget, pg.DEFAULT_MAX_TOKENS)
+        try:
+            return pg.PrefillGraphRunner(self.model, self.backend, max_tokens)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            logger.warning("piecewise prefill graphs unavailable (%s); prefill steps run eagerly", e)
+            torch.cuda.empty_cache()
+            return None
 
     @torch.inference_mode()
     def _warm_logits(self) -> None:
@@ -225,6 +248,8 @@ class ModelRunner:
         if self._graphable(batch):
             return self.graphs.run(batch, ids, self._last_tokens)   # placeholders resolved in the graph
         patch = self._placeholder_patch(ids)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, len(ids)):
+            return self.prefill_graphs.run(batch, ids, pos, patch)
         input_ids = self._to_dev(ids)
         if patch is not None:
             patch(input_ids)
