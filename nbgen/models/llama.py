@@ -65,6 +65,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projection, RoPE, attention and o_proj; the decoder layer calls ``project``, ``attn`` and
+    ``o_proj`` in turn (split there so that piecewise prefill graphs can cut at attention)."""
+
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -106,10 +109,6 @@ class LlamaAttention(nn.Module):
             return q, k, v, kv is not None
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
         return q, k, v, False
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        q, k, v, written = self.project(positions, x, meta)
-        return self.o_proj(self.attn(q, k, v, meta, kv_written=written))   # attention: [T, Hq * D]
 
 
 class LlamaDecoderLayer(nn.Module):
