@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -176,8 +176,3 @@ class PrefillGraphRunner:
             layer.self_attn.attn(q, k, v, meta, kv_written=self.kv_written, out=attn)
             g.replay()
         return self.hidden[:n]
-
-    def info(self) -> dict[str, Any]:
-        """Buckets, capture time and memory (for logs / server info)."""
-        return {"tokens": list(self.buckets), "capture_s": round(self.capture_seconds, 2),
-                "memory_mib": round(self.memory_bytes / 2**20)}
