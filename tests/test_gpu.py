@@ -134,6 +134,39 @@ def test_piecewise_prefill_graphs(model_dir):
 
 
 @gpu
+def test_mixed_steps_split_decode_rows(model_dir, monkeypatch):
+    """Mixed steps send their leading decode rows through the Triton decode kernel and only the
+    prefill chunks through flashinfer's prefill kernel: the same tokens and logprobs as one prefill
+    kernel over every row (NBGEN_MIXED_SPLIT=0)."""
+    from nbgen.attention import flashinfer_backend as fb
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 40, 300, 700, 90, 1000)]
+    splits: list[int] = []
+    leading = fb.FlashInferBackend._leading_decodes
+
+    def spy(self, seqs):
+        d = leading(self, seqs)
+        splits.append(d)
+        return d
+
+    monkeypatch.setattr(fb.FlashInferBackend, "_leading_decodes", spy)
+
+    def run(split: bool) -> list[dict]:
+        monkeypatch.setattr(fb, "MIXED_SPLIT", split)
+        splits.clear()
+        with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+                          chunked_prefill_size=128) as eng:
+            return eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, use_tqdm=False)
+
+    whole = run(False)
+    assert splits and max(splits) == 0
+    split = run(True)
+    assert sum(d > 0 for d in splits) >= 5, splits        # mixed steps with decode rows were split
+    _close(split, whole)
+
+
+@gpu
 @pytest.mark.parametrize("layout,tensor_cores", [("HND", "1"), ("NHD", "0")])
 def test_flashinfer_matches_torch_backend(model_dir, layout, tensor_cores, monkeypatch):
     # the default (HND pages, tensor-core decode) and the other KV layout with the CUDA-core decode kernel
@@ -221,7 +254,7 @@ def test_decode_tables_match_page_lists():
     """CPU: the numpy decode page tables equal the list-built ones while pages grow, get replaced
     (preemption) and get rewritten in place after a prompt step (prefix-cache swap)."""
     from nbgen.attention.base import AttentionBackend
-    from nbgen.attention.flashinfer_backend import DecodeTables, page_tables
+    from nbgen.attention.page_tables import DecodeTables, page_tables
     from nbgen.runtime.batch import ScheduledBatch, SeqWork
     from nbgen.runtime.request import Request
     from nbgen.sampling import SamplingParams
@@ -250,8 +283,8 @@ def test_decode_tables_match_page_lists():
         if not seqs:
             continue
         batch = ScheduledBatch(seqs, P)
-        indptr, idx, last, pos, slots = tables.build(batch)
-        _, ref_ptr, ref_idx, ref_last = page_tables(batch, P)
+        indptr, idx, last, pos, slots = tables.build(batch.seqs)
+        _, ref_ptr, ref_idx, ref_last = page_tables(batch.seqs, P)
         assert indptr.tolist() == ref_ptr and idx.tolist() == ref_idx and last.tolist() == ref_last
         assert slots.tolist() == AttentionBackend.slot_mapping(tables_backend(P), batch)
         assert pos.tolist() == [s.start_pos for s in seqs]

@@ -11,19 +11,18 @@ then attention runs over each sequence's page table:
   * otherwise, or with ``NBGEN_TRITON_DECODE_BS`` below the batch size,
     BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query attention
     (``decode_tensor_cores``);
-  * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over the whole batch
-    (decodes are rows with q_len 1); ``causal=True`` aligns each chunk's queries to the end of its
-    KV, which is what cached prefixes and chunked prefill need.
-``plan()`` runs once per step in ``prepare``; all layers reuse it. Page tables go to the GPU from
-pinned host memory without a host sync. Decode steps build their page tables with numpy from a
-per-request int32 copy of the request's page list (``DecodeTables``), extended as pages are added,
-instead of re-flattening every request's Python list each step.
+  * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
+    ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
+    and chunked prefill need. The step's leading one-token rows (the running decodes) go through
+    the Triton decode kernel instead (``NBGEN_MIXED_SPLIT=0``: all rows through the prefill kernel).
+``plan()`` runs once per step in ``prepare``; all layers reuse it. Page tables (``page_tables``) go to
+the GPU from pinned host memory without a host sync.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +30,8 @@ import torch
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, KVTarget
 from nbgen.attention import triton_decode
 from nbgen.attention.kv_write import write_kv, write_kv_reference
-from nbgen.runtime.batch import ScheduledBatch
+from nbgen.attention.page_tables import DecodeTables, page_tables
+from nbgen.runtime.batch import ScheduledBatch, SeqWork
 
 logger = logging.getLogger("nbgen")
 
@@ -41,6 +41,8 @@ WORKSPACE_BYTES = 256 << 20
 KV_LAYOUT = "HND"
 # NBGEN_FAST_REPLAN=0: graph decode wrappers re-plan through flashinfer's public plan() (A/B checks)
 FAST_REPLAN = os.environ.get("NBGEN_FAST_REPLAN", "1") != "0"
+# NBGEN_MIXED_SPLIT=0: mixed steps attend their decode rows with flashinfer's prefill kernel too (A/B)
+MIXED_SPLIT = os.environ.get("NBGEN_MIXED_SPLIT", "1") != "0"
 
 
 def decode_tensor_cores(group: int) -> bool:
@@ -61,87 +63,18 @@ def decode_tensor_cores(group: int) -> bool:
 class FlashInferMetadata(AttentionMetadata):
     """Per-step data: slot of each new token and the planned wrapper every layer runs."""
 
-    def __init__(self, backend: "FlashInferBackend", slot_mapping: torch.Tensor, wrapper: Any) -> None:
+    def __init__(self, backend: "FlashInferBackend", slot_mapping: torch.Tensor, wrapper: Any,
+                 decode_rows: int = 0) -> None:
         self.backend = backend
         self.slot_mapping = slot_mapping      # [T] long, flat cache slot of each new token
         self.wrapper = wrapper                # planned decode or prefill wrapper
-
-
-def page_tables(batch: ScheduledBatch, page_size: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(qo_indptr [B+1], kv_indptr [B+1], kv_indices [nnz], last_page_len [B]) of a batch."""
-    qo, kv_ptr, idx, last = [0], [0], [], []
-    for s in batch.seqs:
-        n = s.kv_len
-        n_pages = (n + page_size - 1) // page_size
-        idx.extend(s.pages[:n_pages])
-        qo.append(qo[-1] + s.q_len)
-        kv_ptr.append(kv_ptr[-1] + n_pages)
-        last.append(n - (n_pages - 1) * page_size)
-    return qo, kv_ptr, idx, last
+        self.decode_rows = decode_rows        # mixed step: leading one-token rows on the Triton decode kernel
 
 
 def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """A pinned CPU tensor of ``values`` (list or numpy array); numpy converts lists ~3x faster than torch."""
     np_dtype = np.int32 if dtype == torch.int32 else np.int64
     return torch.from_numpy(np.asarray(values, dtype=np_dtype)).pin_memory()
-
-
-class DecodeTables:
-    """Page tables of decode-only steps, from per-request numpy copies of ``req.pages``.
-
-    An entry (pages list object, int32 array, valid length) is trusted while the request keeps the
-    same list object and only appends to it, which is all the scheduler does between decode steps;
-    the prefix cache rewrites entries in place only after a step that computed prompt tokens, and
-    those steps drop the entry (``forget``), so the next decode step rebuilds it.
-    """
-
-    def __init__(self, page_size: int) -> None:
-        self.P = page_size
-        self._cache: dict[str, list] = {}
-
-    def forget(self, batch: ScheduledBatch) -> None:
-        """Drop entries of seqs whose pages may be rewritten in place after this step."""
-        for s in batch.seqs:
-            if s.q_len > 1 or s.start_pos < len(s.req.prompt_ids):
-                self._cache.pop(s.req.rid, None)
-
-    def _pages(self, s: Any, n: int) -> np.ndarray:
-        pages = s.pages
-        if s.start_pos < len(s.req.prompt_ids):          # last prompt token: swap may follow
-            self._cache.pop(s.req.rid, None)
-            return np.asarray(pages[:n], dtype=np.int32)
-        e = self._cache.get(s.req.rid)
-        if e is None or e[0] is not pages or e[2] > len(pages):
-            arr = np.empty(max(2 * len(pages), 64), dtype=np.int32)
-            arr[: len(pages)] = pages
-            e = self._cache[s.req.rid] = [pages, arr, len(pages)]
-        elif e[2] < len(pages):
-            arr, m = e[1], len(pages)
-            if m > len(arr):
-                arr = np.concatenate([arr, np.empty(max(m, len(arr)), dtype=np.int32)])
-                e[1] = arr
-            arr[e[2]: m] = pages[e[2]:]
-            e[2] = m
-        return e[1][:n]
-
-    def build(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(kv_indptr [B+1] i32, kv_indices [nnz] i32, last_page_len [B] i32, positions [B] i64, slots [B] i64)."""
-        P, seqs = self.P, batch.seqs
-        B = len(seqs)
-        kv = np.fromiter((s.start_pos + 1 for s in seqs), dtype=np.int64, count=B)
-        npages = (kv + P - 1) // P
-        indptr = np.zeros(B + 1, dtype=np.int32)
-        np.cumsum(npages, out=indptr[1:])
-        pages_of = self._pages
-        idx = np.concatenate([pages_of(s, n) for s, n in zip(seqs, npages.tolist())]) if B else \
-            np.zeros(0, dtype=np.int32)
-        last = (kv - (npages - 1) * P).astype(np.int32)
-        pos = kv - 1
-        slots = idx[indptr[1:] - 1].astype(np.int64) * P + (last - 1)
-        if len(self._cache) > 2 * B + 256:               # prune finished / preempted requests
-            live = {s.req.rid for s in seqs}
-            self._cache = {k: v for k, v in self._cache.items() if k in live}
-        return indptr, idx, last, pos, slots
 
 
 class FlashInferBackend(AttentionBackend):
@@ -277,13 +210,18 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
+        d = 0
         if batch.is_decode_only:
-            kv_ptr, idx, last, _pos, slots = self.tables.build(batch)
+            kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
             wrapper = self.triton_wrapper if len(batch.seqs) <= self.triton_bs else self.decode_wrapper
             self.plan_decode(wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
         else:
             self.tables.forget(batch)
-            qo, kv_ptr, idx, last = page_tables(batch, self.spec.page_size)
+            d = self._leading_decodes(batch.seqs)
+            if d:
+                dptr, didx, dlast, _pos, _slots = self.tables.build(batch.seqs[:d])
+                self.plan_decode(self.triton_wrapper, _pinned(dptr), _pinned(didx), _pinned(dlast))
+            qo, kv_ptr, idx, last = page_tables(batch.seqs[d:], self.spec.page_size)
             self.plan_prefill(qo, kv_ptr, idx, last)
             wrapper = self.prefill_wrapper
             slots = None
@@ -291,7 +229,18 @@ class FlashInferBackend(AttentionBackend):
             if slots is None:
                 slots = self.slot_mapping(batch)
             slot_mapping = _pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
-        return FlashInferMetadata(self, slot_mapping, wrapper)
+        return FlashInferMetadata(self, slot_mapping, wrapper, d)
+
+    def _leading_decodes(self, seqs: Sequence[SeqWork]) -> int:
+        """How many leading one-token rows of a mixed step the Triton decode kernel takes (the scheduler
+        puts the running decodes first); flashinfer's prefill kernel reads a one-query row's KV at
+        about half the bandwidth (docs/benchmarks.md, session 10). 0: the whole step is prefill."""
+        if not (MIXED_SPLIT and self.triton_bs):
+            return 0
+        d = 0
+        while d < len(seqs) and seqs[d].q_len == 1:
+            d += 1
+        return d if d < len(seqs) and d <= self.triton_bs else 0
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
         """The layer's caches and slots, unless the torch write is forced (NBGEN_KV_WRITE=torch)."""
@@ -313,10 +262,14 @@ class FlashInferBackend(AttentionBackend):
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()
         if meta.wrapper is self.prefill_wrapper:
-            # every row is a planned query token, so the kernel writes all of `out`: without one,
+            # every row is a planned query token, so the kernels write all of `out`: without one,
             # flashinfer zero-fills a fresh buffer first (~11 us a layer at 8k tokens on an H100)
             o = torch.empty((T, sp.num_q_heads, sp.head_dim), dtype=q.dtype, device=q.device) \
                 if out is None else out.view(T, sp.num_q_heads, sp.head_dim)
-            return meta.wrapper.run(q3, (kc, vc), out=o).view(T, sp.num_q_heads * sp.head_dim)
+            d = meta.decode_rows
+            if d:
+                self.triton_wrapper.run(q3[:d], (kc, vc), out=o[:d])
+            meta.wrapper.run(q3[d:], (kc, vc), out=o[d:])
+            return o.view(T, sp.num_q_heads * sp.head_dim)
         o = meta.wrapper.run(q3, (kc, vc)).view(T, sp.num_q_heads * sp.head_dim)
         return o if out is None else out.copy_(o)

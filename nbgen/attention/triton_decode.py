@@ -177,11 +177,13 @@ class TritonDecodeWrapper:
         self.indptr[: bs + 1].copy_(kv_indptr, non_blocking=True)
         self.last[: bs].copy_(last_page_len, non_blocking=True)
 
-    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables."""
+    def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables (into ``out``,
+        [B, Hq, D] with unit stride over D, when given)."""
         kc, vc = kv_cache
         B = q.shape[0]
-        o = torch.empty((B, self.hq, self.d), dtype=q.dtype, device=q.device)
+        o = torch.empty((B, self.hq, self.d), dtype=q.dtype, device=q.device) if out is None else out
         s_page, s_head, s_tok = (kc.stride(0), kc.stride(1), kc.stride(2)) if self.hnd else \
             (kc.stride(0), kc.stride(2), kc.stride(1))
         bs = self.pad(B)

@@ -191,7 +191,7 @@ class CudaGraphRunner:
         order after it. ids < 0 are placeholders for rows of the previous step's sampled ids."""
         n = len(batch.seqs)
         bs = next(b for b in self.batch_sizes if b >= n)
-        kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch)
+        kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch.seqs)
         st, npv = self._ring.next()
         io = npv[0][: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids, dtype=np.int64, count=n)
