@@ -27,7 +27,8 @@ def page_tables(seqs: Sequence[SeqWork], page_size: int) -> tuple[list[int], lis
 
 
 class DecodeTables:
-    """Page tables of decode-only steps, from per-request numpy copies of ``req.pages``.
+    """Page tables of one-token rows (decode-only steps, the leading decode rows of mixed steps), from
+    per-request numpy copies of ``req.pages``.
 
     An entry (pages list object, int32 array, valid length) is trusted while the request keeps the
     same list object and only appends to it, which is all the scheduler does between decode steps;
@@ -45,7 +46,7 @@ class DecodeTables:
             if s.q_len > 1 or s.start_pos < len(s.req.prompt_ids):
                 self._cache.pop(s.req.rid, None)
 
-    def _pages(self, s: Any, n: int) -> np.ndarray:
+    def _pages(self, s: SeqWork, n: int) -> np.ndarray:
         pages = s.pages
         if s.start_pos < len(s.req.prompt_ids):          # last prompt token: swap may follow
             self._cache.pop(s.req.rid, None)
