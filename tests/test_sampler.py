@@ -248,3 +248,28 @@ def test_cpu_and_cuda_draw_the_same_tokens() -> None:
     cpu = Sampler(500, CPU)(logits, seqs).token_ids
     gpu = Sampler(500, torch.device("cuda"))(logits.cuda(), seqs).token_ids.cpu()
     assert (cpu == gpu).float().mean().item() >= 0.98   # float log/softmax may differ by an ulp
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_argmax_is_torch_argmax(dtype) -> None:
+    """The split-row Triton argmax (greedy decoding on CUDA): torch's index on every row, the first
+    one on ties (within a chunk, across chunks, at the last column), rows of -inf, widths that are
+    and are not a multiple of its chunk, into ``out`` and with the counters re-armed for reuse."""
+    from nbgen.runtime import gpu_argmax
+
+    ws = gpu_argmax.ArgmaxWorkspace()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for B, V in [(1, 151936), (7, 151936), (256, 151936), (33, 4096), (5, 4097), (3, 10)]:
+        x = torch.randn(B, V, device="cuda", generator=g).to(dtype)
+        x[0, V // 2] = 40.0
+        x[0, V - 1] = 40.0                                     # tie across chunks: first index
+        if B > 2:
+            x[1, V - 1] = 50.0                                 # the last column
+            x[2] = float("-inf")                               # all -inf: index 0
+        assert gpu_argmax.usable(x)
+        out = torch.full((B,), -1, dtype=torch.long, device="cuda")
+        got = gpu_argmax.argmax(x, ws, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got, x.argmax(dim=-1)), (B, V)
+        assert torch.equal(gpu_argmax.argmax(x, ws), got) and int(ws.count.sum()) == 0

@@ -6,11 +6,13 @@ memory pool (captured largest first, so smaller graphs reuse its blocks). A deco
 replays the smallest graph with bs >= n: rows n..bs-1 are padding whose page table is the scratch
 page 0 (one token) and whose KV slot is slot 0 of that page, so they never touch live pages.
 
-Per replay the host does numpy work only: the step's token ids, positions, KV slots and placeholder
-sources go to the GPU in one copy from a pinned staging buffer, its kv_indices in a second one
-straight into the wrapper's indices buffer, and the bs-sized wrapper is re-planned. Overlap
-placeholders (token id -(k+1) = "row k of the previous step's sampled ids") are resolved inside the
-graph from a static copy of those ids, so no extra host->device transfer is needed for them.
+Per replay the host does numpy work only: the step's token ids, positions, KV slots, placeholder
+sources and page tables go to the GPU in one copy from a pinned staging buffer into the buffer the
+graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton kernel's batch
+sizes, is re-planned). Overlap placeholders (token id -(k+1) = "row k of the previous step's sampled
+ids") are resolved inside the graph from ``prev``, where greedy sampling writes its ids directly
+(``ModelRunner.sample``; other sampled ids are copied there), so no host->device transfer is needed
+for them.
 Staging buffers alternate between two slots, each guarded by an event, because a step's copies
 may still be queued on the GPU while the host prepares the next step.
 """
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
+from nbgen.attention.triton_decode import TritonDecodeWrapper
 from nbgen.runtime.batch import ScheduledBatch
 from nbgen.runtime.pages import SCRATCH_PAGE
 
@@ -112,19 +115,16 @@ class CudaGraphRunner:
         dev = backend.spec.device
         P = backend.spec.page_size
         mb = self.max_bs
-        # static inputs, flat so that each graph's [4, bs] view is contiguous (one H2D copy per step):
-        # row 0 token ids, row 1 positions, row 2 KV slots, row 3 placeholder source row (-1: none)
-        self.io = torch.zeros(4 * mb, dtype=torch.long, device=dev)
-        self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
-        self.indptr = torch.zeros(mb + 1, dtype=torch.int32, device=dev)
+        # every per-step input in one int32 buffer, so that a step's inputs go to the GPU in one copy
+        # from a pinned twin of it: io (4 * mb int64: row 0 token ids, row 1 positions, row 2 KV slots,
+        # row 3 placeholder source row or -1; a graph of bs reads the first 4 * bs as [4, bs]), then
+        # the decode kernel's page tables: indptr [mb + 1], last page lengths [mb], kv indices
         pages_per_seq = (max_context + P - 1) // P + 1
-        self.indices = torch.zeros(mb * pages_per_seq, dtype=torch.int32, device=dev)
-        self.last = torch.zeros(mb, dtype=torch.int32, device=dev)
-        # pinned staging: io [4*mb] i64, indptr [mb+1] i32, last [mb] i32, indices i32
-        self._ring = StagingRing(lambda: [torch.zeros(4 * mb, dtype=torch.long),
-                                          torch.zeros(mb + 1, dtype=torch.int32),
-                                          torch.zeros(mb, dtype=torch.int32),
-                                          torch.zeros(self.indices.numel(), dtype=torch.int32)])
+        self._cut = (8 * mb, 9 * mb + 1, 10 * mb + 1)
+        self._buf = torch.zeros(self._cut[2] + mb * pages_per_seq, dtype=torch.int32, device=dev)
+        self.io, self.indptr, self.last, self.indices = self._views(self._buf)
+        self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
+        self._ring = StagingRing(lambda: [torch.zeros(self._buf.numel(), dtype=torch.int32)])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.wrappers: dict[int, Any] = {}
@@ -139,6 +139,12 @@ class CudaGraphRunner:
         logger.info("captured %d decode graphs (bs %s) in %.1f s, %.0f MiB", len(self.graphs),
                     self.batch_sizes, self.capture_seconds, self.memory_bytes / 2**20)
 
+    def _views(self, buf: Any) -> tuple[Any, Any, Any, Any]:
+        """(io int64, indptr, last, indices) views of the flat int32 input buffer (torch or numpy)."""
+        a, b, c = self._cut
+        io = buf[:a].view(torch.long) if isinstance(buf, torch.Tensor) else buf[:a].view(np.int64)
+        return io, buf[a:b], buf[b:c], buf[c:]
+
     def _forward_static(self, bs: int, meta: FlashInferMetadata) -> torch.Tensor:
         """What a graph runs: resolve placeholders from ``prev``, then the model over the static rows."""
         v = self.io[: 4 * bs].view(4, bs)
@@ -146,28 +152,34 @@ class CudaGraphRunner:
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), v[0])
         return self.model(ids, v[1], meta)
 
-    def _plan(self, bs: int, st: list, npv: list, n: int, nnz: int) -> None:
-        """Copy kv_indices (already staged for n seqs, nnz pages) to the GPU and plan the bs wrapper;
-        padding rows get one page each (the scratch page) holding one token."""
+    def _send(self, bs: int, st: list, npv: list, n: int, nnz: int) -> None:
+        """Pad the staged page tables (n seqs, nnz pages) to bs rows, copy all staged inputs to the GPU
+        in one transfer and plan the bs wrapper; padding rows get one page each (the scratch page)
+        holding one token."""
         pad = bs - n
-        ip, last, idx = npv[1], npv[2], npv[3]
+        _io, ip, last, idx = self._views(npv[0])
         ip[n + 1: bs + 1] = ip[n] + np.arange(1, pad + 1, dtype=np.int32)
         last[n:bs] = 1
         idx[nnz: nnz + pad] = SCRATCH_PAGE
         total = nnz + pad
-        self.indices[:total].copy_(st[3][:total], non_blocking=True)
-        # indices are passed as the device buffer itself: flashinfer's copy into it is then a no-op
-        self.backend.plan_decode(self.wrappers[bs], st[1][: bs + 1], self.indices[:total], st[2][:bs])
+        end = self._cut[2] + total
+        self._buf[:end].copy_(st[0][:end], non_blocking=True)
+        w = self.wrappers[bs]
+        if not isinstance(w, TritonDecodeWrapper):   # nbgen's decode kernel reads the copied tables as they are
+            # indices are passed as the device buffer itself: flashinfer's copy into it is then a no-op
+            _io, hip, hlast, _idx = self._views(st[0])
+            self.backend.plan_decode(w, hip[: bs + 1], self.indices[:total], hlast[:bs])
 
     def _capture(self, bs: int, warmup: int) -> None:
         w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs])
         self.wrappers[bs] = w
         st, npv = self._ring.next()
-        npv[1][0] = 0
-        npv[0][: 4 * bs] = 0
-        npv[0][3 * bs: 4 * bs] = -1
-        self.io[: 4 * bs].copy_(st[0][: 4 * bs])
-        self._plan(bs, st, npv, 0, 0)
+        io, ip, _last, _idx = self._views(npv[0])
+        ip[0] = 0
+        io[: 4 * bs] = 0
+        io[3 * bs: 4 * bs] = -1
+        self._send(bs, st, npv, 0, 0)
+        torch.cuda.synchronize()
         meta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], w)
         with torch.inference_mode():
             for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
@@ -193,7 +205,8 @@ class CudaGraphRunner:
         bs = next(b for b in self.batch_sizes if b >= n)
         kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch.seqs)
         st, npv = self._ring.next()
-        io = npv[0][: 4 * bs].reshape(4, bs)
+        hio, hip, hlast, hidx = self._views(npv[0])
+        io = hio[: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids, dtype=np.int64, count=n)
         ph = tok < 0
         io[0, :n] = np.where(ph, 0, tok)
@@ -203,11 +216,10 @@ class CudaGraphRunner:
         io[:3, n:] = 0                    # padding: token 0 at position 0 into slot 0 of the scratch page
         io[3, n:] = -1
         nnz = len(idx)
-        npv[1][: n + 1] = kv_ptr
-        npv[2][:n] = last
-        npv[3][:nnz] = idx
-        self.io[: 4 * bs].copy_(st[0][: 4 * bs], non_blocking=True)
-        self._plan(bs, st, npv, n, nnz)
+        hip[: n + 1] = kv_ptr
+        hlast[:n] = last
+        hidx[:nnz] = idx
+        self._send(bs, st, npv, n, nnz)
         self._ring.done()
         return Staged(n, bs, bool(ph.any()))
 
@@ -216,7 +228,8 @@ class CudaGraphRunner:
         name. Returns the last hidden states [n, H] (a view of the graph's output buffer)."""
         if staged.placeholders:
             assert prev is not None and prev.numel() <= PREV_CAPACITY, "placeholder without previous ids"
-            self.prev[: prev.numel()].copy_(prev)
+            if prev.data_ptr() != self.prev.data_ptr():     # else sampled into place (runner.sample)
+                self.prev[: prev.numel()].copy_(prev)
         self.graphs[staged.bs].replay()
         return self.outputs[staged.bs][: staged.n]
 

@@ -48,6 +48,7 @@ class Forwarded:
     seqs: list[SeqWork]                   # the sampling seqs, in logits row order
     logits: Optional[torch.Tensor]
     hidden: Optional[torch.Tensor]        # [S, H] final-normed states (views graph memory under replay)
+    order: int = 0                        # forwards queued before it, this one included
 
 
 @dataclass
@@ -86,6 +87,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, device)
         t2 = time.perf_counter()
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
+        self._forwards = 0                                # forward passes queued so far
         self.graphs = None
         self.cuda_graph_batch_sizes: list[int] = []
         if self.on_gpu and self.backend_name == "flashinfer" and not cfg.disable_cuda_graph:
@@ -275,6 +277,12 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, staged: Optional[Any] = None) -> Forwarded:
         """Queue the forward pass and the logits of the sampling rows (nothing is sampled yet).
         ``staged``: this batch's ``prepare`` result (made before the previous step was sampled)."""
+        fwd = self._queue_forward(batch, staged)
+        self._forwards += 1
+        fwd.order = self._forwards
+        return fwd
+
+    def _queue_forward(self, batch: ScheduledBatch, staged: Optional[Any]) -> Forwarded:
         if staged is not None or self._graphable(batch):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs = [s for s in batch.seqs if s.sample]
@@ -315,8 +323,13 @@ class ModelRunner:
         batch, seqs = fwd.batch, fwd.seqs
         if not seqs:
             return Launched(batch, None, None, None)
+        # greedy ids straight into the decode graphs' input buffer (no copy before the next replay),
+        # unless a later forward is queued already: it reads this buffer before these ids land
+        out = None
+        if self.graphs is not None and fwd.order == self._forwards and len(seqs) <= self.graphs.prev.numel():
+            out = self.graphs.prev[: len(seqs)]
         try:
-            res = self.sampler(fwd.logits, seqs, fill=fill)
+            res = self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out)
         finally:
             if fill is not None:
                 fill.settle()

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from nbgen.runtime import cpu_ops
+from nbgen.runtime import cpu_ops, gpu_argmax
 from nbgen.runtime.batch import SeqWork, TokenLogprobs
 from nbgen.runtime.logprobs import token_logprobs
 
@@ -103,11 +103,18 @@ def _flat_index(ids_by_row: dict[int, list[int]], vocab: int, device: torch.devi
     return torch.repeat_interleave(offs, lens_t, output_size=total) + cols
 
 
-def _argmax(x: Tensor) -> Tensor:
-    """[B, V] -> [B] long; nbgen's C kernel on a CPU (torch's is a scalar loop there, ~8x slower)."""
+_ARGMAX_WS = gpu_argmax.ArgmaxWorkspace()
+
+
+def _argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """[B, V] -> [B] long (into ``out`` [B] when given); nbgen's C kernel on a CPU (torch's is a scalar
+    loop there, ~8x slower) and its Triton kernel on CUDA (runtime/gpu_argmax)."""
     if x.dim() == 2 and x.stride(1) == 1 and cpu_ops.fused_enabled(x):
-        return cpu_ops.argmax(x)
-    return x.argmax(dim=-1)
+        ids = cpu_ops.argmax(x)
+        return ids if out is None else out.copy_(ids)
+    if gpu_argmax.usable(x):
+        return gpu_argmax.argmax(x, _ARGMAX_WS, out)
+    return x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
 
 
 def _plain_greedy(s: SeqWork) -> bool:
@@ -165,17 +172,20 @@ class Sampler:
         self._vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
                                  ^ 0x27D4EB2F)
 
-    def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None) -> SamplerOutput:
+    def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None,
+                 greedy_out: Optional[Tensor] = None) -> SamplerOutput:
         """logits [B, V'] in the model dtype (V' >= vocab: padded lm_head columns are dropped).
 
         ``fill``: a grammar bitmask job already started for these rows (overlap scheduling).
+        ``greedy_out``: a [B] long buffer the all-plain-greedy fast path writes its ids into (the
+        decode graphs' input of the next step), instead of a new tensor.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits[:, : self.vocab_size]
         if all(_plain_greedy(s) for s in seqs):
             # argmax of bf16 logits == argmax of their exact fp32 widening (ties too: first index),
             # so the [B, V] fp32 copy is skipped (~0.1 s of a 6 s GPU run, ~1 ms a step on a CPU)
-            return SamplerOutput(token_ids=_argmax(raw), logprobs=[None] * len(seqs), errors={})
+            return SamplerOutput(token_ids=_argmax(raw, greedy_out), logprobs=[None] * len(seqs), errors={})
         raw = raw.float()  # no-op on fp32
         x = self.process(raw, seqs)
         errors: dict[int, str] = {}
