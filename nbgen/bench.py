@@ -9,7 +9,8 @@ The floor is the bytes a perfect engine must read in its decode steps (weights o
 every live sequence's KV), divided by the device copy bandwidth measured in the same run (on CUDA the
 faster of one copy test before and one after the engines; on a CPU after them only). Decode
 steps are counted as if all sequences ran together (step j reads (in_i + j) KV tokens of each seq
-with out_i > j); prefill is not in the floor.
+with out_i > j); prefill is not in the floor. A second figure adds the prompts' prefill FLOPs at the
+bf16 matmul rate measured in the same run ("floor+pf"; see ``bench_floor``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import time
 from typing import Any, Optional
 
 import torch
+
+from nbgen.bench_floor import copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops
 
 QUESTIONS = [
     "What is the capital of France?", "How do plants make food?", "Name three primary colors.",
@@ -46,42 +49,6 @@ def make_workload(name: str) -> tuple[list[list[int]], list[int]]:
     ins = [random.randint(100, 1024) for _ in range(256)]
     outs = [random.randint(100, 1024) for _ in range(256)] if name == "nano" else [512] * 256
     return [[random.randint(0, 9999) for _ in range(n)] for n in ins], outs
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device copy bandwidth in bytes/s (bytes read + bytes written), median of 10 copies."""
-    if device.type == "cpu":
-        nbytes = 256 << 20
-    a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); b.copy_(a); e.record(); e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter(); b.copy_(a); times.append(time.perf_counter() - t0)
-    del a, b
-    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
-
-
-def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
-    """(weight bytes read per decode step, KV bytes per token)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    if not getattr(hf, "tie_word_embeddings", False):
-        total -= emb.numel() * emb.element_size()    # a decode step reads a few embedding rows only
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    return total, 2 * hf.num_hidden_layers * kv * hd * emb.element_size()
-
-
-def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: int, bw: float) -> float:
-    steps = max(outs) - 1                            # the first token of each seq comes from prefill
-    kv_tokens = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(ins, outs))  # sum_j (i + j), j=1..o-1
-    return (steps * weight_bytes + kv_tokens * kv_bytes) / bw
 
 
 def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[str, Any]:
@@ -144,13 +111,14 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng._loop.runner
     wb, kvb = model_bytes(runner.model, runner.hf_config)
+    pf = prefill_flops(runner.model, runner.hf_config, [r["meta_info"]["prompt_tokens"] for r in res])
     info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes",
                                 "piecewise_cuda_graph_tokens", "startup_s")}
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
-           "weight_bytes": wb, "kv_bytes_per_token": kvb, "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
+           "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
            "server_info": info, "gc_pauses_s": [round(t, 4) for _, t in gcs.pauses if t >= 1e-3],
            "first_ids": res[0]["output_ids"][:16]}
     eng.shutdown()
@@ -283,6 +251,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         # on an H200 (3.7-3.8 vs 4.2 TB/s); the floor takes the faster of the two (the stricter floor)
         bw0 = copy_bandwidth(dev)
         torch.cuda.empty_cache()
+    mm = matmul_rate(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     rows = [run_nbgen(args, prompts, outs)]
     if args.peer == "hf":
         try:
@@ -296,20 +267,26 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         print(f"\ncopy bandwidth before the engines {bw0 / 1e9:.0f} GB/s, after {bw_after / 1e9:.0f} GB/s")
     ins = rows[0]["prompt_lens"]
     floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw)
+    floor_pf = floor + rows[0]["prefill_flops"] / mm
     print(f"\nworkload {workload}  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  floor {floor:.2f} s  startup {rows[0]['startup_s']:.1f} s")
+    print(f"prefill {rows[0]['prefill_flops'] / 1e12:.3g} TFLOP at the measured matmul rate {mm / 1e12:.3g} TFLOP/s: "
+          f"floor+pf {floor_pf:.2f} s (decode floor plus prefill compute; the targets use the floor)")
     print(f"server: {rows[0]['server_info']}")
-    print(f"{'engine':<20}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'copy GB/s':>11}{'floor s':>9}{'% floor':>9}")
+    print(f"{'engine':<20}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'copy GB/s':>11}{'floor s':>9}"
+          f"{'% floor':>9}{'% floor+pf':>12}")
     for r in rows:
-        r.update(workload=workload, copy_bw=bw, copy_bw_before=bw0, copy_bw_after=bw_after, floor_s=floor)
+        r.update(workload=workload, copy_bw=bw, copy_bw_before=bw0, copy_bw_after=bw_after, floor_s=floor,
+                 matmul_flops=mm, floor_pf_s=floor_pf)
         if "error" in r:
             print(f"{r['engine']:<20} error: {r['error']}")
             continue
         r["out_tok_s"] = r["out_tokens"] / r["seconds"]
         r["total_tok_s"] = (r["out_tokens"] + r["in_tokens"]) / r["seconds"]
         r["pct_floor"] = 100 * floor / r["seconds"]
+        r["pct_floor_pf"] = 100 * floor_pf / r["seconds"]
         print(f"{r['engine']:<20}{r['seconds']:>9.2f}{r['out_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}"
-              f"{bw / 1e9:>11.0f}{floor:>9.2f}{r['pct_floor']:>8.1f}%")
+              f"{bw / 1e9:>11.0f}{floor:>9.2f}{r['pct_floor']:>8.1f}%{r['pct_floor_pf']:>11.1f}%")
     if len(rows) > 1 and "error" not in rows[1]:
         print(f"nbgen / {rows[1]['engine']}: {rows[0]['out_tok_s'] / rows[1]['out_tok_s']:.1f}x output tok/s")
     if args.json:

@@ -1,0 +1,84 @@
+"""What a benchmark run is measured against: the device's copy bandwidth and bf16 matmul rate
+measured in the same run, the bytes a decode step must read and the FLOPs a prompt's prefill must do.
+
+``floor_seconds`` is DESIGN.md's floor (decode steps only: weights once per step plus every live
+sequence's KV, at the copy bandwidth). ``prefill_flops`` is the matmul work the floor leaves out:
+each prompt token through every decoder linear, each prompt's last token through the LM head, and
+causal attention (q.K^T and P.V over the tokens before each one). Added to the floor at the
+measured matmul rate it gives a second, prefill-inclusive bound ("floor+pf"), which matters for a
+large model, whose prompts are compute-bound work a decode-only floor does not count.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device copy bandwidth in bytes/s (bytes read + bytes written), median of 10 copies."""
+    if device.type == "cpu":
+        nbytes = 256 << 20
+    a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); b.copy_(a); e.record(); e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter(); b.copy_(a); times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
+    """(weight bytes read per decode step, KV bytes per token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if not getattr(hf, "tie_word_embeddings", False):
+        total -= emb.numel() * emb.element_size()    # a decode step reads a few embedding rows only
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return total, 2 * hf.num_hidden_layers * kv * hd * emb.element_size()
+
+
+def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: int, bw: float) -> float:
+    steps = max(outs) - 1                            # the first token of each seq comes from prefill
+    kv_tokens = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(ins, outs))  # sum_j (i + j), j=1..o-1
+    return (steps * weight_bytes + kv_tokens * kv_bytes) / bw
+
+
+def matmul_rate(device: torch.device) -> float:
+    """Dense matmul throughput in FLOP/s: bf16 8192^3 on CUDA (the tensor cores' practical peak),
+    fp32 1024^3 on a CPU; median of the timed repeats after a warm-up."""
+    cuda = device.type == "cuda"
+    n, dt, reps = (8192, torch.bfloat16, 10) if cuda else (1024, torch.float32, 3)
+    a = torch.randn(n, n, device=device).to(dt)
+    b = torch.randn(n, n, device=device).to(dt)
+    times = []
+    for _ in range(reps + 2):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); a @ b; e.record(); e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter(); a @ b; times.append(time.perf_counter() - t0)
+    del a, b
+    return 2 * n ** 3 / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def prefill_flops(model: torch.nn.Module, hf: Any, prompt_lens: list[int]) -> float:
+    """Matmul FLOPs of prefilling ``prompt_lens`` (no cached prefixes): 2 x decoder linear weights per
+    token, 2 x LM head weights per prompt (its last token), 2 x Hq x D x n (n + 1) per layer and prompt
+    for causal attention."""
+    layers = model.model.layers
+    linear = sum(p.numel() for p in layers.parameters() if p.dim() == 2)
+    head = model.lm_head.weight.numel()
+    heads = hf.num_attention_heads
+    hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    attn = 2 * len(layers) * heads * hd * sum(n * (n + 1) for n in prompt_lens)
+    return float(2 * linear * sum(prompt_lens) + 2 * head * len(prompt_lens) + attn)

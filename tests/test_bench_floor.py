@@ -1,0 +1,38 @@
+"""The benchmark's bounds (nbgen.bench_floor): decode floor bytes and prefill FLOPs by hand on a tiny model."""
+from __future__ import annotations
+
+import torch
+
+from nbgen.bench_floor import floor_seconds, matmul_rate, prefill_flops
+
+
+def _tiny_llama():
+    import transformers as tf
+
+    from nbgen.models.llama import LlamaForCausalLM
+
+    cfg = tf.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg), cfg
+
+
+def test_prefill_flops_count_linears_head_and_causal_attention() -> None:
+    model, cfg = _tiny_llama()
+    # per layer: qkv 64 x (4 + 2 + 2) * 16, o 64 x 64, gate|up 64 x 256, down 128 x 64 = 36 864 weights
+    linear = 2 * 36864
+    # prompts of 3 and 5 tokens: every token through the linears, each prompt's last token through the
+    # 100 x 64 LM head, causal q.K^T and P.V: 2 x 4 heads x 16 dims x n (n + 1) per layer
+    want = 2 * linear * 8 + 2 * 6400 * 2 + 2 * 2 * 4 * 16 * (3 * 4 + 5 * 6)
+    assert prefill_flops(model, cfg, [3, 5]) == want
+
+
+def test_floor_counts_each_decode_step_once() -> None:
+    # one seq: 4 prompt tokens, 3 outputs -> 2 decode steps reading 5 and 6 KV tokens
+    assert floor_seconds([4], [3], weight_bytes=100, kv_bytes=10, bw=1000.0) == (2 * 100 + 11 * 10) / 1000.0
+    # a second seq with 1 output adds no step and no KV
+    assert floor_seconds([4, 9], [3, 1], 100, 10, 1000.0) == floor_seconds([4], [3], 100, 10, 1000.0)
+
+
+def test_matmul_rate_is_a_plausible_cpu_rate() -> None:
+    rate = matmul_rate(torch.device("cpu"))
+    assert 1e8 < rate < 1e14
