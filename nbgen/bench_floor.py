@@ -47,6 +47,7 @@ def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
 
 
 def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: int, bw: float) -> float:
+    """Seconds to read the weights once per decode step and each live sequence's KV at ``bw`` bytes/s."""
     steps = max(outs) - 1                            # the first token of each seq comes from prefill
     kv_tokens = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(ins, outs))  # sum_j (i + j), j=1..o-1
     return (steps * weight_bytes + kv_tokens * kv_bytes) / bw
