@@ -120,7 +120,11 @@ class CudaGraphRunner:
         # row 3 placeholder source row or -1; a graph of bs reads the first 4 * bs as [4, bs]), then
         # the decode kernel's page tables: indptr [mb + 1], last page lengths [mb], kv indices
         pages_per_seq = (max_context + P - 1) // P + 1
-        self._cut = (8 * mb, 9 * mb + 1, 10 * mb + 1)
+        # each view starts on a 128-byte boundary, as a separate allocation would: Triton specialises its
+        # kernels on 16-byte pointer alignment, so the graphs compile the variants eager steps use
+        up = lambda n: -(-n // 32) * 32                                         # noqa: E731
+        a = up(8 * mb)
+        self._cut = (a, a + up(mb + 1), a + up(mb + 1) + up(mb))
         self._buf = torch.zeros(self._cut[2] + mb * pages_per_seq, dtype=torch.int32, device=dev)
         self.io, self.indptr, self.last, self.indices = self._views(self._buf)
         self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
