@@ -72,6 +72,11 @@ class StagingRing:
         self._events[self._i] = ev
 
 
+def _blocks128(n: int) -> int:
+    """n int32 values rounded up to whole 128-byte blocks (32 values)."""
+    return -(-n // 32) * 32
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, 32, then steps of 16 up to 64, of 32 up to 256, of 64 beyond (and max_bs).
 
@@ -122,9 +127,8 @@ class CudaGraphRunner:
         pages_per_seq = (max_context + P - 1) // P + 1
         # each view starts on a 128-byte boundary, as a separate allocation would: Triton specialises its
         # kernels on 16-byte pointer alignment, so the graphs compile the variants eager steps use
-        up = lambda n: -(-n // 32) * 32                                         # noqa: E731
-        a = up(8 * mb)
-        self._cut = (a, a + up(mb + 1), a + up(mb + 1) + up(mb))
+        a, b = _blocks128(8 * mb), _blocks128(mb + 1)
+        self._cut = (a, a + b, a + b + _blocks128(mb))
         self._buf = torch.zeros(self._cut[2] + mb * pages_per_seq, dtype=torch.int32, device=dev)
         self.io, self.indptr, self.last, self.indices = self._views(self._buf)
         self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
