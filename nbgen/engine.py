@@ -47,6 +47,7 @@ class Engine(AsyncGenerateMixin):
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any) -> None:
         self._shut = True
         self.final_stats: Optional[dict[str, Any]] = None  # stats() as of shutdown()
+        self.shutting_down = False  # shutdown() is stopping the loop; final_stats is not set yet
         cfg = EngineConfig.from_kwargs(model_path, kwargs)
         logging.getLogger("nbgen").setLevel(cfg.log_level.upper())
         if cfg.model_path is None:
@@ -267,8 +268,12 @@ class Engine(AsyncGenerateMixin):
         if self._shut:
             return
         self._shut = True
-        self._finalizer()
-        self.final_stats = self._loop.stats()  # last numbers, for widgets that outlive the engine
+        self.shutting_down = True
+        try:
+            self._finalizer()
+        finally:
+            self.final_stats = self._loop.stats()  # last numbers, for widgets that outlive the engine
+            self.shutting_down = False
         try:
             import torch
 

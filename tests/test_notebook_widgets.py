@@ -226,3 +226,35 @@ def test_playground_real_engine_seeds_are_reproducible(tiny_engine) -> None:
     assert pg.texts == first and all(first)
     ref = tiny_engine.generate("hello", {**sample_params(pg.values, 2, 3)[1]})
     assert first[1] == ref["text"]
+
+
+def test_dashboard_waits_for_the_final_numbers_while_shutdown_runs() -> None:
+    """shutdown() makes stats() refuse at once but publishes final_stats only after the loop stopped; a
+    refresh in between keeps the dashboard live, so it ends with the final numbers, not a stale view."""
+
+    class Stopping:
+        shutting_down, final_stats = True, None
+
+        def stats(self):
+            raise RuntimeError("engine is shut down")
+
+    eng = Stopping()
+    d = Dashboard(eng, interval=10.0, widget=False)          # __init__ polls once
+    assert d.status == "live" and d.poll() is True and d.history.latest is None
+    eng.shutting_down = False
+    eng.final_stats = {"running": 0, "waiting": 0, "total_output_tokens": 192, "total_input_tokens": 80}
+    assert d.poll() is False and d.status == "engine shut down"
+    assert d.history.latest["total_output_tokens"] == 192
+
+
+def test_engine_publishes_final_stats_after_the_loop_stops(tiny_llama_dir) -> None:
+    import nbgen
+
+    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu")
+    assert not eng.shutting_down and eng.final_stats is None
+    eng.generate(input_ids=[[5, 6, 7]] * 2, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    eng.shutdown()
+    assert not eng.shutting_down and eng.final_stats["running"] == 0
+    assert eng.final_stats["total_output_tokens"] == 6
+    with pytest.raises(RuntimeError):
+        eng.stats()

@@ -44,6 +44,10 @@ class Dashboard(Shown):
         try:
             stats = eng.stats()
         except RuntimeError:  # "engine is shut down": show the numbers it had at shutdown
+            if getattr(eng, "shutting_down", False):
+                # stats() refuses as soon as shutdown() starts, final_stats comes once the loop has
+                # stopped: end then, or the last numbers shown are those of the previous refresh
+                return True
             final = getattr(eng, "final_stats", None)
             if self.status == "live" and final:
                 self.history.append(final)
