@@ -273,3 +273,17 @@ def test_triton_argmax_is_torch_argmax(dtype) -> None:
         assert got.data_ptr() == out.data_ptr()
         assert torch.equal(got, x.argmax(dim=-1)), (B, V)
         assert torch.equal(gpu_argmax.argmax(x, ws), got) and int(ws.count.sum()) == 0
+
+
+def test_argmax_workspace_grows_for_more_rows_and_wider_vocabularies() -> None:
+    """The partials hold rows x chunk slots: a later call with a wider vocabulary (more chunks per row)
+    at a row count seen before must grow them too, and the slots per row never shrink."""
+    from nbgen.runtime import gpu_argmax
+
+    ws = gpu_argmax.ArgmaxWorkspace()
+    pmax, pidx, count = ws.get(64, 1, CPU)
+    assert ws.sp == 1 and pmax.numel() >= 64 and count.numel() >= 64 and int(count.sum()) == 0
+    pmax, pidx, _ = ws.get(64, 16, CPU)
+    assert ws.sp == 16 and pmax.numel() >= 64 * 16 and pidx.numel() == pmax.numel()
+    pmax, _, count = ws.get(200, 2, CPU)
+    assert ws.sp == 16 and ws.rows >= 200 and pmax.numel() >= 200 * 16 and count.numel() >= 200

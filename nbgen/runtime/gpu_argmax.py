@@ -56,13 +56,14 @@ class ArgmaxWorkspace:
     launch that used it, so consecutive launches can share them."""
 
     def __init__(self) -> None:
-        self.rows = 0
+        self.rows = self.sp = 0
         self.pmax = self.pidx = self.count = None
 
     def get(self, rows: int, sp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if rows > self.rows or self.count is None or self.count.device != device:
-            self.rows = max(rows, 2 * self.rows, 64)
-            n = self.rows * sp
+        """Partials for ``rows`` rows of ``sp`` chunk slots each (a later, wider vocabulary grows them too)."""
+        if rows > self.rows or sp > self.sp or self.count is None or self.count.device != device:
+            self.rows, self.sp = max(rows, 2 * self.rows, 64), max(sp, self.sp)
+            n = self.rows * self.sp
             self.pmax = torch.empty(n, dtype=torch.float32, device=device)
             self.pidx = torch.empty(n, dtype=torch.int32, device=device)
             self.count = torch.zeros(self.rows, dtype=torch.int32, device=device)
@@ -84,5 +85,5 @@ def argmax(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor] = N
     if out is None:
         out = torch.empty(B, dtype=torch.long, device=x.device)
     pdl.launch(_argmax_kernel, (B, S), (x, out, pmax, pidx, count, V, x.stride(0), S), x.device,
-               SP=sp, BLOCK=BLOCK, num_warps=4)
+               SP=ws.sp, BLOCK=BLOCK, num_warps=4)
     return out
