@@ -256,6 +256,7 @@ class Engine(AsyncGenerateMixin):
                 "cuda_graph_batch_sizes": list(getattr(runner, "cuda_graph_batch_sizes", []) or []),
                 "piecewise_cuda_graph_tokens": list(getattr(runner, "piecewise_cuda_graph_tokens", []) or []),
                 "startup_s": dict(getattr(runner, "startup_s", {}) or {}),
+                "norms_folded": bool(getattr(runner, "norms_folded", False)),
                 "random_seed": self.config.random_seed}
 
     def get_model_info(self) -> dict[str, Any]:

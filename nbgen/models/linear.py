@@ -115,6 +115,17 @@ class _Linear(nn.Module):
         """x [T, in] -> [T, out]; ``out``: a [T, out] buffer to write into (CUDA, cuBLAS path)."""
         return self._mm(x, self.bias, out)
 
+    def accumulate(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """into += x @ W.T (+ b), in place: a residual add folded into the projection (one launch on
+        CUDA: the streaming kernel's epilogue at a few rows, else cuBLAS with beta = 1)."""
+        if get_tp()[0] != 1:
+            raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
+        if self.packed is None and self.bias is None and into.is_cuda and into.is_contiguous():
+            if small_gemm.usable(x, self.weight):
+                return small_gemm.small_gemm(x, self.weight, accumulate=into)
+            return into.addmm_(x, self.weight.t())
+        return into.add_(self._mm(x, self.bias))
+
 
 class ColumnParallelLinear(_Linear):
     """Output features split over tp ranks (each rank computes a slice of y)."""

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nbgen.attention.base import Attention
+from nbgen.models import norm_fold
 from nbgen.models import qk_norm_rope as fused_rope
 from nbgen.models import small_gemm
 from nbgen.models.layers import (
@@ -63,6 +64,16 @@ class LlamaMLP(nn.Module):
             return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
         return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
+    def forward_folded(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+        """Folded post-attention norm (models/norm_fold.py): h [T, H] is the raw residual stream and the
+        norm weight is in gate|up; the MLP's output is added into h in place -> h."""
+        w = self.gate_up_proj.weight
+        if small_gemm.usable(h, w):   # row scale and SiLU-and-mul in the streaming kernel's epilogue
+            act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
+        else:
+            act = norm_fold.silu_mul_scaled(self.gate_up_proj(h), h, eps)
+        return self.down_proj.accumulate(act, h)
+
 
 class LlamaAttention(nn.Module):
     """q/k/v projection, RoPE, attention and o_proj; the decoder layer calls ``project``, ``attn`` and
@@ -95,24 +106,33 @@ class LlamaAttention(nn.Module):
         return None, None, 0.0
 
     def project(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
-                qkv_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+                qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """Everything before attention: qkv projection (into ``qkv_out`` when given), (q/k norm,) RoPE,
-        and where the backend allows it the K/V write -> (q, k, v, whether K/V are written)."""
+        and where the backend allows it the K/V write -> (q, k, v, whether K/V are written).
+        ``fold_eps``: x is the raw residual stream and the input norm is folded into qkv (its weight in
+        the projection, its row scale applied here)."""
         qkv = self.qkv_proj(x, out=qkv_out)                           # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if FUSED_ROPE and fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
-            # one kernel, in place on qkv (q and k stay its strided views): q/k norm (Qwen3), RoPE,
-            # and where the backend allows it the K/V write into the paged cache
+            # one kernel, in place on qkv (q and k stay its strided views): (the folded norm's row
+            # scale,) q/k norm (Qwen3), RoPE, and where the backend allows it the K/V write
             kv = self.attn.kv_target(meta)
             fused_rope.qk_norm_rope_(qkv, positions, *self.qk_norm_weights(), self.rotary_emb.cos_sin_cache,
-                                     self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, kv=kv)
+                                     self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, kv=kv,
+                                     row_scale=None if fold_eps is None else (x, fold_eps))
             return q, k, v, kv is not None
+        if fold_eps is not None:
+            qkv.mul_(norm_fold.rms_scale(x, fold_eps))               # in place: q, k, v are its views
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
         return q, k, v, False
 
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    # norms folded into qkv / gate|up (models/norm_fold.fold_norms): the layer then passes the raw
+    # residual stream on (its x outputs are None) and o_proj / down_proj accumulate into it
+    folded: bool = False
 
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
         super().__init__()
@@ -125,6 +145,10 @@ class LlamaDecoderLayer(nn.Module):
                       qkv_out: Optional[torch.Tensor] = None) -> tuple[tuple, torch.Tensor]:
         """x: the previous layer's output (not yet added to the residual stream) -> ((q, k, v, K/V written),
         residual). The residual is updated in place where the fused add+RMSNorm runs."""
+        if self.folded:     # x is None (already in the stream) or, before layer 0, the embeddings
+            residual = x if residual is None else residual
+            eps = self.input_layernorm.eps
+            return self.self_attn.project(positions, residual, meta, qkv_out, fold_eps=eps), residual
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -132,7 +156,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.project(positions, x, meta, qkv_out), residual
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP."""
+        """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP. Folded: both
+        outputs go into the residual stream in place -> (None, residual)."""
+        if self.folded:
+            self.self_attn.o_proj.accumulate(attn, residual)
+            return None, self.mlp.forward_folded(residual, self.post_attention_layernorm.eps)
         x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
 
@@ -160,8 +188,11 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output (None when folded layers left it in the stream) + residual -> normed."""
+        return self.norm(residual) if x is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

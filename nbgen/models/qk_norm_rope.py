@@ -13,6 +13,10 @@ is rounded where torch rounds it: without the norm the result equals torch's eva
 formulas bit for bit on an H100 (with contraction, 82 % of elements did). It also stores the rotated
 k heads and the v heads into the cache (NHD or HND pages, flat slots ``page * page_size + offset``
 as the attention backends use). q and k stay views of qkv. Launched with PDL (runtime/pdl).
+
+With a folded input norm (``models/norm_fold.py``) qkv is the raw residual stream's projection: the
+kernel then first scales q, k and v by the token's rsqrt(mean(h^2) + eps), read from ``h``, rounds
+them to the model dtype (as the projection of the normed stream is rounded), and stores v back.
 """
 from __future__ import annotations
 
@@ -38,10 +42,22 @@ if triton is not None:
         return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
 
     @triton.jit
+    def row_rms_scale(h_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr):
+        """rsqrt(mean(h^2) + eps) of one row of HID elements (fp32 math, as RMSNorm), HBLK at a time."""
+        ss = tl.zeros((HBLK,), tl.float32)
+        for k0 in tl.static_range(0, HID, HBLK):
+            kk = k0 + tl.arange(0, HBLK)
+            x = tl.load(h_ptr + kk, mask=kk < HID, other=0.0).to(tl.float32)
+            ss += x * x
+        return tl.math.rsqrt(tl.sum(ss, 0) / HID + eps)
+
+    @triton.jit
     def _qk_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
+                        h_ptr, h_stride, h_eps,
                         HQ: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
                         D: tl.constexpr, P: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                        HND: tl.constexpr, USE_PDL: tl.constexpr):
+                        HND: tl.constexpr, ROW_SCALE: tl.constexpr, HID: tl.constexpr, HBLK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
         # one program per token, all its q and k heads as one [HP, D/2] tile (HP: HQ + HKV rounded up to a
         # power of 2): a decode step is then one wave of programs, each with one chain of dependent loads
         t = tl.program_id(0)
@@ -68,6 +84,10 @@ if triton is not None:
         ptr = row + h[:, None] * D + offs[None, :]             # [HP, HALF]: first halves of the heads
         a = tl.load(ptr, mask=hm, other=0.0).to(tl.float32)
         b = tl.load(ptr + HALF, mask=hm, other=0.0).to(tl.float32)
+        if ROW_SCALE:   # folded input norm: q|k|v = the normed stream's projection, rounded
+            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
+            a = _rnd(a * s, dt)
+            b = _rnd(b * s, dt)
         if NORM:
             r = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
             # Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in the model dtype
@@ -83,11 +103,17 @@ if triton is not None:
             dst = head_row(slot, h - HQ, HKV * D, D, P, HND)[:, None] + offs[None, :]
             tl.store(kc_ptr + dst, oa, mask=isk)
             tl.store(kc_ptr + dst + HALF, ob, mask=isk)
-            hv = tl.arange(0, HVP)                             # v heads: copied as they are
+        if WRITE_KV or ROW_SCALE:
+            hv = tl.arange(0, HVP)                             # v heads: copied (scaled when folded)
             dd = tl.arange(0, D)
             vm = (hv < HKV)[:, None]
-            v = tl.load(row + (HQ + HKV + hv)[:, None] * D + dd[None, :], mask=vm)
-            tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P, HND)[:, None] + dd[None, :], v, mask=vm)
+            vptr = row + (HQ + HKV + hv)[:, None] * D + dd[None, :]
+            v = tl.load(vptr, mask=vm)
+            if ROW_SCALE:
+                v = (v.to(tl.float32) * s).to(dt, fp_downcast_rounding="rtne")
+                tl.store(vptr, v, mask=vm)
+            if WRITE_KV:
+                tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P, HND)[:, None] + dd[None, :], v, mask=vm)
 
 
 def supported(qkv: torch.Tensor, head_dim: int) -> bool:
@@ -98,13 +124,15 @@ def supported(qkv: torch.Tensor, head_dim: int) -> bool:
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional[torch.Tensor],
                   k_weight: Optional[torch.Tensor], eps: float, cos_sin_cache: torch.Tensor, num_q_heads: int,
-                  num_kv_heads: int, head_dim: int,
-                  kv: Optional[KVTarget] = None) -> None:
+                  num_kv_heads: int, head_dim: int, kv: Optional[KVTarget] = None,
+                  row_scale: Optional[tuple[torch.Tensor, float]] = None) -> None:
     """In place on qkv [T, (Hq + 2 Hkv) * D]: (RMSNorm +) RoPE of the q and k heads (v untouched).
 
     positions [T] (any int dtype); q/k weights [D] or None (no norm, Llama / Qwen2); cos_sin_cache
     [max_pos, D] fp32 (cos | sin halves); ``kv`` = (k_cache, v_cache, slots [T] long, layout "NHD" |
-    "HND"): also write the rotated k and v of every token into its slot.
+    "HND"): also write the rotated k and v of every token into its slot. ``row_scale`` = (h [T, hidden],
+    eps): qkv was projected from the un-normed stream h (norm weight folded into the projection), so
+    q, k and v are first scaled by each row's rsqrt(mean(h^2) + eps) (v in place too).
     """
     T = qkv.shape[0]
     if T == 0:
@@ -116,10 +144,13 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
     else:
         kc = vc = slots = qkv
         layout, P = "NHD", 1
+    h, h_eps = row_scale if row_scale is not None else (qkv, 0.0)
+    hid = h.shape[1] if row_scale is not None else 1
     pdl.launch(_qk_rope_kernel, (T,),
                (qkv, positions, q_weight if norm else qkv, k_weight if norm else qkv, cos_sin_cache,
-                qkv.stride(0), eps, kc, vc, slots),
+                qkv.stride(0), eps, kc, vc, slots, h, h.stride(0), h_eps),
                qkv.device, HQ=num_q_heads, HKV=num_kv_heads, HP=triton.next_power_of_2(num_q_heads + num_kv_heads),
                HVP=triton.next_power_of_2(num_kv_heads), D=head_dim, P=P, NORM=norm,
-               WRITE_KV=kv is not None, HND=layout == "HND", num_warps=4,
+               WRITE_KV=kv is not None, HND=layout == "HND", ROW_SCALE=row_scale is not None, HID=hid,
+               HBLK=min(1024, triton.next_power_of_2(hid)), num_warps=4,
                enable_fp_fusion=False)    # no FMA contraction: each product rounds as in torch

@@ -12,6 +12,11 @@ the launch gap between the ~300 small kernels of a batch-1 decode step.
 Numerics: fp32 accumulation, one rounding to the output dtype, like cuBLAS; the summation order
 differs, so results can differ from F.linear in the last bit. The SiLU epilogue rounds gate and up
 to the model dtype first, as the unfused path does.
+
+For folded norms (``models/norm_fold.py``) the kernel can also scale each output row by
+rsqrt(mean(x_row^2) + eps) of its own input row (``row_scale_eps``: the norm weight is in W, x is the
+raw residual stream; each program sums x^2 over the K it streams anyway) and add its result into an
+existing [M, N] tensor (``accumulate``: the residual add after o_proj / down_proj, one rounding).
 """
 from __future__ import annotations
 
@@ -54,36 +59,48 @@ if triton is not None:
         return w, kk, k_mask
 
     @triton.jit
-    def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr):
-        # x [K] against BLOCK_N weight rows whose first tile w0 is already loaded -> fp32 [1, BLOCK_N]:
-        # elementwise FMAs into a [BLOCK_N, BLOCK_K] tile, one reduction at the end
+    def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
+        # x [K] against BLOCK_N weight rows whose first tile w0 is already loaded -> (fp32 [1, BLOCK_N],
+        # sum of x^2 as [1, 1] when SUMSQ else 0): elementwise FMAs into a [BLOCK_N, BLOCK_K] tile, one
+        # reduction at the end
         rk = tl.arange(0, BLOCK_K)
-        acc = w0.to(tl.float32) * tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        acc = w0.to(tl.float32) * x[None, :]
+        ss = x * x
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        return tl.sum(acc, 1)[None, :]
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+            if SUMSQ:
+                ss += x * x
+        return tl.sum(acc, 1)[None, :], tl.sum(ss, 0)
 
     @triton.jit
     def _few_rows(x_ptr, w_rows, w0, K, sxm, n_mask, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
         # x rows [0, M) padded to BLOCK_M (>= 16) against BLOCK_N weight rows whose first tile w0 is
-        # already loaded, tensor-core dot
+        # already loaded, tensor-core dot -> (fp32 [BLOCK_M, BLOCK_N], per-row sum of x^2 [BLOCK_M] when
+        # SUMSQ)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :], mask=(rm < M)[:, None] & (rk < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w0), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+        ss = tl.zeros((BLOCK_M,), tl.float32)
+        if SUMSQ:
+            ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :],
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
-        return acc
+            if SUMSQ:
+                ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+        return acc, ss
 
     @triton.jit
-    def _small_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HALF,
-                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
+    def _small_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HALF, eps,
+                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ROW_SCALE: tl.constexpr,
+                           ACCUM: tl.constexpr, USE_PDL: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,15 +115,21 @@ if triton is not None:
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
         if BLOCK_M == 1:
-            y = _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K)
+            y, ss = _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K, ROW_SCALE)
             if SILU_MUL:
-                u = _one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K)
+                u, _ss = _one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K, False)
         else:
-            y = _few_rows(x_ptr, w_rows, w0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
+            y, ss = _few_rows(x_ptr, w_rows, w0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SCALE)
+            ss = ss[:, None]
             if SILU_MUL:
-                u = _few_rows(x_ptr, u_rows, u0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K)
+                u, _ss = _few_rows(x_ptr, u_rows, u0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K, False)
         if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
             pdl.gdc_launch_dependents()
+        if ROW_SCALE:   # folded RMSNorm: the rows of x were not normalised yet
+            r = tl.math.rsqrt(ss / K + eps)
+            y = y * r
+            if SILU_MUL:
+                u = u * r
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         dt = y_ptr.dtype.element_ty
@@ -116,7 +139,11 @@ if triton is not None:
             u = u.to(dt).to(tl.float32)
             y = g / (1.0 + tl.exp(-g)) * u
         rm = tl.arange(0, BLOCK_M)
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y.to(dt), mask=(rm < M)[:, None] & n_mask[None, :])
+        y_tile = y_ptr + rm[:, None] * sym + rn[None, :]
+        out_mask = (rm < M)[:, None] & n_mask[None, :]
+        if ACCUM:   # the residual add: y_ptr holds the stream, one rounding of the sum
+            y += tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(y_tile, y.to(dt), mask=out_mask)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -128,17 +155,26 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               silu_mul: bool = False, config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]; with ``silu_mul`` -> [M, N/2] = silu(gate) * up."""
+               silu_mul: bool = False, config: Optional[tuple[int, int, int, int]] = None,
+               row_scale_eps: Optional[float] = None, accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N]; with ``silu_mul`` -> [M, N/2] = silu(gate) * up.
+
+    ``row_scale_eps``: scale each row by rsqrt(mean(x_row^2) + eps) first (a folded RMSNorm).
+    ``accumulate``: a contiguous [M, N] tensor the result is added into (and returned)."""
     M, K = x.shape
     N = weight.shape[0]
     out_n = N // 2 if silu_mul else N
-    y = torch.empty((M, out_n), dtype=x.dtype, device=x.device)
+    if accumulate is not None:
+        assert accumulate.shape == (M, out_n) and accumulate.stride(1) == 1
+        y = accumulate
+    else:
+        y = torch.empty((M, out_n), dtype=x.dtype, device=x.device)
     bm = 1 if M == 1 else max(16, triton.next_power_of_2(M))
     bn, bk, warps, stages = config or pick_config(M, out_n, K)
     args = (x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0),
-            y.stride(0), N // 2)
-    kw = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            y.stride(0), N // 2, 0.0 if row_scale_eps is None else float(row_scale_eps))
+    kw = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROW_SCALE=row_scale_eps is not None,
+              ACCUM=accumulate is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
               num_warps=warps, num_stages=stages)
     pdl.launch(_small_gemm_kernel, (triton.cdiv(out_n, bn),), args, x.device, **kw)
     return y

@@ -50,7 +50,7 @@ def supported(model: torch.nn.Module) -> bool:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     return bool(layers) and all(hasattr(m, "pre_attention") and hasattr(m, "post_attention") for m in layers) \
-        and hasattr(inner, "embed_tokens") and hasattr(inner, "norm")
+        and hasattr(inner, "embed_tokens") and hasattr(inner, "final_norm")
 
 
 class PrefillGraphRunner:
@@ -61,7 +61,7 @@ class PrefillGraphRunner:
             raise ValueError(f"{type(model).__name__} does not expose pre_attention / post_attention")
         inner = model.model
         self.backend = backend
-        self.embed, self.layers, self.norm = inner.embed_tokens, list(inner.layers), inner.norm
+        self.embed, self.layers, self.final_norm = inner.embed_tokens, list(inner.layers), inner.final_norm
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
         attn = self.layers[0].self_attn
@@ -108,8 +108,7 @@ class PrefillGraphRunner:
             if i < L:
                 (q, _k, _v, written), r = self.layers[i].pre_attention(io[1], x, r, meta, qkv_out=qkv)
                 return q, written, r
-            x, _ = self.norm(x, r)
-            self.hidden[:T].copy_(x)
+            self.hidden[:T].copy_(self.final_norm(x, r))
             return None
         return run
 

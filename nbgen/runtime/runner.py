@@ -84,6 +84,9 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(layers, self.num_pages, cfg.page_size, hq, hkv, hd,
                                    self.loaded.dtype, device)
         self.backend = self._make_backend()
+        from nbgen.models import norm_fold   # two norm launches a layer fewer (before graph capture)
+
+        self.norms_folded = norm_fold.should_fold(self.model, device) and norm_fold.fold_norms(self.model)
         self.sampler = Sampler(self.vocab_size, device)
         t2 = time.perf_counter()
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
