@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Optional
 
 import pytest
 import torch
@@ -200,9 +201,10 @@ def test_kv_write_kernel(layout, heads, dim, page):
     assert got[0].abs().sum() > 0
 
 
-@gpu
-@pytest.mark.parametrize("chunk", [None, 64])
-def test_hf_parity_teacher_forced(model_dir, chunk):
+def teacher_forced_vs_hf(model_dir: str, chunk: Optional[int] = None) -> dict[str, float]:
+    """Prompt logprobs of nbgen (bf16, CUDA) against HF bf16 on the same weights, teacher-forced ->
+    {agree: top-1 agreement, agree_clear: the same where HF's top-2 gap > 0.1, clear: the share of such
+    positions, dlp: median |dlogprob|}."""
     from transformers import AutoModelForCausalLM
 
     rng = random.Random(1)
@@ -229,14 +231,20 @@ def test_hf_parity_teacher_forced(model_dir, chunk):
     assert len(got_lp) == len(ref_lp) and len(got_top) == len(ref_top)
     agree = sum(a == b for a, b in zip(got_top, ref_top)) / len(ref_top)
     dlp = statistics.median(abs(a - b) for a, b in zip(got_lp, ref_lp))
-    # random models have many near-ties; top-1 must agree wherever HF's top-2 gap exceeds bf16 noise
     clear = [a == b for a, b, m in zip(got_top, ref_top, margin) if m > 0.1]
-    agree_clear = sum(clear) / len(clear)
-    print(f"top-1 agreement {agree:.4f} (margin > 0.1: {agree_clear:.4f} of {len(clear)}), "
+    print(f"top-1 agreement {agree:.4f} (margin > 0.1: {sum(clear) / len(clear):.4f} of {len(clear)}), "
           f"median |dlogprob| {dlp:.4f}")
-    assert agree >= 0.95 and len(clear) >= len(ref_top) // 2
-    assert agree_clear >= 0.99
-    assert dlp <= 0.05
+    return {"agree": agree, "agree_clear": sum(clear) / len(clear), "clear": len(clear) / len(ref_top), "dlp": dlp}
+
+
+@gpu
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_hf_parity_teacher_forced(model_dir, chunk):
+    r = teacher_forced_vs_hf(model_dir, chunk)
+    # random models have many near-ties; top-1 must agree wherever HF's top-2 gap exceeds bf16 noise
+    assert r["agree"] >= 0.95 and r["clear"] >= 0.5
+    assert r["agree_clear"] >= 0.99
+    assert r["dlp"] <= 0.05
 
 
 def test_prefill_token_buckets():
