@@ -104,10 +104,12 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < I
+        # h was written before the gate|up projection that precedes this kernel started (that kernel
+        # only lets this one launch once it runs), so it is read before the wait
+        s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)
         if USE_PDL:
             pdl.gdc_wait()                                     # gate|up is the previous kernel's output
             pdl.gdc_launch_dependents()
-        s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)
         dt = y_ptr.dtype.element_ty
         g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
@@ -130,6 +132,8 @@ def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch
     if T == 0:
         return y
     block = min(2048, triton.next_power_of_2(I))
+    while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
+        block //= 2
     hid = h.shape[1]
     pdl.launch(_silu_scaled_kernel, (T, triton.cdiv(I, block)),
                (gate_up, h, y, I, gate_up.stride(0), h.stride(0), y.stride(0), float(eps)), gate_up.device,

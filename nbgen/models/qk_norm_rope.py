@@ -77,6 +77,10 @@ if triton is not None:
                           tl.load(kw_ptr + HALF + offs)[None, :]).to(tl.float32)
         if WRITE_KV:
             slot = tl.load(slot_ptr + t).to(tl.int64)
+        if ROW_SCALE:
+            # h (the stream) was written before the qkv projection that precedes this kernel started,
+            # and that kernel only lets this one launch once it runs: safe to read before the wait
+            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
         if USE_PDL:
             pdl.gdc_wait()                                     # qkv is the previous kernel's output
             pdl.gdc_launch_dependents()
@@ -85,7 +89,6 @@ if triton is not None:
         a = tl.load(ptr, mask=hm, other=0.0).to(tl.float32)
         b = tl.load(ptr + HALF, mask=hm, other=0.0).to(tl.float32)
         if ROW_SCALE:   # folded input norm: q|k|v = the normed stream's projection, rounded
-            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
             a = _rnd(a * s, dt)
             b = _rnd(b * s, dt)
         if NORM:
