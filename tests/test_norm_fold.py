@@ -134,7 +134,7 @@ def test_small_gemm_row_scale_and_accumulate(M: int) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("T", [1, 40, 300])
+@pytest.mark.parametrize("T", [1, 40, 300, 1500])   # 1500: one program a token
 def test_silu_mul_scaled_kernel_matches_torch(T: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(T)
     gu = torch.randn(T, 2 * 3000, device="cuda", generator=g).bfloat16()

@@ -100,10 +100,9 @@ if triton is not None:
     @triton.jit
     def _silu_scaled_kernel(x_ptr, h_ptr, y_ptr, I, sx, sh, sy, eps, HID: tl.constexpr, HBLK: tl.constexpr,
                             BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # program (token t, block c of I): silu(gate * s) * (up * s), s = the token's rms scale of h
+        # program (token t, j): blocks j, j + P, ... of I (P programs a token): silu(gate * s) * (up * s),
+        # s = the token's rms scale of h (one program a token at prefill sizes reads h once)
         t = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < I
         # h was written before the gate|up projection that precedes this kernel started (that kernel
         # only lets this one launch once it runs), so it is read before the wait
         s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)
@@ -111,12 +110,15 @@ if triton is not None:
             pdl.gdc_wait()                                     # gate|up is the previous kernel's output
             pdl.gdc_launch_dependents()
         dt = y_ptr.dtype.element_ty
-        g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
-        # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
-        g = (g * s).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-        u = (u * s).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-        tl.store(y_ptr + t * sy + offs, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m)
+        for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            m = offs < I
+            g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
+            # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
+            g = (g * s).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+            u = (u * s).to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+            tl.store(y_ptr + t * sy + offs, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m)
 
 
 def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,7 +137,9 @@ def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch
     while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
         block //= 2
     hid = h.shape[1]
-    pdl.launch(_silu_scaled_kernel, (T, triton.cdiv(I, block)),
+    # decode sizes: a program per block (a short kernel); from 1 024 tokens on, one program a token
+    # loops over the blocks and reads its row of h once (prefill: ~1/3 less traffic for Qwen3-0.6B)
+    pdl.launch(_silu_scaled_kernel, (T, triton.cdiv(I, block) if T < 1024 else 1),
                (gate_up, h, y, I, gate_up.stride(0), h.stride(0), y.stride(0), float(eps)), gate_up.device,
                HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block,
                num_warps=4 if block <= 1024 else 8)

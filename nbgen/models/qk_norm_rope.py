@@ -16,7 +16,8 @@ as the attention backends use). q and k stay views of qkv. Launched with PDL (ru
 
 With a folded input norm (``models/norm_fold.py``) qkv is the raw residual stream's projection: the
 kernel then first scales q, k and v by the token's rsqrt(mean(h^2) + eps), read from ``h``, rounds
-them to the model dtype (as the projection of the normed stream is rounded), and stores v back.
+them to the model dtype (as the projection of the normed stream is rounded), and stores v back when
+it does not write it into the cache.
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ if triton is not None:
             v = tl.load(vptr, mask=vm)
             if ROW_SCALE:
                 v = (v.to(tl.float32) * s).to(dt, fp_downcast_rounding="rtne")
-                tl.store(vptr, v, mask=vm)
+                if not WRITE_KV:   # attention reads v from qkv only when it is not in the cache
+                    tl.store(vptr, v, mask=vm)
             if WRITE_KV:
                 tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P, HND)[:, None] + dd[None, :], v, mask=vm)
 
@@ -135,7 +137,8 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
     [max_pos, D] fp32 (cos | sin halves); ``kv`` = (k_cache, v_cache, slots [T] long, layout "NHD" |
     "HND"): also write the rotated k and v of every token into its slot. ``row_scale`` = (h [T, hidden],
     eps): qkv was projected from the un-normed stream h (norm weight folded into the projection), so
-    q, k and v are first scaled by each row's rsqrt(mean(h^2) + eps) (v in place too).
+    q, k and v are first scaled by each row's rsqrt(mean(h^2) + eps) (v in place too unless ``kv`` is
+    given: attention then reads it from the cache).
     """
     T = qkv.shape[0]
     if T == 0:
