@@ -30,7 +30,12 @@ class ModelFacts:
 
 
 def _is_id_list(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    """A list/tuple of ints (bools excluded). The element types are collected at C speed: W-nano's
+    144k prompt ids took ~40 ms per generate() with a Python-level isinstance per element."""
+    if not isinstance(x, (list, tuple)):
+        return False
+    types = set(map(type, x))
+    return types <= {int} or all(issubclass(t, int) and not issubclass(t, bool) for t in types)
 
 
 def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], bool, str]:
@@ -86,8 +91,8 @@ def build_params(d: Any, facts: ModelFacts) -> SamplingParams:
 
 def check_ids(ids: list[int], idx: int, sp: SamplingParams, facts: ModelFacts) -> SamplingParams:
     """Token ids inside the vocab; prompt + max_new_tokens within the context length."""
-    bad = [t for t in ids if not 0 <= t < facts.vocab_size]
-    if bad:
+    if ids and (min(ids) < 0 or max(ids) >= facts.vocab_size):
+        bad = [t for t in ids if not 0 <= t < facts.vocab_size]
         raise ValueError(f"input_ids[{idx}] has token ids outside the vocabulary [0, {facts.vocab_size}): {bad[:5]}")
     if not ids:
         raise ValueError(f"prompt[{idx}] is empty after tokenization")

@@ -1,6 +1,7 @@
 """Sampling parameters (SGLang names and defaults), normalised and validated at the edge."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
@@ -20,6 +21,12 @@ def _int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name} must be an int, got {v!r}")
     return int(v)
+
+
+@functools.lru_cache(maxsize=None)
+def _init_names(cls: type) -> dict[str, None]:
+    """The dataclass's constructor argument names, in order (looked up once per class)."""
+    return dict.fromkeys(f.name for f in fields(cls) if f.init)
 
 
 @dataclass
@@ -145,10 +152,10 @@ class SamplingParams:
             return d
         if not isinstance(d, dict):
             raise TypeError(f"sampling_params must be a dict, got {type(d).__name__}")
-        known = [f.name for f in fields(cls) if f.init]
+        known = _init_names(cls)
         for key in d:
             if key not in known:
-                raise unknown_key_error("sampling param", key, known)
+                raise unknown_key_error("sampling param", key, list(known))
         return cls(**d)
 
     def verify(self, vocab_size: int) -> None:

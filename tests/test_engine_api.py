@@ -104,6 +104,12 @@ def test_bad_inputs(tiny_engine):
         tiny_engine.generate(["ok", 3])
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_engine.generate(input_ids=[1, 10**6])
+    with pytest.raises(ValueError, match=r"input_ids\[1\] has token ids outside the vocabulary .*\[-3\]"):
+        tiny_engine.generate(input_ids=[[1, 2], [5, -3, 7]])
+    with pytest.raises(TypeError, match=r"input_ids\[1\] must be a list of ints"):
+        tiny_engine.generate(input_ids=[[1, 2], [5, True]])     # a bool is not a token id
+    with pytest.raises(TypeError, match=r"input_ids\[0\] must be a list of ints"):
+        tiny_engine.generate(input_ids=[[1, 2.0]])
     with pytest.raises(ValueError, match="sampling_params has 1 entries for 2 prompts"):
         tiny_engine.generate(["a", "b"], [{}])
     # a bad item fails the whole call and nothing runs
