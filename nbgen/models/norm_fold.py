@@ -85,13 +85,16 @@ def _scale_columns(w: torch.Tensor, g: torch.Tensor, rows: int = 2048) -> None:
 
 def should_fold(model: torch.nn.Module, device: torch.device) -> bool:
     """The runner's policy: fold on CUDA with bf16 weights where the fused kernels serve the layers
-    (the switch on, Triton present), unless ``NBGEN_FOLD_NORM=0``."""
+    (the switch on, Triton present, a head size the RoPE kernel takes: elsewhere the row scale would
+    cost torch launches of its own), unless ``NBGEN_FOLD_NORM=0``."""
     from nbgen.models import llama
+    from nbgen.models.qk_norm_rope import supports_head_dim
     from nbgen.runtime.gpu_ops import fused_enabled
 
     w = model.lm_head.weight if hasattr(model, "lm_head") else None
     return (FOLD and triton is not None and device.type == "cuda" and llama.FUSED_ROPE and w is not None
-            and w.dtype == torch.bfloat16 and fused_enabled(w) and foldable(model))
+            and w.dtype == torch.bfloat16 and fused_enabled(w) and foldable(model)
+            and all(supports_head_dim(m.self_attn.head_dim) for m in model.model.layers))
 
 
 if triton is not None:

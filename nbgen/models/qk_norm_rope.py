@@ -121,10 +121,15 @@ if triton is not None:
                 tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P, HND)[:, None] + dd[None, :], v, mask=vm)
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """Head sizes the kernel's [heads, D/2] tiles take: powers of 2 from 32."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
 def supported(qkv: torch.Tensor, head_dim: int) -> bool:
     """The kernel serves this tensor: CUDA, half precision, rows contiguous, head_dim a power of 2."""
     return (triton is not None and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)
-            and qkv.stride(-1) == 1 and head_dim >= 32 and head_dim & (head_dim - 1) == 0)
+            and qkv.stride(-1) == 1 and supports_head_dim(head_dim))
 
 
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional[torch.Tensor],
