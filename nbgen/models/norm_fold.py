@@ -21,8 +21,6 @@ projections), and only layers without biases, at tp_size 1. ``NBGEN_FOLD_NORM=0`
 from __future__ import annotations
 
 import os
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -147,9 +145,3 @@ def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch
                HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block,
                num_warps=4 if block <= 1024 else 8)
     return y
-
-
-def describe(model: Any) -> bool:
-    """Whether ``model``'s layers run folded (for get_server_info)."""
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    return bool(layers) and all(getattr(m, "folded", False) for m in layers)

@@ -136,7 +136,8 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
                   k_weight: Optional[torch.Tensor], eps: float, cos_sin_cache: torch.Tensor, num_q_heads: int,
                   num_kv_heads: int, head_dim: int, kv: Optional[KVTarget] = None,
                   row_scale: Optional[tuple[torch.Tensor, float]] = None) -> None:
-    """In place on qkv [T, (Hq + 2 Hkv) * D]: (RMSNorm +) RoPE of the q and k heads (v untouched).
+    """In place on qkv [T, (Hq + 2 Hkv) * D]: (RMSNorm +) RoPE of the q and k heads (v untouched unless
+    ``row_scale``).
 
     positions [T] (any int dtype); q/k weights [D] or None (no norm, Llama / Qwen2); cos_sin_cache
     [max_pos, D] fp32 (cos | sin halves); ``kv`` = (k_cache, v_cache, slots [T] long, layout "NHD" |

@@ -61,8 +61,8 @@ if triton is not None:
     @triton.jit
     def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
         # x [K] against BLOCK_N weight rows whose first tile w0 is already loaded -> (fp32 [1, BLOCK_N],
-        # sum of x^2 as [1, 1] when SUMSQ else 0): elementwise FMAs into a [BLOCK_N, BLOCK_K] tile, one
-        # reduction at the end
+        # sum of x^2: a scalar, over all of K only when SUMSQ): elementwise FMAs into a [BLOCK_N, BLOCK_K]
+        # tile, one reduction at the end
         rk = tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
         acc = w0.to(tl.float32) * x[None, :]
