@@ -11,9 +11,22 @@ large model, whose prompts are compute-bound work a decode-only floor does not c
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+
+def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median time of ``reps`` calls of ``fn`` after 2 warm-up calls (CUDA events on a GPU)."""
+    times = []
+    for _ in range(reps + 2):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); fn(); e.record(); e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    return sorted(times[2:])[reps // 2]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -22,16 +35,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
         nbytes = 256 << 20
     a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
     b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); b.copy_(a); e.record(); e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter(); b.copy_(a); times.append(time.perf_counter() - t0)
+    secs = _median_seconds(lambda: b.copy_(a), device, 10)
     del a, b
-    return 2 * nbytes / sorted(times[2:])[len(times[2:]) // 2]
+    return 2 * nbytes / secs
 
 
 def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
@@ -56,20 +62,12 @@ def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: 
 def matmul_rate(device: torch.device) -> float:
     """Dense matmul throughput in FLOP/s: bf16 8192^3 on CUDA (the tensor cores' practical peak),
     fp32 1024^3 on a CPU; median of the timed repeats after a warm-up."""
-    cuda = device.type == "cuda"
-    n, dt, reps = (8192, torch.bfloat16, 10) if cuda else (1024, torch.float32, 3)
+    n, dt, reps = (8192, torch.bfloat16, 10) if device.type == "cuda" else (1024, torch.float32, 3)
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
-    times = []
-    for _ in range(reps + 2):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); a @ b; e.record(); e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter(); a @ b; times.append(time.perf_counter() - t0)
+    secs = _median_seconds(lambda: a @ b, device, reps)
     del a, b
-    return 2 * n ** 3 / sorted(times[2:])[len(times[2:]) // 2]
+    return 2 * n ** 3 / secs
 
 
 def prefill_flops(model: torch.nn.Module, hf: Any, prompt_lens: list[int]) -> float:
