@@ -162,7 +162,7 @@ def _print_profile(prof: Any, wall: float) -> None:
     ev.sort(key=dev_t, reverse=True)
     busy = sum(dev_t(e) for e in ev) / 1e6
     print(f"profile: wall {wall:.2f} s, GPU kernels busy {busy:.2f} s ({100 * busy / wall:.0f}%)")
-    for e in ev[:14]:
+    for e in ev[:24]:
         print(f"  {dev_t(e) / 1e6:8.3f} s {e.count:8d}x  {e.key[:110]}")
 
 

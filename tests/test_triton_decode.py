@@ -3,6 +3,7 @@
 replays with changing lengths, and end to end against flashinfer's decode path."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +66,40 @@ def test_triton_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
         err = (o.float() - ref).abs()
         assert bool((err <= 2 ** -8 * ref.abs() + 6e-3).all()), err.max().item()   # P rounded to bf16
     assert int(w.count.sum()) == 0
+
+
+def test_longest_first_orders_rows_by_kv_length(monkeypatch):
+    """The decode kernel's row order: KV length descending, ties in batch order; batch order with LPT off."""
+    from nbgen.attention import triton_decode as td
+
+    P, lens = 16, [5, 40, 16, 40, 1, 33]
+    npg = [(n + P - 1) // P for n in lens]
+    indptr = np.concatenate([[0], np.cumsum(npg)]).astype(np.int32)
+    last = np.array([n - (m - 1) * P for n, m in zip(lens, npg)], dtype=np.int32)
+    order = td.longest_first(indptr, last, P)
+    assert order.dtype == np.int32 and order.tolist() == [1, 3, 5, 2, 0, 4]
+    monkeypatch.setattr(td, "LPT", False)
+    assert td.longest_first(indptr, last, P).tolist() == list(range(6))
+
+
+@gpu
+@pytest.mark.parametrize("lens", [[(37 * i) % 1500 + 1 for i in range(50)], [100 + 29 * i for i in range(100)]])
+def test_triton_decode_row_order_changes_no_bit(monkeypatch, lens):
+    """Programs dispatched longest row first compute exactly what batch-order dispatch computes."""
+    from nbgen.attention import triton_decode as td
+
+    hq, hkv, D, P = 16, 8, 128, 16
+    kc, vc, indptr, indices, last = _paged(lens, hkv, D, P, "HND", seed=3)
+    q = torch.randn(len(lens), hq, D, device="cuda").bfloat16()
+    w = td.TritonDecodeWrapper(hq, hkv, D, P, "HND", torch.device("cuda"))
+    outs = []
+    for lpt in (True, False):
+        monkeypatch.setattr(td, "LPT", lpt)
+        w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
+        outs.append(w.run(q, (kc, vc)).clone())
+        order = w.order[: len(lens)].cpu()
+        assert torch.equal(order, torch.arange(len(lens), dtype=torch.int32)) != lpt
+    assert torch.equal(outs[0], outs[1])
 
 
 @gpu

@@ -121,12 +121,13 @@ class FlashInferBackend(AttentionBackend):
                                                  self.kv_layout, sp.device, *buffers)
 
     def make_decode_wrapper(self, indptr: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
-                            last_page_len: Optional[torch.Tensor] = None) -> Any:
-        """A decode wrapper; with the three GPU buffers it is a fixed-batch-size CUDA-graph wrapper
-        (nbgen's Triton decode for batch sizes up to ``triton_bs``, else flashinfer's)."""
+                            last_page_len: Optional[torch.Tensor] = None, order: Optional[torch.Tensor] = None) -> Any:
+        """A decode wrapper; with the GPU buffers it is a fixed-batch-size CUDA-graph wrapper (nbgen's
+        Triton decode for batch sizes up to ``triton_bs``, which also reads ``order``, the rows longest
+        first; else flashinfer's)."""
         graph = indptr is not None
         if graph and len(last_page_len) <= self.triton_bs:
-            return self._triton_wrapper(indptr, indices, last_page_len)
+            return self._triton_wrapper(indptr, indices, last_page_len, order)
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, self.kv_layout, use_cuda_graph=graph, use_tensor_cores=self.use_tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import numpy as np
 import torch
 
 from nbgen.runtime import pdl
@@ -36,6 +37,8 @@ LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = int(os.environ.get("NBGEN_DECODE_PROGRAMS_PER_SM", "4"))
 STAGES = int(os.environ.get("NBGEN_DECODE_STAGES", "2"))     # K/V tiles in flight per program
 MAX_SPLITS = 16
+# programs of the longest sequences first (NBGEN_DECODE_LPT=0: batch order, for A/B)
+LPT = os.environ.get("NBGEN_DECODE_LPT", "1") != "0"
 
 
 def supported(head_dim: int) -> bool:
@@ -57,18 +60,31 @@ def block_n(bs: int, head_dim: int) -> int:
     return n if head_dim <= 128 else n // 2
 
 
+def longest_first(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
+    """Rows by KV length, longest first (ties in row order) as int32 [B]; the batch order itself
+    when ``LPT`` is off."""
+    n = len(last_page_len)
+    if not LPT:
+        return np.arange(n, dtype=np.int32)
+    kv_len = (np.diff(kv_indptr[: n + 1]).astype(np.int64) - 1) * page_size + last_page_len[:n]
+    return np.argsort(-kv_len, kind="stable").astype(np.int32)
+
+
 if triton is not None:
     @triton.jit
-    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr,
+    def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr, order_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        USE_PDL: tl.constexpr):
-        b = tl.program_id(0)
-        kh = tl.program_id(1)
-        s = tl.program_id(2)
-        HKV = tl.num_programs(1)
-        # page table: host-to-device copies made before the step, not the previous kernel's output
+        kh = tl.program_id(0)
+        s = tl.program_id(1)
+        HKV = tl.num_programs(0)
+        # page tables and the row order: host-to-device copies made before the step, not the previous
+        # kernel's output. Programs are dispatched in grid order (kv head, split, rank) and ``order``
+        # lists rows longest first, so the last programs to start are the shortest and the kernel's
+        # tail (SMs idle while a few long rows finish) stays short
+        b = tl.load(order_ptr + tl.program_id(2))
         start = tl.load(indptr_ptr + b)
         kv_len = (tl.load(indptr_ptr + b + 1) - start - 1) * P + tl.load(last_ptr + b)
         chunk = tl.cdiv(tl.cdiv(kv_len, NSPLIT), BLOCK_N) * BLOCK_N        # tokens per split
@@ -142,7 +158,8 @@ class TritonDecodeWrapper:
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, layout: str,
                  device: torch.device, indptr: Optional[torch.Tensor] = None,
-                 indices: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None) -> None:
+                 indices: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None,
+                 order: Optional[torch.Tensor] = None) -> None:
         from nbgen.runtime.cuda_graphs import padded_batch_size   # runtime imports this module first
 
         self.hq, self.hkv, self.d, self.P = num_q_heads, num_kv_heads, head_dim, page_size
@@ -153,7 +170,9 @@ class TritonDecodeWrapper:
         self.device = device
         self.pad = padded_batch_size
         self.fixed = indptr is not None        # a graph's buffers; else own ones, grown on demand
-        self.indptr, self.indices, self.last = indptr, indices, last
+        if self.fixed and order is None:       # a graph's wrapper planned through plan(): own order buffer
+            order = torch.arange(last.numel(), dtype=torch.int32, device=device)
+        self.indptr, self.indices, self.last, self.order = indptr, indices, last, order
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
         # split scratch: pairs x splits <= PROGRAMS_PER_SM x SMs whenever splits > 1 (else unused)
@@ -164,7 +183,8 @@ class TritonDecodeWrapper:
         self.scale = head_dim ** -0.5
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
-        """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device."""
+        """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device.
+        (A graph's wrapper is not planned: its buffers are filled by the graph runner's one copy.)"""
         bs = len(last_page_len)
         if not self.fixed:
             if self.indices is None or self.indices.numel() < kv_indices.numel():
@@ -172,10 +192,13 @@ class TritonDecodeWrapper:
             if self.last is None or self.last.numel() < bs:
                 self.indptr = torch.empty(2 * bs + 1, dtype=torch.int32, device=self.device)
                 self.last = torch.empty(2 * bs, dtype=torch.int32, device=self.device)
+                self.order = torch.empty(2 * bs, dtype=torch.int32, device=self.device)
         if kv_indices.data_ptr() != self.indices.data_ptr():
             self.indices[: kv_indices.numel()].copy_(kv_indices, non_blocking=True)
         self.indptr[: bs + 1].copy_(kv_indptr, non_blocking=True)
         self.last[: bs].copy_(last_page_len, non_blocking=True)
+        order = torch.from_numpy(longest_first(kv_indptr.numpy(), last_page_len.numpy(), self.P))
+        self.order[: bs].copy_(order.pin_memory() if self.device.type == "cuda" else order, non_blocking=True)
 
     def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -189,8 +212,8 @@ class TritonDecodeWrapper:
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
         sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load
-        args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.part, self.ml, self.count,
+        args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.order, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok, self.scale * LOG2E)
-        pdl.launch(_decode_kernel, (B, self.hkv, nsplit), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
+        pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=STAGES, num_warps=4)
         return o

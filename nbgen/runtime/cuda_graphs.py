@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
-from nbgen.attention.triton_decode import TritonDecodeWrapper
+from nbgen.attention.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.runtime.batch import ScheduledBatch
 from nbgen.runtime.pages import SCRATCH_PAGE
 
@@ -123,14 +123,16 @@ class CudaGraphRunner:
         # every per-step input in one int32 buffer, so that a step's inputs go to the GPU in one copy
         # from a pinned twin of it: io (4 * mb int64: row 0 token ids, row 1 positions, row 2 KV slots,
         # row 3 placeholder source row or -1; a graph of bs reads the first 4 * bs as [4, bs]), then
-        # the decode kernel's page tables: indptr [mb + 1], last page lengths [mb], kv indices
+        # the decode kernel's page tables: indptr [mb + 1], last page lengths [mb], the rows longest
+        # first [mb] (``triton_decode.longest_first``), kv indices
         pages_per_seq = (max_context + P - 1) // P + 1
         # each view starts on a 128-byte boundary, as a separate allocation would: Triton specialises its
         # kernels on 16-byte pointer alignment, so the graphs compile the variants eager steps use
         a, b = _blocks128(8 * mb), _blocks128(mb + 1)
-        self._cut = (a, a + b, a + b + _blocks128(mb))
-        self._buf = torch.zeros(self._cut[2] + mb * pages_per_seq, dtype=torch.int32, device=dev)
-        self.io, self.indptr, self.last, self.indices = self._views(self._buf)
+        c = a + b + _blocks128(mb)
+        self._cut = (a, a + b, c, c + _blocks128(mb))
+        self._buf = torch.zeros(self._cut[3] + mb * pages_per_seq, dtype=torch.int32, device=dev)
+        self.io, self.indptr, self.last, self.order, self.indices = self._views(self._buf)
         self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
         self._ring = StagingRing(lambda: [torch.zeros(self._buf.numel(), dtype=torch.int32)])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -147,11 +149,11 @@ class CudaGraphRunner:
         logger.info("captured %d decode graphs (bs %s) in %.1f s, %.0f MiB", len(self.graphs),
                     self.batch_sizes, self.capture_seconds, self.memory_bytes / 2**20)
 
-    def _views(self, buf: Any) -> tuple[Any, Any, Any, Any]:
-        """(io int64, indptr, last, indices) views of the flat int32 input buffer (torch or numpy)."""
-        a, b, c = self._cut
+    def _views(self, buf: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """(io int64, indptr, last, order, indices) views of the flat int32 input buffer (torch or numpy)."""
+        a, b, c, d = self._cut
         io = buf[:a].view(torch.long) if isinstance(buf, torch.Tensor) else buf[:a].view(np.int64)
-        return io, buf[a:b], buf[b:c], buf[c:]
+        return io, buf[a:b], buf[b:c], buf[c:d], buf[d:]
 
     def _forward_static(self, bs: int, meta: FlashInferMetadata) -> torch.Tensor:
         """What a graph runs: resolve placeholders from ``prev``, then the model over the static rows."""
@@ -165,24 +167,25 @@ class CudaGraphRunner:
         in one transfer and plan the bs wrapper; padding rows get one page each (the scratch page)
         holding one token."""
         pad = bs - n
-        _io, ip, last, idx = self._views(npv[0])
+        _io, ip, last, order, idx = self._views(npv[0])
         ip[n + 1: bs + 1] = ip[n] + np.arange(1, pad + 1, dtype=np.int32)
         last[n:bs] = 1
+        order[:bs] = longest_first(ip[: bs + 1], last[:bs], self.backend.spec.page_size)
         idx[nnz: nnz + pad] = SCRATCH_PAGE
         total = nnz + pad
-        end = self._cut[2] + total
+        end = self._cut[3] + total
         self._buf[:end].copy_(st[0][:end], non_blocking=True)
         w = self.wrappers[bs]
         if not isinstance(w, TritonDecodeWrapper):   # nbgen's decode kernel reads the copied tables as they are
             # indices are passed as the device buffer itself: flashinfer's copy into it is then a no-op
-            _io, hip, hlast, _idx = self._views(st[0])
+            _io, hip, hlast, _order, _idx = self._views(st[0])
             self.backend.plan_decode(w, hip[: bs + 1], self.indices[:total], hlast[:bs])
 
     def _capture(self, bs: int, warmup: int) -> None:
-        w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs])
+        w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs], self.order[:bs])
         self.wrappers[bs] = w
         st, npv = self._ring.next()
-        io, ip, _last, _idx = self._views(npv[0])
+        io, ip, _last, _order, _idx = self._views(npv[0])
         ip[0] = 0
         io[: 4 * bs] = 0
         io[3 * bs: 4 * bs] = -1
@@ -213,7 +216,7 @@ class CudaGraphRunner:
         bs = next(b for b in self.batch_sizes if b >= n)
         kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch.seqs)
         st, npv = self._ring.next()
-        hio, hip, hlast, hidx = self._views(npv[0])
+        hio, hip, hlast, _hord, hidx = self._views(npv[0])
         io = hio[: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids, dtype=np.int64, count=n)
         ph = tok < 0
