@@ -33,8 +33,10 @@ except ImportError:  # pragma: no cover - CPU installs without triton never buil
 # decode batches up to this many sequences take this kernel (0: flashinfer's decode for every batch)
 MAX_BS = int(os.environ.get("NBGEN_TRITON_DECODE_BS", str(1 << 30)))
 LOG2E = 1.4426950408889634
-# split target; from the batch x split grid in docs/benchmarks.md (session 7)
-PROGRAMS_PER_SM = int(os.environ.get("NBGEN_DECODE_PROGRAMS_PER_SM", "4"))
+# split target, programs per SM (NBGEN_DECODE_PROGRAMS_PER_SM fixes it for every batch size, for A/B);
+# by default 4 up to 16 rows, 8 above (.gpu/tools/attn_pps.py with LPT order, docs/benchmarks.md session 13)
+PROGRAMS_PER_SM = int(os.environ.get("NBGEN_DECODE_PROGRAMS_PER_SM", "0"))
+SMALL_BATCH_PPS, LARGE_BATCH_PPS = 4, 8
 STAGES = int(os.environ.get("NBGEN_DECODE_STAGES", "2"))     # K/V tiles in flight per program
 MAX_SPLITS = 16
 # programs of the longest sequences first (NBGEN_DECODE_LPT=0: batch order, for A/B)
@@ -46,11 +48,18 @@ def supported(head_dim: int) -> bool:
     return triton is not None and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
+def programs_per_sm(bs: int) -> int:
+    """The split target at a batch of ``bs`` rows: longer splits at small batches, where every row is
+    split anyway (bs 8: 15.0 vs 17.1 us a layer with 8), finer ones above, where the kernel's tail is
+    what more programs shorten (bs 48: 89.5 -> 74.2 us)."""
+    return PROGRAMS_PER_SM or (SMALL_BATCH_PPS if bs <= 16 else LARGE_BATCH_PPS)
+
+
 def num_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits per (sequence, kv head): about PROGRAMS_PER_SM programs per SM over the batch, a power of
-    2 in [1, MAX_SPLITS]. ``bs`` must be the CUDA-graph batch size the batch pads to
+    """Splits per (sequence, kv head): about ``programs_per_sm(bs)`` programs per SM over the batch, a
+    power of 2 in [1, MAX_SPLITS]. ``bs`` must be the CUDA-graph batch size the batch pads to
     (``padded_batch_size``), so that an eager step splits (and sums) exactly like a graph replay."""
-    want = max(1, PROGRAMS_PER_SM * num_sms // max(1, bs * num_kv_heads))
+    want = max(1, programs_per_sm(bs) * num_sms // max(1, bs * num_kv_heads))
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
@@ -175,8 +184,8 @@ class TritonDecodeWrapper:
         self.indptr, self.indices, self.last, self.order = indptr, indices, last, order
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-        # split scratch: pairs x splits <= PROGRAMS_PER_SM x SMs whenever splits > 1 (else unused)
-        cells = max(PROGRAMS_PER_SM * self.sms, MAX_SPLITS)
+        # split scratch: pairs x splits <= programs per SM x SMs whenever splits > 1 (else unused)
+        cells = max((PROGRAMS_PER_SM or max(SMALL_BATCH_PPS, LARGE_BATCH_PPS)) * self.sms, MAX_SPLITS)
         self.part = torch.empty(cells * self.g2 * head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(cells, dtype=torch.int32, device=device)
