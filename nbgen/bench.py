@@ -64,6 +64,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["page_size"] = args.page_size
     if args.chunked_prefill_size:
         kw["chunked_prefill_size"] = args.chunked_prefill_size
+    if args.schedule_policy:
+        kw["schedule_policy"] = args.schedule_policy
     t0 = time.perf_counter()
     eng = nbgen.Engine(args.model, **kw) if args.model else nbgen.Engine(**kw)
     startup = time.perf_counter() - t0
@@ -217,6 +219,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--page-size", type=int, default=None, help="KV page size (default: the engine's)")
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="token budget per step (default: the engine's)")
+    ap.add_argument("--schedule-policy", default=None, choices=["fcfs", "lpm", "lof"],
+                    help="admission order (default: the engine's fcfs); lof with a small --chunked-prefill-size "
+                         "spreads prefill over decode steps")
     ap.add_argument("--peer", default=None, choices=["hf"])
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-piecewise-cuda-graph", action="store_true",

@@ -9,7 +9,7 @@ from typing import Any, Optional
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
-_POLICIES = ("fcfs", "lpm")
+_POLICIES = ("fcfs", "lpm", "lof")
 _BACKENDS = (None, "torch", "flashinfer")
 
 
@@ -106,12 +106,12 @@ class SchedulerConfig:
     num_pages: int = 1024                       # including the scratch page 0
     max_running_requests: int = 64
     chunked_prefill_size: Optional[int] = 1024  # token budget per step; None or <= 0: unlimited
-    schedule_policy: str = "fcfs"               # "fcfs" | "lpm"
+    schedule_policy: str = "fcfs"               # "fcfs" | "lpm" | "lof"
     disable_radix_cache: bool = False
     context_length: Optional[int] = None        # prompt + output never exceeds it
 
     def __post_init__(self) -> None:
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
+        if self.schedule_policy not in _POLICIES:
+            raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

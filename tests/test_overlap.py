@@ -21,7 +21,8 @@ def _run(path: str, overlap: bool, prompts: list[list[int]], sps: list[dict], **
         return eng.generate(input_ids=prompts, sampling_params=sps)
 
 
-@pytest.mark.parametrize("cfg", [{}, {"max_total_tokens": 400, "chunked_prefill_size": 64}])
+@pytest.mark.parametrize("cfg", [{}, {"max_total_tokens": 400, "chunked_prefill_size": 64},
+                                 {"schedule_policy": "lof", "chunked_prefill_size": 48}])
 def test_overlap_same_outputs(tiny_llama_dir, cfg):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(1, 120))] for _ in range(12)]

@@ -201,6 +201,26 @@ def test_lpm_orders_by_prefix_match(policy: str, first: str) -> None:
     assert s.schedule().seqs[0].req.rid == first
 
 
+def test_lof_admits_longest_output_first() -> None:
+    s = sched(max_running_requests=1, schedule_policy="lof", context_length=20)
+    for rid, n in (("a", 3), ("b", 7), ("c", 5), ("d", 7)):
+        s.add(req(rid, [100 + len(rid)] * 6, max_new=n))
+    assert s.abort("d") is not None                               # removed from the sorted order
+    order: list[str] = []
+    runner = FakeRunner(s)
+    for _ in range(200):
+        if not s.has_work():
+            break
+        batch = s.schedule()
+        order += [x.req.rid for x in batch.seqs if x.req.rid not in order]
+        if order == ["b"]:
+            s.add(req("e", [9] * 6, max_new=6))                  # later arrivals are sorted in
+            s.add(req("f", [9] * 6, max_new=None))               # unbounded counts as longest
+            order.append("(added)")
+        s.update(batch, runner.step(batch))
+    assert order == ["b", "(added)", "f", "e", "c", "a"]
+
+
 def _outputs(kw: dict, n: int = 8) -> tuple[dict, Scheduler]:
     s = sched(**kw)
     rs = [req(str(i), p, max_new=6 + (i * 5) % 14) for i, p in enumerate(prompts(n))]
@@ -401,7 +421,7 @@ def _random_workload(seed: int) -> int:
                           group=f"g{i // 3}" if rng.random() < 0.3 else None))
     need = max(len(sp["prompt"]) + max(sp["max_new"], 1) for sp in specs)
     kw = dict(page_size=P, chunked_prefill_size=rng.choice([4, 16, 64, None]),
-              max_running_requests=rng.randint(1, 6), schedule_policy=rng.choice(["fcfs", "lpm"]),
+              max_running_requests=rng.randint(1, 6), schedule_policy=rng.choice(["fcfs", "lpm", "lof"]),
               disable_radix_cache=rng.random() < 0.3)
 
     def go(num_pages: int) -> tuple[dict, Scheduler]:

@@ -1,12 +1,20 @@
 """WaitingQueue: requests that hold no pages yet, and the order admission considers them in.
 
 Order: preempted requests first (the oldest preempted first: they already produced output and
-hold a place in line), then new arrivals, either in arrival order (``fcfs``) or longest
-prefix-cache match first (``lpm``; ties keep arrival order). lpm matches every waiting request each
-step, so with more than ``LPM_MAX_WAITING`` waiting it falls back to fcfs, as SGLang does.
+hold a place in line), then new arrivals in one of three orders:
+
+- ``fcfs``: arrival order.
+- ``lpm``: longest prefix-cache match first (ties keep arrival order). lpm matches every waiting
+  request each step, so with more than ``LPM_MAX_WAITING`` waiting it falls back to fcfs, as SGLang does.
+- ``lof``: longest output first, by ``max_new_tokens`` (None counts as unbounded; ties keep arrival
+  order). With a small per-step token budget this spreads prefill over decode steps whose matmuls
+  read the weights anyway, while the requests that will decode longest start first: a large model's
+  offline batch then spends less time on prefill-only steps (docs/benchmarks.md, session 14). The
+  sorted order is rebuilt only after arrivals, not every step.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Iterator
 
@@ -40,6 +48,8 @@ class WaitingQueue:
         self.policy = policy
         self._front: deque[Request] = deque()
         self._arrivals: dict[str, Request] = {}
+        self._by_output: deque[Request] = deque()   # lof: arrivals by max_new_tokens, may hold removed ones
+        self._sorted = True
 
     def __len__(self) -> int:
         return len(self._front) + len(self._arrivals)
@@ -47,6 +57,7 @@ class WaitingQueue:
     def append(self, req: Request) -> None:
         """A new arrival joins the back."""
         self._arrivals[req.rid] = req
+        self._sorted = False
 
     def push_front(self, req: Request) -> None:
         """A preempted request goes before everything else."""
@@ -66,5 +77,21 @@ class WaitingQueue:
             queue = list(self._arrivals.values())
             keys = {r.rid: cache.match(matchable_ids(r), touch=False)[1] for r in queue}
             yield from sorted(queue, key=lambda r: -keys[r.rid])   # stable: ties keep arrival order
+        elif self.policy == "lof":
+            yield from self._longest_output_first()
         else:
             yield from self._arrivals.values()
+
+    def _longest_output_first(self) -> Iterator[Request]:
+        if not self._sorted:
+            self._by_output = deque(sorted(self._arrivals.values(), key=_output_budget))  # stable
+            self._sorted = True
+        while self._by_output and self._by_output[0].rid not in self._arrivals:
+            self._by_output.popleft()            # admitted or aborted since the sort (admission takes the head)
+        yield from (r for r in self._by_output if r.rid in self._arrivals)
+
+
+def _output_budget(req: Request) -> float:
+    """Sort key of lof: minus the tokens a request may still generate."""
+    n = req.params.max_new_tokens
+    return -math.inf if n is None else -(n - len(req.output_ids))
