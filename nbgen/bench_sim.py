@@ -8,7 +8,7 @@ prices the steps with a model of one GPU step:
   it (decode-only steps to a decode graph size, steps with a prefill chunk to a prefill-graph bucket);
 - decode attention: the KV it reads at the copy bandwidth; prefill attention: its FLOPs at the matmul rate;
 - the LM head: its weight read, or its FLOPs where more rows are sampled than that covers;
-- everything else (norm/RoPE/SiLU kernels, launches): a per-step plus per-row term fitted to a profile.
+- everything else (norm/RoPE/SiLU kernels, launches): a rough per-step plus per-row term from a profile.
 
 The defaults describe Llama-3.1-8B on the H100 of docs/benchmarks.md (GEMM times from session 15's
 cuBLAS sweep); there the model is 1.5-5 % below measured W-nano times (it is optimistic) and ranks the
@@ -64,7 +64,7 @@ class CostModel:
     layer_weight_bytes: float = 13.96e9    # the decoder linears (read once a step)
     lm_head_bytes: float = 1.05e9          # 128 256 x 4 096 bf16
     attn_flops_per_pair: float = 4 * 32 * 32 * 128   # q.K^T and P.V, 32 layers x 32 heads x head dim 128
-    per_step_s: float = 0.25e-3            # launches, norms, argmax (fitted to the lof-384 profile)
+    per_step_s: float = 0.25e-3            # launches, norms, argmax (rough, from the lof-384 profile)
     per_row_s: float = 1.5e-6              # SiLU, RoPE, KV writes per row
     ideal_gemm_rate: Optional[float] = None  # FLOP/s: an ideal GEMM instead of the measured points
 
