@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import bisect
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 from nbgen.bench import make_workload
 from nbgen.bench_floor import floor_seconds
 from nbgen.config import SchedulerConfig
 from nbgen.runtime.batch import StepOutput
 from nbgen.runtime.cuda_graphs import padded_batch_size
-from nbgen.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, token_buckets
+from nbgen.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, bucket_for, token_buckets
 from nbgen.runtime.request import LogprobRequest, Request
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.sampling import SamplingParams
@@ -75,13 +75,11 @@ class CostModel:
             return max(self.layer_weight_bytes / self.bandwidth, flops / self.ideal_gemm_rate)
         pts = self.gemm_points
         i = bisect.bisect_left([m for m, _ in pts], rows)
-        if i < len(pts) and pts[i][0] == rows:
+        if i == len(pts):                                   # beyond the table: the last point's time per row
+            return pts[-1][1] * rows / pts[-1][0]
+        if i == 0 or pts[i][0] == rows:                     # at a point, or below the first
             return pts[i][1]
-        if i == 0:
-            return pts[0][1]
-        (m0, t0), (m1, t1) = pts[i - 1], pts[min(i, len(pts) - 1)]
-        if i == len(pts):                                   # beyond the table: the last rate per row
-            return t1 * rows / m1
+        (m0, t0), (m1, t1) = pts[i - 1], pts[i]
         return t0 + (t1 - t0) * (rows - m0) / (m1 - m0)
 
     def parts(self, s: StepShape) -> dict[str, float]:
@@ -107,17 +105,16 @@ def trace(prompts: list[list[int]], outs: list[int], policy: str, budget: int,
     while sched.has_work():
         batch = sched.schedule()
         assert batch is not None, "the scheduler has work but built no step"
-        rows = sum(len(s.token_ids) for s in batch.seqs)
-        if any(len(s.token_ids) > 1 for s in batch.seqs):
-            padded = next((b for b in buckets if b >= rows), rows)   # above the largest bucket: eager
-        else:
-            padded = padded_batch_size(rows)                         # one-token rows: a decode graph
-        # prompt rows (a chunk, or a prompt's last token alone) vs output rows (decodes)
-        chunks = [s for s in batch.seqs if s.start_pos < len(s.req.prompt_ids)]
-        pairs = sum(n * s.start_pos + n * (n + 1) // 2 for s in chunks for n in [len(s.token_ids)])
-        steps.append(StepShape(rows=rows, padded_rows=padded,
-                               decode_kv=sum(s.start_pos + 1 for s in batch.seqs if s.start_pos >= len(s.req.prompt_ids)),
-                               prefill_pairs=pairs, sampled=sum(1 for s in batch.seqs if s.sample)))
+        rows = sum(s.q_len for s in batch.seqs)
+        padded = padded_batch_size(rows) if batch.is_decode_only else bucket_for(buckets, rows)
+        decode_kv = pairs = 0
+        for s in batch.seqs:
+            if s.start_pos < len(s.req.prompt_ids):          # prompt rows: a chunk, or a prompt's last token alone
+                pairs += s.q_len * s.start_pos + s.q_len * (s.q_len + 1) // 2
+            else:                                            # an output token's row: a decode
+                decode_kv += s.kv_len
+        steps.append(StepShape(rows=rows, padded_rows=padded, decode_kv=decode_kv, prefill_pairs=pairs,
+                               sampled=sum(1 for s in batch.seqs if s.sample)))
         n = len(batch.seqs)
         sched.update(batch, StepOutput(next_token_ids=[7 if s.sample else -1 for s in batch.seqs],
                                        output_logprobs=[None] * n, prompt_logprobs=[None] * n))

@@ -45,6 +45,12 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes + [max_tokens]
 
 
+def bucket_for(buckets: list[int], n: int) -> int:
+    """The token count a step of ``n`` tokens pads to: the smallest bucket that holds it (``n`` itself
+    above the largest bucket, where the step runs eagerly)."""
+    return next((b for b in buckets if b >= n), n)
+
+
 def supported(model: torch.nn.Module) -> bool:
     """A model built from the Llama blocks (``model.layers`` with pre_attention / post_attention)."""
     inner = getattr(model, "model", None)
@@ -154,7 +160,7 @@ class PrefillGraphRunner:
         """Hidden states [n, H] of the step's n tokens (a view of the static output buffer, valid
         until the next step's replay). ``patch`` fills placeholder ids on the GPU."""
         n = len(ids)
-        T = next(b for b in self.buckets if b >= n)
+        T = bucket_for(self.buckets, n)
         st, npv = self._ring.next()
         host = npv[0][: 3 * T].reshape(3, T)
         host[0, :n] = ids
