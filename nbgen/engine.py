@@ -204,9 +204,10 @@ class Engine(AsyncGenerateMixin):
             return out
         return upd.output
 
-    def _abort_quietly(self, rids: list[str]) -> None:
+    def _abort_quietly(self, rids: list[str], wait: bool = True) -> None:
+        """Abort an interrupted call's requests; with ``wait``, return once the loop let them go."""
         try:
-            self._loop.abort(rids)
+            self._loop.abort(rids, wait=wait)
         except RuntimeError:
             pass
 
@@ -248,7 +249,7 @@ class Engine(AsyncGenerateMixin):
         runner = self._loop.runner
         return {"model_path": self.config.model_path, "device": self.device, "dtype": str(self.dtype),
                 "context_length": self._facts.context_length, "page_size": sc.page_size,
-                "num_pages": sc.num_pages, "max_total_tokens": sc.num_pages * sc.page_size,
+                "num_pages": sc.num_pages, "max_total_tokens": (sc.num_pages - 1) * sc.page_size,
                 "max_running_requests": sc.max_running_requests,
                 "chunked_prefill_size": sc.chunked_prefill_size, "schedule_policy": sc.schedule_policy,
                 "disable_radix_cache": sc.disable_radix_cache,

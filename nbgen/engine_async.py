@@ -52,7 +52,7 @@ class AsyncGenerateMixin:
                 yield upd
         finally:
             if pending:  # cancelled or closed early
-                self._abort_quietly(list(pending))
+                self._abort_quietly(list(pending), wait=False)   # never block the caller's loop
 
     async def _astream(self, req: Request) -> AsyncIterator[dict[str, Any]]:
         sent = 0

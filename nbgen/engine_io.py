@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from nbgen.runtime.request import LogprobRequest, Request
-from nbgen.sampling import SamplingParams
+from nbgen.sampling import SamplingParams, check_text
 
 PromptArg = Optional[Union[str, list[str]]]
 IdsArg = Optional[Union[list[int], list[list[int]]]]
@@ -45,6 +45,7 @@ def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], b
                          + ("both" if prompt is not None else "neither"))
     if prompt is not None:
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             return [prompt], True, "prompt"
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
@@ -53,6 +54,7 @@ def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], b
         for i, p in enumerate(prompt):
             if not isinstance(p, str):
                 raise TypeError(f"prompt[{i}] must be a str, got {type(p).__name__}")
+            check_text(p, f"prompt[{i}]")
         return list(prompt), False, "prompt"
     if not isinstance(input_ids, (list, tuple)):
         raise TypeError(f"input_ids must be a list of ints or a list of lists, got {type(input_ids).__name__}")

@@ -23,6 +23,21 @@ def _int(name: str, v: Any) -> int:
     return int(v)
 
 
+# temperatures below this sample as greedy (SGLang's rule): dividing logits by ~0 overflows to inf
+GREEDY_TEMPERATURE = 1e-6
+# samples per prompt (n): each is a request holding a copy of its prompt until it finishes
+MAX_N = 4096
+
+
+def check_text(text: str, name: str) -> None:
+    """ValueError when ``text`` cannot be encoded as UTF-8 (a lone surrogate), naming its position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: {text[e.start]!r} (a lone surrogate) at "
+                         f"character {e.start}") from None
+
+
 @functools.lru_cache(maxsize=None)
 def _init_names(cls: type) -> dict[str, None]:
     """The dataclass's constructor argument names, in order (looked up once per class)."""
@@ -76,6 +91,8 @@ class SamplingParams:
         self.temperature = _num("temperature", self.temperature)
         if self.temperature < 0 or math.isinf(self.temperature):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:   # as SGLang: a tiny temperature is greedy
+            self.temperature = 0.0
         self.top_p = _num("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -94,8 +111,8 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         self.n = _int("n", self.n)
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.stop_strs = self._str_list("stop", self.stop)
         self._str_list("stop_regex", self.stop_regex)
         if self.stop_token_ids is not None:
@@ -112,6 +129,8 @@ class SamplingParams:
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
                 bias[tok] = _num(f"logit_bias[{k!r}]", v)
+                if bias[tok] == math.inf:
+                    raise ValueError(f"logit_bias[{k!r}] must be finite or -inf (a ban), got {v!r}")
             self.logit_bias = bias
         if self.sampling_seed is not None:
             self.sampling_seed = _int("sampling_seed", self.sampling_seed)
@@ -129,6 +148,8 @@ class SamplingParams:
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
             raise TypeError(f"{name} must be a non-empty string or a list of them, got {v!r}")
+        for i, s in enumerate(items):
+            check_text(s, f"{name}[{i}]")
         return list(items)
 
     @property
@@ -154,6 +175,8 @@ class SamplingParams:
             raise TypeError(f"sampling_params must be a dict, got {type(d).__name__}")
         known = _init_names(cls)
         for key in d:
+            if not isinstance(key, str):
+                raise ValueError(f"sampling_params names must be strings, got the key {key!r}")
             if key not in known:
                 raise unknown_key_error("sampling param", key, list(known))
         return cls(**d)

@@ -156,25 +156,44 @@ def test_generate_iter_close_aborts(tiny_engine):
     assert tiny_engine.stats()["running"] == 0
 
 
-def test_keyboard_interrupt_aborts_and_engine_survives(tiny_engine):
+def test_keyboard_interrupt_aborts_and_engine_survives(tiny_llama_dir):
+    """Ctrl-C in a blocking generate() aborts its requests and the engine serves the next call.
+
+    Event-driven, so it holds on a loaded machine: a logit processor (on the loop thread) sends the
+    interrupt at its first token, then holds the engine until the main thread's SIGINT handler
+    has run; the requests can therefore not finish before the interrupt lands."""
     import _thread
+    import signal
 
-    start = tiny_engine.stats()["total_output_tokens"]
+    handled, sent = threading.Event(), threading.Event()
 
-    def interrupt_once_decoding() -> None:   # not a fixed delay: a fast engine could finish first
-        deadline = time.time() + 20
-        while tiny_engine.stats()["total_output_tokens"] < start + 64 and time.time() < deadline:
-            time.sleep(0.005)
-        _thread.interrupt_main()
+    def processor(logits, params=None):
+        if not sent.is_set():
+            sent.set()
+            _thread.interrupt_main()
+            assert handled.wait(60), "the main thread never took the interrupt"
+        return logits
 
-    threading.Thread(target=interrupt_once_decoding, daemon=True).start()
-    t0 = time.time()
-    with pytest.raises(KeyboardInterrupt):
-        tiny_engine.generate(["long"] * 32, {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True},
-                             use_tqdm=False)
-    assert time.time() - t0 < 20
-    out = tiny_engine.generate("after", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
-    assert out["meta_info"]["completion_tokens"] == 4
+    def on_sigint(signum, frame):
+        handled.set()
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", enable_custom_logit_processor=True)
+    try:
+        params = {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(["long"] * 8, params, use_tqdm=False,
+                         custom_logit_processor=[None] * 7 + [processor])
+        assert handled.is_set()
+        stats = eng.stats()                      # the aborted call has returned: nothing left running
+        assert stats["running"] == 0 and stats["waiting"] == 0
+        assert stats["total_output_tokens"] < 8 * 900
+        out = eng.generate("after", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 4
+    finally:
+        signal.signal(signal.SIGINT, old)
+        eng.shutdown()
 
 
 def test_cancelled_task_aborts_request(tiny_engine):

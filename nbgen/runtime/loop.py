@@ -42,6 +42,8 @@ class LoopThread:
         self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
         self._grammar = None  # GrammarService, made at the first json_schema / regex / ebnf request
         self._stepped = False  # steps ran since the loop last went idle
+        self._rids: set[str] = set()   # ids submitted and not yet finished (guarded by _rids_lock)
+        self._rids_lock = threading.Lock()
 
     # ---- caller side (any thread) ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -49,23 +51,43 @@ class LoopThread:
         return self._ready.result()
 
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
-        self._post(self._add, reqs, sink, stream)
+        """Queue requests; ValueError (nothing queued) when a request id is already in flight."""
+        rids = [r.rid for r in reqs]
+        with self._rids_lock:
+            taken = sorted({rid for rid in rids if rid in self._rids})
+            if taken or len(set(rids)) != len(rids):
+                dup = taken or sorted({rid for rid in rids if rids.count(rid) > 1})
+                raise ValueError(f"rid {dup[0]!r} is already used by a request that has not finished "
+                                 f"(request ids must be unique)")
+            self._rids.update(rids)
+        try:
+            self._post(self._add, reqs, sink, stream)
+        except RuntimeError:
+            with self._rids_lock:
+                self._rids.difference_update(rids)
+            raise
 
-    def abort(self, rids: list[str], message: str = "aborted by the caller") -> None:
-        self._post(self._abort, rids, message)
+    def abort(self, rids: list[str], message: str = "aborted by the caller", wait: bool = False) -> None:
+        """Abort requests; with ``wait``, return once the loop has finished them (stats() agrees)."""
+        fut: Optional[cf.Future] = cf.Future() if wait else None
+        self._post(self._abort, rids, message, fut=fut)
+        if fut is not None:
+            self._wait(fut)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the loop thread between steps and return its result (blocking)."""
         fut: cf.Future = cf.Future()
+        self._post(fn, fut=fut)
+        return self._wait(fut)
 
-        def run() -> None:
+    def _wait(self, fut: cf.Future) -> Any:
+        """The result of a posted call; RuntimeError if the loop thread dies before it runs."""
+        while True:
             try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                fut.set_exception(e)
-
-        self._post(run)
-        return fut.result()
+                return fut.result(timeout=0.1)
+            except cf.TimeoutError:
+                if not self._thread.is_alive():
+                    raise RuntimeError("engine is shut down") from None
 
     def stats(self) -> dict[str, Any]:
         return self._stats.read()
@@ -79,21 +101,33 @@ class LoopThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def _post(self, fn: Callable, *args: Any) -> None:
+    def _post(self, fn: Callable, *args: Any, fut: Optional[cf.Future] = None) -> None:
         if self._loop is None or self._stopping:
             raise RuntimeError("engine is shut down")
         try:
-            self._loop.call_soon_threadsafe(self._wrap, fn, args)
+            self._loop.call_soon_threadsafe(self._wrap, fn, args, fut)
         except RuntimeError:  # loop already closed
             raise RuntimeError("engine is shut down") from None
 
-    def _wrap(self, fn: Callable, args: tuple) -> None:
+    def _wrap(self, fn: Callable, args: tuple, fut: Optional[cf.Future]) -> None:
+        """Run a posted call; its future (if any) resolves after the stats snapshot is refreshed."""
+        result: Any = None
+        error: Optional[BaseException] = None
         try:
-            fn(*args)
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller, or re-raised
+            if fut is None:
+                raise
+            error = e
         finally:
             if self.scheduler is not None:
                 self._publish()
             self._wake.set()
+        if fut is not None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
 
     # ---- loop thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -218,7 +252,10 @@ class LoopThread:
             return
         if upd.finished:
             self._tracked.pop(t.req.rid, None)
+            with self._rids_lock:
+                self._rids.discard(t.req.rid)
             self._stats.finished(t.req.cached_tokens)
+            self._publish()   # a caller that got its final output sees it gone from stats()
         try:
             t.sink(upd)
         except Exception:  # noqa: BLE001 - a broken caller must not stop the engine
@@ -242,9 +279,11 @@ class LoopThread:
 
     def _add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         for r in reqs:
-            self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
+            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
             if r.params.json_schema is None and r.params.regex is None and r.params.ebnf is None:
                 self.scheduler.add(r)
+                if r.finished:   # can never run (e.g. longer than the whole KV cache): answer now
+                    self._emit(t)
             else:  # compiled in a worker thread; admitted once ready
                 self._grammars().prepare(r)
 

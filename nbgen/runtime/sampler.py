@@ -67,11 +67,21 @@ def row_key(seed: int, step: int) -> int:
     return mix32(k ^ mix32((step & _M32) ^ 0x85EBCA6B))
 
 
+def gumbel_from_hash(h: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise (float32, same shape) from 32-bit hashes h in [0, 2**32) (int64).
+
+    The top 23 bits k give u = (k + 1/2) / 2**23: k + 1/2 needs 24 significant bits, which float32
+    holds exactly, so u lies in [2**-24, 1 - 2**-24] for every hash, never 0 or 1. The noise is then
+    finite (within [-2.81, 16.64]): a token masked to -inf stays at -inf after the noise is added, so
+    it has probability exactly 0.
+    """
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
 def gumbel_noise(keys: Tensor, vocab_hash: Tensor) -> Tensor:
     """Gumbel(0, 1) noise [b, V] float32 from row keys [b] int64 and hashed vocab ids [V] int64."""
-    h = mix32(keys.view(-1, 1) ^ vocab_hash.view(1, -1))                # [b, V] in [0, 2**32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))         # uniform in (0, 1), exact
-    return -torch.log(-torch.log(u))
+    return gumbel_from_hash(mix32(keys.view(-1, 1) ^ vocab_hash.view(1, -1)))   # hashes [b, V]
 
 
 def host_tensor(data, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -169,7 +179,7 @@ class Sampler:
         self._use_compile = use_compile
         self._fused: Optional[Any] = None
         # hashed vocab ids; token v's noise is mix32(row_key ^ vocab_hash[v])
-        self._vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
+        self.vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
                                  ^ 0x27D4EB2F)
 
     def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None,
@@ -256,12 +266,12 @@ class Sampler:
         params = [s.req.params for s in seqs]
         temp = host_tensor([p.temperature for p in params], x.dtype, dev)
         x = x / temp.view(-1, 1)
-        use_k = any(p.top_k > 0 for p in params)
+        use_k = any(0 < p.top_k < vocab for p in params)                 # top_k >= vocab: all
         use_p = any(p.top_p < 1.0 for p in params)
         if use_k or use_p:
             sx, order = x.sort(dim=-1, descending=True)                # [b, V] best first
             if use_k:
-                k = host_tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.long, dev)
+                k = host_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
                 ranks = torch.arange(vocab, device=dev).view(1, -1)
                 sx = sx.masked_fill(ranks >= k.view(-1, 1), float("-inf"))
             if use_p:
@@ -283,7 +293,7 @@ class Sampler:
             x = x.masked_fill(x < thr.view(-1, 1), float("-inf"))
         keys = host_tensor([row_key(s.req.seed, s.out_index) for s in seqs],
                            torch.int64, dev)
-        vhash = self._vocab_hash[:vocab].to(dev)
+        vhash = self.vocab_hash[:vocab].to(dev)
         if self._use_compile and self._fused is None:
             self._fused = torch.compile(noisy_argmax, dynamic=True)
         if self._fused is not None:

@@ -1,0 +1,155 @@
+"""A masked token is never sampled: the Gumbel noise is finite for every hash, and sampled draws
+match torch.multinomial over the masked distribution (chi-square), on CPU and on CUDA (bf16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbgen.runtime.batch import SeqWork
+from nbgen.runtime.request import Request
+from nbgen.runtime.sampler import Sampler, gumbel_from_hash, mix32, noisy_argmax
+from nbgen.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+_M32 = 0xFFFFFFFF
+
+
+def _seq(params: dict, seed: int, output: list[int] | None = None,
+         stop_ids: frozenset[int] = frozenset()) -> SeqWork:
+    req = Request(rid=f"r{seed}", prompt_ids=[0], params=SamplingParams.from_dict(params),
+                  stop_ids=stop_ids, seed=seed)
+    req.output_ids = list(output or [])
+    return SeqWork(req=req, token_ids=[req.all_ids[-1]], start_pos=req.num_tokens - 1, pages=[], sample=True)
+
+
+def _unmix32(h: int) -> int:
+    """Inverse of mix32 (each of its steps is a bijection on 32-bit words)."""
+    h ^= h >> 16
+    h = (h * pow(0x846CA68B, -1, 1 << 32)) & _M32
+    h ^= (h >> 15) ^ (h >> 30)
+    h = (h * pow(0x7FEB352D, -1, 1 << 32)) & _M32
+    return h ^ (h >> 16)
+
+
+def test_noise_is_finite_for_every_hash() -> None:
+    """The noise depends on the top 23 bits of the hash only: all 2**23 values, with the low bits
+    all 0 and all 1, give finite noise; so do the 2**20 largest and smallest hashes themselves."""
+    k = torch.arange(1 << 23, dtype=torch.int64)
+    for low in (0, (1 << 9) - 1):
+        g = gumbel_from_hash((k << 9) | low)
+        assert torch.isfinite(g).all()
+        assert g.min().item() > -2.82 and g.max().item() < 16.64
+    edge = torch.cat([torch.arange(1 << 20), torch.arange((1 << 32) - (1 << 20), 1 << 32)]).to(torch.int64)
+    assert torch.isfinite(gumbel_from_hash(edge)).all()
+
+
+def test_unmix32_inverts_mix32() -> None:
+    for v in (0, 1, 0xFFFFFFFF, 0x12345678, 0x80000000):
+        assert _unmix32(mix32(v)) == v and mix32(_unmix32(v)) == v
+
+
+@pytest.mark.parametrize("device", [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else []))
+def test_masked_token_with_the_largest_noise_is_not_sampled(device: torch.device) -> None:
+    """Row keys are chosen so the masked token's hash is 2**32 - 1, the hash whose noise used to
+    round to +inf and beat the -inf mask: every kind of mask must hold against it."""
+    V = 64
+    s = Sampler(V, device)
+    target = 7
+    want = _unmix32(_M32) ^ int(s.vocab_hash[target].item())
+    keys = torch.tensor([want], dtype=torch.int64, device=device)
+    h = mix32(keys.view(-1, 1) ^ s.vocab_hash.view(1, -1))
+    assert int(h[0, target]) == _M32                 # the worst hash lands on the masked token
+    noise = gumbel_from_hash(h)
+    assert torch.isfinite(noise).all()
+    x = torch.zeros(1, V, device=device)
+    x[0, target] = float("-inf")
+    assert int(noisy_argmax(x, keys, s.vocab_hash)) != target
+
+
+def _masked_draws(device: torch.device, dtype: torch.dtype, rows: int) -> None:
+    """rows requests, each with a mask of every kind; no masked token may ever be drawn."""
+    V = 300
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(rows, V, generator=g) * 3).to(dtype).to(device)
+    seqs = []
+    for i in range(rows):
+        kind = i % 5
+        if kind == 0:
+            p = {"temperature": 1.5, "top_k": 20}
+        elif kind == 1:
+            p = {"temperature": 1.5, "top_p": 0.5}
+        elif kind == 2:
+            p = {"temperature": 1.5, "min_p": 0.2}
+        elif kind == 3:
+            p = {"temperature": 1.5, "logit_bias": {str(t): float("-inf") for t in range(0, V, 2)}}
+        else:
+            p = {"temperature": 1.5, "min_new_tokens": 5, "max_new_tokens": 10}
+        seqs.append(_seq(p, seed=i, stop_ids=frozenset(range(1, V, 3)) if kind == 4 else frozenset()))
+    s = Sampler(V, device)
+    x = logits.float()
+    for step in range(6):
+        for q in seqs:
+            q.req.output_ids = [0] * step
+        toks = s(logits, seqs).token_ids.cpu().tolist()
+        for i, t in enumerate(toks):
+            row, kind = x[i].cpu(), i % 5
+            if kind == 0:
+                assert t in row.topk(20).indices.tolist()
+            elif kind == 1:
+                pr = torch.softmax(row / 1.5, -1)
+                sp, order = pr.sort(descending=True)
+                keep = order[: int(((sp.cumsum(0) - sp) < 0.5).sum())].tolist()
+                assert t in keep
+            elif kind == 2:
+                assert row[t] / 1.5 >= row.max() / 1.5 + torch.log(torch.tensor(0.2)) - 1e-4
+            elif kind == 3:
+                assert t % 2 == 1
+            elif step < 5:
+                assert t % 3 != 1, (step, t)
+
+
+def test_every_mask_holds_over_a_batch_on_cpu() -> None:
+    _masked_draws(CPU, torch.float32, 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_mask_holds_bf16_batch_256_on_cuda() -> None:
+    _masked_draws(torch.device("cuda"), torch.bfloat16, 256)
+
+
+def _chi2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample chi-square statistic of two count vectors of equal totals (cells where both are 0 skipped)."""
+    a, b = a.double(), b.double()
+    m = (a + b) > 0
+    return float((((a - b) ** 2)[m] / (a + b)[m]).sum())
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.7, "top_k": 6}, {"temperature": 1.0, "top_p": 0.8},
+                                    {"temperature": 1.3, "min_p": 0.05},
+                                    {"temperature": 1.0, "logit_bias": {"3": float("-inf"), "5": 2.0}}])
+def test_draws_match_torch_multinomial(params: dict) -> None:
+    """The seeded Gumbel draws of masked distributions against torch.multinomial over the same
+    probabilities (two-sample chi-square, df <= 11: 40 is p < 1e-4); masked tokens get 0 draws."""
+    V, n = 12, 12000
+    base = torch.linspace(-1.5, 1.5, V)
+    s = Sampler(V, CPU)
+    ours = s(base.expand(n, V).contiguous(), [_seq(params, seed=i) for i in range(n)]).token_ids
+    # the masked distribution, computed independently of the sampler
+    x = base.clone()
+    for t, b in (params.get("logit_bias") or {}).items():
+        x[int(t)] += b
+    x = x / params["temperature"]
+    p = torch.softmax(x, -1)
+    if "top_k" in params:
+        p[p.argsort(descending=True)[params["top_k"]:]] = 0
+    if "top_p" in params:
+        sp, order = p.sort(descending=True)
+        p[order[((sp.cumsum(0) - sp) >= params["top_p"]).nonzero().flatten()]] = 0
+    if "min_p" in params:
+        p[p < params["min_p"] * p.max()] = 0
+    p = p / p.sum()
+    ref = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(0))
+    c_ours, c_ref = torch.bincount(ours, minlength=V), torch.bincount(ref, minlength=V)
+    assert (c_ours[p == 0] == 0).all(), c_ours
+    assert _chi2(c_ours, c_ref) < 40.0, (c_ours.tolist(), c_ref.tolist())
