@@ -1,9 +1,9 @@
-"""The benchmark's bounds (nbgen.bench_floor): decode floor bytes and prefill FLOPs by hand on a tiny model."""
+"""The benchmark's bounds (nbgen.bench.floor): decode floor bytes and prefill FLOPs by hand on a tiny model."""
 from __future__ import annotations
 
 import torch
 
-from nbgen.bench_floor import floor_seconds, matmul_rate, prefill_flops
+from nbgen.bench.floor import floor_seconds, matmul_rate, prefill_flops
 
 
 def _tiny_llama():

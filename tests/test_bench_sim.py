@@ -1,12 +1,12 @@
-"""The schedule cost model (nbgen.bench_sim): the real scheduler's trace and the pricing, by hand."""
+"""The schedule cost model (nbgen.bench.sim): the real scheduler's trace and the pricing, by hand."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from nbgen.bench_floor import floor_seconds
-from nbgen.bench_sim import CostModel, StepShape, main, price, trace
+from nbgen.bench.floor import floor_seconds
+from nbgen.bench.sim import CostModel, StepShape, main, price, trace
 
 
 def _workload(k: int = 12) -> tuple[list[list[int]], list[int]]:

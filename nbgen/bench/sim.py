@@ -1,4 +1,4 @@
-"""Schedule cost model: ``python -m nbgen.bench_sim --schedule-policy lof --chunked-prefill-size 8192,512,384``.
+"""Schedule cost model: ``python -m nbgen.bench.sim --schedule-policy lof --chunked-prefill-size 8192,512,384``.
 
 Runs nbgen's own torch-free Scheduler over a bench workload with a fake runner (every request runs to
 its ``max_new_tokens``, as the bench's ignore_eos requests do), records the shape of each step, and
@@ -23,8 +23,8 @@ import bisect
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nbgen.bench import make_workload
-from nbgen.bench_floor import floor_seconds
+from nbgen.bench.run import make_workload
+from nbgen.bench.floor import floor_seconds
 from nbgen.config import SchedulerConfig
 from nbgen.runtime.batch import StepOutput
 from nbgen.runtime.cuda_graphs import padded_batch_size

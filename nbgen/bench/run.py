@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.bench_floor import copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops
+from nbgen.bench.floor import copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops
 
 QUESTIONS = [
     "What is the capital of France?", "How do plants make food?", "Name three primary colors.",

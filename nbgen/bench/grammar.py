@@ -1,4 +1,4 @@
-"""Structured-output throughput: ``python -m nbgen.bench_grammar --model DIR --load-format dummy``.
+"""Structured-output throughput: ``python -m nbgen.bench.grammar --model DIR --load-format dummy``.
 
 The same 256 chat prompts run on one Engine, alternately unconstrained and with a ``json_schema``
 (greedy, ``ignore_eos``, the same max_new_tokens), ``--repeats`` times each. Reported: output tok/s
@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from nbgen.bench import QUESTIONS
+from nbgen.bench.run import QUESTIONS
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence", "keywords"],
           "properties": {"answer": {"type": "string"},
@@ -86,7 +86,7 @@ def _gpu_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str) -
     """GPU busy time against wall time over one run (torch.profiler, CUDA kernels only)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nbgen.bench import _print_profile
+    from nbgen.bench.run import _print_profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         secs, _ = _run(eng, prompts, sp)
