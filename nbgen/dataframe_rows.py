@@ -10,7 +10,7 @@ import json
 from dataclasses import fields
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 BASE_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 LOGPROB_COLUMNS = ("output_token_logprobs", "output_top_logprobs")

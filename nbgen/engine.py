@@ -11,14 +11,14 @@ import random
 import weakref
 from typing import Any, Iterator, Optional
 
-from nbgen.config import EngineConfig
+from nbgen.core.config import EngineConfig
 from nbgen.engine_async import AsyncGenerateMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
                              normalize_inputs, per_item)
 from nbgen.progress import BatchProgress
 from nbgen.request_options import attach_options, check_structured
 from nbgen.runtime.loop import LoopThread
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 from nbgen.runtime.tracker import Update
 
 logger = logging.getLogger("nbgen")

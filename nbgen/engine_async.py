@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 from nbgen.runtime.tracker import Update
 
 

@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from nbgen.runtime.request import LogprobRequest, Request
-from nbgen.sampling import SamplingParams, check_text
+from nbgen.core.request import LogprobRequest, Request
+from nbgen.core.sampling import SamplingParams, check_text
 
 PromptArg = Optional[Union[str, list[str]]]
 IdsArg = Optional[Union[list[int], list[list[int]]]]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nbgen.runtime.request import Request
-from nbgen.sampling import SamplingParams
+from nbgen.core.request import Request
+from nbgen.core.sampling import SamplingParams
 
 
 def check_structured(sp: SamplingParams) -> None:
@@ -33,7 +33,7 @@ def attach_options(reqs: list[Request], sps: list[SamplingParams], return_hidden
         if not allow_processors:
             raise ValueError("custom_logit_processor runs caller-supplied code: create the Engine with "
                              "enable_custom_logit_processor=True to allow it")
-        from nbgen.logit_processor import load_processor
+        from nbgen.core.logit_processor import load_processor
 
         loaded[i] = load_processor(spec)
     for flag in return_hidden_states:

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Iterator, Optional
 
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 
 class FakeEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbgen.runtime import cpu_ops
+from nbgen.kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 

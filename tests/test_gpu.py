@@ -183,7 +183,7 @@ def test_flashinfer_matches_torch_backend(model_dir, layout, tensor_cores, monke
 @pytest.mark.parametrize("heads,dim,page", [(8, 128, 16), (2, 64, 64), (5, 64, 16)])
 def test_kv_write_kernel(layout, heads, dim, page):
     """The Triton K/V write puts every row where the torch indexing write does (strided k/v rows)."""
-    from nbgen.attention.kv_write import write_kv, write_kv_reference
+    from nbgen.kernels.kv_write import write_kv, write_kv_reference
 
     torch.manual_seed(0)
     n_pages, T = 50, 37
@@ -263,9 +263,9 @@ def test_decode_tables_match_page_lists():
     (preemption) and get rewritten in place after a prompt step (prefix-cache swap)."""
     from nbgen.attention.base import AttentionBackend
     from nbgen.attention.page_tables import DecodeTables, page_tables
-    from nbgen.runtime.batch import ScheduledBatch, SeqWork
-    from nbgen.runtime.request import Request
-    from nbgen.sampling import SamplingParams
+    from nbgen.core.batch import ScheduledBatch, SeqWork
+    from nbgen.core.request import Request
+    from nbgen.core.sampling import SamplingParams
 
     P, rng = 4, random.Random(0)
     reqs = [Request(str(i), [1] * rng.randint(1, 9), SamplingParams()) for i in range(6)]
@@ -361,7 +361,7 @@ def test_fused_qk_norm_rope_matches_hf_arithmetic(hq, hkv):
     (Measured on an H100: 82 % bit-identical while the kernel was compiled with FMA contraction;
     without it the RoPE part is exact (tests/test_triton_decode.py). The flashinfer norm + RoPE it
     replaces are not exact either; end-to-end agreement with HF is test_hf_parity_teacher_forced's job.)"""
-    from nbgen.models import qk_norm_rope as fq
+    from nbgen.kernels import qk_norm_rope as fq
     from nbgen.models.layers import RMSNorm, get_rope
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import nbgen
-from nbgen.logit_processor import CustomLogitProcessor
+from nbgen.core.logit_processor import CustomLogitProcessor
 from nbgen.runtime.stop_regex import StopRegexMatcher
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -96,8 +96,8 @@ def eng():
         # overlap scheduling keeps finished requests one step longer (and a mixed batch is larger than
         # its free requests alone), so greedy near-ties of the random model flipped between the runs
         # compared below
-        from nbgen.attention import triton_decode
-        from nbgen.models import small_gemm
+        from nbgen.kernels import triton_decode
+        from nbgen.kernels import small_gemm
         mp.setattr(small_gemm, "MAX_ROWS", 0)
         mp.setattr(triton_decode, "MAX_BS", 0)
     if DUMMY_MODEL:

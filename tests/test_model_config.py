@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from nbgen.config import EngineConfig
+from nbgen.core.config import EngineConfig
 from nbgen.models import loader, model_config
 from nbgen.models.layers import rope_settings
 from nbgen.models.llama import head_dim_of
@@ -208,7 +208,7 @@ def test_dummy_load_imports_no_transformers_config_classes(tmp_path: Path) -> No
     model_dir = _write(tmp_path, {**RAW["qwen3-style"], "num_hidden_layers": 2})
     code = ("import sys, torch\n"
             "import nbgen\n"
-            "from nbgen.config import EngineConfig\n"
+            "from nbgen.core.config import EngineConfig\n"
             "from nbgen.models.loader import load_model\n"
             f"ec = EngineConfig(model_path={model_dir!r}, load_format='dummy', device='cpu', "
             "dtype='float32', skip_tokenizer_init=True)\n"

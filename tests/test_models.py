@@ -10,11 +10,11 @@ import transformers
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.torch_backend import TorchAttentionBackend
-from nbgen.config import EngineConfig
+from nbgen.core.config import EngineConfig
 from nbgen.models.loader import load_model, resolve_dtype
-from nbgen.runtime.batch import ScheduledBatch, SeqWork
-from nbgen.runtime.request import Request
-from nbgen.sampling import SamplingParams
+from nbgen.core.batch import ScheduledBatch, SeqWork
+from nbgen.core.request import Request
+from nbgen.core.sampling import SamplingParams
 
 PAGE = 4
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

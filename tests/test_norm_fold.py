@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import nbgen
-from nbgen.config import EngineConfig
+from nbgen.core.config import EngineConfig
 from nbgen.models import norm_fold
 from nbgen.models.loader import load_model
 from tests.test_models import _hf_model, _run
@@ -112,7 +112,7 @@ ULP = 2.0 ** -8
 @gpu
 @pytest.mark.parametrize("M", [1, 3, 8, 16])
 def test_small_gemm_row_scale_and_accumulate(M: int) -> None:
-    from nbgen.models import small_gemm as sg
+    from nbgen.kernels import small_gemm as sg
 
     g = torch.Generator(device="cuda").manual_seed(M)
     K, I = 1024, 1536
@@ -151,7 +151,7 @@ def test_silu_mul_scaled_kernel_matches_torch(T: int) -> None:
 @pytest.mark.parametrize("norm", [True, False])
 def test_rope_kernel_row_scale(norm: bool) -> None:
     """qk_norm_rope_ with row_scale == scaling q|k|v by the rows' rms scale (rounded), then the plain kernel."""
-    from nbgen.models import qk_norm_rope as fq
+    from nbgen.kernels import qk_norm_rope as fq
     from nbgen.models.layers import get_rope
 
     T, hq, hkv, D, H = 37, 16, 8, 128, 1024

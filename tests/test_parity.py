@@ -89,7 +89,7 @@ def test_parity_under_preemption(family_case):
 @pytest.mark.skipif(DEVICE != "cpu", reason="the torch decode path is the CPU fallback")
 def test_parity_torch_decode_path(family_case, monkeypatch):
     """Without nbgen's C kernel (no compiler) the CPU decodes take the torch gather path: same ids."""
-    from nbgen.runtime import cpu_ops
+    from nbgen.kernels import cpu_ops
 
     path, prompts, ref_ids, _ = family_case
     monkeypatch.setattr(cpu_ops, "available", lambda: False)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from nbgen.runtime import logprobs as lp_mod
-from nbgen.runtime.batch import SeqWork
-from nbgen.runtime.request import LogprobRequest, Request
+from nbgen.core.batch import SeqWork
+from nbgen.core.request import LogprobRequest, Request
 from nbgen.runtime.sampler import Sampler, gumbel_noise, mix32, row_key
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -256,7 +256,7 @@ def test_triton_argmax_is_torch_argmax(dtype) -> None:
     """The split-row Triton argmax (greedy decoding on CUDA): torch's index on every row, the first
     one on ties (within a chunk, across chunks, at the last column), rows of -inf, widths that are
     and are not a multiple of its chunk, into ``out`` and with the counters re-armed for reuse."""
-    from nbgen.runtime import gpu_argmax
+    from nbgen.kernels import gpu_argmax
 
     ws = gpu_argmax.ArgmaxWorkspace()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -278,7 +278,7 @@ def test_triton_argmax_is_torch_argmax(dtype) -> None:
 def test_argmax_workspace_grows_for_more_rows_and_wider_vocabularies() -> None:
     """The partials hold rows x chunk slots: a later call with a wider vocabulary (more chunks per row)
     at a row count seen before must grow them too, and the slots per row never shrink."""
-    from nbgen.runtime import gpu_argmax
+    from nbgen.kernels import gpu_argmax
 
     ws = gpu_argmax.ArgmaxWorkspace()
     pmax, pidx, count = ws.get(64, 1, CPU)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbgen.runtime.batch import SeqWork
-from nbgen.runtime.request import Request
+from nbgen.core.batch import SeqWork
+from nbgen.core.request import Request
 from nbgen.runtime.sampler import Sampler, gumbel_from_hash, mix32, noisy_argmax
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 _M32 = 0xFFFFFFFF

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from nbgen.runtime.batch import ScheduledBatch, StepOutput, TokenLogprobs
+from nbgen.core.batch import ScheduledBatch, StepOutput, TokenLogprobs
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.request import LogprobRequest, Request, Status
+from nbgen.core.request import LogprobRequest, Request, Status
 from nbgen.runtime.scheduler import Scheduler, SchedulerConfig
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 V = 50  # fake vocabulary; ids >= V never appear in outputs
 

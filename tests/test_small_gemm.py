@@ -1,4 +1,4 @@
-"""Decode-size matmul kernels (nbgen.models.small_gemm, CUDA only): against fp32 references and, end to
+"""Decode-size matmul kernels (nbgen.kernels.small_gemm, CUDA only): against fp32 references and, end to
 end, against the cuBLAS + separate SiLU path on random models."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _within_rounding(y: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -> N
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 24, 32])
 @pytest.mark.parametrize("N,K,bias", [(6144, 4096, False), (1000, 1000, True), (4096, 14336, False)])
 def test_small_gemm_is_one_rounding_of_the_exact_product(M, N, K, bias):
-    from nbgen.models import small_gemm as sg
+    from nbgen.kernels import small_gemm as sg
 
     g = torch.Generator(device="cuda").manual_seed(M * N)
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
@@ -42,7 +42,7 @@ def test_small_gemm_is_one_rounding_of_the_exact_product(M, N, K, bias):
 @gpu
 @pytest.mark.parametrize("M", [1, 3, 8, 32])
 def test_silu_mul_epilogue(M):
-    from nbgen.models import small_gemm as sg
+    from nbgen.kernels import small_gemm as sg
 
     g = torch.Generator(device="cuda").manual_seed(7)
     N, K = 2 * 1536, 1024
@@ -60,8 +60,8 @@ def test_silu_mul_epilogue(M):
 @gpu
 def test_pdl_launch_gives_the_same_bits(monkeypatch):
     """Programmatic dependent launch only changes when programs start, never what they compute."""
-    from nbgen.models import small_gemm as sg
-    from nbgen.runtime import pdl
+    from nbgen.kernels import small_gemm as sg
+    from nbgen.kernels import pdl
 
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
@@ -82,7 +82,7 @@ def test_pdl_launch_gives_the_same_bits(monkeypatch):
 def test_engine_small_gemm_path_matches_cublas_path(model_dir, monkeypatch):
     """Decode through the streaming kernel (batch <= MAX_ROWS, in graphs) agrees with the cuBLAS +
     flashinfer SiLU path on the same random weights."""
-    from nbgen.models import small_gemm as sg
+    from nbgen.kernels import small_gemm as sg
 
     prompts = _prompts(12)                        # batch 12 shrinking: graphs of 16, 8, 4, 2, 1 rows
     fused = _gen(model_dir, prompts, logprobs=True)
@@ -112,7 +112,7 @@ class _FakeKernel:
 def test_pdl_fallback_only_for_pdl_refusals(monkeypatch, fault, pdl_stays_on):
     """A kernel config over the SM's limits raises as it is and leaves PDL on for every other kernel; a
     Triton that refuses the PDL launch itself switches PDL off and the kernel runs once, plainly."""
-    from nbgen.runtime import pdl
+    from nbgen.kernels import pdl
 
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(pdl, "_ok", {0: True})            # as if enabled on a Hopper

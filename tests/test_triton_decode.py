@@ -1,5 +1,5 @@
-"""nbgen's Triton decode attention (nbgen.attention.triton_decode) and the fused RoPE + K/V write
-(nbgen.models.qk_norm_rope), CUDA only: against fp32 / HF-formula references, under CUDA-graph
+"""nbgen's Triton decode attention (nbgen.kernels.triton_decode) and the fused RoPE + K/V write
+(nbgen.kernels.qk_norm_rope), CUDA only: against fp32 / HF-formula references, under CUDA-graph
 replays with changing lengths, and end to end against flashinfer's decode path."""
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_triton_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
     """One rounding of the exact attention: within a bf16 step of the fp32 reference, for single-token,
     page-boundary and long sequences, every group size (1, 4, 7 padded to 8, 8), both layouts, and
     batch sizes with many splits, a few, and one (written without the merge)."""
-    from nbgen.attention.triton_decode import TritonDecodeWrapper
+    from nbgen.kernels.triton_decode import TritonDecodeWrapper
 
     kc, vc, indptr, indices, last = _paged(lens, hkv, D, P, layout, seed=len(lens) * D + P)
     qkv = torch.randn(len(lens), (hq + 2 * hkv) * D, device="cuda").bfloat16()
@@ -70,7 +70,7 @@ def test_triton_decode_matches_fp32_attention(layout, hq, hkv, D, P, lens):
 
 def test_longest_first_orders_rows_by_kv_length(monkeypatch):
     """The decode kernel's row order: KV length descending, ties in batch order; batch order with LPT off."""
-    from nbgen.attention import triton_decode as td
+    from nbgen.kernels import triton_decode as td
 
     P, lens = 16, [5, 40, 16, 40, 1, 33]
     npg = [(n + P - 1) // P for n in lens]
@@ -86,7 +86,7 @@ def test_longest_first_orders_rows_by_kv_length(monkeypatch):
 @pytest.mark.parametrize("lens", [[(37 * i) % 1500 + 1 for i in range(50)], [100 + 29 * i for i in range(100)]])
 def test_triton_decode_row_order_changes_no_bit(monkeypatch, lens):
     """Programs dispatched longest row first compute exactly what batch-order dispatch computes."""
-    from nbgen.attention import triton_decode as td
+    from nbgen.kernels import triton_decode as td
 
     hq, hkv, D, P = 16, 8, 128, 16
     kc, vc, indptr, indices, last = _paged(lens, hkv, D, P, "HND", seed=3)
@@ -107,7 +107,7 @@ def test_triton_decode_row_order_changes_no_bit(monkeypatch, lens):
 def test_triton_decode_graph_replays_follow_the_plan(bs):
     """Captured once (as the engine's decode graphs), replayed with new lengths and pages each step:
     every replay equals an eager launch over the same tables (split counters re-armed in the graph)."""
-    from nbgen.attention.triton_decode import TritonDecodeWrapper
+    from nbgen.kernels.triton_decode import TritonDecodeWrapper
 
     hq, hkv, D, P = 32, 8, 128, 16
     kc, vc, _ip, _ix, _l = _paged([4000] * bs, hkv, D, P, "HND", seed=1)
@@ -148,8 +148,8 @@ def test_fused_rope_writes_rotated_k_and_v_into_the_cache(layout, norm):
     """With a K/V target the fused kernel leaves q/k exactly as without one and stores the rotated k
     and the untouched v rows where the reference write puts them; without norm weights it is HF's
     Llama RoPE (rounded cos/sin and products) within two bf16 ulp of the products it sums."""
-    from nbgen.attention.kv_write import write_kv_reference
-    from nbgen.models import qk_norm_rope as fq
+    from nbgen.kernels.kv_write import write_kv_reference
+    from nbgen.kernels import qk_norm_rope as fq
     from nbgen.models.layers import get_rope
 
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_fused_rope_writes_rotated_k_and_v_into_the_cache(layout, norm):
 @gpu
 def test_engine_triton_decode_matches_flashinfer_decode(model_dir, monkeypatch):
     """Decode batches of 1-12 through nbgen's kernel (graphs and eager) agree with flashinfer's decode."""
-    from nbgen.attention import triton_decode
+    from nbgen.kernels import triton_decode
 
     prompts = _prompts(12)
     ours = _gen(model_dir, prompts, logprobs=True)
@@ -199,7 +199,7 @@ def test_engine_triton_decode_matches_flashinfer_decode(model_dir, monkeypatch):
 def test_padded_batch_size_is_the_graph_size_a_batch_replays_at():
     """Kernels that pick splits by batch size use padded_batch_size, so it must name the CUDA graph
     a decode batch of n seqs replays (the smallest default graph size >= n) for every n."""
-    from nbgen.runtime.cuda_graphs import graph_batch_sizes, padded_batch_size
+    from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 
     for max_bs in (64, 128, 256, 512):
         sizes = graph_batch_sizes(max_bs)

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from nbgen.runtime.batch import ScheduledBatch
+from nbgen.core.batch import ScheduledBatch
+from nbgen.kernels.kv_write import KVTarget
 
 
 @dataclass
@@ -29,9 +30,6 @@ class KVCacheSpec:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
-
-# (k_cache, v_cache, slots [T] long, layout): where a fused kernel writes a layer's new K/V
-KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]
 
 
 class AttentionMetadata:

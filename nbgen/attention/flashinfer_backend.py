@@ -27,11 +27,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec, KVTarget
-from nbgen.attention import triton_decode
-from nbgen.attention.kv_write import write_kv, write_kv_reference
+from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
+from nbgen.kernels import triton_decode
+from nbgen.kernels.kv_write import KVTarget, write_kv, write_kv_reference
 from nbgen.attention.page_tables import DecodeTables, page_tables
-from nbgen.runtime.batch import ScheduledBatch, SeqWork
+from nbgen.core.batch import ScheduledBatch, SeqWork
 
 logger = logging.getLogger("nbgen")
 

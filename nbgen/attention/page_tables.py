@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from nbgen.runtime.batch import ScheduledBatch, SeqWork
+from nbgen.core.batch import ScheduledBatch, SeqWork
 
 
 def page_tables(seqs: Sequence[SeqWork], page_size: int) -> tuple[list[int], list[int], list[int], list[int]]:

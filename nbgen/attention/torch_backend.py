@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
-from nbgen.runtime import cpu_ops
-from nbgen.runtime.batch import ScheduledBatch
+from nbgen.kernels import cpu_ops
+from nbgen.core.batch import ScheduledBatch
 
 
 KEY_BUCKET = 64  # decode key lengths are padded to a multiple of this

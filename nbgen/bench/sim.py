@@ -25,13 +25,13 @@ from typing import Optional
 
 from nbgen.bench.run import make_workload
 from nbgen.bench.floor import floor_seconds
-from nbgen.config import SchedulerConfig
-from nbgen.runtime.batch import StepOutput
-from nbgen.runtime.cuda_graphs import padded_batch_size
+from nbgen.core.config import SchedulerConfig
+from nbgen.core.batch import StepOutput
+from nbgen.kernels.batch_sizes import padded_batch_size
 from nbgen.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, bucket_for, token_buckets
-from nbgen.runtime.request import LogprobRequest, Request
+from nbgen.core.request import LogprobRequest, Request
 from nbgen.runtime.scheduler import Scheduler
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 # Llama-3.1-8B's 32 layers of qkv, o, gate|up, down in one CUDA graph, cuBLAS, H100 (rows, seconds);
 # .gpu/tools/gemm_lib.py, session 15. The cost is bumpy (448 rows take longer than 512).

@@ -15,7 +15,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from nbgen.models.gguf_convert import cache_dir, converted_dir, gguf_to_hf_dir, is_converted
+from nbgen.kernels.envs import cache_dir
+from nbgen.models.gguf_convert import converted_dir, gguf_to_hf_dir, is_converted
 
 logger = logging.getLogger(__name__)
 

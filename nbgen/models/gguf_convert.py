@@ -12,15 +12,11 @@ import os
 import shutil
 from pathlib import Path
 
+from nbgen.kernels.envs import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _DONE = "nbgen-converted.json"   # written last: a directory without it is incomplete
-
-
-def cache_dir() -> Path:
-    """nbgen's cache root: $NBGEN_CACHE_DIR, else ~/.cache/nbgen."""
-    root = os.environ.get("NBGEN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nbgen")
-    return Path(root)
 
 
 def converted_dir(gguf_path: str) -> Path:

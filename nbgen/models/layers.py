@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbgen.runtime import cpu_ops  # nbgen's C kernels on the CPU (when a compiler built them)
-from nbgen.runtime import gpu_ops  # fused flashinfer kernels on CUDA (switched on by the runner)
+from nbgen.kernels import cpu_ops  # nbgen's C kernels on the CPU (when a compiler built them)
+from nbgen.kernels import gpu_ops  # fused flashinfer kernels on CUDA (switched on by the runner)
 from nbgen.models.linear import (  # noqa: F401  (re-exported: one import site for model files)
     ColumnParallelLinear,
     MergedColumnParallelLinear,

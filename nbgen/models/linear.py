@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nbgen.models import small_gemm
+from nbgen.kernels import small_gemm
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 

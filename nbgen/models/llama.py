@@ -14,8 +14,8 @@ from torch import nn
 
 from nbgen.attention.base import Attention
 from nbgen.models import norm_fold
-from nbgen.models import qk_norm_rope as fused_rope
-from nbgen.models import small_gemm
+from nbgen.kernels import qk_norm_rope as fused_rope
+from nbgen.kernels import small_gemm
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -29,7 +29,7 @@ from nbgen.models.layers import (
     rope_settings,
 )
 
-from nbgen.runtime.gpu_ops import fused_enabled
+from nbgen.kernels.gpu_ops import fused_enabled
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

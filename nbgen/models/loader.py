@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from nbgen.config import EngineConfig
+from nbgen.core.config import EngineConfig
 from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.registry import get_model_class

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.models.linear import get_tp
-from nbgen.runtime import pdl
+from nbgen.kernels import pdl
 
 FOLD = os.environ.get("NBGEN_FOLD_NORM", "1") != "0"
 
@@ -86,8 +86,8 @@ def should_fold(model: torch.nn.Module, device: torch.device) -> bool:
     (the switch on, Triton present, a head size the RoPE kernel takes: elsewhere the row scale would
     cost torch launches of its own), unless ``NBGEN_FOLD_NORM=0``."""
     from nbgen.models import llama
-    from nbgen.models.qk_norm_rope import supports_head_dim
-    from nbgen.runtime.gpu_ops import fused_enabled
+    from nbgen.kernels.qk_norm_rope import supports_head_dim
+    from nbgen.kernels.gpu_ops import fused_enabled
 
     w = model.lm_head.weight if hasattr(model, "lm_head") else None
     return (FOLD and triton is not None and device.type == "cuda" and llama.FUSED_ROPE and w is not None
@@ -96,7 +96,7 @@ def should_fold(model: torch.nn.Module, device: torch.device) -> bool:
 
 
 if triton is not None:
-    from nbgen.models.qk_norm_rope import _rnd, row_rms_scale
+    from nbgen.kernels.qk_norm_rope import _rnd, row_rms_scale
 
     @triton.jit
     def _silu_scaled_kernel(x_ptr, h_ptr, y_ptr, I, sx, sh, sy, eps, HID: tl.constexpr, HBLK: tl.constexpr,

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Callable, Mapping, Optional
 
 from nbgen.notebook._compat import Shown, widgets_or_none
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 # name: (min, max, step, default); top_k 0 on the slider means "off" (-1 for the engine)
 SLIDERS: dict[str, tuple[float, float, float, float]] = {

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -26,7 +25,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from nbgen.runtime.batch import SeqWork
+from nbgen.core.batch import SeqWork
+from nbgen.kernels.envs import grammar_threads
 
 logger = logging.getLogger("nbgen")
 
@@ -134,7 +134,7 @@ class Constraints:
 
         if len(rows) >= BATCH_FILL_MIN:
             if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(fill_threads())
+                self._batch_matcher = xgr.BatchGrammarMatcher(grammar_threads())
             if matchers is None:
                 matchers = [seqs[i].req.grammar.matcher for i in rows]
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bm, indices=rows)
@@ -214,11 +214,3 @@ class Constraints:
 def _live_grammar(req: Any) -> bool:
     """The request has a matcher whose grammar is not complete yet (it gets a mask row)."""
     return req.grammar is not None and not req.grammar.done
-
-
-def fill_threads() -> int:
-    """Threads of xgrammar's batch bitmask fill: NBGEN_GRAMMAR_THREADS, else half the cores (<= 8)."""
-    env = os.environ.get("NBGEN_GRAMMAR_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(8, (os.cpu_count() or 2) // 2))

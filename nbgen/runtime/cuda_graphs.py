@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
-from nbgen.attention.triton_decode import TritonDecodeWrapper, longest_first
-from nbgen.runtime.batch import ScheduledBatch
+from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
+from nbgen.core.batch import ScheduledBatch
+from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 from nbgen.runtime.pages import SCRATCH_PAGE
 
 logger = logging.getLogger("nbgen")
@@ -75,38 +76,6 @@ class StagingRing:
 def _blocks128(n: int) -> int:
     """n int32 values rounded up to whole 128-byte blocks (32 values)."""
     return -(-n // 32) * 32
-
-
-def graph_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, 32, then steps of 16 up to 64, of 32 up to 256, of 64 beyond (and max_bs).
-
-    Decode is bandwidth-bound, so padding a batch by up to ~25 % costs little; fewer graphs make
-    start-up faster (each capture runs the model three times).
-    """
-    sizes = [b for b in _candidates(max_bs) if b <= max_bs]
-    if max_bs not in sizes:
-        sizes.append(max_bs)
-    return sorted(set(sizes))
-
-
-def _candidates(upto: int) -> list[int]:
-    return [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, 257, 32)) + list(range(320, upto + 1, 64))
-
-
-def padded_batch_size(bs: int) -> int:
-    """The graph batch size a decode batch of ``bs`` seqs pads to with the default sizes (kernels that
-    choose tiles or splits by batch size choose them for this size, so an eager step sums exactly
-    like a graph replay; a ``cuda_graph_max_bs`` off the list adds one size the rule does not know)."""
-    for b in _candidates(bs + 64):
-        if b >= bs:
-            return b
-    return bs
-
-
-def default_max_bs(device: torch.device) -> int:
-    """256 on large GPUs (>= 40 GiB), 128 on mid-size ones, 64 on small ones."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return 256 if total >= 40 << 30 else (128 if total >= 16 << 30 else 64)
 
 
 class CudaGraphRunner:

@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any, Callable, Optional
 
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 logger = logging.getLogger("nbgen")
 
@@ -166,7 +166,7 @@ class GrammarService:
             fut.add_done_callback(lambda f, k=key: self._post_safely(self._done, k, f))
 
     def _fail(self, req: Any, message: str) -> None:
-        from nbgen.runtime.request import Status
+        from nbgen.core.request import Status
 
         req.finish_reason, req.status = {"type": "abort", "message": message}, Status.FINISHED
         self._finished()

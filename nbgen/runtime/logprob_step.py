@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput, TokenLogprobs
+from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput, TokenLogprobs
 from nbgen.runtime.logprobs import prompt_logprobs
 
 

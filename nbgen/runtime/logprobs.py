@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from nbgen.runtime.batch import TokenLogprobs
+from nbgen.core.batch import TokenLogprobs
 
 # Rows per log_softmax block for prompt logprobs: bounds the [rows, V] float32 temporary
 # (1024 x 152k vocab ~ 0.6 GB) for long prompt chunks.

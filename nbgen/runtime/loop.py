@@ -13,10 +13,10 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
-from nbgen.config import EngineConfig
-from nbgen.runtime.batch import ScheduledBatch
+from nbgen.core.config import EngineConfig
+from nbgen.core.batch import ScheduledBatch
 from nbgen.runtime.loop_stats import LoopStats
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 from nbgen.runtime.tracker import Tracked, Update
 
 logger = logging.getLogger("nbgen")

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from nbgen.runtime.batch import ScheduledBatch, StepOutput
-from nbgen.runtime.request import Request, Status
+from nbgen.core.batch import ScheduledBatch, StepOutput
+from nbgen.core.request import Request, Status
 
 
 def overlappable(batch: ScheduledBatch) -> bool:

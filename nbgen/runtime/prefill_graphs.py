@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
-from nbgen.runtime.batch import ScheduledBatch
+from nbgen.core.batch import ScheduledBatch
 from nbgen.runtime.cuda_graphs import StagingRing
 
 logger = logging.getLogger("nbgen")

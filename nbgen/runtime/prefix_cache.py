@@ -25,7 +25,7 @@ import heapq
 from typing import Optional
 
 from nbgen.runtime.pages import PagePool
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 
 
 class _Node:

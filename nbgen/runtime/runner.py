@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, KVCacheSpec
-from nbgen.config import EngineConfig
-from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput
-from nbgen.runtime.cuda_graphs import padded_batch_size
+from nbgen.core.config import EngineConfig
+from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.kernels.batch_sizes import default_max_bs, padded_batch_size
 from nbgen.runtime.logprob_step import per_seq, step_with_logprobs, wants_logprobs
 
 logger = logging.getLogger("nbgen")
@@ -94,7 +94,7 @@ class ModelRunner:
         self.graphs = None
         self.cuda_graph_batch_sizes: list[int] = []
         if self.on_gpu and self.backend_name == "flashinfer" and not cfg.disable_cuda_graph:
-            from nbgen.runtime.cuda_graphs import CudaGraphRunner, default_max_bs
+            from nbgen.runtime.cuda_graphs import CudaGraphRunner
 
             max_bs = cfg.cuda_graph_max_bs or default_max_bs(device)
             self.graphs = CudaGraphRunner(self.model, self.backend, max_bs, self.loaded.context_length)
@@ -191,7 +191,7 @@ class ModelRunner:
                     raise
                 logger.warning("flashinfer unavailable (%s); using the torch attention backend", e)
             else:
-                from nbgen.runtime.gpu_ops import enable_fused
+                from nbgen.kernels.gpu_ops import enable_fused
 
                 enable_fused(True)
                 self.backend_name = "flashinfer"
@@ -199,7 +199,7 @@ class ModelRunner:
         from nbgen.attention.torch_backend import TorchAttentionBackend
 
         if self.on_gpu:
-            from nbgen.runtime.gpu_ops import enable_fused
+            from nbgen.kernels.gpu_ops import enable_fused
 
             enable_fused(False)
         self.backend_name = "torch"

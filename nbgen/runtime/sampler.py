@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from nbgen.runtime import cpu_ops, gpu_argmax
-from nbgen.runtime.batch import SeqWork, TokenLogprobs
+from nbgen.kernels import cpu_ops, gpu_argmax
+from nbgen.core.batch import SeqWork, TokenLogprobs
 from nbgen.runtime.logprobs import token_logprobs
 
 logger = logging.getLogger(__name__)

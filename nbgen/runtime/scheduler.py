@@ -27,11 +27,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
-from nbgen.config import SchedulerConfig
-from nbgen.runtime.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.config import SchedulerConfig
+from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.request import Request, Status
+from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue, matchable_ids, next_prompt_logprob
 
 

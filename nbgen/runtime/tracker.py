@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from nbgen.outputs import build_output
-from nbgen.runtime.request import Request
+from nbgen.runtime.outputs import build_output
+from nbgen.core.request import Request
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections import deque
 from typing import Iterator
 
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 
 LPM_MAX_WAITING = 128
 

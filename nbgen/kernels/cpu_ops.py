@@ -1,4 +1,4 @@
-"""nbgen's own CPU kernels (``nbgen/csrc/cpu_ops.c``): built with the system C compiler on first
+"""nbgen's own CPU kernels (``nbgen/kernels/csrc/cpu_ops.c``): built with the system C compiler on first
 use, cached, called through ctypes — the CPU counterpart of ``gpu_ops`` (flashinfer on CUDA).
 
 The build is plain C with no torch headers (about a second with gcc), so it happens inside the
@@ -25,9 +25,11 @@ from typing import Optional
 
 import torch
 
+from nbgen.kernels.envs import cache_dir, cpu_kernels_enabled
+
 logger = logging.getLogger("nbgen")
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -57,8 +59,6 @@ def _cpu_key() -> str:
 
 
 def _build(cc: str) -> Path:
-    from nbgen.models.gguf_convert import cache_dir
-
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
@@ -84,7 +84,7 @@ def load() -> Optional[ctypes.CDLL]:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get("NBGEN_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        if not cpu_kernels_enabled():
             return None
         cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
         if cc is None:

@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from nbgen.attention.base import KVTarget
-from nbgen.runtime import pdl
+from nbgen.kernels.kv_write import KVTarget
+from nbgen.kernels import pdl
 
 try:
     import triton
@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the un
     triton = None
 
 if triton is not None:
-    from nbgen.attention.kv_write import head_row
+    from nbgen.kernels.kv_write import head_row
 
     @triton.jit
     def _rnd(x, dt: tl.constexpr):

@@ -22,7 +22,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from nbgen.runtime import pdl
+from nbgen.kernels import pdl
+from nbgen.kernels.batch_sizes import padded_batch_size
 
 try:
     import triton
@@ -169,8 +170,6 @@ class TritonDecodeWrapper:
                  device: torch.device, indptr: Optional[torch.Tensor] = None,
                  indices: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None,
                  order: Optional[torch.Tensor] = None) -> None:
-        from nbgen.runtime.cuda_graphs import padded_batch_size   # runtime imports this module first
-
         self.hq, self.hkv, self.d, self.P = num_q_heads, num_kv_heads, head_dim, page_size
         self.hnd = layout == "HND"               # else NHD pages
         self.group = num_q_heads // num_kv_heads

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.runtime import pdl
+from nbgen.kernels import pdl
 
 try:
     import triton

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
-from nbgen.config import unknown_key_error
+from nbgen.core.config import unknown_key_error
 
 
 def _num(name: str, v: Any) -> float:
@@ -190,4 +190,4 @@ class SamplingParams:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
-from nbgen.logit_processor import CustomLogitProcessor  # noqa: E402,F401  (SGLang's import site)
+from nbgen.core.logit_processor import CustomLogitProcessor  # noqa: E402,F401  (SGLang's import site)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+# (k_cache, v_cache, slots [T] long, layout): where a fused kernel writes a layer's new K/V
+KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]
+
 try:
     import triton
     import triton.language as tl

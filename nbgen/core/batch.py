@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 
 
 @dataclass

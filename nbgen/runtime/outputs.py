@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from nbgen.runtime.request import Request
+from nbgen.core.request import Request
 
 Decode = Optional[Callable[[int], str]]
 

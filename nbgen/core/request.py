@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nbgen.sampling import SamplingParams
+from nbgen.core.sampling import SamplingParams
 
 
 class Status(enum.Enum):

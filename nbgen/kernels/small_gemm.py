@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.runtime import gpu_ops, pdl
+from nbgen.kernels import gpu_ops, pdl
 
 try:
     import triton
