@@ -157,7 +157,7 @@ def test_chunked_prefill_splits_long_prompt() -> None:
     runner = run(s)
     shapes = [(b.seqs[0].start_pos, b.seqs[0].q_len, b.seqs[0].sample) for b in runner.batches]
     assert shapes == [(i * 16, 16, False) for i in range(6)] + [(96, 4, True), (100, 1, True), (101, 1, True)]
-    assert len(r.output_ids) == 3 and r.finish_reason == {"type": "length"}
+    assert len(r.output_ids) == 3 and r.finish_reason.to_dict() == {"type": "length"}
     decode = runner.batches[-1].seqs[0]
     assert decode.token_ids == [r.output_ids[-2]] and decode.pages is not None
 
@@ -187,7 +187,7 @@ def test_max_running_requests_respected() -> None:
         s.add(r)
     runner = run(s)
     assert max(len(b.seqs) for b in runner.batches) == 2
-    assert all(r.finish_reason == {"type": "length"} and len(r.output_ids) == 5 for r in rs)
+    assert all(r.finish_reason.to_dict() == {"type": "length"} and len(r.output_ids) == 5 for r in rs)
 
 
 @pytest.mark.parametrize("policy, first", [("lpm", "shares"), ("fcfs", "other")])
@@ -252,7 +252,7 @@ def test_preempted_request_resumes_before_later_arrivals() -> None:
         admitted += [x.req.rid for x in batch.seqs if x.req.rid not in before]
         s.update(batch, runner.step(batch))
     assert s.num_preemptions >= 1 and admitted[:4] == ["A", "B", "B", "C"]
-    assert all(r.finish_reason == {"type": "length"} for r in (a, b, c))
+    assert all(r.finish_reason.to_dict() == {"type": "length"} for r in (a, b, c))
 
 
 def test_lone_request_too_big_is_aborted_not_spinning() -> None:
@@ -266,7 +266,7 @@ def test_lone_request_too_big_is_aborted_not_spinning() -> None:
     run(s, max_steps=100)
     assert big.finish_reason["type"] == "abort" and "KV cache" in big.finish_reason["message"]
     assert len(big.output_ids) == 7                               # 16 tokens of KV: 10 + 6 computed
-    assert small.finish_reason == {"type": "length"} and s.pool.num_used == s.cache.num_cached_pages
+    assert small.finish_reason.to_dict() == {"type": "length"} and s.pool.num_used == s.cache.num_cached_pages
 
 
 def test_abort_waiting_and_running_frees_pages() -> None:
@@ -277,7 +277,7 @@ def test_abort_waiting_and_running_frees_pages() -> None:
     runner = FakeRunner(s)
     s.update(batch := s.schedule(), runner.step(batch))
     assert s.pool.num_used == 8 and a.status is Status.RUNNING and b.status is Status.WAITING
-    assert s.abort("b", "bye") is b and b.finish_reason == {"type": "abort", "message": "bye"}
+    assert s.abort("b", "bye") is b and b.finish_reason.to_dict() == {"type": "abort", "message": "bye"}
     assert s.abort("a") is a and a.finished and s.pool.num_used == 0 and not s.has_work()
     assert s.abort("a") is None and s.abort("nope") is None
 
@@ -291,10 +291,10 @@ def test_stop_min_new_tokens_length_and_context() -> None:
     for r in (stop_now, stop_late, length, ctx):
         s.add(r)
     run(s, FakeRunner(s, fixed=7))
-    assert stop_now.output_ids == [7] and stop_now.finish_reason == {"type": "stop", "matched": 7}
+    assert stop_now.output_ids == [7] and stop_now.finish_reason.to_dict() == {"type": "stop", "matched": 7}
     assert stop_late.output_ids == [7, 7, 7] and stop_late.finish_reason["type"] == "stop"
-    assert len(length.output_ids) == 5 and length.finish_reason == {"type": "length"}
-    assert len(ctx.output_ids) == 2 and ctx.finish_reason == {"type": "length"}
+    assert len(length.output_ids) == 5 and length.finish_reason.to_dict() == {"type": "length"}
+    assert len(ctx.output_ids) == 2 and ctx.finish_reason.to_dict() == {"type": "length"}
 
 
 def test_finish_from_outside_and_runner_error() -> None:
@@ -307,7 +307,7 @@ def test_finish_from_outside_and_runner_error() -> None:
     out = runner.step(batch)
     out.errors[1] = "boom"
     changed = s.update(batch, out)
-    assert b in changed and b.finish_reason == {"type": "abort", "message": "boom"}
+    assert b in changed and b.finish_reason.to_dict() == {"type": "abort", "message": "boom"}
     s.finish(a, {"type": "stop", "matched": "xyz"})              # a stop string matched
     assert a.finished and not s.has_work() and s.cache.num_cached_pages == 2
     assert s.pool.num_used == 2                                  # only a's cached full pages remain
@@ -386,7 +386,7 @@ def test_max_new_tokens_zero_only_prefills() -> None:
     r = req("z", list(range(20)), max_new=0, lsl=0)
     s.add(r)
     runner = run(s)
-    assert r.output_ids == [] and r.finish_reason == {"type": "length"}
+    assert r.output_ids == [] and r.finish_reason.to_dict() == {"type": "length"}
     assert not any(x.sample for b in runner.batches for x in b.seqs)
     assert len(r.input_token_logprobs) == 19
 

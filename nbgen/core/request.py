@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from nbgen.core.finish import FinishReason
 from nbgen.core.sampling import SamplingParams
 
 
@@ -48,7 +49,7 @@ class Request:
     num_cached_pages: int = 0                # leading pages that came from / are in the prefix cache
     cached_tokens: int = 0                   # prompt tokens served from the prefix cache (first admit)
     admit_seq: int = -1                      # admission order (preemption picks the newest)
-    finish_reason: Optional[dict[str, Any]] = None
+    finish_reason: Optional[FinishReason] = None
     # logprob results, appended by the scheduler from StepOutputs
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -79,13 +80,17 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.logprobs.logprob_start_len >= 0 and not self.prompt_logprobs_done
 
-    def end_after(self, tok: int, context_length: Optional[int]) -> Optional[dict[str, Any]]:
-        """Finish reason once ``tok`` (the last of output_ids) was generated, or None to go on."""
-        p, n_out = self.params, len(self.output_ids)
+    def end_after(self, tok: int, n_out: int, context_length: Optional[int] = None) -> Optional[FinishReason]:
+        """The stop check: the finish reason once ``tok``, the ``n_out``-th output token, was
+        generated, or None to go on. A stop id ends the request once ``min_new_tokens`` are out;
+        then ``max_new_tokens``, then the context length (when given) end it with "length".
+        The one place this is decided: the scheduler's update calls it with the sampled token,
+        the overlap stepper with each token it resolves (its length was counted at update)."""
+        p = self.params
         if tok in self.stop_ids and n_out >= p.min_new_tokens:
-            return {"type": "stop", "matched": tok}
+            return FinishReason.stop(tok)
         if p.max_new_tokens is not None and n_out >= p.max_new_tokens:
-            return {"type": "length"}
+            return FinishReason.length()
         if context_length is not None and self.num_tokens >= context_length:
-            return {"type": "length"}
+            return FinishReason.length()
         return None

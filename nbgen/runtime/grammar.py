@@ -18,6 +18,8 @@ import json
 import logging
 from typing import Any, Callable, Optional
 
+from nbgen.core.finish import FinishReason
+from nbgen.core.request import Status
 from nbgen.core.sampling import SamplingParams
 
 logger = logging.getLogger("nbgen")
@@ -98,16 +100,16 @@ class GrammarState:
         """Write the allowed next tokens into row ``row`` of an int32 [B, ceil(vocab/32)] bitmask."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def on_token(self, tok: int, reason: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    def on_token(self, tok: int, reason: Optional[FinishReason]) -> Optional[FinishReason]:
         """Accept a sampled token; returns the request's finish reason after it (or None)."""
         if self.done:
             return reason
         if not self._accept(tok, False):
-            return {"type": "abort", "message": f"sampled token {tok} is not allowed by the grammar"}
+            return FinishReason.abort(f"sampled token {tok} is not allowed by the grammar")
         if tok in self.stops:
             # the grammar accepted a stop token: it is complete; a length cut in the same step loses
             self.done = True
-            return reason if reason is not None and reason.get("type") == "stop" else {"type": "stop", "matched": tok}
+            return reason if reason is not None and reason.get("type") == "stop" else FinishReason.stop(tok)
         return reason
 
 
@@ -166,9 +168,7 @@ class GrammarService:
             fut.add_done_callback(lambda f, k=key: self._post_safely(self._done, k, f))
 
     def _fail(self, req: Any, message: str) -> None:
-        from nbgen.core.request import Status
-
-        req.finish_reason, req.status = {"type": "abort", "message": message}, Status.FINISHED
+        req.finish_reason, req.status = FinishReason.abort(message), Status.FINISHED
         self._finished()
 
     def _post_safely(self, *args: Any) -> None:

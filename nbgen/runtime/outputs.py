@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+from nbgen.core.finish import finish_dict
 from nbgen.core.request import Request
 
 Decode = Optional[Callable[[int], str]]
@@ -51,7 +52,7 @@ def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
-        "finish_reason": req.finish_reason if finished else None,
+        "finish_reason": finish_dict(req.finish_reason) if finished else None,
         "e2e_latency": time.perf_counter() - req.arrival,
     }
     if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:

@@ -29,14 +29,11 @@ from typing import Any, Optional
 
 from nbgen.core.config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.finish import FinishReason
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue, matchable_ids, next_prompt_logprob
-
-
-def _abort(message: str) -> dict[str, Any]:
-    return {"type": "abort", "message": message}
 
 
 class Scheduler:
@@ -71,7 +68,7 @@ class Scheduler:
             msg = (f"prompt of {n} tokens does not fit in the KV cache ({cap} tokens); "
                    "raise max_total_tokens or mem_fraction_static")
         if msg is not None:
-            req.finish_reason, req.status = _abort(msg), Status.FINISHED
+            req.finish_reason, req.status = FinishReason.abort(msg), Status.FINISHED
             return
         req.status = Status.WAITING
         self._live[req.rid] = req
@@ -82,10 +79,10 @@ class Scheduler:
         req = self._live.get(rid)
         if req is None:
             return None
-        self.finish(req, _abort(message))
+        self.finish(req, FinishReason.abort(message))
         return req
 
-    def finish(self, req: Request, reason: dict[str, Any]) -> None:
+    def finish(self, req: Request, reason: FinishReason) -> None:
         """Finish a request from outside (e.g. a stop string matched): free pages, keep KV cached."""
         if req.finished:
             req.finish_reason = reason
@@ -155,7 +152,7 @@ class Scheduler:
             if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
                 continue                                     # aborted or preempted meanwhile
             if errors and i in errors:
-                self._finish(req, _abort(errors[i]), cache=False, unlist=False)
+                self._finish(req, FinishReason.abort(errors[i]), cache=False, unlist=False)
                 changed.append(req)
                 done = True
                 continue
@@ -184,12 +181,12 @@ class Scheduler:
                     req.output_ids_logprobs.append(lp.ids)
                 if out.hidden_states is not None and out.hidden_states[i] is not None:
                     req.hidden_states.append(out.hidden_states[i])
-                reason = req.end_after(tok, self.cfg.context_length)
+                reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
                 if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)
                 changed.append(req)
             elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
-                reason = {"type": "length"}
+                reason = FinishReason.length()
                 changed.append(req)
             if reason is not None:
                 self._finish(req, reason, unlist=False)
@@ -224,8 +221,9 @@ class Scheduler:
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
                 cap = self.pool.num_total * self.P
-                self._finish(req, _abort(f"request needs KV cache for {kv_len} tokens but the cache "
-                                         f"holds {cap}; raise max_total_tokens or mem_fraction_static"))
+                self._finish(req, FinishReason.abort(
+                    f"request needs KV cache for {kv_len} tokens but the cache "
+                    f"holds {cap}; raise max_total_tokens or mem_fraction_static"))
                 return False
             self._preempt(victim)
             if victim is req:
@@ -260,8 +258,8 @@ class Scheduler:
                     break                                    # wait for running requests to free pages
                 taken.append(req)                            # alone and still no room: never fits
                 self._live.pop(req.rid, None)
-                req.finish_reason = _abort(f"request needs KV cache for {end} tokens but the cache "
-                                           f"holds {self.pool.num_total * self.P}")
+                req.finish_reason = FinishReason.abort(f"request needs KV cache for {end} tokens but the "
+                                                       f"cache holds {self.pool.num_total * self.P}")
                 req.status = Status.FINISHED
                 continue
             taken.append(req)
@@ -289,7 +287,7 @@ class Scheduler:
         if req.group is not None and self._leaders.get(req.group) is req:
             del self._leaders[req.group]
 
-    def _finish(self, req: Request, reason: dict[str, Any], cache: bool = True, unlist: bool = True) -> None:
+    def _finish(self, req: Request, reason: FinishReason, cache: bool = True, unlist: bool = True) -> None:
         self._release(req, cache)
         req.finish_reason, req.status = reason, Status.FINISHED
         self._live.pop(req.rid, None)

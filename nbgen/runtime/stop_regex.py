@@ -7,13 +7,15 @@ a match could still start in is held back, found with the ``regex`` module's par
 (a partial match is one that reaches the end of the text and could complete with more), so a
 streamed client never sees text that is later trimmed.
 
-``finish_reason["matched"]`` is the pattern that matched (the stop string itself for stop strings).
+A match finishes the request with ``FinishReason.stop(pattern)``: ``matched`` is the pattern that matched (the stop string itself for stop strings).
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 import regex
+
+from nbgen.runtime.detokenizer import StopStringMatcher
 
 
 def compile_stop_regex(patterns: Sequence[str]) -> list[Any]:
@@ -81,7 +83,5 @@ def make_stop_matcher(stop_strs: Sequence[str], stop_regex: Any, no_stop_trim: b
     if patterns:
         return StopRegexMatcher(patterns, stop_strs, no_stop_trim)
     if stop_strs:
-        from nbgen.runtime.detokenizer import StopStringMatcher
-
         return StopStringMatcher(stop_strs, no_stop_trim)
     return None

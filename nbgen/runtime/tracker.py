@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from nbgen.runtime.outputs import build_output
+from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request
+from nbgen.runtime.detokenizer import IncrementalDetokenizer
+from nbgen.runtime.outputs import build_output
+from nbgen.runtime.stop_regex import make_stop_matcher
 
 
 @dataclass
@@ -21,9 +24,6 @@ class Tracked:
     """Turns a request's new token ids into text deltas, finishing it when a stop string matches."""
 
     def __init__(self, req: Request, sink: Callable[[Update], None], stream: bool, tokenizer: Any) -> None:
-        from nbgen.runtime.detokenizer import IncrementalDetokenizer
-        from nbgen.runtime.stop_regex import make_stop_matcher
-
         self.req = req
         self.sink = sink
         self.stream = stream
@@ -41,9 +41,6 @@ class Tracked:
         self.text = ""            # text released so far
         self.n_sent_text = 0
 
-    def _decode_one(self, tok: int) -> str:
-        return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
-
     def advance(self, scheduler: Any) -> Optional[Update]:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None.
         (The loop skips quiet requests until they finish.)"""
@@ -53,8 +50,9 @@ class Tracked:
         self.n_text = len(req.output_ids)
         fr = req.finish_reason
         text_ids = new_ids
-        if (req.finished and fr and fr.get("type") == "stop" and isinstance(fr.get("matched"), int)
-                and not req.params.no_stop_trim and text_ids and text_ids[-1] == fr["matched"]):
+        matched = fr.get("matched") if req.finished and fr and fr.get("type") == "stop" else None
+        if (isinstance(matched, int) and not req.params.no_stop_trim and text_ids
+                and text_ids[-1] == matched):
             text_ids = text_ids[:-1]  # a matched stop token is not part of the text
         piece = self.detok.add(text_ids) if (self.detok is not None and text_ids) else ""
         if req.finished and self.detok is not None:
@@ -63,9 +61,9 @@ class Tracked:
             emit, matched = self.matcher.feed(piece)
             if matched is not None:
                 if not req.finished:
-                    scheduler.finish(req, {"type": "stop", "matched": matched})
+                    scheduler.finish(req, FinishReason.stop(matched))
                 else:  # finished by length/token in the same step: the string wins, as SGLang
-                    req.finish_reason = {"type": "stop", "matched": matched}
+                    req.finish_reason = FinishReason.stop(matched)
             elif req.finished:
                 emit += self.matcher.flush()
             piece = emit
@@ -73,19 +71,15 @@ class Tracked:
             piece = ""  # text after a matched stop string is dropped
         self.text += piece
         if req.finished:
-            return Update(req.rid, build_output(req, self.text, list(req.output_ids), self._dec(),
-                                                finished=True), finished=True)
+            return Update(req.rid, build_output(req, self.text, list(req.output_ids), None, finished=True), finished=True)
         if not self.stream or (not piece and len(req.output_ids) == self.n_sent_ids):
             return None
         delta_ids = req.output_ids[self.n_sent_ids:]
-        out = build_output(req, piece, delta_ids, self._dec(), finished=False, logprob_start=self.n_sent_ids)
+        out = build_output(req, piece, delta_ids, None, finished=False, logprob_start=self.n_sent_ids)
         self.n_sent_ids = len(req.output_ids)
         return Update(req.rid, out, finished=False)
 
     def final_update(self) -> Update:
         """The finished output with whatever text was released so far (used after a failure)."""
-        return Update(self.req.rid, build_output(self.req, self.text, list(self.req.output_ids), self._dec(),
+        return Update(self.req.rid, build_output(self.req, self.text, list(self.req.output_ids), None,
                                                  finished=True), finished=True)
-
-    def _dec(self) -> Optional[Callable[[int], str]]:
-        return None
