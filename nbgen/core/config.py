@@ -1,6 +1,7 @@
 """Engine configuration: SGLang server-arg names, validated at the edge."""
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from dataclasses import dataclass, fields
@@ -11,6 +12,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _POLICIES = ("fcfs", "lpm", "lof")
 _BACKENDS = (None, "torch", "flashinfer")
+PIECEWISE_MAX_TOKENS = 8192   # the largest token bucket of the piecewise prefill graphs by default
 
 
 def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
@@ -24,7 +26,8 @@ def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
 class EngineConfig:
     """Every knob of an Engine (names follow SGLang's server args).
 
-    ``None`` means "choose for this device" and is resolved by ``resolve()`` once the device is known.
+    ``None`` means "choose for this device": ``resolved(device_type, gpu_total_memory)`` returns a
+    copy with those defaults filled in, once, when the loop knows its device.
     """
 
     model_path: Optional[str] = None
@@ -86,6 +89,32 @@ class EngineConfig:
                 raise unknown_key_error("Engine argument", key, known)
         return cls(model_path=model_path, **kwargs)
 
+    def resolved(self, device_type: str, gpu_total_memory: Optional[int] = None) -> "EngineConfig":
+        """A copy with every device-dependent ``None`` default chosen (``device_type``: "cuda" | "cpu";
+        ``gpu_total_memory``: the card's bytes, on cuda):
+
+        - ``max_running_requests``: 256 on cuda, 64 on cpu;
+        - ``chunked_prefill_size``: 8192 on cuda, 1024 on cpu;
+        - ``cuda_graph_max_bs``: 256 on a card of >= 40 GiB, 128 from 16 GiB, else 64; 0 (no decode
+          graphs) on cpu or with ``disable_cuda_graph``;
+        - ``piecewise_cuda_graph_max_tokens``: ``min(chunked_prefill_size, 8192)``.
+        """
+        gpu = device_type == "cuda"
+        out = copy.copy(self)   # values below are valid by construction (0 graphs is not a user value)
+        if out.max_running_requests is None:
+            out.max_running_requests = 256 if gpu else 64
+        if out.chunked_prefill_size is None:
+            out.chunked_prefill_size = 8192 if gpu else 1024
+        if out.cuda_graph_max_bs is None:
+            if not gpu or out.disable_cuda_graph:
+                out.cuda_graph_max_bs = 0
+            else:
+                total = gpu_total_memory or 0
+                out.cuda_graph_max_bs = 256 if total >= 40 << 30 else (128 if total >= 16 << 30 else 64)
+        if out.piecewise_cuda_graph_max_tokens is None:
+            out.piecewise_cuda_graph_max_tokens = min(out.chunked_prefill_size, PIECEWISE_MAX_TOKENS)
+        return out
+
     def resolve_device(self) -> str:
         """'cuda' or 'cpu' for device='auto'."""
         if self.device != "auto":
@@ -100,7 +129,7 @@ class EngineConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Knobs of the scheduler (resolved from EngineConfig by the loop)."""
+    """Knobs of the scheduler (from the loop's resolved EngineConfig)."""
 
     page_size: int = 16
     num_pages: int = 1024                       # including the scratch page 0
