@@ -7,102 +7,36 @@ from __future__ import annotations
 
 import random
 import statistics
-from typing import Optional
 
 import pytest
 import torch
 
 import nbgen
 
+from tests.tiny_models import (GREEDY_SP, assert_close_runs, gpu_generate, gpu_prompts, output_ids,
+                               teacher_forced_vs_hf, write_kv_torch)
+
 gpu = pytest.mark.gpu
 
-SP = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
-
-
-def _make(family: str, path: str) -> str:
-    import transformers as tf
-
-    common = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  eos_token_id=1, bos_token_id=0, pad_token_id=0)
-    if family == "llama":
-        cfg, cls = tf.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-                                  **common), tf.LlamaForCausalLM
-    elif family == "qwen2":
-        cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
-    else:
-        cfg, cls = tf.Qwen3Config(head_dim=128, **common), tf.Qwen3ForCausalLM
-    torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():   # widen the logits so greedy choices are rarely near-ties in bf16
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
-def model_dir(request, tmp_path_factory) -> str:
-    return _make(request.param, str(tmp_path_factory.mktemp(request.param)))
-
-
-def _prompts(n: int = 12) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(2, 512) for _ in range(rng.choice([1, 5, 17, 64, 200, 700]))] for _ in range(n)]
-
-
-def _gen(path: str, prompts: list[list[int]], logprobs: bool = False, **cfg) -> list[dict]:
-    with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, **cfg) as eng:
-        out = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=logprobs, use_tqdm=False)
-        info = eng.get_server_info()
-    if cfg.get("attention_backend") != "torch":
-        assert info["attention_backend"] == "FlashInferBackend"
-        assert (info["cuda_graph_batch_sizes"] == []) == bool(cfg.get("disable_cuda_graph"))
-    return out
-
-
-def _ids(outs: list[dict]) -> list[list[int]]:
-    return [o["output_ids"] for o in outs]
-
-
-def _close(a: list[dict], b: list[dict]) -> None:
-    """Two bf16 greedy runs through differently tiled kernels. On random models the top-2 logits are
-    often within bf16 noise, so free-running sequences may fork at a near-tie; up to the fork the
-    chosen tokens are the same and their logprobs (decode path) must agree closely. A broken kernel
-    forks at once on most sequences and shows large logprob errors."""
-    diffs, forks = [], []
-    for x, y in zip(a, b):
-        lx = [lp for lp, _t, _s in x["meta_info"]["output_token_logprobs"]]
-        ly = [lp for lp, _t, _s in y["meta_info"]["output_token_logprobs"]]
-        n = next((i for i, (p, q) in enumerate(zip(x["output_ids"], y["output_ids"])) if p != q), len(lx))
-        forks.append(n)
-        diffs += [abs(p - q) for p, q in zip(lx[:n], ly[:n])]
-    assert sum(f >= 1 for f in forks) >= 0.9 * len(forks), forks      # the prefill token matches
-    assert len(diffs) >= 4 * len(forks), forks                          # decode steps were compared
-    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
-
-
 @gpu
-def test_graph_eager_overlap(model_dir):
-    prompts = _prompts()
+def test_graph_eager_overlap(gpu_model_dir):
+    prompts = gpu_prompts()
     # same kernels in the same order: overlap scheduling must not change a single token
-    assert _ids(_gen(model_dir, prompts)) == _ids(_gen(model_dir, prompts, disable_overlap_schedule=True))
-    base = _gen(model_dir, prompts, logprobs=True)                     # decode through CUDA graphs
-    _close(_gen(model_dir, prompts, logprobs=True, disable_cuda_graph=True), base)
+    assert output_ids(gpu_generate(gpu_model_dir, prompts)) == output_ids(gpu_generate(gpu_model_dir, prompts, disable_overlap_schedule=True))
+    base = gpu_generate(gpu_model_dir, prompts, logprobs=True)                     # decode through CUDA graphs
+    assert_close_runs(gpu_generate(gpu_model_dir, prompts, logprobs=True, disable_cuda_graph=True), base)
     # chunked prefill over cached prefixes, then prefix-cache hits on a second run
-    with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+    with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
                       chunked_prefill_size=64) as eng:
-        a = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, use_tqdm=False)
-        b = eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, use_tqdm=False)
-    _close(a, base)
-    _close(b, a)
+        a = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
+        b = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
+    assert_close_runs(a, base)
+    assert_close_runs(b, a)
     assert b[-1]["meta_info"]["cached_tokens"] > 0 or len(prompts[-1]) < 16
 
 
 @gpu
-def test_piecewise_prefill_graphs(model_dir):
+def test_piecewise_prefill_graphs(gpu_model_dir):
     """Steps with prefill chunks replayed as graph pieces around an eager attention per layer give the
     eager forward's logprobs: several token buckets (padding rows), chunks over cached prefixes, mixed
     steps with decodes (placeholder ids under overlap)."""
@@ -111,11 +45,11 @@ def test_piecewise_prefill_graphs(model_dir):
     prompts += [p[: len(p) // 2] + [7, 8, 9] for p in prompts[3:]]      # shared prefixes
 
     def run(logprobs: bool, **cfg) -> tuple[dict, list[dict]]:
-        with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
                           chunked_prefill_size=512, **cfg) as eng:
             info = eng.get_server_info()
             kw = {"return_logprob": True, "logprob_start_len": 0} if logprobs else {}
-            return info, eng.generate(input_ids=prompts, sampling_params=SP, use_tqdm=False, **kw)
+            return info, eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False, **kw)
 
     info, on = run(True)
     info_off, off = run(True, disable_piecewise_cuda_graph=True)
@@ -126,19 +60,19 @@ def test_piecewise_prefill_graphs(model_dir):
     assert len(d) == sum(len(p) - 1 for p in prompts)
     print(f"prompt logprobs, graphs vs eager: median |d| {statistics.median(d):.5f}, max {max(d):.4f}")
     assert statistics.median(d) <= 0.01 and max(d) <= 0.25
-    _close(on, off)
+    assert_close_runs(on, off)
     # the overlap path (no logprobs): greedy tokens of graph and eager prefill steps
-    a, b = _ids(run(False)[1]), _ids(run(False, disable_piecewise_cuda_graph=True)[1])
+    a, b = output_ids(run(False)[1]), output_ids(run(False, disable_piecewise_cuda_graph=True)[1])
     same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) / sum(len(s) for s in a)
     print(f"greedy tokens equal: {same:.4f}")
     assert same >= 0.9
 
 
 @gpu
-def test_mixed_steps_split_decode_rows(model_dir, monkeypatch):
+def test_mixed_steps_split_decode_rows(gpu_model_dir, monkeypatch):
     """Mixed steps send their leading decode rows through the Triton decode kernel and only the
-    prefill chunks through flashinfer's prefill kernel: the same tokens and logprobs as one prefill
-    kernel over every row (NBGEN_MIXED_SPLIT=0)."""
+    prefill chunks through flashinfer's prefill kernel: the tokens and logprobs of the torch
+    reference backend."""
     from nbgen.attention import flashinfer_backend as fb
 
     rng = random.Random(3)
@@ -152,93 +86,45 @@ def test_mixed_steps_split_decode_rows(model_dir, monkeypatch):
         return d
 
     monkeypatch.setattr(fb.FlashInferBackend, "_leading_decodes", spy)
-
-    def run(split: bool) -> list[dict]:
-        monkeypatch.setattr(fb, "MIXED_SPLIT", split)
-        splits.clear()
-        with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
-                          chunked_prefill_size=128) as eng:
-            return eng.generate(input_ids=prompts, sampling_params=SP, return_logprob=True, use_tqdm=False)
-
-    whole = run(False)
-    assert splits and max(splits) == 0
-    split = run(True)
+    split = gpu_generate(gpu_model_dir, prompts, logprobs=True, chunked_prefill_size=128)
     assert sum(d > 0 for d in splits) >= 5, splits        # mixed steps with decode rows were split
-    _close(split, whole)
+    ref = gpu_generate(gpu_model_dir, prompts, logprobs=True, chunked_prefill_size=128,
+                       attention_backend="torch", disable_cuda_graph=True)
+    assert_close_runs(split, ref)
 
 
 @gpu
-@pytest.mark.parametrize("layout,tensor_cores", [("HND", "1"), ("NHD", "0")])
-def test_flashinfer_matches_torch_backend(model_dir, layout, tensor_cores, monkeypatch):
-    # the default (HND pages, tensor-core decode) and the other KV layout with the CUDA-core decode kernel
-    monkeypatch.setenv("NBGEN_KV_LAYOUT", layout)
-    monkeypatch.setenv("NBGEN_DECODE_TENSOR_CORES", tensor_cores)
-    prompts = _prompts()
-    _close(_gen(model_dir, prompts, logprobs=True),
-           _gen(model_dir, prompts, logprobs=True, attention_backend="torch", disable_cuda_graph=True))
+def test_flashinfer_matches_torch_backend(gpu_model_dir):
+    prompts = gpu_prompts()
+    assert_close_runs(gpu_generate(gpu_model_dir, prompts, logprobs=True),
+                      gpu_generate(gpu_model_dir, prompts, logprobs=True, attention_backend="torch",
+                                   disable_cuda_graph=True))
 
 
 @gpu
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("heads,dim,page", [(8, 128, 16), (2, 64, 64), (5, 64, 16)])
-def test_kv_write_kernel(layout, heads, dim, page):
+def test_kv_write_kernel(heads, dim, page):
     """The Triton K/V write puts every row where the torch indexing write does (strided k/v rows)."""
-    from nbgen.kernels.kv_write import write_kv, write_kv_reference
+    from nbgen.kernels.kv_write import write_kv
 
     torch.manual_seed(0)
     n_pages, T = 50, 37
-    shape = (n_pages, heads, page, dim) if layout == "HND" else (n_pages, page, heads, dim)
+    shape = (n_pages, heads, page, dim)
     qkv = torch.randn(T, 6 * heads * dim, device="cuda", dtype=torch.bfloat16)
     k, v = qkv[:, 4 * heads * dim: 5 * heads * dim], qkv[:, 5 * heads * dim:]    # strided views
     slots = torch.randperm(n_pages * page - page, device="cuda")[:T] + page       # never page 0
     got = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     ref = [torch.zeros(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    write_kv(k, v, got[0], got[1], slots, layout)
-    write_kv_reference(k, v, ref[0], ref[1], slots, layout)
+    write_kv(k, v, got[0], got[1], slots)
+    write_kv_torch(k, v, ref[0], ref[1], slots)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert got[0].abs().sum() > 0
 
 
-def teacher_forced_vs_hf(model_dir: str, chunk: Optional[int] = None) -> dict[str, float]:
-    """Prompt logprobs of nbgen (bf16, CUDA) against HF bf16 on the same weights, teacher-forced ->
-    {agree: top-1 agreement, agree_clear: the same where HF's top-2 gap > 0.1, clear: the share of such
-    positions, dlp: median |dlogprob|}."""
-    from transformers import AutoModelForCausalLM
-
-    rng = random.Random(1)
-    seqs = [[rng.randrange(2, 512) for _ in range(n)] for n in (64, 200, 333, 512)]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ref_top, ref_lp, margin = [], [], []
-    with torch.no_grad():
-        for s in seqs:
-            lp = hf(torch.tensor([s], device="cuda")).logits[0].float().log_softmax(-1)   # [L, V]
-            ref_top += lp[:-1].argmax(-1).tolist()
-            top2 = lp[:-1].topk(2, dim=-1).values
-            margin += (top2[:, 0] - top2[:, 1]).tolist()
-            ref_lp += [lp[i - 1, s[i]].item() for i in range(1, len(s))]
-    del hf
-    torch.cuda.empty_cache()
-    with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
-                      chunked_prefill_size=chunk) as eng:
-        outs = eng.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                            return_logprob=True, logprob_start_len=0, top_logprobs_num=1, use_tqdm=False)
-    got_top, got_lp = [], []
-    for o in outs:
-        got_lp += [lp for lp, _t, _x in o["meta_info"]["input_token_logprobs"][1:]]
-        got_top += [top[0][1] for top in o["meta_info"]["input_top_logprobs"][1:]]
-    assert len(got_lp) == len(ref_lp) and len(got_top) == len(ref_top)
-    agree = sum(a == b for a, b in zip(got_top, ref_top)) / len(ref_top)
-    dlp = statistics.median(abs(a - b) for a, b in zip(got_lp, ref_lp))
-    clear = [a == b for a, b, m in zip(got_top, ref_top, margin) if m > 0.1]
-    print(f"top-1 agreement {agree:.4f} (margin > 0.1: {sum(clear) / len(clear):.4f} of {len(clear)}), "
-          f"median |dlogprob| {dlp:.4f}")
-    return {"agree": agree, "agree_clear": sum(clear) / len(clear), "clear": len(clear) / len(ref_top), "dlp": dlp}
-
-
 @gpu
 @pytest.mark.parametrize("chunk", [None, 64])
-def test_hf_parity_teacher_forced(model_dir, chunk):
-    r = teacher_forced_vs_hf(model_dir, chunk)
+def test_hf_parity_teacher_forced(gpu_model_dir, chunk):
+    r = teacher_forced_vs_hf(gpu_model_dir, chunk)
     # random models have many near-ties; top-1 must agree wherever HF's top-2 gap exceeds bf16 noise
     assert r["agree"] >= 0.95 and r["clear"] >= 0.5
     assert r["agree_clear"] >= 0.99
@@ -306,8 +192,8 @@ def tables_backend(P: int):
 
 @gpu
 @pytest.mark.parametrize("heads", [(16, 8), (14, 2)])
-def test_fast_replan_matches_public_plan(heads):
-    """The graph wrappers' fast re-plan (flashinfer's C++ planner called directly) produces the
+def test_direct_replan_matches_public_plan(heads):
+    """The graph wrappers' direct re-plan (flashinfer's C++ planner called directly) produces the
     same plan and the same attention output as flashinfer's public plan(), step after step."""
     from nbgen.attention.base import KVCacheSpec
     from nbgen.attention.flashinfer_backend import FlashInferBackend
@@ -316,9 +202,9 @@ def test_fast_replan_matches_public_plan(heads):
     P, bs, dev = 16, 24, torch.device("cuda")
     spec = KVCacheSpec(1, 4096, P, hq, hkv, 128, torch.bfloat16, dev)
     be = FlashInferBackend(spec)
-    be.triton_bs = 0        # flashinfer's graph wrappers (nbgen's decode kernel takes every size by default)
+    be.triton_decode = False   # flashinfer's graph wrappers (the fallback for head sizes nbgen's kernel lacks)
     if not be.use_tensor_cores:
-        pytest.skip("fast re-plan covers tensor-core decode only")
+        pytest.skip("direct re-plan covers tensor-core decode only")
     bufs = [(torch.zeros(bs + 1, dtype=torch.int32, device=dev), torch.zeros(bs * 200, dtype=torch.int32, device=dev),
              torch.zeros(bs, dtype=torch.int32, device=dev)) for _ in range(2)]
     ws = [be.make_decode_wrapper(*b) for b in bufs]
@@ -338,7 +224,7 @@ def test_fast_replan_matches_public_plan(heads):
             if step == 0:       # first plan of a wrapper: always the public one
                 be.plan_decode(w, indptr, b[1][: idx.numel()], last)
             elif w is ws[1]:
-                assert be._replan_fast(w, indptr, last)
+                assert be._replan_direct(w, indptr, last)
             else:
                 w.plan(indptr, b[1][: idx.numel()], last, hq, hkv, 128, P, pos_encoding_mode="NONE",
                            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=be.scale,

@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 import nbgen
 from nbgen.core.config import EngineConfig
+from nbgen.kernels import silu_scaled
 from nbgen.models import norm_fold
 from nbgen.models.loader import load_model
 from tests.test_models import _hf_model, _run
+from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts, make_gpu_model, teacher_forced_vs_hf
 
 gpu = pytest.mark.gpu
 
@@ -86,7 +88,7 @@ def test_accumulate_and_scaled_silu_torch_paths() -> None:
     torch.testing.assert_close(h, want)
     gu, hh = torch.randn(5, 12), torch.randn(5, 7) * 30
     s = torch.rsqrt(hh.pow(2).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(norm_fold.silu_mul_scaled(gu, hh, 1e-6), F.silu(gu[:, :6] * s) * gu[:, 6:] * s)
+    torch.testing.assert_close(silu_scaled.silu_mul_scaled(gu, hh, 1e-6), F.silu(gu[:, :6] * s) * gu[:, 6:] * s)
 
 
 def test_folded_engine_generates_like_unfolded(tiny_qwen3_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,7 +120,7 @@ def test_small_gemm_row_scale_and_accumulate(M: int) -> None:
     K, I = 1024, 1536
     h = (torch.randn(M, K, device="cuda", generator=g) * 20).bfloat16()
     w = (torch.randn(2 * I, K, device="cuda", generator=g) * 0.05).bfloat16()
-    s = norm_fold.rms_scale(h, 1e-6)
+    s = silu_scaled.rms_scale(h, 1e-6)
     gate_up = (F.linear(h.float(), w.float()) * s).bfloat16().float()
     ref = F.silu(gate_up[:, :I]) * gate_up[:, I:]
     y = sg.small_gemm(h, w, silu_mul=True, row_scale_eps=1e-6)
@@ -139,10 +141,10 @@ def test_silu_mul_scaled_kernel_matches_torch(T: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(T)
     gu = torch.randn(T, 2 * 3000, device="cuda", generator=g).bfloat16()
     h = (torch.randn(T, 1000, device="cuda", generator=g) * 50).bfloat16()
-    s = norm_fold.rms_scale(h, 1e-5)
+    s = silu_scaled.rms_scale(h, 1e-5)
     gate, up = (gu.float() * s).bfloat16().float().chunk(2, dim=-1)
     ref = F.silu(gate) * up
-    y = norm_fold.silu_mul_scaled(gu, h, 1e-5)
+    y = silu_scaled.silu_mul_scaled(gu, h, 1e-5)
     assert y.shape == (T, 3000) and y.dtype == torch.bfloat16
     assert bool(((y.float() - ref).abs() <= ULP * ref.abs() + 1e-6).all())
 
@@ -164,7 +166,7 @@ def test_rope_kernel_row_scale(norm: bool) -> None:
     if norm:
         wq = (1 + 0.2 * torch.randn(D, device="cuda", generator=g)).bfloat16()
         wk = (1 + 0.2 * torch.randn(D, device="cuda", generator=g)).bfloat16()
-    ref = (qkv.float() * norm_fold.rms_scale(h, 1e-6)).bfloat16()
+    ref = (qkv.float() * silu_scaled.rms_scale(h, 1e-6)).bfloat16()
     fq.qk_norm_rope_(ref, pos, wq, wk, 1e-6, rope.cos_sin_cache, hq, hkv, D)
     got = qkv.clone()
     fq.qk_norm_rope_(got, pos, wq, wk, 1e-6, rope.cos_sin_cache, hq, hkv, D, row_scale=(h, 1e-6))
@@ -178,11 +180,10 @@ def test_rope_kernel_row_scale(norm: bool) -> None:
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_folded_engine_tracks_unfolded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     """Random norm weights (so the fold is not a no-op): the folded engine (default) against
-    NBGEN_FOLD_NORM=0 — teacher-forced against HF within bf16 noise of the unfolded engine, and
+    the same engine with the fold policy saying no — teacher-forced against HF within bf16 noise of the unfolded engine, and
     free-running greedy with logprobs through decode graphs and piecewise prefill graphs."""
-    from tests.test_gpu import _close, _gen, _make, _prompts, teacher_forced_vs_hf
 
-    path = _make(family, str(tmp_path))
+    path = make_gpu_model(family, str(tmp_path))
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
@@ -193,14 +194,14 @@ def test_folded_engine_tracks_unfolded(tmp_path: Path, monkeypatch: pytest.Monke
     with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16) as eng:
         assert eng.get_server_info()["norms_folded"] is True
     folded = teacher_forced_vs_hf(path)
-    prompts = _prompts()
-    gen_folded = _gen(path, prompts, logprobs=True)
-    monkeypatch.setattr(norm_fold, "FOLD", False)
+    prompts = gpu_prompts()
+    gen_folded = gpu_generate(path, prompts, logprobs=True)
+    monkeypatch.setattr(norm_fold, "should_fold", lambda model, device: False)
     plain = teacher_forced_vs_hf(path)
-    gen_plain = _gen(path, prompts, logprobs=True)
+    gen_plain = gpu_generate(path, prompts, logprobs=True)
     # the fold rounds g * W once and the raw projections twice: a little more noise than the unfolded
     # layers, never a different computation
     assert folded["agree_clear"] >= 0.99 and folded["dlp"] <= 0.05
     assert folded["dlp"] <= 1.3 * plain["dlp"] + 0.003, (folded, plain)
     assert folded["agree"] >= plain["agree"] - 0.03, (folded, plain)
-    _close(gen_folded, gen_plain)
+    assert_close_runs(gen_folded, gen_plain)

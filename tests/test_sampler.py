@@ -9,7 +9,8 @@ import torch
 from nbgen.runtime import logprobs as lp_mod
 from nbgen.core.batch import SeqWork
 from nbgen.core.request import LogprobRequest, Request
-from nbgen.runtime.sampler import Sampler, gumbel_noise, mix32, row_key
+from nbgen.runtime.sampler import Sampler
+from nbgen.runtime.sampling_ops import gumbel_noise, mix32, row_key
 from nbgen.core.sampling import SamplingParams
 
 CPU = torch.device("cpu")

@@ -7,7 +7,8 @@ import torch
 
 from nbgen.core.batch import SeqWork
 from nbgen.core.request import Request
-from nbgen.runtime.sampler import Sampler, gumbel_from_hash, mix32, noisy_argmax
+from nbgen.runtime.sampler import Sampler
+from nbgen.runtime.sampling_ops import gumbel_from_hash, mix32, noisy_argmax
 from nbgen.core.sampling import SamplingParams
 
 CPU = torch.device("cpu")

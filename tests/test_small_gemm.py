@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_gpu import _close, _gen, _prompts, model_dir  # noqa: F401  (fixture re-used)
+from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts
 
 gpu = pytest.mark.gpu
 ULP = 2.0 ** -8          # bf16 relative rounding step (8 significant bits)
@@ -66,29 +66,25 @@ def test_pdl_launch_gives_the_same_bits(monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
     w = (torch.randn(6144, 4096, device="cuda", generator=g) * 0.02).bfloat16()
-    monkeypatch.setattr(pdl, "PDL", True)
-    pdl.reset()
     assert pdl.enabled(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
     with_pdl = sg.small_gemm(sg.small_gemm(x, w)[:, :4096].contiguous(), w)   # a dependent chain
-    monkeypatch.setattr(pdl, "PDL", False)
-    pdl.reset()
+    monkeypatch.setattr(pdl, "_ok", {x.device.index or 0: False})          # plain launches (pre-Hopper)
     assert not pdl.enabled(x.device)
     plain = sg.small_gemm(sg.small_gemm(x, w)[:, :4096].contiguous(), w)
-    pdl.reset()
     assert torch.equal(with_pdl, plain)
 
 
 @gpu
-def test_engine_small_gemm_path_matches_cublas_path(model_dir, monkeypatch):
+def test_engine_small_gemm_path_matches_cublas_path(gpu_model_dir, monkeypatch):
     """Decode through the streaming kernel (batch <= MAX_ROWS, in graphs) agrees with the cuBLAS +
     flashinfer SiLU path on the same random weights."""
     from nbgen.kernels import small_gemm as sg
 
-    prompts = _prompts(12)                        # batch 12 shrinking: graphs of 16, 8, 4, 2, 1 rows
-    fused = _gen(model_dir, prompts, logprobs=True)
+    prompts = gpu_prompts(12)                        # batch 12 shrinking: graphs of 16, 8, 4, 2, 1 rows
+    fused = gpu_generate(gpu_model_dir, prompts, logprobs=True)
     monkeypatch.setattr(sg, "MAX_ROWS", 0)
-    plain = _gen(model_dir, prompts, logprobs=True)
-    _close(fused, plain)
+    plain = gpu_generate(gpu_model_dir, prompts, logprobs=True)
+    assert_close_runs(fused, plain)
 
 
 class _FakeKernel:

@@ -1,9 +1,15 @@
-"""Tiny random models built with transformers (fp32) and saved with save_pretrained, plus a tokenizer."""
+"""Tiny random models built with transformers (fp32) and saved with save_pretrained, plus a tokenizer;
+and the GPU tests' shared helpers (random bf16-sized models, greedy engine runs, their comparison)."""
 from __future__ import annotations
 
 import os
+import random
+import statistics
+from typing import Optional
 
 import torch
+
+import nbgen
 
 _CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",
@@ -64,3 +70,117 @@ def make_tiny_model(family: str, path: str, vocab_size: int = 384, **overrides) 
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# ---- GPU test helpers (tests/test_gpu.py, test_triton_decode.py, test_small_gemm.py, test_norm_fold.py)
+GREEDY_SP = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+
+
+def make_gpu_model(family: str, path: str) -> str:
+    """A random Llama / Qwen2 / Qwen3 (head_dim 128, weights widened) saved at ``path`` for the GPU tests."""
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  eos_token_id=1, bos_token_id=0, pad_token_id=0)
+    if family == "llama":
+        cfg, cls = tf.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+                                  **common), tf.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = tf.Qwen2Config(tie_word_embeddings=True, **common), tf.Qwen2ForCausalLM
+    else:
+        cfg, cls = tf.Qwen3Config(head_dim=128, **common), tf.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():   # widen the logits so greedy choices are rarely near-ties in bf16
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.save_pretrained(path)
+    return path
+
+
+def gpu_prompts(n: int = 12) -> list[list[int]]:
+    """n random token-id prompts of mixed lengths (1 to 700 tokens)."""
+    rng = random.Random(0)
+    return [[rng.randrange(2, 512) for _ in range(rng.choice([1, 5, 17, 64, 200, 700]))] for _ in range(n)]
+
+
+def gpu_generate(path: str, prompts: list[list[int]], logprobs: bool = False, **cfg) -> list[dict]:
+    """Greedy outputs of a bf16 CUDA engine on ``path`` (decode graphs up to 16 rows unless disabled)."""
+    with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, **cfg) as eng:
+        out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=logprobs, use_tqdm=False)
+        info = eng.get_server_info()
+    if cfg.get("attention_backend") != "torch":
+        assert info["attention_backend"] == "FlashInferBackend"
+        assert (info["cuda_graph_batch_sizes"] == []) == bool(cfg.get("disable_cuda_graph"))
+    return out
+
+
+def output_ids(outs: list[dict]) -> list[list[int]]:
+    """The output ids of each output dict."""
+    return [o["output_ids"] for o in outs]
+
+
+def assert_close_runs(a: list[dict], b: list[dict]) -> None:
+    """Two bf16 greedy runs through differently tiled kernels. On random models the top-2 logits are
+    often within bf16 noise, so free-running sequences may fork at a near-tie; up to the fork the
+    chosen tokens are the same and their logprobs (decode path) must agree closely. A broken kernel
+    forks at once on most sequences and shows large logprob errors."""
+    diffs, forks = [], []
+    for x, y in zip(a, b):
+        lx = [lp for lp, _t, _s in x["meta_info"]["output_token_logprobs"]]
+        ly = [lp for lp, _t, _s in y["meta_info"]["output_token_logprobs"]]
+        n = next((i for i, (p, q) in enumerate(zip(x["output_ids"], y["output_ids"])) if p != q), len(lx))
+        forks.append(n)
+        diffs += [abs(p - q) for p, q in zip(lx[:n], ly[:n])]
+    assert sum(f >= 1 for f in forks) >= 0.9 * len(forks), forks      # the prefill token matches
+    assert len(diffs) >= 4 * len(forks), forks                          # decode steps were compared
+    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
+
+
+def teacher_forced_vs_hf(model_dir: str, chunk: Optional[int] = None) -> dict[str, float]:
+    """Prompt logprobs of nbgen (bf16, CUDA) against HF bf16 on the same weights, teacher-forced ->
+    {agree: top-1 agreement, agree_clear: the same where HF's top-2 gap > 0.1, clear: the share of such
+    positions, dlp: median |dlogprob|}."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(1)
+    seqs = [[rng.randrange(2, 512) for _ in range(n)] for n in (64, 200, 333, 512)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ref_top, ref_lp, margin = [], [], []
+    with torch.no_grad():
+        for s in seqs:
+            lp = hf(torch.tensor([s], device="cuda")).logits[0].float().log_softmax(-1)   # [L, V]
+            ref_top += lp[:-1].argmax(-1).tolist()
+            top2 = lp[:-1].topk(2, dim=-1).values
+            margin += (top2[:, 0] - top2[:, 1]).tolist()
+            ref_lp += [lp[i - 1, s[i]].item() for i in range(1, len(s))]
+    del hf
+    torch.cuda.empty_cache()
+    with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+                      chunked_prefill_size=chunk) as eng:
+        outs = eng.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                            return_logprob=True, logprob_start_len=0, top_logprobs_num=1, use_tqdm=False)
+    got_top, got_lp = [], []
+    for o in outs:
+        got_lp += [lp for lp, _t, _x in o["meta_info"]["input_token_logprobs"][1:]]
+        got_top += [top[0][1] for top in o["meta_info"]["input_top_logprobs"][1:]]
+    assert len(got_lp) == len(ref_lp) and len(got_top) == len(ref_top)
+    agree = sum(a == b for a, b in zip(got_top, ref_top)) / len(ref_top)
+    dlp = statistics.median(abs(a - b) for a, b in zip(got_lp, ref_lp))
+    clear = [a == b for a, b, m in zip(got_top, ref_top, margin) if m > 0.1]
+    print(f"top-1 agreement {agree:.4f} (margin > 0.1: {sum(clear) / len(clear):.4f} of {len(clear)}), "
+          f"median |dlogprob| {dlp:.4f}")
+    return {"agree": agree, "agree_clear": sum(clear) / len(clear), "clear": len(clear) / len(ref_top), "dlp": dlp}
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+    """Reference K/V write in plain torch: k, v [T, Hkv*D] into HND caches [pages, Hkv, P, D] at flat slots."""
+    T = k.shape[0]
+    _, H, P, D = k_cache.shape
+    page, off = slots // P, slots % P
+    k_cache[page, :, off] = k.reshape(T, H, D)
+    v_cache[page, :, off] = v.reshape(T, H, D)

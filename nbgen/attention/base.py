@@ -15,7 +15,8 @@ from nbgen.kernels.kv_write import KVTarget
 
 @dataclass
 class KVCacheSpec:
-    """Shape of the paged KV cache: per layer, K and V are [num_pages, page_size, num_kv_heads, head_dim]."""
+    """Shape of the paged KV cache: per layer, K and V hold num_pages pages of page_size tokens x
+    num_kv_heads x head_dim (each backend chooses the tensor layout: ``cache_shape``)."""
 
     num_layers: int
     num_pages: int
@@ -27,9 +28,9 @@ class KVCacheSpec:
     device: torch.device
 
     def bytes_per_page(self) -> int:
+        """K and V bytes of one page over all layers (the KV pool's sizing unit)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
-
 
 
 class AttentionMetadata:
@@ -70,8 +71,8 @@ class AttentionBackend(ABC):
         """
 
     def kv_target(self, layer_id: int, meta: AttentionMetadata) -> Optional[KVTarget]:
-        """Where a fused kernel may write this step's K/V itself: (k_cache, v_cache, slots [T] long,
-        layout "NHD" | "HND" paged); None when this backend writes them in ``forward``."""
+        """Where a fused kernel may write this step's K/V itself: (k_cache, v_cache, slots [T] long),
+        HND pages; None when this backend writes them in ``forward``."""
         return None
 
     def slot_mapping(self, batch: ScheduledBatch) -> list[int]:

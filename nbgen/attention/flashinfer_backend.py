@@ -1,62 +1,54 @@
 """flashinfer attention backend (CUDA): paged prefill / decode kernels planned once per step.
 
-Per layer ``k_cache``/``v_cache`` are paged in the layout ``kv_layout`` (``KV_LAYOUT`` unless the
-environment sets ``NBGEN_KV_LAYOUT=NHD|HND``): NHD [num_pages, page_size, Hkv, D] or HND
-[num_pages, Hkv, page_size, D] (each head's tokens of a page contiguous, which flashinfer's decode
-kernel reads faster). A step's new K/V are written into their page slots by the model's fused RoPE
-kernel (``kv_target``) or else by one Triton kernel per layer for K and V together (``kv_write``),
-then attention runs over each sequence's page table:
+Per layer ``k_cache``/``v_cache`` are HND pages [num_pages, Hkv, page_size, D] (each head's tokens of
+a page contiguous, which the decode kernels read ~1.5 % faster than NHD). A step's new K/V are
+written into their page slots by the model's fused RoPE kernel (``kv_target``) or else by one Triton
+kernel per layer for K and V together (``kv_write``), then attention runs over each sequence's page
+table:
   * decode-only step -> nbgen's split-KV Triton kernel, merge included (``triton_decode``; faster
-    than flashinfer's decode + merge at every batch size measured), for power-of-2 head sizes;
-  * otherwise, or with ``NBGEN_TRITON_DECODE_BS`` below the batch size,
-    BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query attention
-    (``decode_tensor_cores``);
+    than flashinfer's decode + merge at every batch size measured), for the head sizes it supports;
+    other head sizes take BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query
+    attention (``decode_tensor_cores``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
     ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
     and chunked prefill need. The step's leading one-token rows (the running decodes) go through
-    the Triton decode kernel instead (``NBGEN_MIXED_SPLIT=0``: all rows through the prefill kernel).
+    the Triton decode kernel instead (flashinfer's prefill kernel reads a one-query row's KV at about
+    half the bandwidth).
 ``plan()`` runs once per step in ``prepare``; all layers reuse it. Page tables (``page_tables``) go to
-the GPU from pinned host memory without a host sync.
+the GPU from pinned host memory without a host sync. The module imports without flashinfer; the
+backend raises ImportError when it is missing.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
-from nbgen.kernels import triton_decode
-from nbgen.kernels.kv_write import KVTarget, write_kv, write_kv_reference
 from nbgen.attention.page_tables import DecodeTables, page_tables
 from nbgen.core.batch import ScheduledBatch, SeqWork
+from nbgen.kernels import triton_decode
+from nbgen.kernels.kv_write import KVTarget, write_kv
+
+try:
+    import flashinfer
+except ImportError:  # pragma: no cover - CPU installs: the runner falls back to the torch backend
+    flashinfer = None
 
 logger = logging.getLogger("nbgen")
 
 WORKSPACE_BYTES = 256 << 20
-# KV layout of the paged cache on CUDA: HND's per-head contiguous pages let the decode kernel read
-# ~1.5 % faster than NHD (docs/benchmarks.md "Third pass"); NBGEN_KV_LAYOUT=NHD|HND overrides
-KV_LAYOUT = "HND"
-# NBGEN_FAST_REPLAN=0: graph decode wrappers re-plan through flashinfer's public plan() (A/B checks)
-FAST_REPLAN = os.environ.get("NBGEN_FAST_REPLAN", "1") != "0"
-# NBGEN_MIXED_SPLIT=0: mixed steps attend their decode rows with flashinfer's prefill kernel too (A/B)
-MIXED_SPLIT = os.environ.get("NBGEN_MIXED_SPLIT", "1") != "0"
 
 
 def decode_tensor_cores(group: int) -> bool:
-    """Whether decode uses flashinfer's tensor-core kernel for q/kv head ratio ``group``.
+    """Whether flashinfer's decode uses its tensor-core kernel for q/kv head ratio ``group``.
 
-    Measured on an H200 at batch 256 x 200-2000 tokens (docs/benchmarks.md "Third pass"): the
-    CUDA-core kernel reads the KV at 86 % of copy bandwidth for group 2 and 59 % for group 4, the
-    tensor-core one at 94-96 % for both; so it is used for every grouped-query model (group > 1;
-    the CUDA-core kernel has no specialisation for ratios other than 1, 2, 4, 8 anyway). MHA
-    (group 1) keeps the CUDA-core kernel (not measured). NBGEN_DECODE_TENSOR_CORES=0|1 overrides.
+    Measured on an H200 at batch 256 x 200-2000 tokens: the CUDA-core kernel reads the KV at 86 % of
+    copy bandwidth for group 2 and 59 % for group 4, the tensor-core one at 94-96 % for both; so it
+    is used for every grouped-query model (group > 1). MHA (group 1) keeps the CUDA-core kernel.
     """
-    env = os.environ.get("NBGEN_DECODE_TENSOR_CORES")
-    if env in ("0", "1"):
-        return env == "1" or group not in (1, 2, 4, 8)
     return group > 1
 
 
@@ -80,55 +72,47 @@ def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
 class FlashInferBackend(AttentionBackend):
     """Paged attention through flashinfer; also builds the fixed-size wrappers CUDA graphs replay."""
 
+    kv_layout = "HND"
+
     def __init__(self, spec: KVCacheSpec) -> None:
-        import flashinfer
-
-        self.kv_layout = os.environ.get("NBGEN_KV_LAYOUT", KV_LAYOUT)
-        if self.kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"NBGEN_KV_LAYOUT must be NHD or HND, got {self.kv_layout!r}")
-        # NBGEN_KV_WRITE=torch: the two-op torch write instead of the Triton kernel (A/B benchmarks)
-        self._write_kv = write_kv_reference if os.environ.get("NBGEN_KV_WRITE") == "torch" else write_kv
-        super().__init__(spec)      # allocates the caches in cache_shape(), which needs kv_layout
-
-        self._fi = flashinfer
+        if flashinfer is None:
+            raise ImportError("flashinfer is not installed")
+        super().__init__(spec)      # allocates the caches in cache_shape()
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
         self.use_tensor_cores = decode_tensor_cores(spec.num_q_heads // spec.num_kv_heads)
-        # decode batches of <= triton_bs seqs (all, by default): nbgen's split-KV kernel (attention/triton_decode)
-        self.triton_bs = triton_decode.MAX_BS if triton_decode.supported(spec.head_dim) else 0
+        # nbgen's split-KV kernel takes every decode batch where it supports the head size
+        self.triton_decode = triton_decode.supported(spec.head_dim)
         self.decode_wrapper = self.make_decode_wrapper()
-        self.triton_wrapper = self._triton_wrapper() if self.triton_bs else None
-        # NBGEN_PREFILL_BACKEND=fa2|fa3: flashinfer's prefill kernel family (default: its own choice; A/B)
+        self.triton_wrapper = self._triton_wrapper() if self.triton_decode else None
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, self.kv_layout, backend=os.environ.get("NBGEN_PREFILL_BACKEND", "auto"))
+            self.workspace, self.kv_layout, backend="auto")
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
-        self._qo_indptr: dict[int, torch.Tensor] = {}   # bs -> arange(bs + 1) on the host (fast re-plan)
-        # the fast re-plan mirrors flashinfer 0.6's plan(); other versions take the public path
-        self._fast_replan = FAST_REPLAN and flashinfer.__version__.startswith("0.6.")
+        self._qo_indptr: dict[int, torch.Tensor] = {}   # bs -> arange(bs + 1) on the host (graph re-plan)
+        # the direct re-plan mirrors flashinfer 0.6's plan(); other versions take the public plan()
+        self._direct_replan = flashinfer.__version__.startswith("0.6.")
 
     def cache_shape(self) -> tuple[int, ...]:
-        """Per-layer K (and V) shape in this backend's layout (NHD or HND pages)."""
+        """Per-layer K (and V) shape: HND pages [num_pages, Hkv, page_size, D]."""
         sp = self.spec
-        if self.kv_layout == "HND":
-            return (sp.num_pages, sp.num_kv_heads, sp.page_size, sp.head_dim)
-        return (sp.num_pages, sp.page_size, sp.num_kv_heads, sp.head_dim)
+        return (sp.num_pages, sp.num_kv_heads, sp.page_size, sp.head_dim)
 
     def _triton_wrapper(self, *buffers: torch.Tensor) -> triton_decode.TritonDecodeWrapper:
         sp = self.spec
         return triton_decode.TritonDecodeWrapper(sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
-                                                 self.kv_layout, sp.device, *buffers)
+                                                 sp.device, *buffers)
 
     def make_decode_wrapper(self, indptr: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
                             last_page_len: Optional[torch.Tensor] = None, order: Optional[torch.Tensor] = None) -> Any:
         """A decode wrapper; with the GPU buffers it is a fixed-batch-size CUDA-graph wrapper (nbgen's
-        Triton decode for batch sizes up to ``triton_bs``, which also reads ``order``, the rows longest
+        Triton decode where it supports the head size, which also reads ``order``, the rows longest
         first; else flashinfer's)."""
         graph = indptr is not None
-        if graph and len(last_page_len) <= self.triton_bs:
+        if graph and self.triton_decode:
             return self._triton_wrapper(indptr, indices, last_page_len, order)
-        return self._fi.BatchDecodeWithPagedKVCacheWrapper(
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, self.kv_layout, use_cuda_graph=graph, use_tensor_cores=self.use_tensor_cores,
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len)
@@ -154,24 +138,26 @@ class FlashInferBackend(AttentionBackend):
             return
         sp = self.spec
         self._before_plan()
-        if not self._replan_fast(wrapper, kv_indptr, last):
+        if not self._replan_direct(wrapper, kv_indptr, last):
             wrapper.plan(kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads,
                          sp.head_dim, sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype,
                          kv_data_type=sp.dtype, sm_scale=self.scale, non_blocking=True)
         self._after_plan()
 
-    def _replan_fast(self, wrapper: Any, kv_indptr: torch.Tensor, last: torch.Tensor) -> bool:
+    def _replan_direct(self, wrapper: Any, kv_indptr: torch.Tensor, last: torch.Tensor) -> bool:
         """Re-plan a CUDA-graph tensor-core wrapper planned before, straight through flashinfer's
         C++ planner; False when this wrapper / flashinfer version needs the public plan().
 
-        Why: plan() spends ~0.4 ms of Python per call at batch 256 (it takes Python's max() over a
+        This reads and writes flashinfer's wrapper internals (``_plan_info``, ``_cached_module``, its
+        buffers), so it is tied to flashinfer 0.6 and falls back to plan() on any other version or
+        an unknown planner signature. Why: plan() spends ~0.4 ms of Python per call at batch 256 (it takes Python's max() over a
         tensor, element by element, and re-derives dtypes and buffers) in a decode step whose host
         budget is ~4 ms. For a graph wrapper only the device copies of indptr / last_page_len and
         the planner's output change between steps; the same C++ call with the same arguments as
         plan() makes (flashinfer 0.6's fa2 tensor-core path) does that. tests/test_gpu.py checks
         the two give identical plans and outputs.
         """
-        if not (self._fast_replan and getattr(wrapper, "_plan_info", None) is not None
+        if not (self._direct_replan and getattr(wrapper, "_plan_info", None) is not None
                 and getattr(wrapper, "is_cuda_graph_enabled", False) and wrapper.use_tensor_cores
                 and getattr(wrapper, "_backend", None) == "fa2"
                 and getattr(wrapper, "_cached_module", None) is not None):
@@ -194,8 +180,8 @@ class FlashInferBackend(AttentionBackend):
                 False, -1,          # causal, window_left
                 -1, False, 0, 0)    # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
         except (TypeError, RuntimeError) as e:   # a planner signature we do not know: public plan()
-            logger.warning("fast decode re-plan unavailable (%s); using flashinfer's plan()", e)
-            self._fast_replan = False
+            logger.warning("direct decode re-plan unavailable (%s); using flashinfer's plan()", e)
+            self._direct_replan = False
             return False
         wrapper._plan_info, wrapper._max_kv_len = info, int(kv_lens.max()) if bs else 0
         return True
@@ -214,7 +200,7 @@ class FlashInferBackend(AttentionBackend):
         d = 0
         if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
-            wrapper = self.triton_wrapper if len(batch.seqs) <= self.triton_bs else self.decode_wrapper
+            wrapper = self.triton_wrapper if self.triton_decode else self.decode_wrapper
             self.plan_decode(wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
         else:
             self.tables.forget(batch)
@@ -235,19 +221,17 @@ class FlashInferBackend(AttentionBackend):
     def _leading_decodes(self, seqs: Sequence[SeqWork]) -> int:
         """How many leading one-token rows of a mixed step the Triton decode kernel takes (the scheduler
         puts the running decodes first); flashinfer's prefill kernel reads a one-query row's KV at
-        about half the bandwidth (docs/benchmarks.md, session 10). 0: the whole step is prefill."""
-        if not (MIXED_SPLIT and self.triton_bs):
+        about half the bandwidth. 0: the whole step is prefill."""
+        if not self.triton_decode:
             return 0
         d = 0
         while d < len(seqs) and seqs[d].q_len == 1:
             d += 1
-        return d if d < len(seqs) and d <= self.triton_bs else 0
+        return d if d < len(seqs) else 0
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
-        """The layer's caches and slots, unless the torch write is forced (NBGEN_KV_WRITE=torch)."""
-        if self._write_kv is not write_kv:
-            return None
-        return self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping, self.kv_layout
+        """The layer's caches and slots: the fused RoPE kernel writes the step's K/V there."""
+        return self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: FlashInferMetadata, kv_written: bool = False,
@@ -258,7 +242,7 @@ class FlashInferBackend(AttentionBackend):
         # write the new tokens' K/V into their slots, K and V in one kernel, unless the model's
         # fused RoPE kernel did (padding rows of a graph batch hit slot 0 of the scratch page)
         if not kv_written:
-            self._write_kv(k, v, kc, vc, meta.slot_mapping, self.kv_layout)
+            write_kv(k, v, kc, vc, meta.slot_mapping)
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()

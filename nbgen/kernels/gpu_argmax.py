@@ -10,7 +10,6 @@ as torch orders them: a row with NaN has no meaningful greedy token either way).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -23,8 +22,6 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton use torch's argmax
     triton = None
 
-# NBGEN_TRITON_ARGMAX=0: torch's argmax on CUDA too (A/B)
-ENABLED = os.environ.get("NBGEN_TRITON_ARGMAX", "1") != "0"
 BLOCK = 4096
 
 if triton is not None:
@@ -72,7 +69,7 @@ class ArgmaxWorkspace:
 
 def usable(x: torch.Tensor) -> bool:
     """The kernel serves these logits: CUDA, 2-D with unit column stride, a float dtype."""
-    return (ENABLED and triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+    return (triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
             and x.shape[0] > 0 and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 

@@ -6,8 +6,6 @@ torch code runs (CPU, reference). The runner turns the switch on when flashinfer
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 _ENABLED = False
@@ -68,9 +66,3 @@ def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head
     _fi_rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, cos_sin_cache, is_neox=True)
     return q, k
 
-
-def maybe_pin(t: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
-    """A CPU tensor -> on ``device`` without a host sync (pinned staging + non_blocking copy)."""
-    if device is None or device.type != "cuda":
-        return t.to(device) if device is not None else t
-    return t.pin_memory().to(device, non_blocking=True)

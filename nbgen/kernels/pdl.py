@@ -6,19 +6,16 @@ does not depend on it (load weights, page tables), then ``gdc_wait`` for its res
 calls ``gdc_launch_dependents`` once its own programs are all resident, so the next one may start.
 A kernel that uses this takes a ``USE_PDL`` constexpr and calls ``gdc_wait()`` before it reads
 anything the previous kernel writes. Inside CUDA graphs the launches become programmatic edges.
-``NBGEN_PDL=0`` turns it off (A/B); a Triton without PDL support falls back to plain launches.
+Chosen by capability: a Triton without PDL support, or a GPU before Hopper, gets plain launches.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
-
-PDL = os.environ.get("NBGEN_PDL", "1") != "0"
 
 try:
     from triton.language.extra import cuda as _tl_cuda   # gdc_wait / gdc_launch_dependents
@@ -29,17 +26,12 @@ _ok: dict[int, bool] = {}     # device index -> launch with PDL
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL (switch on, Triton support, compute capability >= 9)."""
+    """Whether kernels on ``device`` launch with PDL (Triton support, compute capability >= 9)."""
     ok = _ok.get(device.index or 0)
     if ok is None:
-        ok = _ok[device.index or 0] = (PDL and _tl_cuda is not None and device.type == "cuda"
+        ok = _ok[device.index or 0] = (_tl_cuda is not None and device.type == "cuda"
                                        and torch.cuda.get_device_capability(device)[0] >= 9)
     return ok
-
-
-def reset() -> None:
-    """Forget the per-device decisions (tests switch ``PDL`` and relaunch)."""
-    _ok.clear()
 
 
 def launch(kernel: Any, grid: Sequence[int], args: Sequence[Any], device: torch.device, **kw: Any) -> None:

@@ -11,10 +11,10 @@ with cos/sin rounded to the model dtype and each product and the sum rounded (as
 apply_rotary_pos_emb in bf16/fp16). The kernel is compiled without FMA contraction, so each product
 is rounded where torch rounds it: without the norm the result equals torch's evaluation of HF's
 formulas bit for bit on an H100 (with contraction, 82 % of elements did). It also stores the rotated
-k heads and the v heads into the cache (NHD or HND pages, flat slots ``page * page_size + offset``
-as the attention backends use). q and k stay views of qkv. Launched with PDL (runtime/pdl).
+k heads and the v heads into the cache (HND pages, flat slots ``page * page_size + offset`` as the
+attention backends use). q and k stay views of qkv. Launched with PDL (kernels/pdl).
 
-With a folded input norm (``models/norm_fold.py``) qkv is the raw residual stream's projection: the
+With a folded input norm (``nbgen.models.norm_fold``) qkv is the raw residual stream's projection: the
 kernel then first scales q, k and v by the token's rsqrt(mean(h^2) + eps), read from ``h``, rounds
 them to the model dtype (as the projection of the normed stream is rounded), and stores v back when
 it does not write it into the cache.
@@ -57,7 +57,7 @@ if triton is not None:
                         h_ptr, h_stride, h_eps,
                         HQ: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
                         D: tl.constexpr, P: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
-                        HND: tl.constexpr, ROW_SCALE: tl.constexpr, HID: tl.constexpr, HBLK: tl.constexpr,
+                        ROW_SCALE: tl.constexpr, HID: tl.constexpr, HBLK: tl.constexpr,
                         USE_PDL: tl.constexpr):
         # one program per token, all its q and k heads as one [HP, D/2] tile (HP: HQ + HKV rounded up to a
         # power of 2): a decode step is then one wave of programs, each with one chain of dependent loads
@@ -104,7 +104,7 @@ if triton is not None:
         tl.store(ptr + HALF, ob, mask=hm)
         if WRITE_KV:
             isk = hm & (h >= HQ)[:, None]                      # rotated k heads into the cache
-            dst = head_row(slot, h - HQ, HKV * D, D, P, HND)[:, None] + offs[None, :]
+            dst = head_row(slot, h - HQ, HKV * D, D, P)[:, None] + offs[None, :]
             tl.store(kc_ptr + dst, oa, mask=isk)
             tl.store(kc_ptr + dst + HALF, ob, mask=isk)
         if WRITE_KV or ROW_SCALE:
@@ -118,7 +118,7 @@ if triton is not None:
                 if not WRITE_KV:   # attention reads v from qkv only when it is not in the cache
                     tl.store(vptr, v, mask=vm)
             if WRITE_KV:
-                tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P, HND)[:, None] + dd[None, :], v, mask=vm)
+                tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P)[:, None] + dd[None, :], v, mask=vm)
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -132,6 +132,11 @@ def supported(qkv: torch.Tensor, head_dim: int) -> bool:
             and qkv.stride(-1) == 1 and supports_head_dim(head_dim))
 
 
+def available(head_dim: int) -> bool:
+    """Triton is installed and the kernel takes this head size (the fold policy's capability check)."""
+    return triton is not None and supports_head_dim(head_dim)
+
+
 def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional[torch.Tensor],
                   k_weight: Optional[torch.Tensor], eps: float, cos_sin_cache: torch.Tensor, num_q_heads: int,
                   num_kv_heads: int, head_dim: int, kv: Optional[KVTarget] = None,
@@ -140,8 +145,8 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
     ``row_scale``).
 
     positions [T] (any int dtype); q/k weights [D] or None (no norm, Llama / Qwen2); cos_sin_cache
-    [max_pos, D] fp32 (cos | sin halves); ``kv`` = (k_cache, v_cache, slots [T] long, layout "NHD" |
-    "HND"): also write the rotated k and v of every token into its slot. ``row_scale`` = (h [T, hidden],
+    [max_pos, D] fp32 (cos | sin halves); ``kv`` = (k_cache, v_cache, slots [T] long; HND pages
+    [pages, Hkv, P, D]): also write the rotated k and v of every token into its slot. ``row_scale`` = (h [T, hidden],
     eps): qkv was projected from the un-normed stream h (norm weight folded into the projection), so
     q, k and v are first scaled by each row's rsqrt(mean(h^2) + eps) (v in place too unless ``kv`` is
     given: attention then reads it from the cache).
@@ -151,11 +156,11 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
         return
     norm = q_weight is not None
     if kv is not None:
-        kc, vc, slots, layout = kv
-        P = kc.shape[2] if layout == "HND" else kc.shape[1]
+        kc, vc, slots = kv
+        P = kc.shape[2]
     else:
         kc = vc = slots = qkv
-        layout, P = "NHD", 1
+        P = 1
     h, h_eps = row_scale if row_scale is not None else (qkv, 0.0)
     hid = h.shape[1] if row_scale is not None else 1
     pdl.launch(_qk_rope_kernel, (T,),
@@ -163,9 +168,9 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
                 qkv.stride(0), eps, kc, vc, slots, h, h.stride(0), h_eps),
                qkv.device, HQ=num_q_heads, HKV=num_kv_heads, HP=triton.next_power_of_2(num_q_heads + num_kv_heads),
                HVP=triton.next_power_of_2(num_kv_heads), D=head_dim, P=P, NORM=norm,
-               WRITE_KV=kv is not None, HND=layout == "HND", ROW_SCALE=row_scale is not None, HID=hid,
+               WRITE_KV=kv is not None, ROW_SCALE=row_scale is not None, HID=hid,
                HBLK=min(1024, triton.next_power_of_2(hid)),
                # the row scale's reduction over the stream: 8 warps measured faster (Qwen3-0.6B, bs 32 / 128 /
-               # 256: 2.42 / 1.60 / 2.80 vs 2.73 / 2.60 / 2.89 us a launch; .gpu/tools/silu_mb.py)
+               # 256: 2.42 / 1.60 / 2.80 vs 2.73 / 2.60 / 2.89 us a launch)
                num_warps=8 if row_scale is not None else 4,
                enable_fp_fusion=False)    # no FMA contraction: each product rounds as in torch

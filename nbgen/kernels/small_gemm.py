@@ -13,14 +13,13 @@ Numerics: fp32 accumulation, one rounding to the output dtype, like cuBLAS; the 
 differs, so results can differ from F.linear in the last bit. The SiLU epilogue rounds gate and up
 to the model dtype first, as the unfused path does.
 
-For folded norms (``models/norm_fold.py``) the kernel can also scale each output row by
+For folded norms (``nbgen.models.norm_fold``) the kernel can also scale each output row by
 rsqrt(mean(x_row^2) + eps) of its own input row (``row_scale_eps``: the norm weight is in W, x is the
 raw residual stream; each program sums x^2 over the K it streams anyway) and add its result into an
 existing [M, N] tensor (``accumulate``: the residual add after o_proj / down_proj, one rounding).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -33,15 +32,14 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-# rows of x up to which the streaming kernel replaces F.linear (0 turns it off)
-# (16: at 24-32 rows cuBLAS's Llama-8B gate|up beats it, docs/benchmarks.md session 9)
-MAX_ROWS = int(os.environ.get("NBGEN_SMALL_GEMM_ROWS", "16"))
+# rows of x up to which the streaming kernel replaces F.linear (at 24-32 rows cuBLAS's Llama-8B
+# gate|up beats it)
+MAX_ROWS = 16
 
 
 def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from sweeps on an H100 over the Llama-3.1-8B and
-    Qwen3-0.6B decode shapes (.gpu/tools/gemv_mb.py for 1-4 rows, gemm_mb2.py / gemm_rule.py for
-    5-16; best or within ~2 % of it on each shape)."""
+    Qwen3-0.6B decode shapes (1-4 and 5-16 rows; best or within ~2 % of it on each shape)."""
     if M == 1:
         return (4 if N <= 4096 else 8), 1024, (8 if K <= 4096 else 4), 4
     if M <= 4:   # tensor-core dot, x padded to 16 rows

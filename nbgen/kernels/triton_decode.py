@@ -4,10 +4,10 @@ by the last split to finish, instead of flashinfer's attention + merge launches.
 Program (b, kv head, split) streams its share of sequence b's pages (online softmax in fp32, the
 group's q heads together on tensor cores), stores its partial (m, l, acc) and counts itself in
 through an atomic; the split that arrives last merges the partials into the output and re-arms the
-counter for the next launch (one split: the output is written directly). Pages are read in place
-(NHD or HND layout, through the cache's strides), so the kernel serves CUDA-graph replays with any
-KV lengths. Against flashinfer's tensor-core decode on an H100 (Qwen3-0.6B heads, KV ~1k tokens a
-sequence; .gpu/tools/attn_big.py): batch 1 11.9 -> 7.9 us a layer, 8: 23.6 -> 18.9, 16: 38.8 -> 35.3,
+counter for the next launch (one split: the output is written directly). Pages (HND) are read in
+place through the cache's strides, so the kernel serves CUDA-graph replays with any KV lengths.
+Against flashinfer's tensor-core decode on an H100 (Qwen3-0.6B heads, KV ~1k tokens a sequence):
+batch 1 11.9 -> 7.9 us a layer, 8: 23.6 -> 18.9, 16: 38.8 -> 35.3,
 64: 118.5 -> 114, 256: 389.5 -> 384.6 (the last at the device's read bandwidth). At batch 1 a layer's
 decode attention is latency-bound (~1 MB of KV), so the split count follows the batch size.
 
@@ -16,7 +16,6 @@ probabilities rounded to the KV dtype for P.V, fp32 softmax state and merge, one
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -31,17 +30,11 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton never build this wrapper
     triton = None
 
-# decode batches up to this many sequences take this kernel (0: flashinfer's decode for every batch)
-MAX_BS = int(os.environ.get("NBGEN_TRITON_DECODE_BS", str(1 << 30)))
 LOG2E = 1.4426950408889634
-# split target, programs per SM (NBGEN_DECODE_PROGRAMS_PER_SM fixes it for every batch size, for A/B);
-# by default 4 up to 16 rows, 8 above (.gpu/tools/attn_pps.py with LPT order, docs/benchmarks.md session 13)
-PROGRAMS_PER_SM = int(os.environ.get("NBGEN_DECODE_PROGRAMS_PER_SM", "0"))
+# split target, programs per SM: 4 up to 16 rows, 8 above (measured with the longest-first order)
 SMALL_BATCH_PPS, LARGE_BATCH_PPS = 4, 8
-STAGES = int(os.environ.get("NBGEN_DECODE_STAGES", "2"))     # K/V tiles in flight per program
+STAGES = 2          # K/V tiles in flight per program
 MAX_SPLITS = 16
-# programs of the longest sequences first (NBGEN_DECODE_LPT=0: batch order, for A/B)
-LPT = os.environ.get("NBGEN_DECODE_LPT", "1") != "0"
 
 
 def supported(head_dim: int) -> bool:
@@ -53,7 +46,7 @@ def programs_per_sm(bs: int) -> int:
     """The split target at a batch of ``bs`` rows: longer splits at small batches, where every row is
     split anyway (bs 8: 15.0 vs 17.1 us a layer with 8), finer ones above, where the kernel's tail is
     what more programs shorten (bs 48: 89.5 -> 74.2 us)."""
-    return PROGRAMS_PER_SM or (SMALL_BATCH_PPS if bs <= 16 else LARGE_BATCH_PPS)
+    return SMALL_BATCH_PPS if bs <= 16 else LARGE_BATCH_PPS
 
 
 def num_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -71,11 +64,8 @@ def block_n(bs: int, head_dim: int) -> int:
 
 
 def longest_first(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
-    """Rows by KV length, longest first (ties in row order) as int32 [B]; the batch order itself
-    when ``LPT`` is off."""
+    """Rows by KV length, longest first (ties in row order) as int32 [B]."""
     n = len(last_page_len)
-    if not LPT:
-        return np.arange(n, dtype=np.int32)
     kv_len = (np.diff(kv_indptr[: n + 1]).astype(np.int64) - 1) * page_size + last_page_len[:n]
     return np.argsort(-kv_len, kind="stable").astype(np.int32)
 
@@ -166,12 +156,11 @@ class TritonDecodeWrapper:
     graph's, for one batch size), ``plan`` only copies the host page tables into them; otherwise the
     wrapper keeps its own, grown on demand, and serves any batch size (eager steps)."""
 
-    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, layout: str,
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device: torch.device, indptr: Optional[torch.Tensor] = None,
                  indices: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None,
                  order: Optional[torch.Tensor] = None) -> None:
         self.hq, self.hkv, self.d, self.P = num_q_heads, num_kv_heads, head_dim, page_size
-        self.hnd = layout == "HND"               # else NHD pages
         self.group = num_q_heads // num_kv_heads
         self.g2 = triton.next_power_of_2(self.group)       # partial rows per (seq, kv head, split)
         self.gp = max(16, self.g2)                         # q rows of the tensor-core tile
@@ -184,7 +173,7 @@ class TritonDecodeWrapper:
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
         # split scratch: pairs x splits <= programs per SM x SMs whenever splits > 1 (else unused)
-        cells = max((PROGRAMS_PER_SM or max(SMALL_BATCH_PPS, LARGE_BATCH_PPS)) * self.sms, MAX_SPLITS)
+        cells = max(max(SMALL_BATCH_PPS, LARGE_BATCH_PPS) * self.sms, MAX_SPLITS)
         self.part = torch.empty(cells * self.g2 * head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(cells, dtype=torch.int32, device=device)
@@ -215,8 +204,7 @@ class TritonDecodeWrapper:
         kc, vc = kv_cache
         B = q.shape[0]
         o = torch.empty((B, self.hq, self.d), dtype=q.dtype, device=q.device) if out is None else out
-        s_page, s_head, s_tok = (kc.stride(0), kc.stride(1), kc.stride(2)) if self.hnd else \
-            (kc.stride(0), kc.stride(2), kc.stride(1))
+        s_page, s_head, s_tok = kc.stride(0), kc.stride(1), kc.stride(2)      # HND [pages, Hkv, P, D]
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
         sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load

@@ -6,16 +6,16 @@ attributes / small hooks below instead of copying the layers.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
 
 from nbgen.attention.base import Attention
-from nbgen.models import norm_fold
 from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels import small_gemm
+from nbgen.kernels.gpu_ops import fused_enabled
+from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -29,15 +29,10 @@ from nbgen.models.layers import (
     rope_settings,
 )
 
-from nbgen.kernels.gpu_ops import fused_enabled
-
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
-# NBGEN_FUSED_QK=0: RoPE (and Qwen3's q/k norm) as flashinfer launches and the K/V write in the
-# attention backend, instead of the one Triton kernel of models/qk_norm_rope.py
-FUSED_ROPE = os.environ.get("NBGEN_FUSED_QK", "1") != "0"
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -65,13 +60,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
     def forward_folded(self, h: torch.Tensor, eps: float) -> torch.Tensor:
-        """Folded post-attention norm (models/norm_fold.py): h [T, H] is the raw residual stream and the
+        """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
         norm weight is in gate|up; the MLP's output is added into h in place -> h."""
         w = self.gate_up_proj.weight
         if small_gemm.usable(h, w):   # row scale and SiLU-and-mul in the streaming kernel's epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
         else:
-            act = norm_fold.silu_mul_scaled(self.gate_up_proj(h), h, eps)
+            act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
         return self.down_proj.accumulate(act, h)
 
 
@@ -114,7 +109,7 @@ class LlamaAttention(nn.Module):
         the projection, its row scale applied here)."""
         qkv = self.qkv_proj(x, out=qkv_out)                           # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if FUSED_ROPE and fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
+        if fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
             # one kernel, in place on qkv (q and k stay its strided views): (the folded norm's row
             # scale,) q/k norm (Qwen3), RoPE, and where the backend allows it the K/V write
             kv = self.attn.kv_target(meta)
@@ -123,14 +118,14 @@ class LlamaAttention(nn.Module):
                                      row_scale=None if fold_eps is None else (x, fold_eps))
             return q, k, v, kv is not None
         if fold_eps is not None:
-            qkv.mul_(norm_fold.rms_scale(x, fold_eps))               # in place: q, k, v are its views
+            qkv.mul_(rms_scale(x, fold_eps))               # in place: q, k, v are its views
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
         return q, k, v, False
 
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
-    # norms folded into qkv / gate|up (models/norm_fold.fold_norms): the layer then passes the raw
+    # norms folded into qkv / gate|up (nbgen.models.norm_fold.fold_norms): the layer then passes the raw
     # residual stream on (its x outputs are None) and o_proj / down_proj accumulate into it
     folded: bool = False
 

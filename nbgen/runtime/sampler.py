@@ -32,58 +32,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.core.batch import SeqWork, TokenLogprobs
+from nbgen.runtime.constraints import Constraints
 from nbgen.runtime.logprobs import token_logprobs
+from nbgen.runtime.sampling_ops import greedy_argmax, mix32, noisy_argmax, row_key
 
 logger = logging.getLogger(__name__)
-_M32 = 0xFFFFFFFF
 # noise is generated in row blocks so the int64 [rows, V] temporaries stay ~<= 128 MB each
 _NOISE_BLOCK_ELEMS = 1 << 24
-
-
-def _mul32(x, c: int):
-    """(x * c) mod 2**32 for x in [0, 2**32) (torch int64 tensor or int), no int64 overflow.
-
-    Split x into 16-bit halves: lo * c < 2**48 and the high half only matters mod 2**16.
-    """
-    lo = x & 0xFFFF
-    hi = x >> 16
-    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
-
-
-def mix32(x):
-    """A bijective 32-bit avalanche hash (lowbias32 constants); works on ints and int64 tensors."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def row_key(seed: int, step: int) -> int:
-    """32-bit stream key of one (seed, step); Python ints, so any seed size/sign works."""
-    k = mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
-    return mix32(k ^ mix32((step & _M32) ^ 0x85EBCA6B))
-
-
-def gumbel_from_hash(h: Tensor) -> Tensor:
-    """Gumbel(0, 1) noise (float32, same shape) from 32-bit hashes h in [0, 2**32) (int64).
-
-    The top 23 bits k give u = (k + 1/2) / 2**23: k + 1/2 needs 24 significant bits, which float32
-    holds exactly, so u lies in [2**-24, 1 - 2**-24] for every hash, never 0 or 1. The noise is then
-    finite (within [-2.81, 16.64]): a token masked to -inf stays at -inf after the noise is added, so
-    it has probability exactly 0.
-    """
-    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
-
-
-def gumbel_noise(keys: Tensor, vocab_hash: Tensor) -> Tensor:
-    """Gumbel(0, 1) noise [b, V] float32 from row keys [b] int64 and hashed vocab ids [V] int64."""
-    return gumbel_from_hash(mix32(keys.view(-1, 1) ^ vocab_hash.view(1, -1)))   # hashes [b, V]
-
-
 def host_tensor(data, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small host-built tensor on `device` without a stream sync.
 
@@ -113,20 +69,6 @@ def _flat_index(ids_by_row: dict[int, list[int]], vocab: int, device: torch.devi
     return torch.repeat_interleave(offs, lens_t, output_size=total) + cols
 
 
-_ARGMAX_WS = gpu_argmax.ArgmaxWorkspace()
-
-
-def _argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
-    """[B, V] -> [B] long (into ``out`` [B] when given); nbgen's C kernel on a CPU (torch's is a scalar
-    loop there, ~8x slower) and its Triton kernel on CUDA (runtime/gpu_argmax)."""
-    if x.dim() == 2 and x.stride(1) == 1 and cpu_ops.fused_enabled(x):
-        ids = cpu_ops.argmax(x)
-        return ids if out is None else out.copy_(ids)
-    if gpu_argmax.usable(x):
-        return gpu_argmax.argmax(x, _ARGMAX_WS, out)
-    return x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
-
-
 def _plain_greedy(s: SeqWork) -> bool:
     """The row's token is the argmax of its raw logits: nothing to process, constrain or report.
     (Runs for every row every step: the static part is computed once per request.)"""
@@ -142,11 +84,6 @@ def _stop_ids_banned(s: SeqWork) -> bool:
     """min_new_tokens not reached yet: the request's EOS / stop ids are masked this step."""
     n = s.req.params.min_new_tokens
     return bool(n) and s.out_index < n and bool(s.req.stop_ids)
-
-
-def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
-    """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long."""
-    return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
 
 
 @dataclass
@@ -169,8 +106,6 @@ class Sampler:
         compiled function is made at the first sampled (non-greedy) row: wrapping it imports
         torch._dynamo and inductor (~2-3 s), which a greedy-only engine never needs at start-up.
         """
-        from nbgen.runtime.constraints import Constraints
-
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.constraints = Constraints(vocab_size, self.device)  # grammar masks, custom processors
@@ -195,7 +130,7 @@ class Sampler:
         if all(_plain_greedy(s) for s in seqs):
             # argmax of bf16 logits == argmax of their exact fp32 widening (ties too: first index),
             # so the [B, V] fp32 copy is skipped (~0.1 s of a 6 s GPU run, ~1 ms a step on a CPU)
-            return SamplerOutput(token_ids=_argmax(raw, greedy_out), logprobs=[None] * len(seqs), errors={})
+            return SamplerOutput(token_ids=greedy_argmax(raw, greedy_out), logprobs=[None] * len(seqs), errors={})
         raw = raw.float()  # no-op on fp32
         x = self.process(raw, seqs)
         errors: dict[int, str] = {}
@@ -203,13 +138,13 @@ class Sampler:
             x, errors = self.constraints.apply(x, raw, seqs, fill)
         greedy = [s.req.params.greedy for s in seqs]
         if all(greedy):
-            tokens = _argmax(x)
+            tokens = greedy_argmax(x)
         else:
             rows = [i for i, g in enumerate(greedy) if not g]
             if len(rows) == len(seqs):
                 tokens = self._sample(x, seqs)
             else:
-                tokens = _argmax(x)
+                tokens = greedy_argmax(x)
                 rows_t = host_tensor(rows, torch.long, x.device)
                 tokens.index_copy_(0, rows_t, self._sample(x[rows_t], [seqs[i] for i in rows]))
         return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw, tokens, seqs), errors=errors)

@@ -1,0 +1,77 @@
+"""The sampler's tensor kernels: seeded hash noise, the Gumbel-max draw and greedy argmax.
+
+The Gumbel noise of (row, token v) is a pure function of (request seed, output index, v) through a
+32-bit integer mix hash evaluated with torch int64 ops that never overflow, so a request draws the
+same tokens whatever else is in the batch, in any row order, on CPU and CUDA.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from nbgen.kernels import cpu_ops, gpu_argmax
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """(x * c) mod 2**32 for x in [0, 2**32) (torch int64 tensor or int), no int64 overflow.
+
+    Split x into 16-bit halves: lo * c < 2**48 and the high half only matters mod 2**16.
+    """
+    lo = x & 0xFFFF
+    hi = x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: Any) -> Any:
+    """A bijective 32-bit avalanche hash (lowbias32 constants); works on ints and int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, step: int) -> int:
+    """32-bit stream key of one (seed, step); Python ints, so any seed size/sign works."""
+    k = mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
+    return mix32(k ^ mix32((step & _M32) ^ 0x85EBCA6B))
+
+
+def gumbel_from_hash(h: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise (float32, same shape) from 32-bit hashes h in [0, 2**32) (int64).
+
+    The top 23 bits k give u = (k + 1/2) / 2**23: k + 1/2 needs 24 significant bits, which float32
+    holds exactly, so u lies in [2**-24, 1 - 2**-24] for every hash, never 0 or 1. The noise is then
+    finite (within [-2.81, 16.64]): a token masked to -inf stays at -inf after the noise is added, so
+    it has probability exactly 0.
+    """
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_noise(keys: Tensor, vocab_hash: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise [b, V] float32 from row keys [b] int64 and hashed vocab ids [V] int64."""
+    return gumbel_from_hash(mix32(keys.view(-1, 1) ^ vocab_hash.view(1, -1)))   # hashes [b, V]
+
+
+_ARGMAX_WS = gpu_argmax.ArgmaxWorkspace()
+
+
+def greedy_argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """[B, V] -> [B] long (into ``out`` [B] when given); nbgen's C kernel on a CPU (torch's is a scalar
+    loop there, ~8x slower) and its Triton kernel on CUDA (kernels/gpu_argmax)."""
+    if x.dim() == 2 and x.stride(1) == 1 and cpu_ops.fused_enabled(x):
+        ids = cpu_ops.argmax(x)
+        return ids if out is None else out.copy_(ids)
+    if gpu_argmax.usable(x):
+        return gpu_argmax.argmax(x, _ARGMAX_WS, out)
+    return x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
+
+
+def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
+    """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long."""
+    return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
