@@ -1,11 +1,11 @@
 """generate_df: a DataFrame of prompts in, the same DataFrame plus generation columns out."""
 from __future__ import annotations
 
-import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
 from nbgen.dataframe_io import Checkpoint
+from nbgen.engine import default_engine
 from nbgen.dataframe_rows import (
     RowError,
     error_record,
@@ -20,22 +20,6 @@ from nbgen.dataframe_rows import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
-
-_default_engine: Any = None
-_default_lock = threading.Lock()
-
-
-def default_engine() -> Any:
-    """The process-wide Engine (embedded model) used when ``engine=None``; created on first use."""
-    global _default_engine
-    with _default_lock:
-        e = _default_engine
-        if e is None or e.is_shutdown:  # the user shut the default engine down
-            from nbgen.engine import Engine
-
-            _default_engine = Engine()
-        return _default_engine
-
 
 class _Pending:
     """One row on its way to the engine."""

@@ -4,41 +4,25 @@ The caller's thread validates, tokenizes and shapes outputs; a LoopThread owns e
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import random
+import threading
 import weakref
 from typing import Any, Iterator, Optional
 
 from nbgen.core.config import EngineConfig
-from nbgen.engine_async import AsyncGenerateMixin
+from nbgen.core.request import Request
+from nbgen.engine_async import AsyncGenerateMixin, patch_ipython_loop
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
                              normalize_inputs, per_item)
 from nbgen.progress import BatchProgress
 from nbgen.request_options import attach_options, check_structured
+from nbgen.models.embedded import default_model_path
 from nbgen.runtime.loop import LoopThread
-from nbgen.core.request import Request
 from nbgen.runtime.tracker import Update
 
 logger = logging.getLogger("nbgen")
-
-
-def _patch_ipython_loop() -> None:
-    """Make asyncio.run() work inside a Jupyter cell (SGLang's notebooks do that); IPython only."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    if get_ipython() is None:
-        return
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return  # no kernel loop running in this thread (e.g. plain IPython terminal)
-    import nest_asyncio
-
-    nest_asyncio.apply()
 
 
 class Engine(AsyncGenerateMixin):
@@ -53,8 +37,6 @@ class Engine(AsyncGenerateMixin):
         if cfg.model_path is None:
             if cfg.load_format == "dummy":
                 raise ValueError("model_path is required with load_format='dummy' (a dir with config.json)")
-            from nbgen.models.embedded import default_model_path
-
             cfg.model_path = default_model_path()
         self.config = cfg
         self._loop = LoopThread(cfg)
@@ -73,7 +55,7 @@ class Engine(AsyncGenerateMixin):
                                  generation_defaults=dict(loaded.generation_defaults or {}),
                                  allow_context_overflow=cfg.allow_context_overflow)
         self._rng = random.Random(cfg.random_seed)
-        _patch_ipython_loop()
+        patch_ipython_loop()
 
     @property
     def is_shutdown(self) -> bool:
@@ -237,7 +219,7 @@ class Engine(AsyncGenerateMixin):
     def flush_cache(self) -> bool:
         """Drop the prefix cache; False (nothing flushed) while requests are running, as SGLang."""
         self._check_alive()
-        return self._loop.call(self._loop.scheduler.flush_cache)
+        return self._loop.flush_cache()
 
     def stats(self) -> dict[str, Any]:
         """Live numbers for widgets: running/waiting, KV pages, recent tok/s, totals."""
@@ -246,18 +228,13 @@ class Engine(AsyncGenerateMixin):
 
     def get_server_info(self) -> dict[str, Any]:
         sc = self.scheduler_config
-        runner = self._loop.runner
         return {"model_path": self.config.model_path, "device": self.device, "dtype": str(self.dtype),
                 "context_length": self._facts.context_length, "page_size": sc.page_size,
                 "num_pages": sc.num_pages, "max_total_tokens": (sc.num_pages - 1) * sc.page_size,
                 "max_running_requests": sc.max_running_requests,
                 "chunked_prefill_size": sc.chunked_prefill_size, "schedule_policy": sc.schedule_policy,
                 "disable_radix_cache": sc.disable_radix_cache,
-                "attention_backend": runner.attention_backend_name if runner else None,
-                "cuda_graph_batch_sizes": list(getattr(runner, "cuda_graph_batch_sizes", []) or []),
-                "piecewise_cuda_graph_tokens": list(getattr(runner, "piecewise_cuda_graph_tokens", []) or []),
-                "startup_s": dict(getattr(runner, "startup_s", {}) or {}),
-                "norms_folded": bool(getattr(runner, "norms_folded", False)),
+                **self._loop.server_info(),
                 "random_seed": self.config.random_seed}
 
     def get_model_info(self) -> dict[str, Any]:
@@ -289,3 +266,18 @@ class Engine(AsyncGenerateMixin):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+_default_engine: Optional[Engine] = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """The process-wide Engine (embedded model) that helpers use when given ``engine=None``;
+    created on first use, and again after the user shut it down."""
+    global _default_engine
+    with _default_lock:
+        e = _default_engine
+        if e is None or e.is_shutdown:
+            _default_engine = Engine()
+        return _default_engine

@@ -107,8 +107,6 @@ def main() -> None:
     ap.add_argument("--host-profile", action="store_true",
                     help="one more run of each kind under cProfile of the engine's loop thread")
     ap.add_argument("--gpu-profile", action="store_true", help="one more run of each kind under torch.profiler")
-    ap.add_argument("--overlap", action="store_true",
-                    help="force the overlap stepper on (CPU: to profile the GPU host path)")
     args = ap.parse_args()
     import nbgen
 
@@ -116,10 +114,6 @@ def main() -> None:
     if args.tokenizer:
         kw["tokenizer_path"] = args.tokenizer
     eng = nbgen.Engine(args.model, **kw) if args.model else nbgen.Engine(**kw)
-    if args.overlap and eng._loop._overlap is None:
-        from nbgen.runtime.overlap import OverlapStepper
-
-        eng._loop.call(lambda: setattr(eng._loop, "_overlap", OverlapStepper(eng._loop)))
     prompts = [eng.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} "
                                          f"Reply in JSON (request {i})."}]) for i in range(args.num)]
     base = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}

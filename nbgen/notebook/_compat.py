@@ -35,16 +35,6 @@ def widgets_or_none(want: Optional[bool]) -> Any:
     return ipywidgets
 
 
-def in_kernel() -> bool:
-    """True inside a Jupyter kernel (display updates reach a front end)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    ip = get_ipython()
-    return ip is not None and hasattr(ip, "kernel")
-
-
 def display(obj: Any, **kw: Any) -> Any:
     """IPython's display() when IPython is there; a print otherwise."""
     try:

@@ -10,6 +10,7 @@ import threading
 import weakref
 from typing import Any, Optional
 
+from nbgen.engine import default_engine
 from nbgen.notebook._compat import Shown, widgets_or_none
 from nbgen.notebook.state import StatsHistory, dashboard_html, dashboard_text
 
@@ -139,8 +140,6 @@ def dashboard(engine: Any = None, interval: float = 0.33, history: int = 240,
     shutdown. ``widget=None`` uses ipywidgets when installed, else an updating HTML output.
     """
     if engine is None:
-        from nbgen.dataframe import default_engine
-
         engine = default_engine()
     d = Dashboard(engine, interval=interval, history=history, widget=widget)
     if display:

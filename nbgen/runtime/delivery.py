@@ -1,0 +1,168 @@
+"""Requests in flight on the loop thread: admission, and outputs back to the callers' sinks.
+
+``RidRegistry`` (any thread) keeps request ids unique among unfinished requests. ``Delivery`` (loop
+thread) tracks each submitted request (``Tracked``: text deltas, stop strings), hands it to the
+scheduler (or to the ``GrammarService`` until its grammar is compiled), sends updates after each
+step, answers requests the scheduler finished on its own, and keeps the stats snapshot fresh.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+from nbgen.core.finish import FinishReason
+from nbgen.core.request import Request, Status
+from nbgen.runtime.grammar import GrammarService
+from nbgen.runtime.loop_stats import LoopStats
+from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.tracker import Tracked, Update
+
+logger = logging.getLogger("nbgen")
+
+Sink = Callable[[Update], None]
+
+
+class RidRegistry:
+    """Ids submitted and not yet finished; ``claim`` refuses a duplicate (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._rids: set[str] = set()
+        self._lock = threading.Lock()
+
+    def claim(self, rids: list[str]) -> None:
+        """Register all of ``rids`` or none: ValueError when one is in flight or repeated."""
+        with self._lock:
+            taken = sorted({rid for rid in rids if rid in self._rids})
+            if taken or len(set(rids)) != len(rids):
+                dup = taken or sorted({rid for rid in rids if rids.count(rid) > 1})
+                raise ValueError(f"rid {dup[0]!r} is already used by a request that has not finished "
+                                 f"(request ids must be unique)")
+            self._rids.update(rids)
+
+    def release(self, rids: list[str]) -> None:
+        with self._lock:
+            self._rids.difference_update(rids)
+
+    def discard(self, rid: str) -> None:
+        with self._lock:
+            self._rids.discard(rid)
+
+
+class Delivery:
+    """Tracked requests of one loop: add / abort them, deliver a step's results (loop thread only)."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, vocab_size: int, page_size: int,
+                 stats: LoopStats, rids: RidRegistry, post: Callable[..., None]) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._page_size = page_size
+        self._stats = stats
+        self._rids = rids
+        self._post = post                 # post(fn, *args): run fn on the loop thread (thread-safe)
+        self._tracked: dict[str, Tracked] = {}
+        self.grammar: Optional[GrammarService] = None   # made at the first json_schema / regex / ebnf
+
+    # ---- requests in --------------------------------------------------------------------------
+    def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        for r in reqs:
+            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
+            if r.params.json_schema is None and r.params.regex is None and r.params.ebnf is None:
+                self.scheduler.add(r)
+                if r.finished:   # can never run (e.g. longer than the whole KV cache): answer now
+                    self._emit(t)
+            else:  # compiled in a worker thread; admitted once ready
+                self._grammars().prepare(r)
+
+    def _grammars(self) -> GrammarService:
+        if self.grammar is None:
+            self.grammar = GrammarService(self.tokenizer, self._vocab_size, self._post,
+                                          admit=self._admit, finished=self.reap)
+        return self.grammar
+
+    def _admit(self, req: Request) -> None:
+        self.scheduler.add(req)
+        t = self._tracked.get(req.rid)
+        if t is not None and req.finished:   # add() finishes a request that can never fit at once
+            self._emit(t)
+
+    def abort(self, rids: list[str], message: str) -> None:
+        for rid in rids:
+            if rid in self._tracked:
+                self.scheduler.abort(rid, message)
+                if self.grammar is not None:
+                    self.grammar.abort(rid, message)
+        self.reap()
+
+    def fail_all(self, message: str) -> None:
+        """At shutdown: every tracked request ends with an abort and is answered."""
+        if self.grammar is not None:
+            self.grammar.shutdown(message)
+        for rid in list(self._tracked):
+            t = self._tracked[rid]
+            if not t.req.finished:
+                try:
+                    self.scheduler.abort(rid, message)
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    t.req.finish_reason = FinishReason.abort(message)
+                    t.req.status = Status.FINISHED
+            self._emit(t)
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def deliver(self, changed: list[Request], n_in: int) -> None:
+        """Send the step's changed requests to their callers, then count the step's tokens."""
+        n_out = 0
+        tracked = self._tracked
+        for req in changed:
+            t = tracked.get(req.rid)
+            if t is None:
+                continue
+            m = len(req.output_ids)
+            n_out += m - t.n_ids
+            if t.quiet and not req.finished:   # the common decode step: nothing to send yet
+                t.n_ids = m
+                continue
+            self._emit(t)
+        self.reap()
+        self._stats.account(n_in, n_out, self.snapshot())
+
+    def reap(self) -> None:
+        """Deliver requests the scheduler finished on its own (aborted, or too big to ever fit)."""
+        for t in [t for t in self._tracked.values() if t.req.finished]:
+            self._emit(t)
+
+    def _emit(self, t: Tracked) -> None:
+        try:
+            upd = t.advance(self.scheduler)
+        except Exception as e:  # a failure inside one request fails only that request
+            logger.exception("request %s failed", t.req.rid)
+            msg = f"{type(e).__name__}: {e}"
+            if not t.req.finished:
+                self.scheduler.abort(t.req.rid, msg)
+            else:                  # its output could not be built: say so rather than "length"/"stop"
+                t.req.finish_reason = FinishReason.abort(msg)
+            upd = t.final_update()
+        if upd is None:
+            return
+        if upd.finished:
+            self._tracked.pop(t.req.rid, None)
+            self._rids.discard(t.req.rid)
+            self._stats.finished(t.req.cached_tokens)
+            self.publish()   # a caller that got its final output sees it gone from stats()
+        try:
+            t.sink(upd)
+        except Exception:  # noqa: BLE001 - a broken caller must not stop the engine
+            logger.exception("delivering output of %s failed", t.req.rid)
+
+    # ---- stats --------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Refresh the stats() snapshot that callers read from other threads."""
+        self._stats.publish(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.scheduler.stats()
+        held = len(self.grammar.held) if self.grammar is not None else 0   # waiting for a grammar
+        return {"running": s["running"], "waiting": s["waiting"] + held, "kv_pages_used": s["pages_used"],
+                "kv_pages_total": s["pages_total"], "prefix_cache_pages": s["prefix_cache_pages"],
+                "page_size": self._page_size}
