@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import time
 
+import nbgen
+from nbgen.dataframe import generate_df
+
 
 def main() -> None:
     import pandas as pd
-
-    import nbgen
-    from nbgen.dataframe import generate_df
 
     t0 = time.perf_counter()
     llm = nbgen.Engine()

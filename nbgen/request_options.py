@@ -7,19 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbgen.core.logit_processor import load_processor
 from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
+from nbgen.runtime.grammar import check_grammar
+from nbgen.runtime.stop_regex import compile_stop_regex
 
 
 def check_structured(sp: SamplingParams) -> None:
     """ValueError for an invalid grammar or stop_regex (xgrammar / regex parse, cached)."""
     if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
-        from nbgen.runtime.grammar import check_grammar
-
         check_grammar(sp)
     if sp.stop_regex:
-        from nbgen.runtime.stop_regex import compile_stop_regex
-
         compile_stop_regex([sp.stop_regex] if isinstance(sp.stop_regex, str) else sp.stop_regex)
 
 
@@ -33,8 +32,6 @@ def attach_options(reqs: list[Request], sps: list[SamplingParams], return_hidden
         if not allow_processors:
             raise ValueError("custom_logit_processor runs caller-supplied code: create the Engine with "
                              "enable_custom_logit_processor=True to allow it")
-        from nbgen.core.logit_processor import load_processor
-
         loaded[i] = load_processor(spec)
     for flag in return_hidden_states:
         if not isinstance(flag, bool):

@@ -19,7 +19,9 @@ import statistics
 import time
 from typing import Any
 
-from nbgen.bench.run import QUESTIONS
+from nbgen.bench.profiling import print_gpu_profile
+from nbgen.bench.workloads import QUESTIONS
+from nbgen.engine import Engine
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence", "keywords"],
           "properties": {"answer": {"type": "string"},
@@ -86,12 +88,10 @@ def _gpu_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str) -
     """GPU busy time against wall time over one run (torch.profiler, CUDA kernels only)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nbgen.bench.run import _print_profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         secs, _ = _run(eng, prompts, sp)
     print(f"[{label}]", end=" ")
-    _print_profile(prof, secs)
+    print_gpu_profile(prof, secs)
 
 
 def main() -> None:
@@ -108,12 +108,11 @@ def main() -> None:
                     help="one more run of each kind under cProfile of the engine's loop thread")
     ap.add_argument("--gpu-profile", action="store_true", help="one more run of each kind under torch.profiler")
     args = ap.parse_args()
-    import nbgen
 
     kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
     if args.tokenizer:
         kw["tokenizer_path"] = args.tokenizer
-    eng = nbgen.Engine(args.model, **kw) if args.model else nbgen.Engine(**kw)
+    eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     prompts = [eng.apply_chat_template([{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} "
                                          f"Reply in JSON (request {i})."}]) for i in range(args.num)]
     base = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}

@@ -10,14 +10,13 @@ every live sequence's KV), divided by the device copy bandwidth measured in the 
 faster of one copy test before and one after the engines; on a CPU after them only). Decode
 steps are counted as if all sequences ran together (step j reads (in_i + j) KV tokens of each seq
 with out_i > j); prefill is not in the floor. A second figure adds the prompts' prefill FLOPs at the
-bf16 matmul rate measured in the same run ("floor+pf"; see ``bench_floor``).
+bf16 matmul rate measured in the same run ("floor+pf"; see ``nbgen.bench.floor``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import random
 import statistics
 import time
 from typing import Any, Optional
@@ -25,35 +24,14 @@ from typing import Any, Optional
 import torch
 
 from nbgen.bench.floor import copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops
+from nbgen.bench.hf import run_hf
+from nbgen.bench.profiling import GcPauses, print_gpu_profile
+from nbgen.bench.workloads import QUESTIONS, chat32_prompts, make_workload
+from nbgen.engine import Engine
 
-QUESTIONS = [
-    "What is the capital of France?", "How do plants make food?", "Name three primary colors.",
-    "Why is the sky blue?", "What is 12 times 7?", "Explain gravity in one sentence.",
-    "Who wrote Romeo and Juliet?", "What is a prime number?", "How many legs does a spider have?",
-    "What is the boiling point of water?", "Give me a synonym for happy.", "What is photosynthesis?",
-    "How far is the Moon from Earth?", "What does a CPU do?", "Translate 'thank you' to Spanish.",
-    "What is the largest ocean?", "Why do we have seasons?", "What is machine learning?",
-    "Name a famous painting.", "How do airplanes fly?", "What is the speed of light?",
-    "Suggest a name for a cat.", "What is an atom?", "Why do leaves change color?",
-    "What is the tallest mountain?", "How does a rainbow form?", "What is democracy?",
-    "Write a haiku about rain.", "What is the square root of 81?", "Who painted the Mona Lisa?",
-    "What language is spoken in Brazil?", "How do bees make honey?",
-]
-
-
-def make_workload(name: str) -> tuple[list[list[int]], list[int]]:
-    """(prompt token ids, output lengths) of a random-id workload."""
-    random.seed(0)
-    if name == "bs1":
-        return [[random.randint(0, 9999) for _ in range(256)]], [256]
-    ins = [random.randint(100, 1024) for _ in range(256)]
-    outs = [random.randint(100, 1024) for _ in range(256)] if name == "nano" else [512] * 256
-    return [[random.randint(0, 9999) for _ in range(n)] for n in ins], outs
-
+__all__ = ["QUESTIONS", "main", "make_workload", "run_nbgen"]
 
 def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[str, Any]:
-    import nbgen
-
     kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
     for k in ("disable_cuda_graph", "disable_piecewise_cuda_graph", "disable_overlap_schedule"):
         if getattr(args, k):
@@ -67,7 +45,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if args.schedule_policy:
         kw["schedule_policy"] = args.schedule_policy
     t0 = time.perf_counter()
-    eng = nbgen.Engine(args.model, **kw) if args.model else nbgen.Engine(**kw)
+    eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     startup = time.perf_counter() - t0
     info = eng.get_server_info()
     sps = [{"max_new_tokens": o, "temperature": 0.0, "ignore_eos": True} for o in outs]
@@ -87,7 +65,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
 
         hprof = cProfile.Profile()
         eng._loop.call(hprof.enable)
-    gcs = _GcPauses()
+    gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
         if i:
@@ -108,7 +86,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         pstats.Stats(hprof).sort_stats("tottime").print_stats(22)
     if prof is not None:
         prof.__exit__(None, None, None)
-        _print_profile(prof, sum(runs))
+        print_gpu_profile(prof, sum(runs))
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng._loop.runner
@@ -131,83 +109,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     return out
 
 
-class _GcPauses:
-    """Cyclic-GC pauses in any thread while it is open (a full collection stalls the engine's loop
-    thread, and with it the GPU, for as long as it walks the heap)."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []     # (generation, seconds)
-        self._t0 = 0.0
-        gc.callbacks.append(self._cb)
-
-    def _cb(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._cb)
-
-    def summary(self, wall: float) -> str:
-        total = sum(t for _, t in self.pauses)
-        full = [t for g, t in self.pauses if g == 2]
-        longest = max((t for _, t in self.pauses), default=0.0)
-        return (f"GC during the timed runs ({wall:.2f} s): {len(self.pauses)} collections, {1e3 * total:.1f} ms; "
-                f"{len(full)} full, {1e3 * sum(full):.1f} ms; longest {1e3 * longest:.1f} ms")
-
-
-def _print_profile(prof: Any, wall: float) -> None:
-    """GPU busy time (sum of kernel times) against wall time, and the kernels that take the most."""
-    ev = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None]
-    dev_t = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
-    ev.sort(key=dev_t, reverse=True)
-    busy = sum(dev_t(e) for e in ev) / 1e6
-    print(f"profile: wall {wall:.2f} s, GPU kernels busy {busy:.2f} s ({100 * busy / wall:.0f}%)")
-    for e in ev[:24]:
-        print(f"  {dev_t(e) / 1e6:8.3f} s {e.count:8d}x  {e.key[:110]}")
-
-
 def _inputs(prompts: Any) -> dict[str, Any]:
     return {"prompt": prompts} if isinstance(prompts[0], str) else {"input_ids": prompts}
-
-
-def run_hf(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[str, Any]:
-    """HF transformers on the same workload: generate_batch on GPU, left-padded generate() on CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    if args.device == "cpu":
-        from nbgen.models.embedded import default_model_path
-
-        path = args.model or default_model_path()
-        tok = AutoTokenizer.from_pretrained(path)
-        tok.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            g = model.generate(**enc, max_new_tokens=outs[0], min_new_tokens=outs[0], do_sample=False,
-                               pad_token_id=tok.pad_token_id or 0)
-        secs = time.perf_counter() - t0
-        n_out = int((g.shape[1] - enc["input_ids"].shape[1]) * g.shape[0])
-        return {"engine": "hf generate", "seconds": secs, "out_tokens": n_out,
-                "in_tokens": int(enc["attention_mask"].sum()), "first_ids": g[0, enc["input_ids"].shape[1]:][:16].tolist()}
-    if len(set(outs)) != 1:
-        return {"engine": "hf generate_batch", "error": "needs one output length for all requests (use --workload fixed)"}
-    cfg = AutoConfig.from_pretrained(args.model)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa").eval()
-    gen = GenerationConfig(max_new_tokens=outs[0], do_sample=False, eos_token_id=None, pad_token_id=0)
-    model.generate_batch(inputs=[p[:32] for p in prompts[:4]], generation_config=GenerationConfig(
-        max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    res = model.generate_batch(inputs=prompts, generation_config=gen)
-    torch.cuda.synchronize()
-    secs = time.perf_counter() - t0
-    n_out = sum(len(r.generated_tokens) for r in res.values())
-    return {"engine": "hf generate_batch", "seconds": secs, "out_tokens": n_out,
-            "in_tokens": sum(len(p) for p in prompts)}
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
@@ -239,21 +142,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     dev = torch.device(args.device)
     if workload == "chat32":
         # nbgen runs its CPU default dtype (bf16 where the CPU has native bf16); the HF peer runs
-        # fp32 as the issue's baseline does ("padded batch, fp32, same weights"); --dtype overrides nbgen's
-        from transformers import AutoTokenizer
-
-        from nbgen.models.embedded import default_model_path
-
-        tok = AutoTokenizer.from_pretrained(args.model or default_model_path())
-        prompts: Any = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                add_generation_prompt=True) for q in QUESTIONS]
+        # fp32 (padded batch, same weights); --dtype overrides nbgen's
+        prompts: Any = chat32_prompts(args.model)
         outs = [64] * len(prompts)
     else:
         prompts, outs = make_workload(workload)
     bw0 = None
     if dev.type == "cuda":
-        # also measured before the engines: after a long run the same copy has measured ~10 % slower
-        # on an H200 (3.7-3.8 vs 4.2 TB/s); the floor takes the faster of the two (the stricter floor)
+        # also measured before the engines: after a long run the same copy can measure slower;
+        # the floor takes the faster of the two (the stricter floor)
         bw0 = copy_bandwidth(dev)
         torch.cuda.empty_cache()
     mm = matmul_rate(dev)
