@@ -30,8 +30,8 @@ class ModelFacts:
 
 
 def _is_id_list(x: Any) -> bool:
-    """A list/tuple of ints (bools excluded). The element types are collected at C speed: W-nano's
-    144k prompt ids took ~40 ms per generate() with a Python-level isinstance per element."""
+    """A list/tuple of ints (bools excluded). The element types are collected at C speed: a
+    Python-level isinstance per element costs tens of ms on a batch of 100k+ prompt ids."""
     if not isinstance(x, (list, tuple)):
         return False
     types = set(map(type, x))

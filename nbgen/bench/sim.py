@@ -10,8 +10,8 @@ prices the steps with a model of one GPU step:
 - the LM head: its weight read, or its FLOPs where more rows are sampled than that covers;
 - everything else (norm/RoPE/SiLU kernels, launches): a rough per-step plus per-row term from a profile.
 
-The defaults describe Llama-3.1-8B on the H100 of docs/benchmarks.md (GEMM times from session 15's
-cuBLAS sweep); there the model is 1.5-5 % below measured W-nano times (it is optimistic) and ranks the
+The defaults describe Llama-3.1-8B on the H100 of docs/benchmarks.md (GEMM times from a cuBLAS
+sweep); there the model is a few percent below measured times (it is optimistic) and ranks the
 schedules as the GPU does. ``--ideal-gemm-tflops R`` replaces the measured GEMMs with a GEMM that reads its weights
 at the copy bandwidth while computing at R TFLOP/s (whichever is slower): what no real kernel does near
 the ridge point, so the answer bounds what a better GEMM could buy for a given schedule.
@@ -23,8 +23,8 @@ import bisect
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nbgen.bench.run import make_workload
 from nbgen.bench.floor import floor_seconds
+from nbgen.bench.workloads import make_workload
 from nbgen.core.config import SchedulerConfig
 from nbgen.core.batch import StepOutput
 from nbgen.kernels.batch_sizes import padded_batch_size
@@ -34,7 +34,7 @@ from nbgen.runtime.scheduler import Scheduler
 from nbgen.core.sampling import SamplingParams
 
 # Llama-3.1-8B's 32 layers of qkv, o, gate|up, down in one CUDA graph, cuBLAS, H100 (rows, seconds);
-# .gpu/tools/gemm_lib.py, session 15. The cost is bumpy (448 rows take longer than 512).
+# measured in one CUDA graph per row count. The cost is bumpy (448 rows take longer than 512).
 H100_LLAMA8B_GEMM = [(16, 5.303e-3), (32, 5.384e-3), (64, 5.462e-3), (96, 5.651e-3), (128, 5.780e-3),
                      (160, 5.973e-3), (192, 5.932e-3), (224, 6.559e-3), (256, 6.753e-3), (288, 8.246e-3),
                      (320, 7.983e-3), (352, 9.078e-3), (384, 9.030e-3), (416, 10.501e-3), (448, 14.284e-3),

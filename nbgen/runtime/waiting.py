@@ -9,7 +9,7 @@ hold a place in line), then new arrivals in one of three orders:
 - ``lof``: longest output first, by ``max_new_tokens`` (None counts as unbounded; ties keep arrival
   order). With a small per-step token budget this spreads prefill over decode steps whose matmuls
   read the weights anyway, while the requests that will decode longest start first: a large model's
-  offline batch then spends less time on prefill-only steps (docs/benchmarks.md, session 14). The
+  offline batch then spends less time on prefill-only steps (docs/benchmarks.md). The
   sorted order is rebuilt only after arrivals, not every step.
 """
 from __future__ import annotations
