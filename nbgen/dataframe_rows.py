@@ -163,3 +163,8 @@ def tok_s_postfix(out_tokens: int, elapsed: float) -> str:
     """Progress-bar postfix: output tokens per second of this run."""
     rate = out_tokens / elapsed if elapsed > 0 else 0.0
     return f"{rate:,.0f} out tok/s"
+
+
+def jsonable(v: Any) -> Any:
+    """A prompt cell as a stable JSON value (numpy arrays of messages -> lists)."""
+    return v.tolist() if hasattr(v, "tolist") and not isinstance(v, str) else v
