@@ -18,7 +18,7 @@ from nbgen.models.layers import rope_settings
 from nbgen.models.llama import head_dim_of
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.registry import get_model_class
-from nbgen.runtime.runner import _model_dims
+from nbgen.runtime.model_setup import model_dims
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("NBGEN_SHARED_MODELS", REPO.parent / "shared" / "models"))
@@ -93,7 +93,7 @@ def _view(cfg: Any) -> dict[str, Any]:
     dtype = getattr(cfg, "dtype", None)
     out["dtype"] = None if dtype is None else str(dtype).removeprefix("torch.")
     out["rope_settings"] = rope_settings(cfg)
-    out["model_dims"] = _model_dims(cfg)
+    out["model_dims"] = model_dims(cfg)
     out["head_dim_of"] = head_dim_of(cfg)
     out["class"] = get_model_class(cfg).__name__ if getattr(cfg, "architectures", None) or \
         cfg.model_type in ARCH else None

@@ -17,7 +17,7 @@ def _run(path: str, overlap: bool, prompts: list[list[int]], sps: list[dict], **
     with nbgen.Engine(path, dtype="float32", device="cpu", **cfg) as eng:
         if overlap:
             loop = eng._loop
-            loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+            loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         return eng.generate(input_ids=prompts, sampling_params=sps)
 
 
@@ -57,7 +57,7 @@ def test_overlap_falls_back_for_logprobs_and_penalties(tiny_llama_dir):
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu") as eng:
         loop = eng._loop
-        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         a = eng.generate(input_ids=prompts[0], sampling_params=sps[0], return_logprob=True, logprob_start_len=0)
     assert a["output_ids"] == ref[0]["output_ids"]
     assert len(a["meta_info"]["output_token_logprobs"]) == 8

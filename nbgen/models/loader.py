@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from nbgen.core.config import EngineConfig
+from nbgen.models.embedded import default_model_path
 from nbgen.models.gguf_convert import gguf_to_hf_dir
+from nbgen.models.linear import prepack_cpu_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.registry import get_model_class
 
@@ -74,7 +76,6 @@ def _model_dir(cfg: EngineConfig) -> str:
     """The HF directory to read, converting a GGUF first; model_path=None means the embedded model."""
     path = cfg.model_path
     if path is None:
-        from nbgen.models.embedded import default_model_path
         path = default_model_path()
     if not os.path.exists(path):
         raise FileNotFoundError(f"model_path {path!r} does not exist (nbgen has no model-hub access; "
@@ -197,8 +198,6 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     model.eval().requires_grad_(False)
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
-        from nbgen.models.linear import prepack_cpu_linears
-
         prepack_cpu_linears(model)
     tokenizer = _load_tokenizer(cfg, model_dir)
     eos, defaults = _eos_ids(model_dir, config, tokenizer)

@@ -9,8 +9,8 @@ page 0 (one token) and whose KV slot is slot 0 of that page, so they never touch
 Per replay the host does numpy work only: the step's token ids, positions, KV slots, placeholder
 sources and page tables go to the GPU in one copy from a pinned staging buffer into the buffer the
 graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton kernel's batch
-sizes, is re-planned). Overlap placeholders (token id -(k+1) = "row k of the previous step's sampled
-ids") are resolved inside the graph from ``prev``, where greedy sampling writes its ids directly
+sizes, is re-planned). Overlap placeholders (``step_inputs.placeholder(k)`` = "row k of the previous
+step's sampled ids") are resolved inside the graph from ``prev``, where greedy sampling writes its ids directly
 (``ModelRunner.sample``; other sampled ids are copied there), so no host->device transfer is needed
 for them.
 Staging buffers alternate between two slots, each guarded by an event, because a step's copies
@@ -31,6 +31,7 @@ from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 from nbgen.runtime.pages import SCRATCH_PAGE
+from nbgen.runtime.step_inputs import is_placeholder, placeholder_row
 
 logger = logging.getLogger("nbgen")
 
@@ -188,11 +189,11 @@ class CudaGraphRunner:
         hio, hip, hlast, _hord, hidx = self._views(npv[0])
         io = hio[: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids, dtype=np.int64, count=n)
-        ph = tok < 0
+        ph = is_placeholder(tok)
         io[0, :n] = np.where(ph, 0, tok)
         io[1, :n] = pos
         io[2, :n] = slots
-        io[3, :n] = np.where(ph, -tok - 1, -1)
+        io[3, :n] = np.where(ph, placeholder_row(tok), -1)
         io[:3, n:] = 0                    # padding: token 0 at position 0 into slot 0 of the scratch page
         io[3, n:] = -1
         nnz = len(idx)

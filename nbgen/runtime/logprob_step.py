@@ -6,22 +6,37 @@ overlap loop falls back to this synchronous step for batches that want logprobs.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, Protocol
 
 import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput, TokenLogprobs
 from nbgen.runtime.logprobs import prompt_logprobs
+from nbgen.runtime.sampler import Sampler
+from nbgen.runtime.step_inputs import FlatStep, flatten
+
+
+class StepRunner(Protocol):
+    """What the logprob step needs of the ModelRunner."""
+
+    model: torch.nn.Module
+    sampler: Sampler
+
+    def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor: ...
+
+    def to_device(self, values: list[int]) -> torch.Tensor: ...
+
+    def note_sampled(self, tokens: torch.Tensor) -> None: ...
 
 
 def per_seq(batch: ScheduledBatch, errors: dict[int, str],
-            hidden: Optional[torch.Tensor]) -> tuple[dict[int, str], Optional[list]]:
+            hidden: Optional[torch.Tensor]) -> tuple[dict[int, str], Optional[list[Optional[list[float]]]]]:
     """Sampling-row errors and hidden states [S, H] -> keyed / listed by seq index."""
     sample_idx = [i for i, s in enumerate(batch.seqs) if s.sample]
     out_err = {sample_idx[k]: msg for k, msg in errors.items()}
     if hidden is None:
         return out_err, None
-    hs: list = [None] * len(batch.seqs)
+    hs: list[Optional[list[float]]] = [None] * len(batch.seqs)
     rows = hidden.float().tolist()
     for k, i in enumerate(sample_idx):
         if batch.seqs[i].req.return_hidden_states:
@@ -34,9 +49,10 @@ def wants_logprobs(s: SeqWork) -> bool:
     return s.prompt_logprob_start >= 0 or (s.sample and s.req.logprobs.return_logprob)
 
 
-def step_with_logprobs(runner: Any, batch: ScheduledBatch) -> StepOutput:
+def step_with_logprobs(runner: StepRunner, batch: ScheduledBatch) -> StepOutput:
     """A synchronous step that also computes prompt / output logprobs (runner: the ModelRunner)."""
-    ids, pos, sample_rows, sample_seqs, starts = runner._flatten(batch)
+    flat = flatten(batch)
+    sample_rows, sample_seqs, starts = flat.sample_rows, flat.sample_seqs, flat.starts
     prompt_rows: list[int] = []
     prompt_targets: list[int] = []
     prompt_owner: list[int] = []  # seq index of each prompt-logprob row
@@ -50,8 +66,8 @@ def step_with_logprobs(runner: Any, batch: ScheduledBatch) -> StepOutput:
                 prompt_rows.append(starts[i] + (t - 1 - s.start_pos))
                 prompt_targets.append(s.req.prompt_ids[t])
                 prompt_owner.append(i)
-    hidden = runner._forward(batch, ids, pos)                               # [T, H]
-    rows = runner._to_dev(sample_rows + prompt_rows)
+    hidden = runner.hidden_states(batch, flat)                              # [T, H]
+    rows = runner.to_device(sample_rows + prompt_rows)
     hidden = hidden.index_select(0, rows)                                   # [S + Np, H]
     logits = runner.model.compute_logits(hidden).float()                    # [S + Np, V] fp32
 
@@ -64,7 +80,7 @@ def step_with_logprobs(runner: Any, batch: ScheduledBatch) -> StepOutput:
         res = runner.sampler(logits[: len(sample_rows)], sample_seqs)
         want_hs = any(s.req.return_hidden_states for s in sample_seqs)
         errors, hs = per_seq(batch, res.errors, hidden[: len(sample_rows)] if want_hs else None)
-        runner._last_tokens = res.token_ids
+        runner.note_sampled(res.token_ids)
         toks = res.token_ids.tolist()
         k = 0
         for i, s in enumerate(batch.seqs):

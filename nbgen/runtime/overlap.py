@@ -2,7 +2,7 @@
 
 Per loop iteration (``OverlapStepper.step``):
   1. ``schedule()`` builds batch N+1 from the scheduler state, in which step N's sampled tokens are
-     still *placeholders* (-(k+1) = "row k of step N's sampled ids");
+     still *placeholders* (``step_inputs.placeholder(k)`` = "row k of step N's sampled ids");
   2. ``runner.launch`` queues batch N+1; placeholder inputs are filled on the GPU from step N's ids;
   3. step N is *resolved*: its ids come to the host (the only sync, while N+1 runs), placeholders in
      ``req.output_ids`` are replaced, stop tokens finish their requests, outputs are emitted;
@@ -23,10 +23,30 @@ before it is sampled, so ``flush`` may drop it: the next schedule recomputes the
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Callable, Optional, Protocol
 
 from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.core.request import Request, Status
+from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
+from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.step_inputs import is_placeholder, placeholder
+
+Deliver = Callable[[list[Request], int], None]          # (changed requests, prompt tokens of the step)
+FailBatch = Callable[[ScheduledBatch, Exception], None]  # fail one batch's requests
+RunStep = Callable[[ScheduledBatch], None]              # a synchronous step (logprobs, penalties, ...)
+
+
+class LoopLike(Protocol):
+    """The loop's parts the stepper drives (``OverlapStepper.from_loop``)."""
+
+    runner: ModelRunner
+    scheduler: Scheduler
+
+    def deliver(self, changed: list[Request], n_in: int) -> None: ...
+
+    def fail_batch(self, batch: ScheduledBatch, error: Exception) -> None: ...
+
+    def run_step(self, batch: ScheduledBatch) -> None: ...
 
 
 def overlappable(batch: ScheduledBatch) -> bool:
@@ -44,20 +64,33 @@ def overlappable(batch: ScheduledBatch) -> bool:
 
 
 class OverlapStepper:
-    """Drives a LoopThread's scheduler and runner one step ahead of the host."""
+    """Drives a scheduler and runner one step ahead of the host; ``deliver`` sends a resolved step's
+    outputs, ``fail_batch`` fails a batch whose launch raised, ``run_step`` runs a batch that cannot
+    overlap synchronously."""
 
-    def __init__(self, loop: Any) -> None:
-        self.loop = loop
-        self.pending: Optional[tuple[Any, list[Request], int]] = None  # (launched, changed, n_in)
-        self.staged: Optional[Any] = None      # Forwarded grammar step: forward queued, not sampled
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, deliver: Deliver, fail_batch: FailBatch,
+                 run_step: RunStep) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self._deliver_fn = deliver
+        self._fail_batch = fail_batch
+        self._run_step = run_step
+        self.pending: Optional[tuple[Launched, list[Request], int]] = None  # (launched, changed, n_in)
+        self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
+
+    @classmethod
+    def from_loop(cls, loop: LoopLike) -> "OverlapStepper":
+        """A stepper over a loop's runner and scheduler, delivering through it."""
+        return cls(loop.runner, loop.scheduler, loop.deliver, loop.fail_batch, loop.run_step)
 
     @property
     def busy(self) -> bool:
+        """A step is launched or staged and not delivered yet."""
         return self.pending is not None or self.staged is not None
 
     def step(self) -> None:
-        loop, sched = self.loop, self.loop.scheduler
+        runner, sched = self.runner, self.scheduler
         fwd, self.staged = self.staged, None
         if fwd is None:
             batch = sched.schedule()
@@ -66,36 +99,36 @@ class OverlapStepper:
                 return
             if not overlappable(batch):
                 self.flush()
-                self.loop.run_step(batch)
+                self._run_step(batch)
                 return
             try:
-                fwd = loop.runner.forward(batch)
+                fwd = runner.forward(batch)
             except Exception as e:  # noqa: BLE001 - fail this step's requests only
                 self.flush()
-                self.loop.fail_batch(batch, e)
+                self._fail_batch(batch, e)
                 return
         batch = fwd.batch
         if any(s.req.grammar is not None for s in fwd.seqs):
             self._grammar_step(fwd)
             return
         try:
-            launched = loop.runner.sample(fwd)
+            launched = runner.sample(fwd)
         except Exception as e:  # noqa: BLE001
             self.flush()
-            self.loop.fail_batch(batch, e)
+            self._fail_batch(batch, e)
             return
         self.flush()
         self.pending = (launched, self._apply(batch), batch.num_prefill_tokens)
 
-    def _grammar_step(self, fwd: Any) -> None:
+    def _grammar_step(self, fwd: Forwarded) -> None:
         """Sample a staged grammar step once its bitmask is filled; stage the next step's forward."""
-        loop, sched, batch = self.loop, self.loop.scheduler, fwd.batch
+        runner, sched, batch = self.runner, self.scheduler, fwd.batch
         self._resolve()                               # previous step: tokens accepted by the matchers
         try:
-            fill = loop.runner.sampler.constraints.fill_async(fwd.seqs)
+            fill = runner.sampler.constraints.fill_async(fwd.seqs)
         except Exception as e:  # noqa: BLE001 - e.g. a matcher failing: this step's requests only
             self.flush()
-            self.loop.fail_batch(batch, e)
+            self._fail_batch(batch, e)
             return
         self.flush()                                  # deliver the previous step (fill runs meanwhile)
         changed = self._apply(batch)
@@ -105,23 +138,23 @@ class OverlapStepper:
         prep = None
         if nxt is not None:                           # its inputs and plan, still under the fill
             try:
-                prep = loop.runner.prepare(nxt, len(fwd.seqs))
+                prep = runner.prepare(nxt, len(fwd.seqs))
             except Exception:  # noqa: BLE001 - forward(nxt) below stages it again and fails nxt there
                 prep = None
         try:
-            launched = loop.runner.sample(fwd, fill)  # waits for the fill (also when it raises)
+            launched = runner.sample(fwd, fill)      # waits for the fill (also when it raises)
         except Exception as e:  # noqa: BLE001
             _drop_placeholders(batch)
-            self.loop.fail_batch(batch, e)
+            self._fail_batch(batch, e)
             return
         self.pending = (launched, changed, batch.num_prefill_tokens)
         if nxt is None:
             return
         try:
-            self.staged = loop.runner.forward(nxt, prep)
+            self.staged = runner.forward(nxt, prep)
         except Exception as e:  # noqa: BLE001
             self.flush()
-            self.loop.fail_batch(nxt, e)
+            self._fail_batch(nxt, e)
 
     def _apply(self, batch: ScheduledBatch) -> list[Request]:
         """Apply a launched batch with placeholder ids (lengths and pages only depend on counts)."""
@@ -129,9 +162,9 @@ class OverlapStepper:
         fake, k = [-1] * n, 0
         for i, s in enumerate(batch.seqs):
             if s.sample:
-                fake[i] = -(k + 1)
+                fake[i] = placeholder(k)
                 k += 1
-        return self.loop.scheduler.update(batch, StepOutput(fake, [None] * n, [None] * n))
+        return self.scheduler.update(batch, StepOutput(fake, [None] * n, [None] * n))
 
     def flush(self) -> None:
         """Resolve the pending step (wait for its ids), then deliver its outputs; drop a staged one."""
@@ -148,13 +181,13 @@ class OverlapStepper:
             return
         launched, changed, n_in = self.pending
         self.pending = None
-        loop, sched = self.loop, self.loop.scheduler
-        toks = loop.runner.resolve(launched)
+        sched = self.scheduler
+        toks = self.runner.resolve(launched)
         k = 0
         for i, s in enumerate(launched.batch.seqs):
             if not s.sample:
                 continue
-            ph, tok, k = -(k + 1), toks[i], k + 1
+            ph, tok, k = placeholder(k), toks[i], k + 1
             req = s.req
             at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
             if not (0 <= at < len(req.output_ids) and req.output_ids[at] == ph):
@@ -174,12 +207,12 @@ class OverlapStepper:
         self._undelivered = (changed, n_in)
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
-        self.loop.deliver(changed, n_in)
+        self._deliver_fn(changed, n_in)
 
 
 def _drop_placeholders(batch: ScheduledBatch) -> None:
     """Remove the placeholder ids a failed launch left at the end of its requests' outputs."""
     for s in batch.seqs:
         out = s.req.output_ids
-        while out and out[-1] < 0:
+        while out and is_placeholder(out[-1]):
             out.pop()

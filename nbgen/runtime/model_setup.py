@@ -1,0 +1,179 @@
+"""Model setup for the runner: load, size the KV cache, choose the attention backend, fold norms,
+capture the CUDA graphs and warm the logits path — once, at engine start, into a ``ModelParts``.
+
+Stepping (``runtime/runner.py``) only reads the parts; nothing here runs per step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from nbgen.attention.base import AttentionBackend, KVCacheSpec
+from nbgen.attention.flashinfer_backend import FlashInferBackend
+from nbgen.attention.torch_backend import TorchAttentionBackend
+from nbgen.core.config import EngineConfig
+from nbgen.kernels import gpu_ops
+from nbgen.models import norm_fold
+from nbgen.models.loader import LoadedModel, load_model
+from nbgen.runtime import prefill_graphs as pg
+from nbgen.runtime.cuda_graphs import CudaGraphRunner
+from nbgen.runtime.sampler import Sampler
+from nbgen.runtime.sampling_ops import greedy_argmax
+
+logger = logging.getLogger("nbgen")
+
+# CPU default KV budget when max_total_tokens is not given: enough for a notebook's batches while
+# keeping the embedded model's resident memory well under 1.5 GB (its KV is ~23 KB/token in bf16).
+CPU_DEFAULT_TOTAL_TOKENS = 16384
+# GPU memory kept out of the KV pool besides (1 - mem_fraction_static): flashinfer workspace, graph pool
+GPU_RESERVE_BYTES = 1 << 30
+
+
+@dataclass
+class ModelParts:
+    """Everything the runner steps with, built once by ``setup_model``."""
+
+    cfg: EngineConfig                              # resolved: no device-dependent None left
+    device: torch.device
+    loaded: LoadedModel
+    kv_spec: KVCacheSpec
+    backend: AttentionBackend
+    sampler: Sampler
+    graphs: Optional[CudaGraphRunner]              # decode graphs (flashinfer backend on CUDA)
+    prefill_graphs: Optional[pg.PrefillGraphRunner]  # piecewise graphs for steps with prefill chunks
+    norms_folded: bool
+    startup_s: dict[str, float]                    # start-up phases in seconds (get_server_info)
+
+
+def resolve_config(cfg: EngineConfig, device: torch.device) -> EngineConfig:
+    """``cfg`` with its device-dependent defaults chosen (``EngineConfig.resolved``) unless the caller
+    resolved it already."""
+    if cfg.cuda_graph_max_bs is not None and cfg.chunked_prefill_size is not None \
+            and cfg.max_running_requests is not None and cfg.piecewise_cuda_graph_max_tokens is not None:
+        return cfg
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return cfg.resolved(device.type, total)
+
+
+def model_dims(hf: Any) -> tuple[int, int, int, int]:
+    """(num_layers, num_q_heads, num_kv_heads, head_dim) of a model config."""
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return hf.num_hidden_layers, heads, kv, head_dim
+
+
+def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device) -> KVCacheSpec:
+    """The KV cache's per-layer geometry (num_pages 0: sized by ``num_pages``)."""
+    layers, hq, hkv, hd = model_dims(loaded.hf_config)
+    return KVCacheSpec(layers, 0, page_size, hq, hkv, hd, loaded.dtype, device)
+
+
+def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int) -> int:
+    """KV pages (page 0, the scratch page, included): max_total_tokens, else on a GPU what
+    mem_fraction_static leaves after the weights (at most every running request at the full
+    context), else the CPU default."""
+    P = cfg.page_size
+    if cfg.max_total_tokens is not None:
+        return max(2, -(-cfg.max_total_tokens // P) + 1)
+    if spec.device.type == "cuda":
+        # weights are resident now; KV gets mem_fraction_static of the card minus what is in use,
+        # minus a reserve for the attention workspace and the decode graphs (captured after the
+        # KV pool exists, since they bake its addresses in); the rest is for activations.
+        torch.cuda.synchronize(spec.device)
+        free, total = torch.cuda.mem_get_info(spec.device)
+        used = total - free
+        budget = total * cfg.mem_fraction_static - used - GPU_RESERVE_BYTES
+        if budget <= 0:
+            raise RuntimeError(f"no GPU memory left for the KV cache (mem_fraction_static="
+                               f"{cfg.mem_fraction_static}, {used / 2**30:.1f} GiB in use)")
+        # never more KV than the engine can use: every running request at the full context
+        # (keeps a tiny model from taking the card, so several engines share one GPU)
+        useful = cfg.max_running_requests * int(context_length)
+        return max(2, min(int(budget // spec.bytes_per_page()), -(-useful // P) + 1))
+    return -(-CPU_DEFAULT_TOTAL_TOKENS // P) + 1
+
+
+def make_backend(cfg: EngineConfig, spec: KVCacheSpec) -> AttentionBackend:
+    """flashinfer on CUDA in half precision (torch when it is missing, unless asked for by name),
+    torch elsewhere; switches the model's fused GPU ops with it."""
+    on_gpu = spec.device.type == "cuda"
+    # flashinfer's kernels are half-precision only: fp32 on a GPU (parity runs) uses the torch backend
+    half = spec.dtype in (torch.bfloat16, torch.float16)
+    name = cfg.attention_backend or ("flashinfer" if on_gpu and half else "torch")
+    if name == "flashinfer" and not half:
+        raise ValueError(f"attention_backend='flashinfer' needs dtype bfloat16 or float16, got {spec.dtype}")
+    if name == "flashinfer":
+        try:
+            backend = FlashInferBackend(spec)
+        except ImportError as e:
+            if cfg.attention_backend == "flashinfer":
+                raise
+            logger.warning("flashinfer unavailable (%s); using the torch attention backend", e)
+        else:
+            gpu_ops.enable_fused(True)
+            return backend
+    if on_gpu:
+        gpu_ops.enable_fused(False)
+    return TorchAttentionBackend(spec)
+
+
+def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module,
+                        backend: AttentionBackend) -> Optional[pg.PrefillGraphRunner]:
+    """Piecewise graphs for steps with prefill chunks (with the decode graphs; None when off, or when
+    the model or memory does not allow them: then those steps run eagerly)."""
+    if cfg.disable_piecewise_cuda_graph or not pg.supported(model):
+        return None
+    try:
+        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens)
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+        logger.warning("piecewise prefill graphs unavailable (%s); prefill steps run eagerly", e)
+        torch.cuda.empty_cache()
+        return None
+
+
+@torch.inference_mode()
+def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Run the LM head and the greedy argmax once at every graph batch size (CUDA).
+
+    Logits are computed outside the decode graphs, over rows padded to a graph batch size. The first
+    call at a row count picks cuBLAS's kernel on the host (~4 ms for the LM head on an H100) or, at
+    1-16 rows, loads or compiles a Triton variant of the streaming matmul (0.63 s measured at one
+    row); a shrinking decode batch meets every size once, so without this the first big generate
+    paid that in the middle of its run."""
+    for bs in batch_sizes:
+        hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
+        greedy_argmax(model.compute_logits(hidden))
+    torch.cuda.synchronize(device)
+
+
+def setup_model(cfg: EngineConfig, device: torch.device) -> ModelParts:
+    """Load the model and build everything stepping needs (see the module docstring)."""
+    cfg = resolve_config(cfg, device)
+    t0 = time.perf_counter()
+    loaded = load_model(cfg, device)
+    t1 = time.perf_counter()
+    spec = kv_spec_of(loaded, cfg.page_size, device)
+    spec = replace(spec, num_pages=num_pages(cfg, spec, loaded.context_length))
+    backend = make_backend(cfg, spec)
+    # two norm launches a layer fewer; before graph capture, which bakes the weights in
+    folded = norm_fold.should_fold(loaded.model, device) and norm_fold.fold_norms(loaded.model)
+    sampler = Sampler(int(loaded.hf_config.vocab_size), device)
+    t2 = time.perf_counter()
+    graphs = prefill = None
+    if isinstance(backend, FlashInferBackend) and cfg.cuda_graph_max_bs and not cfg.disable_cuda_graph:
+        graphs = CudaGraphRunner(loaded.model, backend, cfg.cuda_graph_max_bs, loaded.context_length)
+    t3 = time.perf_counter()
+    if graphs is not None:
+        prefill = make_prefill_graphs(cfg, loaded.model, backend)
+    t4 = time.perf_counter()
+    if graphs is not None:
+        warm_logits(loaded.model, list(graphs.batch_sizes), loaded.hf_config.hidden_size, loaded.dtype, device)
+    startup = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2), "cuda_graphs": round(t3 - t2, 2),
+               "prefill_graphs": round(t4 - t3, 2), "warm_logits": round(time.perf_counter() - t4, 2)}
+    return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup)

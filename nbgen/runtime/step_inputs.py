@@ -1,0 +1,67 @@
+"""A step's host-side inputs: the flat token stream of a ScheduledBatch, overlap placeholders, and
+host->device copies of small index lists.
+
+Placeholder ids (overlap scheduling): while step N still runs on the GPU, step N+1 is scheduled with
+its sampled tokens unknown; the k-th sampled token of step N appears in N+1's inputs (and in the
+requests' output ids) as ``placeholder(k)`` = -(k + 1), a negative id no vocabulary uses. The
+runner fills those rows on the GPU from step N's sampled ids (``placeholder_row``); the overlap
+stepper replaces them in the outputs once step N is resolved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from nbgen.core.batch import ScheduledBatch, SeqWork
+
+
+def placeholder(row: int) -> int:
+    """The placeholder id for row ``row`` of the previous launch's sampled ids."""
+    return -(row + 1)
+
+
+def is_placeholder(token_id: int) -> bool:
+    """True for a placeholder id (every real token id is >= 0)."""
+    return token_id < 0
+
+
+def placeholder_row(token_id: Any) -> Any:
+    """The sampled-id row a placeholder names (ints or numpy arrays of placeholders)."""
+    return -token_id - 1
+
+
+@dataclass
+class FlatStep:
+    """A batch as one flat token stream (the model's input order)."""
+
+    ids: list[int]              # [T] token ids (placeholders < 0 where overlap left them)
+    positions: list[int]        # [T] position of each token in its sequence
+    sample_rows: list[int]      # [S] row of each sampling seq's last token
+    sample_seqs: list[SeqWork]  # [S] the sampling seqs, in row order
+    starts: list[int]           # first row of every seq of the batch
+
+
+def flatten(batch: ScheduledBatch) -> FlatStep:
+    """The batch's flat token ids, positions, sampling rows and seq starts."""
+    ids: list[int] = []
+    pos: list[int] = []
+    rows: list[int] = []
+    seqs: list[SeqWork] = []
+    starts: list[int] = []
+    for s in batch.seqs:
+        starts.append(len(ids))
+        ids.extend(s.token_ids)
+        pos.extend(range(s.start_pos, s.kv_len))
+        if s.sample:
+            rows.append(len(ids) - 1)
+            seqs.append(s)
+    return FlatStep(ids, pos, rows, seqs, starts)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``; on CUDA through pinned memory without a host sync."""
+    t = torch.from_numpy(np.asarray(values, dtype=np.int64))     # ~3x faster than torch.tensor(list)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
