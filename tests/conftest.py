@@ -46,3 +46,11 @@ def tiny_engine(tiny_llama_dir):
 @pytest.fixture(scope="session")
 def device() -> str:
     return os.environ.get("NBGEN_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+def gpu_model_dir(request, tmp_path_factory) -> str:
+    """A random Llama / Qwen2 / Qwen3 with head_dim 128 (tests.tiny_models.make_gpu_model) per family."""
+    from tests.tiny_models import make_gpu_model
+
+    return make_gpu_model(request.param, str(tmp_path_factory.mktemp(request.param)))
