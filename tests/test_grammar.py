@@ -282,7 +282,7 @@ def test_grammar_with_overlap_scheduling_same_outputs(eng):
     loop.call(lambda: setattr(loop, "_overlap", None))
     try:
         plain = eng.generate(prompts, sps, use_tqdm=False)
-        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         over = eng.generate(prompts, sps, use_tqdm=False)
     finally:
         loop.call(lambda: setattr(loop, "_overlap", default))
@@ -302,7 +302,7 @@ def _forced_overlap(eng, fn):
     loop.call(lambda: setattr(loop, "_overlap", None))
     try:
         plain = fn()
-        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         over = fn()
     finally:
         loop.call(lambda: setattr(loop, "_overlap", default))
@@ -463,7 +463,7 @@ def test_grammar_pipeline_with_preemption_same_outputs(tiny_llama_dir):
         with nbgen.Engine(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=400) as e:
             if overlap:
                 loop = e._loop
-                loop.call(lambda: setattr(loop, "_overlap", OverlapStepper(loop)))
+                loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
             outs.append(e.generate(input_ids=prompts, sampling_params=sps, use_tqdm=False))
             preempted = e._loop.scheduler.num_preemptions
         assert preempted > 0, "the pool was meant to be too small"

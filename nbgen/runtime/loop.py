@@ -162,7 +162,8 @@ class LoopThread:
         self.deliver = self._delivery.deliver    # the step's hand-off, bound once (hot path)
         self._reap = self._delivery.reap
         if getattr(parts.runner, "overlap", False):
-            self._overlap = OverlapStepper(self)
+            self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
+                                           self.run_step)
         self._delivery.publish()
         freeze_heap()
         return parts.info()
