@@ -38,7 +38,7 @@ if triton is not None:
     from nbgen.kernels.kv_write import head_row
 
     @triton.jit
-    def _rnd(x, dt: tl.constexpr):
+    def rnd(x, dt: tl.constexpr):
         # round an fp32 value to the model dtype and back (one HF op's output rounding)
         return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
 
@@ -69,8 +69,8 @@ if triton is not None:
         dt = qkv_ptr.dtype.element_ty
         # inputs that the previous kernel does not write: read before waiting for it
         pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = _rnd(tl.load(cs_ptr + pos * D + offs), dt)[None, :]
-        sin = _rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)[None, :]
+        cos = rnd(tl.load(cs_ptr + pos * D + offs), dt)[None, :]
+        sin = rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)[None, :]
         if NORM:
             isq = (h < HQ)[:, None]
             wa = tl.where(isq, tl.load(qw_ptr + offs)[None, :], tl.load(kw_ptr + offs)[None, :]).to(tl.float32)
@@ -90,16 +90,16 @@ if triton is not None:
         a = tl.load(ptr, mask=hm, other=0.0).to(tl.float32)
         b = tl.load(ptr + HALF, mask=hm, other=0.0).to(tl.float32)
         if ROW_SCALE:   # folded input norm: q|k|v = the normed stream's projection, rounded
-            a = _rnd(a * s, dt)
-            b = _rnd(b * s, dt)
+            a = rnd(a * s, dt)
+            b = rnd(b * s, dt)
         if NORM:
             r = tl.math.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
             # Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in the model dtype
-            a = _rnd(wa * _rnd(a * r, dt), dt)
-            b = _rnd(wb * _rnd(b * r, dt), dt)
+            a = rnd(wa * rnd(a * r, dt), dt)
+            b = rnd(wb * rnd(b * r, dt), dt)
         # x * cos + rotate_half(x) * sin, each product rounded to the model dtype as in HF
-        oa = (_rnd(a * cos, dt) - _rnd(b * sin, dt)).to(dt, fp_downcast_rounding="rtne")
-        ob = (_rnd(b * cos, dt) + _rnd(a * sin, dt)).to(dt, fp_downcast_rounding="rtne")
+        oa = (rnd(a * cos, dt) - rnd(b * sin, dt)).to(dt, fp_downcast_rounding="rtne")
+        ob = (rnd(b * cos, dt) + rnd(a * sin, dt)).to(dt, fp_downcast_rounding="rtne")
         tl.store(ptr, oa, mask=hm)
         tl.store(ptr + HALF, ob, mask=hm)
         if WRITE_KV:

@@ -25,7 +25,7 @@ def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if triton is not None:
-    from nbgen.kernels.qk_norm_rope import _rnd, row_rms_scale
+    from nbgen.kernels.qk_norm_rope import rnd, row_rms_scale
 
     @triton.jit
     def _silu_scaled_kernel(x_ptr, h_ptr, y_ptr, I, sx, sh, sy, eps, HID: tl.constexpr, HBLK: tl.constexpr,
@@ -46,8 +46,8 @@ if triton is not None:
             g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
             # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
-            g = _rnd(g * s, dt)
-            u = _rnd(u * s, dt)
+            g = rnd(g * s, dt)
+            u = rnd(u * s, dt)
             tl.store(y_ptr + t * sy + offs, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m)
 
 

@@ -29,7 +29,7 @@ import torch
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
-from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
+from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.runtime.pages import SCRATCH_PAGE
 from nbgen.runtime.step_inputs import is_placeholder, placeholder_row
 
