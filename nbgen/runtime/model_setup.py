@@ -49,16 +49,6 @@ class ModelParts:
     startup_s: dict[str, float]                    # start-up phases in seconds (get_server_info)
 
 
-def resolve_config(cfg: EngineConfig, device: torch.device) -> EngineConfig:
-    """``cfg`` with its device-dependent defaults chosen (``EngineConfig.resolved``) unless the caller
-    resolved it already."""
-    if cfg.cuda_graph_max_bs is not None and cfg.chunked_prefill_size is not None \
-            and cfg.max_running_requests is not None and cfg.piecewise_cuda_graph_max_tokens is not None:
-        return cfg
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return cfg.resolved(device.type, total)
-
-
 def model_dims(hf: Any) -> tuple[int, int, int, int]:
     """(num_layers, num_q_heads, num_kv_heads, head_dim) of a model config."""
     heads = hf.num_attention_heads
@@ -153,8 +143,10 @@ def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int
 
 
 def setup_model(cfg: EngineConfig, device: torch.device) -> ModelParts:
-    """Load the model and build everything stepping needs (see the module docstring)."""
-    cfg = resolve_config(cfg, device)
+    """Load the model and build everything stepping needs (see the module docstring). ``cfg`` must be
+    resolved (``EngineConfig.resolved``): every device-dependent default chosen."""
+    assert None not in (cfg.max_running_requests, cfg.chunked_prefill_size, cfg.cuda_graph_max_bs,
+                        cfg.piecewise_cuda_graph_max_tokens), "setup_model needs a resolved EngineConfig"
     t0 = time.perf_counter()
     loaded = load_model(cfg, device)
     t1 = time.perf_counter()
