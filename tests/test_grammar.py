@@ -99,7 +99,7 @@ def eng():
         from nbgen.kernels import triton_decode
         from nbgen.kernels import small_gemm
         mp.setattr(small_gemm, "MAX_ROWS", 0)
-        mp.setattr(triton_decode, "MAX_BS", 0)
+        mp.setattr(triton_decode, "supported", lambda head_dim: False)
     if DUMMY_MODEL:
         kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
         e = nbgen.Engine(DUMMY_MODEL, **kw)
@@ -371,7 +371,7 @@ def test_abort_during_grammar_pipeline(eng):
     rids = [f"pipe-{time.time()}-{i}" for i in range(n)]
     loop = eng._loop
     default = loop._overlap
-    loop.call(lambda: setattr(loop, "_overlap", Recording(loop)))
+    loop.call(lambda: setattr(loop, "_overlap", Recording.from_loop(loop)))
     try:
         t0 = eng.stats()["total_output_tokens"]
 
