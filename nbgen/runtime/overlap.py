@@ -193,8 +193,7 @@ class OverlapStepper:
             if not (0 <= at < len(req.output_ids) and req.output_ids[at] == ph):
                 continue                                 # never appended (aborted / preempted before)
             req.output_ids[at] = tok
-            reason = {"type": "stop", "matched": tok} if (tok in req.stop_ids
-                                                          and at + 1 >= req.params.min_new_tokens) else None
+            reason = req.end_after(tok, at + 1)          # the one stop check (a length cut was made at update)
             if req.grammar is not None:
                 reason = req.grammar.on_token(tok, reason)
             if reason is not None:
