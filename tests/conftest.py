@@ -48,6 +48,11 @@ def device() -> str:
     return os.environ.get("NBGEN_TEST_DEVICE", "cpu")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-cases", type=int, default=300,
+                     help="number of seeded cases tests/test_fuzz.py runs (default 300)")
+
+
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
 def gpu_model_dir(request, tmp_path_factory) -> str:
     """A random Llama / Qwen2 / Qwen3 with head_dim 128 (tests.tiny_models.make_gpu_model) per family."""
