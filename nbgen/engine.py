@@ -15,7 +15,7 @@ from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.engine_async import AsyncGenerateMixin, patch_ipython_loop
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
-                             normalize_inputs, per_item)
+                             check_rids, normalize_inputs, per_item)
 from nbgen.progress import BatchProgress
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
@@ -87,7 +87,7 @@ class Engine(AsyncGenerateMixin):
             check_structured(sp)   # invalid json_schema / regex / ebnf / stop_regex -> ValueError
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size)
-        rids = per_item("rid", rid, n)
+        rids = check_rids(per_item("rid", rid, n))
         ids_list = [self.encode(p) for p in items] if kind == "prompt" else items
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)

@@ -110,6 +110,14 @@ def check_ids(ids: list[int], idx: int, sp: SamplingParams, facts: ModelFacts) -
     return sp
 
 
+def check_rids(rids: list[Any]) -> list[Optional[str]]:
+    """Request ids are strings (or None: one is made up); anything else is a TypeError naming rid."""
+    for r in rids:
+        if r is not None and not isinstance(r, str):
+            raise TypeError(f"rid must be a str or a list of str (one per prompt), got {r!r:.60}")
+    return rids
+
+
 def make_requests(ids_list: list[list[int]], params: list[SamplingParams], logprobs: list[LogprobRequest],
                   rids: list[Optional[str]], facts: ModelFacts, rng: random.Random) -> list[Request]:
     """Prompt-major list of Requests; n > 1 samples share a group and get distinct seeds."""

@@ -154,3 +154,31 @@ def test_draws_match_torch_multinomial(params: dict) -> None:
     c_ours, c_ref = torch.bincount(ours, minlength=V), torch.bincount(ref, minlength=V)
     assert (c_ours[p == 0] == 0).all(), c_ours
     assert _chi2(c_ours, c_ref) < 40.0, (c_ours.tolist(), c_ref.tolist())
+
+
+def test_a_row_with_every_token_masked_gets_an_error_not_a_token() -> None:
+    """-inf biases and banned stop ids that leave nothing: that row's request is aborted (an error),
+    the other rows sample as usual."""
+    V = 16
+    s = Sampler(V, CPU)
+    logits = torch.randn(3, V)
+    rows = [_seq({"temperature": 1.0, "logit_bias": {str(t): float("-inf") for t in range(1, V)},
+                  "min_new_tokens": 1, "max_new_tokens": 4}, seed=0, stop_ids=frozenset({0})),  # bans id 0
+            _seq({"temperature": 1.0}, seed=1),
+            _seq({"temperature": 0.0, "logit_bias": {str(t): float("-inf") for t in range(V - 1)}}, seed=2)]
+    out = s(logits, rows)
+    assert set(out.errors) == {0} and "no token is allowed" in out.errors[0]
+    assert int(out.token_ids[2]) == V - 1         # the one token row 2 allows
+
+
+@pytest.mark.parametrize("temperature", [1e30, 3.5e38, 1e300])
+def test_huge_temperatures_keep_masked_tokens_out(temperature: float) -> None:
+    """A temperature beyond float32's range would turn -inf logits into NaN; it is capped, so the
+    draw stays uniform over the allowed tokens only."""
+    V, n = 8, 4000
+    s = Sampler(V, CPU)
+    params = {"temperature": temperature, "logit_bias": {"5": float("-inf"), "6": float("-inf")}}
+    toks = s(torch.randn(n, V) * 5, [_seq(params, seed=i) for i in range(n)]).token_ids
+    counts = torch.bincount(toks, minlength=V)
+    assert counts[5] == 0 and counts[6] == 0
+    assert counts[[0, 1, 2, 3, 4, 7]].min() > n / 6 * 0.8           # about uniform over the rest

@@ -188,6 +188,8 @@ class SamplingParams:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if self.logit_bias and sum(v == -math.inf for v in self.logit_bias.values()) >= vocab_size:
+            raise ValueError("logit_bias bans every token of the vocabulary (-inf on all of them)")
 
 
 from nbgen.core.logit_processor import CustomLogitProcessor  # noqa: E402,F401  (SGLang's import site)

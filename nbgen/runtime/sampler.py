@@ -86,6 +86,30 @@ def _stop_ids_banned(s: SeqWork) -> bool:
     return bool(n) and s.out_index < n and bool(s.req.stop_ids)
 
 
+# above this, every allowed token is equally likely in float32 anyway (logits are ~1e2 at most)
+MAX_TEMPERATURE = 1e30
+NOTHING_ALLOWED = ("no token is allowed at this step: logit_bias, min_new_tokens, the grammar or a custom "
+                   "logit processor mask the whole vocabulary")
+
+
+def _may_mask_all(s: SeqWork) -> bool:
+    """Rows whose processing can leave no token: -inf biases, banned stop ids, caller code."""
+    p = s.req.params
+    return (s.req.logit_processor is not None or _stop_ids_banned(s)
+            or bool(p.logit_bias) and float("-inf") in p.logit_bias.values())
+
+
+def _fully_masked(x: Tensor, seqs: list[SeqWork]) -> dict[int, str]:
+    """Rows of x [B, V] where every token is -inf: they get an error (their request is aborted)
+    instead of an arbitrary token. Checked (one host sync) only for rows that can get there."""
+    rows = [i for i, s in enumerate(seqs) if _may_mask_all(s)]
+    if not rows:
+        return {}
+    rows_t = host_tensor(rows, torch.long, x.device)
+    dead = torch.isneginf(x[rows_t].amax(dim=-1)).tolist()
+    return {i: NOTHING_ALLOWED for i, d in zip(rows, dead) if d}
+
+
 @dataclass
 class SamplerOutput:
     """token_ids: [B] long on the logits device; logprobs[i] set where seqs[i] asked for them."""
@@ -136,6 +160,7 @@ class Sampler:
         errors: dict[int, str] = {}
         if self.constraints.wanted(seqs):
             x, errors = self.constraints.apply(x, raw, seqs, fill)
+        errors.update(_fully_masked(x, seqs))
         greedy = [s.req.params.greedy for s in seqs]
         if all(greedy):
             tokens = greedy_argmax(x)
@@ -199,7 +224,8 @@ class Sampler:
         """Step 6 for non-greedy rows. x: [b, V] processed logits -> [b] long."""
         dev, (b, vocab) = x.device, x.shape
         params = [s.req.params for s in seqs]
-        temp = host_tensor([p.temperature for p in params], x.dtype, dev)
+        # capped: a float32 inf temperature would turn the -inf of masked tokens into NaN
+        temp = host_tensor([min(p.temperature, MAX_TEMPERATURE) for p in params], x.dtype, dev)
         x = x / temp.view(-1, 1)
         use_k = any(0 < p.top_k < vocab for p in params)                 # top_k >= vocab: all
         use_p = any(p.top_p < 1.0 for p in params)
