@@ -5,7 +5,6 @@ attention) choose them for the padded size, so an eager step sums exactly like a
 """
 from __future__ import annotations
 
-import torch
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -32,9 +31,3 @@ def padded_batch_size(bs: int) -> int:
         if b >= bs:
             return b
     return bs
-
-
-def default_max_bs(device: torch.device) -> int:
-    """256 on large GPUs (>= 40 GiB), 128 on mid-size ones, 64 on small ones."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    return 256 if total >= 40 << 30 else (128 if total >= 16 << 30 else 64)
