@@ -109,7 +109,7 @@ class GrammarState:
         if tok in self.stops:
             # the grammar accepted a stop token: it is complete; a length cut in the same step loses
             self.done = True
-            return reason if reason is not None and reason.get("type") == "stop" else FinishReason.stop(tok)
+            return reason if reason is not None and reason.is_stop else FinishReason.stop(tok)
         return reason
 
 
