@@ -13,7 +13,8 @@ from typing import Any, Iterator, Optional
 
 from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
-from nbgen.engine_async import AsyncGenerateMixin, patch_ipython_loop
+from nbgen.cell_asyncio import install_cell_asyncio_run
+from nbgen.engine_async import AsyncGenerateMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
                              check_rids, normalize_inputs, per_item)
 from nbgen.progress import BatchProgress
@@ -55,7 +56,7 @@ class Engine(AsyncGenerateMixin):
                                  generation_defaults=dict(loaded.generation_defaults or {}),
                                  allow_context_overflow=cfg.allow_context_overflow)
         self._rng = random.Random(cfg.random_seed)
-        patch_ipython_loop()
+        install_cell_asyncio_run()
 
     @property
     def is_shutdown(self) -> bool:

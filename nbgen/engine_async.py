@@ -1,6 +1,5 @@
 """The awaitable half of Engine: async_generate and async streaming, bridged onto the caller's loop.
 
-``patch_ipython_loop`` lets ``asyncio.run(...)`` work inside a Jupyter cell.
 Results cross from the loop thread through ``call_soon_threadsafe`` into an asyncio.Queue on the
 caller's own event loop; cancelling the awaiting task aborts its requests.
 """
@@ -11,23 +10,6 @@ from typing import Any, AsyncIterator
 
 from nbgen.core.request import Request
 from nbgen.runtime.tracker import Update
-
-
-def patch_ipython_loop() -> None:
-    """Make asyncio.run() work inside a Jupyter cell (SGLang's notebooks do that); IPython only."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    if get_ipython() is None:
-        return
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return  # no kernel loop running in this thread (e.g. plain IPython terminal)
-    import nest_asyncio
-
-    nest_asyncio.apply()
 
 
 class AsyncGenerateMixin:
