@@ -134,7 +134,8 @@ def make_requests(ids_list: list[list[int]], params: list[SamplingParams], logpr
 
 
 def make_logprob_requests(n: int, return_logprob: Any, top_logprobs_num: Any, logprob_start_len: Any,
-                          token_ids_logprob: Any, vocab_size: int) -> list[LogprobRequest]:
+                          token_ids_logprob: Any, vocab_size: int,
+                          return_text_in_logprobs: Any = False) -> list[LogprobRequest]:
     """Per-prompt logprob options, validated."""
     rl = per_item("return_logprob", return_logprob, n)
     tn = per_item("top_logprobs_num", top_logprobs_num, n)
@@ -153,5 +154,6 @@ def make_logprob_requests(n: int, return_logprob: Any, top_logprobs_num: Any, lo
         want = bool(rl[i])
         out.append(LogprobRequest(return_logprob=want, top_logprobs_num=tn[i] if want else 0,
                                   logprob_start_len=ls[i] if want else -1,
-                                  token_ids_logprob=list(ids) if (want and ids) else None))
+                                  token_ids_logprob=list(ids) if (want and ids) else None,
+                                  return_text_in_logprobs=bool(return_text_in_logprobs)))
     return out

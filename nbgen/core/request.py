@@ -24,6 +24,7 @@ class LogprobRequest:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1          # -1: no prompt logprobs; k: prompt positions >= k
     token_ids_logprob: Optional[list[int]] = None
+    return_text_in_logprobs: bool = False  # fill the text of each (logprob, id, text) triple
 
 
 @dataclass

@@ -40,6 +40,12 @@ class Tracked:
         self.n_sent_ids = 0       # output ids already sent to a streaming caller
         self.text = ""            # text released so far
         self.n_sent_text = 0
+        # SGLang's return_text_in_logprobs: each logprob triple carries its token's own text
+        self.decode = (self._token_text if (tokenizer is not None and req.logprobs.return_text_in_logprobs)
+                       else None)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def advance(self, scheduler: Any) -> Optional[Update]:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None.
@@ -71,15 +77,16 @@ class Tracked:
             piece = ""  # text after a matched stop string is dropped
         self.text += piece
         if req.finished:
-            return Update(req.rid, build_output(req, self.text, list(req.output_ids), None, finished=True), finished=True)
+            return Update(req.rid, build_output(req, self.text, list(req.output_ids), self.decode, finished=True),
+                          finished=True)
         if not self.stream or (not piece and len(req.output_ids) == self.n_sent_ids):
             return None
         delta_ids = req.output_ids[self.n_sent_ids:]
-        out = build_output(req, piece, delta_ids, None, finished=False, logprob_start=self.n_sent_ids)
+        out = build_output(req, piece, delta_ids, self.decode, finished=False, logprob_start=self.n_sent_ids)
         self.n_sent_ids = len(req.output_ids)
         return Update(req.rid, out, finished=False)
 
     def final_update(self) -> Update:
         """The finished output with whatever text was released so far (used after a failure)."""
-        return Update(self.req.rid, build_output(self.req, self.text, list(self.req.output_ids), None,
+        return Update(self.req.rid, build_output(self.req, self.text, list(self.req.output_ids), self.decode,
                                                  finished=True), finished=True)
