@@ -10,7 +10,8 @@ loop is already running, the coroutine runs to completion on a fresh event loop 
 while the cell blocks, as a synchronous call would. The cell keeps its output (the helper runs in a
 copy of the cell's context), exceptions surface with their own type, and the kernel's Interrupt
 button cancels the coroutine (its ``finally`` blocks run, nbgen aborts its requests) and raises
-``KeyboardInterrupt`` in the cell. Called where no loop runs, ``asyncio.run`` is the stock one.
+``KeyboardInterrupt`` (shown as one line) in the cell. Where no loop runs, ``asyncio.run`` is the
+stock one.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import asyncio
 import contextvars
 import threading
 from typing import Any, Coroutine, Optional
+
+from nbgen.core.interrupt import GenerationInterrupted
 
 _stock_run = asyncio.run
 _installed = False
@@ -69,7 +72,8 @@ class _CellRun:
         except KeyboardInterrupt:
             self.cancel()
             self.done.wait(10.0)  # let the coroutine's cleanup run (abort requests, close files)
-            raise
+            raise GenerationInterrupted("interrupted: asyncio.run(...) cancelled its coroutine; "
+                                        "the engine is ready") from None
         if self.error is not None:
             raise self.error
         return self.result

@@ -12,6 +12,7 @@ import weakref
 from typing import Any, Iterator, Optional
 
 from nbgen.core.config import EngineConfig
+from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.request import Request
 from nbgen.cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin
@@ -77,7 +78,8 @@ class Engine(AsyncGenerateMixin):
     def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
                  top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
                  rid: Any, return_hidden_states: Any = False,
-                 custom_logit_processor: Any = None) -> tuple[list[Request], bool]:
+                 custom_logit_processor: Any = None,
+                 return_text_in_logprobs: Any = False) -> tuple[list[Request], bool]:
         self._check_alive()
         items, single, kind = normalize_inputs(prompt, input_ids)
         n = len(items)
@@ -87,7 +89,7 @@ class Engine(AsyncGenerateMixin):
         for sp in sps:
             check_structured(sp)   # invalid json_schema / regex / ebnf / stop_regex -> ValueError
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
-                                    token_ids_logprob, self._facts.vocab_size)
+                                    token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
         rids = check_rids(per_item("rid", rid, n))
         ids_list = [self.encode(p) for p in items] if kind == "prompt" else items
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
@@ -108,17 +110,18 @@ class Engine(AsyncGenerateMixin):
                  stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, token_ids_logprob: Any = None, rid: Any = None,
                  use_tqdm: Optional[bool] = None, return_hidden_states: Any = False,
-                 custom_logit_processor: Any = None) -> Any:
+                 custom_logit_processor: Any = None, return_text_in_logprobs: bool = False) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
         ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
         ``return_hidden_states=True`` adds ``meta_info["hidden_states"]`` (one last-layer state per
         generated token); ``custom_logit_processor`` takes ``CustomLogitProcessor.to_str()`` strings
-        (Engine(enable_custom_logit_processor=True) only).
+        (Engine(enable_custom_logit_processor=True) only). ``return_text_in_logprobs=True`` fills
+        the text of each ``(logprob, token_id, text)`` triple.
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
-                                     return_hidden_states, custom_logit_processor)
+                                     return_hidden_states, custom_logit_processor, return_text_in_logprobs)
         if stream:
             return self._stream(self._single(reqs))
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
@@ -131,7 +134,8 @@ class Engine(AsyncGenerateMixin):
         reqs, _ = self._prepare(prompt, sampling_params, input_ids, kw.pop("return_logprob", False),
                                 kw.pop("top_logprobs_num", 0), kw.pop("logprob_start_len", -1),
                                 kw.pop("token_ids_logprob", None), kw.pop("rid", None),
-                                kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None))
+                                kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None),
+                                kw.pop("return_text_in_logprobs", False))
         if kw:
             raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
         index = {r.rid: i for i, r in enumerate(reqs)}
@@ -154,6 +158,12 @@ class Engine(AsyncGenerateMixin):
                     pending.discard(upd.rid)
                     bar.update(upd.output)
                     yield upd.rid, upd.output
+        except KeyboardInterrupt as e:  # the stop button: one line in a notebook, not the queue's frames
+            if isinstance(e, GenerationInterrupted):
+                raise
+            done = len(reqs) - len(pending)
+            raise GenerationInterrupted(f"interrupted: {done}/{len(reqs)} requests had finished; the rest were "
+                                        "aborted and the engine is ready", done, len(reqs)) from None
         finally:
             bar.close()
             if pending:  # interrupted (KeyboardInterrupt, generator closed): abort what is left
@@ -195,6 +205,11 @@ class Engine(AsyncGenerateMixin):
             pass
 
     # ---- chat -----------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        """True when the tokenizer has a chat template (apply_chat_template() and chat() work)."""
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render one conversation with the tokenizer's chat template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

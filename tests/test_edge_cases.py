@@ -135,3 +135,32 @@ def test_structured_output_with_sampling_never_breaks_its_grammar():
             assert r["meta_info"]["finish_reason"]["type"] != "abort", (seed, r["meta_info"])
     finally:
         eng.shutdown()
+
+
+def test_interrupted_batch_raises_one_line_keyboard_interrupt_and_the_engine_serves(tiny_engine):
+    """The stop button (SIGINT -> KeyboardInterrupt in the main thread) mid-batch: a KeyboardInterrupt
+    whose notebook rendering is one line with the counts; the aborted requests leave nothing running."""
+    import _thread
+    import threading
+    import time
+
+    from nbgen.core.interrupt import GenerationInterrupted
+
+    fired = threading.Event()
+
+    def press_stop() -> None:
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end and tiny_engine.stats()["running"] == 0:
+            time.sleep(0.005)  # polling the engine's state, not waiting for time to pass
+        fired.set()
+        _thread.interrupt_main()
+
+    threading.Thread(target=press_stop, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        tiny_engine.generate(["a b"] * 4, {"max_new_tokens": 1000, "ignore_eos": True}, use_tqdm=False)
+    assert fired.is_set()
+    assert isinstance(info.value, GenerationInterrupted)
+    lines = info.value._render_traceback_()
+    assert len(lines) == 1 and lines[0].startswith("interrupted: 0/4 requests"), lines
+    assert tiny_engine.stats()["running"] == 0
+    assert tiny_engine.generate("a b", {"max_new_tokens": 3, "ignore_eos": True})["meta_info"]["completion_tokens"] == 3
