@@ -121,11 +121,15 @@ RUN_ALL_CELLS = [
 ]
 
 
-def test_run_all_with_asyncio_run_never_hangs(tiny_llama_dir):
-    """asyncio.run and top-level await in cells queued all at once (Run All): every cell answers."""
+@pytest.mark.parametrize("user_nest_asyncio", [False, True], ids=["plain", "user-applied-nest_asyncio"])
+def test_run_all_with_asyncio_run_never_hangs(tiny_llama_dir, user_nest_asyncio):
+    """asyncio.run and top-level await in cells queued all at once (Run All): every cell answers.
+    SGLang's notebooks apply nest_asyncio themselves before creating the engine; that must hold too."""
+    pytest.importorskip("nest_asyncio")
+    first = f"MODEL = {tiny_llama_dir!r}" + ("\nimport nest_asyncio\nnest_asyncio.apply()" if user_nest_asyncio else "")
     ra = _RunAll()
     try:
-        ra.submit([f"MODEL = {tiny_llama_dir!r}"] + RUN_ALL_CELLS)
+        ra.submit([first] + RUN_ALL_CELLS)
         replies = ra.wait_all(timeout=240)
         assert replies == ["ok"] * 5 + ["error", "ok"], (replies, ra.outputs)
         assert "RUN1 2" in ra.text(2) and "RUN2 True" in ra.text(3) and "AWAIT 8" in ra.text(4)
