@@ -1,0 +1,54 @@
+"""Engine.score (SGLang): label-token probabilities after query+item, against HF logits."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+
+def _hf_next_logprobs(model_dir: str, ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+
+
+def test_score_text_matches_hf_and_softmax_normalises(tiny_engine, tiny_llama_dir):
+    labels = [5, 17, 42]
+    query, items = "Is this good? ", ["yes it is", "no"]
+    probs = tiny_engine.score(query, items, labels)
+    soft = tiny_engine.score(query, items, labels, apply_softmax=True)
+    assert len(probs) == 2 and all(len(p) == 3 for p in probs)
+    for item, p, s in zip(items, probs, soft):
+        ref = _hf_next_logprobs(tiny_llama_dir, tiny_engine.tokenizer.encode(query + item))
+        assert p == pytest.approx([math.exp(ref[t].item()) for t in labels], rel=1e-3, abs=1e-6)
+        assert sum(s) == pytest.approx(1.0, abs=1e-6)
+        assert s == pytest.approx([v / sum(p) for v in p], rel=1e-3)
+    # item_first puts the item before the query
+    first = tiny_engine.score(query, items[:1], labels, item_first=True)[0]
+    ref = _hf_next_logprobs(tiny_llama_dir, tiny_engine.tokenizer.encode(items[0] + query))
+    assert first == pytest.approx([math.exp(ref[t].item()) for t in labels], rel=1e-3, abs=1e-6)
+
+
+def test_score_token_ids_and_async(tiny_engine, tiny_llama_dir):
+    q, items, labels = [3, 4, 5], [[6, 7], [8]], [1, 2]
+    got = tiny_engine.score(q, items, labels)
+    ref = _hf_next_logprobs(tiny_llama_dir, q + items[1])
+    assert got[1] == pytest.approx([math.exp(ref[t].item()) for t in labels], rel=1e-3, abs=1e-6)
+    again = asyncio.run(tiny_engine.async_score(q, items, labels))
+    for a, b in zip(again, got):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(query="q", items=["a"], label_token_ids=None), "label_token_ids"),
+    (dict(query="q", items=["a"], label_token_ids=[10**9]), "label_token_ids"),
+    (dict(query="q", items=[[1, 2]], label_token_ids=[1]), "query"),
+    (dict(query=[1], items=["a"], label_token_ids=[1]), "query"),
+])
+def test_score_bad_input_names_the_problem(tiny_engine, kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        tiny_engine.score(**kw)
