@@ -1,20 +1,21 @@
 """generate_df: a DataFrame of prompts in, the same DataFrame plus generation columns out.
 
 Three phases: ``_validate`` (the call's arguments; nothing runs when one is wrong), ``_plan`` (the
-checkpoint's rows loaded, the rows that still need the engine picked, rows with bad params failed)
-and ``_run`` (windows of rows through ``Engine.generate_iter``, results recorded as they finish).
+checkpoint's rows loaded, the rows that still need the engine picked, rows with bad prompts or
+params failed) and ``_run`` (windows of rows through ``Engine.generate_iter``, results recorded and
+the progress bar advanced as each row finishes).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
+from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe_io import Checkpoint
-from nbgen.engine import default_engine
 from nbgen.dataframe_rows import (
     RowError,
     error_record,
+    is_messages,
     jsonable,
     output_columns,
     output_record,
@@ -22,65 +23,14 @@ from nbgen.dataframe_rows import (
     row_key,
     row_params,
     row_prompt,
-    tok_s_postfix,
+    template_mode,
 )
+from nbgen.dataframe_window import PendingRow, run_window
+from nbgen.engine import default_engine
+from nbgen.notebook.progress_bar import DONE, FAILED, STOPPED, RowProgress
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
-
-class _Pending:
-    """One row on its way to the engine."""
-
-    __slots__ = ("pos", "prompt", "params", "key")
-
-    def __init__(self, pos: int, prompt: str, params: dict[str, Any], key: str) -> None:
-        self.pos, self.prompt, self.params, self.key = pos, prompt, params, key
-
-
-def _run_window(engine: Any, batch: list[_Pending], kw: dict[str, Any]) -> Iterator[tuple[_Pending, Any]]:
-    """Yield (row, output-or-exception) as requests finish (completion order).
-
-    The engine validates a whole call before running any of it, so one row the engine rejects
-    (say, a prompt longer than the context) would sink its window: such a window is split in
-    halves until the bad rows stand alone, and only those get the error.
-    """
-    it = None
-    try:
-        it = engine.generate_iter(prompt=[p.prompt for p in batch],
-                                  sampling_params=[p.params for p in batch], **kw)
-        first = next(it, None)
-    except (ValueError, TypeError) as e:
-        if it is not None:
-            it.close()
-        if len(batch) == 1:
-            yield batch[0], e
-            return
-        mid = len(batch) // 2
-        yield from _run_window(engine, batch[:mid], kw)
-        yield from _run_window(engine, batch[mid:], kw)
-        return
-    # the engine indexes outputs prompt-major over the n samples of each prompt
-    owner = [k for k, p in enumerate(batch) for _ in range(int(p.params.get("n", 1) or 1))]
-    need = [int(p.params.get("n", 1) or 1) for p in batch]
-    got: dict[int, list[tuple[int, Any]]] = {}
-    try:
-        for item in _chain(first, it):
-            i, out = item
-            k = owner[i]
-            if need[k] == 1:
-                yield batch[k], out
-                continue
-            got.setdefault(k, []).append((i, out))
-            if len(got[k]) == need[k]:
-                yield batch[k], [o for _, o in sorted(got.pop(k), key=lambda t: t[0])]
-    finally:
-        it.close()  # early exit / KeyboardInterrupt: the engine aborts the unfinished requests
-
-
-def _chain(first: Any, it: Iterator[Any]) -> Iterator[Any]:
-    if first is not None:
-        yield first
-    yield from it
 
 
 def generate_df(
@@ -90,7 +40,7 @@ def generate_df(
     sampling_params: Optional[Mapping[str, Any]] = None,
     *,
     param_columns: Union[None, Sequence[str], Mapping[str, str]] = None,
-    chat: Optional[bool] = None,
+    chat: Union[str, bool] = "auto",
     system_prompt: Optional[str] = None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
@@ -108,18 +58,28 @@ def generate_df(
     A row that cannot run (missing or non-text prompt, invalid parameters, a failed request) gets
     a message in ``error`` and the others complete; ``on_error="raise"`` stops at the first one.
     ``param_columns`` names columns holding per-row sampling params (a list of names, or a dict
-    column -> param name; a ``sampling_params`` column holds dicts). Chat: cells that are message
-    lists, or ``chat=True`` / ``system_prompt=...`` for text cells, go through the chat template.
-    ``checkpoint="run.parquet"`` (or ``.jsonl``) saves rows as they finish; calling again with the
-    same arguments skips finished rows (failed rows are retried). See docs/dataframe.md.
+    column -> param name; a ``sampling_params`` column holds dicts). Chat: ``chat="auto"`` sends text
+    cells through the chat template when the model has one (``True``: always, ``False``: raw text);
+    cells that are message lists always go through it. ``checkpoint="run.parquet"`` (or ``.jsonl``)
+    saves rows as they finish; calling again with the same arguments skips finished rows (failed
+    rows are retried); the Stop button raises GenerationInterrupted (a KeyboardInterrupt) saying
+    how many were kept. ``out.attrs["nbgen"]``: chat, rows, errors, restored, checkpoint.
     """
     import pandas as pd
 
     spec = _validate(df, prompt_column, sampling_params, param_columns, chat, system_prompt,
                      return_logprob, top_logprobs_num, on_error, batch_size, prefix)
+    # "auto" asks the engine whether it has a chat template; the answer is part of each row's key
+    eng = default_engine() if engine is None and not isinstance(chat, bool) else engine
+    spec.template = template_mode(chat, system_prompt, _has_template(eng))
     results = _Results(spec, Checkpoint(checkpoint) if checkpoint is not None else None)
-    todo = _plan(spec, results)
-    _run(spec, results, todo, engine, batch_size, progress)
+    plan = _plan(spec, results)
+    if plan.todo and eng is None:
+        eng = default_engine()
+        template_mode(chat, system_prompt, _has_template(eng))  # chat=True on a model without one
+    _run(spec, results, plan, eng, batch_size, progress)
+    info = {"chat": spec.template, "rows": len(spec.prompts), "errors": results.errors(),
+            "restored": plan.restored, "checkpoint": results.ckpt.path if results.ckpt else None}
     out_df = df.copy()
     for c in spec.cols:
         vals = results.values.pop(c)
@@ -127,7 +87,13 @@ def generate_df(
             out_df[prefix + c] = pd.array(vals, dtype="Int64")
         else:
             out_df[prefix + c] = pd.Series(vals, index=df.index, dtype=object)
+    out_df.attrs = {**df.attrs, "nbgen": info}
     return out_df
+
+
+def _has_template(eng: Any) -> Optional[bool]:
+    """The engine's ``has_chat_template`` (None before an engine is chosen)."""
+    return None if eng is None else bool(getattr(eng, "has_chat_template", False))
 
 
 @dataclass
@@ -142,18 +108,25 @@ class _Spec:
     row_values: dict[str, list[Any]]      # param column -> cells
     labels: Any                           # df.index, for error messages
     on_error: str
-    chat: Optional[bool]
     system_prompt: Optional[str]
     gen_kw: dict[str, Any]                # generate() arguments shared by every window
+    template: bool = False                # text cells go through the chat template
 
     def params_and_key(self, pos: int) -> tuple[dict[str, Any], str]:
-        """Row ``pos``'s sampling params and its checkpoint key (RowError for bad params)."""
+        """Row ``pos``'s sampling params and checkpoint key (RowError for bad params); the key covers
+        whether the chat template is applied, so raw and templated results never mix."""
         params = row_params(self.base, {c: v[pos] for c, v in self.row_values.items()}, self.mapping)
-        return params, row_key(jsonable(self.prompts[pos]), params, self.options)
+        cell = self.prompts[pos]
+        templated = self.template or self.system_prompt is not None or is_messages(cell)
+        return params, row_key(jsonable(cell), params, {**self.options, "chat": templated})
+
+    def prompt(self, pos: int) -> Any:
+        """Row ``pos``'s prompt: text, or messages for the chat template (RowError for bad cells)."""
+        return row_prompt(self.prompts[pos], self.template, self.system_prompt)
 
 
 def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str, Any]],
-              param_columns: Any, chat: Optional[bool], system_prompt: Optional[str], return_logprob: bool,
+              param_columns: Any, chat: Union[str, bool], system_prompt: Optional[str], return_logprob: bool,
               top_logprobs_num: int, on_error: str, batch_size: int, prefix: str) -> _Spec:
     """Check the call's arguments (nothing runs when one is wrong) and gather what the rows share."""
     import pandas as pd
@@ -166,6 +139,7 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    template_mode(chat, None, True)  # chat is "auto", True or False
     base = dict(sampling_params or {})
     row_params(base, {}, {})  # invalid call-wide params fail the whole call, before anything runs
     mapping = resolve_param_columns(list(df.columns), param_columns)
@@ -178,9 +152,9 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
         gen_kw["top_logprobs_num"] = top_logprobs_num
     return _Spec(base=base, mapping=mapping, cols=cols,
                  options={"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                          "chat": chat, "system_prompt": system_prompt},
+                          "system_prompt": system_prompt},
                  prompts=df[prompt_column].tolist(), row_values={c: df[c].tolist() for c in mapping},
-                 labels=df.index, on_error=on_error, chat=chat, system_prompt=system_prompt, gen_kw=gen_kw)
+                 labels=df.index, on_error=on_error, system_prompt=system_prompt, gen_kw=gen_kw)
 
 
 class _Results:
@@ -191,7 +165,7 @@ class _Results:
         self.spec, self.ckpt = spec, ckpt
         self.values: dict[str, list[Any]] = {c: [None] * n for c in spec.cols}
         self.keys: list[Optional[str]] = [None] * n  # key of the saved (finished, error-free) result
-        self.out_tokens = 0
+        self.progress: Optional[RowProgress] = None  # told of every row that settles while running
 
     def load(self) -> None:
         """Fill in the rows a checkpoint already holds."""
@@ -217,8 +191,10 @@ class _Results:
         self.keys[pos] = None
         if self.ckpt is not None and key is not None:
             self.ckpt.append({"_row": pos, "_key": key, **rec})
+        if self.progress is not None:
+            self.progress.settle(error=True)
 
-    def finish(self, row: _Pending, out: Any) -> None:
+    def finish(self, row: PendingRow, out: Any) -> None:
         """A window's result for ``row``: an output dict (or n of them), or the exception it raised."""
         if isinstance(out, BaseException):
             self.fail(row.pos, f"request rejected: {out}", row.key, out)
@@ -232,67 +208,92 @@ class _Results:
             self.keys[row.pos] = row.key
             if self.ckpt is not None:
                 self.ckpt.append({"_row": row.pos, "_key": row.key, **rec})
-        self.out_tokens += rec["completion_tokens"] or 0
+            if self.progress is not None:
+                self.progress.settle(error=False, out_tokens=rec["completion_tokens"] or 0)
+
+    def done(self) -> int:
+        """Rows with a result (restored or finished in this call)."""
+        return sum(k is not None for k in self.keys)
+
+    def errors(self) -> int:
+        """Rows whose ``error`` is set."""
+        return sum(e is not None for e in self.values["error"])
 
 
-def _plan(spec: _Spec, results: _Results) -> list[int]:
-    """The rows that still need the engine: not in the checkpoint with the same key (cheap: no
-    templating); rows whose params are invalid fail here."""
+@dataclass
+class _Plan:
+    """The rows that still need the engine, and how the others settled before any ran."""
+
+    todo: list[int]
+    restored: int  # taken from the checkpoint
+    failed: int    # bad params or prompt
+
+
+def _plan(spec: _Spec, results: _Results) -> _Plan:
+    """Pick the rows not in the checkpoint with the same key; bad params or prompts fail here."""
     results.load()
-    todo: list[int] = []
+    plan = _Plan(todo=[], restored=0, failed=0)
     for pos in range(len(spec.prompts)):
+        key = None
         try:
             _, key = spec.params_and_key(pos)
-        except RowError as e:
-            results.fail(pos, str(e), None, e)
-            continue
-        if results.keys[pos] != key:
-            todo.append(pos)
-    return todo
-
-
-def _run(spec: _Spec, results: _Results, todo: list[int], engine: Any, batch_size: int, progress: bool) -> None:
-    """Send the rows in windows of ``batch_size`` through the engine, recording results as they finish."""
-    eng = engine if engine is not None else (default_engine() if todo else None)
-    bar = _progress(len(todo), len(spec.prompts) - len(todo), progress)
-    t0 = time.perf_counter()
-    try:
-        for start in range(0, len(todo), batch_size):
-            batch = _window(spec, results, todo[start:start + batch_size], eng)
-            for row, out in _run_window(eng, batch, spec.gen_kw) if batch else ():
-                results.finish(row, out)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(tok_s_postfix(results.out_tokens, time.perf_counter() - t0), refresh=False)
-            del batch
-    finally:
-        if bar is not None:
-            bar.close()
-        if results.ckpt is not None:
-            results.ckpt.close()
-
-
-def _window(spec: _Spec, results: _Results, positions: list[int], eng: Any) -> list[_Pending]:
-    """The window's rows with their prompt text (chat-templated where needed); failures recorded."""
-    batch: list[_Pending] = []
-    for pos in positions:
-        params, key = spec.params_and_key(pos)
-        try:
-            p = row_prompt(spec.prompts[pos], spec.chat, spec.system_prompt)
-            text = p if isinstance(p, str) else eng.apply_chat_template(p)
+            if results.keys[pos] == key:
+                plan.restored += 1
+                continue
+            spec.prompt(pos)
         except RowError as e:
             results.fail(pos, str(e), key, e)
+            plan.failed += 1
             continue
+        plan.todo.append(pos)
+    return plan
+
+
+def _run(spec: _Spec, results: _Results, plan: _Plan, eng: Any, batch_size: int, progress: bool) -> None:
+    """Send the rows in windows of ``batch_size`` through the engine, recording results as they
+    finish; a KeyboardInterrupt becomes GenerationInterrupted once the finished rows are saved."""
+    n = len(spec.prompts)
+    mode = "chat template" if spec.template else "raw text"
+    bar = RowProgress(n, f"generate_df ({mode})", presettled=n - len(plan.todo), errors=plan.failed,
+                      restored=plan.restored, enabled=progress)
+    results.progress = bar
+    outcome = FAILED
+    try:
+        bar.start()
+        for start in range(0, len(plan.todo), batch_size):
+            batch = _window(spec, results, plan.todo[start:start + batch_size], eng)
+            for row, out in run_window(eng, batch, spec.gen_kw) if batch else ():
+                results.finish(row, out)
+            del batch
+        outcome = DONE
+    except KeyboardInterrupt:
+        outcome = STOPPED
+    finally:
+        bar.close(outcome)
+        results.progress = None
+        if results.ckpt is not None:
+            results.ckpt.close()
+    if outcome == STOPPED:
+        raise _interrupted(results, n) from None
+
+
+def _interrupted(results: _Results, total: int) -> GenerationInterrupted:
+    done, path = results.done(), results.ckpt.path if results.ckpt is not None else None
+    msg = (f"interrupted: {done}/{total} rows saved to {path}; run the cell again to resume" if path else
+           f"interrupted: {done}/{total} rows done; pass checkpoint= to keep finished rows across interrupts")
+    return GenerationInterrupted(msg, done=done, total=total, checkpoint=path)
+
+
+def _window(spec: _Spec, results: _Results, positions: list[int], eng: Any) -> list[PendingRow]:
+    """The window's rows with their prompt text (chat-templated where needed); failures recorded."""
+    batch: list[PendingRow] = []
+    for pos in positions:
+        params, key = spec.params_and_key(pos)
+        p = spec.prompt(pos)  # checked by _plan
+        try:
+            text = p if isinstance(p, str) else eng.apply_chat_template(p)
         except Exception as e:  # a template that rejects these messages
             results.fail(pos, f"chat template failed: {e}", key, e)
             continue
-        batch.append(_Pending(pos, text, params, key))
+        batch.append(PendingRow(pos, text, params, key))
     return batch
-
-
-def _progress(total: int, done: int, enabled: bool) -> Any:
-    if not enabled or total == 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="row", desc="generate_df" + (f" ({done} rows from checkpoint)" if done else ""))

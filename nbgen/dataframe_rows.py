@@ -78,13 +78,20 @@ def row_params(base: Mapping[str, Any], values: Mapping[str, Any], mapping: Mapp
     return params
 
 
-def row_prompt(value: Any, chat: Optional[bool], system_prompt: Optional[str]) -> Prompt:
-    """A cell -> a prompt string or a chat message list (validated)."""
-    if isinstance(value, (list, tuple)) or hasattr(value, "tolist") and not isinstance(value, str):
+def is_messages(value: Any) -> bool:
+    """A cell holding a conversation (a list, tuple or array of messages) rather than text."""
+    return isinstance(value, (list, tuple)) or hasattr(value, "tolist") and not isinstance(value, str)
+
+
+def row_prompt(value: Any, template: bool, system_prompt: Optional[str]) -> Prompt:
+    """A cell -> a prompt string or a chat message list (validated).
+
+    Message lists are always conversations; a text cell becomes one (a user message, after
+    ``system_prompt`` if given) when ``template`` is true or a system prompt is given.
+    """
+    if is_messages(value):
         if hasattr(value, "tolist"):
             value = value.tolist()
-        if chat is False:
-            raise RowError("prompt is a list but chat=False; pass chat=True for message lists")
         msgs = list(value)
         if not msgs or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
             raise RowError("a chat prompt must be a non-empty list of {'role', 'content'} dicts")
@@ -97,12 +104,28 @@ def row_prompt(value: Any, chat: Optional[bool], system_prompt: Optional[str]) -
         raise RowError(f"prompt must be text (or a list of chat messages), got {type(value).__name__}: {value!r:.60}")
     if not value:
         raise RowError("empty prompt")
-    if chat or system_prompt is not None:
+    if template or system_prompt is not None:
         msgs = [{"role": "user", "content": value}]
         if system_prompt is not None:
             msgs.insert(0, {"role": "system", "content": system_prompt})
         return msgs
     return value
+
+
+def template_mode(chat: Any, system_prompt: Optional[str], has_template: Optional[bool]) -> bool:
+    """Whether text cells go through the chat template: ``chat`` is "auto", True or False;
+    ``has_template`` is the engine's answer (None: not known yet, for chat=True/False only)."""
+    auto = isinstance(chat, str) and chat == "auto"
+    if not auto and not isinstance(chat, bool):
+        raise ValueError(f"chat must be 'auto', True or False, got {chat!r}")
+    if chat is True and has_template is False:
+        raise ValueError("chat=True needs a chat template and this model's tokenizer has none; "
+                         "pass chat=False (or chat='auto') to send text cells as raw completions")
+    template = bool(has_template) if auto else chat
+    if system_prompt is not None and not template:
+        why = "chat=False sends text cells raw" if chat is False else "this model's tokenizer has none"
+        raise ValueError(f"system_prompt needs the chat template, but {why}")
+    return template
 
 
 def row_key(prompt_value: Any, params: Mapping[str, Any], options: Mapping[str, Any]) -> str:
@@ -157,12 +180,6 @@ def error_record(message: str) -> dict[str, Any]:
     """Column values of a row that did not run."""
     return {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,
             "error": message}
-
-
-def tok_s_postfix(out_tokens: int, elapsed: float) -> str:
-    """Progress-bar postfix: output tokens per second of this run."""
-    rate = out_tokens / elapsed if elapsed > 0 else 0.0
-    return f"{rate:,.0f} out tok/s"
 
 
 def jsonable(v: Any) -> Any:

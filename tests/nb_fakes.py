@@ -16,6 +16,8 @@ from nbgen.core.sampling import SamplingParams
 
 
 class FakeEngine:
+    has_chat_template = True  # apply_chat_template below renders messages as "<role> content"
+
     def __init__(self, delay: float = 0.0, complete_in_reverse: bool = True) -> None:
         self.delay = delay
         self.reverse = complete_in_reverse
@@ -134,3 +136,42 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self._shut = True
+
+
+class FakeDisplay:
+    """IPython's ``display`` for tests: keeps each display id's current mime bundle, as a saved
+    notebook keeps an output after ``update_display_data`` replaced it."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, dict[str, Any]] = {}  # display id -> current mime bundle
+        self.objects: list[Any] = []                  # what was displayed first, per display id
+        self.history: list[tuple[str, dict[str, Any]]] = []  # (display id, bundle) of every call
+
+    def __call__(self, obj: Any, raw: bool = False, display_id: Any = None, update: bool = False) -> "FakeHandle":
+        did = uuid.uuid4().hex if display_id is True or display_id is None else display_id
+        if update and did not in self.outputs:
+            raise KeyError(f"update of unknown display id {did}")
+        if not update:
+            self.objects.append(obj)
+        self.outputs[did] = dict(obj) if raw else _mimebundle(obj)
+        self.history.append((did, self.outputs[did]))
+        return FakeHandle(self, did)
+
+
+class FakeHandle:
+    """IPython's DisplayHandle on a FakeDisplay."""
+
+    def __init__(self, display: FakeDisplay, display_id: str) -> None:
+        self.display, self.display_id = display, display_id
+
+    def update(self, obj: Any, raw: bool = False) -> None:
+        self.display(obj, raw=raw, display_id=self.display_id, update=True)
+
+
+def _mimebundle(obj: Any) -> dict[str, Any]:
+    if hasattr(obj, "_repr_mimebundle_"):
+        b = obj._repr_mimebundle_()
+        return dict(b[0] if isinstance(b, tuple) else b)
+    if hasattr(obj, "_repr_html_"):
+        return {"text/html": obj._repr_html_(), "text/plain": repr(obj)}
+    return {"text/plain": repr(obj)}

@@ -26,18 +26,16 @@ def test_is_missing_covers_pandas_holes() -> None:
 
 
 def test_row_prompt_rules() -> None:
-    assert row_prompt("hi", None, None) == "hi"
+    assert row_prompt("hi", False, None) == "hi"
     assert row_prompt("hi", True, None) == [{"role": "user", "content": "hi"}]
-    assert row_prompt("hi", None, "be brief")[0] == {"role": "system", "content": "be brief"}
+    assert row_prompt("hi", False, "be brief")[0] == {"role": "system", "content": "be brief"}
     msgs = [{"role": "user", "content": "q"}]
-    assert row_prompt(msgs, None, None) == msgs
-    assert row_prompt(np.array(msgs, dtype=object), None, "sys")[1] == msgs[0]
+    assert row_prompt(msgs, False, None) == msgs  # a conversation is one whatever the text mode
+    assert row_prompt(np.array(msgs, dtype=object), False, "sys")[1] == msgs[0]
     for bad, word in ((None, "missing"), (float("nan"), "missing"), (3, "int"), ("", "empty"),
                       ([{"role": "user"}], "role"), ([], "non-empty")):
         with pytest.raises(RowError, match=word):
-            row_prompt(bad, None, None)
-    with pytest.raises(RowError, match="chat=False"):
-        row_prompt(msgs, False, None)
+            row_prompt(bad, False, None)
 
 
 def test_row_params_merge_coerce_and_validate() -> None:
@@ -116,7 +114,7 @@ def test_generate_df_keeps_frame_and_reports_bad_rows() -> None:
     df = _frame()
     before = df.copy()
     out = generate_df(df, "prompt", engine=FakeEngine(), sampling_params={"max_new_tokens": 4},
-                      param_columns=["temperature"], progress=False, batch_size=3)
+                      param_columns=["temperature"], progress=False, batch_size=3, chat=False)
     pd.testing.assert_frame_equal(df, before)  # input untouched
     assert list(out.index) == list(df.index) and list(out.columns[:3]) == ["prompt", "temperature", "keep"]
     assert out.loc[10, "text"] == "three two one" and out.loc[10, "finish_reason"] == "stop"
@@ -135,7 +133,7 @@ def test_generate_df_on_error_raise_and_column_clash() -> None:
     df = pd.DataFrame({"prompt": ["a"], "text": ["x"]})
     with pytest.raises(ValueError, match="prefix"):
         generate_df(df, engine=FakeEngine(), progress=False)
-    out = generate_df(df, engine=FakeEngine(), progress=False, prefix="gen_")
+    out = generate_df(df, engine=FakeEngine(), progress=False, prefix="gen_", chat=False)
     assert out.loc[0, "text"] == "x" and out.loc[0, "gen_text"] == "a"
     with pytest.raises(ValueError, match="top_p"):
         generate_df(df, engine=FakeEngine(), sampling_params={"top_p": 3}, prefix="g_")
@@ -147,7 +145,7 @@ def test_generate_df_chat_and_n() -> None:
     assert out.loc[0, "text"] == "<assistant> there hello <user> sys <system>"
     assert out.loc[1, "text"] == "<assistant> hi <user> sys <system>"
     out = generate_df(pd.DataFrame({"prompt": ["a b", "c"]}), engine=FakeEngine(),
-                      sampling_params={"n": 2}, progress=False)
+                      sampling_params={"n": 2}, progress=False, chat=False)
     assert out.loc[0, "text"] == ["b a", "b a s1"] and out.loc[1, "text"] == ["c", "c s1"]
     assert out.loc[0, "completion_tokens"] == 5
 
@@ -173,20 +171,21 @@ def test_generate_df_resume_after_interrupt(tmp_path, suffix) -> None:
     df = pd.DataFrame({"prompt": [f"w{i} v{i}" for i in range(20)] + [None]})
     path = str(tmp_path / f"run.{suffix}")
     with pytest.raises(KeyboardInterrupt):
-        generate_df(df, engine=_Interrupting(after=7), checkpoint=path, progress=False, batch_size=5)
+        generate_df(df, engine=_Interrupting(after=7), checkpoint=path, progress=False, batch_size=5,
+                    chat=False)
     saved = {r["_row"] for r in Checkpoint(path).load() if not r.get("error")}
-    assert len(saved) == 7  # every row that finished before the interrupt is on disk
+    assert saved == set(range(7))  # every row that finished before the interrupt is on disk
     eng = FakeEngine()
-    out = generate_df(df, engine=eng, checkpoint=path, progress=False, batch_size=5)
+    out = generate_df(df, engine=eng, checkpoint=path, progress=False, batch_size=5, chat=False)
     assert sum(len(c) for c in eng.calls) == 20 - 7  # only the rest ran
     assert [out.loc[i, "text"] for i in range(20)] == [f"v{i} w{i}" for i in range(20)]
     eng2 = FakeEngine()
-    out2 = generate_df(df, engine=eng2, checkpoint=path, progress=False)
+    out2 = generate_df(df, engine=eng2, checkpoint=path, progress=False, chat=False)
     assert eng2.calls == [] and out2["text"].tolist() == out["text"].tolist()
     # a changed prompt is recomputed, the others are reused
     df.loc[3, "prompt"] = "new prompt"
     eng3 = FakeEngine()
-    out3 = generate_df(df, engine=eng3, checkpoint=path, progress=False)
+    out3 = generate_df(df, engine=eng3, checkpoint=path, progress=False, chat=False)
     assert eng3.calls == [["new prompt"]] and out3.loc[3, "text"] == "prompt new"
 
 
@@ -195,7 +194,7 @@ def test_generate_df_real_engine_matches_generate(tiny_engine, tmp_path) -> None
     prompts = ["hello world", "the cat sat", None, "a b c d e", "one"] * 3
     df = pd.DataFrame({"prompt": prompts, "max_new_tokens": [4, 6, 3, 8, 5] * 3})
     sp = {"temperature": 0.0, "ignore_eos": True}
-    out = generate_df(df, engine=tiny_engine, sampling_params=sp, param_columns=["max_new_tokens"],
+    out = generate_df(df, engine=tiny_engine, sampling_params=sp, param_columns=["max_new_tokens"], chat=False,
                       progress=False, batch_size=4, checkpoint=str(tmp_path / "r.jsonl"), return_logprob=True)
     ok = [i for i, p in enumerate(prompts) if p is not None]
     refs = tiny_engine.generate([prompts[i] for i in ok],
@@ -214,7 +213,7 @@ def test_generate_df_real_engine_matches_generate(tiny_engine, tmp_path) -> None
 def test_generate_df_real_engine_n_samples_and_chat(tiny_engine) -> None:
     df = pd.DataFrame({"prompt": ["hello", "the cat"]})
     sp = {"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True, "n": 2, "sampling_seed": 11}
-    out = generate_df(df, engine=tiny_engine, sampling_params=sp, progress=False)
+    out = generate_df(df, engine=tiny_engine, sampling_params=sp, progress=False, chat=False)
     ref = tiny_engine.generate(["hello", "the cat"], sp)  # prompt-major: 2 samples per prompt
     assert out["text"].tolist() == [[ref[0]["text"], ref[1]["text"]], [ref[2]["text"], ref[3]["text"]]]
     assert out["completion_tokens"].tolist() == [10, 10]
@@ -222,3 +221,8 @@ def test_generate_df_real_engine_n_samples_and_chat(tiny_engine) -> None:
                        sampling_params={"temperature": 0.0, "max_new_tokens": 4})
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     assert chat.loc[0, "text"] == tiny_engine.chat(msgs, {"temperature": 0.0, "max_new_tokens": 4})["text"]
+    # chat="auto" (the default) on a tokenizer with a template: text cells become user messages
+    auto = generate_df(df, engine=tiny_engine, progress=False, sampling_params={"temperature": 0.0, "max_new_tokens": 4})
+    assert tiny_engine.has_chat_template and auto.attrs["nbgen"]["chat"] is True
+    assert auto.loc[1, "text"] == tiny_engine.chat([{"role": "user", "content": "the cat"}],
+                                                   {"temperature": 0.0, "max_new_tokens": 4})["text"]
