@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 from nbgen.core.config import EngineConfig
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.request import Request
-from nbgen.cell_asyncio import install_cell_asyncio_run
+from nbgen.engine_cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin
 from nbgen.engine_score import ScoreMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
