@@ -19,6 +19,7 @@ from nbgen.engine_async import AsyncGenerateMixin
 from nbgen.engine_score import ScoreMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
                              check_rids, normalize_inputs, per_item)
+from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
 from nbgen.progress import BatchProgress
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
@@ -31,19 +32,24 @@ logger = logging.getLogger("nbgen")
 class Engine(AsyncGenerateMixin, ScoreMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model."""
 
-    def __init__(self, model_path: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, model_path: Optional[str] = None, *, on_stage: Optional[StageCallback] = None,
+                 **kwargs: Any) -> None:
+        """Load the model and start the loop thread. ``on_stage(stage)`` hears the start-up stages
+        (on the thread doing the work); without it a notebook shows a loading line, a script logs them."""
         self._shut = True
         self.final_stats: Optional[dict[str, Any]] = None  # stats() as of shutdown()
         self.shutting_down = False  # shutdown() is stopping the loop; final_stats is not set yet
         cfg = EngineConfig.from_kwargs(model_path, kwargs)
         logging.getLogger("nbgen").setLevel(cfg.log_level.upper())
-        if cfg.model_path is None:
-            if cfg.load_format == "dummy":
-                raise ValueError("model_path is required with load_format='dummy' (a dir with config.json)")
-            cfg.model_path = default_model_path()
-        self.config = cfg
-        self._loop = LoopThread(cfg)
-        info = self._loop.start()
+        if cfg.model_path is None and cfg.load_format == "dummy":
+            raise ValueError("model_path is required with load_format='dummy' (a dir with config.json)")
+        warn_others_running([e.model_name for e in running_engines()])
+        with StartupFeedback(on_stage) as feedback:
+            if cfg.model_path is None:
+                cfg.model_path = default_model_path(feedback)
+            self.config = cfg
+            self._loop = LoopThread(cfg, on_stage=feedback)
+            info = self._loop.start()
         self._shut = False
         self._finalizer = weakref.finalize(self, LoopThread.shutdown, self._loop)
         loaded = info["loaded"]
@@ -58,12 +64,19 @@ class Engine(AsyncGenerateMixin, ScoreMixin):
                                  generation_defaults=dict(loaded.generation_defaults or {}),
                                  allow_context_overflow=cfg.allow_context_overflow)
         self._rng = random.Random(cfg.random_seed)
+        _live_engines.add(self)
+        feedback.done(self.model_name, self.device)
         install_cell_asyncio_run()
 
     @property
     def is_shutdown(self) -> bool:
         """True once shutdown() ran (or the loop thread died)."""
         return self._shut or not self._loop.alive
+
+    @property
+    def model_name(self) -> str:
+        """The model's short name (``SmolLM2-135M-Instruct`` for the embedded model)."""
+        return model_name(self.config.model_path)
 
     # ---- request preparation --------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -245,7 +258,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin):
 
     def get_server_info(self) -> dict[str, Any]:
         sc = self.scheduler_config
-        return {"model_path": self.config.model_path, "device": self.device, "dtype": str(self.dtype),
+        return {"model_path": self.config.model_path, "model_name": self.model_name,
+                "device": self.device, "dtype": str(self.dtype),
                 "context_length": self._facts.context_length, "page_size": sc.page_size,
                 "num_pages": sc.num_pages, "max_total_tokens": (sc.num_pages - 1) * sc.page_size,
                 "max_running_requests": sc.max_running_requests,
@@ -264,6 +278,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin):
         if self._shut:
             return
         self._shut = True
+        _live_engines.discard(self)
         self.shutting_down = True
         try:
             self._finalizer()
@@ -283,6 +298,14 @@ class Engine(AsyncGenerateMixin, ScoreMixin):
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # started and not shut down
+
+
+def running_engines() -> list[Engine]:
+    """The Engines of this process that started and are not shut down (collected ones are gone)."""
+    return [e for e in list(_live_engines) if not e.is_shutdown]
 
 
 _default_engine: Optional[Engine] = None

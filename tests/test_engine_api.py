@@ -307,7 +307,7 @@ def test_output_logprobs_match_teacher_forcing(tiny_engine, tiny_llama_dir):
     assert all(len(row) == 3 and row[0][0] >= row[1][0] >= row[2][0] for row in meta["output_top_logprobs"])
     assert all([t for _, t, _ in row] == [5, 7] for row in meta["output_token_ids_logprobs"])
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    ids = tiny_engine.encode("Hello, my name is")
+    ids = tiny_engine.tokenizer.encode("Hello, my name is")
     full = torch.tensor([ids + out["output_ids"]])
     with torch.no_grad():
         ref = hf(full).logits[0, len(ids) - 1:-1].log_softmax(-1)
@@ -337,7 +337,7 @@ def test_prompt_top_and_id_logprobs(tiny_engine, tiny_llama_dir):
                                return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
                                token_ids_logprob=[5, 6])
     meta = out["meta_info"]
-    ids = tiny_engine.encode("Hello, my name is")
+    ids = tiny_engine.tokenizer.encode("Hello, my name is")
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)          # [L, V]
@@ -389,3 +389,141 @@ def test_code_loaded_by_steps_is_frozen_when_idle(tiny_engine):
         assert gc.get_freeze_count() > before
     finally:
         del sys.modules[fresh.__name__]
+
+
+# ---- several engines, start-up feedback, model name, aborted requests ------------------------------
+def _running_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "still running in this process" in str(w.message)]
+
+
+def test_a_second_running_engine_warns_once_naming_the_others(tiny_llama_dir):
+    import gc
+    import os
+    import warnings
+
+    from nbgen.engine import running_engines
+
+    base = len(running_engines())  # the shared test engine may be running
+
+    def start() -> tuple[nbgen.Engine, list[str]]:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu")
+        return eng, _running_warnings(record)
+
+    def expected(n: int) -> list[str]:
+        return [f"{n} other nbgen Engine{'s are' if n > 1 else ' is'} still running"] if n else []
+
+    a, said = start()
+    assert [m[:len(e)] for m, e in zip(said, expected(base))] == expected(base) and len(said) == len(expected(base))
+    b, said = start()
+    assert len(said) == 1 and said[0].startswith(expected(base + 1)[0])
+    name = os.path.basename(tiny_llama_dir)
+    assert f"({name})" in said[0] and "llm.shutdown()" in said[0] and "with nbgen.Engine() as llm:" in said[0]
+    assert a in running_engines() and b in running_engines()
+    a.shutdown()
+    b.shutdown()
+    assert a not in running_engines()
+    c, said = start()                      # the shut-down ones do not count
+    assert len(said) == len(expected(base))
+    del c
+    gc.collect()                           # a collected engine does not count either
+    assert len(running_engines()) == base
+    d, said = start()
+    assert len(said) == len(expected(base))
+    d.shutdown()
+
+
+def test_model_name_in_server_info(tiny_engine, tiny_llama_dir):
+    import os
+
+    from nbgen.engine_loading import model_name
+
+    assert tiny_engine.model_name == os.path.basename(tiny_llama_dir)
+    assert tiny_engine.get_server_info()["model_name"] == tiny_engine.model_name
+    cache = "/root/.cache/nbgen"
+    assert model_name(f"{cache}/converted/SmolLM2-135M-Instruct.Q4_1-3114a230d21cd82a") == "SmolLM2-135M-Instruct"
+    assert model_name(f"{cache}/embedded/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert model_name("/m/Qwen2.5-0.5B-Instruct-Q8_0.gguf") == "Qwen2.5-0.5B-Instruct"
+    assert model_name("/hf/models--meta-llama--Llama-3.1-8B/snapshots/0e9e39f249a16976918f6564b8830bc894c89659") \
+        == "Llama-3.1-8B"
+    assert model_name("/models/Llama-3.1-8B-Instruct/") == "Llama-3.1-8B-Instruct"
+
+
+def test_stats_count_aborted_requests_apart_from_finished(tiny_engine):
+    before = tiny_engine.stats()
+    tiny_engine.generate("a b", {"max_new_tokens": 2})
+    it = tiny_engine.generate("a b", {"max_new_tokens": 500, "ignore_eos": True}, stream=True)
+    next(it)
+    it.close()  # aborts the request and returns once the loop let it go
+    after = tiny_engine.stats()
+    assert after["total_finished"] - before["total_finished"] == 1
+    assert after["total_aborted"] - before["total_aborted"] == 1
+
+
+def test_start_up_stages_reach_the_callback_in_order(tiny_llama_dir, capsys, caplog):
+    import logging
+    import warnings
+
+    stages: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the shared test engine is running too
+        with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", on_stage=stages.append):
+            pass
+        assert stages == ["loading weights", "sizing the KV cache"]  # CPU: no CUDA graphs to capture
+        # no callback, no notebook: one INFO log line per stage and the summary, nothing printed
+        with caplog.at_level(logging.INFO, logger="nbgen"):
+            with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", log_level="info"):
+                pass
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert logged[:2] == ["nbgen: loading weights", "nbgen: sizing the KV cache"]
+    assert logged[2].startswith("nbgen: loaded ") and " on cpu in " in logged[2]
+    assert capsys.readouterr().out == ""
+
+
+def test_embedded_model_fetch_is_a_stage():
+    from nbgen.models.embedded import default_model_path, embedded_model_ready
+
+    if not embedded_model_ready():
+        pytest.skip("the embedded model is not fetched")
+    stages: list[str] = []
+    assert default_model_path(stages.append)
+    assert stages == ["fetching the embedded model"]
+
+
+def test_loading_line_in_a_notebook_ends_without_a_spinner(tiny_llama_dir, monkeypatch):
+    import re
+    import types
+    import warnings
+
+    IPython = pytest.importorskip("IPython")
+    import IPython.display
+
+    from nbgen.engine_loading import StartupFeedback
+
+    class Handle:
+        def __init__(self, bundle):
+            self.bundles = [bundle]
+
+        def update(self, bundle, raw=False):
+            self.bundles.append(bundle)
+
+    shown: list[Handle] = []
+    with monkeypatch.context() as m:  # a Jupyter kernel only while the feedback line is made
+        m.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=object()))
+        m.setattr(IPython.display, "display", lambda b, raw=False, display_id=None: shown.append(Handle(b)) or shown[-1])
+        line = StartupFeedback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", on_stage=line) as eng:
+            line.done(eng.model_name, eng.device)
+    [handle] = shown
+    *live, final = handle.bundles
+    assert [re.search(r'data-stage="([^"]+)"', b["text/html"]).group(1) for b in live] == \
+        ["starting the engine", "loading weights", "sizing the KV cache"]
+    assert all("<progress" in b["text/html"] for b in live)
+    assert "<progress" not in final["text/html"] and "nbgen-loaded" in final["text/html"]
+    assert re.fullmatch(r"nbgen: loaded tiny_llama\d* on cpu in \d+\.\d s", final["text/plain"])
+    line2 = StartupFeedback()  # outside a kernel: nothing displayed
+    line2.failed()
+    assert len(shown) == 1

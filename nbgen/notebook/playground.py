@@ -6,6 +6,7 @@ running. Each sample streams on its own thread into its own box.
 from __future__ import annotations
 
 import html
+import math
 import threading
 import time
 import uuid
@@ -24,7 +25,9 @@ SLIDERS: dict[str, tuple[float, float, float, float]] = {
     "max_new_tokens": (1, 512, 1, 64),
 }
 INT_SLIDERS = ("top_k", "max_new_tokens")
-
+# on a log2 scale: 0.5 and 2 lie as far from 1 (no penalty) as they act; step 0.02 in the exponent
+LOG_SLIDERS = ("repetition_penalty",)
+CONTROL_WIDTH, LABEL_WIDTH = "460px", "140px"   # a ~260 px track: a 30 px drag moves temperature ~0.2
 
 def sample_params(values: Mapping[str, Any], k: int, seed: int) -> list[dict[str, Any]]:
     """Slider values -> k validated sampling-param dicts (sample i uses seed + i)."""
@@ -72,6 +75,14 @@ def sample_html(i: int, text: str, tokens: int, seconds: float, status: str) -> 
             f'<div style="white-space:pre-wrap;font-family:monospace">{html.escape(text)}</div></div>')
 
 
+def settings_text(prompt: str, values: Mapping[str, Any], seed: int, k: int, chat: bool) -> str:
+    """The settings in one line (the static snapshot's header)."""
+    parts = [f"{n} {'off' if n == 'top_k' and int(values[n]) == 0 else format(float(values[n]), 'g')}"
+             for n in SLIDERS if n in values]
+    head = f"prompt {prompt!r}" + (" (chat template)" if chat else "")
+    return " · ".join([head, *parts, f"seed {seed}", f"k {k}"])
+
+
 class Playground(Shown):
     """Sliders + prompt box + k sample boxes. ``.values``, ``.regenerate()``, ``.texts``."""
 
@@ -83,38 +94,58 @@ class Playground(Shown):
         self.engine, self.prompt, self.k, self.seed, self.chat = engine, prompt, k, seed, chat
         self.values = {n: initial.get(n, spec[3]) for n, spec in SLIDERS.items()}
         sample_params(self.values, k, seed)  # bad initial settings fail now
+        self.status = "open"  # "open", "closed" or "engine shut down"
         self._gen = 0  # generation counter: threads of an older generation stop drawing
         self._rids: list[str] = []
         self._lock = threading.Lock()
         self.texts: list[str] = [""] * k
         self._boxes_html: list[str] = [sample_html(i, "", 0, 0.0, "waiting") for i in range(k)]
         self._done = threading.Event()
+        self._closed = threading.Event()
         self._debouncer = Debouncer(debounce, self.regenerate)
+        self.controls: dict[str, Any] = {}
         w = widgets_or_none(widget)
         self.widget = self._build(w) if w is not None else None
+        if hasattr(engine, "is_shutdown"):  # follow the engine: disable everything once it is shut down
+            threading.Thread(target=self._watch_engine, name="nbgen-playground", daemon=True).start()
 
     # ---- widgets ----------------------------------------------------------------------------------
     def _build(self, w: Any) -> Any:
-        self.controls: dict[str, Any] = {}
+        style, layout = {"description_width": LABEL_WIDTH}, {"width": CONTROL_WIDTH}
         for name, (lo, hi, step, _) in SLIDERS.items():
-            cls = w.IntSlider if name in INT_SLIDERS else w.FloatSlider
-            self.controls[name] = cls(value=self.values[name], min=lo, max=hi, step=step, description=name,
-                                      continuous_update=False, style={"description_width": "130px"})
-        self.controls["seed"] = w.IntText(value=self.seed, description="seed", style={"description_width": "130px"})
-        self.controls["k"] = w.IntSlider(value=self.k, min=1, max=4, description="samples (k)",
-                                         style={"description_width": "130px"})
-        self.controls["chat"] = w.Checkbox(value=self.chat, description="chat template")
+            # the readout is an editable box (type a value, Enter); continuous_update=False: one run per drag
+            common = {"value": self.values[name], "description": name, "style": style,
+                      "continuous_update": False, "layout": w.Layout(**layout)}
+            if name in LOG_SLIDERS:  # exponents of 2: log2(0.5) = -1 .. log2(2) = 1
+                ctrl = w.FloatLogSlider(base=2, min=math.log2(lo), max=math.log2(hi), step=0.02,
+                                        readout_format=".2f", **common)
+            elif name in INT_SLIDERS:
+                ctrl = w.IntSlider(min=lo, max=hi, step=step, **common)
+            else:
+                ctrl = w.FloatSlider(min=lo, max=hi, step=step, readout_format=".2f", **common)
+            self.controls[name] = ctrl
+        self.controls["seed"] = w.IntText(value=self.seed, description="seed", style=style,
+                                          layout=w.Layout(width="300px"))
+        self.controls["k"] = w.IntSlider(value=self.k, min=1, max=4, description="samples (k)", style=style,
+                                         continuous_update=False, layout=w.Layout(**layout))
+        self.controls["chat"] = w.Checkbox(value=self.chat, description="chat template", style=style,
+                                           layout=w.Layout(**layout))
         self.prompt_box = w.Textarea(value=self.prompt, layout=w.Layout(width="100%", height="70px"))
         for c in [*self.controls.values(), self.prompt_box]:
             c.observe(self._on_change, names="value")
         self.out = w.HTML(value=self._samples_html())
-        self.status = w.Label(value="")
-        # sliders keep their width; samples take the rest and wrap below on narrow notebooks
-        left = w.VBox(list(self.controls.values()), layout=w.Layout(flex="0 0 auto", width="440px"))
-        right = w.VBox([self.out, self.status], layout=w.Layout(flex="1 1 320px", min_width="320px"))
-        return w.VBox([self.prompt_box, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap", width="100%"))])
+        self.status_label = w.Label(value="")
+        # the controls' column is exactly as wide as the controls (no empty band before the samples);
+        # the samples take the rest and wrap below the controls on narrow notebooks
+        self.left = w.VBox(list(self.controls.values()), layout=w.Layout(flex="0 0 auto", width=CONTROL_WIDTH))
+        self.right = w.VBox([self.out, self.status_label], layout=w.Layout(flex="1 1 320px", min_width="320px",
+                                                                      margin="0 0 0 12px"))
+        return w.VBox([self.prompt_box, w.HBox([self.left, self.right],
+                                               layout=w.Layout(flex_flow="row wrap", width="100%"))])
 
     def _on_change(self, change: Mapping[str, Any]) -> None:
+        if self.status != "open":
+            return
         self.prompt = self.prompt_box.value
         for name in SLIDERS:
             self.values[name] = self.controls[name].value
@@ -127,14 +158,16 @@ class Playground(Shown):
         return '<div style="display:flex;gap:8px;flex-wrap:wrap">' + "".join(self._boxes_html) + "</div>"
 
     def _render(self) -> None:
-        if self.widget is not None:
+        if self.widget is not None and not self._final:
             self.out.value = self._samples_html()
-        elif getattr(self, "_handle", None) is not None:
-            self._handle.update(self._bundle(), raw=True)
+        else:
+            self._update_displays()
 
     # ---- generation -------------------------------------------------------------------------------
     def regenerate(self, wait: bool = False) -> None:
-        """Abort running samples and start k new ones with the current settings."""
+        """Abort running samples and start k new ones with the current settings (not once closed)."""
+        if self.status != "open":
+            return
         try:
             params = sample_params(self.values, self.k, self.seed)
             prompt = (self.engine.apply_chat_template([{"role": "user", "content": self.prompt}])
@@ -143,17 +176,16 @@ class Playground(Shown):
             self._set_status(f"invalid settings: {e}")
             return
         with self._lock:
+            if self.status != "open":  # closed meanwhile
+                return
             self._gen += 1
             gen, old = self._gen, self._rids
             self._rids = [f"nbgen-play-{uuid.uuid4().hex[:10]}" for _ in range(self.k)]
             self.texts = [""] * self.k
             self._boxes_html = [sample_html(i, "", 0, 0.0, "starting") for i in range(self.k)]
             self._done.clear()
-        if old:
-            try:
-                self.engine.abort(old)
-            except RuntimeError:
-                pass
+        self._set_status("")
+        self._abort(old)
         remaining = [self.k]
         rids = list(self._rids)
         threads = [threading.Thread(target=self._sample, args=(gen, i, prompt, p, rids[i], remaining), daemon=True)
@@ -200,31 +232,59 @@ class Playground(Shown):
 
     def _set_status(self, msg: str) -> None:
         if self.widget is not None:
-            self.status.value = msg
+            self.status_label.value = msg
 
     def wait(self, timeout: Optional[float] = None) -> list[str]:
         """Block until the current samples finish; return their texts."""
         self._done.wait(timeout)
         return list(self.texts)
 
-    def close(self) -> None:
-        """Stop regenerating and abort running samples."""
+    # ---- the end --------------------------------------------------------------------------------
+    def _abort(self, rids: list[str]) -> None:
+        if rids:
+            try:
+                self.engine.abort(rids)
+            except RuntimeError:  # the engine is shut down: nothing runs anyway
+                pass
+
+    def _end(self, state: str, message: str) -> None:
+        """Stop for good: no more runs, controls disabled, the output a static snapshot."""
         self._debouncer.cancel()
         with self._lock:
+            if self.status != "open":
+                return
+            self.status = state
             self._gen += 1
             old, self._rids = self._rids, []
-        if old:
-            try:
-                self.engine.abort(old)
-            except RuntimeError:
-                pass
+            self._done.set()
+        self._closed.set()
+        self._abort(old)
+        for c in [*self.controls.values(), *([self.prompt_box] if self.widget is not None else [])]:
+            c.disabled = True
+        self._set_status(message)
+        self._finish_displays()
+
+    def close(self) -> None:
+        """Stop regenerating and abort running samples; the output keeps a static snapshot."""
+        self._end("closed", "closed")
+
+    def _watch_engine(self) -> None:
+        while not self._closed.wait(0.25):
+            if self.engine.is_shutdown:
+                self._end("engine shut down", "engine shut down: start a new Engine and playground")
+                return
 
     # ---- display ----------------------------------------------------------------------------------
     def _text(self) -> str:
         return "\n---\n".join(self.texts)
 
     def _snapshot_html(self) -> str:
-        return self._samples_html()
+        head = html.escape(settings_text(self.prompt, self.values, self.seed, self.k, self.chat))
+        note = "" if self.status == "open" else f" ({html.escape(self.status)})"
+        return (f'<div class="nbgen-playground" data-status="{html.escape(self.status)}" '
+                'style="font-family:system-ui,sans-serif">'
+                f'<div style="font-size:11px;color:#666;margin-bottom:4px">{head}{note}</div>'
+                f"{self._samples_html()}</div>")
 
 
 def playground(engine: Any, prompt: str = "Once upon a time", k: int = 2, seed: int = 0, chat: bool = False,

@@ -7,13 +7,15 @@ where widgets are unavailable (nbconvert, GitHub, a terminal).
 from __future__ import annotations
 
 import html
+import math
 import time
 from collections import deque
+from datetime import datetime
 from typing import Any, Mapping, Optional, Sequence
 
 STAT_KEYS = ("running", "waiting", "kv_pages_used", "kv_pages_total", "prefix_cache_pages", "page_size",
              "input_tok_s", "output_tok_s", "total_input_tokens", "total_output_tokens",
-             "total_cached_tokens", "total_finished", "uptime_s", "time")
+             "total_cached_tokens", "total_finished", "total_aborted", "uptime_s", "time")
 
 
 class StatsHistory:
@@ -45,10 +47,14 @@ class StatsHistory:
         return [float(s["time"]) - t1 for s in self._items]
 
     def to_frame(self) -> Any:
-        """A pandas DataFrame, one row per snapshot (columns: STAT_KEYS that were reported)."""
+        """A pandas DataFrame, one row per snapshot (columns: the stats() keys reported); ``time`` is
+        the local wall-clock time of each snapshot (to the millisecond), ``uptime_s`` the engine's age."""
         import pandas as pd
 
-        return pd.DataFrame(list(self._items))
+        frame = pd.DataFrame(list(self._items))
+        if "time" in frame:
+            frame["time"] = pd.to_datetime([datetime.fromtimestamp(float(t)) for t in frame["time"]]).floor("ms")
+        return frame
 
 
 def fmt_num(x: float) -> str:
@@ -68,24 +74,58 @@ def kv_summary(stats: Mapping[str, Any]) -> dict[str, float]:
             "prefix_frac": prefix / total if total else 0.0}
 
 
-def svg_lines(xs: Sequence[float], series: Mapping[str, tuple[Sequence[float], str]],
-              width: int = 420, height: int = 120) -> str:
-    """A small line chart as inline SVG: one polyline per series, y from 0 to the max value."""
-    pad = 4
-    ymax = max([max(v) for v, _ in series.values() if len(v)] + [1e-9])
-    xmin, xmax = (min(xs), max(xs)) if xs else (0.0, 1.0)
-    span = (xmax - xmin) or 1.0
+def nice_ceil(x: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 x 10^k that is >= x (a clean axis maximum); 1 for x <= 0."""
+    if x <= 0:
+        return 1.0
+    mag = 10 ** math.floor(math.log10(x))
+    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= x * (1 - 1e-9))
+
+
+def time_ticks(span: float, most: int = 5) -> list[float]:
+    """Seconds-ago tick positions 0, step, 2*step... within ``span``, at most ``most`` of them."""
+    step = next((s for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600) if span / s < most), span)
+    return [i * step for i in range(int(span // step) + 1)]
+
+
+def svg_lines(xs: Sequence[float], series: Mapping[str, tuple[Sequence[float], str]], width: int = 440,
+              height: int = 140, x_label: str = "seconds ago", y_unit: str = "tok/s", min_span: float = 10.0) -> str:
+    """A small line chart as inline SVG: one polyline per series over x = seconds ago (<= 0, the
+    axis spans at least ``min_span``), y from 0 to a clean maximum labelled at the top."""
+    left, right, top, bottom = 46, 10, 8, 30
+    pw, ph = width - left - right, height - top - bottom
+    ymax = nice_ceil(max([max(v) for v, _ in series.values() if len(v)] + [0.0]))
+    span = max([-min(xs) if xs else 0.0, float(min_span)])
+
+    def px(x: float) -> float:
+        return left + (x + span) / span * pw
+
+    def py(v: float) -> float:
+        return top + ph - v / ymax * ph
+
+    grey = 'font-size="10" fill="#666"'
     parts = [f'<svg class="nbgen-chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-             f'xmlns="http://www.w3.org/2000/svg"><rect width="100%" height="100%" fill="#fafafa" stroke="#ddd"/>']
+             f'xmlns="http://www.w3.org/2000/svg"><rect width="100%" height="100%" fill="#fafafa"/>'
+             f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fff" stroke="#ddd"/>'
+             f'<line x1="{left}" y1="{top}" x2="{left + pw}" y2="{top}" stroke="#eee"/>'
+             f'<text class="nbgen-ymax" x="{left - 4}" y="{top + 8}" {grey} text-anchor="end">{fmt_num(ymax)}</text>'
+             f'<text x="{left - 4}" y="{top + 18}" font-size="9" fill="#999" text-anchor="end">'
+             f'{html.escape(y_unit)}</text>'
+             f'<text x="{left - 4}" y="{top + ph}" {grey} text-anchor="end">0</text>']
+    for t in time_ticks(span):
+        x = px(-t)
+        parts.append(f'<line x1="{x:.1f}" y1="{top + ph}" x2="{x:.1f}" y2="{top + ph + 3}" stroke="#999"/>'
+                     f'<text x="{x:.1f}" y="{top + ph + 13}" {grey} text-anchor="middle">'
+                     f'{"now" if t == 0 else f"{t:g}"}</text>')
+    parts.append(f'<text class="nbgen-xlabel" x="{left + pw / 2:.1f}" y="{height - 3}" {grey} '
+                 f'text-anchor="middle">{html.escape(x_label)}</text>')
     for name, (values, color) in series.items():
         if len(values) < 2:
             continue
-        pts = " ".join(f"{pad + (x - xmin) / span * (width - 2 * pad):.1f},"
-                       f"{height - pad - v / ymax * (height - 2 * pad):.1f}" for x, v in zip(xs, values))
+        pts = " ".join(f"{px(x):.1f},{py(v):.1f}" for x, v in zip(xs, values))
         parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{pts}">'
                      f"<title>{html.escape(name)}</title></polyline>")
-    parts.append(f'<text x="{width - pad}" y="12" font-size="10" text-anchor="end" fill="#666">'
-                 f"max {fmt_num(ymax)} tok/s</text></svg>")
+    parts.append("</svg>")
     return "".join(parts)
 
 
@@ -118,6 +158,7 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
         cell("running", str(s.get("running", 0)), "running"),
         cell("waiting", str(s.get("waiting", 0)), "waiting"),
         cell("finished", fmt_num(s.get("total_finished", 0)), "finished"),
+        cell("aborted", fmt_num(s.get("total_aborted", 0)), "aborted"),
         cell("tokens in / out", f'{fmt_num(s.get("total_input_tokens", 0))} / '
                                 f'{fmt_num(s.get("total_output_tokens", 0))}', "totals"),
     ])
@@ -125,8 +166,8 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
     return (f'<div class="nbgen-dashboard" data-status="{html.escape(status)}" {attrs} '
             'style="font-family:system-ui,sans-serif;border:1px solid #ddd;border-radius:6px;padding:8px;'
             'max-width:460px">'
-            f'<div style="display:flex;justify-content:space-between;gap:8px"><b style="overflow:hidden;'
-            f'text-overflow:ellipsis;white-space:nowrap">{html.escape(title)}</b>'
+            f'<div style="display:flex;flex-wrap:wrap;justify-content:space-between;align-items:baseline;'
+            f'column-gap:8px"><b style="overflow-wrap:anywhere">{html.escape(title)}</b>'
             f'<span class="nbgen-status" style="color:#888;font-size:11px;white-space:nowrap">{html.escape(status)} · '
             f'up {s.get("uptime_s", 0):.0f} s</span></div>'
             f'<div style="display:flex;flex-wrap:wrap;gap:6px;margin:6px 0">{cells}</div>'
@@ -147,23 +188,43 @@ def dashboard_text(stats: Optional[Mapping[str, Any]]) -> str:
     return (f"nbgen: in {fmt_num(stats.get('input_tok_s', 0))} tok/s, out {fmt_num(stats.get('output_tok_s', 0))} "
             f"tok/s | running {stats.get('running', 0)}, waiting {stats.get('waiting', 0)} | KV {kv['used']}/"
             f"{kv['total']} pages ({kv['frac']:.0%}, prefix {kv['prefix_frac']:.0%}) | finished "
-            f"{stats.get('total_finished', 0)}, tokens in/out {stats.get('total_input_tokens', 0)}/"
+            f"{stats.get('total_finished', 0)}, aborted {stats.get('total_aborted', 0)}, tokens in/out "
+            f"{stats.get('total_input_tokens', 0)}/"
             f"{stats.get('total_output_tokens', 0)}")
 
 
-def svg_bars(labels: Sequence[str], values: Sequence[float], unit: str = "", width: int = 520,
-             bar_h: int = 22, color: str = "#4c78a8") -> str:
-    """A horizontal bar chart as inline SVG (benchmarks notebook; no matplotlib needed)."""
-    label_w, pad = 190, 4
+def svg_bars(labels: Sequence[str], values: Sequence[float], unit: str = "", width: Optional[int] = None,
+             bar_h: int = 22, color: str = "#4c78a8", title: Optional[str] = None, bar_w: int = 300,
+             max_label_chars: int = 72) -> str:
+    """A horizontal bar chart as inline SVG (benchmarks notebook; no matplotlib needed).
+
+    The label column is as wide as the longest label; labels over ``max_label_chars`` are cut with
+    "…" (every label's full text is its tooltip). ``title`` is drawn above the bars. ``width`` None
+    gives the bars ``bar_w`` pixels; a fixed ``width`` gives them what the labels and values leave.
+    """
+    pad, char_w = 4, 6.8                       # px per character of 12 px system-ui text, generous
+    labels = [str(lab) for lab in labels]
+    shown = [lab if len(lab) <= max_label_chars else lab[:max_label_chars - 1] + "…" for lab in labels]
+    texts = [f"{fmt_num(v)}{unit}" for v in values]
+    label_w = int(max([len(t) for t in shown] + [1]) * char_w) + 12
+    value_w = int(max([len(t) for t in texts] + [1]) * char_w * 0.95) + 10
+    bar_w = max(width - label_w - value_w, 40) if width is not None else bar_w
+    width = label_w + bar_w + value_w
+    head = 24 if title else 0
     vmax = max(list(values) + [1e-9])
-    height = pad * 2 + bar_h * len(values)
-    parts = [f'<svg class="nbgen-bars" width="{width}" height="{height}" xmlns="http://www.w3.org/2000/svg">']
-    for i, (lab, v) in enumerate(zip(labels, values)):
-        y = pad + i * bar_h
-        w = max(v / vmax * (width - label_w - 70), 0.0)
+    height = head + pad * 2 + bar_h * len(shown)
+    parts = [f'<svg class="nbgen-bars" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             'xmlns="http://www.w3.org/2000/svg" font-family="system-ui,sans-serif">']
+    if title:
+        parts.append(f'<text class="nbgen-bars-title" x="{pad}" y="16" font-size="13" font-weight="600">'
+                     f"{html.escape(title)}</text>")
+    for i, (lab, full, v, text) in enumerate(zip(shown, labels, values, texts)):
+        y = head + pad + i * bar_h
+        w = max(v / vmax * bar_w, 0.0)
         parts.append(f'<text x="{label_w - 6}" y="{y + bar_h * 0.68:.1f}" font-size="12" text-anchor="end">'
-                     f'{html.escape(str(lab))}</text><rect x="{label_w}" y="{y + 3}" width="{w:.1f}" '
-                     f'height="{bar_h - 6}" fill="{color}"/><text x="{label_w + w + 4:.1f}" '
-                     f'y="{y + bar_h * 0.68:.1f}" font-size="11">{fmt_num(v)}{html.escape(unit)}</text>')
+                     f"<title>{html.escape(full)}</title>{html.escape(lab)}</text>"
+                     f'<rect x="{label_w}" y="{y + 3}" width="{w:.1f}" height="{bar_h - 6}" fill="{color}"/>'
+                     f'<text x="{label_w + w + 4:.1f}" y="{y + bar_h * 0.68:.1f}" font-size="11">'
+                     f"{html.escape(text)}</text>")
     parts.append("</svg>")
     return "".join(parts)

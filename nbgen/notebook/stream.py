@@ -2,7 +2,9 @@
 
 Generation runs on a background thread so the cell returns at once and the kernel stays free to
 handle the Stop button (a click is a kernel message; it could not be processed while the cell
-itself blocked). ``cell.wait()`` blocks for the final text when a script needs it.
+itself blocked). ``cell.wait()`` blocks for the final text when a script needs it. When the text
+is complete (or stopped, or the engine shut down) the output becomes static HTML, which a saved
+notebook keeps.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import time
 import uuid
 from typing import Any, Mapping, Optional
 
-from nbgen.notebook._compat import Shown, _ipython_active, widgets_or_none
+from nbgen.notebook import _compat
+from nbgen.notebook._compat import Shown, widgets_or_none
 
 
 class StreamState:
@@ -52,14 +55,23 @@ class StreamState:
         dt = self.t_last - self.t0
         return self.tokens / dt if dt > 0 else 0.0
 
+    @property
+    def engine_gone(self) -> bool:
+        """True when the generation ended because the engine was shut down."""
+        why = self.error or (self.finish_reason or {}).get("message") or ""
+        return "engine is shut down" in str(why)
+
     def status(self) -> str:
         """'streaming · 12 tokens · 34.5 tok/s' or the finish reason once done."""
-        if self.error:
+        if self.engine_gone:
+            head = "engine shut down"
+        elif self.error:
             return f"error: {self.error}"
-        head = "streaming"
-        if self.finish_reason:
-            fr = self.finish_reason
-            head = "stopped" if fr.get("type") == "abort" else f"done ({fr.get('type')})"
+        elif self.finish_reason:
+            kind = self.finish_reason.get("type")
+            head = "stopped" if kind == "abort" else f"done ({kind})"
+        else:
+            head = "streaming"
         return f"{head} · {self.tokens} tokens · {self.tok_s:.1f} tok/s"
 
     def html(self, prompt: Optional[str] = None) -> str:
@@ -85,7 +97,6 @@ class StreamCell(Shown):
         self._done = threading.Event()
         self._stopping = False
         self._print = False  # outside Jupyter: print pieces to stdout as they arrive
-        self._handle: Any = None
         self._thread: Optional[threading.Thread] = None
         w = widgets_or_none(widget)
         self.widget = None
@@ -126,6 +137,7 @@ class StreamCell(Shown):
         finally:
             self._done.set()
             self._render()
+            self._finish_displays()  # the final text as static HTML: no widget view left to save
 
     def stop(self) -> None:
         """Abort the request (the Stop button); text generated so far stays."""
@@ -161,8 +173,8 @@ class StreamCell(Shown):
             self._out.value = self.state.html(self._shown_prompt())
             self._label.value = self.state.status()
             self._button.disabled = self._done.is_set()
-        elif self._handle is not None:
-            self._handle.update(self._bundle(), raw=True)
+        else:
+            self._update_displays()
 
     def _text(self) -> str:
         return self.state.text
@@ -181,7 +193,7 @@ def stream(engine: Any, prompt: str, sampling_params: Optional[dict[str, Any]] =
     Extra keyword arguments go to ``engine.generate`` (e.g. ``return_logprob=True``).
     """
     cell = StreamCell(engine, prompt, sampling_params, widget=widget, show_prompt=show_prompt, **generate_kw)
-    if display and _ipython_active():
+    if display and _compat.ipython_active():
         cell.show()
     elif display:
         cell._print = True

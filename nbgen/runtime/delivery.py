@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Any, Callable, Optional
 
-from nbgen.core.finish import FinishReason
+from nbgen.core.finish import ABORT, FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.grammar import GrammarService
 from nbgen.runtime.loop_stats import LoopStats
@@ -148,7 +148,8 @@ class Delivery:
         if upd.finished:
             self._tracked.pop(t.req.rid, None)
             self._rids.discard(t.req.rid)
-            self._stats.finished(t.req.cached_tokens)
+            fr = t.req.finish_reason
+            self._stats.finished(t.req.cached_tokens, aborted=fr is not None and fr.type == ABORT)
             self.publish()   # a caller that got its final output sees it gone from stats()
         try:
             t.sink(upd)

@@ -6,7 +6,7 @@ the loop keeps the parts, the Engine facade gets ``EngineParts.info()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -31,12 +31,13 @@ class EngineParts:
         return {"device": str(self.device), "scheduler": self.scheduler_config, "loaded": self.runner.loaded}
 
 
-def build_engine_parts(cfg: EngineConfig) -> EngineParts:
-    """Resolve the config for its device, load the model, size the KV pool, make the scheduler."""
+def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], None]] = None) -> EngineParts:
+    """Resolve the config for its device, load the model, size the KV pool, make the scheduler;
+    ``on_stage`` hears the start-up stages (see ``setup_model``)."""
     device = torch.device(cfg.resolve_device())
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rcfg = cfg.resolved(device.type, total)
-    runner = ModelRunner(rcfg, device)
+    runner = ModelRunner(rcfg, device, on_stage)
     sc = SchedulerConfig(
         page_size=rcfg.page_size, num_pages=runner.num_pages,
         max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.chunked_prefill_size,

@@ -30,8 +30,9 @@ __all__ = ["LoopThread", "Sink"]
 class LoopThread:
     """Starts the engine's owner thread; ``start()`` blocks until the model is loaded (or raises)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, on_stage: Optional[Callable[[str], None]] = None) -> None:
         self.cfg = cfg
+        self._on_stage = on_stage    # start-up stages, reported from this thread while it builds
         self._thread = threading.Thread(target=self._run, name="nbgen-engine", daemon=True)
         self._ready: cf.Future = cf.Future()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -155,7 +156,7 @@ class LoopThread:
             thaw_heap()
 
     def _build(self) -> dict[str, Any]:
-        parts = build_engine_parts(self.cfg)
+        parts = build_engine_parts(self.cfg, self._on_stage)
         self.runner, self.scheduler, self.tokenizer = parts.runner, parts.scheduler, parts.tokenizer
         self._delivery = Delivery(parts.scheduler, parts.tokenizer, parts.runner.vocab_size,
                                   parts.cfg.page_size, self._stats, self._rids, self._post)

@@ -1,7 +1,7 @@
 """The engine loop's counters, read by ``Engine.stats()`` and the dashboard from any thread.
 
 The loop thread publishes a snapshot of scheduler state after every step and every posted call,
-adds each step's token counts, and counts finished requests; callers copy it under one lock.
+adds each step's token counts, and counts finished and aborted requests; callers copy it under one lock.
 Rates are tokens per second over a sliding window of recent steps.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class LoopStats:
         self._snap: dict[str, Any] = {}
         self._rates = Rates()
         self._totals = {"total_input_tokens": 0, "total_output_tokens": 0,
-                        "total_cached_tokens": 0, "total_finished": 0}
+                        "total_cached_tokens": 0, "total_finished": 0, "total_aborted": 0}
         self._t0 = time.time()
 
     def publish(self, snapshot: dict[str, Any]) -> None:
@@ -58,9 +58,10 @@ class LoopStats:
             self._totals["total_input_tokens"] += n_in
             self._totals["total_output_tokens"] += n_out
 
-    def finished(self, cached_tokens: int) -> None:
+    def finished(self, cached_tokens: int, aborted: bool = False) -> None:
+        """One request ended: finished (stop / length) or aborted (by the caller, or failed)."""
         with self._lock:
-            self._totals["total_finished"] += 1
+            self._totals["total_aborted" if aborted else "total_finished"] += 1
             self._totals["total_cached_tokens"] += cached_tokens
 
     def read(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -142,14 +142,20 @@ def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int
     torch.cuda.synchronize(device)
 
 
-def setup_model(cfg: EngineConfig, device: torch.device) -> ModelParts:
+def setup_model(cfg: EngineConfig, device: torch.device,
+                on_stage: Optional[Callable[[str], None]] = None) -> ModelParts:
     """Load the model and build everything stepping needs (see the module docstring). ``cfg`` must be
-    resolved (``EngineConfig.resolved``): every device-dependent default chosen."""
+    resolved (``EngineConfig.resolved``): every device-dependent default chosen. ``on_stage`` hears
+    each phase as it starts: "loading weights", "sizing the KV cache", and on CUDA with graphs
+    "capturing CUDA graphs" and "warming up"."""
+    report = on_stage or (lambda stage: None)
     assert None not in (cfg.max_running_requests, cfg.chunked_prefill_size, cfg.cuda_graph_max_bs,
                         cfg.piecewise_cuda_graph_max_tokens), "setup_model needs a resolved EngineConfig"
     t0 = time.perf_counter()
+    report("loading weights")
     loaded = load_model(cfg, device)
     t1 = time.perf_counter()
+    report("sizing the KV cache")
     spec = kv_spec_of(loaded, cfg.page_size, device)
     spec = replace(spec, num_pages=num_pages(cfg, spec, loaded.context_length))
     backend = make_backend(cfg, spec)
@@ -159,12 +165,14 @@ def setup_model(cfg: EngineConfig, device: torch.device) -> ModelParts:
     t2 = time.perf_counter()
     graphs = prefill = None
     if isinstance(backend, FlashInferBackend) and cfg.cuda_graph_max_bs and not cfg.disable_cuda_graph:
+        report("capturing CUDA graphs")
         graphs = CudaGraphRunner(loaded.model, backend, cfg.cuda_graph_max_bs, loaded.context_length)
     t3 = time.perf_counter()
     if graphs is not None:
         prefill = make_prefill_graphs(cfg, loaded.model, backend)
     t4 = time.perf_counter()
     if graphs is not None:
+        report("warming up")
         warm_logits(loaded.model, list(graphs.batch_sizes), loaded.hf_config.hidden_size, loaded.dtype, device)
     startup = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2), "cuda_graphs": round(t3 - t2, 2),
                "prefill_graphs": round(t4 - t3, 2), "warm_logits": round(time.perf_counter() - t4, 2)}

@@ -54,8 +54,9 @@ PreparedStep = Staged
 class ModelRunner:
     """Runs forward passes for scheduled batches and samples the next tokens."""
 
-    def __init__(self, cfg: EngineConfig, device: torch.device) -> None:
-        parts = setup_model(cfg, device)
+    def __init__(self, cfg: EngineConfig, device: torch.device,
+                 on_stage: Optional[Callable[[str], None]] = None) -> None:
+        parts = setup_model(cfg, device, on_stage)
         self.cfg = parts.cfg
         self.device = device
         self.on_gpu = device.type == "cuda"
