@@ -6,8 +6,8 @@ from nbgen.dataframe import generate_df
 from nbgen.engine import Engine
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.logit_processor import CustomLogitProcessor
-from nbgen.notebook import dashboard, playground, stream
+from nbgen.notebook import dashboard, playground, profile, stream
 from nbgen.core.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "GenerationInterrupted", "dashboard", "stream", "playground", "__version__"]
+__all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "GenerationInterrupted", "dashboard", "stream", "playground", "profile", "__version__"]

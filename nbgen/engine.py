@@ -16,6 +16,7 @@ from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin
+from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
                              check_rids, normalize_inputs, per_item)
@@ -29,7 +30,7 @@ from nbgen.runtime.tracker import Update
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin):
+class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model."""
 
     def __init__(self, model_path: Optional[str] = None, *, on_stage: Optional[StageCallback] = None,

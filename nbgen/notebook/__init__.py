@@ -5,6 +5,7 @@ updating HTML outputs (dashboard, stream) or a one-shot view (playground).
 """
 from nbgen.notebook.dashboard import Dashboard, dashboard
 from nbgen.notebook.playground import Playground, playground
+from nbgen.notebook.profile import Profile, profile
 from nbgen.notebook.stream import StreamCell, stream
 
-__all__ = ["Dashboard", "dashboard", "StreamCell", "stream", "Playground", "playground"]
+__all__ = ["Dashboard", "dashboard", "StreamCell", "stream", "Playground", "playground", "Profile", "profile"]

@@ -21,6 +21,7 @@ from nbgen.runtime.engine_parts import build_engine_parts, runner_info
 from nbgen.runtime.gc_freeze import freeze_heap, freeze_new_code, thaw_heap
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.overlap import OverlapStepper
+from nbgen.runtime.profiler import ProfileOptions, ProfileResult, StepProfiler
 
 logger = logging.getLogger("nbgen")
 
@@ -46,6 +47,7 @@ class LoopThread:
         self.tokenizer = None
         self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
         self._stepped = False  # steps ran since the loop last went idle
+        self.profiler = StepProfiler()  # start_profile / stop_profile, driven on this thread
 
     # ---- caller side (any thread) ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -83,6 +85,15 @@ class LoopThread:
             except cf.TimeoutError:
                 if not self._thread.is_alive():
                     raise RuntimeError("engine is shut down") from None
+
+    def start_profile(self, opts: ProfileOptions) -> None:
+        """Start torch.profiler on the loop thread (RuntimeError if one runs)."""
+        cuda = self.runner is not None and self.runner.on_gpu
+        self.call(lambda: self.profiler.start(opts, cuda))
+
+    def stop_profile(self) -> ProfileResult:
+        """Stop the profile and write its trace (or hand over one that stopped after num_steps)."""
+        return self.call(self.profiler.stop)
 
     def stats(self) -> dict[str, Any]:
         return self._stats.read()
@@ -174,6 +185,8 @@ class LoopThread:
             if self.scheduler.has_work() or (self._overlap is not None and self._overlap.busy):
                 self._step()
                 self._stepped = True
+                if self.profiler.active:
+                    self.profiler.after_step()
                 await asyncio.sleep(0)  # let submissions / aborts / calls in between steps
             else:
                 if self._stepped:
@@ -226,4 +239,6 @@ class LoopThread:
     def _stop(self) -> None:
         if self._overlap is not None:
             self._overlap.flush()
+        if self.profiler.active:  # shutting down mid-profile still writes the trace
+            self.profiler.stop()
         self._stopping = True
