@@ -15,7 +15,8 @@ from nbgen.core.config import EngineConfig
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
-from nbgen.engine_async import AsyncGenerateMixin
+from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
+from nbgen.engine_embed import EmbedMixin
 from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
@@ -30,8 +31,9 @@ from nbgen.runtime.tracker import Update
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
-    """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model."""
+class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
+    """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model;
+    ``Engine(..., is_embedding=True)`` embeds (``encode``) instead of generating."""
 
     def __init__(self, model_path: Optional[str] = None, *, on_stage: Optional[StageCallback] = None,
                  **kwargs: Any) -> None:
@@ -59,6 +61,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.dtype = loaded.dtype
+        self.pooling = loaded.pooling    # PoolingConfig of an embedding engine, else None
         self._facts = ModelFacts(vocab_size=int(loaded.hf_config.vocab_size),
                                  context_length=int(loaded.context_length),
                                  eos_ids=frozenset(loaded.eos_token_ids),
@@ -68,6 +71,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
         _live_engines.add(self)
         feedback.done(self.model_name, self.device)
         install_cell_asyncio_run()
+        ensure_event_loop()
 
     @property
     def is_shutdown(self) -> bool:
@@ -84,8 +88,13 @@ class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
         if self.is_shutdown:
             raise RuntimeError("engine is shut down")
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (with the tokenizer's special prefix tokens, as generate() uses)."""
+    def get_tokenizer(self) -> Any:
+        """The HF tokenizer (None with skip_tokenizer_init); ``.encode(text)`` gives the token ids
+        generate() and encode() use."""
+        return self.tokenizer
+
+    def _tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's special prefix tokens)."""
         if self.tokenizer is None:
             raise ValueError("this Engine has no tokenizer (skip_tokenizer_init=True): pass input_ids")
         return list(self.tokenizer.encode(text))
@@ -96,6 +105,9 @@ class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
                  custom_logit_processor: Any = None,
                  return_text_in_logprobs: Any = False) -> tuple[list[Request], bool]:
         self._check_alive()
+        if self.config.is_embedding:
+            raise ValueError("this Engine was created with is_embedding=True: it embeds and does not generate; "
+                             "use encode() (or create another Engine without is_embedding)")
         items, single, kind = normalize_inputs(prompt, input_ids)
         n = len(items)
         if isinstance(sampling_params, list) and single:
@@ -106,7 +118,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
         rids = check_rids(per_item("rid", rid, n))
-        ids_list = [self.encode(p) for p in items] if kind == "prompt" else items
+        ids_list = [self._tokenize(p) for p in items] if kind == "prompt" else items
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
         attach_options(reqs, sps, per_item("return_hidden_states", return_hidden_states, n),
@@ -271,7 +283,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin, ControlMixin):
 
     def get_model_info(self) -> dict[str, Any]:
         return {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,
-                "is_generation": True, "architectures": list(self.hf_config.architectures or []),
+                "is_generation": not self.config.is_embedding,
+                "architectures": list(self.hf_config.architectures or []),
                 "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length}
 
     def shutdown(self) -> None:

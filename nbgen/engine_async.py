@@ -6,10 +6,29 @@ caller's own event loop; cancelling the awaiting task aborts its requests.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any, AsyncIterator
 
 from nbgen.core.request import Request
 from nbgen.runtime.tracker import Update
+
+
+def ensure_event_loop() -> None:
+    """Give the calling thread a current event loop when it has none, as SGLang's Engine does at
+    start: SGLang scripts run ``asyncio.get_event_loop().run_until_complete(llm.async_generate(...))``,
+    which raises once an earlier ``asyncio.run`` left the thread without one. A running loop (a
+    notebook cell) is left alone."""
+    try:
+        asyncio.get_running_loop()
+        return
+    except RuntimeError:
+        pass
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            asyncio.get_event_loop_policy().get_event_loop()
+    except RuntimeError:
+        asyncio.set_event_loop(asyncio.new_event_loop())
 
 
 class AsyncGenerateMixin:

@@ -36,7 +36,7 @@ def test_greedy_equals_hf_gguf_fp32():
                    "Once upon a time"]
         ours = eng.generate(prompts, {"temperature": 0, "max_new_tokens": 24, "min_new_tokens": 24},
                             use_tqdm=False)
-        ids = [eng.encode(p) for p in prompts]
+        ids = [eng.tokenizer.encode(p) for p in prompts]
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     with torch.no_grad():
         for p_ids, out in zip(ids, ours):

@@ -228,7 +228,7 @@ def test_custom_logit_processor_refused_without_flag(tiny_engine):
 
 
 def test_custom_logit_processor_applied_and_failure_isolated(eng):
-    tok = eng.encode(" banana")[-1]
+    tok = eng.tokenizer.encode(" banana")[-1]
     proc = ForceToken.to_str()
     outs = eng.generate(["a", "b", "c"], [{"temperature": 1.0, "max_new_tokens": 5, "custom_params": {"token_id": tok}},
                                           {"temperature": 1.0, "max_new_tokens": 5, "custom_params": {"boom": True}},

@@ -74,3 +74,7 @@ class StepOutput:
     prompt_logprobs: list[Optional[list[TokenLogprobs]]]   # per seq: prompt positions of this chunk
     errors: dict[int, str] = field(default_factory=dict)   # seq index -> message: abort that request only
     hidden_states: Optional[list] = None                   # per seq: last-layer state (when requested)
+    # embedding requests (runtime/embed_step.py), per seq: the pooling state after this chunk, and
+    # on the chunk that completes the prompt the finished vector (None for other seqs)
+    pool_states: Optional[list] = None
+    embeddings: Optional[list[Optional[list[float]]]] = None

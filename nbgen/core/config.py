@@ -59,6 +59,8 @@ class EngineConfig:
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
     trust_remote_code: bool = False
+    # an embedding engine: encode() pools the final hidden states (prefill only); generate() is refused
+    is_embedding: bool = False
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, want: str) -> None:

@@ -27,6 +27,27 @@ class LogprobRequest:
     return_text_in_logprobs: bool = False  # fill the text of each (logprob, id, text) triple
 
 
+POOLING_MODES = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True)
+class EmbedRequest:
+    """What an embedding request wants: how its prompt's final hidden states become one vector.
+
+    ``pooling``: "last" (the last token's state), "mean" (over every prompt token) or "cls" (the
+    first token's); ``dimensions``: keep the first k components (Matryoshka) before ``normalize``
+    (L2). Only "last" may reuse cached prefix pages: the others need every position's state.
+    """
+
+    pooling: str = "last"
+    normalize: bool = True
+    dimensions: Optional[int] = None
+
+    @property
+    def reuses_prefix(self) -> bool:
+        return self.pooling == "last"
+
+
 @dataclass
 class Request:
     """One sequence to generate. ``n > 1`` becomes n Requests sharing a ``group``."""
@@ -41,6 +62,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     logit_processor: Optional[Any] = None    # custom logit processor instance (caller-supplied code)
     return_hidden_states: bool = False       # collect the last layer's state per generated token
+    embed: Optional[EmbedRequest] = None     # an embedding request: prefill only, pooled, never sampled
 
     # --- mutable state (loop thread only) ---
     status: Status = Status.WAITING
@@ -64,6 +86,10 @@ class Request:
     # the sampler's per-request "argmax of the raw logits" flag, set at its first step (params,
     # logprobs, processor and grammar are fixed by then); min_new_tokens is checked per step
     raw_argmax: Optional[bool] = None
+    # embedding requests: the pooling state of the prompt computed so far (runtime/pooling.py; a
+    # device tensor, e.g. mean pooling's running sum), then the finished vector
+    pool_state: Optional[Any] = None
+    embedding: Optional[list[float]] = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -217,8 +217,12 @@ class LlamaForCausalLM(nn.Module):
         only when it processes them or reports logprobs)."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors (any order, one at a time); raise if a parameter stays unset."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_head: bool = True) -> set[str]:
+        """Load HF-named tensors (any order, one at a time); raise if a parameter stays unset.
+
+        Checkpoints saved as the base model (``LlamaModel`` etc.: no ``model.`` prefix, no lm_head,
+        as embedding models ship) load too; with ``require_head=False`` a missing lm_head is tied to
+        the embedding (an embedding engine never computes logits)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -226,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue   # tied: the embedding already is the output matrix
+            if name.startswith(("layers.", "embed_tokens.", "norm.")):
+                name = "model." + name   # a base-model checkpoint
             target, shard = name, None
             for fused, part, shard_id in self.stacked_params:
                 if f".{part}." in name:
@@ -239,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 loader(param, tensor, shard) if shard is not None else loader(param, tensor)
             loaded.add(target if shard is None else f"{target}#{shard}")
+        if not require_head and "lm_head.weight" in params and "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.model.embed_tokens.weight    # frees the unread head
+            params = dict(self.named_parameters())
         self._check_complete(params, loaded)
         return loaded
 
@@ -248,6 +257,9 @@ class LlamaForCausalLM(nn.Module):
             fused = [s for f, _, s in self.stacked_params if f".{f}." in name]
             want = [f"{name}#{s}" for s in fused] if fused else [name]
             missing += [w for w in want if w not in loaded]
+        if missing == ["lm_head.weight"]:
+            raise ValueError(f"checkpoint has no lm_head.weight (a base model, e.g. an embedding model): "
+                             f"pass is_embedding=True to embed with it; generation needs the LM head")
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) of {type(self).__name__}, "
                              f"e.g. {missing[:5]}")

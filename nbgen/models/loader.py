@@ -23,6 +23,7 @@ from nbgen.models.embedded import default_model_path
 from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models.linear import prepack_cpu_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
+from nbgen.models.pooling_config import PoolingConfig, read_pooling_config
 from nbgen.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class LoadedModel:
     dtype: torch.dtype
     context_length: int
     model_dir: str = ""                      # the HF directory actually read (after GGUF conversion)
+    pooling: Optional[PoolingConfig] = None  # embedding engines: how hidden states become a vector
 
 
 def cpu_supports_bf16() -> bool:
@@ -187,6 +189,7 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     device = torch.device(device)
     model_dir = _model_dir(cfg)
     config = read_model_config(model_dir, trust_remote_code=cfg.trust_remote_code)
+    pooling = read_pooling_config(model_dir, config) if cfg.is_embedding else None   # bad modules fail first
     cls = get_model_class(config)
     dtype = resolve_dtype(cfg.dtype, device)
     with _default_dtype(dtype), torch.device(device):
@@ -194,7 +197,8 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     if cfg.load_format == "dummy":
         _dummy_init(model, cfg.random_seed)
     else:
-        model.load_weights(iter_safetensors(model_dir))
+        # an embedding engine never computes logits: a checkpoint without lm_head (saved as the base model) loads
+        model.load_weights(iter_safetensors(model_dir), require_head=not cfg.is_embedding)
     model.eval().requires_grad_(False)
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
@@ -203,4 +207,5 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     eos, defaults = _eos_ids(model_dir, config, tokenizer)
     ctx = cfg.context_length or int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
     return LoadedModel(model=model, hf_config=config, tokenizer=tokenizer, eos_token_ids=eos,
-                       generation_defaults=defaults, dtype=dtype, context_length=ctx, model_dir=model_dir)
+                       generation_defaults=defaults, dtype=dtype, context_length=ctx, model_dir=model_dir,
+                       pooling=pooling)

@@ -1,4 +1,4 @@
-"""Output dicts in SGLang's shape, built from a finished (or streaming) Request."""
+"""Output dicts in SGLang's shape (generate and encode), built from a finished (or streaming) Request."""
 from __future__ import annotations
 
 import time
@@ -44,9 +44,20 @@ def logprob_fields(req: Request, decode: Decode, start: int = 0) -> dict[str, An
     return out
 
 
+def embedding_output(req: Request) -> dict[str, Any]:
+    """SGLang's encode() dict: the vector (None when the request was aborted) and its meta_info."""
+    return {"embedding": req.embedding,
+            "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason),
+                          "prompt_tokens": len(req.prompt_ids), "cached_tokens": req.cached_tokens,
+                          "e2e_latency": time.perf_counter() - req.arrival}}
+
+
 def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
                  finished: bool, logprob_start: int = 0) -> dict[str, Any]:
-    """The dict a caller receives: text, output_ids and meta_info (finish_reason None while running)."""
+    """The dict a caller receives: text, output_ids and meta_info (finish_reason None while running);
+    for an embedding request the ``embedding_output`` dict."""
+    if req.embed is not None:
+        return embedding_output(req)
     meta: dict[str, Any] = {
         "id": req.rid,
         "prompt_tokens": len(req.prompt_ids),

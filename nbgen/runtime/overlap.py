@@ -10,7 +10,8 @@ Per loop iteration (``OverlapStepper.step``):
      bookkeeping only depend on counts), and N+1 becomes the pending step.
 A request that hit a stop token at step N has already been scheduled for N+1; that extra token is
 dropped because ``update`` skips requests that are no longer running. Batches that need host-side
-token values (logprobs, penalties over output ids, custom logit processors, hidden states) run
+token values (logprobs, penalties over output ids, custom logit processors, hidden states) and
+embedding batches (their vectors are copied to the host in the step) run
 synchronously after a flush, so greedy and seeded outputs are identical with and without overlap.
 Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
 Step N+1's forward is queued without its sampling (``staged``); then step N resolves (its tokens are
@@ -58,7 +59,7 @@ def overlappable(batch: ScheduledBatch) -> bool:
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
             return False
         r = s.req   # custom processors may read output ids; hidden states are copied to the host
-        if r.logit_processor is not None or r.return_hidden_states:
+        if r.logit_processor is not None or r.return_hidden_states or r.embed is not None:
             return False
     return True
 

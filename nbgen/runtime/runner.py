@@ -19,6 +19,7 @@ from nbgen.core.config import EngineConfig
 from nbgen.kernels.batch_sizes import padded_batch_size
 from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.cuda_graphs import Staged
+from nbgen.runtime.embed_step import embed_step, is_embedding_batch
 from nbgen.runtime.logprob_step import per_seq, step_with_logprobs, wants_logprobs
 from nbgen.runtime.model_setup import setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
@@ -226,7 +227,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> StepOutput:
-        """Forward the batch's tokens, sample where asked, gather logprobs."""
+        """Forward the batch's tokens, sample where asked, gather logprobs (or pool embeddings)."""
+        if is_embedding_batch(batch):
+            return embed_step(self, batch)
         if not any(wants_logprobs(s) for s in batch.seqs):
             launched = self.launch(batch)
             out = self.resolve(launched)

@@ -18,6 +18,9 @@ requests join and leave at every step. A step is built in this order:
    fit even alone is aborted with a message: never a spin, never a silent drop.
 5. **n > 1**: requests of one ``group`` share a prompt: one member is admitted alone until its
    prompt prefill is done and cached, then the others hit the cache.
+6. **Embedding requests** (``max_new_tokens=0``, ``req.embed``): prefill only; the update of the
+   chunk that completes the prompt stores the vector and finishes them. Mean / CLS pooling never
+   take cached pages (``waiting.matchable_ids``).
 
 Full pages enter the prefix cache when a prefill (or recompute) completes, at finish, at
 preemption and at abort (runner errors excepted). Decodes cost O(1) Python each per step.
@@ -157,6 +160,10 @@ class Scheduler:
                 done = True
                 continue
             n_prompt, kv = len(req.prompt_ids), seq.start_pos + len(seq.token_ids)
+            if out.pool_states is not None:                  # embedding requests (runtime/embed_step.py)
+                req.pool_state = out.pool_states[i]
+                if out.embeddings is not None and out.embeddings[i] is not None:
+                    req.embedding, req.pool_state = out.embeddings[i], None
             if seq.start_pos < n_prompt and req.wants_prompt_logprobs:
                 if seq.prompt_logprob_start >= 0 and out.prompt_logprobs[i]:
                     for lp in out.prompt_logprobs[i]:

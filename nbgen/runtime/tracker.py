@@ -30,7 +30,8 @@ class Tracked:
         self.tokenizer = tokenizer
         p = req.params
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
-                                             p.spaces_between_special_tokens) if tokenizer is not None else None)
+                                             p.spaces_between_special_tokens)
+                      if tokenizer is not None and req.embed is None else None)   # embeddings have no text
         self.matcher = make_stop_matcher(p.stop_strs, p.stop_regex, p.no_stop_trim)
         # nobody reads this request's text before it finishes: the loop only counts its tokens per
         # step and calls advance() once, at the finish (the text is detokenized in one go there)

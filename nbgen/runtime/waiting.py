@@ -34,7 +34,10 @@ def matchable_ids(req: Request) -> list[int]:
 
     Never all of it (the last token must be computed to get logits), and for prompt logprobs
     only up to the position before the first missing logprob (its logits predict that token).
+    Nothing for embedding requests pooled over every position (mean, CLS): their states are needed.
     """
+    if req.embed is not None and not req.embed.reuses_prefix:
+        return []
     cap = req.num_tokens - 1
     if req.wants_prompt_logprobs:
         cap = min(cap, next_prompt_logprob(req) - 1)

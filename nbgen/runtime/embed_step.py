@@ -1,0 +1,99 @@
+"""The runner's step for embedding requests: prefill chunks in, pooling states and vectors out.
+
+An embedding request is prefill only: its chunks run through the same forward as any prefill
+(piecewise CUDA graphs where the runner uses them), nothing is sampled, and the chunk that reaches
+the end of its prompt also returns the finished vector. Per pooling mode:
+
+- ``last``: the final-normed state of the prompt's last token, read on the last chunk only (so a
+  prefix served from the cache costs nothing);
+- ``cls``: the first token's state, kept as the request's pooling state from the chunk at 0;
+- ``mean``: a running fp32 sum over the chunks (the state), divided by the prompt length at the end.
+``cls`` and ``mean`` requests never take cached prefix pages (``waiting.matchable_ids``): every
+position's state is computed, and a preempted request restarts its sum at position 0.
+
+The step is synchronous (the overlap stepper runs such batches through ``run_step``): one
+device -> host copy per step for the vectors it finishes.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+
+from nbgen.core.batch import ScheduledBatch, StepOutput
+from nbgen.runtime.pooling import finish_vectors, pick_rows, segment_sums
+from nbgen.runtime.step_inputs import FlatStep, flatten
+
+
+class PoolRunner(Protocol):
+    """What the embedding step needs of the ModelRunner."""
+
+    def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor: ...
+
+    def to_device(self, values: list[int]) -> torch.Tensor: ...
+
+
+def is_embedding_batch(batch: ScheduledBatch) -> bool:
+    """True when the batch holds embedding requests (an embedding engine runs nothing else)."""
+    return bool(batch.seqs) and batch.seqs[0].req.embed is not None
+
+
+def embed_step(runner: PoolRunner, batch: ScheduledBatch) -> StepOutput:
+    """Forward the batch's prompt chunks; pool them (see the module docstring)."""
+    flat = flatten(batch)
+    hidden = runner.hidden_states(batch, flat)                              # [T, H] final-normed
+    n = len(batch.seqs)
+    states: list[Optional[Any]] = [None] * n
+    errors: dict[int, str] = {}
+    pick_seq, pick_row = [], []          # seqs whose one row is taken: last (final chunk), cls (chunk at 0)
+    mean_seq, owner = [], []             # mean: seqs of the step, and each of their rows' segment
+    for i, s in enumerate(batch.seqs):
+        e = s.req.embed
+        if e is None:
+            errors[i] = "a generation request in an embedding batch"
+            continue
+        if e.pooling == "last":
+            if s.kv_len >= len(s.req.prompt_ids):
+                pick_seq.append(i)
+                pick_row.append(flat.starts[i] + s.q_len - 1)
+        elif e.pooling == "cls":
+            if s.start_pos == 0:
+                pick_seq.append(i)
+                pick_row.append(flat.starts[i])
+            else:
+                states[i] = s.req.pool_state
+        else:
+            owner.extend([len(mean_seq)] * s.q_len)
+            mean_seq.append(i)
+    if pick_seq:
+        rows = pick_rows(hidden, runner.to_device(pick_row))                # [N, H] fp32
+        for k, i in enumerate(pick_seq):
+            states[i] = rows[k]
+    if mean_seq:
+        rows_t = runner.to_device([flat.starts[i] + j for i in mean_seq for j in range(batch.seqs[i].q_len)])
+        sums = segment_sums(hidden.index_select(0, rows_t), runner.to_device(owner), len(mean_seq))
+        for k, i in enumerate(mean_seq):
+            s = batch.seqs[i]
+            prev = s.req.pool_state if s.start_pos > 0 else None            # a recompute restarts at 0
+            states[i] = sums[k] if prev is None else prev + sums[k]
+    return StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
+                      errors=errors, pool_states=states, embeddings=_finished(batch, states))
+
+
+def _finished(batch: ScheduledBatch, states: list[Optional[Any]]) -> list[Optional[list[float]]]:
+    """The vectors of the seqs whose chunk completes their prompt (None elsewhere)."""
+    done = [i for i, s in enumerate(batch.seqs)
+            if s.req.embed is not None and states[i] is not None and s.kv_len >= len(s.req.prompt_ids)]
+    out: list[Optional[list[float]]] = [None] * len(batch.seqs)
+    if not done:
+        return out
+    vecs = []
+    for i in done:
+        s = batch.seqs[i]
+        v = states[i]
+        vecs.append(v / len(s.req.prompt_ids) if s.req.embed.pooling == "mean" else v)
+    embeds = [batch.seqs[i].req.embed for i in done]
+    lists = finish_vectors(torch.stack(vecs), [e.dimensions for e in embeds], [e.normalize for e in embeds])
+    for i, v in zip(done, lists):
+        out[i] = v
+    return out

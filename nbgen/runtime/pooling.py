@@ -1,0 +1,56 @@
+"""Pooling math for embedding requests: a step's final hidden rows -> per-request vectors.
+
+Pure functions over tensors (nothing here knows requests or the runner): pick rows, sum a
+request's rows of a chunk, and finish vectors (Matryoshka truncation, then L2 normalisation, as
+SGLang's Pooler orders them). Sums and vectors are fp32 whatever the model's dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def pick_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """hidden [T, H], rows [N] (int64, same device) -> [N, H] fp32 (a copy: ``hidden`` may view
+    a CUDA graph's output buffer, which the next replay overwrites)."""
+    return hidden.index_select(0, rows).float()
+
+
+def segment_sums(hidden: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-segment sums in fp32: hidden [R, H] rows, owner [R] (int64: the segment of each row,
+    in [0, n)) -> [n, H]. One index_add_ for every segment of the step."""
+    out = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, owner, hidden.float())
+
+
+def finish_vectors(vectors: torch.Tensor, dimensions: list[Optional[int]],
+                   normalize: list[bool]) -> list[list[float]]:
+    """Pooled vectors [N, H] fp32 -> N lists of floats: each truncated to its ``dimensions`` (None:
+    all H) and then L2-normalised where asked. One device -> host copy for the whole step."""
+    out: list[Optional[list[float]]] = [None] * len(dimensions)
+    groups: dict[tuple[Optional[int], bool], list[int]] = {}
+    for i, key in enumerate(zip(dimensions, normalize)):
+        groups.setdefault(key, []).append(i)
+    parts, order = [], []
+    for (dims, norm), idx in groups.items():
+        v = vectors if len(idx) == len(dimensions) else vectors[idx]
+        v = truncate(v, dims)
+        parts.append(l2_normalize(v) if norm else v)
+        order.append(idx)
+    hosts = [p.cpu() for p in parts]          # copies queue behind the math; the first waits for it
+    for idx, host in zip(order, hosts):
+        for i, row in zip(idx, host.tolist()):
+            out[i] = row
+    return out  # type: ignore[return-value]
+
+
+def truncate(vectors: torch.Tensor, dimensions: Optional[int]) -> torch.Tensor:
+    """The first ``dimensions`` components of each row (Matryoshka); all of them for None."""
+    return vectors if dimensions is None else vectors[..., :dimensions]
+
+
+def l2_normalize(vectors: torch.Tensor) -> torch.Tensor:
+    """Each row divided by its L2 norm (a zero row stays zero: eps 1e-12, as torch and SGLang)."""
+    return F.normalize(vectors, p=2.0, dim=-1)
