@@ -3,6 +3,8 @@
 ``import nbgen as sgl`` runs SGLang's offline-Engine notebooks: ``sgl.Engine(...).generate(...)``.
 """
 from nbgen.dataframe import generate_df
+from nbgen.dataframe_embed import embed_df
+from nbgen.dataframe_score import score_df
 from nbgen.engine import Engine
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.logit_processor import CustomLogitProcessor
@@ -10,4 +12,4 @@ from nbgen.notebook import dashboard, playground, profile, stream
 from nbgen.core.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "GenerationInterrupted", "dashboard", "stream", "playground", "profile", "__version__"]
+__all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "embed_df", "score_df", "GenerationInterrupted", "dashboard", "stream", "playground", "profile", "__version__"]

@@ -112,6 +112,25 @@ def row_prompt(value: Any, template: bool, system_prompt: Optional[str]) -> Prom
     return value
 
 
+def row_text(value: Any) -> str:
+    """A text cell for embed_df / score_df (RowError for missing, non-text or empty cells)."""
+    if not isinstance(value, str) and is_missing(value):
+        raise RowError("missing text")
+    if not isinstance(value, str):
+        raise RowError(f"the cell must be text, got {type(value).__name__}: {value!r:.60}")
+    if not value:
+        raise RowError("empty text")
+    return value
+
+
+def abort_message(out: Mapping[str, Any]) -> Optional[str]:
+    """The abort message of an engine output (None when it finished normally)."""
+    fr = out.get("meta_info", {}).get("finish_reason") or {}
+    if isinstance(fr, dict) and fr.get("type") == "abort":
+        return str(fr.get("message") or "request aborted")
+    return None
+
+
 def template_mode(chat: Any, system_prompt: Optional[str], has_template: Optional[bool]) -> bool:
     """Whether text cells go through the chat template: ``chat`` is "auto", True or False;
     ``has_template`` is the engine's answer (None: not known yet, for chat=True/False only)."""

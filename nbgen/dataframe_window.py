@@ -1,4 +1,5 @@
-"""generate_df's windows: rows through ``Engine.generate_iter``, results in completion order.
+"""The DataFrame helpers' windows: rows through an engine iterator (``Engine.generate_iter``,
+``encode_iter``, ``score_iter``), results in completion order.
 
 Rows whose request the engine refuses are isolated by splitting the window, so only they fail;
 rows with ``n > 1`` are handed back once all their samples finished.
@@ -6,7 +7,7 @@ rows with ``n > 1`` are handed back once all their samples finished.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 @dataclass(slots=True)
@@ -19,7 +20,10 @@ class PendingRow:
     key: str
 
 
-def run_window(engine: Any, batch: list[PendingRow], kw: dict[str, Any]) -> Iterator[tuple[PendingRow, Any]]:
+Submit = Callable[[list["PendingRow"]], Iterator[tuple[int, Any]]]   # rows -> (index, output) as they finish
+
+
+def run_window(submit: Submit, batch: list[PendingRow]) -> Iterator[tuple[PendingRow, Any]]:
     """Yield (row, output-or-exception) as requests finish (completion order).
 
     The engine validates a whole call before running any of it, so one row the engine rejects
@@ -28,8 +32,7 @@ def run_window(engine: Any, batch: list[PendingRow], kw: dict[str, Any]) -> Iter
     """
     it = None
     try:
-        it = engine.generate_iter(prompt=[p.prompt for p in batch],
-                                  sampling_params=[p.params for p in batch], **kw)
+        it = submit(batch)
         first = next(it, None)
     except (ValueError, TypeError) as e:
         if it is not None:
@@ -38,8 +41,8 @@ def run_window(engine: Any, batch: list[PendingRow], kw: dict[str, Any]) -> Iter
             yield batch[0], e
             return
         mid = len(batch) // 2
-        yield from run_window(engine, batch[:mid], kw)
-        yield from run_window(engine, batch[mid:], kw)
+        yield from run_window(submit, batch[:mid])
+        yield from run_window(submit, batch[mid:])
         return
     # the engine indexes outputs prompt-major over the n samples of each prompt
     owner = [k for k, p in enumerate(batch) for _ in range(int(p.params.get("n", 1) or 1))]

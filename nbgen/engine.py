@@ -322,16 +322,16 @@ def running_engines() -> list[Engine]:
     return [e for e in list(_live_engines) if not e.is_shutdown]
 
 
-_default_engine: Optional[Engine] = None
+_default_engines: dict[bool, Engine] = {}   # is_embedding -> the process-wide engine of that kind
 _default_lock = threading.Lock()
 
 
-def default_engine() -> Engine:
-    """The process-wide Engine (embedded model) that helpers use when given ``engine=None``;
-    created on first use, and again after the user shut it down."""
-    global _default_engine
+def default_engine(is_embedding: bool = False) -> Engine:
+    """The process-wide Engine (embedded model) that helpers use when given ``engine=None``
+    (``is_embedding=True``: the one embed_df uses); created on first use, and again after the user
+    shut it down."""
     with _default_lock:
-        e = _default_engine
+        e = _default_engines.get(is_embedding)
         if e is None or e.is_shutdown:
-            _default_engine = Engine()
-        return _default_engine
+            e = _default_engines[is_embedding] = Engine(is_embedding=True) if is_embedding else Engine()
+        return e

@@ -8,7 +8,7 @@ over the labels; otherwise each label gets its own probability ``exp(logprob)``.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 Ids = list[int]
 
@@ -78,6 +78,20 @@ class ScoreMixin:
         kw, labels = self._score_request(query, items, label_token_ids, item_first)
         outs = self.generate(use_tqdm=False, **kw)
         return [label_scores(o, labels, apply_softmax) for o in outs]
+
+    def score_iter(self, query: Optional[Union[str, Ids]] = None,
+                   items: Optional[Union[str, list[str], list[Ids]]] = None,
+                   label_token_ids: Optional[list[int]] = None, apply_softmax: bool = False,
+                   item_first: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(item index, {"scores": [...], "meta_info": {...}})`` as each item finishes; an
+        aborted request has ``scores`` None and its abort in ``meta_info["finish_reason"]``.
+        Closing early aborts the rest."""
+        kw, labels = self._score_request(query, items, label_token_ids, item_first)
+        for i, out in self.generate_iter(**kw):
+            fr = out["meta_info"].get("finish_reason") or {}
+            ok = fr.get("type") != "abort"
+            yield i, {"scores": label_scores(out, labels, apply_softmax) if ok else None,
+                      "meta_info": out["meta_info"]}
 
     async def async_score(self, query: Optional[Union[str, Ids]] = None,
                           items: Optional[Union[str, list[str], list[Ids]]] = None,

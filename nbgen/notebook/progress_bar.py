@@ -29,6 +29,7 @@ class RowProgress:
         self.errors = errors
         self.restored = restored
         self.out_tokens = 0
+        self.in_tokens = 0
         self.bar = ProgressBar(total, desc, unit="row", initial=presettled, enabled=enabled and total > 0)
         self._show_postfix()
 
@@ -36,11 +37,13 @@ class RowProgress:
         """The rows still to run start now (the rate clock)."""
         self.bar.start_clock()
 
-    def settle(self, error: bool = False, out_tokens: int = 0) -> None:
-        """One more row finished (``error``: without a result)."""
+    def settle(self, error: bool = False, out_tokens: int = 0, in_tokens: int = 0) -> None:
+        """One more row finished (``error``: without a result); ``in_tokens`` count for helpers
+        whose rows only read their prompts (embed_df)."""
         self.settled += 1
         self.errors += int(error)
         self.out_tokens += out_tokens
+        self.in_tokens += in_tokens
         self._show_postfix()
         self.bar.update(1)
 
@@ -54,6 +57,8 @@ class RowProgress:
         elapsed = self.bar.state().elapsed if self.bar.enabled else 0.0
         if self.out_tokens and elapsed > 0:
             parts.append(f"{self.out_tokens / elapsed:,.0f} out tok/s")
+        elif self.in_tokens and elapsed > 0:
+            parts.append(f"{self.in_tokens / elapsed:,.0f} in tok/s")
         return " · ".join(parts)
 
     def _show_postfix(self) -> None:
