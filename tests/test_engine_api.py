@@ -481,13 +481,20 @@ def test_start_up_stages_reach_the_callback_in_order(tiny_llama_dir, capsys, cap
     assert capsys.readouterr().out == ""
 
 
-def test_embedded_model_fetch_is_a_stage():
-    from nbgen.models.embedded import default_model_path, embedded_model_ready
+def test_embedded_model_fetch_is_a_stage(tmp_path, monkeypatch):
+    """Finding (or downloading) the embedded model is reported as a stage before it happens."""
+    from nbgen.models import embedded
 
-    if not embedded_model_ready():
-        pytest.skip("the embedded model is not fetched")
     stages: list[str] = []
-    assert default_model_path(stages.append)
+    gguf = tmp_path / "model.gguf"
+
+    def fake_download():
+        assert stages == ["fetching the embedded model"]   # reported before the download starts
+        return gguf
+
+    monkeypatch.setattr(embedded, "download_gguf", fake_download)
+    monkeypatch.setattr(embedded, "is_converted", lambda path: False)
+    assert embedded.default_model_path(stages.append) == str(gguf)
     assert stages == ["fetching the embedded model"]
 
 
