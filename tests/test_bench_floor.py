@@ -1,4 +1,5 @@
-"""The benchmark's bounds (nbgen.bench.floor): decode floor bytes and prefill FLOPs by hand on a tiny model."""
+"""The benchmark's bounds (nbgen.bench.floor): decode floor bytes and prefill FLOPs by hand on a tiny model;
+the embedding bench end to end on a tiny model (CPU)."""
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,21 @@ def test_prefill_flops_count_linears_head_and_causal_attention() -> None:
     # 100 x 64 LM head, causal q.K^T and P.V: 2 x 4 heads x 16 dims x n (n + 1) per layer
     want = 2 * linear * 8 + 2 * 6400 * 2 + 2 * 2 * 4 * 16 * (3 * 4 + 5 * 6)
     assert prefill_flops(model, cfg, [3, 5]) == want
+    # embeddings pool the hidden states: no LM head
+    assert prefill_flops(model, cfg, [3, 5], lm_head=False) == want - 2 * 6400 * 2
+
+
+def test_embed_bench_runs_on_cpu_with_a_tiny_model(tiny_llama_dir) -> None:
+    from nbgen.bench.embed import main, make_texts
+
+    texts = make_texts(20, 8, 40, vocab_size=300)
+    assert len(texts) == 20 and all(8 <= len(t) <= 40 and max(t) < 300 for t in texts)
+    assert make_texts(20, 8, 40, vocab_size=300) == texts                     # seeded
+    rows = main(["--model", tiny_llama_dir, "--device", "cpu", "--dtype", "float32", "--num-texts", "20",
+                 "--min-tokens", "8", "--max-tokens", "40", "--no-peer"])
+    r = rows[0]
+    assert r["engine"] == "nbgen" and r["in_tokens"] == sum(map(len, make_texts(20, 8, 40)))    # lengths: seeded
+    assert r["tok_s"] > 0 and r["bound_s"] > 0 and r["pct_bound"] > 0 and r["dim"] == 64
 
 
 def test_floor_counts_each_decode_step_once() -> None:

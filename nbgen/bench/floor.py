@@ -70,13 +70,13 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * n ** 3 / secs
 
 
-def prefill_flops(model: torch.nn.Module, hf: Any, prompt_lens: list[int]) -> float:
+def prefill_flops(model: torch.nn.Module, hf: Any, prompt_lens: list[int], lm_head: bool = True) -> float:
     """Matmul FLOPs of prefilling ``prompt_lens`` (no cached prefixes): 2 x decoder linear weights per
-    token, 2 x LM head weights per prompt (its last token), 2 x Hq x D x n (n + 1) per layer and prompt
-    for causal attention."""
+    token, 2 x LM head weights per prompt (its last token; ``lm_head=False`` for embeddings, which
+    pool the hidden states instead), 2 x Hq x D x n (n + 1) per layer and prompt for causal attention."""
     layers = model.model.layers
     linear = sum(p.numel() for p in layers.parameters() if p.dim() == 2)
-    head = model.lm_head.weight.numel()
+    head = model.lm_head.weight.numel() if lm_head else 0
     heads = hf.num_attention_heads
     hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     attn = 2 * len(layers) * heads * hd * sum(n * (n + 1) for n in prompt_lens)

@@ -1,0 +1,197 @@
+"""Embedding throughput: ``python -m nbgen.bench.embed --model DIR --load-format dummy --num-texts 10000``.
+
+Workload: ``--num-texts`` texts of random token ids (below 10000 and the vocabulary size), each ``randint(min, max)`` tokens
+long (64-512 by default; ``random.seed(0)``), embedded with ``Engine(is_embedding=True).encode(
+input_ids=...)`` in one call. Reported: input tokens/s, and the prefill bound measured in the same
+run: the prompts' matmul FLOPs (decoder linears and causal attention; no LM head) at the matmul rate
+measured here (``nbgen.bench.floor``), with nbgen's share of it (% of bound = bound seconds / nbgen
+seconds). Peer, same run, when sentence-transformers is importable: a SentenceTransformer built from
+the same directory (Transformer + last-token Pooling + Normalize) running its forward over the same
+token ids in ``encode``'s batches (length-sorted, ``--st-batch-size``); tokenization is left out of
+both engines. With ``--load-format dummy`` the directory has no weights: the peer gets random HF
+weights of the same shapes (saved to a temporary directory), which times the same work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+
+from nbgen.bench.floor import matmul_rate, prefill_flops
+from nbgen.engine import Engine
+from nbgen.models.model_config import read_model_config
+from nbgen.models.registry import get_model_class
+
+
+def make_texts(n: int, lo: int, hi: int, vocab_size: int = 10000) -> list[list[int]]:
+    """``n`` random-id texts of ``randint(lo, hi)`` tokens each (seeded), ids below
+    ``min(10000, vocab_size)``."""
+    random.seed(0)
+    top = min(10000, vocab_size) - 1
+    return [[random.randint(0, top) for _ in range(random.randint(lo, hi))] for _ in range(n)]
+
+
+def bound_seconds(model_dir: str, lens: list[int], rate: float) -> tuple[float, float]:
+    """(prefill FLOPs of ``lens`` without the LM head, seconds at ``rate`` FLOP/s); the parameter
+    shapes come from a model built on the meta device (no memory, no weights)."""
+    cfg = read_model_config(model_dir)
+    with torch.device("meta"):
+        model = get_model_class(cfg)(cfg)
+    flops = prefill_flops(model, cfg, lens, lm_head=False)
+    return flops, flops / rate
+
+
+def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any]:
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "is_embedding": True}
+    for k in ("dtype", "chunked_prefill_size", "max_running_requests"):
+        if getattr(args, k):
+            kw[k] = getattr(args, k)
+    if args.disable_cuda_graph:
+        kw["disable_cuda_graph"] = True
+    t0 = time.perf_counter()
+    eng = Engine(args.model, **kw)
+    startup = time.perf_counter() - t0
+    eng.encode(input_ids=[t[:64] for t in texts[:8]])                  # warm-up (graphs, kernels)
+    eng.flush_cache()
+    t0 = time.perf_counter()
+    outs = eng.encode(input_ids=texts)
+    secs = time.perf_counter() - t0
+    info = eng.get_server_info()
+    eng.shutdown()
+    n_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+    return {"engine": "nbgen", "seconds": secs, "in_tokens": n_in, "startup_s": startup,
+            "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
+            "dim": len(outs[0]["embedding"]),
+            "server_info": {k: info.get(k) for k in ("attention_backend", "piecewise_cuda_graph_tokens",
+                                                     "chunked_prefill_size", "max_running_requests")}}
+
+
+def _st_modules() -> Any:
+    try:   # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer import modules as m
+    except ImportError:
+        from sentence_transformers import models as m
+    return m
+
+
+def _peer_dir(model_dir: str, dtype: torch.dtype, tmp: str) -> str:
+    """A directory sentence-transformers can load: the model's own when it has weights and a
+    tokenizer, else random HF weights of its config plus a stub tokenizer (never used: the peer
+    runs on token ids)."""
+    names = os.listdir(model_dir)
+    if any(n.endswith(".safetensors") for n in names) and any(n.startswith("tokenizer") for n in names):
+        return model_dir
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModel, PreTrainedTokenizerFast
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    AutoModel.from_config(cfg, dtype=dtype).save_pretrained(tmp)
+    stub = Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=stub, unk_token="<unk>", pad_token="<pad>").save_pretrained(tmp)
+    return tmp
+
+
+def run_sentence_transformers(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any]:
+    """The peer (see the module docstring): SentenceTransformer forward in encode's batches."""
+    from sentence_transformers import SentenceTransformer
+
+    m = _st_modules()
+    dev = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        args.dtype or "", torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _peer_dir(args.model, dtype, tmp)
+        t0 = time.perf_counter()
+        body = m.Transformer(path, model_kwargs={"dtype": dtype})
+        hidden = body.get_embedding_dimension() if hasattr(body, "get_embedding_dimension") \
+            else body.get_word_embedding_dimension()
+        st = SentenceTransformer(modules=[body, m.Pooling(hidden, pooling_mode="lasttoken"), m.Normalize()],
+                                 device=str(dev))
+        startup = time.perf_counter() - t0
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))      # as encode: longest first
+        bs = args.st_batch_size
+
+        def run(idx: list[int]) -> None:
+            for s in range(0, len(idx), bs):
+                batch = [texts[i] for i in idx[s:s + bs]]
+                width = max(len(t) for t in batch)
+                ids = torch.zeros(len(batch), width, dtype=torch.long)
+                mask = torch.zeros(len(batch), width, dtype=torch.long)
+                for r, t in enumerate(batch):           # right padding; last-token pooling reads the mask
+                    ids[r, :len(t)] = torch.tensor(t)
+                    mask[r, :len(t)] = 1
+                with torch.inference_mode():
+                    st({"input_ids": ids.to(dev), "attention_mask": mask.to(dev)})["sentence_embedding"].cpu()
+
+        run(order[:8])                                                       # warm-up
+        t0 = time.perf_counter()
+        run(order)
+        secs = time.perf_counter() - t0
+    return {"engine": "sentence-transformers", "seconds": secs, "in_tokens": sum(map(len, texts)),
+            "startup_s": startup, "batch_size": bs}
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(prog="python -m nbgen.bench.embed", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="HF dir (config.json; weights unless --load-format dummy)")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--num-texts", type=int, default=10000)
+    ap.add_argument("--min-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--st-batch-size", type=int, default=32, help="the peer's batch size (encode's default)")
+    ap.add_argument("--no-peer", action="store_true", help="skip sentence-transformers")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    args = ap.parse_args(argv)
+    if not 1 <= args.min_tokens <= args.max_tokens:
+        raise ValueError(f"need 1 <= --min-tokens <= --max-tokens, got {args.min_tokens}, {args.max_tokens}")
+    vocab = int(read_model_config(args.model).vocab_size)
+    texts = make_texts(args.num_texts, args.min_tokens, args.max_tokens, vocab)
+    dev = torch.device(args.device)
+    rate = matmul_rate(dev)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    rows = [run_nbgen(args, texts)]
+    if not args.no_peer:
+        try:
+            rows.append(run_sentence_transformers(args, texts))
+        except ImportError:
+            print("sentence-transformers is not installed: no peer row")
+        except Exception as e:  # noqa: BLE001 - report the peer's failure, keep nbgen's numbers
+            rows.append({"engine": "sentence-transformers", "error": f"{type(e).__name__}: {e}"})
+    flops, bound = bound_seconds(args.model, [len(t) for t in texts], rate)
+    print(f"\n{args.num_texts} texts of {args.min_tokens}-{args.max_tokens} random tokens  model {args.model}  "
+          f"device {args.device}  startup {rows[0]['startup_s']:.1f} s")
+    print(f"prefill {flops / 1e12:.3g} TFLOP at the measured matmul rate {rate / 1e12:.3g} TFLOP/s: bound {bound:.3f} s")
+    print(f"server: {rows[0]['server_info']}")
+    print(f"{'engine':<24}{'seconds':>9}{'in tok/s':>12}{'texts/s':>10}{'% bound':>9}")
+    for r in rows:
+        r.update(num_texts=args.num_texts, matmul_flops=rate, prefill_flops=flops, bound_s=bound)
+        if "error" in r:
+            print(f"{r['engine']:<24} error: {r['error']}")
+            continue
+        r["tok_s"] = r["in_tokens"] / r["seconds"]
+        r["pct_bound"] = 100 * bound / r["seconds"]
+        print(f"{r['engine']:<24}{r['seconds']:>9.2f}{r['tok_s']:>12.0f}{args.num_texts / r['seconds']:>10.1f}"
+              f"{r['pct_bound']:>8.1f}%")
+    if len(rows) > 1 and "error" not in rows[1]:
+        print(f"nbgen / sentence-transformers: {rows[0]['tok_s'] / rows[1]['tok_s']:.2f}x tokens/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
