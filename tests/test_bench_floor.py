@@ -37,8 +37,13 @@ def test_embed_bench_runs_on_cpu_with_a_tiny_model(tiny_llama_dir) -> None:
     assert make_texts(20, 8, 40, vocab_size=300) == texts                     # seeded
     rows = main(["--model", tiny_llama_dir, "--device", "cpu", "--dtype", "float32", "--num-texts", "20",
                  "--min-tokens", "8", "--max-tokens", "40", "--no-peer"])
+    import json
+    import os
+
+    with open(os.path.join(tiny_llama_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     r = rows[0]
-    assert r["engine"] == "nbgen" and r["in_tokens"] == sum(map(len, make_texts(20, 8, 40)))    # lengths: seeded
+    assert r["engine"] == "nbgen" and r["in_tokens"] == sum(map(len, make_texts(20, 8, 40, vocab)))
     assert r["tok_s"] > 0 and r["bound_s"] > 0 and r["pct_bound"] > 0 and r["dim"] == 64
 
 
