@@ -44,3 +44,6 @@ def test_notebook_runs(path: str, tmp_path) -> None:
         assert "requests run by the second call: 3" in shown
     if name.startswith("04_streaming"):
         assert "nbgen-stream" in shown
+    if name.startswith("07_embeddings"):
+        assert "nearest neighbour shares the topic" in shown and "zero-shot accuracy" in shown
+        assert any("image/png" in o.get("data", {}) for o in outputs)      # the PCA scatter
