@@ -13,6 +13,7 @@ from nbgen.dataframe_job import check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import abort_message, jsonable, row_key, row_text
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
+from nbgen.models.pooling_config import check_dimensions
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -41,9 +42,10 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
     if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
         raise ValueError(f"dimensions must be an int or None, got {dimensions!r:.60}")
     if engine is not None:
-        require_embedding(engine)
+        require_embedding(engine, dimensions)
     job = _EmbedRows(texts=df[text_column].tolist(), labels=df.index, on_error=on_error, dimensions=dimensions)
-    res = run_job(job, checkpoint, lambda: require_embedding(engine or default_engine(is_embedding=True)),
+    res = run_job(job, checkpoint,
+                  lambda: require_embedding(engine or default_engine(is_embedding=True), dimensions),
                   batch_size, progress)
     out = df.copy()
     vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
@@ -54,11 +56,12 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
     return out
 
 
-def require_embedding(engine: Any) -> Any:
-    """``engine`` when it embeds; a ValueError telling how to make one otherwise."""
+def require_embedding(engine: Any, dimensions: Optional[int]) -> Any:
+    """``engine`` when it embeds (and takes ``dimensions``); a ValueError before any row runs otherwise."""
     if engine.get_model_info().get("is_generation", True):
         raise ValueError("embed_df needs an embedding engine: pass engine=nbgen.Engine(model_path, "
                          "is_embedding=True) (or engine=None for the embedded model)")
+    check_dimensions(dimensions, engine.pooling, engine.model_name)
     return engine
 
 

@@ -88,8 +88,8 @@ def test_embed_df_parquet_checkpoint_and_dimensions_key(tiny_llama_dir, emb, tmp
     assert second.attrs["nbgen"]["restored"] == 4
     for a, b in zip(first["embedding"], second["embedding"]):
         np.testing.assert_allclose(a, b, atol=1e-6)
-    with pytest.raises(ValueError, match="dimensions"):         # another key: the rows run again and fail
-        nbgen.embed_df(df, engine=emb, checkpoint=ckpt, progress=False, dimensions=8, on_error="raise")
+    with pytest.raises(ValueError, match="dimensions=8.*matryoshka"):     # checked before any row runs
+        nbgen.embed_df(df, engine=emb, checkpoint=ckpt, progress=False, dimensions=8)
 
 
 def test_embed_df_argument_errors(emb, tiny_engine):
