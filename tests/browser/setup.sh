@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/browser/test_dashboard_browser.py needs: Debian's chromium, Playwright for
+# Installs what the browser tests (tests/browser/) need: Debian's chromium, Playwright for
 # Python (its bundled driver only: the test points it at /usr/bin/chromium, no browser download)
 # and JupyterLab. Safe to run again; .ci/run and tests/run.sh call it.
 set -euo pipefail
