@@ -443,3 +443,21 @@ def _random_workload(seed: int) -> int:
 def test_random_workloads_match_unconstrained_run() -> None:
     preemptions = [_random_workload(seed) for seed in range(40)]
     assert sum(n > 0 for n in preemptions) >= 10, preemptions    # the tight runs did preempt
+
+
+def test_allocations_evict_the_lru_tail_in_batches() -> None:
+    """An allocation short of one page frees 1/16 of the cached pages (oldest first), so a stream of
+    admissions does not rescan the whole tree per request; explicit evict(n) frees exactly n."""
+    from nbgen.runtime.prefix_cache import EVICT_BATCH
+
+    pool = PagePool(65, 1)                  # 64 usable one-token pages
+    cache = PrefixCache(pool)
+    pages = pool.alloc(64)
+    for i, p in enumerate(pages):           # 64 one-page prefixes, inserted oldest first
+        cache.insert([1000 + i], [p])
+    pool.unref(pages)
+    assert pool.num_free == 0 and cache.num_evictable_pages == 64
+    assert len(pool.alloc(1)) == 1
+    assert pool.num_free == 64 // EVICT_BATCH - 1 and cache.num_cached_pages == 64 - 64 // EVICT_BATCH
+    assert cache.match([1000])[1] == 0 and cache.match([1000 + 64 // EVICT_BATCH])[1] == 1  # LRU went first
+    assert cache.evict(2) == 2

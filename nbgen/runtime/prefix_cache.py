@@ -15,7 +15,8 @@ Policies:
 - ``insert`` adds a request's full pages; for a page already cached under the same tokens the
   cached page wins and the request's copy stays the request's to free (the returned path tells
   the caller which page the tree holds at each index).
-- ``evict(n)`` frees least-recently-used evictable leaves (a parent may follow its last child).
+- ``evict(n)`` frees least-recently-used evictable leaves (a parent may follow its last child);
+  the pool's allocations evict in batches (``evict_for_alloc``).
 - ``flush()`` drops every evictable node and reports whether the cache is now empty.
 - ``disabled=True`` (``disable_radix_cache``): match finds nothing, insert stores nothing.
 """
@@ -26,6 +27,8 @@ from typing import Optional
 
 from nbgen.runtime.pages import PagePool
 from nbgen.core.request import Request
+
+EVICT_BATCH = 16   # an allocation that must evict frees at least 1/16 of the cached pages
 
 
 class _Node:
@@ -50,7 +53,7 @@ class PrefixCache:
         self._nodes: dict[int, _Node] = {}          # page -> node
         self._clock = 0
         if not disabled:
-            pool.evictor = self.evict
+            pool.evictor = self.evict_for_alloc
 
     # ---- queries --------------------------------------------------------------------------------
     def match(self, token_ids: list[int], touch: bool = True) -> tuple[list[int], int]:
@@ -129,6 +132,13 @@ class PrefixCache:
                     self.pool.unref([req.pages[i]])
                     req.pages[i] = path[i]
         req.num_cached_pages = full
+
+    def evict_for_alloc(self, n_pages: int) -> int:
+        """The pool's evictor: frees at least ``n_pages``, and at least 1/``EVICT_BATCH`` of the cached
+        pages. One eviction scans every cached node, and a stream of admissions short of a few pages
+        each (a batch of prefill-only requests filling the cache) would otherwise scan the whole tree
+        per request; freeing the least-recently-used tail in batches keeps that cost amortised."""
+        return self.evict(max(n_pages, len(self._nodes) // EVICT_BATCH))
 
     def evict(self, n_pages: int) -> int:
         """Free up to ``n_pages`` least-recently-used evictable pages; returns how many were freed."""
