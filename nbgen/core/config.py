@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,6 +44,15 @@ class EngineConfig:
     # a prefix match loses at most 15 tokens, and flashinfer's paged kernels run well at this size.
     page_size: int = 16
     schedule_policy: str = "fcfs"
+    # priority scheduling (SGLang; runtime/priority.py): generate(..., priority=k) orders the waiting
+    # queue, and a waiting request preempts running ones less important by more than the threshold
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    default_priority_value: Optional[int] = None
+    abort_on_priority_when_disabled: bool = False
+    max_priority_bypass: Optional[int] = 32   # nbgen: the starvation guard; None = strict priority
     disable_radix_cache: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
@@ -79,6 +88,7 @@ class EngineConfig:
                      "chunked_prefill_size", "cuda_graph_max_bs", "piecewise_cuda_graph_max_tokens"):
             v = getattr(self, name)
             check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
+        PriorityConfig.of(self)   # validates the priority arguments
         if self.model_path is not None:
             self.model_path = os.path.expanduser(str(self.model_path))
 
@@ -129,6 +139,48 @@ class EngineConfig:
             return "cpu"
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class PriorityConfig:
+    """Priority scheduling knobs (EngineConfig's names; SGLang's server args plus the bypass guard)."""
+
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False   # False: a larger value is more important
+    priority_scheduling_preemption_threshold: int = 10  # preempt only when more important by more than this
+    disable_priority_preemption: bool = False
+    default_priority_value: Optional[int] = None        # None: the least important value there is
+    abort_on_priority_when_disabled: bool = False        # priority given while disabled -> abort
+    max_priority_bypass: Optional[int] = 32              # admissions passing the oldest waiting one; None: no guard
+
+    def __post_init__(self) -> None:
+        for name in ("enable_priority_scheduling", "schedule_low_priority_values_first",
+                     "disable_priority_preemption", "abort_on_priority_when_disabled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        t = self.priority_scheduling_preemption_threshold
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"priority_scheduling_preemption_threshold must be an int >= 0, got {t!r}")
+        d = self.default_priority_value
+        if d is not None and not _is_int(d):
+            raise ValueError(f"default_priority_value must be None or an int, got {d!r}")
+        b = self.max_priority_bypass
+        if b is not None and (not _is_int(b) or b < 1):
+            raise ValueError(f"max_priority_bypass must be None or an int >= 1, got {b!r}")
+
+    @property
+    def preempts(self) -> bool:
+        """Whether a waiting request may preempt running ones for priority."""
+        return self.enable_priority_scheduling and not self.disable_priority_preemption
+
+    @classmethod
+    def of(cls, cfg: Any) -> "PriorityConfig":
+        """The priority fields of an EngineConfig (or anything with those attributes), validated."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
 @dataclass
 class SchedulerConfig:
     """Knobs of the scheduler (from the loop's resolved EngineConfig)."""
@@ -140,6 +192,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"               # "fcfs" | "lpm" | "lof"
     disable_radix_cache: bool = False
     context_length: Optional[int] = None        # prompt + output never exceeds it
+    priority: PriorityConfig = field(default_factory=PriorityConfig)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in _POLICIES:

@@ -63,6 +63,7 @@ class Request:
     logit_processor: Optional[Any] = None    # custom logit processor instance (caller-supplied code)
     return_hidden_states: bool = False       # collect the last layer's state per generated token
     embed: Optional[EmbedRequest] = None     # an embedding request: prefill only, pooled, never sampled
+    priority: Optional[int] = None           # generate(priority=...); set to the default at add (priority scheduling)
 
     # --- mutable state (loop thread only) ---
     status: Status = Status.WAITING
@@ -72,6 +73,8 @@ class Request:
     num_cached_pages: int = 0                # leading pages that came from / are in the prefix cache
     cached_tokens: int = 0                   # prompt tokens served from the prefix cache (first admit)
     admit_seq: int = -1                      # admission order (preemption picks the newest)
+    arrival_seq: int = -1                    # arrival order at the scheduler (priority: the oldest waiting)
+    priority_promoted: bool = False          # admitted by the starvation guard: never preempted for priority
     finish_reason: Optional[FinishReason] = None
     # logprob results, appended by the scheduler from StepOutputs
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)

@@ -166,4 +166,4 @@ class Delivery:
         held = len(self.grammar.held) if self.grammar is not None else 0   # waiting for a grammar
         return {"running": s["running"], "waiting": s["waiting"] + held, "kv_pages_used": s["pages_used"],
                 "kv_pages_total": s["pages_total"], "prefix_cache_pages": s["prefix_cache_pages"],
-                "page_size": self._page_size}
+                "page_size": self._page_size, "priorities": s["priorities"]}

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nbgen.core.config import EngineConfig, SchedulerConfig
+from nbgen.core.config import EngineConfig, PriorityConfig, SchedulerConfig
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 
@@ -42,7 +42,7 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
         page_size=rcfg.page_size, num_pages=runner.num_pages,
         max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.chunked_prefill_size,
         schedule_policy=rcfg.schedule_policy, disable_radix_cache=rcfg.disable_radix_cache,
-        context_length=runner.loaded.context_length)
+        context_length=runner.loaded.context_length, priority=PriorityConfig.of(rcfg))
     return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc, scheduler=Scheduler(sc),
                        tokenizer=runner.loaded.tokenizer)
 

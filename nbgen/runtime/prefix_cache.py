@@ -77,6 +77,10 @@ class PrefixCache:
     def num_cached_pages(self) -> int:
         return len(self._nodes)
 
+    def holds(self, page: int) -> bool:
+        """Whether the tree holds a reference on ``page``."""
+        return page in self._nodes
+
     @property
     def num_evictable_pages(self) -> int:
         """Cached pages referenced by nobody but the cache (O(cached pages); for stats)."""

@@ -21,6 +21,10 @@ requests join and leave at every step. A step is built in this order:
 6. **Embedding requests** (``max_new_tokens=0``, ``req.embed``): prefill only; the update of the
    chunk that completes the prompt stores the vector and finishes them. Mean / CLS pooling never
    take cached pages (``waiting.matchable_ids``).
+7. **Priority** (``enable_priority_scheduling``, runtime/priority.py): the queue is ordered by
+   priority, then as above; a request blocked by the slots or the pages may preempt running ones
+   less important by more than the threshold (they rejoin the queue after the scan), and running dry
+   at step 4 preempts the least important request instead of the newest.
 
 Full pages enter the prefix cache when a prefill (or recompute) completes, at finish, at
 preemption and at abort (runner errors excepted). Decodes cost O(1) Python each per step.
@@ -35,6 +39,8 @@ from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
+from nbgen.runtime.priority import (PriorityWaitingQueue, grow_victim, pick_victims, priority_stats,
+                                    resolve_priority)
 from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue, matchable_ids, next_prompt_logprob
 
@@ -50,7 +56,11 @@ class Scheduler:
         cps = cfg.chunked_prefill_size
         self.budget = cps if cps is not None and cps > 0 else sys.maxsize
         self.running: list[Request] = []              # admission order (last = newest)
-        self.waiting = WaitingQueue(cfg.schedule_policy)
+        self.prio = cfg.priority                      # priority scheduling (runtime/priority.py)
+        self.waiting: WaitingQueue | PriorityWaitingQueue = (
+            PriorityWaitingQueue(cfg.schedule_policy, cfg.priority) if cfg.priority.enable_priority_scheduling
+            else WaitingQueue(cfg.schedule_policy))
+        self._arrival_counter = 0
         self._live: dict[str, Request] = {}           # rid -> waiting or running request
         self._leaders: dict[str, Request] = {}        # group -> member prefilling the shared prompt
         self._admit_counter = 0
@@ -70,10 +80,13 @@ class Scheduler:
         elif n > cap:
             msg = (f"prompt of {n} tokens does not fit in the KV cache ({cap} tokens); "
                    "raise max_total_tokens or mem_fraction_static")
+        else:
+            msg = resolve_priority(req, self.prio)
         if msg is not None:
             req.finish_reason, req.status = FinishReason.abort(msg), Status.FINISHED
             return
         req.status = Status.WAITING
+        req.arrival_seq, self._arrival_counter = self._arrival_counter, self._arrival_counter + 1
         self._live[req.rid] = req
         self.waiting.append(req)
 
@@ -110,7 +123,9 @@ class Scheduler:
                 "pages_used": self.pool.num_used, "pages_total": self.pool.num_total,
                 "pages_free": self.pool.num_free, "page_size": self.P,
                 "prefix_cache_pages": self.cache.num_cached_pages,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions,
+                "priorities": (priority_stats(self.running, self.waiting)
+                               if isinstance(self.waiting, PriorityWaitingQueue) else {})}
 
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
@@ -225,7 +240,7 @@ class Scheduler:
             if new is not None:
                 req.pages.extend(new)
                 return True
-            victim = self.running[-1]
+            victim = grow_victim(self.running, self.prio) if self.prio.enable_priority_scheduling else self.running[-1]
             if victim is req and len(self.running) == 1:
                 cap = self.pool.num_total * self.P
                 self._finish(req, FinishReason.abort(
@@ -237,19 +252,43 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, requeue: bool = True) -> None:
         self._release(req, cache=True)
         self.running.remove(req)
         req.num_computed = 0
         req.status = Status.WAITING
-        self.waiting.push_front(req)
+        if requeue:
+            self.waiting.push_front(req)
         self.num_preemptions += 1
+
+    def _may_preempt(self, req: Request, first_admit: int) -> bool:
+        """Whether req may preempt some running request for priority (it is more important)."""
+        return self.prio.preempts and pick_victims(req, self.running, self.prio, self.pool, self.cache,
+                                                   True, 0, first_admit) is not None
+
+    def _make_room(self, req: Request, need_slot: bool, need: int, new: Optional[list[int]],
+                   first_admit: int, preempted: list[Request]) -> Optional[list[int]]:
+        """Priority preemption for req (a slot when need_slot; ``need`` pages, ``new`` if allocated):
+        the pages it gets, or None with nothing preempted. Victims rejoin the queue after the scan."""
+        short = 0 if new is not None else need - self.pool.num_free
+        victims = pick_victims(req, self.running, self.prio, self.pool, self.cache, need_slot, short, first_admit)
+        if victims is None:
+            if new is not None:
+                self.pool.unref(new)
+            return None
+        for v in victims:
+            self._preempt(v, requeue=False)
+            preempted.append(v)
+        return new if new is not None else self.pool.alloc(need)
 
     def _admit_waiting(self, budget: int) -> list[SeqWork]:
         seqs: list[SeqWork] = []
         taken: list[Request] = []                            # leave the waiting queue after the scan
+        preempted: list[Request] = []                        # priority victims: join it after the scan
+        first_admit = self._admit_counter
         for req in self.waiting.in_order(self.cache):
-            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
+            full = len(self.running) >= self.cfg.max_running_requests
+            if budget <= 0 or (full and not self._may_preempt(req, first_admit)):
                 break
             g = req.group
             if g is not None and not self.cache.disabled and self._leaders.get(g, req) is not req:
@@ -258,7 +297,10 @@ class Scheduler:
             pages, m = self.cache.match(ids)
             self.pool.ref(pages)                             # before alloc: eviction must spare them
             end = min(req.num_tokens, m + budget)
-            new = self.pool.alloc(self.pool.pages_for(end) - len(pages))
+            need = self.pool.pages_for(end) - len(pages)
+            new = self.pool.alloc(need)
+            if full or (new is None and self.prio.preempts):
+                new = self._make_room(req, full, need, new, first_admit, preempted)
             if new is None:
                 self.pool.unref(pages)
                 if self.running:
@@ -277,12 +319,15 @@ class Scheduler:
             self._admit_counter += 1
             req.status = Status.RUNNING
             self.running.append(req)
+            self.waiting.admitted(req)
             if g is not None and m < (min(len(ids), len(req.prompt_ids)) // self.P) * self.P:
                 self._leaders[g] = req                       # its prompt is not cached yet
             seqs.append(self._seq(req, m, end))
             budget -= end - m
         for req in taken:
             self.waiting.remove(req)
+        for req in preempted:
+            self.waiting.push_front(req)
         return seqs
 
     def _release(self, req: Request, cache: bool) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterator
+from typing import Iterator, Optional
 
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.core.request import Request
@@ -72,6 +72,17 @@ class WaitingQueue:
                 self._front.remove(req)
             except ValueError:
                 pass
+
+    def oldest(self) -> Optional[Request]:
+        """The waiting request that arrived first (``arrival_seq``; preempted ones keep theirs)."""
+        first = next(iter(self._arrivals.values()), None)
+        for r in self._front:
+            if first is None or r.arrival_seq < first.arrival_seq:
+                first = r
+        return first
+
+    def admitted(self, req: Request) -> None:
+        """Admission hook (the priority queue's starvation guard counts there); nothing to do here."""
 
     def in_order(self, cache: PrefixCache) -> Iterator[Request]:
         """Requests in admission order; lazy for fcfs. Do not add or remove while iterating."""
