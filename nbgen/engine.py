@@ -19,8 +19,8 @@ from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
 from nbgen.engine_embed import EmbedMixin
 from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
-from nbgen.engine_io import (ModelFacts, build_params, check_ids, make_logprob_requests, make_requests,
-                             check_rids, normalize_inputs, per_item)
+from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
+                             make_requests, check_rids, normalize_inputs, per_item)
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
 from nbgen.progress import BatchProgress
 from nbgen.request_options import attach_options, check_structured
@@ -103,7 +103,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
                  top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
                  rid: Any, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None,
-                 return_text_in_logprobs: Any = False) -> tuple[list[Request], bool]:
+                 return_text_in_logprobs: Any = False, priority: Any = None) -> tuple[list[Request], bool]:
         self._check_alive()
         if self.config.is_embedding:
             raise ValueError("this Engine was created with is_embedding=True: it embeds and does not generate; "
@@ -118,9 +118,12 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
         rids = check_rids(per_item("rid", rid, n))
+        prio = check_priority(priority)
         ids_list = [self._tokenize(p) for p in items] if kind == "prompt" else items
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
+        for r in reqs:
+            r.priority = prio
         attach_options(reqs, sps, per_item("return_hidden_states", return_hidden_states, n),
                        per_item("custom_logit_processor", custom_logit_processor, n),
                        self.config.enable_custom_logit_processor)
@@ -137,18 +140,21 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
                  stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
                  logprob_start_len: Any = -1, token_ids_logprob: Any = None, rid: Any = None,
                  use_tqdm: Optional[bool] = None, return_hidden_states: Any = False,
-                 custom_logit_processor: Any = None, return_text_in_logprobs: bool = False) -> Any:
+                 custom_logit_processor: Any = None, return_text_in_logprobs: bool = False,
+                 priority: Optional[int] = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
         ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
         ``return_hidden_states=True`` adds ``meta_info["hidden_states"]`` (one last-layer state per
         generated token); ``custom_logit_processor`` takes ``CustomLogitProcessor.to_str()`` strings
         (Engine(enable_custom_logit_processor=True) only). ``return_text_in_logprobs=True`` fills
-        the text of each ``(logprob, token_id, text)`` triple.
+        the text of each ``(logprob, token_id, text)`` triple. ``priority`` (an int, for every prompt
+        of the call) orders the requests under ``Engine(enable_priority_scheduling=True)``.
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
-                                     return_hidden_states, custom_logit_processor, return_text_in_logprobs)
+                                     return_hidden_states, custom_logit_processor, return_text_in_logprobs,
+                                     priority)
         if stream:
             return self._stream(self._single(reqs))
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
@@ -162,7 +168,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
                                 kw.pop("top_logprobs_num", 0), kw.pop("logprob_start_len", -1),
                                 kw.pop("token_ids_logprob", None), kw.pop("rid", None),
                                 kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None),
-                                kw.pop("return_text_in_logprobs", False))
+                                kw.pop("return_text_in_logprobs", False), kw.pop("priority", None))
         if kw:
             raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
         index = {r.rid: i for i, r in enumerate(reqs)}

@@ -38,11 +38,13 @@ class AsyncGenerateMixin:
                              stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
                              logprob_start_len: Any = -1, token_ids_logprob: Any = None,
                              rid: Any = None, return_hidden_states: Any = False,
-                             custom_logit_processor: Any = None, return_text_in_logprobs: bool = False) -> Any:
+                             custom_logit_processor: Any = None, return_text_in_logprobs: bool = False,
+                             priority: Any = None) -> Any:
         """Awaitable twin of generate(); with ``stream=True`` it returns an async iterator of chunks."""
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
-                                     return_hidden_states, custom_logit_processor, return_text_in_logprobs)
+                                     return_hidden_states, custom_logit_processor, return_text_in_logprobs,
+                                     priority)
         if stream:
             return self._astream(self._single(reqs))
         results: dict[str, dict] = {}

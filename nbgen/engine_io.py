@@ -6,6 +6,7 @@ fails the whole call with a clear error and nothing runs.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import random
 import uuid
 from dataclasses import dataclass
@@ -116,6 +117,16 @@ def check_rids(rids: list[Any]) -> list[Optional[str]]:
         if r is not None and not isinstance(r, str):
             raise TypeError(f"rid must be a str or a list of str (one per prompt), got {r!r:.60}")
     return rids
+
+
+def check_priority(priority: Any) -> Optional[int]:
+    """generate()'s ``priority``: None or one int for every prompt of the call (as SGLang's
+    GenerateReqInput); anything else is a ValueError naming priority."""
+    if priority is None:
+        return None
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise ValueError(f"priority must be an int or None (one value for the whole call), got {priority!r:.60}")
+    return int(priority)
 
 
 def make_requests(ids_list: list[list[int]], params: list[SamplingParams], logprobs: list[LogprobRequest],

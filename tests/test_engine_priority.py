@@ -1,0 +1,70 @@
+"""Priority scheduling through the Engine on the tiny Llama (CPU): a late high-priority request
+finishes before a batch of low-priority ones, with the same greedy outputs as run alone."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import nbgen
+from nbgen.runtime.priority import DISABLED_MESSAGE
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def test_high_priority_request_finishes_first_with_the_same_outputs(tiny_llama_dir):
+    lows = [[5 + (i * 7 + j) % 300 for j in range(8 + i)] for i in range(6)]
+    high = [350 + j for j in range(10)]
+    sp_low, sp_high = {**GREEDY, "max_new_tokens": 48}, {**GREEDY, "max_new_tokens": 8}
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", max_running_requests=2,
+                      enable_priority_scheduling=True) as e:
+        done: dict[int, tuple[float, dict]] = {}
+
+        def run_lows() -> None:
+            for i, out in e.generate_iter(input_ids=lows, sampling_params=sp_low, priority=0):
+                done[i] = (time.perf_counter(), out)
+
+        worker = threading.Thread(target=run_lows)
+        worker.start()
+        deadline = time.time() + 60
+        while (s := e.stats())["running"] < 2 and time.time() < deadline:
+            time.sleep(0.001)
+        assert s["priorities"] == {0: {"running": 2, "waiting": 4}}
+        unfinished = set(range(len(lows))) - set(done)
+        out_high = e.generate(input_ids=high, sampling_params=sp_high, priority=100)
+        t_high = time.perf_counter()
+        worker.join(timeout=120)
+        assert len(done) == len(lows)
+        assert len(unfinished) >= 5 and all(done[i][0] > t_high for i in unfinished)   # it came first
+        assert e._loop.scheduler.num_preemptions >= 1            # it took a running low's slot
+        assert e.stats()["priorities"] == {}                      # nothing left (keys of live requests)
+        alone = [e.generate(input_ids=p, sampling_params=sp_low)["output_ids"] for p in lows]
+        assert [done[i][1]["output_ids"] for i in range(len(lows))] == alone
+        assert out_high["output_ids"] == e.generate(input_ids=high, sampling_params=sp_high)["output_ids"]
+
+
+@pytest.mark.parametrize("bad", ["high", 1.5, True, [1, 2], {"p": 1}])
+def test_invalid_priority_is_a_value_error_and_the_engine_keeps_serving(tiny_engine, bad):
+    with pytest.raises(ValueError, match="priority"):
+        tiny_engine.generate("hello", {"max_new_tokens": 2}, priority=bad)
+    with pytest.raises(ValueError, match="priority"):
+        list(tiny_engine.generate_iter(["a", "b"], {"max_new_tokens": 2}, priority=bad))
+    with pytest.raises(ValueError, match="priority"):
+        asyncio.run(tiny_engine.async_generate("hello", {"max_new_tokens": 2}, priority=bad))
+    assert tiny_engine.generate("hello", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_priority_ignored_when_disabled(tiny_engine):
+    sp = {**GREEDY, "max_new_tokens": 4}
+    assert tiny_engine.generate("x y", sp, priority=7)["output_ids"] == tiny_engine.generate("x y", sp)["output_ids"]
+
+
+def test_abort_on_priority_when_disabled_and_config_errors(tiny_llama_dir):
+    with pytest.raises(ValueError, match="priority_scheduling_preemption_threshold"):
+        nbgen.Engine(tiny_llama_dir, priority_scheduling_preemption_threshold=-1)
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", abort_on_priority_when_disabled=True) as e:
+        out = e.generate(["a", "b"], {"max_new_tokens": 2}, priority=1)
+        assert [o["meta_info"]["finish_reason"] for o in out] == [{"type": "abort", "message": DISABLED_MESSAGE}] * 2
+        assert e.generate("a", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"
