@@ -8,8 +8,8 @@ from nbgen.dataframe_score import score_df
 from nbgen.engine import Engine
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.logit_processor import CustomLogitProcessor
-from nbgen.notebook import dashboard, playground, profile, stream
+from nbgen.notebook import chat_session, dashboard, playground, profile, stream
 from nbgen.core.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "embed_df", "score_df", "GenerationInterrupted", "dashboard", "stream", "playground", "profile", "__version__"]
+__all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "embed_df", "score_df", "GenerationInterrupted", "chat_session", "dashboard", "stream", "playground", "profile", "__version__"]

@@ -19,6 +19,7 @@ from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
 from nbgen.engine_embed import EmbedMixin
 from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
+from nbgen.engine_session import SessionMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
                              make_requests, check_rids, normalize_inputs, per_item)
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
@@ -31,7 +32,7 @@ from nbgen.runtime.tracker import Update
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
+class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model;
     ``Engine(..., is_embedding=True)`` embeds (``encode``) instead of generating."""
 
@@ -103,7 +104,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
                  top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
                  rid: Any, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None,
-                 return_text_in_logprobs: Any = False, priority: Any = None) -> tuple[list[Request], bool]:
+                 return_text_in_logprobs: Any = False, priority: Any = None, session_params: Any = None,
+                 session_id: Any = None) -> tuple[list[Request], bool]:
         self._check_alive()
         if self.config.is_embedding:
             raise ValueError("this Engine was created with is_embedding=True: it embeds and does not generate; "
@@ -127,6 +129,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
         attach_options(reqs, sps, per_item("return_hidden_states", return_hidden_states, n),
                        per_item("custom_logit_processor", custom_logit_processor, n),
                        self.config.enable_custom_logit_processor)
+        self._bind_session(reqs, session_params, session_id)
         return reqs, single
 
     @staticmethod
@@ -141,7 +144,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
                  logprob_start_len: Any = -1, token_ids_logprob: Any = None, rid: Any = None,
                  use_tqdm: Optional[bool] = None, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None, return_text_in_logprobs: bool = False,
-                 priority: Optional[int] = None) -> Any:
+                 priority: Optional[int] = None, session_params: Any = None, session_id: Any = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
         ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
@@ -150,11 +153,12 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
         (Engine(enable_custom_logit_processor=True) only). ``return_text_in_logprobs=True`` fills
         the text of each ``(logprob, token_id, text)`` triple. ``priority`` (an int, for every prompt
         of the call) orders the requests under ``Engine(enable_priority_scheduling=True)``.
+        ``session_params`` continues a request of an open session (``open_session``).
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
-                                     priority)
+                                     priority, session_params, session_id)
         if stream:
             return self._stream(self._single(reqs))
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
@@ -168,7 +172,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin):
                                 kw.pop("top_logprobs_num", 0), kw.pop("logprob_start_len", -1),
                                 kw.pop("token_ids_logprob", None), kw.pop("rid", None),
                                 kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None),
-                                kw.pop("return_text_in_logprobs", False), kw.pop("priority", None))
+                                kw.pop("return_text_in_logprobs", False), kw.pop("priority", None),
+                                kw.pop("session_params", None), kw.pop("session_id", None))
         if kw:
             raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
         index = {r.rid: i for i, r in enumerate(reqs)}

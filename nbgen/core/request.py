@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from nbgen.core.finish import FinishReason
 from nbgen.core.sampling import SamplingParams
+from nbgen.core.session import SessionParams
 
 
 class Status(enum.Enum):
@@ -63,6 +64,7 @@ class Request:
     logit_processor: Optional[Any] = None    # custom logit processor instance (caller-supplied code)
     return_hidden_states: bool = False       # collect the last layer's state per generated token
     embed: Optional[EmbedRequest] = None     # an embedding request: prefill only, pooled, never sampled
+    session: Optional[SessionParams] = None  # its place in an engine session (runtime/sessions.py)
     priority: Optional[int] = None           # generate(priority=...); set to the default at add (priority scheduling)
 
     # --- mutable state (loop thread only) ---

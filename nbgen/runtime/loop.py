@@ -22,6 +22,7 @@ from nbgen.runtime.gc_freeze import freeze_heap, freeze_new_code, thaw_heap
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.overlap import OverlapStepper
 from nbgen.runtime.profiler import ProfileOptions, ProfileResult, StepProfiler
+from nbgen.runtime.sessions import SessionTable
 
 logger = logging.getLogger("nbgen")
 
@@ -48,6 +49,7 @@ class LoopThread:
         self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
         self._stepped = False  # steps ran since the loop last went idle
         self.profiler = StepProfiler()  # start_profile / stop_profile, driven on this thread
+        self.sessions: Optional[SessionTable] = None  # open_session / session_params
 
     # ---- caller side (any thread) ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -55,14 +57,27 @@ class LoopThread:
         return self._ready.result()
 
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
-        """Queue requests; ValueError (nothing queued) when a request id is already in flight."""
+        """Queue requests; ValueError (nothing queued) when a request id is already in flight, or
+        (waiting for the loop) when a session request cannot continue its session."""
         rids = [r.rid for r in reqs]
         self._rids.claim(rids)
         try:
-            self._post(self._add, reqs, sink, stream)
-        except RuntimeError:
+            if any(r.session is not None for r in reqs):
+                self.call(lambda: self._add(reqs, sink, stream))
+            else:
+                self._post(self._add, reqs, sink, stream)
+        except (RuntimeError, ValueError):
             self._rids.release(rids)
             raise
+
+    def open_session(self, capacity: int, session_id: str, streaming: bool,
+                     timeout: Optional[float]) -> Optional[str]:
+        """Open a session (None when that id is open already)."""
+        return self.call(lambda: self.sessions.open(capacity, session_id, streaming, timeout))
+
+    def close_session(self, session_id: str) -> None:
+        """Close a session and drop its KV pin (an unknown id is ignored with a warning)."""
+        self.call(lambda: self.sessions.close(session_id))
 
     def abort(self, rids: list[str], message: str = "aborted by the caller", wait: bool = False) -> None:
         """Abort requests; with ``wait``, return once the loop has finished them (stats() agrees)."""
@@ -172,6 +187,11 @@ class LoopThread:
         self._delivery = Delivery(parts.scheduler, parts.tokenizer, parts.runner.vocab_size,
                                   parts.cfg.page_size, self._stats, self._rids, self._post)
         self.deliver = self._delivery.deliver    # the step's hand-off, bound once (hot path)
+        bos = getattr(parts.tokenizer, "bos_token_id", None)
+        self.sessions = SessionTable(parts.scheduler, self._abort_one, bos, parts.cfg.allow_context_overflow,
+                                     self._later)
+        parts.scheduler.on_finish = self.sessions.on_finish
+        parts.scheduler.on_flush = self.sessions.unpin_all
         self._reap = self._delivery.reap
         if getattr(parts.runner, "overlap", False):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
@@ -229,7 +249,20 @@ class LoopThread:
         self._reap()
 
     def _add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        if any(r.session is not None for r in reqs):
+            if self._overlap is not None:
+                self._overlap.flush()  # the continued requests' output ids are final
+            for r in reqs:
+                if r.session is not None:
+                    self.sessions.attach(r)
         self._delivery.add(reqs, sink, stream)
+
+    def _abort_one(self, rid: str, message: str) -> None:
+        self._delivery.abort([rid], message)
+
+    def _later(self, delay: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread in ``delay`` seconds (a session's timeout)."""
+        self._loop.call_later(delay, self._wrap, fn, (), None)
 
     def _abort(self, rids: list[str], message: str) -> None:
         if self._overlap is not None:
@@ -241,4 +274,5 @@ class LoopThread:
             self._overlap.flush()
         if self.profiler.active:  # shutting down mid-profile still writes the trace
             self.profiler.stop()
+        self.sessions.close_all()
         self._stopping = True

@@ -27,12 +27,13 @@ requests join and leave at every step. A step is built in this order:
    at step 4 preempts the least important request instead of the newest.
 
 Full pages enter the prefix cache when a prefill (or recompute) completes, at finish, at
-preemption and at abort (runner errors excepted). Decodes cost O(1) Python each per step.
+preemption and at abort (runner errors excepted); ``on_finish`` then hears the finished request
+(an engine session pins its sequence). Decodes cost O(1) Python each per step.
 """
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nbgen.core.config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
@@ -65,6 +66,10 @@ class Scheduler:
         self._leaders: dict[str, Request] = {}        # group -> member prefilling the shared prompt
         self._admit_counter = 0
         self.num_preemptions = 0
+        # called with each request finished after it ran (its full pages are in the prefix cache);
+        # engine sessions pin them there (runtime/sessions.py), and drop the pins at a flush
+        self.on_finish: Optional[Callable[[Request], None]] = None
+        self.on_flush: Optional[Callable[[], None]] = None
 
     # ---- requests in and out --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -113,9 +118,12 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests run, as SGLang."""
+        """Drop the prefix cache (sessions' pins too: ``on_flush``); refused (False) while requests
+        run, as SGLang."""
         if self.running:
             return False
+        if self.on_flush is not None:
+            self.on_flush()
         return self.cache.flush()
 
     def stats(self) -> dict[str, Any]:
@@ -345,3 +353,5 @@ class Scheduler:
         self._live.pop(req.rid, None)
         if unlist:
             self.running.remove(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
