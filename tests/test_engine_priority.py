@@ -68,3 +68,16 @@ def test_abort_on_priority_when_disabled_and_config_errors(tiny_llama_dir):
         out = e.generate(["a", "b"], {"max_new_tokens": 2}, priority=1)
         assert [o["meta_info"]["finish_reason"] for o in out] == [{"type": "abort", "message": DISABLED_MESSAGE}] * 2
         assert e.generate("a", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_dashboard_shows_priorities():
+    from nbgen.notebook.state import StatsHistory, dashboard_html, dashboard_text
+
+    st = {"running": 3, "waiting": 4, "time": 1.0,
+          "priorities": {10: {"running": 1, "waiting": 0}, None: {"running": 2, "waiting": 4}}}
+    h = StatsHistory()
+    h.append(st)
+    assert "priority 10: 1 running, 0 waiting | none: 2 running, 4 waiting" in dashboard_html(h)
+    assert dashboard_text(st).endswith("| priority 10: 1 running, 0 waiting | none: 2 running, 4 waiting")
+    h.append({**st, "priorities": {}})
+    assert "nbgen-priorities" not in dashboard_html(h) and "priority" not in dashboard_text({"running": 1})

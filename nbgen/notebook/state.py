@@ -129,6 +129,13 @@ def svg_lines(xs: Sequence[float], series: Mapping[str, tuple[Sequence[float], s
     return "".join(parts)
 
 
+def priority_summary(stats: Mapping[str, Any]) -> str:
+    """``stats()["priorities"]`` as one line, most important first ("" without priority scheduling)."""
+    prios = stats.get("priorities") or {}
+    return " | ".join(f"{'none' if p is None else p}: {c.get('running', 0)} running, {c.get('waiting', 0)} waiting"
+                      for p, c in prios.items())
+
+
 def _bar(frac: float, prefix_frac: float) -> str:
     f, p = min(max(frac, 0.0), 1.0) * 100, min(max(prefix_frac, 0.0), 1.0) * 100
     return ('<div style="background:#eee;height:10px;width:100%;position:relative;border-radius:3px">'
@@ -163,6 +170,9 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
                                 f'{fmt_num(s.get("total_output_tokens", 0))}', "totals"),
     ])
     attrs = " ".join(f'data-{k.replace("_", "-")}="{s.get(k, 0)}"' for k in STAT_KEYS if k in s)
+    prio = priority_summary(s)
+    prio_line = (f'<div class="nbgen-priorities" style="font-size:11px;color:#444;margin-bottom:4px">'
+                 f'priority {html.escape(prio)}</div>' if prio else "")
     return (f'<div class="nbgen-dashboard" data-status="{html.escape(status)}" {attrs} '
             'style="font-family:system-ui,sans-serif;border:1px solid #ddd;border-radius:6px;padding:8px;'
             'max-width:460px">'
@@ -170,7 +180,7 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
             f'column-gap:8px"><b style="overflow-wrap:anywhere">{html.escape(title)}</b>'
             f'<span class="nbgen-status" style="color:#888;font-size:11px;white-space:nowrap">{html.escape(status)} · '
             f'up {s.get("uptime_s", 0):.0f} s</span></div>'
-            f'<div style="display:flex;flex-wrap:wrap;gap:6px;margin:6px 0">{cells}</div>'
+            f'<div style="display:flex;flex-wrap:wrap;gap:6px;margin:6px 0">{cells}</div>{prio_line}'
             f'<div style="font-size:11px;color:#444"><span style="color:#4c78a8">━</span> input tok/s '
             f'<span style="color:#e45756">━</span> output tok/s</div>'
             f'{chart}<div style="font-size:11px;color:#444;margin-top:4px">KV cache '
@@ -190,7 +200,8 @@ def dashboard_text(stats: Optional[Mapping[str, Any]]) -> str:
             f"{kv['total']} pages ({kv['frac']:.0%}, prefix {kv['prefix_frac']:.0%}) | finished "
             f"{stats.get('total_finished', 0)}, aborted {stats.get('total_aborted', 0)}, tokens in/out "
             f"{stats.get('total_input_tokens', 0)}/"
-            f"{stats.get('total_output_tokens', 0)}")
+            f"{stats.get('total_output_tokens', 0)}"
+            + (f" | priority {priority_summary(stats)}" if stats.get("priorities") else ""))
 
 
 def svg_bars(labels: Sequence[str], values: Sequence[float], unit: str = "", width: Optional[int] = None,
