@@ -352,8 +352,8 @@ def test_pinned_session_survives_pressure_and_close_releases_it(tiny_llama_dir) 
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)   # the shared test engine is running too
-        eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", max_total_tokens=256,
-                           random_seed=0)
+        eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device=os.environ.get("NBGEN_TEST_DEVICE", "cpu"),
+                           max_total_tokens=256, random_seed=0)
     try:
         assert eng.get_server_info()["max_total_tokens"] == 256                 # 16 pages
         sid = eng.open_session(10_000)
