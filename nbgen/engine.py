@@ -19,6 +19,7 @@ from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
 from nbgen.engine_embed import EmbedMixin
 from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
+from nbgen.engine_weights import WeightsMixin
 from nbgen.engine_session import SessionMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
                              make_requests, check_rids, normalize_inputs, per_item)
@@ -32,7 +33,7 @@ from nbgen.runtime.tracker import Update
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin):
+class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model;
     ``Engine(..., is_embedding=True)`` embeds (``encode``) instead of generating."""
 
@@ -290,13 +291,14 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
                 "chunked_prefill_size": sc.chunked_prefill_size, "schedule_policy": sc.schedule_policy,
                 "disable_radix_cache": sc.disable_radix_cache,
                 **self._loop.server_info(),
-                "random_seed": self.config.random_seed}
+                "random_seed": self.config.random_seed, "weight_version": self.weight_version}
 
     def get_model_info(self) -> dict[str, Any]:
         return {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,
                 "is_generation": not self.config.is_embedding,
                 "architectures": list(self.hf_config.architectures or []),
-                "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length}
+                "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length,
+                "weight_version": self.weight_version}
 
     def shutdown(self) -> None:
         """Stop the loop thread and free the model; idempotent. Later calls raise RuntimeError."""

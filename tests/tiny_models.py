@@ -38,8 +38,9 @@ def make_tokenizer(vocab_size: int = 384):
     return fast
 
 
-def make_tiny_model(family: str, path: str, vocab_size: int = 384, **overrides) -> str:
-    """Save a tiny random fp32 model of ``family`` ('llama' | 'llama3' | 'qwen2' | 'qwen3') with a tokenizer."""
+def make_tiny_model(family: str, path: str, vocab_size: int = 384, seed: int = 0, **overrides) -> str:
+    """Save a tiny random fp32 model of ``family`` ('llama' | 'llama3' | 'qwen2' | 'qwen3') with a tokenizer
+    (``seed``: the weights' random seed)."""
     import transformers as tf
 
     tok = make_tokenizer(vocab_size)
@@ -59,7 +60,7 @@ def make_tiny_model(family: str, path: str, vocab_size: int = 384, **overrides) 
         cfg, cls = tf.Qwen3Config(head_dim=32, **common), tf.Qwen3ForCausalLM
     else:
         raise ValueError(family)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
     # random init is small; widen the logits so greedy choices are not near-ties
     with torch.no_grad():

@@ -70,6 +70,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     # an embedding engine: encode() pools the final hidden states (prefill only); generate() is refused
     is_embedding: bool = False
+    # SGLang's name for the loaded weights, reported in outputs' meta_info; weight updates may rename it
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, want: str) -> None:
@@ -84,6 +86,7 @@ class EngineConfig:
         check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
         check("tp_size", self.tp_size == 1, "1 (tensor parallelism is not implemented yet)")
+        check("weight_version", isinstance(self.weight_version, str), "a str")
         for name in ("context_length", "max_running_requests", "max_total_tokens",
                      "chunked_prefill_size", "cuda_graph_max_bs", "piecewise_cuda_graph_max_tokens"):
             v = getattr(self, name)

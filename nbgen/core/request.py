@@ -64,6 +64,7 @@ class Request:
     logit_processor: Optional[Any] = None    # custom logit processor instance (caller-supplied code)
     return_hidden_states: bool = False       # collect the last layer's state per generated token
     embed: Optional[EmbedRequest] = None     # an embedding request: prefill only, pooled, never sampled
+    weight_version: str = "default"          # the weights it runs with (set when the loop admits it)
     session: Optional[SessionParams] = None  # its place in an engine session (runtime/sessions.py)
     priority: Optional[int] = None           # generate(priority=...); set to the default at add (priority scheduling)
 

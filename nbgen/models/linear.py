@@ -99,6 +99,20 @@ class _Linear(nn.Module):
         self.packed = pack_linear_weight(self.weight.data)
         self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [out, in] as values: the parameter, or rebuilt from the packed copy (exactly:
+        identity @ W.T through the same oneDNN call, each output one product with 1)."""
+        if self.packed is None:
+            return self.weight.data
+        eye = torch.eye(self.weight.shape[1], dtype=self.weight.dtype)
+        return packed_linear(eye, self.packed, None).t().contiguous()
+
+    def unpack_cpu(self) -> None:
+        """Undo ``prepack_cpu``: the parameter holds the weight again (before a weight update)."""
+        if self.packed is not None:
+            self.weight.data = self.dense_weight()
+            self.packed = None
+
     def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if out is not None:
             # into the caller's buffer (piecewise prefill graphs keep q/k/v in a static one): the same
@@ -151,10 +165,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias)
         self.output_sizes = [s // self.tp_size for s in output_sizes]   # local sizes
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        """(first row, rows) of sub-matrix ``shard_id`` in this rank's parameter."""
         assert isinstance(shard_id, int), "MergedColumnParallelLinear loads one sub-matrix at a time"
-        size = self.output_sizes[shard_id]
-        offset = sum(self.output_sizes[:shard_id])
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        offset, size = self.shard_rows(shard_id)
         default_weight_loader(param.data.narrow(0, offset, size), self._shard(loaded, size, self.tp_rank))
 
 
@@ -172,13 +189,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        """(first row, rows) of q, k or v in this rank's parameter."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size, index = {
-            "q": (0, q, self.tp_rank),
-            "k": (q, kv, self.tp_rank // self.kv_replicas),
-            "v": (q + kv, kv, self.tp_rank // self.kv_replicas),
-        }[shard_id]
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        offset, size = self.shard_rows(shard_id)
+        index = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         default_weight_loader(param.data.narrow(0, offset, size), self._shard(loaded, size, index))
 
 

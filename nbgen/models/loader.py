@@ -13,7 +13,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -70,23 +70,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _is_gguf(cfg: EngineConfig, path: str) -> bool:
-    return cfg.load_format == "gguf" or path.lower().endswith(".gguf")
-
-
-def _model_dir(cfg: EngineConfig) -> str:
-    """The HF directory to read, converting a GGUF first; model_path=None means the embedded model."""
-    path = cfg.model_path
-    if path is None:
-        path = default_model_path()
+def checkpoint_dir(path: str, load_format: str = "auto") -> str:
+    """The HF directory of ``path`` (a directory, its config.json, or a .gguf file converted once)."""
+    path = os.path.expanduser(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model_path {path!r} does not exist (nbgen has no model-hub access; "
                                 "pass a local HF directory or a .gguf file)")
-    if _is_gguf(cfg, path) and os.path.isfile(path):
+    if (load_format == "gguf" or path.lower().endswith(".gguf")) and os.path.isfile(path):
         return gguf_to_hf_dir(path)
     if os.path.isfile(path) and os.path.basename(path) == "config.json":
         return os.path.dirname(path) or "."
     return path
+
+
+def _model_dir(cfg: EngineConfig) -> str:
+    """The HF directory to read, converting a GGUF first; model_path=None means the embedded model."""
+    return checkpoint_dir(cfg.model_path if cfg.model_path is not None else default_model_path(), cfg.load_format)
 
 
 def _safetensors_files(model_dir: str) -> list[str]:
@@ -102,13 +101,14 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs, one tensor in memory at a time."""
+def iter_safetensors(model_dir: str, keep: Optional[Callable[[str], bool]] = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, one tensor in memory at a time (only names ``keep`` accepts)."""
     from safetensors import safe_open
 
     for path in _safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            names = list(f.keys())
+            names = [n for n in f.keys() if keep is None or keep(n)]
         # safe_open maps the whole file and every page read stays in this process's RSS until the
         # file is closed, so reopen it every ~64 MB: peak RSS ~ model size, not model + file size.
         i = 0
@@ -120,6 +120,19 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                     read += t.numel() * t.element_size()
                     yield names[i], t
                     i += 1
+
+
+def checkpoint_metadata(model_dir: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(HF name, shape, safetensors dtype such as "BF16") of every tensor, from the file headers only."""
+    from safetensors import safe_open
+
+    out = []
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                out.append((name, tuple(sl.get_shape()), sl.get_dtype()))
+    return out
 
 
 @contextmanager

@@ -66,6 +66,38 @@ def _scale_columns(w: torch.Tensor, g: torch.Tensor, rows: int = 2048) -> None:
         blk.copy_(blk.float() * gf)
 
 
+def fold_map(model: torch.nn.Module) -> dict[str, str]:
+    """Folded layers' parameters: qkv / gate|up weight name -> the norm weight folded into its columns
+    (empty when nothing is folded)."""
+    out: dict[str, str] = {}
+    for i, layer in enumerate(getattr(getattr(model, "model", None), "layers", None) or []):
+        if getattr(layer, "folded", False):
+            p = f"model.layers.{i}."
+            out[p + "self_attn.qkv_proj.weight"] = p + "input_layernorm.weight"
+            out[p + "mlp.gate_up_proj.weight"] = p + "post_attention_layernorm.weight"
+    return out
+
+
+@torch.no_grad()
+def fold_rows(w: torch.Tensor, g: torch.Tensor) -> None:
+    """Fold norm weight ``g`` into rows just loaded unfolded (a weight update of a folded layer)."""
+    _scale_columns(w, g)
+
+
+@torch.no_grad()
+def refold(w: torch.Tensor, g_old: torch.Tensor, g_new: torch.Tensor) -> None:
+    """A folded norm's weight changes from g_old to g_new: W[:, k] *= g_new[k] / g_old[k] (fp32, rounded
+    once; columns where g_old is 0 hold no information and become 0)."""
+    old = g_old.float()
+    _scale_columns(w, torch.where(old != 0, g_new.float() / old, torch.zeros_like(old)))
+
+
+def unfolded(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's values of folded rows, in fp32: W[:, k] / g[k] (within a rounding of the model
+    dtype of what was loaded)."""
+    return w.float() / g.float()[None, :]
+
+
 def should_fold(model: torch.nn.Module, device: torch.device) -> bool:
     """The setup's policy: fold on CUDA with bf16 weights where the fused kernels serve the layers
     (the fused GPU ops on, Triton present, a head size the RoPE kernel takes: elsewhere the row

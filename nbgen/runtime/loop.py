@@ -18,10 +18,13 @@ from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Delivery, RidRegistry, Sink
 from nbgen.runtime.engine_parts import build_engine_parts, runner_info
+from nbgen.runtime.exclusive import ExclusiveCalls
 from nbgen.runtime.gc_freeze import freeze_heap, freeze_new_code, thaw_heap
 from nbgen.runtime.loop_stats import LoopStats
+from nbgen.runtime.memory import MemoryService
 from nbgen.runtime.overlap import OverlapStepper
 from nbgen.runtime.profiler import ProfileOptions, ProfileResult, StepProfiler
+from nbgen.runtime.weights import WeightService
 from nbgen.runtime.sessions import SessionTable
 
 logger = logging.getLogger("nbgen")
@@ -49,6 +52,9 @@ class LoopThread:
         self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
         self._stepped = False  # steps ran since the loop last went idle
         self.profiler = StepProfiler()  # start_profile / stop_profile, driven on this thread
+        self._exclusive = ExclusiveCalls()  # weight updates / memory release, and submissions held behind them
+        self.weights: Optional[WeightService] = None  # weight updates and reads, weight_version
+        self.memory: Optional[MemoryService] = None   # release / resume of the GPU memory
         self.sessions: Optional[SessionTable] = None  # open_session / session_params
 
     # ---- caller side (any thread) ---------------------------------------------------------------
@@ -59,13 +65,16 @@ class LoopThread:
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         """Queue requests; ValueError (nothing queued) when a request id is already in flight, or
         (waiting for the loop) when a session request cannot continue its session."""
+        refusal = self.memory.refusal() if self.memory is not None else None
+        if refusal is not None:
+            raise RuntimeError(refusal)
         rids = [r.rid for r in reqs]
         self._rids.claim(rids)
         try:
             if any(r.session is not None for r in reqs):
-                self.call(lambda: self._add(reqs, sink, stream))
+                self.call(lambda: self._add_in_session(reqs, sink, stream))
             else:
-                self._post(self._add, reqs, sink, stream)
+                self._post(self._add_or_hold, reqs, sink, stream)
         except (RuntimeError, ValueError):
             self._rids.release(rids)
             raise
@@ -90,6 +99,13 @@ class LoopThread:
         """Run ``fn`` on the loop thread between steps and return its result (blocking)."""
         fut: cf.Future = cf.Future()
         self._post(fn, fut=fut)
+        return self._wait(fut)
+
+    def call_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the loop thread once every request submitted before this call has finished;
+        requests submitted meanwhile wait and start after it (SGLang's model-update lock)."""
+        fut: cf.Future = cf.Future()
+        self._post(self._exclusive.push, fn, fut)
         return self._wait(fut)
 
     def _wait(self, fut: cf.Future) -> Any:
@@ -187,6 +203,9 @@ class LoopThread:
         self._delivery = Delivery(parts.scheduler, parts.tokenizer, parts.runner.vocab_size,
                                   parts.cfg.page_size, self._stats, self._rids, self._post)
         self.deliver = self._delivery.deliver    # the step's hand-off, bound once (hot path)
+        self.memory = MemoryService(parts.runner, parts.scheduler)
+        self.weights = WeightService(parts.runner, parts.scheduler, self.memory, parts.cfg.weight_version,
+                                     parts.cfg.load_format)
         bos = getattr(parts.tokenizer, "bos_token_id", None)
         self.sessions = SessionTable(parts.scheduler, self._abort_one, bos, parts.cfg.allow_context_overflow,
                                      self._later)
@@ -208,6 +227,8 @@ class LoopThread:
                 if self.profiler.active:
                     self.profiler.after_step()
                 await asyncio.sleep(0)  # let submissions / aborts / calls in between steps
+            elif self._exclusive.pending and self._drained():
+                self._run_exclusive()
             else:
                 if self._stepped:
                     self._stepped = False
@@ -248,14 +269,41 @@ class LoopThread:
             self.scheduler.abort(s.req.rid, f"{type(e).__name__}: {e}")
         self._reap()
 
+    def _drained(self) -> bool:
+        """No request in flight (grammar compilations included)."""
+        s = self._delivery.snapshot()
+        return s["running"] + s["waiting"] == 0
+
+    def _run_exclusive(self) -> None:
+        """Run the queued exclusive calls (the engine has drained), then admit what waited for them."""
+        if self._overlap is not None:
+            self._overlap.flush()
+        for reqs, sink, stream in self._exclusive.run():
+            self._add(reqs, sink, stream)
+        self._delivery.publish()
+
+    def _add_or_hold(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        if self._exclusive.pending:   # a weight update / memory release waits for the engine to drain
+            self._exclusive.hold(reqs, sink, stream)
+        else:
+            self._add(reqs, sink, stream)
+
+    def _add_in_session(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        """Session requests get their whole prompt from their session (ValueError: none is added)."""
+        if self._overlap is not None:
+            self._overlap.flush()  # the continued requests' output ids are final
+        for r in reqs:
+            if r.session is not None:
+                self.sessions.attach(r)
+        self._add_or_hold(reqs, sink, stream)
+
     def _add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
-        if any(r.session is not None for r in reqs):
-            if self._overlap is not None:
-                self._overlap.flush()  # the continued requests' output ids are final
-            for r in reqs:
-                if r.session is not None:
-                    self.sessions.attach(r)
+        for r in reqs:
+            r.weight_version = self.weights.version
         self._delivery.add(reqs, sink, stream)
+        refusal = self.memory.refusal()
+        if refusal is not None:      # held behind a memory release
+            self._delivery.abort([r.rid for r in reqs], refusal)
 
     def _abort_one(self, rid: str, message: str) -> None:
         self._delivery.abort([rid], message)
@@ -267,6 +315,8 @@ class LoopThread:
     def _abort(self, rids: list[str], message: str) -> None:
         if self._overlap is not None:
             self._overlap.flush()  # no placeholder token may reach an aborted request's output
+        for held in self._exclusive.take(rids):   # waiting behind an exclusive call: answered now
+            self._delivery.add(*held)
         self._delivery.abort(rids, message)
 
     def _stop(self) -> None:

@@ -112,6 +112,18 @@ def make_backend(cfg: EngineConfig, spec: KVCacheSpec) -> AttentionBackend:
     return TorchAttentionBackend(spec)
 
 
+def graphs_enabled(cfg: EngineConfig, backend: AttentionBackend) -> bool:
+    """Decode graphs are captured: the flashinfer backend (CUDA), unless disabled."""
+    return isinstance(backend, FlashInferBackend) and bool(cfg.cuda_graph_max_bs) and not cfg.disable_cuda_graph
+
+
+def make_decode_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
+                       context_length: int) -> Optional[CudaGraphRunner]:
+    """Decode graphs at the padded batch sizes (``graphs_enabled``), or None."""
+    return CudaGraphRunner(model, backend, cfg.cuda_graph_max_bs, context_length) \
+        if graphs_enabled(cfg, backend) else None
+
+
 def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module,
                         backend: AttentionBackend) -> Optional[pg.PrefillGraphRunner]:
     """Piecewise graphs for steps with prefill chunks (with the decode graphs; None when off, or when
@@ -163,13 +175,11 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     folded = norm_fold.should_fold(loaded.model, device) and norm_fold.fold_norms(loaded.model)
     sampler = Sampler(int(loaded.hf_config.vocab_size), device)
     t2 = time.perf_counter()
-    graphs = prefill = None
-    if isinstance(backend, FlashInferBackend) and cfg.cuda_graph_max_bs and not cfg.disable_cuda_graph:
+    if graphs_enabled(cfg, backend):
         report("capturing CUDA graphs")
-        graphs = CudaGraphRunner(loaded.model, backend, cfg.cuda_graph_max_bs, loaded.context_length)
+    graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length)
     t3 = time.perf_counter()
-    if graphs is not None:
-        prefill = make_prefill_graphs(cfg, loaded.model, backend)
+    prefill = make_prefill_graphs(cfg, loaded.model, backend) if graphs is not None else None
     t4 = time.perf_counter()
     if graphs is not None:
         report("warming up")

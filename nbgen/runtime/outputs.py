@@ -49,6 +49,7 @@ def embedding_output(req: Request) -> dict[str, Any]:
     return {"embedding": req.embedding,
             "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason),
                           "prompt_tokens": len(req.prompt_ids), "cached_tokens": req.cached_tokens,
+                          "weight_version": req.weight_version,
                           "e2e_latency": time.perf_counter() - req.arrival}}
 
 
@@ -64,6 +65,7 @@ def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
         "finish_reason": finish_dict(req.finish_reason) if finished else None,
+        "weight_version": req.weight_version,
         "e2e_latency": time.perf_counter() - req.arrival,
     }
     if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:

@@ -21,7 +21,7 @@ from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.cuda_graphs import Staged
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
 from nbgen.runtime.logprob_step import per_seq, step_with_logprobs, wants_logprobs
-from nbgen.runtime.model_setup import setup_model
+from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
 
 
@@ -83,6 +83,18 @@ class ModelRunner:
     @property
     def attention_backend_name(self) -> str:
         return type(self.backend).__name__
+
+    def drop_graphs(self) -> None:
+        """Free the CUDA graphs and their memory pools (memory release: they bake in the addresses of
+        the weights and the KV pool); steps run eagerly until ``capture_graphs``."""
+        self.graphs = self.prefill_graphs = None
+        self._last_tokens = None     # may view the dropped graphs' input buffer
+
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
+        self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length)
+        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend) if self.graphs else None
+        self._last_tokens = None
 
     # ---- inputs -------------------------------------------------------------------------------
     def to_device(self, values: list[int]) -> torch.Tensor:
