@@ -12,10 +12,11 @@ import os
 import random
 import sys
 import warnings
+from typing import Any, Iterator
 
 import pytest
 
-from nbgen.core.request import Status
+from nbgen.core.request import Request, Status
 from nbgen.core.session import SessionParams
 from nbgen.runtime.sessions import SessionTable, continued_ids
 from tests.test_scheduler import FakeRunner, req, run, sched
@@ -54,13 +55,13 @@ class Bench:
         self.s.on_finish = self.t.on_finish
         self.s.on_flush = self.t.unpin_all
 
-    def submit(self, name: str, ids: list[int], **sp):
+    def submit(self, name: str, ids: list[int], **sp: Any) -> Request:
         r = _session_req(name, ids, **{"id": "s", **sp})
         self.t.attach(r)
         self.s.add(r)
         return r
 
-    def turn(self, name: str, ids: list[int], **sp):
+    def turn(self, name: str, ids: list[int], **sp: Any) -> Request:
         r = self.submit(name, ids, **sp)
         run(self.s, self.runner)
         return r
@@ -70,7 +71,7 @@ class Bench:
         run(self.s, self.runner)
 
 
-def _session_req(name: str, ids: list[int], **sp):
+def _session_req(name: str, ids: list[int], **sp: Any) -> Request:
     r = req(name, ids, max_new=6)
     r.session = SessionParams(**sp)
     return r
@@ -175,13 +176,13 @@ def test_table_refuses_unfinished_rid_and_times_out() -> None:
 
 # ---- the engine ---------------------------------------------------------------------------------------
 @pytest.fixture
-def sid(tiny_engine):
+def sid(tiny_engine) -> Iterator[str]:
     sid = tiny_engine.open_session(10_000)
     yield sid
     tiny_engine.close_session(sid)
 
 
-def _ref(eng, ids: list[int], sp: dict = GREEDY) -> dict:
+def _ref(eng: Any, ids: list[int], sp: dict = GREEDY) -> dict:
     """generate() on the ids from an empty prefix cache."""
     assert eng.flush_cache()
     return eng.generate(input_ids=ids, sampling_params=sp)
@@ -447,13 +448,13 @@ def test_chat_session_continues_its_turns_in_the_engine_session(tiny_engine, fak
 class _EditingEngine:
     """The engine with a chat template that rewrites earlier replies: renderings stop extending."""
 
-    def __init__(self, eng) -> None:
+    def __init__(self, eng: Any) -> None:
         self._eng = eng
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._eng, name)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         edited = [dict(m, content=m["content"] + " (edited)") if m["role"] == "assistant" else m for m in messages]
         return self._eng.apply_chat_template(edited, add_generation_prompt)
 
