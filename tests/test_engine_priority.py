@@ -9,17 +9,23 @@ import time
 import pytest
 
 import nbgen
+from nbgen.runtime.overlap import OverlapStepper
 from nbgen.runtime.priority import DISABLED_MESSAGE
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def test_high_priority_request_finishes_first_with_the_same_outputs(tiny_llama_dir):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_high_priority_request_finishes_first_with_the_same_outputs(tiny_llama_dir, device, overlap):
+    """Preemption for priority also while the overlap stepper has a step in flight."""
     lows = [[5 + (i * 7 + j) % 300 for j in range(8 + i)] for i in range(6)]
     high = [350 + j for j in range(10)]
     sp_low, sp_high = {**GREEDY, "max_new_tokens": 48}, {**GREEDY, "max_new_tokens": 8}
-    with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", max_running_requests=2,
-                      enable_priority_scheduling=True) as e:
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device=device, max_running_requests=2,
+                      enable_priority_scheduling=True, disable_overlap_schedule=not overlap) as e:
+        if overlap and e._loop._overlap is None:                 # the CPU steps synchronously by default
+            loop = e._loop
+            loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         done: dict[int, tuple[float, dict]] = {}
 
         def run_lows() -> None:
