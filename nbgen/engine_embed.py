@@ -4,7 +4,7 @@ Embedding requests run through the same scheduler as generation, as prefill-only
 (continuous batching, chunked prefill, the prefix cache where the pooling allows it); the runner
 pools the final hidden states as the model declares (``models/pooling_config.py``,
 ``runtime/embed_step.py``). Each result is ``{"embedding": [float, ...], "meta_info": {"id",
-"finish_reason", "prompt_tokens", "cached_tokens", "e2e_latency"}}``; a request the engine had to
+"finish_reason", "prompt_tokens", "cached_tokens", "weight_version", "e2e_latency"}}``; a request the engine had to
 abort (say, longer than the whole KV cache) has ``embedding`` None and an abort finish_reason.
 """
 from __future__ import annotations

@@ -39,14 +39,18 @@ def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
+def _check_version(weight_version: Any) -> None:
+    if weight_version is not None and not isinstance(weight_version, str):
+        raise ValueError(f"weight_version must be None or a str, got {weight_version!r}")
+
+
 def _check_common(load_format: Any, flush_cache: Any, weight_version: Any) -> None:
     if load_format not in (None, "direct"):
         raise ValueError(f"load_format must be None (HF names) or 'direct' (nbgen's parameter names), "
                          f"got {load_format!r}")
     if not isinstance(flush_cache, bool):
         raise ValueError(f"flush_cache must be a bool, got {flush_cache!r}")
-    if weight_version is not None and not isinstance(weight_version, str):
-        raise ValueError(f"weight_version must be None or a str, got {weight_version!r}")
+    _check_version(weight_version)
 
 
 def _tags(tags: Any) -> list[str]:
@@ -91,7 +95,7 @@ class WeightsMixin:
             (self.config.load_format if self.config.load_format in _DISK_FORMATS else "auto")
         if fmt not in _DISK_FORMATS:
             raise ValueError(f"load_format must be None or one of {_DISK_FORMATS}, got {load_format!r}")
-        _check_common(None, True, weight_version)
+        _check_version(weight_version)
         self._check_alive()
         path = os.path.expanduser(os.fspath(model_path))
         ok, message = self._loop.call_exclusive(

@@ -17,6 +17,10 @@ scaled in fp32 and rounded again; each residual add rounds once instead of twice
 bf16 noise of the unfolded layer (tests/test_norm_fold.py, GPU parity in tests/test_gpu.py), not bit
 identical. Only bf16 weights are folded (fp16's range is too narrow for the raw stream's
 projections), and only layers without biases, at tp_size 1.
+
+Weight updates (``runtime/weights.py``) keep the fold: rows loaded into a folded projection are folded
+with ``fold_rows``, a new norm weight rescales its projection by new / old (``refold``), and reads
+divide the norm out again (``unfolded``).
 """
 from __future__ import annotations
 
