@@ -204,6 +204,16 @@ def test_update_waits_for_running_requests(pair):
         upd.start()
         while not eng._loop._exclusive.pending and upd.is_alive():   # test-only peek: the update is queued
             time.sleep(0.002)
+        aborted: dict = {}
+        waiter = threading.Thread(target=lambda: aborted.update(
+            out=eng.generate(input_ids=PROMPTS[2], sampling_params=SP, rid="held")))
+        waiter.start()
+        deadline = time.perf_counter() + 30
+        while eng._loop._exclusive.num_held == 0 and time.perf_counter() < deadline:   # held behind the update ...
+            time.sleep(0.002)
+        eng.abort("held")                             # ... and answered at once when aborted
+        waiter.join(30)
+        assert aborted["out"]["meta_info"]["finish_reason"]["type"] == "abort"
         later = eng.generate(input_ids=PROMPTS[1], sampling_params=SP)    # held until the update ran
         chunks = [first] + list(stream)
         t_stream = time.perf_counter()
@@ -213,6 +223,20 @@ def test_update_waits_for_running_requests(pair):
         assert chunks[-1]["meta_info"]["weight_version"] == "default"
         assert later["meta_info"]["weight_version"] == "new"
         assert later["output_ids"] == _hf_greedy(hb, [PROMPTS[1]])[0]
+        assert eng.stats()["total_aborted"] == 1
+
+
+def test_after_shutdown(tiny_llama_dir):
+    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", weight_version="w0")
+    assert eng.generate(input_ids=PROMPTS[0], sampling_params=SP)["meta_info"]["weight_version"] == "w0"
+    eng.shutdown()
+    assert eng.weight_version == "w0" and eng.get_server_info()["weight_version"] == "w0"
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.update_weights_from_tensor([])
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.release_memory_occupation()
+    with pytest.raises(ValueError, match="weight_version"):
+        nbgen.Engine(tiny_llama_dir, device="cpu", weight_version=3)
 
 
 def test_release_resume_cpu(tiny_llama_dir, tmp_path):

@@ -24,6 +24,11 @@ class ExclusiveCalls:
         """A call is queued: new submissions are held."""
         return bool(self._calls)
 
+    @property
+    def num_held(self) -> int:
+        """Submissions waiting behind the queued calls."""
+        return len(self._held)
+
     def push(self, fn: Callable[[], Any], fut: cf.Future) -> None:
         """Queue ``fn``; ``fut`` gets its result (or exception) when it runs."""
         self._calls.append((fn, fut))

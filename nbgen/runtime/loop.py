@@ -194,6 +194,8 @@ class LoopThread:
         finally:
             self._delivery.fail_all("engine is shut down")
             self.runner = None
+            self.weights.close()      # the model goes with the runner; weight_version stays readable
+            self.memory = None
             loop.close()
             thaw_heap()
 
@@ -316,7 +318,7 @@ class LoopThread:
         if self._overlap is not None:
             self._overlap.flush()  # no placeholder token may reach an aborted request's output
         for held in self._exclusive.take(rids):   # waiting behind an exclusive call: answered now
-            self._delivery.add(*held)
+            self._add(*held)
         self._delivery.abort(rids, message)
 
     def _stop(self) -> None:

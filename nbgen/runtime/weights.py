@@ -98,6 +98,10 @@ class WeightService:
         self._model_dir = runner.loaded.model_dir   # what a failed disk update rolls back to
         self._from_disk = load_format != "dummy"
 
+    def close(self) -> None:
+        """Let go of the model (engine shutdown); ``version`` stays readable."""
+        self._names = self._scheduler = self._memory = None   # type: ignore[assignment]
+
     # ---- reads ------------------------------------------------------------------------------------
     def get(self, name: str, truncate_size: int) -> Optional[list]:
         """The checkpoint value of an HF weight name (or an nbgen parameter name) as nested fp32 lists,
