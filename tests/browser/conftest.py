@@ -13,7 +13,7 @@ import pytest
 from tests.browser.lab import CHROMIUM, NOTEBOOKS, LabServer, Notebook, requirements_missing
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def lab_server(tmp_path_factory):
     why = requirements_missing()
     if why:
@@ -27,7 +27,9 @@ def lab_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="session")
+# package scope: Playwright's sync API keeps an asyncio loop running in this thread while it is
+# open, so it must be closed before the rest of the suite calls asyncio.run()
+@pytest.fixture(scope="package")
 def browser(lab_server):
     from playwright.sync_api import sync_playwright
 
@@ -55,7 +57,7 @@ def open_notebook(lab_server, browser):
     lab_server.shutdown_kernels()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def run_all_results() -> dict:
     """name -> "ok" or the failure message of that notebook's Run All (the reopen tests reuse it)."""
     return {}
