@@ -61,3 +61,28 @@ def test_overlap_falls_back_for_logprobs_and_penalties(tiny_llama_dir):
         a = eng.generate(input_ids=prompts[0], sampling_params=sps[0], return_logprob=True, logprob_start_len=0)
     assert a["output_ids"] == ref[0]["output_ids"]
     assert len(a["meta_info"]["output_token_logprobs"]) == 8
+
+
+@pytest.mark.parametrize("mode", ["last", "mean"])
+def test_overlap_embeddings_same_vectors(tiny_llama_dir, tmp_path, mode):
+    """Embedding steps pipelined by the stepper (vectors read after the next launch) give the plain
+    loop's vectors: chunked prompts, mean sums carried across chunks, repeated prompts (cache hits)."""
+    from tests.test_embeddings import st_dir
+
+    path = st_dir(tiny_llama_dir, str(tmp_path / mode), mode, normalize=True)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randint(1, 150))] for _ in range(16)]
+    prompts += prompts[:4]
+
+    def run(overlap: bool) -> list[dict]:
+        with nbgen.Engine(path, dtype="float32", device="cpu", is_embedding=True, chunked_prefill_size=64,
+                          max_running_requests=5) as eng:
+            if overlap:
+                loop = eng._loop
+                loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
+            return eng.encode(input_ids=prompts)
+
+    plain, piped = run(False), run(True)
+    assert [o["meta_info"]["prompt_tokens"] for o in piped] == [len(p) for p in prompts]
+    for a, b in zip(plain, piped):
+        assert a["embedding"] == pytest.approx(b["embedding"], abs=1e-6)

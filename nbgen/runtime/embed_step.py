@@ -11,8 +11,8 @@ the end of its prompt also returns the finished vector. Per pooling mode:
 ``cls`` and ``mean`` requests never take cached prefix pages (``waiting.matchable_ids``): every
 position's state is computed, and a preempted request restarts its sum at position 0.
 
-The step is synchronous (the overlap stepper runs such batches through ``run_step``): one
-device -> host copy per step for the vectors it finishes.
+``embed_step`` waits for the vectors; ``launch_embed`` leaves them on their way to the host (pinned,
+non-blocking), so the overlap stepper schedules and launches the next step before reading them.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from nbgen.core.batch import ScheduledBatch, StepOutput
-from nbgen.runtime.pooling import finish_vectors, pick_rows, segment_sums
+from nbgen.runtime.pooling import PendingVectors, pick_rows, segment_sums
 from nbgen.runtime.step_inputs import FlatStep, flatten
 
 
@@ -39,7 +39,15 @@ def is_embedding_batch(batch: ScheduledBatch) -> bool:
 
 
 def embed_step(runner: PoolRunner, batch: ScheduledBatch) -> StepOutput:
-    """Forward the batch's prompt chunks; pool them (see the module docstring)."""
+    """Forward the batch's prompt chunks and pool them, vectors on the host (see the module docstring)."""
+    out, pending = launch_embed(runner, batch)
+    out.embeddings = pending.lists()
+    return out
+
+
+def launch_embed(runner: PoolRunner, batch: ScheduledBatch) -> tuple[StepOutput, StepVectors]:
+    """Queue the batch's forward and pooling; the finished vectors come with ``StepVectors.lists()``
+    (the overlap stepper reads them after launching the next step)."""
     flat = flatten(batch)
     hidden = runner.hidden_states(batch, flat)                              # [T, H] final-normed
     n = len(batch.seqs)
@@ -76,24 +84,35 @@ def embed_step(runner: PoolRunner, batch: ScheduledBatch) -> StepOutput:
             s = batch.seqs[i]
             prev = s.req.pool_state if s.start_pos > 0 else None            # a recompute restarts at 0
             states[i] = sums[k] if prev is None else prev + sums[k]
-    return StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
-                      errors=errors, pool_states=states, embeddings=_finished(batch, states))
+    return (StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
+                       errors=errors, pool_states=states), _finished(batch, states))
 
 
-def _finished(batch: ScheduledBatch, states: list[Optional[Any]]) -> list[Optional[list[float]]]:
-    """The vectors of the seqs whose chunk completes their prompt (None elsewhere)."""
+class StepVectors:
+    """The vectors a step finishes, per seq index (None for seqs whose prompt is not complete yet)."""
+
+    def __init__(self, n: int, done: list[int], pending: Optional[PendingVectors]) -> None:
+        self.n, self.done, self.pending = n, done, pending
+
+    def lists(self) -> list[Optional[list[float]]]:
+        out: list[Optional[list[float]]] = [None] * self.n
+        if self.pending is not None:
+            for i, v in zip(self.done, self.pending.lists()):
+                out[i] = v
+        return out
+
+
+def _finished(batch: ScheduledBatch, states: list[Optional[Any]]) -> StepVectors:
+    """The vectors of the seqs whose chunk completes their prompt, on their way to the host."""
     done = [i for i, s in enumerate(batch.seqs)
             if s.req.embed is not None and states[i] is not None and s.kv_len >= len(s.req.prompt_ids)]
-    out: list[Optional[list[float]]] = [None] * len(batch.seqs)
     if not done:
-        return out
+        return StepVectors(len(batch.seqs), [], None)
     vecs = []
     for i in done:
         s = batch.seqs[i]
         v = states[i]
         vecs.append(v / len(s.req.prompt_ids) if s.req.embed.pooling == "mean" else v)
     embeds = [batch.seqs[i].req.embed for i in done]
-    lists = finish_vectors(torch.stack(vecs), [e.dimensions for e in embeds], [e.normalize for e in embeds])
-    for i, v in zip(done, lists):
-        out[i] = v
-    return out
+    pending = PendingVectors(torch.stack(vecs), [e.dimensions for e in embeds], [e.normalize for e in embeds])
+    return StepVectors(len(batch.seqs), done, pending)

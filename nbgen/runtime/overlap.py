@@ -10,9 +10,11 @@ Per loop iteration (``OverlapStepper.step``):
      bookkeeping only depend on counts), and N+1 becomes the pending step.
 A request that hit a stop token at step N has already been scheduled for N+1; that extra token is
 dropped because ``update`` skips requests that are no longer running. Batches that need host-side
-token values (logprobs, penalties over output ids, custom logit processors, hidden states) and
-embedding batches (their vectors are copied to the host in the step) run
+token values (logprobs, penalties over output ids, custom logit processors, hidden states) run
 synchronously after a flush, so greedy and seeded outputs are identical with and without overlap.
+Embedding batches pipeline too: step N's forward, pooling and the copy of its vectors to the host
+are queued, step N-1 is delivered meanwhile, step N is applied (it samples nothing, so no
+placeholders), and its vectors are read at the next flush, after step N+1 was launched.
 Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
 Step N+1's forward is queued without its sampling (``staged``); then step N resolves (its tokens are
 accepted by the matchers), the bitmask fill for N+1 starts in a worker thread, N's outputs are
@@ -28,6 +30,7 @@ from typing import Callable, Optional, Protocol
 
 from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.core.request import Request, Status
+from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.step_inputs import is_placeholder, placeholder
@@ -79,6 +82,7 @@ class OverlapStepper:
         self.pending: Optional[tuple[Launched, list[Request], int]] = None  # (launched, changed, n_in)
         self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
+        self.embedded: Optional[tuple[ScheduledBatch, StepVectors, list[Request], int]] = None  # vectors in flight
 
     @classmethod
     def from_loop(cls, loop: LoopLike) -> "OverlapStepper":
@@ -88,7 +92,7 @@ class OverlapStepper:
     @property
     def busy(self) -> bool:
         """A step is launched or staged and not delivered yet."""
-        return self.pending is not None or self.staged is not None
+        return self.pending is not None or self.staged is not None or self.embedded is not None
 
     def step(self) -> None:
         runner, sched = self.runner, self.scheduler
@@ -97,6 +101,9 @@ class OverlapStepper:
             batch = sched.schedule()
             if batch is None:
                 self.flush()
+                return
+            if is_embedding_batch(batch):
+                self._embed_step(batch)
                 return
             if not overlappable(batch):
                 self.flush()
@@ -120,6 +127,18 @@ class OverlapStepper:
             return
         self.flush()
         self.pending = (launched, self._apply(batch), batch.num_prefill_tokens)
+
+    def _embed_step(self, batch: ScheduledBatch) -> None:
+        """Launch an embedding step, deliver the previous step while it runs, apply it; its vectors
+        are read at the next flush."""
+        try:
+            out, vectors = launch_embed(self.runner, batch)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests only
+            self.flush()
+            self._fail_batch(batch, e)
+            return
+        self.flush()
+        self.embedded = (batch, vectors, self.scheduler.update(batch, out), batch.num_prefill_tokens)
 
     def _grammar_step(self, fwd: Forwarded) -> None:
         """Sample a staged grammar step once its bitmask is filled; stage the next step's forward."""
@@ -177,7 +196,16 @@ class OverlapStepper:
             self._deliver(changed, n_in)
 
     def _resolve(self) -> None:
-        """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops."""
+        """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops
+        (or, for an embedding step, its vectors)."""
+        if self.embedded is not None:
+            batch, vectors, changed, n_in = self.embedded
+            self.embedded = None
+            for s, v in zip(batch.seqs, vectors.lists()):
+                if v is not None:
+                    s.req.embedding, s.req.pool_state = v, None
+            self._undelivered = (changed, n_in)
+            return
         if self.pending is None:
             return
         launched, changed, n_in = self.pending

@@ -25,25 +25,49 @@ def segment_sums(hidden: torch.Tensor, owner: torch.Tensor, n: int) -> torch.Ten
     return out.index_add_(0, owner, hidden.float())
 
 
+class PendingVectors:
+    """A step's finished vectors on their way to the host: the copies are queued behind the step's
+    GPU work (pinned buffers, non-blocking) and ``lists()`` waits for them. Built before the host
+    moves on, so the next step can be scheduled and launched while this one still runs."""
+
+    def __init__(self, vectors: torch.Tensor, dimensions: list[Optional[int]], normalize: list[bool]) -> None:
+        self.n = len(dimensions)
+        groups: dict[tuple[Optional[int], bool], list[int]] = {}
+        for i, key in enumerate(zip(dimensions, normalize)):
+            groups.setdefault(key, []).append(i)
+        self._parts: list[tuple[list[int], torch.Tensor]] = []
+        cuda = vectors.is_cuda
+        for (dims, norm), idx in groups.items():
+            v = vectors if len(idx) == self.n else vectors[idx]
+            v = truncate(v, dims)
+            v = l2_normalize(v) if norm else v
+            if cuda:   # into pinned memory without blocking the host
+                host = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=True)
+                host.copy_(v, non_blocking=True)
+                v = host
+            self._parts.append((idx, v))
+        self._event = None
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def lists(self) -> list[list[float]]:
+        """The N vectors as lists of floats (waits for the copies on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+        out: list[Optional[list[float]]] = [None] * self.n
+        for idx, host in self._parts:
+            for i, row in zip(idx, host.tolist()):
+                out[i] = row
+        return out  # type: ignore[return-value]
+
+
 def finish_vectors(vectors: torch.Tensor, dimensions: list[Optional[int]],
                    normalize: list[bool]) -> list[list[float]]:
     """Pooled vectors [N, H] fp32 -> N lists of floats: each truncated to its ``dimensions`` (None:
-    all H) and then L2-normalised where asked. One device -> host copy for the whole step."""
-    out: list[Optional[list[float]]] = [None] * len(dimensions)
-    groups: dict[tuple[Optional[int], bool], list[int]] = {}
-    for i, key in enumerate(zip(dimensions, normalize)):
-        groups.setdefault(key, []).append(i)
-    parts, order = [], []
-    for (dims, norm), idx in groups.items():
-        v = vectors if len(idx) == len(dimensions) else vectors[idx]
-        v = truncate(v, dims)
-        parts.append(l2_normalize(v) if norm else v)
-        order.append(idx)
-    hosts = [p.cpu() for p in parts]          # copies queue behind the math; the first waits for it
-    for idx, host in zip(order, hosts):
-        for i, row in zip(idx, host.tolist()):
-            out[i] = row
-    return out  # type: ignore[return-value]
+    all H) and then L2-normalised where asked. One device -> host copy per (dimensions, normalize)
+    group, waited for at once."""
+    return PendingVectors(vectors, dimensions, normalize).lists()
 
 
 def truncate(vectors: torch.Tensor, dimensions: Optional[int]) -> torch.Tensor:
