@@ -377,7 +377,7 @@ def test_code_loaded_by_steps_is_frozen_when_idle(tiny_engine):
     before = gc.get_freeze_count()
     tiny_engine.generate("hello", {"temperature": 0.0, "max_new_tokens": 2})
     time.sleep(0.2)
-    assert gc.get_freeze_count() == before           # no module loaded: nothing frozen
+    assert gc.get_freeze_count() <= before           # no module loaded: nothing frozen (frozen objects may die)
     assert in_collected_heap(fresh.helper)
     sys.modules[fresh.__name__] = fresh               # "imported" while the engine runs steps
     try:
