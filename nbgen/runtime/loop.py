@@ -3,7 +3,9 @@
 Callers cross only through ``submit`` / ``abort`` / ``call`` (thread-safe) and the per-request sinks
 they pass in (thread-safe callables: a queue.put, or a call_soon_threadsafe onto the caller's loop).
 The loop runs steps while there is work and sleeps on an event otherwise. Building the parts is
-``engine_parts``; requests in flight and their outputs are ``delivery``; the GC freeze is ``gc_freeze``.
+``engine_parts``; requests in and aborts on the loop thread are ``intake``; requests in flight and
+their outputs are ``delivery``; the GC freeze is ``gc_freeze``; the control calls (sessions, profiling,
+cache flush, server info) are ``loop_control``.
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ from nbgen.core.batch import ScheduledBatch
 from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Delivery, RidRegistry, Sink
-from nbgen.runtime.engine_parts import build_engine_parts, runner_info
+from nbgen.runtime.engine_parts import build_engine_parts
 from nbgen.runtime.exclusive import ExclusiveCalls
 from nbgen.runtime.gc_freeze import freeze_heap, freeze_new_code, thaw_heap
+from nbgen.runtime.intake import Intake
+from nbgen.runtime.loop_control import LoopControl
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.memory import MemoryService
 from nbgen.runtime.overlap import OverlapStepper
-from nbgen.runtime.profiler import ProfileOptions, ProfileResult, StepProfiler
+from nbgen.runtime.profiler import StepProfiler
 from nbgen.runtime.weights import WeightService
 from nbgen.runtime.sessions import SessionTable
 
@@ -32,7 +36,7 @@ logger = logging.getLogger("nbgen")
 __all__ = ["LoopThread", "Sink"]
 
 
-class LoopThread:
+class LoopThread(LoopControl):
     """Starts the engine's owner thread; ``start()`` blocks until the model is loaded (or raises)."""
 
     def __init__(self, cfg: EngineConfig, on_stage: Optional[Callable[[str], None]] = None) -> None:
@@ -46,6 +50,7 @@ class LoopThread:
         self._stats = LoopStats()
         self._rids = RidRegistry()   # ids submitted and not yet finished
         self._delivery: Optional[Delivery] = None
+        self._intake: Optional[Intake] = None   # requests in, aborts (loop thread)
         self.runner = None
         self.scheduler = None
         self.tokenizer = None
@@ -72,26 +77,17 @@ class LoopThread:
         self._rids.claim(rids)
         try:
             if any(r.session is not None for r in reqs):
-                self.call(lambda: self._add_in_session(reqs, sink, stream))
+                self.call(lambda: self._intake.add_in_session(reqs, sink, stream))
             else:
-                self._post(self._add_or_hold, reqs, sink, stream)
+                self._post(self._intake.add_or_hold, reqs, sink, stream)
         except (RuntimeError, ValueError):
             self._rids.release(rids)
             raise
 
-    def open_session(self, capacity: int, session_id: str, streaming: bool,
-                     timeout: Optional[float]) -> Optional[str]:
-        """Open a session (None when that id is open already)."""
-        return self.call(lambda: self.sessions.open(capacity, session_id, streaming, timeout))
-
-    def close_session(self, session_id: str) -> None:
-        """Close a session and drop its KV pin (an unknown id is ignored with a warning)."""
-        self.call(lambda: self.sessions.close(session_id))
-
     def abort(self, rids: list[str], message: str = "aborted by the caller", wait: bool = False) -> None:
         """Abort requests; with ``wait``, return once the loop has finished them (stats() agrees)."""
         fut: Optional[cf.Future] = cf.Future() if wait else None
-        self._post(self._abort, rids, message, fut=fut)
+        self._post(self._intake.abort, rids, message, fut=fut)
         if fut is not None:
             self._wait(fut)
 
@@ -117,26 +113,8 @@ class LoopThread:
                 if not self._thread.is_alive():
                     raise RuntimeError("engine is shut down") from None
 
-    def start_profile(self, opts: ProfileOptions) -> None:
-        """Start torch.profiler on the loop thread (RuntimeError if one runs)."""
-        cuda = self.runner is not None and self.runner.on_gpu
-        self.call(lambda: self.profiler.start(opts, cuda))
-
-    def stop_profile(self) -> ProfileResult:
-        """Stop the profile and write its trace (or hand over one that stopped after num_steps)."""
-        return self.call(self.profiler.stop)
-
     def stats(self) -> dict[str, Any]:
         return self._stats.read()
-
-    def flush_cache(self) -> bool:
-        """Drop the prefix cache between steps; False while requests are running (as SGLang)."""
-        return self.call(self.scheduler.flush_cache)
-
-    def server_info(self) -> dict[str, Any]:
-        """The runner's facts for ``get_server_info()``: attention backend, graph sizes, start-up
-        phases, folded norms (empty values once the engine is shut down)."""
-        return runner_info(self.runner)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._loop is not None and self._thread.is_alive():
@@ -217,6 +195,8 @@ class LoopThread:
         if getattr(parts.runner, "overlap", False):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
                                            self.run_step)
+        self._intake = Intake(self._delivery, self._exclusive, self.weights, self.memory, self.sessions,
+                              self._overlap)
         self._delivery.publish()
         freeze_heap()
         return parts.info()
@@ -230,7 +210,7 @@ class LoopThread:
                     self.profiler.after_step()
                 await asyncio.sleep(0)  # let submissions / aborts / calls in between steps
             elif self._exclusive.pending and self._drained():
-                self._run_exclusive()
+                self._intake.run_exclusive()
             else:
                 if self._stepped:
                     self._stepped = False
@@ -276,50 +256,12 @@ class LoopThread:
         s = self._delivery.snapshot()
         return s["running"] + s["waiting"] == 0
 
-    def _run_exclusive(self) -> None:
-        """Run the queued exclusive calls (the engine has drained), then admit what waited for them."""
-        if self._overlap is not None:
-            self._overlap.flush()
-        for reqs, sink, stream in self._exclusive.run():
-            self._add(reqs, sink, stream)
-        self._delivery.publish()
-
-    def _add_or_hold(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
-        if self._exclusive.pending:   # a weight update / memory release waits for the engine to drain
-            self._exclusive.hold(reqs, sink, stream)
-        else:
-            self._add(reqs, sink, stream)
-
-    def _add_in_session(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
-        """Session requests get their whole prompt from their session (ValueError: none is added)."""
-        if self._overlap is not None:
-            self._overlap.flush()  # the continued requests' output ids are final
-        for r in reqs:
-            if r.session is not None:
-                self.sessions.attach(r)
-        self._add_or_hold(reqs, sink, stream)
-
-    def _add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
-        for r in reqs:
-            r.weight_version = self.weights.version
-        self._delivery.add(reqs, sink, stream)
-        refusal = self.memory.refusal()
-        if refusal is not None:      # held behind a memory release
-            self._delivery.abort([r.rid for r in reqs], refusal)
-
     def _abort_one(self, rid: str, message: str) -> None:
         self._delivery.abort([rid], message)
 
     def _later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread in ``delay`` seconds (a session's timeout)."""
         self._loop.call_later(delay, self._wrap, fn, (), None)
-
-    def _abort(self, rids: list[str], message: str) -> None:
-        if self._overlap is not None:
-            self._overlap.flush()  # no placeholder token may reach an aborted request's output
-        for held in self._exclusive.take(rids):   # waiting behind an exclusive call: answered now
-            self._add(*held)
-        self._delivery.abort(rids, message)
 
     def _stop(self) -> None:
         if self._overlap is not None:

@@ -6,11 +6,9 @@ requests join and leave at every step. A step is built in this order:
 1. **Decodes**: each running request with one token left to compute gets it (oldest first). They
    count against the token budget (``chunked_prefill_size``) but are never held back by it.
 2. **Prefill continuation**: requests mid-prefill get the next chunk of what the budget leaves.
-3. **Admission** (not in a step that preempted): waiting requests in ``WaitingQueue`` order
-   (preempted first, then fcfs or lpm) while budget, ``max_running_requests`` and pages allow. The
-   prefix cache is matched (``waiting.matchable_ids``: never the whole sequence, and not past the
-   prompt logprobs still missing); matched pages are shared, ``num_computed`` starts after them,
-   and ``cached_tokens`` keeps the match of the first admission.
+3. **Admission** (not in a step that preempted; runtime/admission.py): waiting requests in
+   ``WaitingQueue`` order while budget, ``max_running_requests`` and pages allow, prefix-cache hits
+   shared.
 4. **Pages**: a request gets the pages its new tokens need before the step. When the pool (after
    evicting unreferenced cached pages) runs dry, the most recently admitted running request is
    preempted: its computed full pages go into the prefix cache, its pages are released, and it
@@ -38,12 +36,12 @@ from typing import Any, Callable, Optional
 from nbgen.core.config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
+from nbgen.runtime.admission import Admission, refusal, seq_work
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.priority import (PriorityWaitingQueue, grow_victim, pick_victims, priority_stats,
-                                    resolve_priority)
+from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats
 from nbgen.core.request import Request, Status
-from nbgen.runtime.waiting import WaitingQueue, matchable_ids, next_prompt_logprob
+from nbgen.runtime.waiting import WaitingQueue
 
 
 class Scheduler:
@@ -63,8 +61,7 @@ class Scheduler:
             else WaitingQueue(cfg.schedule_policy))
         self._arrival_counter = 0
         self._live: dict[str, Request] = {}           # rid -> waiting or running request
-        self._leaders: dict[str, Request] = {}        # group -> member prefilling the shared prompt
-        self._admit_counter = 0
+        self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt)
         self.num_preemptions = 0
         # called with each request finished after it ran (its full pages are in the prefix cache);
         # engine sessions pin them there (runtime/sessions.py), and drop the pins at a flush
@@ -76,17 +73,7 @@ class Scheduler:
         """Queue a request; one that can never run is finished at once with an abort reason."""
         if req.rid in self._live:
             raise ValueError(f"request id {req.rid!r} is already queued or running")
-        n, ctx, cap = len(req.prompt_ids), self.cfg.context_length, self.pool.num_total * self.P
-        msg = None
-        if n == 0:
-            msg = "empty prompt: at least one input token is needed"
-        elif ctx is not None and (n > ctx or (n == ctx and req.params.max_new_tokens != 0)):
-            msg = f"prompt of {n} tokens leaves no room in the context length {ctx}"
-        elif n > cap:
-            msg = (f"prompt of {n} tokens does not fit in the KV cache ({cap} tokens); "
-                   "raise max_total_tokens or mem_fraction_static")
-        else:
-            msg = resolve_priority(req, self.prio)
+        msg = refusal(req, self.cfg, self.pool)
         if msg is not None:
             req.finish_reason, req.status = FinishReason.abort(msg), Status.FINISHED
             return
@@ -151,7 +138,7 @@ class Scheduler:
             if out_ids and req.params.max_new_tokens != 0:
                 seqs.append(SeqWork(req, [out_ids[-1]], c, req.pages, True))
             else:                                            # last prompt token (rare)
-                seqs.append(self._seq(req, c, c + 1))
+                seqs.append(seq_work(req, c, c + 1))
             budget -= 1
         for req in list(self.running):                       # 2. prefill continuation
             left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
@@ -161,11 +148,11 @@ class Scheduler:
                 break
             end = req.num_computed + min(left, budget)
             if self._grow(req, end):
-                seqs.append(self._seq(req, req.num_computed, end))
+                seqs.append(seq_work(req, req.num_computed, end))
                 budget -= end - req.num_computed
         # 3. admissions; not in a step that preempted (damps admit/preempt thrashing)
         if self.num_preemptions == preempted:
-            seqs += self._admit_waiting(budget)
+            seqs += self.admission.admit(self.running, budget)
         seqs = [s for s in seqs if s.req.status is RUNNING and s.pages is s.req.pages]  # drop preempted
         return ScheduledBatch(seqs=seqs, page_size=self.P) if seqs else None
 
@@ -198,8 +185,7 @@ class Scheduler:
             req.num_computed = kv
             if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1):
                 self.cache.insert_request(req, swap=True)            # share the prompt with later arrivals
-                if req.group is not None and self._leaders.get(req.group) is req:
-                    del self._leaders[req.group]
+                self.admission.drop_leader(req)
             reason = None
             if seq.sample:
                 tok = out.next_token_ids[i]
@@ -226,20 +212,6 @@ class Scheduler:
         return changed
 
     # ---- internals --------------------------------------------------------------------------------
-    def _seq(self, req: Request, start: int, end: int) -> SeqWork:
-        """The SeqWork computing tokens [start, end) of req.all_ids (pages already allocated)."""
-        n_prompt = len(req.prompt_ids)
-        if end - start == 1:                                 # decode: O(1), no all_ids rebuild
-            toks = [req.prompt_ids[start] if start < n_prompt else req.output_ids[start - n_prompt]]
-        elif end <= n_prompt:
-            toks = req.prompt_ids[start:end]
-        else:
-            toks = req.all_ids[start:end]
-        sample = end == req.num_tokens and req.params.max_new_tokens != 0
-        pls = next_prompt_logprob(req) if req.wants_prompt_logprobs and start < n_prompt else -1
-        return SeqWork(req=req, token_ids=toks, start_pos=start, pages=req.pages, sample=sample,
-                       prompt_logprob_start=pls)
-
     def _grow(self, req: Request, kv_len: int) -> bool:
         """Give req pages for kv_len tokens, preempting newer requests; False if req itself left."""
         need = self.pool.pages_for(kv_len) - len(req.pages)
@@ -269,83 +241,13 @@ class Scheduler:
             self.waiting.push_front(req)
         self.num_preemptions += 1
 
-    def _may_preempt(self, req: Request, first_admit: int) -> bool:
-        """Whether req may preempt some running request for priority (it is more important)."""
-        return self.prio.preempts and pick_victims(req, self.running, self.prio, self.pool, self.cache,
-                                                   True, 0, first_admit) is not None
-
-    def _make_room(self, req: Request, need_slot: bool, need: int, new: Optional[list[int]],
-                   first_admit: int, preempted: list[Request]) -> Optional[list[int]]:
-        """Priority preemption for req (a slot when need_slot; ``need`` pages, ``new`` if allocated):
-        the pages it gets, or None with nothing preempted. Victims rejoin the queue after the scan."""
-        short = 0 if new is not None else need - self.pool.num_free
-        victims = pick_victims(req, self.running, self.prio, self.pool, self.cache, need_slot, short, first_admit)
-        if victims is None:
-            if new is not None:
-                self.pool.unref(new)
-            return None
-        for v in victims:
-            self._preempt(v, requeue=False)
-            preempted.append(v)
-        return new if new is not None else self.pool.alloc(need)
-
-    def _admit_waiting(self, budget: int) -> list[SeqWork]:
-        seqs: list[SeqWork] = []
-        taken: list[Request] = []                            # leave the waiting queue after the scan
-        preempted: list[Request] = []                        # priority victims: join it after the scan
-        first_admit = self._admit_counter
-        for req in self.waiting.in_order(self.cache):
-            full = len(self.running) >= self.cfg.max_running_requests
-            if budget <= 0 or (full and not self._may_preempt(req, first_admit)):
-                break
-            g = req.group
-            if g is not None and not self.cache.disabled and self._leaders.get(g, req) is not req:
-                continue                                     # wait for the group's shared prompt
-            ids = matchable_ids(req)
-            pages, m = self.cache.match(ids)
-            self.pool.ref(pages)                             # before alloc: eviction must spare them
-            end = min(req.num_tokens, m + budget)
-            need = self.pool.pages_for(end) - len(pages)
-            new = self.pool.alloc(need)
-            if full or (new is None and self.prio.preempts):
-                new = self._make_room(req, full, need, new, first_admit, preempted)
-            if new is None:
-                self.pool.unref(pages)
-                if self.running:
-                    break                                    # wait for running requests to free pages
-                taken.append(req)                            # alone and still no room: never fits
-                self._live.pop(req.rid, None)
-                req.finish_reason = FinishReason.abort(f"request needs KV cache for {end} tokens but the "
-                                                       f"cache holds {self.pool.num_total * self.P}")
-                req.status = Status.FINISHED
-                continue
-            taken.append(req)
-            req.pages, req.num_computed, req.num_cached_pages = pages + new, m, len(pages)
-            if req.admit_seq < 0:                            # first admission only
-                req.cached_tokens = m
-            req.admit_seq = self._admit_counter
-            self._admit_counter += 1
-            req.status = Status.RUNNING
-            self.running.append(req)
-            self.waiting.admitted(req)
-            if g is not None and m < (min(len(ids), len(req.prompt_ids)) // self.P) * self.P:
-                self._leaders[g] = req                       # its prompt is not cached yet
-            seqs.append(self._seq(req, m, end))
-            budget -= end - m
-        for req in taken:
-            self.waiting.remove(req)
-        for req in preempted:
-            self.waiting.push_front(req)
-        return seqs
-
     def _release(self, req: Request, cache: bool) -> None:
         if cache:
             self.cache.insert_request(req, swap=False)
         self.pool.unref(req.pages)
         req.pages = []               # a new list: stale SeqWorks keep the old one (see schedule)
         req.num_cached_pages = 0
-        if req.group is not None and self._leaders.get(req.group) is req:
-            del self._leaders[req.group]
+        self.admission.drop_leader(req)
 
     def _finish(self, req: Request, reason: FinishReason, cache: bool = True, unlist: bool = True) -> None:
         self._release(req, cache)
