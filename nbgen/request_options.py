@@ -1,7 +1,8 @@
 """Caller-side checks and per-request options of structured output and custom logit processors.
 
 Runs on the caller's thread before anything is submitted: an invalid json_schema / regex / ebnf /
-stop_regex, or a custom logit processor on an Engine that does not allow them, raises here.
+structural_tag / stop_regex, or a custom logit processor on an Engine that does not allow them,
+raises here.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from nbgen.runtime.stop_regex import compile_stop_regex
 
 def check_structured(sp: SamplingParams) -> None:
     """ValueError for an invalid grammar or stop_regex (xgrammar / regex parse, cached)."""
-    if sp.json_schema is not None or sp.regex is not None or sp.ebnf is not None:
+    if sp.constrained:
         check_grammar(sp)
     if sp.stop_regex:
         compile_stop_regex([sp.stop_regex] if isinstance(sp.stop_regex, str) else sp.stop_regex)

@@ -25,6 +25,8 @@ def _int(name: str, v: Any) -> int:
 
 # temperatures below this sample as greedy (SGLang's rule): dividing logits by ~0 overflows to inf
 GREEDY_TEMPERATURE = 1e-6
+# the structured-output parameters; at most one per request
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # samples per prompt (n): each is a request holding a copy of its prompt until it finishes
 MAX_N = 4096
 
@@ -74,6 +76,7 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -134,9 +137,9 @@ class SamplingParams:
             self.logit_bias = bias
         if self.sampling_seed is not None:
             self.sampling_seed = _int("sampling_seed", self.sampling_seed)
-        grammars = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        grammars = [n for n in GRAMMAR_KINDS if getattr(self, n) is not None]
         if len(grammars) > 1:
-            raise ValueError(f"only one of json_schema, regex, ebnf may be set, got {grammars}")
+            raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be set, got {grammars}")
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -151,6 +154,11 @@ class SamplingParams:
         for i, s in enumerate(items):
             check_text(s, f"{name}[{i}]")
         return list(items)
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar (json_schema / regex / ebnf / structural_tag) constrains the output."""
+        return any(getattr(self, n) is not None for n in GRAMMAR_KINDS)
 
     @property
     def greedy(self) -> bool:

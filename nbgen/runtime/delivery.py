@@ -62,13 +62,13 @@ class Delivery:
         self._rids = rids
         self._post = post                 # post(fn, *args): run fn on the loop thread (thread-safe)
         self._tracked: dict[str, Tracked] = {}
-        self.grammar: Optional[GrammarService] = None   # made at the first json_schema / regex / ebnf
+        self.grammar: Optional[GrammarService] = None   # made at the first constrained request
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         for r in reqs:
             t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
-            if r.params.json_schema is None and r.params.regex is None and r.params.ebnf is None:
+            if not r.params.constrained:
                 self.scheduler.add(r)
                 if r.finished:   # can never run (e.g. longer than the whole KV cache): answer now
                     self._emit(t)

@@ -1,7 +1,8 @@
 """Structured output with xgrammar: grammar checks, off-thread compilation, per-request matchers.
 
-- ``check_grammar`` (caller thread): parses a request's json_schema / regex / ebnf with xgrammar
-  (no tokenizer needed, cached) so a bad one raises ValueError before anything is submitted.
+- ``check_grammar`` (caller thread): parses a request's json_schema / regex / ebnf / structural_tag
+  with xgrammar (no tokenizer needed, cached) so a bad one raises ValueError before anything is
+  submitted.
 - ``GrammarService`` (loop thread): compiles grammars against the model's tokenizer in a worker
   thread (xgrammar's GrammarCompiler caches per grammar), holds a request until its grammar is
   ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
@@ -20,22 +21,50 @@ from typing import Any, Callable, Optional
 
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Status
-from nbgen.core.sampling import SamplingParams
+from nbgen.core.sampling import GRAMMAR_KINDS, SamplingParams
 
 logger = logging.getLogger("nbgen")
 
 MAX_READY = 256       # compiled grammars kept on the loop side (xgrammar's compiler caches too)
 ANY_JSON = "$$ANY$$"   # json_schema value meaning "any JSON value" (as SGLang)
-Key = tuple[str, str]  # (kind, grammar text), kind in json_schema | regex | ebnf
+Key = tuple[str, str]  # (kind, grammar text), kind in GRAMMAR_KINDS
 
 
 def grammar_key(p: SamplingParams) -> Optional[Key]:
     """(kind, text) of a request's grammar, or None for a free request."""
-    for kind in ("json_schema", "regex", "ebnf"):
+    for kind in GRAMMAR_KINDS:
         v = getattr(p, kind)
         if v is not None:
             return kind, v
     return None
+
+
+def structural_tag(text: str) -> Any:
+    """xgrammar's StructuralTag of a ``structural_tag`` JSON text, in SGLang's two formats: the
+    legacy ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (a structure's
+    missing schema is any JSON, as SGLang) or xgrammar's ``{"format": {...}}``."""
+    import xgrammar as xgr
+
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError("a JSON object is needed")
+    if obj.get("structures") is None:
+        if obj.get("format") is None:
+            raise ValueError('it needs "structures" and "triggers" (or an xgrammar "format")')
+        return xgr.StructuralTag.model_validate(obj)
+    structures, triggers = obj["structures"], obj.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list) or not triggers:
+        raise ValueError('"structures" and "triggers" must be lists, with at least one trigger')
+    tags = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+            raise ValueError(f'structures[{i}] needs "begin" and "end" strings')
+        schema = s.get("schema")
+        tags.append(xgr.StructuralTagItem(begin=s["begin"], end=s["end"],
+                                          schema=json.dumps({} if schema is None else schema)))
+    tag = xgr.StructuralTag.from_legacy_structural_tag(tags, triggers)
+    tag.format.at_least_one = bool(obj.get("at_least_one", False))
+    return tag
 
 
 @functools.lru_cache(maxsize=512)
@@ -47,31 +76,36 @@ def _parse(kind: str, text: str) -> None:
             xgr.Grammar.from_json_schema(text)
     elif kind == "regex":
         xgr.Grammar.from_regex(text)
-    else:
+    elif kind == "ebnf":
         xgr.Grammar.from_ebnf(text)
+    else:
+        xgr.Grammar.from_structural_tag(structural_tag(text))
 
 
 def check_grammar(p: SamplingParams) -> None:
-    """Raise ValueError when the request's json_schema / regex / ebnf is invalid (caller thread)."""
-    if isinstance(p.json_schema, dict):       # a convenience: a schema dict instead of its JSON text
-        p.json_schema = json.dumps(p.json_schema)
+    """Raise ValueError when the request's json_schema / regex / ebnf / structural_tag is invalid
+    (caller thread)."""
+    for kind in ("json_schema", "structural_tag"):   # a convenience: a dict instead of its JSON text
+        if isinstance(getattr(p, kind), dict):
+            setattr(p, kind, json.dumps(getattr(p, kind)))
     key = grammar_key(p)
     if key is None:
         return
     kind, text = key
     if not isinstance(text, str) or not text:
         raise TypeError(f"{kind} must be a non-empty string, got {text!r:.80}")
-    if kind == "json_schema" and text != ANY_JSON:
+    if kind in ("json_schema", "structural_tag") and text != ANY_JSON:
         try:
             json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            raise ValueError(f"{kind} is not valid JSON: {e}") from None
     try:
         _parse(kind, text)
     except ImportError as e:
         raise ImportError("structured output needs xgrammar: pip install xgrammar") from e
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+        msg = lines[-1] if lines else type(e).__name__
         raise ValueError(f"invalid {kind}: {msg}") from None
 
 
@@ -150,6 +184,8 @@ class GrammarService:
             return comp.compile_json_schema(text, any_whitespace=False)
         if kind == "regex":
             return comp.compile_regex(text)
+        if kind == "structural_tag":
+            return comp.compile_structural_tag(structural_tag(text))
         return comp.compile_grammar(text)
 
     def prepare(self, req: Any) -> None:
