@@ -17,6 +17,7 @@ from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
 from nbgen.engine_embed import EmbedMixin
+from nbgen.engine_lora import LoRAMixin
 from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
 from nbgen.engine_weights import WeightsMixin
@@ -33,7 +34,7 @@ from nbgen.runtime.tracker import Update
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin):
+class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin, LoRAMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model;
     ``Engine(..., is_embedding=True)`` embeds (``encode``) instead of generating."""
 
@@ -106,7 +107,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
                  rid: Any, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None,
                  return_text_in_logprobs: Any = False, priority: Any = None, session_params: Any = None,
-                 session_id: Any = None) -> tuple[list[Request], bool]:
+                 session_id: Any = None, lora_path: Any = None) -> tuple[list[Request], bool]:
         self._check_alive()
         if self.config.is_embedding:
             raise ValueError("this Engine was created with is_embedding=True: it embeds and does not generate; "
@@ -127,6 +128,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
         for r in reqs:
             r.priority = prio
+        self._attach_lora(reqs, [sp.n for sp in sps], lora_path)
         attach_options(reqs, sps, per_item("return_hidden_states", return_hidden_states, n),
                        per_item("custom_logit_processor", custom_logit_processor, n),
                        self.config.enable_custom_logit_processor)
@@ -145,7 +147,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
                  logprob_start_len: Any = -1, token_ids_logprob: Any = None, rid: Any = None,
                  use_tqdm: Optional[bool] = None, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None, return_text_in_logprobs: bool = False,
-                 priority: Optional[int] = None, session_params: Any = None, session_id: Any = None) -> Any:
+                 priority: Optional[int] = None, session_params: Any = None, session_id: Any = None,
+                 lora_path: Any = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
         ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
@@ -155,11 +158,12 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         the text of each ``(logprob, token_id, text)`` triple. ``priority`` (an int, for every prompt
         of the call) orders the requests under ``Engine(enable_priority_scheduling=True)``.
         ``session_params`` continues a request of an open session (``open_session``).
+        ``lora_path``: a loaded LoRA adapter's name, or a list with one per prompt (None = the base model).
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
-                                     priority, session_params, session_id)
+                                     priority, session_params, session_id, lora_path)
         if stream:
             return self._stream(self._single(reqs))
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
@@ -174,7 +178,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
                                 kw.pop("token_ids_logprob", None), kw.pop("rid", None),
                                 kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None),
                                 kw.pop("return_text_in_logprobs", False), kw.pop("priority", None),
-                                kw.pop("session_params", None), kw.pop("session_id", None))
+                                kw.pop("session_params", None), kw.pop("session_id", None),
+                                kw.pop("lora_path", None))
         if kw:
             raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
         index = {r.rid: i for i, r in enumerate(reqs)}
@@ -277,9 +282,11 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         return self._loop.flush_cache()
 
     def stats(self) -> dict[str, Any]:
-        """Live numbers for widgets: running/waiting, KV pages, recent tok/s, totals."""
+        """Live numbers for widgets: running/waiting, KV pages, recent tok/s, totals (``lora_adapters``:
+        the loaded adapters' names, with enable_lora)."""
         self._check_alive()
-        return self._loop.stats()
+        mgr = self._lora()
+        return self._loop.stats() if mgr is None else {**self._loop.stats(), "lora_adapters": mgr.stats()}
 
     def get_server_info(self) -> dict[str, Any]:
         sc = self.scheduler_config

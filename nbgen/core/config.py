@@ -12,6 +12,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _POLICIES = ("fcfs", "lpm", "lof")
 _BACKENDS = (None, "torch", "flashinfer")
+_LORA_BACKENDS = ("csgmv", "triton", "torch_native")   # all served by nbgen's torch path for now
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PIECEWISE_MAX_TOKENS = 8192   # the largest token bucket of the piecewise prefill graphs by default
 
 
@@ -72,6 +74,15 @@ class EngineConfig:
     is_embedding: bool = False
     # SGLang's name for the loaded weights, reported in outputs' meta_info; weight updates may rename it
     weight_version: str = "default"
+    # LoRA serving (SGLang's names; docs/lora.md): peft adapters, several in one batch
+    enable_lora: Optional[bool] = None           # None: on when lora_paths is given
+    # ["path" | "name=path" | {"lora_name", "lora_path", "pinned"}] or {name: path}; normalised to dicts
+    lora_paths: Optional[Any] = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: Optional[int] = None       # None: max_loras_per_batch (every loaded adapter is resident)
+    max_lora_rank: Optional[int] = None          # None: any rank
+    lora_target_modules: Optional[Any] = None    # None: any of LORA_TARGET_MODULES; "all": all of them
+    lora_backend: str = "csgmv"
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, want: str) -> None:
@@ -92,8 +103,42 @@ class EngineConfig:
             v = getattr(self, name)
             check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
         PriorityConfig.of(self)   # validates the priority arguments
+        self._check_lora()
         if self.model_path is not None:
             self.model_path = os.path.expanduser(str(self.model_path))
+
+    def _check_lora(self) -> None:
+        """Validate the LoRA arguments; ``lora_paths`` becomes a list of dicts, ``enable_lora`` a bool."""
+        self.lora_paths = normalize_lora_paths(self.lora_paths)
+        if self.enable_lora is False and self.lora_paths:
+            raise ValueError("enable_lora=False contradicts lora_paths (adapters need enable_lora=True)")
+        if self.enable_lora not in (None, True, False):
+            raise ValueError(f"enable_lora must be None or a bool, got {self.enable_lora!r}")
+        self.enable_lora = bool(self.enable_lora or self.lora_paths)
+        for name in ("max_loras_per_batch", "max_loaded_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not (v is None and name != "max_loras_per_batch") and not (_is_int(v) and v >= 1):
+                raise ValueError(f"{name} must be an int >= 1{' or None' if name != 'max_loras_per_batch' else ''}"
+                                 f", got {v!r}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"max_loaded_loras={self.max_loaded_loras} must be >= max_loras_per_batch="
+                             f"{self.max_loras_per_batch}")
+        if self.lora_backend not in _LORA_BACKENDS:
+            raise ValueError(f"lora_backend must be one of {_LORA_BACKENDS}, got {self.lora_backend!r}")
+        t = self.lora_target_modules
+        if t == "all" or t == ["all"]:
+            self.lora_target_modules = list(LORA_TARGET_MODULES)
+        elif t is not None:
+            if isinstance(t, str) or not isinstance(t, (list, tuple, set)) or \
+                    not all(m in LORA_TARGET_MODULES for m in t):
+                raise ValueError(f"lora_target_modules must be None, 'all' or a list drawn from "
+                                 f"{list(LORA_TARGET_MODULES)}, got {t!r}")
+            self.lora_target_modules = sorted(t)
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters loaded at most at once: ``max_loaded_loras``, else ``max_loras_per_batch``."""
+        return self.max_loaded_loras if self.max_loaded_loras is not None else self.max_loras_per_batch
 
     @classmethod
     def from_kwargs(cls, model_path: Optional[str], kwargs: dict[str, Any]) -> "EngineConfig":
@@ -140,6 +185,35 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         except ImportError:  # pragma: no cover - torch is a hard dependency
             return "cpu"
+
+
+def normalize_lora_paths(paths: Any) -> list[dict[str, Any]]:
+    """SGLang's ``lora_paths`` forms -> [{"lora_name", "lora_path", "pinned"}]: a list of "path"
+    (named after itself), "name=path" or dicts, or a {name: path} dict; ValueError naming lora_paths."""
+    if paths is None:
+        return []
+    items = [{"lora_name": k, "lora_path": v} for k, v in paths.items()] if isinstance(paths, dict) else paths
+    if isinstance(items, str) or not isinstance(items, (list, tuple)):
+        raise ValueError(f"lora_paths must be a list (of 'path', 'name=path' or dicts) or a {{name: path}} "
+                         f"dict, got {paths!r:.80}")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+            item = {"lora_name": name, "lora_path": path}
+        if not isinstance(item, dict) or not isinstance(item.get("lora_name"), str) or not item["lora_name"] \
+                or not isinstance(item.get("lora_path"), str) or not item["lora_path"] \
+                or not isinstance(item.get("pinned", False), bool) \
+                or set(item) - {"lora_name", "lora_path", "pinned"}:
+            raise ValueError(f"lora_paths[{i}] must be 'path', 'name=path' or {{'lora_name': str, 'lora_path': "
+                             f"str, 'pinned': bool}}, got {item!r:.80}")
+        out.append({"lora_name": item["lora_name"], "lora_path": item["lora_path"],
+                    "pinned": bool(item.get("pinned", False))})
+    names = [d["lora_name"] for d in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"lora_paths names adapters more than once: {dup}")
+    return out
 
 
 def _is_int(v: Any) -> bool:

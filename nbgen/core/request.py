@@ -67,6 +67,7 @@ class Request:
     weight_version: str = "default"          # the weights it runs with (set when the loop admits it)
     session: Optional[SessionParams] = None  # its place in an engine session (runtime/sessions.py)
     priority: Optional[int] = None           # generate(priority=...); set to the default at add (priority scheduling)
+    lora_id: Optional[int] = None            # the LoRA adapter it runs under (runtime/lora.py); None = base model
 
     # --- mutable state (loop thread only) ---
     status: Status = Status.WAITING

@@ -8,7 +8,7 @@ forward passes communicate through torch.distributed (set up by the caller via `
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,14 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     packed: Optional[torch.Tensor] = None  # set by prepack_cpu(): the weight in oneDNN's layout
+    # LoRA serving (runtime/lora.py): a hook adding the step's adapters' low-rank products into the
+    # output, ``lora(x [T, in], y [T, out])`` in place; ``lora.active`` is False on steps without adapters
+    lora: Optional[Any] = None
+
+    @property
+    def lora_active(self) -> bool:
+        """This step adds LoRA products to the output (fused epilogues must not skip ``forward``)."""
+        return self.lora is not None and self.lora.active
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded)
@@ -127,13 +135,18 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [T, in] -> [T, out]; ``out``: a [T, out] buffer to write into (CUDA, cuBLAS path)."""
-        return self._mm(x, self.bias, out)
+        y = self._mm(x, self.bias, out)
+        if self.lora is not None and self.lora.active:
+            self.lora(x, y)
+        return y
 
     def accumulate(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         """into += x @ W.T (+ b), in place: a residual add folded into the projection (one launch on
         CUDA: the streaming kernel's epilogue at a few rows, else cuBLAS with beta = 1)."""
         if get_tp()[0] != 1:
             raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
+        if self.lora is not None and self.lora.active:
+            return into.add_(self.forward(x))
         if self.packed is None and self.bias is None and into.is_cuda and into.is_contiguous():
             if small_gemm.usable(x, self.weight):
                 return small_gemm.small_gemm(x, self.weight, accumulate=into)
@@ -215,7 +228,10 @@ class RowParallelLinear(_Linear):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(self._mm(x, None))
+        y = self._mm(x, None)
+        if self.lora is not None and self.lora.active:
+            self.lora(x, y)
+        y = _all_reduce(y)
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
 

@@ -54,7 +54,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        if gate_up.bias is None and small_gemm.usable(x, gate_up.weight):
+        if gate_up.bias is None and not gate_up.lora_active and small_gemm.usable(x, gate_up.weight):
             # decode of a few rows: SiLU-and-mul in the matmul's epilogue ([T, 2I] never stored)
             return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
         return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]

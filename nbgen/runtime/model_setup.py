@@ -172,7 +172,9 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     spec = replace(spec, num_pages=num_pages(cfg, spec, loaded.context_length))
     backend = make_backend(cfg, spec)
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
-    folded = norm_fold.should_fold(loaded.model, device) and norm_fold.fold_norms(loaded.model)
+    # LoRA's A matrices read the normed input: folded norms stay off with enable_lora
+    folded = (not cfg.enable_lora and norm_fold.should_fold(loaded.model, device)
+              and norm_fold.fold_norms(loaded.model))
     sampler = Sampler(int(loaded.hf_config.vocab_size), device)
     t2 = time.perf_counter()
     if graphs_enabled(cfg, backend):

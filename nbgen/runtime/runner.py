@@ -20,6 +20,7 @@ from nbgen.kernels.batch_sizes import padded_batch_size
 from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.cuda_graphs import Staged
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
+from nbgen.runtime.lora import LoRAManager, LoRAStep, make_lora_manager
 from nbgen.runtime.logprob_step import per_seq, step_with_logprobs, wants_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
@@ -72,6 +73,8 @@ class ModelRunner:
         self.graphs = parts.graphs
         self.prefill_graphs = parts.prefill_graphs
         self.norms_folded = parts.norms_folded
+        # LoRA serving (enable_lora): adapters loaded, hooks in the linears; steps with adapters run eagerly
+        self.lora: Optional[LoRAManager] = make_lora_manager(self.cfg, self.model, parts.loaded.dtype, device)
         self.startup_s = parts.startup_s
         self.cuda_graph_batch_sizes = list(self.graphs.batch_sizes) if self.graphs else []
         self.piecewise_cuda_graph_tokens = list(self.prefill_graphs.buckets) if self.prefill_graphs else []
@@ -125,6 +128,9 @@ class ModelRunner:
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor:
         """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
         ids, pos = flat.ids, flat.positions
+        lora = self.lora.step_info(batch, flat.starts) if self.lora is not None else None
+        if lora is not None:
+            return self._eager_lora(batch, flat, lora)
         if self._graphable(batch):
             return self.graphs.run(batch, ids, self._last_tokens)   # placeholders resolved in the graph
         patch = self._placeholder_patch(ids)
@@ -137,8 +143,24 @@ class ModelRunner:
         meta = self.backend.prepare(batch)
         return self.model(input_ids, positions, meta)
 
+    def _eager_lora(self, batch: ScheduledBatch, flat: FlatStep, lora: LoRAStep) -> torch.Tensor:
+        """Hidden states [T, H] of a step with LoRA rows: eager (no CUDA graphs), hooks active."""
+        patch = self._placeholder_patch(flat.ids)
+        input_ids = self.to_device(flat.ids)
+        if patch is not None:
+            patch(input_ids)
+        positions = self.to_device(flat.positions)
+        meta = self.backend.prepare(batch)
+        self.lora.begin(lora)
+        try:
+            return self.model(input_ids, positions, meta)
+        finally:
+            self.lora.end()
+
     # ---- one step -----------------------------------------------------------------------------
     def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
+        if self.lora is not None and self.lora.uses_adapters(batch):
+            return False
         if n_prev is None:
             n_prev = self._last_tokens.numel() if self._last_tokens is not None else 0
         return self.graphs is not None and self.graphs.can_run(batch, n_prev)
