@@ -10,6 +10,6 @@ from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.logit_processor import CustomLogitProcessor
 from nbgen.notebook import chat_session, dashboard, playground, profile, stream
 from nbgen.core.sampling import SamplingParams
+from nbgen.core.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["Engine", "SamplingParams", "CustomLogitProcessor", "generate_df", "embed_df", "score_df", "GenerationInterrupted", "chat_session", "dashboard", "stream", "playground", "profile", "__version__"]

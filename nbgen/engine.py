@@ -17,6 +17,7 @@ from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
 from nbgen.engine_embed import EmbedMixin
+from nbgen.engine_info import InfoMixin
 from nbgen.engine_lora import LoRAMixin
 from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
@@ -34,7 +35,8 @@ from nbgen.runtime.tracker import Update
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin, LoRAMixin):
+class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin, LoRAMixin,
+             InfoMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model;
     ``Engine(..., is_embedding=True)`` embeds (``encode``) instead of generating."""
 
@@ -61,6 +63,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         loaded = info["loaded"]
         self.device = info["device"]
         self.scheduler_config = info["scheduler"]
+        self.resolved_config = info["config"]   # every device-dependent default chosen
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
         self.dtype = loaded.dtype
@@ -69,7 +72,8 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
                                  context_length=int(loaded.context_length),
                                  eos_ids=frozenset(loaded.eos_token_ids),
                                  generation_defaults=dict(loaded.generation_defaults or {}),
-                                 allow_context_overflow=cfg.allow_context_overflow)
+                                 allow_context_overflow=cfg.allow_context_overflow,
+                                 allow_auto_truncate=cfg.allow_auto_truncate)
         self._rng = random.Random(cfg.random_seed)
         _live_engines.add(self)
         feedback.done(self.model_name, self.device)
@@ -83,8 +87,9 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
 
     @property
     def model_name(self) -> str:
-        """The model's short name (``SmolLM2-135M-Instruct`` for the embedded model)."""
-        return model_name(self.config.model_path)
+        """``served_model_name`` when given, else the model's short name (``SmolLM2-135M-Instruct``
+        for the embedded model)."""
+        return self.config.served_model_name or model_name(self.config.model_path)
 
     # ---- request preparation --------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -119,6 +124,9 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         sps = [build_params(d, self._facts) for d in per_item("sampling_params", sampling_params, n)]
         for sp in sps:
             check_structured(sp)   # invalid json_schema / regex / ebnf / stop_regex -> ValueError
+            if sp.constrained and self.config.grammar_backend == "none":
+                raise ValueError("this Engine has grammar_backend='none': json_schema, regex, ebnf and "
+                                 "structural_tag are not available (create it with grammar_backend='xgrammar')")
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
         rids = check_rids(per_item("rid", rid, n))
@@ -227,7 +235,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
                     continue
                 done = upd.finished
                 yield self._chunk(upd, sent)
-                sent += len(upd.output["text"]) if not done else 0
+                sent += len(upd.output.get("text", "")) if not done else 0
         finally:
             if not done:
                 self._abort_quietly([req.rid])
@@ -235,7 +243,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
     @staticmethod
     def _chunk(upd: Update, sent_chars: int) -> dict[str, Any]:
         """Final updates carry the full text: cut what earlier chunks already delivered."""
-        if upd.finished:
+        if upd.finished and "text" in upd.output:   # skip_tokenizer_init outputs have no text
             out = dict(upd.output)
             out["text"] = out["text"][sent_chars:]
             return out
@@ -287,25 +295,6 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         self._check_alive()
         mgr = self._lora()
         return self._loop.stats() if mgr is None else {**self._loop.stats(), "lora_adapters": mgr.stats()}
-
-    def get_server_info(self) -> dict[str, Any]:
-        sc = self.scheduler_config
-        return {"model_path": self.config.model_path, "model_name": self.model_name,
-                "device": self.device, "dtype": str(self.dtype),
-                "context_length": self._facts.context_length, "page_size": sc.page_size,
-                "num_pages": sc.num_pages, "max_total_tokens": (sc.num_pages - 1) * sc.page_size,
-                "max_running_requests": sc.max_running_requests,
-                "chunked_prefill_size": sc.chunked_prefill_size, "schedule_policy": sc.schedule_policy,
-                "disable_radix_cache": sc.disable_radix_cache,
-                **self._loop.server_info(),
-                "random_seed": self.config.random_seed, "weight_version": self.weight_version}
-
-    def get_model_info(self) -> dict[str, Any]:
-        return {"model_path": self.config.model_path, "tokenizer_path": self.config.tokenizer_path,
-                "is_generation": not self.config.is_embedding,
-                "architectures": list(self.hf_config.architectures or []),
-                "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length,
-                "weight_version": self.weight_version}
 
     def shutdown(self) -> None:
         """Stop the loop thread and free the model; idempotent. Later calls raise RuntimeError."""

@@ -80,5 +80,5 @@ class AsyncGenerateMixin:
         sent = 0
         async for upd in self._asubmit([req], stream=True):
             yield self._chunk(upd, sent)
-            sent += len(upd.output["text"]) if not upd.finished else 0
+            sent += len(upd.output.get("text", "")) if not upd.finished else 0
 

@@ -28,6 +28,7 @@ class ModelFacts:
     eos_ids: frozenset[int]
     generation_defaults: dict[str, Any]
     allow_context_overflow: bool = False
+    allow_auto_truncate: bool = False      # a prompt past the context keeps its first context_length - 1 ids
 
 
 def _is_id_list(x: Any) -> bool:
@@ -93,17 +94,21 @@ def build_params(d: Any, facts: ModelFacts) -> SamplingParams:
 
 
 def check_ids(ids: list[int], idx: int, sp: SamplingParams, facts: ModelFacts) -> SamplingParams:
-    """Token ids inside the vocab; prompt + max_new_tokens within the context length."""
+    """Token ids inside the vocab; prompt + max_new_tokens within the context length. With
+    ``allow_auto_truncate`` a prompt past the context loses its tail (in place; SGLang keeps the
+    first tokens too) and max_new_tokens is cut to fit."""
     if ids and (min(ids) < 0 or max(ids) >= facts.vocab_size):
         bad = [t for t in ids if not 0 <= t < facts.vocab_size]
         raise ValueError(f"input_ids[{idx}] has token ids outside the vocabulary [0, {facts.vocab_size}): {bad[:5]}")
     if not ids:
         raise ValueError(f"prompt[{idx}] is empty after tokenization")
+    if facts.allow_auto_truncate and len(ids) >= facts.context_length:
+        del ids[facts.context_length - 1:]
     room = facts.context_length - len(ids)
     if room <= 0:
         raise ValueError(f"prompt[{idx}] has {len(ids)} tokens, over the context length {facts.context_length}")
     if sp.max_new_tokens is None or sp.max_new_tokens > room:
-        if sp.max_new_tokens is not None and not facts.allow_context_overflow:
+        if sp.max_new_tokens is not None and not (facts.allow_context_overflow or facts.allow_auto_truncate):
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt[{idx}] exceeds "
                              f"the context length {facts.context_length} (pass a smaller max_new_tokens or "
                              f"Engine(allow_context_overflow=True) to cut generation at the context length)")

@@ -2,26 +2,25 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
+
+from nbgen.core.chat_template import check_chat_template
+from nbgen.core.server_args import no_effect_message, split_engine_kwargs, unknown_key_error
+
+__all__ = ["EngineConfig", "PriorityConfig", "SchedulerConfig", "unknown_key_error"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _POLICIES = ("fcfs", "lpm", "lof")
 _BACKENDS = (None, "torch", "flashinfer")
+_GRAMMAR_BACKENDS = (None, "xgrammar", "none")   # SGLang's outlines / llguidance are refused
 _LORA_BACKENDS = ("csgmv", "triton", "torch_native")   # all served by nbgen's torch path for now
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PIECEWISE_MAX_TOKENS = 8192   # the largest token bucket of the piecewise prefill graphs by default
-
-
-def unknown_key_error(kind: str, key: str, known: list[str]) -> ValueError:
-    """A ValueError naming an unknown keyword, with the closest known name when there is one."""
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"unknown {kind} {key!r}{hint}")
 
 
 @dataclass
@@ -74,6 +73,14 @@ class EngineConfig:
     is_embedding: bool = False
     # SGLang's name for the loaded weights, reported in outputs' meta_info; weight updates may rename it
     weight_version: str = "default"
+    # a streamed request gets a chunk every stream_interval new tokens (its first token and its finish at once)
+    stream_interval: int = 1
+    chat_template: Optional[str] = None   # a .jinja file, a Jinja string or a tokenizer's named template
+    allow_auto_truncate: bool = False     # a prompt past the context keeps its first tokens instead of raising
+    max_prefill_tokens: int = 16384       # caps the tokens of one step together with chunked_prefill_size
+    served_model_name: Optional[str] = None   # the model name get_server_info / get_model_info report
+    enable_torch_compile: bool = False    # nbgen's fused kernels and CUDA graphs stand in (one info log)
+    grammar_backend: Optional[str] = None     # None / "xgrammar"; "none": structured output is refused
     # LoRA serving (SGLang's names; docs/lora.md): peft adapters, several in one batch
     enable_lora: Optional[bool] = None           # None: on when lora_paths is given
     # ["path" | "name=path" | {"lora_name", "lora_path", "pinned"}] or {name: path}; normalised to dicts
@@ -98,10 +105,22 @@ class EngineConfig:
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
         check("tp_size", self.tp_size == 1, "1 (tensor parallelism is not implemented yet)")
         check("weight_version", isinstance(self.weight_version, str), "a str")
+        if self.grammar_backend in ("outlines", "llguidance"):
+            raise ValueError(f"grammar_backend={self.grammar_backend!r} is not supported yet by nbgen "
+                             "(its grammar backend is xgrammar); pass None, 'xgrammar' or 'none'")
+        check("grammar_backend", self.grammar_backend in _GRAMMAR_BACKENDS, f"one of {_GRAMMAR_BACKENDS}")
+        check("served_model_name", self.served_model_name is None or isinstance(self.served_model_name, str),
+              "None or a str")
+        for name in ("allow_auto_truncate", "enable_torch_compile"):
+            check(name, isinstance(getattr(self, name), bool), "a bool")
+        check_chat_template(self.chat_template)
         for name in ("context_length", "max_running_requests", "max_total_tokens",
                      "chunked_prefill_size", "cuda_graph_max_bs", "piecewise_cuda_graph_max_tokens"):
             v = getattr(self, name)
             check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
+        for name in ("stream_interval", "max_prefill_tokens"):
+            v = getattr(self, name)
+            check(name, _is_int(v) and v >= 1, "an int >= 1")
         PriorityConfig.of(self)   # validates the priority arguments
         self._check_lora()
         if self.model_path is not None:
@@ -142,12 +161,13 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model_path: Optional[str], kwargs: dict[str, Any]) -> "EngineConfig":
-        """Build from Engine(**kwargs); an unknown keyword raises naming it (with a suggestion)."""
-        known = [f.name for f in fields(cls)]
-        for key in kwargs:
-            if key not in known:
-                raise unknown_key_error("Engine argument", key, known)
-        return cls(model_path=model_path, **kwargs)
+        """Build from Engine(**kwargs) by the server-args rule (core/server_args.py): SGLang arguments
+        with no effect here are taken with one warning naming them; refused ones and unknown names
+        raise ValueError (an unknown name with the closest known one)."""
+        own, ignored = split_engine_kwargs(kwargs, [f.name for f in fields(cls)])
+        if ignored:
+            warnings.warn(no_effect_message(ignored), UserWarning, stacklevel=3)
+        return cls(model_path=model_path, **own)
 
     def resolved(self, device_type: str, gpu_total_memory: Optional[int] = None) -> "EngineConfig":
         """A copy with every device-dependent ``None`` default chosen (``device_type``: "cuda" | "cpu";
@@ -157,7 +177,7 @@ class EngineConfig:
         - ``chunked_prefill_size``: 8192 on cuda, 1024 on cpu;
         - ``cuda_graph_max_bs``: 256 on a card of >= 40 GiB, 128 from 16 GiB, else 64; 0 (no decode
           graphs) on cpu or with ``disable_cuda_graph``;
-        - ``piecewise_cuda_graph_max_tokens``: ``min(chunked_prefill_size, 8192)``.
+        - ``piecewise_cuda_graph_max_tokens``: ``min(step_token_budget, 8192)``.
         """
         gpu = device_type == "cuda"
         out = copy.copy(self)   # values below are valid by construction (0 graphs is not a user value)
@@ -172,8 +192,14 @@ class EngineConfig:
                 total = gpu_total_memory or 0
                 out.cuda_graph_max_bs = 256 if total >= 40 << 30 else (128 if total >= 16 << 30 else 64)
         if out.piecewise_cuda_graph_max_tokens is None:
-            out.piecewise_cuda_graph_max_tokens = min(out.chunked_prefill_size, PIECEWISE_MAX_TOKENS)
+            out.piecewise_cuda_graph_max_tokens = min(out.step_token_budget, PIECEWISE_MAX_TOKENS)
         return out
+
+    @property
+    def step_token_budget(self) -> int:
+        """The tokens one step may compute (resolved configs): chunked_prefill_size capped by
+        max_prefill_tokens (SGLang's cap on the tokens of one prefill batch)."""
+        return min(self.chunked_prefill_size, self.max_prefill_tokens)
 
     def resolve_device(self) -> str:
         """'cuda' or 'cpu' for device='auto'."""

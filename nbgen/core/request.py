@@ -79,6 +79,7 @@ class Request:
     admit_seq: int = -1                      # admission order (preemption picks the newest)
     arrival_seq: int = -1                    # arrival order at the scheduler (priority: the oldest waiting)
     priority_promoted: bool = False          # admitted by the starvation guard: never preempted for priority
+    num_retractions: int = 0                 # times it was preempted (SGLang's meta_info num_retractions)
     finish_reason: Optional[FinishReason] = None
     # logprob results, appended by the scheduler from StepOutputs
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)

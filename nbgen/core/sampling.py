@@ -78,6 +78,7 @@ class SamplingParams:
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
     custom_params: Optional[dict[str, Any]] = None
+    stream_interval: Optional[int] = None    # stream chunks every N tokens (None: the Engine's stream_interval)
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +138,10 @@ class SamplingParams:
             self.logit_bias = bias
         if self.sampling_seed is not None:
             self.sampling_seed = _int("sampling_seed", self.sampling_seed)
+        if self.stream_interval is not None:
+            self.stream_interval = _int("stream_interval", self.stream_interval)
+            if self.stream_interval < 1:
+                raise ValueError(f"stream_interval must be None or an int >= 1, got {self.stream_interval}")
         grammars = [n for n in GRAMMAR_KINDS if getattr(self, n) is not None]
         if len(grammars) > 1:
             raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be set, got {grammars}")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from nbgen.core.chat_template import apply_chat_template_arg
 from nbgen.core.config import EngineConfig
 from nbgen.models.embedded import default_model_path
 from nbgen.models.gguf_convert import gguf_to_hf_dir
@@ -194,7 +195,9 @@ def _load_tokenizer(cfg: EngineConfig, model_dir: str) -> Optional[Any]:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=cfg.trust_remote_code)
+    apply_chat_template_arg(tokenizer, cfg.chat_template)   # the Engine's chat_template, if any
+    return tokenizer
 
 
 def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) -> LoadedModel:

@@ -53,7 +53,7 @@ class Delivery:
     """Tracked requests of one loop: add / abort them, deliver a step's results (loop thread only)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any, vocab_size: int, page_size: int,
-                 stats: LoopStats, rids: RidRegistry, post: Callable[..., None]) -> None:
+                 stats: LoopStats, rids: RidRegistry, post: Callable[..., None], stream_interval: int = 1) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -61,13 +61,14 @@ class Delivery:
         self._stats = stats
         self._rids = rids
         self._post = post                 # post(fn, *args): run fn on the loop thread (thread-safe)
+        self._stream_interval = stream_interval   # the engine's; a request's sampling param overrides it
         self._tracked: dict[str, Tracked] = {}
         self.grammar: Optional[GrammarService] = None   # made at the first constrained request
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         for r in reqs:
-            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer)
+            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer, self._stream_interval)
             if not r.params.constrained:
                 self.scheduler.add(r)
                 if r.finished:   # can never run (e.g. longer than the whole KV cache): answer now
@@ -120,7 +121,7 @@ class Delivery:
                 continue
             m = len(req.output_ids)
             n_out += m - t.n_ids
-            if t.quiet and not req.finished:   # the common decode step: nothing to send yet
+            if not req.finished and t.holds(m):   # the common decode step: nothing to send yet
                 t.n_ids = m
                 continue
             self._emit(t)

@@ -5,6 +5,7 @@ the loop keeps the parts, the Engine facade gets ``EngineParts.info()``.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -13,6 +14,8 @@ import torch
 from nbgen.core.config import EngineConfig, PriorityConfig, SchedulerConfig
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
+
+logger = logging.getLogger("nbgen")
 
 
 @dataclass
@@ -27,8 +30,10 @@ class EngineParts:
     tokenizer: Optional[Any]          # None with skip_tokenizer_init
 
     def info(self) -> dict[str, Any]:
-        """What ``LoopThread.start()`` hands the Engine: device, scheduler config, loaded model."""
-        return {"device": str(self.device), "scheduler": self.scheduler_config, "loaded": self.runner.loaded}
+        """What ``LoopThread.start()`` hands the Engine: device, scheduler config, loaded model, and
+        the resolved config."""
+        return {"device": str(self.device), "scheduler": self.scheduler_config, "loaded": self.runner.loaded,
+                "config": self.cfg}
 
 
 def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], None]] = None) -> EngineParts:
@@ -37,10 +42,13 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
     device = torch.device(cfg.resolve_device())
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rcfg = cfg.resolved(device.type, total)
+    if rcfg.enable_torch_compile:
+        logger.info("enable_torch_compile: nbgen runs its own fused kernels and CUDA graphs in the place of "
+                    "torch.compile; the model is not compiled and outputs are unchanged")
     runner = ModelRunner(rcfg, device, on_stage)
     sc = SchedulerConfig(
         page_size=rcfg.page_size, num_pages=runner.num_pages,
-        max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.chunked_prefill_size,
+        max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.step_token_budget,
         schedule_policy=rcfg.schedule_policy, disable_radix_cache=rcfg.disable_radix_cache,
         context_length=runner.loaded.context_length, priority=PriorityConfig.of(rcfg))
     return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc, scheduler=Scheduler(sc),
@@ -53,4 +61,15 @@ def runner_info(runner: Optional[ModelRunner]) -> dict[str, Any]:
             "cuda_graph_batch_sizes": list(getattr(runner, "cuda_graph_batch_sizes", []) or []),
             "piecewise_cuda_graph_tokens": list(getattr(runner, "piecewise_cuda_graph_tokens", []) or []),
             "startup_s": dict(getattr(runner, "startup_s", {}) or {}),
-            "norms_folded": bool(getattr(runner, "norms_folded", False))}
+            "norms_folded": bool(getattr(runner, "norms_folded", False)),
+            "memory_usage": memory_usage(runner) if runner else {}}
+
+
+def memory_usage(runner: ModelRunner) -> dict[str, Any]:
+    """SGLang's ``memory_usage`` of the internal state: weights and KV pool in GB, KV capacity in tokens."""
+    model = runner.model
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    spec = runner.kv_spec
+    return {"weight": round(weights / (1 << 30), 2),
+            "kvcache": round(spec.bytes_per_page() * spec.num_pages / (1 << 30), 2),
+            "token_capacity": (spec.num_pages - 1) * spec.page_size}

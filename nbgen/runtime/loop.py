@@ -181,7 +181,8 @@ class LoopThread(LoopControl):
         parts = build_engine_parts(self.cfg, self._on_stage)
         self.runner, self.scheduler, self.tokenizer = parts.runner, parts.scheduler, parts.tokenizer
         self._delivery = Delivery(parts.scheduler, parts.tokenizer, parts.runner.vocab_size,
-                                  parts.cfg.page_size, self._stats, self._rids, self._post)
+                                  parts.cfg.page_size, self._stats, self._rids, self._post,
+                                  parts.cfg.stream_interval)
         self.deliver = self._delivery.deliver    # the step's hand-off, bound once (hot path)
         self.memory = MemoryService(parts.runner, parts.scheduler)
         self.weights = WeightService(parts.runner, parts.scheduler, self.memory, parts.cfg.weight_version,

@@ -49,14 +49,15 @@ def embedding_output(req: Request) -> dict[str, Any]:
     return {"embedding": req.embedding,
             "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason),
                           "prompt_tokens": len(req.prompt_ids), "cached_tokens": req.cached_tokens,
-                          "weight_version": req.weight_version,
+                          "weight_version": req.weight_version, "num_retractions": req.num_retractions,
                           "e2e_latency": time.perf_counter() - req.arrival}}
 
 
-def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
+def build_output(req: Request, text: Optional[str], output_ids: list[int], decode: Decode,
                  finished: bool, logprob_start: int = 0) -> dict[str, Any]:
     """The dict a caller receives: text, output_ids and meta_info (finish_reason None while running);
-    for an embedding request the ``embedding_output`` dict."""
+    ``text`` None (no tokenizer: skip_tokenizer_init) leaves the text key out, as SGLang; for an
+    embedding request the ``embedding_output`` dict."""
     if req.embed is not None:
         return embedding_output(req)
     meta: dict[str, Any] = {
@@ -64,6 +65,8 @@ def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
+        "reasoning_tokens": 0,               # SGLang counts them with a reasoning parser; nbgen has none
+        "num_retractions": req.num_retractions,
         "finish_reason": finish_dict(req.finish_reason) if finished else None,
         "weight_version": req.weight_version,
         "e2e_latency": time.perf_counter() - req.arrival,
@@ -72,4 +75,6 @@ def build_output(req: Request, text: str, output_ids: list[int], decode: Decode,
         meta.update(logprob_fields(req, decode, logprob_start))
     if req.return_hidden_states:   # one final-normed last-layer state per generated token
         meta["hidden_states"] = req.hidden_states[logprob_start:len(req.output_ids)]
+    if text is None:
+        return {"output_ids": output_ids, "meta_info": meta}
     return {"text": text, "output_ids": output_ids, "meta_info": meta}

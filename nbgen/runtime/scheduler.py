@@ -240,6 +240,7 @@ class Scheduler:
         if requeue:
             self.waiting.push_front(req)
         self.num_preemptions += 1
+        req.num_retractions += 1
 
     def _release(self, req: Request, cache: bool) -> None:
         if cache:

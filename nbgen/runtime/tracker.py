@@ -21,13 +21,19 @@ class Update:
 
 
 class Tracked:
-    """Turns a request's new token ids into text deltas, finishing it when a stop string matches."""
+    """Turns a request's new token ids into text deltas, finishing it when a stop string matches.
 
-    def __init__(self, req: Request, sink: Callable[[Update], None], stream: bool, tokenizer: Any) -> None:
+    A streamed request is sent its first token at once, then a chunk whenever ``stream_interval``
+    new tokens are unsent (SGLang's rule; its sampling param ``stream_interval`` overrides the
+    engine's), and its finish at once. Without a tokenizer the outputs carry no ``text`` key."""
+
+    def __init__(self, req: Request, sink: Callable[[Update], None], stream: bool, tokenizer: Any,
+                 stream_interval: int = 1) -> None:
         self.req = req
         self.sink = sink
         self.stream = stream
         self.tokenizer = tokenizer
+        self.interval = req.params.stream_interval or stream_interval
         p = req.params
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
                                              p.spaces_between_special_tokens)
@@ -36,6 +42,8 @@ class Tracked:
         # nobody reads this request's text before it finishes: the loop only counts its tokens per
         # step and calls advance() once, at the finish (the text is detokenized in one go there)
         self.quiet = not stream and self.matcher is None
+        # a stream without stop strings is not even detokenized between its chunks
+        self.lazy = stream and self.matcher is None and self.interval > 1
         self.n_ids = 0            # output ids already seen (counted as generated)
         self.n_text = 0           # output ids already turned into text
         self.n_sent_ids = 0       # output ids already sent to a streaming caller
@@ -47,6 +55,15 @@ class Tracked:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def _within_interval(self, n_out: int) -> bool:
+        """A stream that sent its first chunk waits until ``stream_interval`` new tokens are unsent."""
+        return 0 < self.n_sent_ids and n_out - self.n_sent_ids < self.interval
+
+    def holds(self, n_out: int) -> bool:
+        """Nothing to send at ``n_out`` output ids (unfinished): a quiet request, or a lazy stream
+        within its interval. The loop then skips ``advance`` (hot path)."""
+        return self.quiet or (self.lazy and self._within_interval(n_out))
 
     def advance(self, scheduler: Any) -> Optional[Update]:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None.
@@ -78,16 +95,23 @@ class Tracked:
             piece = ""  # text after a matched stop string is dropped
         self.text += piece
         if req.finished:
-            return Update(req.rid, build_output(req, self.text, list(req.output_ids), self.decode, finished=True),
-                          finished=True)
-        if not self.stream or (not piece and len(req.output_ids) == self.n_sent_ids):
+            return Update(req.rid, build_output(req, self._text(self.text), list(req.output_ids), self.decode,
+                                                finished=True), finished=True)
+        n_out = len(req.output_ids)
+        if (not self.stream or (n_out == self.n_sent_ids and len(self.text) == self.n_sent_text)
+                or self._within_interval(n_out)):
             return None
         delta_ids = req.output_ids[self.n_sent_ids:]
-        out = build_output(req, piece, delta_ids, self.decode, finished=False, logprob_start=self.n_sent_ids)
-        self.n_sent_ids = len(req.output_ids)
+        out = build_output(req, self._text(self.text[self.n_sent_text:]), delta_ids, self.decode, finished=False,
+                           logprob_start=self.n_sent_ids)
+        self.n_sent_ids, self.n_sent_text = n_out, len(self.text)
         return Update(req.rid, out, finished=False)
+
+    def _text(self, text: str) -> Optional[str]:
+        """The text of an output, or None (no text key) without a tokenizer."""
+        return text if self.tokenizer is not None else None
 
     def final_update(self) -> Update:
         """The finished output with whatever text was released so far (used after a failure)."""
-        return Update(self.req.rid, build_output(self.req, self.text, list(self.req.output_ids), self.decode,
-                                                 finished=True), finished=True)
+        return Update(self.req.rid, build_output(self.req, self._text(self.text), list(self.req.output_ids),
+                                                 self.decode, finished=True), finished=True)
