@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import pytest
 
@@ -47,3 +48,10 @@ def test_notebook_runs(path: str, tmp_path) -> None:
     if name.startswith("07_embeddings"):
         assert "nearest neighbour shares the topic" in shown and "zero-shot accuracy" in shown
         assert any("image/png" in o.get("data", {}) for o in outputs)      # the PCA scatter
+    if name.startswith("08_sessions"):
+        # the chat's later turns continue the session, their earlier turns read from the KV cache
+        turns = re.findall(r"^\s*(\d) \|\s+(\d+) \|\s+(\d+) \| (True|False)$", shown, re.M)
+        assert len(turns) == 3 and all(int(c) > 0 and cont == "True" for _, _, c, cont in turns[1:]), turns
+        assert int(turns[2][2]) > int(turns[1][2]), turns
+        assert "finish order: URGENT" in shown and "100: 1 running" in shown
+        assert "nbgen-profile" in shown and "restored output equals the original: True" in shown

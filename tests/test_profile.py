@@ -67,6 +67,17 @@ def test_notebook_profile_shows_the_top_ops(tiny_engine, tmp_path, monkeypatch):
     assert len(table) > 0 and {"name", "calls", "device_us"} <= set(table.columns)
 
 
+def test_profile_table_has_a_device_column_only_with_device_time():
+    from nbgen.notebook.profile import ops_table_html
+    from nbgen.runtime.profiler import ProfileResult
+
+    op = {"name": "aten::mm", "calls": 3, "cpu_us": 2000.0, "self_cpu_us": 1500.0, "device_us": 0.0}
+    cpu = ProfileResult("t.json.gz", 4, 0.5, [op])
+    assert "device ms" not in ops_table_html(cpu) and "<td>1.50</td>" in ops_table_html(cpu)
+    gpu = ProfileResult("t.json.gz", 4, 0.5, [dict(op, device_us=700.0)])
+    assert "device ms" in ops_table_html(gpu) and "<td>0.70</td>" in ops_table_html(gpu)
+
+
 def test_freeze_gc_freezes_the_heap(tiny_engine):
     import gc
 

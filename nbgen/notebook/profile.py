@@ -9,14 +9,20 @@ from nbgen.notebook.state import fmt_num
 from nbgen.runtime.profiler import ProfileResult
 
 
+def has_device_time(result: ProfileResult) -> bool:
+    """Whether the profile recorded device (GPU) time; a CPU profile's tables leave that column out."""
+    return any(r["device_us"] for r in result.ops)
+
+
 def ops_table_html(result: ProfileResult, top: int = 15) -> str:
     """The top ops (device time first, then self CPU time) as an HTML table."""
-    head = ("<tr><th style='text-align:left'>op</th><th>calls</th><th>device ms</th>"
-            "<th>CPU ms (total)</th><th>self CPU ms</th></tr>")
+    dev = has_device_time(result)
+    head = ("<tr><th style='text-align:left'>op</th><th>calls</th>" + ("<th>device ms</th>" if dev else "")
+            + "<th>CPU ms (total)</th><th>self CPU ms</th></tr>")
     rows = "".join(
         f"<tr><td style='text-align:left;font-family:monospace'>{html.escape(r['name'][:80])}</td>"
-        f"<td>{r['calls']}</td><td>{r['device_us'] / 1e3:.2f}</td><td>{r['cpu_us'] / 1e3:.2f}</td>"
-        f"<td>{r['self_cpu_us'] / 1e3:.2f}</td></tr>" for r in result.ops[:top])
+        f"<td>{r['calls']}</td>" + (f"<td>{r['device_us'] / 1e3:.2f}</td>" if dev else "")
+        + f"<td>{r['cpu_us'] / 1e3:.2f}</td><td>{r['self_cpu_us'] / 1e3:.2f}</td></tr>" for r in result.ops[:top])
     return (f"<div class='nbgen-profile'><b>profile</b>: {result.steps} engine steps in "
             f"{fmt_num(result.seconds)} s · trace <code>{html.escape(result.path)}</code> "
             "(open in Perfetto or chrome://tracing)"
@@ -58,8 +64,9 @@ class Profile(Shown):
         if self.result is None:
             return "profile: running"
         lines = [f"profile: {self.result.steps} steps, {self.result.seconds:.2f} s, trace {self.result.path}"]
-        lines += [f"  {r['name'][:60]:60s} {r['calls']:6d} dev {r['device_us'] / 1e3:9.2f} ms "
-                  f"cpu {r['self_cpu_us'] / 1e3:9.2f} ms" for r in self.result.ops[: self.top]]
+        dev = has_device_time(self.result)
+        lines += [f"  {r['name'][:60]:60s} {r['calls']:6d}" + (f" dev {r['device_us'] / 1e3:9.2f} ms" if dev else "")
+                  + f" cpu {r['self_cpu_us'] / 1e3:9.2f} ms" for r in self.result.ops[: self.top]]
         return "\n".join(lines)
 
     def _snapshot_html(self) -> str:
