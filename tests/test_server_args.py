@@ -220,6 +220,11 @@ def test_max_prefill_tokens_caps_the_step_budget(eng, tiny_engine) -> None:
 def test_served_model_name(eng, tiny_engine) -> None:
     assert eng.model_name == "tiny-served" == eng.get_server_info()["served_model_name"]
     assert eng.get_model_info()["served_model_name"] == "tiny-served"
+    board = nbgen.dashboard(eng, widget=False, display=False)
+    try:
+        assert board.title.startswith("nbgen · tiny-served")
+    finally:
+        board.stop()
     assert tiny_engine.get_model_info()["served_model_name"] == tiny_engine.config.model_path   # SGLang's rule
 
 
