@@ -78,7 +78,8 @@ def test_refused_arguments_with_sglang_default_are_accepted_silently() -> None:
         warnings.simplefilter("always")
         EngineConfig.from_kwargs(None, {"dp_size": 1, "kv_cache_dtype": "auto", "quantization": None,
                                         "enable_hierarchical_cache": False, "schedule_conservativeness": 1.0,
-                                        "radix_eviction_policy": "lru", "speculative_algorithm": None})
+                                        "radix_eviction_policy": "lru", "speculative_algorithm": None,
+                                        "grammar_backend": "xgrammar"})
     assert _nbgen_warnings(rec) == []
     with pytest.raises(ValueError, match="dp_size is not supported yet"):
         EngineConfig.from_kwargs(None, {"dp_size": True})   # a bool is not SGLang's default 1

@@ -56,14 +56,10 @@ class Tracked:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _within_interval(self, n_out: int) -> bool:
-        """A stream that sent its first chunk waits until ``stream_interval`` new tokens are unsent."""
+    def within_interval(self, n_out: int) -> bool:
+        """A stream that sent its first chunk waits until ``stream_interval`` new tokens are unsent
+        (the loop skips ``advance`` for a ``lazy`` one meanwhile)."""
         return 0 < self.n_sent_ids and n_out - self.n_sent_ids < self.interval
-
-    def holds(self, n_out: int) -> bool:
-        """Nothing to send at ``n_out`` output ids (unfinished): a quiet request, or a lazy stream
-        within its interval. The loop then skips ``advance`` (hot path)."""
-        return self.quiet or (self.lazy and self._within_interval(n_out))
 
     def advance(self, scheduler: Any) -> Optional[Update]:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None.
@@ -99,7 +95,7 @@ class Tracked:
                                                 finished=True), finished=True)
         n_out = len(req.output_ids)
         if (not self.stream or (n_out == self.n_sent_ids and len(self.text) == self.n_sent_text)
-                or self._within_interval(n_out)):
+                or self.within_interval(n_out)):
             return None
         delta_ids = req.output_ids[self.n_sent_ids:]
         out = build_output(req, self._text(self.text[self.n_sent_text:]), delta_ids, self.decode, finished=False,
