@@ -95,7 +95,7 @@ class Admission:
             if g is not None and not self.cache.disabled and self.leaders.get(g, req) is not req:
                 continue                                     # wait for the group's shared prompt
             ids = matchable_ids(req)
-            pages, m = self.cache.match(ids)
+            pages, m = self.cache.match(ids, ns=req.lora_id)
             self.pool.ref(pages)                             # before alloc: eviction must spare them
             end = min(req.num_tokens, m + budget)
             need = self.pool.pages_for(end) - len(pages)

@@ -19,6 +19,10 @@ Policies:
   the pool's allocations evict in batches (``evict_for_alloc``).
 - ``flush()`` drops every evictable node and reports whether the cache is now empty.
 - ``disabled=True`` (``disable_radix_cache``): match finds nothing, insert stores nothing.
+
+Namespaces: KV computed under a LoRA adapter differs from the base model's, so each adapter id
+(``Request.lora_id``; ``ns``) has a tree root of its own; None is the base model's. A prefix computed
+under adapter A is never served to B or to the base model.
 """
 from __future__ import annotations
 
@@ -49,19 +53,28 @@ class PrefixCache:
         self.pool = pool
         self.page_size = pool.page_size
         self.disabled = disabled
-        self._root = _Node((), -1, None)
+        self._roots: dict[Optional[int], _Node] = {None: _Node((), -1, None)}   # namespace -> root
         self._nodes: dict[int, _Node] = {}          # page -> node
         self._clock = 0
         if not disabled:
             pool.evictor = self.evict_for_alloc
 
     # ---- queries --------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], touch: bool = True) -> tuple[list[int], int]:
-        """Pages of the longest cached full-page prefix of ``token_ids`` and its length in tokens."""
+    def _root(self, ns: Optional[int]) -> _Node:
+        root = self._roots.get(ns)
+        if root is None:
+            root = self._roots[ns] = _Node((), -1, None)
+        return root
+
+    def match(self, token_ids: list[int], touch: bool = True, ns: Optional[int] = None) -> tuple[list[int], int]:
+        """Pages of the longest cached full-page prefix of ``token_ids`` (under namespace ``ns``: a
+        LoRA adapter id, None for the base model) and its length in tokens."""
         if self.disabled:
             return [], 0
         P = self.page_size
-        node, pages = self._root, []
+        node, pages = self._roots.get(ns), []
+        if node is None:
+            return [], 0
         self._clock += 1
         for i in range(len(token_ids) // P):
             child = node.children.get(tuple(token_ids[i * P:(i + 1) * P]))
@@ -88,8 +101,9 @@ class PrefixCache:
         return sum(1 for p in self._nodes if rc[p] == 1)
 
     # ---- updates --------------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
-        """Cache the full pages of ``token_ids`` (KV in ``pages``); returns the tree's page per index.
+    def insert(self, token_ids: list[int], pages: list[int], ns: Optional[int] = None) -> list[int]:
+        """Cache the full pages of ``token_ids`` (KV in ``pages``, computed under namespace ``ns``);
+        returns the tree's page per index.
 
         New nodes take a cache ref on the caller's page. Where the tokens were already cached the
         returned page differs from ``pages[i]`` and the caller keeps (and eventually frees) its copy.
@@ -99,7 +113,7 @@ class PrefixCache:
         if self.disabled:
             return list(pages[:n])
         self._clock += 1
-        node, path = self._root, []
+        node, path = self._root(ns), []
         for i in range(n):
             key = tuple(token_ids[i * P:(i + 1) * P])
             child = node.children.get(key)
@@ -128,7 +142,7 @@ class PrefixCache:
             return
         n, n_prompt = full * P, len(req.prompt_ids)
         ids = req.prompt_ids[:n] if n <= n_prompt else req.prompt_ids + req.output_ids[: n - n_prompt]
-        path = self.insert(ids, req.pages[:full])
+        path = self.insert(ids, req.pages[:full], req.lora_id)
         if swap:
             for i in range(req.num_cached_pages, full):
                 if path[i] != req.pages[i]:
@@ -159,11 +173,13 @@ class PrefixCache:
             del self._nodes[page]
             self.pool.unref([page])
             freed += 1
-            if parent is not self._root and not parent.children and rc[parent.page] == 1:
+            if parent.page >= 0 and not parent.children and rc[parent.page] == 1:
                 heapq.heappush(heap, (parent.last, parent.page, parent))
         return freed
 
     def flush(self) -> bool:
         """Drop every evictable node; False if some cached pages are still used by requests."""
         self.evict(len(self._nodes))
+        for ns in [k for k, root in self._roots.items() if k is not None and not root.children]:
+            del self._roots[ns]                  # adapters' empty roots
         return not self._nodes

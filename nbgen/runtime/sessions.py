@@ -223,7 +223,8 @@ class SessionTable:
         node = s.pending if s.streaming else s.nodes.get(req.rid)
         if node is None or node.req is not req or (s.streaming and _aborted(req)):
             return                                   # dropped by replace, or not a streaming session's latest
-        pages, _ = self._cache.match(req.all_ids[:min(req.num_computed, s.capacity)], touch=False)
+        pages, _ = self._cache.match(req.all_ids[:min(req.num_computed, s.capacity)], touch=False,
+                                     ns=req.lora_id)
         room = self._max_pinned - (self.pinned_pages - len(s.pinned))
         self._pin(s, pages[:max(room, 0)])
 

@@ -89,7 +89,7 @@ class WaitingQueue:
         yield from list(self._front)
         if self.policy == "lpm" and len(self._arrivals) <= LPM_MAX_WAITING and not cache.disabled:
             queue = list(self._arrivals.values())
-            keys = {r.rid: cache.match(matchable_ids(r), touch=False)[1] for r in queue}
+            keys = {r.rid: cache.match(matchable_ids(r), touch=False, ns=r.lora_id)[1] for r in queue}
             yield from sorted(queue, key=lambda r: -keys[r.rid])   # stable: ties keep arrival order
         elif self.policy == "lof":
             yield from self._longest_output_first()
