@@ -21,6 +21,7 @@ from nbgen.dataframe_rows import (
     row_key,
     row_params,
     row_prompt,
+    split_generate_kwargs,
     template_mode,
 )
 from nbgen.dataframe_window import PendingRow
@@ -55,7 +56,8 @@ def generate_df(
     A row that cannot run (missing or non-text prompt, invalid parameters, a failed request) gets
     a message in ``error`` and the others complete; ``on_error="raise"`` stops at the first one.
     ``param_columns`` names columns holding per-row sampling params (a list of names, or a dict
-    column -> param name; a ``sampling_params`` column holds dicts). Chat: ``chat="auto"`` sends text
+    column -> param name; a ``sampling_params`` column holds dicts; a column mapped to ``lora_path``
+    holds LoRA adapter names, one per row, empty cells run the base model). Chat: ``chat="auto"`` sends text
     cells through the chat template when the model has one (``True``: always, ``False``: raw text);
     cells that are message lists always go through it. ``checkpoint="run.parquet"`` (or ``.jsonl``)
     saves rows as they finish; calling again with the same arguments skips finished rows (failed
@@ -145,8 +147,11 @@ class _Spec:
         return PendingRow(pos, text, params, key)
 
     def submit(self, engine: Any, rows: list[PendingRow]) -> Iterator[tuple[int, Any]]:
-        return engine.generate_iter(prompt=[r.prompt for r in rows], sampling_params=[r.params for r in rows],
-                                    **self.gen_kw)
+        split = [split_generate_kwargs(r.params) for r in rows]
+        lora = [kw.get("lora_path") for _, kw in split]      # param_columns={"adapter": "lora_path"}
+        extra = {"lora_path": lora} if any(x is not None for x in lora) else {}
+        return engine.generate_iter(prompt=[r.prompt for r in rows], sampling_params=[sp for sp, _ in split],
+                                    **self.gen_kw, **extra)
 
     def record(self, out: Any) -> dict[str, Any]:
         return output_record(out, self.cols)

@@ -16,6 +16,8 @@ BASE_COLUMNS = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "
 LOGPROB_COLUMNS = ("output_token_logprobs", "output_top_logprobs")
 PARAM_NAMES = tuple(f.name for f in fields(SamplingParams) if f.init)
 _INT_PARAMS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed"}
+# generate() keywords a param column may feed besides the sampling params (a LoRA adapter per row)
+GENERATE_KWARGS = ("lora_path",)
 
 Messages = list[dict[str, Any]]
 Prompt = Union[str, Messages]
@@ -37,14 +39,15 @@ def is_missing(v: Any) -> bool:
 
 def resolve_param_columns(columns: Sequence[str],
                           param_columns: Union[None, Sequence[str], Mapping[str, str]]) -> dict[str, str]:
-    """``param_columns`` -> {column: sampling param}; a ``sampling_params`` param takes dicts."""
+    """``param_columns`` -> {column: sampling param}; a ``sampling_params`` param takes dicts, a
+    ``lora_path`` param adapter names (generate()'s keyword: a LoRA adapter per row)."""
     if param_columns is None:
         return {}
     mapping = dict(param_columns) if isinstance(param_columns, Mapping) else {c: c for c in param_columns}
     for col, name in mapping.items():
         if col not in columns:
             raise KeyError(f"param column {col!r} is not in the DataFrame")
-        if name != "sampling_params" and name not in PARAM_NAMES:
+        if name != "sampling_params" and name not in PARAM_NAMES and name not in GENERATE_KWARGS:
             raise ValueError(f"param column {col!r} maps to unknown sampling param {name!r}")
     return mapping
 
@@ -70,12 +73,20 @@ def row_params(base: Mapping[str, Any], values: Mapping[str, Any], mapping: Mapp
                 raise RowError(f"column {col!r} must hold dicts of sampling params, got {type(v).__name__}")
             params.update({k: _plain(k, x) for k, x in v.items()})
         elif isinstance(v, (list, tuple, dict)) or not is_missing(v):
+            if name == "lora_path" and not isinstance(v, str):
+                raise RowError(f"column {col!r} must hold LoRA adapter names (str), got {v!r:.60}")
             params[name] = _plain(name, v)
     try:
-        SamplingParams.from_dict(params)  # validates; the engine gets the dict
+        SamplingParams.from_dict(split_generate_kwargs(params)[0])  # validates; the engine gets the dict
     except (ValueError, TypeError) as e:
         raise RowError(f"invalid sampling params: {e}") from None
     return params
+
+
+def split_generate_kwargs(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A row's params -> (sampling params, generate() keywords such as ``lora_path``)."""
+    sp = {k: v for k, v in params.items() if k not in GENERATE_KWARGS}
+    return sp, {k: v for k, v in params.items() if k in GENERATE_KWARGS}
 
 
 def is_messages(value: Any) -> bool:

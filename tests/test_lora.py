@@ -220,3 +220,18 @@ def test_without_enable_lora(tiny_engine, adapters):
     res = tiny_engine.load_lora_adapter("a", adapters["a"])
     assert not res.success and "enable_lora" in res.error_message
     assert "lora_adapters" not in tiny_engine.stats()
+
+
+def test_generate_df_adapter_column(lora_engine):
+    import pandas as pd
+
+    names = ["a", None, "b"]
+    df = pd.DataFrame({"prompt": PROMPTS, "adapter": names})
+    out = nbgen.generate_df(df, engine=lora_engine, chat=False, sampling_params=GREEDY,
+                            param_columns={"adapter": "lora_path"}, progress=False)
+    for prompt, name, text in zip(PROMPTS, names, out["text"]):
+        assert text == lora_engine.generate(prompt, GREEDY, lora_path=name)["text"]
+    bad = nbgen.generate_df(pd.DataFrame({"prompt": PROMPTS[:2], "adapter": ["a", "zzz"]}), engine=lora_engine,
+                            chat=False, sampling_params=GREEDY, param_columns={"adapter": "lora_path"},
+                            progress=False)
+    assert bad["error"].iloc[0] is None and "zzz" in bad["error"].iloc[1]
