@@ -235,3 +235,43 @@ def test_generate_df_adapter_column(lora_engine):
                             chat=False, sampling_params=GREEDY, param_columns={"adapter": "lora_path"},
                             progress=False)
     assert bad["error"].iloc[0] is None and "zzz" in bad["error"].iloc[1]
+
+
+def test_dashboard_lists_adapters(lora_engine):
+    from nbgen.notebook.state import StatsHistory, dashboard_html
+
+    h = StatsHistory()
+    h.append(lora_engine.stats())
+    assert 'LoRA adapters: a, b' in dashboard_html(h)
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_lora_batch(gpu_model_dir, tmp_path):
+    """CUDA, bf16, decode graphs on: steps with adapters run eagerly beside graph-replayed base steps;
+    a batch mixing two adapters and the base model matches each group run alone, base rows match an
+    engine without LoRA (through its graphs), and adapter rows match the fp32 peft reference early on."""
+    from tests.tiny_models import GREEDY_SP, assert_close_runs, gpu_prompts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ads = [make_adapter(gpu_model_dir, str(tmp_path / f"g{i}"), seed=i, r=8, alpha=16) for i in range(2)]
+    prompts = gpu_prompts(9)
+    names = [["g0", "g1", None][i % 3] for i in range(len(prompts))]
+    kw = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=16)
+    with nbgen.Engine(gpu_model_dir, lora_paths=[f"g0={ads[0]}", f"g1={ads[1]}"], **kw) as eng:
+        assert eng.get_server_info()["cuda_graph_batch_sizes"]        # graphs captured for base steps
+        mixed = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True,
+                             lora_path=names, use_tqdm=False)
+        for name in ("g0", "g1", None):
+            idx = [i for i, n in enumerate(names) if n == name]
+            alone = eng.generate(input_ids=[prompts[i] for i in idx], sampling_params=GREEDY_SP,
+                                 return_logprob=True, lora_path=name, use_tqdm=False)
+            assert_close_runs([mixed[i] for i in idx], alone)
+    with nbgen.Engine(gpu_model_dir, **kw) as plain:
+        idx = [i for i, n in enumerate(names) if n is None]
+        base = plain.generate(input_ids=[prompts[i] for i in idx], sampling_params=GREEDY_SP,
+                              return_logprob=True, use_tqdm=False)
+    assert_close_runs([mixed[i] for i in idx], base)
+    i0 = names.index("g0")
+    want = hf_greedy(gpu_model_dir, ads[0], prompts[i0], 1)
+    assert mixed[i0]["output_ids"][:1] == want

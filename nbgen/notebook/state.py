@@ -173,6 +173,10 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
     prio = priority_summary(s)
     prio_line = (f'<div class="nbgen-priorities" style="font-size:11px;color:#444;margin-bottom:4px">'
                  f'priority {html.escape(prio)}</div>' if prio else "")
+    if "lora_adapters" in s:   # an enable_lora engine: the adapters loaded now
+        names = ", ".join(s["lora_adapters"]) or "none"
+        prio_line += (f'<div class="nbgen-lora" style="font-size:11px;color:#444;margin-bottom:4px">'
+                      f'LoRA adapters: {html.escape(names)}</div>')
     return (f'<div class="nbgen-dashboard" data-status="{html.escape(status)}" {attrs} '
             'style="font-family:system-ui,sans-serif;border:1px solid #ddd;border-radius:6px;padding:8px;'
             'max-width:460px">'
