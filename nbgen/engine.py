@@ -139,7 +139,7 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         self._attach_lora(reqs, [sp.n for sp in sps], lora_path)
         attach_options(reqs, sps, per_item("return_hidden_states", return_hidden_states, n),
                        per_item("custom_logit_processor", custom_logit_processor, n),
-                       self.config.enable_custom_logit_processor)
+                       self.config.enable_custom_logit_processor, self.config.enable_return_hidden_states)
         self._bind_session(reqs, session_params, session_id)
         return reqs, single
 

@@ -2,7 +2,7 @@
 
 The zero-shot classification workhorse: one prefill per (query, item) pair, batched like any
 generate() call, reading the logprobs of ``label_token_ids`` at the position after the prompt
-(raw log-softmax of the model's logits, as every nbgen logprob). ``apply_softmax=True`` renormalises
+(a greedy token's: the raw log-softmax of the model's logits). ``apply_softmax=True`` renormalises
 over the labels; otherwise each label gets its own probability ``exp(logprob)``.
 """
 from __future__ import annotations

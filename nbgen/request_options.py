@@ -24,8 +24,9 @@ def check_structured(sp: SamplingParams) -> None:
 
 
 def attach_options(reqs: list[Request], sps: list[SamplingParams], return_hidden_states: list[Any],
-                   processors: list[Any], allow_processors: bool) -> None:
-    """Set return_hidden_states / logit_processor on the Requests (n per prompt, prompt-major)."""
+                   processors: list[Any], allow_processors: bool, allow_hidden_states: bool) -> None:
+    """Set return_hidden_states / logit_processor on the Requests (n per prompt, prompt-major);
+    each needs its Engine flag (SGLang's enable_return_hidden_states / enable_custom_logit_processor)."""
     loaded: dict[int, Any] = {}
     for i, spec in enumerate(processors):
         if spec is None:
@@ -37,6 +38,9 @@ def attach_options(reqs: list[Request], sps: list[SamplingParams], return_hidden
     for flag in return_hidden_states:
         if not isinstance(flag, bool):
             raise TypeError(f"return_hidden_states must be a bool, got {flag!r}")
+    if any(return_hidden_states) and not allow_hidden_states:
+        raise ValueError("return_hidden_states=True needs an Engine created with enable_return_hidden_states=True "
+                         "(as SGLang's --enable-return-hidden-states)")
     k = 0
     for i, sp in enumerate(sps):
         for _ in range(sp.n):

@@ -316,6 +316,40 @@ def test_output_logprobs_match_teacher_forcing(tiny_engine, tiny_llama_dir):
         assert meta["output_top_logprobs"][i][0][1] == ref[i].argmax().item()
 
 
+@pytest.mark.filterwarnings("ignore:1 other nbgen Engine is still running")
+def test_sampled_logprobs_are_temperature_scaled_as_sglang(tiny_engine, tiny_llama_dir):
+    """SGLang's default: a sampled token's logprobs are log_softmax(logits / temperature) (before
+    top-k/top-p); prompt logprobs stay raw. ``return_original_logprob=True`` (SGLang's
+    SGLANG_RETURN_ORIGINAL_LOGPROB) reports them without the temperature."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import nbgen
+
+    sp = {"temperature": 0.6, "top_k": 20, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 5}
+    kw = {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = tiny_engine.tokenizer.encode("Hello, my name is")
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device=os.environ.get("NBGEN_TEST_DEVICE", "cpu"),
+                      return_original_logprob=True) as orig_eng:
+        for eng, temp in ((tiny_engine, 0.6), (orig_eng, 1.0)):
+            out = eng.generate("Hello, my name is", sp, **kw)
+            meta = out["meta_info"]
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids + out["output_ids"]])).logits[0]
+            ref = (logits[len(ids) - 1:-1] / temp).log_softmax(-1)
+            for i, (lp, tok, _) in enumerate(meta["output_token_logprobs"]):
+                assert abs(lp - ref[i, tok].item()) < 1e-4, (temp, i)
+                assert [t for _, t, _ in meta["output_top_logprobs"][i]] == ref[i].topk(2).indices.tolist()
+            raw = logits[: len(ids) - 1].log_softmax(-1)
+            for pos in range(1, len(ids)):
+                assert abs(meta["input_token_logprobs"][pos][0] - raw[pos - 1, ids[pos]].item()) < 1e-4
+    with pytest.raises(ValueError, match="return_original_logprob must be a bool"):
+        nbgen.Engine(tiny_llama_dir, return_original_logprob="yes")
+
+
 def test_script_without_main_guard_exits_cleanly(tiny_llama_dir, tmp_path):
     import subprocess
     import sys

@@ -87,7 +87,7 @@ DUMMY_MODEL = os.environ.get("NBGEN_TEST_GRAMMAR_MODEL")
 
 @pytest.fixture(scope="module")
 def eng():
-    kw = {"device": DEVICE, "enable_custom_logit_processor": True}
+    kw = {"device": DEVICE, "enable_custom_logit_processor": True, "enable_return_hidden_states": True}
     mp = pytest.MonkeyPatch()
     if DEVICE != "cpu":
         kw["mem_fraction_static"] = 0.4   # leave room for conftest's tiny_engine beside it

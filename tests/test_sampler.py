@@ -201,28 +201,56 @@ def test_min_new_tokens_masks_stop_ids() -> None:
     assert s(logits[:1], late).token_ids.item() == 2
 
 
-def test_logprobs_are_raw_log_softmax_with_top_and_ids() -> None:
+def _processed(logits: torch.Tensor, bias: dict[int, float], rep: float, seen: list[int]) -> torch.Tensor:
+    """The reference processing of one row: logit_bias, then the repetition penalty (HF's rule)."""
+    x = logits.clone()
+    for t, b in bias.items():
+        x[t] += b
+    for t in set(seen):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    return x
+
+
+@pytest.mark.parametrize("original", [False, True])
+def test_logprobs_follow_sglang_processed_and_temperature_scaled(original: bool) -> None:
+    """Output logprobs are SGLang's: log_softmax of the processed logits (bias, penalties) divided by
+    the temperature (not for greedy rows); ``original_logprobs`` leaves the temperature out."""
     torch.manual_seed(3)
-    logits = torch.randn(3, 30)
+    logits = torch.randn(4, 30)
     want = LogprobRequest(return_logprob=True, top_logprobs_num=4, token_ids_logprob=[7, 2])
-    seqs = [seq({"temperature": 0.7, "logit_bias": {5: 5.0}, "repetition_penalty": 1.5},
-                seed=1, lp=want),
+    seqs = [seq({"temperature": 0.7, "logit_bias": {5: 5.0}, "repetition_penalty": 1.5, "top_k": 3},
+                seed=1, lp=want, prompt=[4, 9]),
             seq({"temperature": 0.0}, seed=2),
-            seq({"temperature": 0.0}, seed=3, lp=LogprobRequest(return_logprob=True))]
-    out = Sampler(30, CPU)(logits, seqs)
-    ref = torch.log_softmax(logits, -1)
-    a, b, c = out.logprobs
+            seq({"temperature": 0.0, "logit_bias": {1: -2.0}}, seed=3, lp=LogprobRequest(return_logprob=True)),
+            seq({"temperature": 2.5, "top_p": 0.5}, seed=4, lp=LogprobRequest(return_logprob=True))]
+    out = Sampler(30, CPU, original_logprobs=original)(logits, seqs)
+    t0, t3 = (1.0, 1.0) if original else (0.7, 2.5)
+    ref0 = torch.log_softmax(_processed(logits[0], {5: 5.0}, 1.5, [4, 9]) / t0, -1)   # before top-k
+    ref2 = torch.log_softmax(_processed(logits[2], {1: -2.0}, 1.0, []), -1)          # greedy: no division
+    ref3 = torch.log_softmax(logits[3] / t3, -1)                                      # before top-p
+    a, b, c, d = out.logprobs
     assert b is None
     tok0 = out.token_ids[0].item()
-    assert a.token_id == tok0 and math.isclose(a.logprob, ref[0, tok0].item(), abs_tol=1e-5)
-    top_v, top_i = ref[0].topk(4)
+    assert a.token_id == tok0 and math.isclose(a.logprob, ref0[tok0].item(), abs_tol=1e-5)
+    top_v, top_i = ref0.topk(4)
     assert [t for _, t in a.top] == top_i.tolist()
     assert all(math.isclose(v, w, abs_tol=1e-5) for (v, _), w in zip(a.top, top_v.tolist()))
     assert [v for v, _ in a.top] == sorted([v for v, _ in a.top], reverse=True)
     assert [t for _, t in a.ids] == [7, 2]
-    assert math.isclose(a.ids[0][0], ref[0, 7].item(), abs_tol=1e-5)
-    assert c.token_id == logits[2].argmax().item() and c.top == [] and c.ids == []
-    assert math.isclose(c.logprob, ref[2].max().item(), abs_tol=1e-5)
+    assert all(math.isclose(v, ref0[t].item(), abs_tol=1e-5) for v, t in a.ids)
+    assert c.token_id == ref2.argmax().item() and c.top == [] and c.ids == []
+    assert math.isclose(c.logprob, ref2.max().item(), abs_tol=1e-5)
+    assert math.isclose(d.logprob, ref3[d.token_id].item(), abs_tol=1e-5)
+
+
+def test_masked_tokens_have_minus_inf_logprobs() -> None:
+    """A banned token (logit_bias -inf, min_new_tokens' stop ids) reports -inf, as SGLang's."""
+    logits = torch.randn(1, 12)
+    want = LogprobRequest(return_logprob=True, top_logprobs_num=12, token_ids_logprob=[3])
+    out = Sampler(12, CPU)(logits, [seq({"temperature": 1.0, "logit_bias": {3: float("-inf")}}, lp=want)])
+    lp = out.logprobs[0]
+    assert lp.ids == [(float("-inf"), 3)] and lp.top[-1] == (float("-inf"), 3)
+    assert math.isclose(sum(math.exp(v) for v, _ in lp.top), 1.0, abs_tol=1e-5)
 
 
 def test_prompt_logprobs_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--gpu-profile", action="store_true", help="one more run of each kind under torch.profiler")
     args = ap.parse_args()
 
-    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "enable_return_hidden_states": True}
     if args.tokenizer:
         kw["tokenizer_path"] = args.tokenizer
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)

@@ -73,6 +73,10 @@ class EngineConfig:
     is_embedding: bool = False
     # SGLang's name for the loaded weights, reported in outputs' meta_info; weight updates may rename it
     weight_version: str = "default"
+    # SGLang: generate(return_hidden_states=True) is refused unless the Engine enables it
+    enable_return_hidden_states: bool = False
+    # SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB: output logprobs without the temperature division
+    return_original_logprob: bool = False
     # a streamed request gets a chunk every stream_interval new tokens (its first token and its finish at once)
     stream_interval: int = 1
     chat_template: Optional[str] = None   # a .jinja file, a Jinja string or a tokenizer's named template
@@ -105,6 +109,8 @@ class EngineConfig:
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
         check("tp_size", self.tp_size == 1, "1 (tensor parallelism is not implemented yet)")
         check("weight_version", isinstance(self.weight_version, str), "a str")
+        for name in ("enable_return_hidden_states", "return_original_logprob"):
+            check(name, isinstance(getattr(self, name), bool), "a bool")
         if self.grammar_backend in ("outlines", "llguidance"):
             raise ValueError(f"grammar_backend={self.grammar_backend!r} is not supported yet by nbgen "
                              "(its grammar backend is xgrammar); pass None, 'xgrammar' or 'none'")

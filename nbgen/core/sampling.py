@@ -50,8 +50,9 @@ def _init_names(cls: type) -> dict[str, None]:
 class SamplingParams:
     """How to sample one request. ``temperature=0`` means greedy.
 
-    Logprobs reported for a request are the model's log-softmax over the raw logits, before
-    temperature, penalties, logit_bias or top-k/top-p/min-p filtering.
+    A generated token's logprobs are SGLang's: the log-softmax of the logits after logit_bias,
+    penalties, min_new_tokens and the grammar mask, divided by the temperature (greedy: not
+    divided), before top-k/top-p/min-p (docs/api.md, Output dict).
     """
 
     max_new_tokens: Optional[int] = 128

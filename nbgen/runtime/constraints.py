@@ -67,17 +67,15 @@ class Constraints:
     def wanted(seqs: list[SeqWork]) -> bool:
         return any(s.req.grammar is not None or s.req.logit_processor is not None for s in seqs)
 
-    def apply(self, x: Tensor, raw: Tensor, seqs: list[SeqWork],
+    def apply(self, x: Tensor, seqs: list[SeqWork],
               fill: Optional[FillJob] = None) -> tuple[Tensor, dict[int, str]]:
         """-> (logits with constraints applied, {row: error message} for failed processors).
 
-        ``raw`` are the unprocessed logits, kept intact for logprobs: x is copied if it is raw and
-        some row wants logprobs (otherwise raw is not read again and is masked in place). When every
-        row is constrained, the result may be narrowed to the tokenizer's ids (a view).
+        x is changed in place (logprobs are read from the constrained logits, as SGLang's). When
+        every row is constrained, the result may be narrowed to the tokenizer's ids (a view).
         """
         procs: list[int] = []
         gram: list[int] = []
-        copy = False
         for i, s in enumerate(seqs):   # one scan: this runs every step of a constrained batch
             req = s.req
             if req.logit_processor is not None:
@@ -86,11 +84,8 @@ class Constraints:
             # skipped; a request only cut by length still gets its mask (its token is kept)
             if _live_grammar(req):
                 gram.append(i)
-            copy = copy or req.logprobs.return_logprob
         if not procs and not gram:
             return x, {}
-        if copy and (x is raw or x.data_ptr() == raw.data_ptr()):
-            x = x.clone()
         errors = self._run_processors(x, seqs, procs) if procs else {}
         if gram:
             if errors:

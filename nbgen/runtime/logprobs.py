@@ -1,8 +1,8 @@
 """Logprob extraction: chosen-token, top-k and requested-id logprobs from rows of logits.
 
-All logprobs are the model's ``log_softmax`` over the RAW logits, i.e. before logit_bias,
-penalties, temperature and top-k/top-p/min-p filtering (SGLang's default reporting).
-Used by the Sampler for sampled tokens and by the runner for prompt logprobs.
+``log_softmax`` over the rows given, as SGLang reports them: the Sampler passes a sampled token's
+processed logits divided by the temperature (see runtime/sampler.py), the runner a prompt
+position's raw logits (prompt logprobs never see sampling parameters).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, top_ns: Sequence[int],
                    id_lists: Sequence[Optional[Sequence[int]]]) -> list[TokenLogprobs]:
     """Logprobs for N rows at once.
 
-    logits: [N, V] raw logits; target_ids: [N] long (the chosen / next token of each row);
+    logits: [N, V] logits; target_ids: [N] long (the chosen / next token of each row);
     top_ns[i]: how many top alternatives row i wants (0: none);
     id_lists[i]: token ids whose logprobs row i wants (None: none).
     Returns one TokenLogprobs per row; ``top`` is best first. One host sync per call.

@@ -175,7 +175,7 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     # LoRA's A matrices read the normed input: folded norms stay off with enable_lora
     folded = (not cfg.enable_lora and norm_fold.should_fold(loaded.model, device)
               and norm_fold.fold_norms(loaded.model))
-    sampler = Sampler(int(loaded.hf_config.vocab_size), device)
+    sampler = Sampler(int(loaded.hf_config.vocab_size), device, original_logprobs=cfg.return_original_logprob)
     t2 = time.perf_counter()
     if graphs_enabled(cfg, backend):
         report("capturing CUDA graphs")

@@ -17,8 +17,10 @@ Seeded randomness: the Gumbel noise of (row, token v) is a pure function of
 int64 ops that never overflow. So a request draws the same tokens whatever else is in
 the batch, in any row order, on CPU and CUDA, without a torch.Generator per request.
 
-Logprobs are the model's log_softmax over the RAW logits (before bias, penalties,
-temperature and filtering), see nbgen.runtime.logprobs.
+Logprobs (SGLang's rule) are the log_softmax of the logits the draw sees: after steps 1-4, custom
+processors and the grammar mask, divided by the temperature (greedy rows: not divided), before
+top-k/top-p/min-p; ``original_logprobs`` (SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB) leaves the
+temperature out. See nbgen.runtime.logprobs.
 """
 from __future__ import annotations
 
@@ -122,8 +124,10 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's logits into next tokens (and logprobs) for a batch of SeqWork."""
 
-    def __init__(self, vocab_size: int, device: torch.device, use_compile: Optional[bool] = None) -> None:
-        """use_compile: fuse the noise hash + argmax with torch.compile (default: on CUDA only).
+    def __init__(self, vocab_size: int, device: torch.device, use_compile: Optional[bool] = None,
+                 original_logprobs: bool = False) -> None:
+        """use_compile: fuse the noise hash + argmax with torch.compile (default: on CUDA only);
+        original_logprobs: report logprobs before the temperature (Engine's return_original_logprob).
 
         Eager, the hash runs ~30 int64 passes over [b, V] (~8 ms at b=256, V=152k on an H100);
         fused it is one read of the logits. Any compile failure falls back to eager once. The
@@ -132,6 +136,7 @@ class Sampler:
         """
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.original_logprobs = original_logprobs
         self.constraints = Constraints(vocab_size, self.device)  # grammar masks, custom processors
         if use_compile is None:
             use_compile = self.device.type == "cuda"
@@ -155,11 +160,10 @@ class Sampler:
             # argmax of bf16 logits == argmax of their exact fp32 widening (ties too: first index),
             # so the [B, V] fp32 copy is skipped (~0.1 s of a 6 s GPU run, ~1 ms a step on a CPU)
             return SamplerOutput(token_ids=greedy_argmax(raw, greedy_out), logprobs=[None] * len(seqs), errors={})
-        raw = raw.float()  # no-op on fp32
-        x = self.process(raw, seqs)
+        x = self.process(raw.float(), seqs)   # .float(): a no-op on fp32
         errors: dict[int, str] = {}
         if self.constraints.wanted(seqs):
-            x, errors = self.constraints.apply(x, raw, seqs, fill)
+            x, errors = self.constraints.apply(x, seqs, fill)
         errors.update(_fully_masked(x, seqs))
         greedy = [s.req.params.greedy for s in seqs]
         if all(greedy):
@@ -172,7 +176,7 @@ class Sampler:
                 tokens = greedy_argmax(x)
                 rows_t = host_tensor(rows, torch.long, x.device)
                 tokens.index_copy_(0, rows_t, self._sample(x[rows_t], [seqs[i] for i in rows]))
-        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(raw, tokens, seqs), errors=errors)
+        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(x, tokens, seqs), errors=errors)
 
     # ------------------------------------------------------------------ processors
     def process(self, x: Tensor, seqs: list[SeqWork]) -> Tensor:
@@ -268,14 +272,23 @@ class Sampler:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     # ------------------------------------------------------------------ logprobs
-    @staticmethod
-    def _logprobs(raw: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> list[Optional[TokenLogprobs]]:
+    def _logprobs(self, x: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> list[Optional[TokenLogprobs]]:
+        """Logprobs of the rows that want them, from the processed logits x [B, V'] (SGLang's rule:
+        divided by the temperature unless the row is greedy or ``original_logprobs``)."""
         out: list[Optional[TokenLogprobs]] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if s.req.logprobs.return_logprob]
         if not rows:
             return out
-        rows_t = host_tensor(rows, torch.long, raw.device)
-        res = token_logprobs(raw[rows_t], tokens[rows_t],
+        rows_t = host_tensor(rows, torch.long, x.device)
+        lx = x[rows_t]                                                  # [r, V'] a copy
+        if lx.shape[1] < self.vocab_size:        # narrowed to the tokenizer's ids by a grammar mask
+            lx = torch.nn.functional.pad(lx, (0, self.vocab_size - lx.shape[1]), value=float("-inf"))
+        if not self.original_logprobs:
+            temps = [1.0 if p.greedy else min(p.temperature, MAX_TEMPERATURE)
+                     for p in (seqs[i].req.params for i in rows)]
+            if any(t != 1.0 for t in temps):
+                lx = lx / host_tensor(temps, lx.dtype, lx.device).view(-1, 1)
+        res = token_logprobs(lx, tokens[rows_t],
                              [seqs[i].req.logprobs.top_logprobs_num for i in rows],
                              [seqs[i].req.logprobs.token_ids_logprob for i in rows])
         for i, r in zip(rows, res):
