@@ -195,15 +195,18 @@ def test_stop_regex_matcher_holds_back_partial_matches():
     assert m.feed("a fo") == ("a ", None) and m.feed("oxx") == ("", None) and m.flush() == "fooxx"
 
 
-def test_hidden_states_are_final_states_of_each_token(eng):
+def test_hidden_states_give_each_greedy_token(eng):
     out = eng.generate("The capital of France is", {"temperature": 0.0, "max_new_tokens": 6},
                        return_hidden_states=True)
-    hs = out["meta_info"]["hidden_states"]
+    hs = out["meta_info"]["hidden_states"]          # SGLang's: [0] the prompt's states, then one per token
     assert len(hs) == out["meta_info"]["completion_tokens"] == 6
-    assert all(len(h) == eng.hf_config.hidden_size for h in hs)
+    assert len(hs[0]) == out["meta_info"]["prompt_tokens"]
+    assert all(len(h) == eng.hf_config.hidden_size for h in hs[0] + hs[1:])
+    producing = [hs[0][-1]] + hs[1:]                 # the state of the position that produced each token
     model = eng._loop.runner.model   # read-only use: the state through lm_head gives the greedy token
     with torch.inference_mode():
-        logits = model.compute_logits(torch.tensor(hs, dtype=eng.dtype, device=eng._loop.runner.device)).float()
+        logits = model.compute_logits(torch.tensor(producing, dtype=eng.dtype,
+                                                   device=eng._loop.runner.device)).float()
     picked = logits.gather(1, torch.tensor(out["output_ids"], device=logits.device).view(-1, 1)).view(-1)
     # the same kernels on CPU: exact; on a GPU another batch size may round the top logits differently
     tol = 0.0 if DEVICE == "cpu" else 0.05

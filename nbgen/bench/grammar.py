@@ -162,7 +162,9 @@ def main() -> None:
                          use_tqdm=False)
     hs = eng.generate(prompts[0], {**free_sp, "max_new_tokens": 4}, return_hidden_states=True)
     checks = {"mixed_free_identical": [o["text"] for o in mixed[:k]] == alone,
-              "hidden_states": [len(hs["meta_info"]["hidden_states"]), len(hs["meta_info"]["hidden_states"][0])]}
+              # SGLang's shape: [the prompt's states, one per later token]: [tokens, prompt_len, hidden]
+              "hidden_states": [len(hs["meta_info"]["hidden_states"]), len(hs["meta_info"]["hidden_states"][0]),
+                                len(hs["meta_info"]["hidden_states"][1])]}
     print("checks:", checks)
     info = eng.get_server_info()
     eng.shutdown()

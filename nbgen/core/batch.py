@@ -66,6 +66,15 @@ class TokenLogprobs:
 
 
 @dataclass
+class HiddenRows:
+    """Final-normed last-layer states of one seq's consecutive positions ``first, first + 1, ...``:
+    the ones of this step its request still needs (``Request.next_hidden_position`` on)."""
+
+    first: int
+    rows: list[list[float]]      # [positions][hidden]
+
+
+@dataclass
 class StepOutput:
     """The runner's answer for one ScheduledBatch; lists are aligned with batch.seqs."""
 
@@ -73,7 +82,7 @@ class StepOutput:
     output_logprobs: list[Optional[TokenLogprobs]]         # for sampled seqs that asked for logprobs
     prompt_logprobs: list[Optional[list[TokenLogprobs]]]   # per seq: prompt positions of this chunk
     errors: dict[int, str] = field(default_factory=dict)   # seq index -> message: abort that request only
-    hidden_states: Optional[list] = None                   # per seq: last-layer state (when requested)
+    hidden_states: Optional[list[Optional[HiddenRows]]] = None   # per seq, where its request wants them
     # embedding requests (runtime/embed_step.py), per seq: the pooling state after this chunk, and
     # on the chunk that completes the prompt the finished vector (None for other seqs)
     pool_states: Optional[list] = None

@@ -62,7 +62,7 @@ class Request:
     group: Optional[str] = None              # samples of one prompt share a group (prefix sharing)
     arrival: float = field(default_factory=time.perf_counter)
     logit_processor: Optional[Any] = None    # custom logit processor instance (caller-supplied code)
-    return_hidden_states: bool = False       # collect the last layer's state per generated token
+    return_hidden_states: bool = False       # collect final-normed last-layer states (SGLang's shape)
     embed: Optional[EmbedRequest] = None     # an embedding request: prefill only, pooled, never sampled
     weight_version: str = "default"          # the weights it runs with (set when the loop admits it)
     session: Optional[SessionParams] = None  # its place in an engine session (runtime/sessions.py)
@@ -90,7 +90,9 @@ class Request:
     output_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     prompt_logprobs_done: bool = False
     grammar: Optional[Any] = None            # GrammarState (json_schema / regex / ebnf), set before admission
-    hidden_states: list[list[float]] = field(default_factory=list)  # [completion_tokens][hidden]
+    # SGLang's meta_info["hidden_states"]: [0] the prompt's states [prompt_len][hidden] (filled chunk
+    # by chunk), then [k] the state [hidden] of the position that produced output token k
+    hidden_states: list[Any] = field(default_factory=list)
     # the sampler's per-request "argmax of the raw logits" flag, set at its first step (params,
     # logprobs, processor and grammar are fixed by then); min_new_tokens is checked per step
     raw_argmax: Optional[bool] = None
@@ -114,6 +116,27 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.logprobs.logprob_start_len >= 0 and not self.prompt_logprobs_done
+
+    def next_hidden_position(self) -> int:
+        """The first position whose hidden state is not collected yet (return_hidden_states)."""
+        n_prompt = len(self.prompt_ids)
+        if not self.hidden_states or len(self.hidden_states[0]) < n_prompt:
+            return len(self.hidden_states[0]) if self.hidden_states else 0
+        return n_prompt + len(self.hidden_states) - 1
+
+    def add_hidden_states(self, first: int, rows: list[list[float]]) -> None:
+        """Record the states of positions ``first, first + 1, ...``; positions collected already
+        (a recomputed chunk) are skipped."""
+        n_prompt = len(self.prompt_ids)
+        for pos, row in enumerate(rows, first):
+            if pos != self.next_hidden_position():
+                continue
+            if pos < n_prompt:
+                if not self.hidden_states:
+                    self.hidden_states.append([])
+                self.hidden_states[0].append(row)
+            else:
+                self.hidden_states.append(row)
 
     def end_after(self, tok: int, n_out: int, context_length: Optional[int] = None) -> Optional[FinishReason]:
         """The stop check: the finish reason once ``tok``, the ``n_out``-th output token, was

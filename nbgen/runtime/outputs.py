@@ -73,7 +73,7 @@ def build_output(req: Request, text: Optional[str], output_ids: list[int], decod
     }
     if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:
         meta.update(logprob_fields(req, decode, logprob_start))
-    if req.return_hidden_states:   # one final-normed last-layer state per generated token
+    if req.return_hidden_states:   # SGLang's: [0] every prompt position's state, then one per later token
         meta["hidden_states"] = req.hidden_states[logprob_start:len(req.output_ids)]
     if text is None:
         return {"output_ids": output_ids, "meta_info": meta}

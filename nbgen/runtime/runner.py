@@ -21,7 +21,7 @@ from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.cuda_graphs import Staged
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
 from nbgen.runtime.lora import LoRAManager, LoRAStep, make_lora_manager
-from nbgen.runtime.logprob_step import per_seq, step_with_logprobs, wants_logprobs
+from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
 
@@ -33,7 +33,6 @@ class Forwarded:
     batch: ScheduledBatch
     seqs: list[SeqWork]                   # the sampling seqs, in logits row order
     logits: Optional[torch.Tensor]
-    hidden: Optional[torch.Tensor]        # [S, H] final-normed states (views graph memory under replay)
     order: int = 0                        # forwards queued before it, this one included
 
 
@@ -46,7 +45,6 @@ class Launched:
     host: Optional[torch.Tensor]          # [S] long pinned copy (valid once `event` completed)
     event: Optional[torch.cuda.Event]     # after the copy; None on CPU
     errors: dict[int, str] = field(default_factory=dict)  # sampling row -> error (custom processors)
-    hidden: Optional[torch.Tensor] = None  # [S, H] final-normed states of the sampling rows, if asked
 
 
 # a decode-only batch's inputs and attention plan, queued ahead of its forward (graph path)
@@ -191,22 +189,22 @@ class ModelRunner:
             hidden = self.graphs.replay(staged, self._last_tokens)
             rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
             if not rows and seqs:             # logits over the graph's padded rows, see _logits
-                return Forwarded(batch, seqs, self._logits(self.graphs.padded_output(staged), len(seqs)), hidden)
+                return Forwarded(batch, seqs, self._logits(self.graphs.padded_output(staged), len(seqs)))
         else:
             flat = flatten(batch)
             rows, seqs = flat.sample_rows, flat.sample_seqs
             hidden = self.hidden_states(batch, flat)
         if not seqs:
-            return Forwarded(batch, seqs, None, None)
+            return Forwarded(batch, seqs, None)
         n = len(seqs)
         if self.on_gpu and padded_batch_size(n) != hidden.shape[0]:
             if not rows:
                 rows = list(range(n))
             full = hidden.index_select(0, self.to_device(rows + [rows[-1]] * (padded_batch_size(n) - n)))
-            return Forwarded(batch, seqs, self._logits(full, n), full[:n])
+            return Forwarded(batch, seqs, self._logits(full, n))
         if n != hidden.shape[0]:
             hidden = hidden.index_select(0, self.to_device(rows))
-        return Forwarded(batch, seqs, self._logits(hidden, n), hidden)
+        return Forwarded(batch, seqs, self._logits(hidden, n))
 
     def _logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
         """Logits [n, vocab] of the first n rows of ``hidden``, whose row count on CUDA is a graph batch
@@ -236,15 +234,13 @@ class ModelRunner:
                 fill.settle()
         tokens = res.token_ids
         self.note_sampled(tokens)
-        # clone: under CUDA graphs `hidden` views the graph output buffer, which the next replay overwrites
-        keep = fwd.hidden.clone() if any(s.req.return_hidden_states for s in seqs) else None
         if not self.on_gpu:
-            return Launched(batch, tokens, tokens, None, res.errors, keep)
+            return Launched(batch, tokens, tokens, None, res.errors)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        return Launched(batch, tokens, host, ev, res.errors, keep)
+        return Launched(batch, tokens, host, ev, res.errors)
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""
@@ -261,14 +257,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> StepOutput:
-        """Forward the batch's tokens, sample where asked, gather logprobs (or pool embeddings)."""
+        """Forward the batch's tokens, sample where asked, gather logprobs and hidden states (or pool
+        embeddings)."""
         if is_embedding_batch(batch):
             return embed_step(self, batch)
-        if not any(wants_logprobs(s) for s in batch.seqs):
+        if not any(needs_sync_step(s) for s in batch.seqs):
             launched = self.launch(batch)
             out = self.resolve(launched)
             n = len(batch.seqs)
-            errors, hs = per_seq(batch, launched.errors, launched.hidden)
-            return StepOutput(next_token_ids=out, output_logprobs=[None] * n,
-                              prompt_logprobs=[None] * n, errors=errors, hidden_states=hs)
+            return StepOutput(next_token_ids=out, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
+                              errors=sample_errors(batch, launched.errors))
         return step_with_logprobs(self, batch)

@@ -183,6 +183,9 @@ class Scheduler:
                 if kv >= n_prompt:
                     req.prompt_logprobs_done = True
             req.num_computed = kv
+            if out.hidden_states is not None and out.hidden_states[i] is not None:
+                hs = out.hidden_states[i]                    # prompt positions of a chunk, a sampled position's
+                req.add_hidden_states(hs.first, hs.rows)
             if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1):
                 self.cache.insert_request(req, swap=True)            # share the prompt with later arrivals
                 self.admission.drop_leader(req)
@@ -195,8 +198,6 @@ class Scheduler:
                     req.output_token_logprobs.append((lp.logprob, lp.token_id))
                     req.output_top_logprobs.append(lp.top)
                     req.output_ids_logprobs.append(lp.ids)
-                if out.hidden_states is not None and out.hidden_states[i] is not None:
-                    req.hidden_states.append(out.hidden_states[i])
                 reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
                 if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)

@@ -34,13 +34,16 @@ def matchable_ids(req: Request) -> list[int]:
 
     Never all of it (the last token must be computed to get logits), and for prompt logprobs
     only up to the position before the first missing logprob (its logits predict that token).
-    Nothing for embedding requests pooled over every position (mean, CLS): their states are needed.
+    Nothing for embedding requests pooled over every position (mean, CLS): their states are needed;
+    for hidden states, only positions whose states were collected (a preempted request's).
     """
     if req.embed is not None and not req.embed.reuses_prefix:
         return []
     cap = req.num_tokens - 1
     if req.wants_prompt_logprobs:
         cap = min(cap, next_prompt_logprob(req) - 1)
+    if req.return_hidden_states:
+        cap = min(cap, req.next_hidden_position())
     return req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]
 
 
