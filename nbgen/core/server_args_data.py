@@ -59,6 +59,7 @@ IMPLEMENTED: dict[str, str] = {
     "max_lora_rank": "",
     "lora_target_modules": "",
     "lora_backend": "every backend name runs nbgen's torch path",
+    "enable_return_hidden_states": "generate(return_hidden_states=True) needs it",
 }
 
 # accepted and ignored (one warning names those passed): reason -> names
@@ -109,8 +110,7 @@ NO_EFFECT: dict[str, tuple[str, ...]] = {
         "disable_aiter_allreduce_fusion_in_decode",
     ),
     "always on in nbgen": (
-        "sleep_on_idle", "enable_memory_saver", "enable_weights_cpu_backup", "enable_return_hidden_states",
-        "enable_mixed_chunk",
+        "sleep_on_idle", "enable_memory_saver", "enable_weights_cpu_backup", "enable_mixed_chunk",
         "incremental_streaming_output",
     ),
     "nothing to apply it to in nbgen (a draft model, outlines, flashinfer autotuning, torch.compile)": (
