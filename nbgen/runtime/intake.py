@@ -8,13 +8,12 @@ stepper is flushed first wherever output ids must be final.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable
 
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Delivery, Sink
 from nbgen.runtime.exclusive import ExclusiveCalls
 from nbgen.runtime.memory import MemoryService
-from nbgen.runtime.overlap import OverlapStepper
 from nbgen.runtime.sessions import SessionTable
 from nbgen.runtime.weights import WeightService
 
@@ -23,14 +22,14 @@ class Intake:
     """Adds, holds and aborts requests for the LoopThread (loop thread only)."""
 
     def __init__(self, delivery: Delivery, exclusive: ExclusiveCalls, weights: WeightService,
-                 memory: MemoryService, sessions: SessionTable, overlap: Optional[OverlapStepper]) -> None:
+                 memory: MemoryService, sessions: SessionTable, flush_overlap: Callable[[], None]) -> None:
         self.delivery, self.exclusive, self.weights, self.memory = delivery, exclusive, weights, memory
-        self.sessions, self.overlap = sessions, overlap
+        # the loop's current stepper is flushed (looked up at each call: it may be replaced)
+        self.sessions, self.flush_overlap = sessions, flush_overlap
 
     def run_exclusive(self) -> None:
         """Run the queued exclusive calls (the engine has drained), then admit what waited for them."""
-        if self.overlap is not None:
-            self.overlap.flush()
+        self.flush_overlap()
         for reqs, sink, stream in self.exclusive.run():
             self.add(reqs, sink, stream)
         self.delivery.publish()
@@ -44,8 +43,7 @@ class Intake:
 
     def add_in_session(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         """Session requests get their whole prompt from their session (ValueError: none is added)."""
-        if self.overlap is not None:
-            self.overlap.flush()  # the continued requests' output ids are final
+        self.flush_overlap()  # the continued requests' output ids are final
         for r in reqs:
             if r.session is not None:
                 self.sessions.attach(r)
@@ -62,8 +60,7 @@ class Intake:
 
     def abort(self, rids: list[str], message: str) -> None:
         """Abort requests, held ones included (answered now)."""
-        if self.overlap is not None:
-            self.overlap.flush()  # no placeholder token may reach an aborted request's output
+        self.flush_overlap()  # no placeholder token may reach an aborted request's output
         for held in self.exclusive.take(rids):   # waiting behind an exclusive call: answered now
             self.add(*held)
         self.delivery.abort(rids, message)

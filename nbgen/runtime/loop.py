@@ -197,7 +197,7 @@ class LoopThread(LoopControl):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
                                            self.run_step)
         self._intake = Intake(self._delivery, self._exclusive, self.weights, self.memory, self.sessions,
-                              self._overlap)
+                              self.flush_overlap)
         self._delivery.publish()
         freeze_heap()
         return parts.info()
@@ -263,6 +263,11 @@ class LoopThread(LoopControl):
     def _later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread in ``delay`` seconds (a session's timeout)."""
         self._loop.call_later(delay, self._wrap, fn, (), None)
+
+    def flush_overlap(self) -> None:
+        """Resolve and deliver the overlap stepper's step in flight, if any (loop thread)."""
+        if self._overlap is not None:
+            self._overlap.flush()
 
     def _stop(self) -> None:
         if self._overlap is not None:
