@@ -5,14 +5,12 @@ The caller's thread validates, tokenizes and shapes outputs; a LoopThread owns e
 from __future__ import annotations
 
 import logging
-import queue
 import random
 import threading
 import weakref
 from typing import Any, Iterator, Optional
 
 from nbgen.core.config import EngineConfig
-from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
@@ -23,19 +21,18 @@ from nbgen.engine_control import ControlMixin
 from nbgen.engine_score import ScoreMixin
 from nbgen.engine_weights import WeightsMixin
 from nbgen.engine_session import SessionMixin
+from nbgen.engine_sync import SyncBridgeMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
                              make_requests, check_rids, normalize_inputs, per_item)
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
-from nbgen.progress import BatchProgress
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime.loop import LoopThread
-from nbgen.runtime.tracker import Update
 
 logger = logging.getLogger("nbgen")
 
 
-class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin, LoRAMixin,
+class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMixin, WeightsMixin, LoRAMixin,
              InfoMixin):
     """An LLM engine for offline batch inference. ``Engine()`` loads the embedded default model;
     ``Engine(..., is_embedding=True)`` embeds (``encode``) instead of generating."""
@@ -193,68 +190,6 @@ class Engine(AsyncGenerateMixin, ScoreMixin, EmbedMixin, ControlMixin, SessionMi
         index = {r.rid: i for i, r in enumerate(reqs)}
         for rid, out in self._run_sync(reqs, progress=False):
             yield index[rid], out
-
-    def _run_sync(self, reqs: list[Request], progress: bool) -> Iterator[tuple[str, dict[str, Any]]]:
-        q: queue.Queue = queue.Queue()
-        pending = {r.rid for r in reqs}
-        bar = BatchProgress(len(reqs), enabled=progress)
-        self._loop.submit(reqs, q.put, stream=False)
-        try:
-            while pending:
-                try:
-                    upd: Update = q.get(timeout=0.1)
-                except queue.Empty:
-                    self._check_alive()
-                    continue
-                if upd.finished:
-                    pending.discard(upd.rid)
-                    bar.update(upd.output)
-                    yield upd.rid, upd.output
-        except KeyboardInterrupt as e:  # the stop button: one line in a notebook, not the queue's frames
-            if isinstance(e, GenerationInterrupted):
-                raise
-            done = len(reqs) - len(pending)
-            raise GenerationInterrupted(f"interrupted: {done}/{len(reqs)} requests had finished; the rest were "
-                                        "aborted and the engine is ready", done, len(reqs)) from None
-        finally:
-            bar.close()
-            if pending:  # interrupted (KeyboardInterrupt, generator closed): abort what is left
-                self._abort_quietly(list(pending))
-
-    def _stream(self, req: Request) -> Iterator[dict[str, Any]]:
-        q: queue.Queue = queue.Queue()
-        self._loop.submit([req], q.put, stream=True)
-        sent = 0
-        done = False
-        try:
-            while not done:
-                try:
-                    upd: Update = q.get(timeout=0.1)
-                except queue.Empty:
-                    self._check_alive()
-                    continue
-                done = upd.finished
-                yield self._chunk(upd, sent)
-                sent += len(upd.output.get("text", "")) if not done else 0
-        finally:
-            if not done:
-                self._abort_quietly([req.rid])
-
-    @staticmethod
-    def _chunk(upd: Update, sent_chars: int) -> dict[str, Any]:
-        """Final updates carry the full text: cut what earlier chunks already delivered."""
-        if upd.finished and "text" in upd.output:   # skip_tokenizer_init outputs have no text
-            out = dict(upd.output)
-            out["text"] = out["text"][sent_chars:]
-            return out
-        return upd.output
-
-    def _abort_quietly(self, rids: list[str], wait: bool = True) -> None:
-        """Abort an interrupted call's requests; with ``wait``, return once the loop let them go."""
-        try:
-            self._loop.abort(rids, wait=wait)
-        except RuntimeError:
-            pass
 
     # ---- chat -----------------------------------------------------------------------------------
     @property

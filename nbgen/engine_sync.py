@@ -1,0 +1,81 @@
+"""The blocking half of Engine: submit to the loop thread and wait on a thread-safe queue.
+
+``generate`` / ``generate_iter`` collect finished outputs (with a progress bar for batches), streams
+yield chunks as they come; the kernel's stop button (KeyboardInterrupt) aborts what is left and
+shows one line (GenerationInterrupted). The loop thread never blocks on the caller.
+"""
+from __future__ import annotations
+
+import queue
+from typing import Any, Iterator
+
+from nbgen.core.interrupt import GenerationInterrupted
+from nbgen.core.request import Request
+from nbgen.progress import BatchProgress
+from nbgen.runtime.tracker import Update
+
+
+class SyncBridgeMixin:
+    """_run_sync / _stream / _chunk / _abort_quietly for Engine (uses its _loop and _check_alive)."""
+
+    def _run_sync(self, reqs: list[Request], progress: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+        q: queue.Queue = queue.Queue()
+        pending = {r.rid for r in reqs}
+        self._loop.submit(reqs, q.put, stream=False)   # may refuse (duplicate rid): before the bar exists
+        bar = BatchProgress(len(reqs), enabled=progress)
+        try:
+            while pending:
+                try:
+                    upd: Update = q.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_alive()
+                    continue
+                if upd.finished:
+                    pending.discard(upd.rid)
+                    bar.update(upd.output)
+                    yield upd.rid, upd.output
+        except KeyboardInterrupt as e:  # the stop button: one line in a notebook, not the queue's frames
+            if isinstance(e, GenerationInterrupted):
+                raise
+            done = len(reqs) - len(pending)
+            raise GenerationInterrupted(f"interrupted: {done}/{len(reqs)} requests had finished; the rest were "
+                                        "aborted and the engine is ready", done, len(reqs)) from None
+        finally:
+            bar.close()
+            if pending:  # interrupted (KeyboardInterrupt, generator closed): abort what is left
+                self._abort_quietly(list(pending))
+
+    def _stream(self, req: Request) -> Iterator[dict[str, Any]]:
+        q: queue.Queue = queue.Queue()
+        self._loop.submit([req], q.put, stream=True)
+        sent = 0
+        done = False
+        try:
+            while not done:
+                try:
+                    upd: Update = q.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_alive()
+                    continue
+                done = upd.finished
+                yield self._chunk(upd, sent)
+                sent += len(upd.output.get("text", "")) if not done else 0
+        finally:
+            if not done:
+                self._abort_quietly([req.rid])
+
+    @staticmethod
+    def _chunk(upd: Update, sent_chars: int) -> dict[str, Any]:
+        """Final updates carry the full text: cut what earlier chunks already delivered."""
+        if upd.finished and "text" in upd.output:   # skip_tokenizer_init outputs have no text
+            out = dict(upd.output)
+            out["text"] = out["text"][sent_chars:]
+            return out
+        return upd.output
+
+    def _abort_quietly(self, rids: list[str], wait: bool = True) -> None:
+        """Abort an interrupted call's requests; with ``wait``, return once the loop let them go."""
+        try:
+            self._loop.abort(rids, wait=wait)
+        except RuntimeError:
+            pass
