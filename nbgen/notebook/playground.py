@@ -130,7 +130,7 @@ class Playground(Shown):
                                          continuous_update=False, layout=w.Layout(**layout))
         self.controls["chat"] = w.Checkbox(value=self.chat, description="chat template", style=style,
                                            layout=w.Layout(**layout))
-        self.prompt_box = w.Textarea(value=self.prompt, layout=w.Layout(width="100%", height="70px"))
+        self.prompt_box = w.Textarea(value=self.prompt, layout=w.Layout(width="auto", align_self="stretch", height="70px"))
         for c in [*self.controls.values(), self.prompt_box]:
             c.observe(self._on_change, names="value")
         self.out = w.HTML(value=self._samples_html())
@@ -141,7 +141,7 @@ class Playground(Shown):
         self.right = w.VBox([self.out, self.status_label], layout=w.Layout(flex="1 1 320px", min_width="320px",
                                                                       margin="0 0 0 12px"))
         return w.VBox([self.prompt_box, w.HBox([self.left, self.right],
-                                               layout=w.Layout(flex_flow="row wrap", width="100%"))])
+                                               layout=w.Layout(flex_flow="row wrap", width="auto"))])
 
     def _on_change(self, change: Mapping[str, Any]) -> None:
         if self.status != "open":
