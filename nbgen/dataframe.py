@@ -79,8 +79,7 @@ def generate_df(
         return e
 
     res = run_job(spec, checkpoint, the_engine, batch_size, progress)
-    info = {"chat": spec.template, "rows": res.rows, "errors": res.errors, "restored": res.restored,
-            "checkpoint": res.checkpoint}
+    info = {"chat": spec.template, **res.attrs()}
     out_df = df.copy()
     for c in spec.cols:
         vals = res.values.pop(c)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from nbgen.dataframe_job import check_call, check_new_columns, run_job
-from nbgen.dataframe_rows import abort_message, jsonable, row_key, row_text
+from nbgen.dataframe_job import TextRows, check_call, check_new_columns, run_job
+from nbgen.dataframe_rows import abort_message, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
 from nbgen.models.pooling_config import check_dimensions
@@ -51,8 +51,7 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
     vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
     out[prefix + "embedding"] = pd.Series(vecs, index=df.index, dtype=object)
     out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
-    out.attrs = {**df.attrs, "nbgen": {"rows": res.rows, "errors": res.errors, "restored": res.restored,
-                                       "checkpoint": res.checkpoint}}
+    out.attrs = {**df.attrs, "nbgen": res.attrs()}
     return out
 
 
@@ -66,7 +65,7 @@ def require_embedding(engine: Any, dimensions: Optional[int]) -> Any:
 
 
 @dataclass
-class _EmbedRows:
+class _EmbedRows(TextRows):
     """embed_df's RowJob (dataframe_job): one text per row through ``Engine.encode_iter``."""
 
     texts: list[Any]
@@ -76,17 +75,8 @@ class _EmbedRows:
     cols: tuple[str, ...] = COLUMNS
     desc: str = "embed_df"
 
-    def __len__(self) -> int:
-        return len(self.texts)
-
     def key(self, pos: int) -> str:
         return row_key(jsonable(self.texts[pos]), {}, {"embed": True, "dimensions": self.dimensions})
-
-    def check(self, pos: int) -> None:
-        row_text(self.texts[pos])
-
-    def pending(self, pos: int, engine: Any) -> PendingRow:
-        return PendingRow(pos, row_text(self.texts[pos]), {}, self.key(pos))
 
     def submit(self, engine: Any, rows: list[PendingRow]) -> Iterator[tuple[int, Any]]:
         return engine.encode_iter([r.prompt for r in rows], dimensions=self.dimensions)

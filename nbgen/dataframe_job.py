@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe_io import Checkpoint
-from nbgen.dataframe_rows import RowError
+from nbgen.dataframe_rows import RowError, row_text
 from nbgen.dataframe_window import PendingRow, run_window
 from nbgen.notebook.progress_bar import DONE, FAILED, STOPPED, RowProgress
 
@@ -60,6 +60,29 @@ class JobResult:
     errors: int
     restored: int
     checkpoint: Optional[str]
+
+    def attrs(self) -> dict[str, Any]:
+        """What ``out.attrs["nbgen"]`` reports of the call."""
+        return {"rows": self.rows, "errors": self.errors, "restored": self.restored,
+                "checkpoint": self.checkpoint}
+
+
+class TextRows:
+    """RowJob parts of the helpers that send one text cell per row (embed_df, score_df)."""
+
+    texts: list[Any]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def key(self, pos: int) -> str:  # pragma: no cover - each helper's own
+        raise NotImplementedError
+
+    def check(self, pos: int) -> None:
+        row_text(self.texts[pos])
+
+    def pending(self, pos: int, engine: Any) -> PendingRow:
+        return PendingRow(pos, row_text(self.texts[pos]), {}, self.key(pos))
 
 
 class _Results:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
-from nbgen.dataframe_job import check_call, check_new_columns, run_job
-from nbgen.dataframe_rows import abort_message, jsonable, row_key, row_text
+from nbgen.dataframe_job import TextRows, check_call, check_new_columns, run_job
+from nbgen.dataframe_rows import abort_message, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
 
@@ -56,8 +56,7 @@ def score_df(df: "pd.DataFrame", text_column: str = "text", labels: Optional[Seq
     for name in names:
         out[prefix + name] = pd.Series(res.values[name], index=df.index, dtype="float64")
     out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
-    out.attrs = {**df.attrs, "nbgen": {"rows": res.rows, "errors": res.errors, "restored": res.restored,
-                                       "checkpoint": res.checkpoint}}
+    out.attrs = {**df.attrs, "nbgen": res.attrs()}
     return out
 
 
@@ -75,7 +74,7 @@ def _label_names(labels: Any) -> tuple[str, ...]:
 
 
 @dataclass
-class _ScoreRows:
+class _ScoreRows(TextRows):
     """score_df's RowJob (dataframe_job): one text per row through ``Engine.score_iter``."""
 
     texts: list[Any]
@@ -92,9 +91,6 @@ class _ScoreRows:
     @property
     def cols(self) -> tuple[str, ...]:
         return self.names + ("error",)
-
-    def __len__(self) -> int:
-        return len(self.texts)
 
     def resolve_labels(self, engine: Any) -> None:
         """Token ids of the labels with ``engine``'s tokenizer (text labels: their first token)."""
@@ -119,12 +115,6 @@ class _ScoreRows:
         opts = {"score": list(self.names), "query": self.query, "item_first": self.item_first,
                 "apply_softmax": self.apply_softmax}
         return row_key(jsonable(self.texts[pos]), {}, opts)
-
-    def check(self, pos: int) -> None:
-        row_text(self.texts[pos])
-
-    def pending(self, pos: int, engine: Any) -> PendingRow:
-        return PendingRow(pos, row_text(self.texts[pos]), {}, self.key(pos))
 
     def submit(self, engine: Any, rows: list[PendingRow]) -> Iterator[tuple[int, Any]]:
         return engine.score_iter(self.query, [r.prompt for r in rows], self.label_ids,
