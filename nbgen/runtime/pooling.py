@@ -62,14 +62,6 @@ class PendingVectors:
         return out  # type: ignore[return-value]
 
 
-def finish_vectors(vectors: torch.Tensor, dimensions: list[Optional[int]],
-                   normalize: list[bool]) -> list[list[float]]:
-    """Pooled vectors [N, H] fp32 -> N lists of floats: each truncated to its ``dimensions`` (None:
-    all H) and then L2-normalised where asked. One device -> host copy per (dimensions, normalize)
-    group, waited for at once."""
-    return PendingVectors(vectors, dimensions, normalize).lists()
-
-
 def truncate(vectors: torch.Tensor, dimensions: Optional[int]) -> torch.Tensor:
     """The first ``dimensions`` components of each row (Matryoshka); all of them for None."""
     return vectors if dimensions is None else vectors[..., :dimensions]
