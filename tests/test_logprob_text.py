@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 
 def _texts_match(tok, triples) -> None:
     assert triples, "no logprob triples"
@@ -26,7 +28,10 @@ def test_text_in_output_prompt_and_top_logprobs(tiny_engine):
     # without the flag the text slot is None, as SGLang
     plain = tiny_engine.generate("Hello, my name is", sp, **kw)["meta_info"]
     assert all(t is None for _, _, t in plain["output_token_logprobs"])
-    assert [e[:2] for e in plain["output_token_logprobs"]] == [e[:2] for e in meta["output_token_logprobs"]]
+    # same ids; the logprobs may differ in the last bits on a GPU (another batch shape, cached prefix)
+    assert [e[1] for e in plain["output_token_logprobs"]] == [e[1] for e in meta["output_token_logprobs"]]
+    assert [e[0] for e in plain["output_token_logprobs"]] == pytest.approx(
+        [e[0] for e in meta["output_token_logprobs"]], abs=1e-4)
 
 
 def test_text_in_streamed_and_async_logprobs(tiny_engine):
