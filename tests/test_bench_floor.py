@@ -2,9 +2,10 @@
 the embedding bench end to end on a tiny model (CPU)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nbgen.bench.floor import floor_seconds, matmul_rate, prefill_flops
+from nbgen.bench.floor import floor_seconds, linear_rate, matmul_rate, prefill_flops
 
 
 def _tiny_llama():
@@ -45,6 +46,7 @@ def test_embed_bench_runs_on_cpu_with_a_tiny_model(tiny_llama_dir) -> None:
     r = rows[0]
     assert r["engine"] == "nbgen" and r["in_tokens"] == sum(map(len, make_texts(20, 8, 40, vocab)))
     assert r["tok_s"] > 0 and r["bound_s"] > 0 and r["pct_bound"] > 0 and r["dim"] == 64
+    assert r["shape_bound_s"] > 0 and r["pct_shape_bound"] == pytest.approx(100 * r["shape_bound_s"] / r["seconds"])
 
 
 def test_floor_counts_each_decode_step_once() -> None:
@@ -57,3 +59,10 @@ def test_floor_counts_each_decode_step_once() -> None:
 def test_matmul_rate_is_a_plausible_cpu_rate() -> None:
     rate = matmul_rate(torch.device("cpu"))
     assert 1e8 < rate < 1e14
+
+
+def test_linear_rate_times_one_layers_weight_shapes(tiny_llama_dir) -> None:
+    from nbgen.bench.embed import meta_model
+
+    model, _ = meta_model(tiny_llama_dir)
+    assert 1e7 < linear_rate(model, 64, torch.device("cpu")) < 1e14

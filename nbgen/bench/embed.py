@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.bench.floor import matmul_rate, prefill_flops
+from nbgen.bench.floor import linear_rate, matmul_rate, prefill_flops
+from nbgen.bench.profiling import print_gpu_profile
 from nbgen.engine import Engine
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import get_model_class
@@ -37,14 +38,28 @@ def make_texts(n: int, lo: int, hi: int, vocab_size: int = 10000) -> list[list[i
     return [[random.randint(0, top) for _ in range(random.randint(lo, hi))] for _ in range(n)]
 
 
-def bound_seconds(model_dir: str, lens: list[int], rate: float) -> tuple[float, float]:
-    """(prefill FLOPs of ``lens`` without the LM head, seconds at ``rate`` FLOP/s); the parameter
-    shapes come from a model built on the meta device (no memory, no weights)."""
+def meta_model(model_dir: str) -> tuple[torch.nn.Module, Any]:
+    """nbgen's model for ``model_dir`` on the meta device (shapes only: no memory, no weights) and its config."""
     cfg = read_model_config(model_dir)
     with torch.device("meta"):
-        model = get_model_class(cfg)(cfg)
+        return get_model_class(cfg)(cfg), cfg
+
+
+def bound_seconds(model_dir: str, lens: list[int], rate: float) -> tuple[float, float]:
+    """(prefill FLOPs of ``lens`` without the LM head, seconds at ``rate`` FLOP/s)."""
+    model, cfg = meta_model(model_dir)
     flops = prefill_flops(model, cfg, lens, lm_head=False)
     return flops, flops / rate
+
+
+def shape_bound_seconds(model_dir: str, lens: list[int], rows: int, rate: float, device: torch.device) -> float:
+    """Seconds of the same FLOPs with the decoder linears at the rate their own shapes reach on
+    ``rows``-token chunks (``floor.linear_rate``) and attention at ``rate``: this model's bound when
+    everything besides its matmuls (norms, RoPE, activations, pooling, host work) were free."""
+    model, cfg = meta_model(model_dir)
+    total = prefill_flops(model, cfg, lens, lm_head=False)
+    linear = 2.0 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2) * sum(lens)
+    return linear / linear_rate(model, rows, device) + (total - linear) / rate
 
 
 def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any]:
@@ -63,6 +78,14 @@ def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any
     outs = eng.encode(input_ids=texts)
     secs = time.perf_counter() - t0
     info = eng.get_server_info()
+    if args.profile and args.device == "cuda":   # a second, profiled run: GPU busy time and top kernels
+        from torch.profiler import ProfilerActivity, profile
+        eng.flush_cache()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t1 = time.perf_counter()
+            eng.encode(input_ids=texts)
+            wall = time.perf_counter() - t1
+        print_gpu_profile(prof, wall)
     eng.shutdown()
     n_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     return {"engine": "nbgen", "seconds": secs, "in_tokens": n_in, "startup_s": startup,
@@ -152,6 +175,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--st-batch-size", type=int, default=32, help="the peer's batch size (encode's default)")
     ap.add_argument("--no-peer", action="store_true", help="skip sentence-transformers")
+    ap.add_argument("--profile", action="store_true", help="profile a second nbgen run (CUDA): GPU busy time, top kernels")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
     if not 1 <= args.min_tokens <= args.max_tokens:
@@ -170,21 +194,27 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             print("sentence-transformers is not installed: no peer row")
         except Exception as e:  # noqa: BLE001 - report the peer's failure, keep nbgen's numbers
             rows.append({"engine": "sentence-transformers", "error": f"{type(e).__name__}: {e}"})
-    flops, bound = bound_seconds(args.model, [len(t) for t in texts], rate)
+    lens = [len(t) for t in texts]
+    flops, bound = bound_seconds(args.model, lens, rate)
+    chunk = rows[0]["server_info"].get("chunked_prefill_size") or 8192
+    shape_bound = shape_bound_seconds(args.model, lens, chunk, rate, dev)
     print(f"\n{args.num_texts} texts of {args.min_tokens}-{args.max_tokens} random tokens  model {args.model}  "
           f"device {args.device}  startup {rows[0]['startup_s']:.1f} s")
     print(f"prefill {flops / 1e12:.3g} TFLOP at the measured matmul rate {rate / 1e12:.3g} TFLOP/s: bound {bound:.3f} s")
+    print(f"with the decoder linears at the rate of their own shapes on {chunk}-token chunks: bound {shape_bound:.3f} s")
     print(f"server: {rows[0]['server_info']}")
-    print(f"{'engine':<24}{'seconds':>9}{'in tok/s':>12}{'texts/s':>10}{'% bound':>9}")
+    print(f"{'engine':<24}{'seconds':>9}{'in tok/s':>12}{'texts/s':>10}{'% bound':>9}{'% shape bound':>15}")
     for r in rows:
-        r.update(num_texts=args.num_texts, matmul_flops=rate, prefill_flops=flops, bound_s=bound)
+        r.update(num_texts=args.num_texts, matmul_flops=rate, prefill_flops=flops, bound_s=bound,
+                 shape_bound_s=shape_bound)
         if "error" in r:
             print(f"{r['engine']:<24} error: {r['error']}")
             continue
         r["tok_s"] = r["in_tokens"] / r["seconds"]
         r["pct_bound"] = 100 * bound / r["seconds"]
+        r["pct_shape_bound"] = 100 * shape_bound / r["seconds"]
         print(f"{r['engine']:<24}{r['seconds']:>9.2f}{r['tok_s']:>12.0f}{args.num_texts / r['seconds']:>10.1f}"
-              f"{r['pct_bound']:>8.1f}%")
+              f"{r['pct_bound']:>8.1f}%{r['pct_shape_bound']:>14.1f}%")
     if len(rows) > 1 and "error" not in rows[1]:
         print(f"nbgen / sentence-transformers: {rows[0]['tok_s'] / rows[1]['tok_s']:.2f}x tokens/s")
     if args.json:

@@ -81,3 +81,23 @@ def prefill_flops(model: torch.nn.Module, hf: Any, prompt_lens: list[int], lm_he
     hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     attn = 2 * len(layers) * heads * hd * sum(n * (n + 1) for n in prompt_lens)
     return float(2 * linear * sum(prompt_lens) + 2 * head * len(prompt_lens) + attn)
+
+
+def linear_rate(model: torch.nn.Module, rows: int, device: torch.device) -> float:
+    """FLOP/s of one decoder layer's linears (its 2-D weights, as the model fuses them) on ``rows``
+    token rows in bf16 on CUDA (fp32 on a CPU): the rate a prefill chunk of ``rows`` tokens can reach
+    in its GEMMs, below the square-matmul rate when the hidden size is small. ``model`` may live on
+    the meta device (only the shapes are read)."""
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = [tuple(p.shape) for p in model.model.layers[0].parameters() if p.dim() == 2]
+    xs = {k: torch.randn(rows, k, device=device).to(dt) for k in {s[1] for s in shapes}}
+    ws = [torch.randn(s, device=device).to(dt) for s in shapes]
+
+    def layer() -> None:
+        for w in ws:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+    secs = _median_seconds(layer, device, 10 if device.type == "cuda" else 3)
+    flops = sum(2 * rows * o * i for o, i in shapes)
+    del xs, ws
+    return flops / secs
+
