@@ -36,7 +36,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
     b = torch.empty_like(a)
     secs = _median_seconds(lambda: b.copy_(a), device, 10)
-    del a, b
     return 2 * nbytes / secs
 
 
@@ -66,7 +65,6 @@ def matmul_rate(device: torch.device) -> float:
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
     secs = _median_seconds(lambda: a @ b, device, reps)
-    del a, b
     return 2 * n ** 3 / secs
 
 
@@ -98,6 +96,5 @@ def linear_rate(model: torch.nn.Module, rows: int, device: torch.device) -> floa
             torch.nn.functional.linear(xs[w.shape[1]], w)
     secs = _median_seconds(layer, device, 10 if device.type == "cuda" else 3)
     flops = sum(2 * rows * o * i for o, i in shapes)
-    del xs, ws
     return flops / secs
 
