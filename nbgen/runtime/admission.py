@@ -67,12 +67,13 @@ class Admission:
 
     def __init__(self, cfg: SchedulerConfig, pool: PagePool, cache: PrefixCache,
                  waiting: WaitingQueue | PriorityWaitingQueue, live: dict[str, Request],
-                 preempt: Callable[[Request, bool], None]) -> None:
+                 preempt: Callable[[Request, bool], None], finished_outside: list[Request]) -> None:
         self.cfg = cfg
         self.P = cfg.page_size
         self.prio = cfg.priority
         self.pool, self.cache, self.waiting, self.live = pool, cache, waiting, live
         self.preempt = preempt
+        self.finished_outside = finished_outside  # the scheduler's: requests refused here are answered from it
         self.leaders: dict[str, Request] = {}     # group -> member prefilling the shared prompt
         self.admit_counter = 0
 
@@ -111,6 +112,7 @@ class Admission:
                 req.finish_reason = FinishReason.abort(f"request needs KV cache for {end} tokens but the "
                                                        f"cache holds {self.pool.num_total * self.P}")
                 req.status = Status.FINISHED
+                self.finished_outside.append(req)
                 continue
             taken.append(req)
             req.pages, req.num_computed, req.num_cached_pages = pages + new, m, len(pages)

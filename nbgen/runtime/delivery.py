@@ -125,11 +125,19 @@ class Delivery:
                 t.n_ids = m
                 continue
             self._emit(t)
-        self.reap()
+        self.reap_outside()
         self._stats.account(n_in, n_out, self.snapshot())
 
+    def reap_outside(self) -> None:
+        """Answer the requests the scheduler finished outside a step (refused, aborted, never fitting):
+        its list of them, not a scan of every tracked request (thousands wait in a large batch)."""
+        for req in self.scheduler.take_finished_outside():
+            t = self._tracked.get(req.rid)
+            if t is not None and t.req is req and req.finished:
+                self._emit(t)
+
     def reap(self) -> None:
-        """Deliver requests the scheduler finished on its own (aborted, or too big to ever fit)."""
+        """Deliver every tracked request that is finished (a scan: after aborts and failures)."""
         for t in [t for t in self._tracked.values() if t.req.finished]:
             self._emit(t)
 

@@ -224,7 +224,7 @@ class LoopThread(LoopControl):
             self._overlap.step()
             return
         batch = self.scheduler.schedule()
-        self._reap()
+        self._delivery.reap_outside()
         if batch is not None:
             self.run_step(batch)
 

@@ -61,7 +61,12 @@ class Scheduler:
             else WaitingQueue(cfg.schedule_policy))
         self._arrival_counter = 0
         self._live: dict[str, Request] = {}           # rid -> waiting or running request
-        self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt)
+        # requests finished since the loop last looked (refused, aborted, stopped by a stop string,
+        # never fitting; those of update() too): the loop answers the ones a step's changed list did
+        # not carry from here instead of scanning every tracked request
+        self._finished_outside: list[Request] = []
+        self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt,
+                                   self._finished_outside)
         self.num_preemptions = 0
         # called with each request finished after it ran (its full pages are in the prefix cache);
         # engine sessions pin them there (runtime/sessions.py), and drop the pins at a flush
@@ -76,6 +81,7 @@ class Scheduler:
         msg = refusal(req, self.cfg, self.pool)
         if msg is not None:
             req.finish_reason, req.status = FinishReason.abort(msg), Status.FINISHED
+            self._finished_outside.append(req)
             return
         req.status = Status.WAITING
         req.arrival_seq, self._arrival_counter = self._arrival_counter, self._arrival_counter + 1
@@ -100,6 +106,12 @@ class Scheduler:
             self.waiting.remove(req)
             self._live.pop(req.rid, None)
             req.finish_reason, req.status = reason, Status.FINISHED
+            self._finished_outside.append(req)
+
+    def take_finished_outside(self) -> list[Request]:
+        """The requests finished since the last call (see ``__init__``)."""
+        done, self._finished_outside[:] = list(self._finished_outside), []
+        return done
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -254,6 +266,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, cache: bool = True, unlist: bool = True) -> None:
         self._release(req, cache)
         req.finish_reason, req.status = reason, Status.FINISHED
+        self._finished_outside.append(req)   # also from update(): its changed list answers them first
         self._live.pop(req.rid, None)
         if unlist:
             self.running.remove(req)
