@@ -66,3 +66,17 @@ def test_linear_rate_times_one_layers_weight_shapes(tiny_llama_dir) -> None:
 
     model, _ = meta_model(tiny_llama_dir)
     assert 1e7 < linear_rate(model, 64, torch.device("cpu")) < 1e14
+
+
+def test_text_workload_decodes_each_prompts_ids() -> None:
+    from transformers import AutoTokenizer
+
+    from nbgen.bench.workloads import make_workload, text_prompts
+    from nbgen.models.embedded import default_model_path
+
+    ids, _ = make_workload("bs1")
+    texts = text_prompts(ids, None)
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    assert len(texts) == 1 and isinstance(texts[0], str)
+    assert texts[0] == tok.decode([t % len(tok) for t in ids[0]], skip_special_tokens=True)
+    assert 0.5 * len(ids[0]) < len(tok(texts[0])["input_ids"]) < 2 * len(ids[0])   # re-tokenized: about as long

@@ -5,6 +5,10 @@ Workloads (DESIGN.md "Benchmarks"; all ignore_eos, greedy, ``random.seed(0)``, r
   fixed  256 seqs, input randint(100, 1024), output exactly 512 (comparable with HF generate_batch)
   bs1    1 seq, 256 in / 256 out (decode latency)
   chat32 (CPU mode) 32 chat-templated short questions x 64 new tokens
+``--temperature 0.6`` samples instead (nano-vllm's bench does); ``--text`` sends the prompts as text
+(each prompt's ids decoded with the tokenizer, ``--tokenizer-path`` for a directory without one) and
+the outputs come back as text (incremental detokenization of every token): the path a notebook
+user's prompts take, against the ids-only run.
 The floor is the bytes a perfect engine must read in its decode steps (weights once per step plus
 every live sequence's KV), divided by the device copy bandwidth measured in the same run (on CUDA the
 faster of one copy test before and one after the engines; on a CPU after them only). Decode
@@ -26,7 +30,7 @@ import torch
 from nbgen.bench.floor import copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops
 from nbgen.bench.hf import run_hf
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
-from nbgen.bench.workloads import QUESTIONS, chat32_prompts, make_workload
+from nbgen.bench.workloads import QUESTIONS, chat32_prompts, make_workload, text_prompts
 from nbgen.engine import Engine
 
 __all__ = ["QUESTIONS", "main", "make_workload", "run_nbgen"]
@@ -44,11 +48,13 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["chunked_prefill_size"] = args.chunked_prefill_size
     if args.schedule_policy:
         kw["schedule_policy"] = args.schedule_policy
+    if args.tokenizer_path:
+        kw["tokenizer_path"] = args.tokenizer_path
     t0 = time.perf_counter()
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     startup = time.perf_counter() - t0
     info = eng.get_server_info()
-    sps = [{"max_new_tokens": o, "temperature": 0.0, "ignore_eos": True} for o in outs]
+    sps = [{"max_new_tokens": o, "temperature": args.temperature, "ignore_eos": True} for o in outs]
     warm = prompts[:4] if isinstance(prompts[0], str) else [p[:64] for p in prompts[:4]]
     eng.generate(**_inputs(warm), sampling_params={"max_new_tokens": 8, "ignore_eos": True}, use_tqdm=False)
     if args.device != "cpu":
@@ -100,7 +106,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
            "server_info": info, "gc_pauses_s": [round(t, 4) for _, t in gcs.pauses if t >= 1e-3],
-           "first_ids": res[0]["output_ids"][:16]}
+           "first_ids": res[0]["output_ids"][:16], "text_chars": sum(len(r.get("text") or "") for r in res)}
     eng.shutdown()
     del eng, runner, res
     gc.collect()
@@ -126,6 +132,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                     help="admission order (default: the engine's fcfs); lof with a small --chunked-prefill-size "
                          "spreads prefill over decode steps")
     ap.add_argument("--peer", default=None, choices=["hf"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); nano-vllm samples at 0.6")
+    ap.add_argument("--text", action="store_true", help="text prompts (the workload's ids decoded) and text outputs")
+    ap.add_argument("--tokenizer-path", default=None, help="tokenizer for --text when the model dir has none")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-piecewise-cuda-graph", action="store_true",
                     help="steps with prefill chunks run eagerly (A/B of the piecewise prefill graphs)")
@@ -147,6 +156,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         outs = [64] * len(prompts)
     else:
         prompts, outs = make_workload(workload)
+        if args.text:
+            prompts = text_prompts(prompts, args.tokenizer_path or args.model)
     bw0 = None
     if dev.type == "cuda":
         # also measured before the engines: after a long run the same copy can measure slower;
@@ -170,7 +181,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ins = rows[0]["prompt_lens"]
     floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw)
     floor_pf = floor + rows[0]["prefill_flops"] / mm
-    print(f"\nworkload {workload}  model {args.model or 'embedded'}  device {args.device}  "
+    mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "")
+    print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  floor {floor:.2f} s  startup {rows[0]['startup_s']:.1f} s")
     print(f"prefill {rows[0]['prefill_flops'] / 1e12:.3g} TFLOP at the measured matmul rate {mm / 1e12:.3g} TFLOP/s: "
           f"floor+pf {floor_pf:.2f} s (decode floor plus prefill compute; the targets use the floor)")

@@ -1,6 +1,6 @@
-"""The bench's workloads: random-id prompts (nano / fixed / bs1) and 32 chat questions (chat32).
+"""The bench's workloads: random-id prompts (nano / fixed / bs1), the same as text, and 32 chat questions (chat32).
 
-All ignore_eos and greedy; ids are drawn with ``random.seed(0)`` below 10000 (DESIGN.md "Benchmarks").
+All ignore_eos; ids are drawn with ``random.seed(0)`` below 10000 (DESIGN.md "Benchmarks").
 """
 from __future__ import annotations
 
@@ -41,3 +41,13 @@ def chat32_prompts(model: Optional[str]) -> list[str]:
     tok = AutoTokenizer.from_pretrained(model or default_model_path())
     return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
             for q in QUESTIONS]
+
+
+def text_prompts(prompts: list[list[int]], tokenizer_dir: Optional[str]) -> list[str]:
+    """The id prompts as text: each id taken modulo the tokenizer's vocabulary, decoded (special
+    tokens skipped); re-tokenized by the engine, the prompts' lengths change a little."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or default_model_path())
+    v = len(tok)
+    return [tok.decode([t % v for t in p], skip_special_tokens=True) for p in prompts]
