@@ -304,6 +304,51 @@ def test_triton_argmax_is_torch_argmax(dtype) -> None:
         assert torch.equal(gpu_argmax.argmax(x, ws), got) and int(ws.count.sum()) == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_gumbel_draw_equals_the_torch_formula() -> None:
+    """The sampled draw's Triton kernel (noise hashed in uint32 inside the argmax) picks the token of
+    the int64 tensor formula on every row: 256 rows x Qwen3's vocabulary, masked tails, one allowed token."""
+    from nbgen.kernels import gpu_argmax
+    from nbgen.runtime.sampling_ops import gumbel_noise
+
+    V = 151936
+    x = torch.randn(256, V, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)) * 2
+    x[3, 1000:] = float("-inf")
+    x[4] = float("-inf")
+    x[4, 77] = 0.0
+    keys = torch.tensor([row_key(i * 7919, i) for i in range(256)], dtype=torch.int64, device="cuda")
+    vh = mix32(torch.arange(V, dtype=torch.int64, device="cuda") ^ 0x27D4EB2F)
+    ref = torch.cat([(x[i:i + 32] + gumbel_noise(keys[i:i + 32], vh)).argmax(-1) for i in range(0, 256, 32)])
+    got = gpu_argmax.noisy_argmax(x, keys, vh, gpu_argmax.ArgmaxWorkspace())
+    assert torch.equal(got, ref) and int(got[4]) == 77 and int(got[3]) < 1000
+
+
+def test_triton_gumbel_draw_on_the_interpreter_equals_the_torch_formula() -> None:
+    """The same kernel under Triton's CPU interpreter (tl.log for libdevice's), in a fresh process."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+    code = """
+import torch
+from nbgen.kernels import gpu_argmax
+from nbgen.runtime.sampling_ops import gumbel_noise, mix32, row_key
+x = torch.randn(6, 9000, generator=torch.Generator().manual_seed(0)) * 3
+x[1, :] = float("-inf"); x[1, 17] = 0.0
+x[2, 100:] = float("-inf")
+keys = torch.tensor([row_key(s, 7) for s in range(6)], dtype=torch.int64)
+vh = mix32(torch.arange(9000, dtype=torch.int64) ^ 0x27D4EB2F)
+ref = (x + gumbel_noise(keys, vh)).argmax(-1)
+got = gpu_argmax.noisy_argmax(x, keys, vh, gpu_argmax.ArgmaxWorkspace())
+assert torch.equal(got, ref), (got, ref)
+assert int(got[1]) == 17 and int(got[2]) < 100
+print("ok")
+"""
+    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]     # this checkout's nbgen first
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_argmax_workspace_grows_for_more_rows_and_wider_vocabularies() -> None:
     """The partials hold rows x chunk slots: a later call with a wider vocabulary (more chunks per row)
     at a row count seen before must grow them too, and the slots per row never shrink."""

@@ -1,4 +1,5 @@
-"""Greedy decoding's argmax over the vocabulary as one Triton kernel (CUDA).
+"""Greedy decoding's argmax over the vocabulary as one Triton kernel (CUDA), and the sampled
+draw's Gumbel-max argmax in the same kernel.
 
 torch's argmax over [B, V] bf16 logits runs one block per row and reads at ~1.1-1.4 TB/s on an H100
 (36 us at B 128, 54 us at B 256 for Qwen3's 151 936 columns, every decode step). Here each row is
@@ -7,9 +8,15 @@ first index of the max, counts itself in through an atomic, and the row's last p
 reduces the partials and re-arms the counter (the same last-one-merges pattern as the decode
 attention kernel). Ties resolve to the first index, as torch's argmax (NaN logits are not ordered
 as torch orders them: a row with NaN has no meaningful greedy token either way).
+
+``noisy_argmax`` adds each (row, token)'s Gumbel noise inside the kernel: the 32-bit mix hash of
+the row key and the token's hashed id in native uint32 arithmetic, then -log(-log(u)) with
+libdevice's log (the CUDA logf torch uses), the same values as ``runtime/sampling_ops`` computes
+with int64 tensor ops, without a [B, V] temporary.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -25,9 +32,29 @@ except ImportError:  # pragma: no cover - CPU installs without triton use torch'
 BLOCK = 4096
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
+    if os.environ.get("TRITON_INTERPRET") == "1":   # Triton's CPU interpreter (tests) has no libdevice
+        @triton.jit
+        def _log(x):
+            return tl.log(x)
+    else:
+        @triton.jit
+        def _log(x):
+            return libdevice.log(x)                     # CUDA's logf, as torch's log (tl.log is approximate)
+
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, V, sx, S,
-                       SP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _mix32(x):
+        """sampling_ops.mix32 on uint32 (multiplications wrap mod 2**32 natively)."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, V, sx, S,
+                       SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, USE_PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1)
         cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -35,6 +62,12 @@ if triton is not None:
             pdl.gdc_wait()                                  # the logits are the previous kernel's output
             pdl.gdc_launch_dependents()
         x = tl.load(x_ptr + r.to(tl.int64) * sx + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if NOISY:                                           # Gumbel(0, 1) noise of (row key, token)
+            key = tl.load(key_ptr + r).to(tl.uint32)
+            vh = tl.load(vhash_ptr + cols, mask=cols < V, other=0).to(tl.uint32)
+            h = _mix32(key ^ vh)
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)   # in [2**-24, 1 - 2**-24]
+            x = x - _log(-_log(u))
         cell = r * SP + c
         tl.store(pmax_ptr + cell, tl.max(x, 0))
         tl.store(pidx_ptr + cell, c * BLOCK + tl.argmax(x, 0, tie_break_left=True))
@@ -75,12 +108,25 @@ def usable(x: torch.Tensor) -> bool:
 
 def argmax(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [B, V] -> [B] long: the first index of each row's maximum (into ``out`` when given)."""
+    return _launch(x, ws, out, None, None)
+
+
+def noisy_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor, ws: ArgmaxWorkspace) -> torch.Tensor:
+    """Gumbel-max draw: argmax over V of x [B, V] plus each row's noise -> [B] long. keys [B] int64
+    row keys, vocab_hash [>= V] int64 hashed token ids, both in [0, 2**32) (``sampling_ops``)."""
+    return _launch(x, ws, None, keys, vocab_hash)
+
+
+def _launch(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+            vocab_hash: Optional[torch.Tensor]) -> torch.Tensor:
     B, V = x.shape
     S = triton.cdiv(V, BLOCK)
     sp = triton.next_power_of_2(S)
     pmax, pidx, count = ws.get(B, sp, x.device)
     if out is None:
         out = torch.empty(B, dtype=torch.long, device=x.device)
-    pdl.launch(_argmax_kernel, (B, S), (x, out, pmax, pidx, count, V, x.stride(0), S), x.device,
-               SP=ws.sp, BLOCK=BLOCK, num_warps=4)
+    noisy = keys is not None
+    pdl.launch(_argmax_kernel, (B, S), (x, out, pmax, pidx, count, keys if noisy else out,
+                                        vocab_hash if noisy else out, V, x.stride(0), S), x.device,
+               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, num_warps=4)
     return out

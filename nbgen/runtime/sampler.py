@@ -124,24 +124,16 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's logits into next tokens (and logprobs) for a batch of SeqWork."""
 
-    def __init__(self, vocab_size: int, device: torch.device, use_compile: Optional[bool] = None,
-                 original_logprobs: bool = False) -> None:
-        """use_compile: fuse the noise hash + argmax with torch.compile (default: on CUDA only);
-        original_logprobs: report logprobs before the temperature (Engine's return_original_logprob).
+    def __init__(self, vocab_size: int, device: torch.device, original_logprobs: bool = False) -> None:
+        """original_logprobs: report logprobs before the temperature (Engine's return_original_logprob).
 
-        Eager, the hash runs ~30 int64 passes over [b, V] (~8 ms at b=256, V=152k on an H100);
-        fused it is one read of the logits. Any compile failure falls back to eager once. The
-        compiled function is made at the first sampled (non-greedy) row: wrapping it imports
-        torch._dynamo and inductor (~2-3 s), which a greedy-only engine never needs at start-up.
+        The sampled draw is a Gumbel-max argmax: on CUDA one Triton kernel hashing the noise as it
+        reads the logits; on a CPU ~30 int64 tensor passes over [b, V] blocks.
         """
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.original_logprobs = original_logprobs
         self.constraints = Constraints(vocab_size, self.device)  # grammar masks, custom processors
-        if use_compile is None:
-            use_compile = self.device.type == "cuda"
-        self._use_compile = use_compile
-        self._fused: Optional[Any] = None
         # hashed vocab ids; token v's noise is mix32(row_key ^ vocab_hash[v])
         self.vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
                                  ^ 0x27D4EB2F)
@@ -259,15 +251,8 @@ class Sampler:
         keys = host_tensor([row_key(s.req.seed, s.out_index) for s in seqs],
                            torch.int64, dev)
         vhash = self.vocab_hash[:vocab].to(dev)
-        if self._use_compile and self._fused is None:
-            self._fused = torch.compile(noisy_argmax, dynamic=True)
-        if self._fused is not None:
-            try:
-                return self._fused(x, keys, vhash)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: warn, stay correct
-                logger.warning("sampler: torch.compile failed (%s); using eager sampling", e)
-                self._fused, self._use_compile = None, False
-        block = max(1, _NOISE_BLOCK_ELEMS // max(vocab, 1))             # bound int64 temporaries
+        # the torch path's int64 temporaries are [block, V]: bounded; the CUDA kernel has none
+        block = b if x.is_cuda else max(1, _NOISE_BLOCK_ELEMS // max(vocab, 1))
         out = [noisy_argmax(x[s:s + block], keys[s:s + block], vhash) for s in range(0, b, block)]
         return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -73,5 +73,9 @@ def greedy_argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
 
 
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
-    """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long."""
+    """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long; on CUDA one
+    Triton kernel that hashes the noise in place (kernels/gpu_argmax), elsewhere int64 tensor ops
+    over a [b, V] temporary (callers bound b)."""
+    if gpu_argmax.usable(x):
+        return gpu_argmax.noisy_argmax(x, keys, vocab_hash, _ARGMAX_WS)
     return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
