@@ -209,3 +209,12 @@ def test_smollm2_tokenizer_streaming() -> None:
         assert "".join(stream(tok, ids, [rng.randint(1, 2) for _ in ids])) == tok.decode(ids)
     ids = [rng.randrange(len(tok)) for _ in range(300)]
     assert "".join(stream(tok, ids, [1] * len(ids))) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_byte_fallback_ids_read_once_per_tokenizer(sp_bpe, byte_bpe) -> None:
+    from nbgen.runtime.detokenizer import byte_token_ids
+
+    ids = byte_token_ids(sp_bpe)
+    assert ids is byte_token_ids(sp_bpe)                    # shared by every request's detokenizer
+    assert len(ids) == 256 and all(sp_bpe.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
+    assert byte_token_ids(byte_bpe) == frozenset()          # byte-level BPE has no fallback tokens

@@ -16,10 +16,30 @@ tail that might still grow into one, so a streamed client never sees text that i
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, Optional, Sequence
 
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+_BYTE_IDS: "weakref.WeakKeyDictionary[Any, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
+def byte_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's SentencePiece byte-fallback tokens (``<0xE6>``), read from its vocabulary
+    once per tokenizer (every request's detokenizer shares the set)."""
+    try:
+        return _BYTE_IDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ids = frozenset(i for name, i in vocab.items() if isinstance(name, str) and _BYTE_TOKEN.fullmatch(name))
+    try:
+        _BYTE_IDS[tokenizer] = ids
+    except TypeError:                   # not weak-referenceable: computed again per detokenizer
+        pass
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -41,7 +61,7 @@ class IncrementalDetokenizer:
         self.read_offset = 0            # ids[:read_offset] have been emitted as text
         self.text_len = 0               # characters emitted so far
         self.run_start = 0              # start of the trailing run of byte-fallback tokens
-        self._byte_tok: dict[int, bool] = {}
+        self._byte_ids = byte_token_ids(tokenizer)
         # skipped special tokens vanish before the decoder runs, so they do not end a byte run
         self._transparent = set(getattr(tokenizer, "all_special_ids", [])) if skip_special_tokens else set()
 
@@ -56,22 +76,19 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append new output ids; return the text they complete (may be "" while bytes are pending)."""
+        if not self._byte_ids:          # byte-level BPE and most tokenizers: no byte-fallback runs
+            self.ids.extend(int(t) for t in token_ids)
+            self.run_start = len(self.ids)
+            return self._advance(final=False)
         for t in token_ids:
             self.ids.append(int(t))
-            if not (self._is_byte_token(int(t)) or int(t) in self._transparent):
+            if not (int(t) in self._byte_ids or int(t) in self._transparent):
                 self.run_start = len(self.ids)
         return self._advance(final=False)
 
     def flush(self) -> str:
         """Release whatever is held back (e.g. an incomplete character at the very end)."""
         return self._advance(final=True)
-
-    def _is_byte_token(self, t: int) -> bool:
-        hit = self._byte_tok.get(t)
-        if hit is None:
-            name = self.tokenizer.convert_ids_to_tokens(t)
-            hit = self._byte_tok[t] = isinstance(name, str) and _BYTE_TOKEN.fullmatch(name) is not None
-        return hit
 
     def _advance(self, final: bool) -> str:
         end = len(self.ids) if final else self.run_start
