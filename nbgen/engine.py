@@ -104,6 +104,13 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
             raise ValueError("this Engine has no tokenizer (skip_tokenizer_init=True): pass input_ids")
         return list(self.tokenizer.encode(text))
 
+    def _tokenize_all(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text: a fast tokenizer encodes the batch in one call (Rust, on all
+        cores), the same ids as ``_tokenize`` one by one."""
+        if len(texts) > 1 and self.tokenizer is not None and getattr(self.tokenizer, "is_fast", False):
+            return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
+        return [self._tokenize(t) for t in texts]
+
     def _prepare(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any,
                  top_logprobs_num: Any, logprob_start_len: Any, token_ids_logprob: Any,
                  rid: Any, return_hidden_states: Any = False,
@@ -128,7 +135,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                                     token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
         rids = check_rids(per_item("rid", rid, n))
         prio = check_priority(priority)
-        ids_list = [self._tokenize(p) for p in items] if kind == "prompt" else items
+        ids_list = self._tokenize_all(items) if kind == "prompt" else items
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
         for r in reqs:

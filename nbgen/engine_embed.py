@@ -25,7 +25,7 @@ _UNSUPPORTED = ("image_data", "audio_data", "video_data", "lora_path")
 
 
 class EmbedMixin:
-    """encode() / async_encode() / encode_iter() for Engine (uses its config, pooling, _tokenize,
+    """encode() / async_encode() / encode_iter() for Engine (uses its config, pooling, _tokenize_all,
     _facts, _check_alive, _run_sync and _asubmit)."""
 
     def _embed_requests(self, prompt: Any, input_ids: Any, dimensions: Any, rid: Any,
@@ -42,7 +42,7 @@ class EmbedMixin:
         dims = check_dimensions(dimensions, self.pooling, self.model_name)
         items, single, kind = normalize_inputs(prompt, input_ids)
         rids = check_rids(per_item("rid", rid, len(items)))
-        ids_list = [self._tokenize(p) for p in items] if kind == "prompt" else items
+        ids_list = self._tokenize_all(items) if kind == "prompt" else items
         params = SamplingParams(max_new_tokens=0)        # prefill only: finished after the prompt
         for i, ids in enumerate(ids_list):
             check_ids(ids, i, params, self._facts)

@@ -568,3 +568,11 @@ def test_loading_line_in_a_notebook_ends_without_a_spinner(tiny_llama_dir, monke
     line2 = StartupFeedback()  # outside a kernel: nothing displayed
     line2.failed()
     assert len(shown) == 1
+
+
+def test_a_batch_of_text_prompts_tokenizes_as_each_alone(tiny_engine) -> None:
+    texts = ["Hello world", "<|im_start|>user\nhi<|im_end|>", "  café 😀", "a" * 300]
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    outs = tiny_engine.generate(texts, sp)
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(tiny_engine.tokenizer.encode(t)) for t in texts]
+    assert [o["output_ids"] for o in outs] == [tiny_engine.generate(t, sp)["output_ids"] for t in texts]
