@@ -87,3 +87,15 @@ def test_dashboard_shows_priorities():
     assert dashboard_text(st).endswith("| priority 10: 1 running, 0 waiting | none: 2 running, 4 waiting")
     h.append({**st, "priorities": {}})
     assert "nbgen-priorities" not in dashboard_html(h) and "priority" not in dashboard_text({"running": 1})
+
+
+def test_max_queued_requests_aborts_the_overflow_of_a_batch(tiny_llama_dir, device):
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device=device, max_running_requests=1,
+                      max_queued_requests=1) as eng:
+        outs = eng.generate(["a b", "c d", "e f"], sp)
+        assert len(outs[0]["output_ids"]) == 3 and outs[0]["meta_info"]["finish_reason"]["type"] == "length"
+        for o in outs[1:]:       # submitted together: one waits, the others find the queue full
+            fr = o["meta_info"]["finish_reason"]
+            assert fr["type"] == "abort" and fr["message"] == "The request queue is full."
+        assert len(eng.generate("again", sp)["output_ids"]) == 3     # the engine keeps serving

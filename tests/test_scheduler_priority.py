@@ -298,3 +298,42 @@ def test_stats_count_per_priority() -> None:
 def test_config_errors_name_the_argument(name: str, value) -> None:
     with pytest.raises(ValueError, match=name):
         EngineConfig(**{name: value})
+
+
+def test_max_queued_requests_aborts_arrivals_beyond_the_queue() -> None:
+    """SGLang's max_queued_requests: once that many wait, an arrival is aborted at once (the queue
+    and the running requests are untouched); a running request does not count."""
+    from tests.test_scheduler import sched
+
+    s = sched(max_queued_requests=2, max_running_requests=1)
+    a, b, c = req("a", [1, 2, 3]), req("b", [4, 5, 6]), req("c", [7, 8, 9])
+    for r in (a, b, c):
+        s.add(r)
+    assert c.finished and c.finish_reason.to_dict()["message"] == "The request queue is full."
+    assert not a.finished and not b.finished and c in s.take_finished_outside()
+    s.schedule()                                  # a runs: one waits, so an arrival fits again
+    d = req("d", [1, 1, 1])
+    s.add(d)
+    assert not d.finished
+    run(s)
+    assert a.finished and b.finished and d.finished and a.finish_reason.type == "length"
+
+
+def test_max_queued_requests_with_priorities_displaces_the_least_preferred() -> None:
+    s = psched(max_queued_requests=2)
+    low_old, low_new = preq("low_old", 1), preq("low_new", 1)
+    s.add(low_old)
+    s.add(low_new)
+    same = preq("same", 1)
+    s.add(same)                                   # not more important: the arrival is refused
+    assert same.finished and not low_new.finished
+    high = preq("high", 5)
+    s.add(high)                                   # more important: the newest least preferred goes
+    assert not high.finished and low_new.finished and not low_old.finished
+    assert low_new.finish_reason.to_dict()["message"] == "The request is aborted by a higher priority request."
+    assert admitted(s) == ["high", "low_old"]
+
+
+def test_max_queued_requests_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        EngineConfig(max_queued_requests=0)

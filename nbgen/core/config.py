@@ -39,6 +39,7 @@ class EngineConfig:
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.85
     max_running_requests: Optional[int] = None
+    max_queued_requests: Optional[int] = None
     max_total_tokens: Optional[int] = None
     chunked_prefill_size: Optional[int] = None
     # 16 tokens a page: page tables stay 16x shorter than token lists (cheap per-step metadata),
@@ -120,7 +121,7 @@ class EngineConfig:
         for name in ("allow_auto_truncate", "enable_torch_compile"):
             check(name, isinstance(getattr(self, name), bool), "a bool")
         check_chat_template(self.chat_template)
-        for name in ("context_length", "max_running_requests", "max_total_tokens",
+        for name in ("context_length", "max_running_requests", "max_queued_requests", "max_total_tokens",
                      "chunked_prefill_size", "cuda_graph_max_bs", "piecewise_cuda_graph_max_tokens"):
             v = getattr(self, name)
             check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
@@ -301,6 +302,7 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"               # "fcfs" | "lpm" | "lof"
     disable_radix_cache: bool = False
     context_length: Optional[int] = None        # prompt + output never exceeds it
+    max_queued_requests: Optional[int] = None   # waiting requests beyond it are aborted (SGLang's)
     priority: PriorityConfig = field(default_factory=PriorityConfig)
 
     def __post_init__(self) -> None:

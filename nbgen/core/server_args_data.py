@@ -20,6 +20,7 @@ IMPLEMENTED: dict[str, str] = {
     "context_length": "",
     "mem_fraction_static": "",
     "max_running_requests": "",
+    "max_queued_requests": "arrivals beyond it are aborted (\"The request queue is full.\"); with priorities a more important one displaces the least preferred",
     "max_total_tokens": "",
     "chunked_prefill_size": "the token budget of every step (decode rows count)",
     "max_prefill_tokens": "caps every step's token budget together with chunked_prefill_size",
@@ -284,7 +285,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "base_gpu_id", "gpu_id_step", "mlx_enable_sampling", "gc_threshold",
     ),
     "scheduling knobs nbgen's scheduler does not have": (
-        "radix_eviction_policy", "radix_eviction_policy_config", "max_queued_requests",
+        "radix_eviction_policy", "radix_eviction_policy_config",
         "prefill_decode_interval", "prefill_decode_interval_min_bs", "prefill_max_requests",
         "retraction_policy", "schedule_conservativeness", "prefill_only_disable_kv_cache",
         "num_continuous_decode_steps", "min_free_slots_delay",

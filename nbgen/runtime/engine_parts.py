@@ -50,7 +50,8 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
         page_size=rcfg.page_size, num_pages=runner.num_pages,
         max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.step_token_budget,
         schedule_policy=rcfg.schedule_policy, disable_radix_cache=rcfg.disable_radix_cache,
-        context_length=runner.loaded.context_length, priority=PriorityConfig.of(rcfg))
+        context_length=runner.loaded.context_length, max_queued_requests=rcfg.max_queued_requests,
+        priority=PriorityConfig.of(rcfg))
     return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc, scheduler=Scheduler(sc),
                        tokenizer=runner.loaded.tokenizer)
 

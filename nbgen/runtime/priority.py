@@ -85,6 +85,15 @@ class PriorityWaitingQueue:
         self._level(req).append(req)
         self._n += 1
 
+    def least_preferred(self) -> Optional[Request]:
+        """The newest request of the least important level: what a more important arrival displaces
+        when the queue is full (SGLang's ``max_queued_requests`` with priorities)."""
+        for imp in sorted(self._levels):
+            r = self._levels[imp].newest()
+            if r is not None:
+                return r
+        return None
+
     def push_front(self, req: Request) -> None:
         """A preempted request goes before the arrivals of its level."""
         self._level(req).push_front(req)

@@ -39,9 +39,11 @@ from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats
+from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, importance, priority_stats
 from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue
+
+QUEUE_FULL = "The request queue is full."     # SGLang's abort message (max_queued_requests)
 
 
 class Scheduler:
@@ -83,6 +85,8 @@ class Scheduler:
             req.finish_reason, req.status = FinishReason.abort(msg), Status.FINISHED
             self._finished_outside.append(req)
             return
+        if self._refused_by_full_queue(req):
+            return
         req.status = Status.WAITING
         req.arrival_seq, self._arrival_counter = self._arrival_counter, self._arrival_counter + 1
         self._live[req.rid] = req
@@ -107,6 +111,25 @@ class Scheduler:
             self._live.pop(req.rid, None)
             req.finish_reason, req.status = reason, Status.FINISHED
             self._finished_outside.append(req)
+
+    def _refused_by_full_queue(self, req: Request) -> bool:
+        """SGLang's ``max_queued_requests``: with the waiting queue full, the arrival is aborted, or
+        with priority scheduling the least preferred waiting request when the arrival is strictly
+        more important. True when ``req`` was aborted."""
+        cap = self.cfg.max_queued_requests
+        if cap is None or len(self.waiting) < cap:
+            return False
+        victim, msg = req, QUEUE_FULL
+        if self.prio.enable_priority_scheduling and isinstance(self.waiting, PriorityWaitingQueue):
+            cand = self.waiting.least_preferred()
+            if cand is not None and importance(req, self.prio) > importance(cand, self.prio):
+                victim, msg = cand, "The request is aborted by a higher priority request."
+        if victim is not req:
+            self.finish(victim, FinishReason.abort(msg))
+            return False
+        req.finish_reason, req.status = FinishReason.abort(msg), Status.FINISHED
+        self._finished_outside.append(req)
+        return True
 
     def take_finished_outside(self) -> list[Request]:
         """The requests finished since the last call (see ``__init__``)."""

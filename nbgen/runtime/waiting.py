@@ -84,6 +84,14 @@ class WaitingQueue:
                 first = r
         return first
 
+    def newest(self) -> Optional[Request]:
+        """The waiting request that arrived last (preempted ones keep their arrival order)."""
+        last = next(reversed(self._arrivals.values()), None)
+        for r in self._front:
+            if last is None or r.arrival_seq > last.arrival_seq:
+                last = r
+        return last
+
     def admitted(self, req: Request) -> None:
         """Admission hook (the priority queue's starvation guard counts there); nothing to do here."""
 
