@@ -113,20 +113,21 @@ class PrefixCache:
         if self.disabled:
             return list(pages[:n])
         self._clock += 1
-        node, path = self._root(ns), []
+        clock, nodes = self._clock, self._nodes
+        node, path, new = self._root(ns), [], []
         for i in range(n):
             key = tuple(token_ids[i * P:(i + 1) * P])
             child = node.children.get(key)
             if child is None:
                 page = pages[i]
-                assert page not in self._nodes, f"page {page} is already cached elsewhere"
-                child = _Node(key, page, node)
-                node.children[key] = child
-                self._nodes[page] = child
-                self.pool.ref([page])
-            child.last = self._clock
+                assert page not in nodes, f"page {page} is already cached elsewhere"
+                child = node.children[key] = nodes[page] = _Node(key, page, node)
+                new.append(page)
+            child.last = clock
             path.append(child.page)
             node = child
+        if new:
+            self.pool.ref(new)
         return path
 
     def insert_request(self, req: Request, swap: bool) -> None:
