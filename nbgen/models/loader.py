@@ -21,6 +21,7 @@ from torch import nn
 from nbgen.core.chat_template import apply_chat_template_arg
 from nbgen.core.config import EngineConfig
 from nbgen.models.embedded import default_model_path
+from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format
 from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models.linear import prepack_cpu_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
@@ -214,7 +215,11 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
         _dummy_init(model, cfg.random_seed)
     else:
         # an embedding engine never computes logits: a checkpoint without lm_head (saved as the base model) loads
-        model.load_weights(iter_safetensors(model_dir), require_head=not cfg.is_embedding)
+        weights = iter_safetensors(model_dir)
+        fp8 = fp8_format(config)
+        if fp8 is not None:   # fp8 checkpoint: weights dequantized as they stream (fp8 GEMMs: not yet)
+            weights = dequantize_stream(weights, fp8)
+        model.load_weights(weights, require_head=not cfg.is_embedding)
     model.eval().requires_grad_(False)
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable

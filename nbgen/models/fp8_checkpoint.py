@@ -1,0 +1,105 @@
+"""FP8 checkpoints read as dequantized weights: HF ``quant_method: "fp8"`` (block-wise e4m3 weights with
+``weight_scale_inv`` per ``weight_block_size`` block) and compressed-tensors float8 (``weight_scale``
+per output channel or per tensor).
+
+The weight stream of such a checkpoint passes through ``dequantize_stream``: each float8 weight is held
+until its scale arrives (safetensors lists ``x.weight`` before ``x.weight_scale*``), multiplied out in
+float32 and handed on under the weight's name, so the model's weight loaders see an ordinary checkpoint
+and cast to the engine's dtype. Activation scales (``input_scale``, static fp8 activations) only matter to
+fp8 GEMMs and are dropped here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """How a checkpoint's float8 weights are scaled."""
+
+    method: str                                  # "fp8" | "compressed-tensors"
+    block: Optional[tuple[int, int]] = None      # (rows, cols) of one scale block (HF block-wise fp8)
+
+
+def fp8_format(hf_config: Any) -> Optional[Fp8Format]:
+    """The checkpoint's fp8 format from ``config.json``'s ``quantization_config``; None when the weights
+    are not fp8. A quantization nbgen does not read raises a ValueError naming it."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    method = qc.get("quant_method")
+    if method == "fp8":
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8 checkpoint format {fmt!r} is not supported (e4m3 is)")
+        block = qc.get("weight_block_size")
+        return Fp8Format("fp8", tuple(int(b) for b in block) if block else None)
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        for g in groups.values():
+            w = g.get("weights") or {}
+            if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
+                raise ValueError("compressed-tensors checkpoints load when their weights are float8 "
+                                 f"(type float, 8 bits); this one has {w}")
+        return Fp8Format("compressed-tensors")
+    raise ValueError(f"quantization_config quant_method {method!r} is not supported "
+                     "(supported: fp8, compressed-tensors float8; GGUF files load through load_format='gguf')")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
+    """float32 values of a float8 ``weight`` [out, in]: times ``scale`` per (bo, bi) block when ``block``
+    is given (scale [ceil(out/bo), ceil(in/bi)]), else per row ([out] or [out, 1]) or per tensor (one value)."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block is not None and s.dim() == 2 and s.numel() > 1:
+        bo, bi = block
+        s = s.repeat_interleave(bo, 0)[: w.shape[0]].repeat_interleave(bi, 1)[:, : w.shape[1]]
+        return w * s
+    if s.numel() == 1:
+        return w * s.reshape(())
+    return w * s.reshape(-1, 1)
+
+
+def dequantize_stream(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of an fp8 checkpoint with every float8 weight dequantized (see the module
+    docstring); a float8 weight whose scale never comes raises a ValueError naming it."""
+    pending: dict[str, torch.Tensor] = {}        # weight name -> float8 tensor waiting for its scale
+    scales: dict[str, torch.Tensor] = {}         # weight name -> scale that came first
+    for name, t in weights:
+        if name.endswith(".input_scale") or name.endswith(".weight_zero_point"):
+            continue
+        base = _weight_of_scale(name)
+        if base is not None:
+            w = pending.pop(base, None)
+            if w is None:
+                scales[base] = t
+            else:
+                yield base, dequantize(w, t, fmt.block)
+            continue
+        if t.dtype in FP8_DTYPES:
+            s = scales.pop(name, None)
+            if s is None:
+                pending[name] = t
+            else:
+                yield name, dequantize(t, s, fmt.block)
+            continue
+        yield name, t
+    if pending:
+        raise ValueError(f"fp8 checkpoint: no scale for {sorted(pending)[:3]} "
+                         "(expected <name>_scale_inv or <name>_scale beside each float8 weight)")
+
+
+def _weight_of_scale(name: str) -> Optional[str]:
+    """``x.weight`` for ``x.weight_scale_inv`` / ``x.weight_scale``, else None."""
+    for suffix in ("_scale_inv", "_scale"):
+        if name.endswith(".weight" + suffix):
+            return name[: -len(suffix)]
+    return None

@@ -1,0 +1,116 @@
+"""FP8 checkpoints on the CPU (nbgen.models.fp8_checkpoint): tiny models whose linear weights the test
+quantizes to float8 e4m3 (HF block-wise ``weight_scale_inv``; compressed-tensors per-channel
+``weight_scale`` with an ``input_scale``) load dequantized, and greedy output equals HF transformers
+running the same dequantized weights in fp32."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import nbgen
+from nbgen.models.fp8_checkpoint import Fp8Format, dequantize, dequantize_stream, fp8_format
+from tests.tiny_models import make_tiny_model
+
+F8 = torch.float8_e4m3fn
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, scale) with w ~= weight * scale per block (or per row when block is None)."""
+    if block is None:
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0          # [out, 1]
+        return (w / scale).to(F8), scale
+    bo, bi = block
+    out, inp = w.shape
+    scale = torch.empty((out + bo - 1) // bo, (inp + bi - 1) // bi)
+    q = torch.empty_like(w, dtype=F8)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi]
+            s = blk.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            q[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] = (blk / s).to(F8)
+    return q, scale
+
+
+def _fp8_copy(src: str, dst: str, method: str) -> str:
+    """``dst``: ``src`` with its decoder linears in float8 (see the module docstring); returns the
+    directory of the same model holding the dequantized values in fp32 (the reference)."""
+    shutil.copytree(src, dst)
+    ref = dst + "_ref"
+    shutil.copytree(src, ref)
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    fp8, deq = {}, {}
+    block = (16, 32) if method == "fp8" else None
+    for name, t in sd.items():
+        if name.endswith(".weight") and any(f".{p}." in name for p in LINEARS):
+            q, s = _quantize(t.float(), block)
+            fp8[name] = q
+            if method == "fp8":
+                fp8[name + "_scale_inv"] = s
+            else:
+                fp8[name + "_scale"] = s
+                fp8[name.replace(".weight", ".input_scale")] = torch.tensor([1.0])
+            deq[name] = dequantize(q, s, block).to(t.dtype)
+        else:
+            fp8[name] = deq[name] = t
+    save_file(fp8, os.path.join(dst, "model.safetensors"))
+    save_file(deq, os.path.join(ref, "model.safetensors"))
+    cfg_path = os.path.join(dst, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["quantization_config"] = (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+        if method == "fp8" else
+        {"quant_method": "compressed-tensors", "format": "float-quantized",
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8,
+                                                                          "strategy": "channel"}}}})
+    json.dump(cfg, open(cfg_path, "w"))
+    return ref
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_fp8_checkpoint_greedy_equals_hf_on_the_dequantized_weights(tmp_path, method) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model("llama", str(tmp_path / "base"))
+    ref = _fp8_copy(src, str(tmp_path / "fp8"), method)
+    prompt = [5, 17, 42, 99, 3, 250]
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    with nbgen.Engine(str(tmp_path / "fp8"), dtype="float32", device="cpu") as eng:
+        got = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                              "ignore_eos": True})["output_ids"]
+    assert got == want
+    # the quantization changed the weights (else this test would not test the dequantization)
+    assert not torch.equal(load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"],
+                           load_file(os.path.join(ref, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_block_dequantize_covers_ragged_edges() -> None:
+    w = torch.randn(40, 70)
+    q, s = _quantize(w, (16, 32))
+    assert s.shape == (3, 3)
+    d = dequantize(q, s, (16, 32))
+    assert d.shape == w.shape and (d - w).abs().max() <= 0.07 * w.abs().max()   # e4m3: 3 mantissa bits
+
+
+def test_scale_before_weight_and_missing_scale() -> None:
+    q, s = _quantize(torch.randn(4, 8), None)
+    out = dict(dequantize_stream([("a.weight_scale", s), ("a.weight", q), ("b.bias", torch.ones(2))],
+                                 Fp8Format("compressed-tensors")))
+    assert torch.equal(out["a.weight"], q.float() * s) and "b.bias" in out
+    with pytest.raises(ValueError, match="no scale for"):
+        list(dequantize_stream([("a.weight", q)], Fp8Format("fp8", (16, 16))))
+
+
+def test_unsupported_quantization_is_a_clear_error() -> None:
+    class Cfg:
+        quantization_config = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        fp8_format(Cfg())
+    assert fp8_format(object()) is None
