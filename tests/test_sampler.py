@@ -40,6 +40,17 @@ def test_mix32_matches_python_reference_and_never_overflows() -> None:
     assert 0.0 < u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.02
 
 
+def test_row_keys_vectorised_equal_row_key() -> None:
+    import random
+
+    from nbgen.runtime.sampling_ops import row_keys
+
+    rnd = random.Random(0)
+    seeds = [rnd.randint(-2 ** 70, 2 ** 70) for _ in range(300)] + [0, 1, -1, 2 ** 63 - 1]
+    steps = [rnd.randint(0, 2 ** 40) for _ in seeds]
+    assert row_keys(seeds, steps).tolist() == [row_key(a, b) for a, b in zip(seeds, steps)]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_is_argmax_and_top_k_1_is_greedy(device: torch.device) -> None:
     torch.manual_seed(0)

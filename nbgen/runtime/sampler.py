@@ -37,7 +37,7 @@ from torch import Tensor
 from nbgen.core.batch import SeqWork, TokenLogprobs
 from nbgen.runtime.constraints import Constraints
 from nbgen.runtime.logprobs import token_logprobs
-from nbgen.runtime.sampling_ops import greedy_argmax, mix32, noisy_argmax, row_key
+from nbgen.runtime.sampling_ops import greedy_argmax, mix32, noisy_argmax, row_keys
 
 logger = logging.getLogger(__name__)
 # noise is generated in row blocks so the int64 [rows, V] temporaries stay ~<= 128 MB each
@@ -248,7 +248,7 @@ class Sampler:
                                   for p in params], x.dtype, dev)
             thr = x.max(dim=-1).values + logmin                         # [b]
             x = x.masked_fill(x < thr.view(-1, 1), float("-inf"))
-        keys = host_tensor([row_key(s.req.seed, s.out_index) for s in seqs],
+        keys = host_tensor(torch.from_numpy(row_keys([s.req.seed for s in seqs], [s.out_index for s in seqs])),
                            torch.int64, dev)
         vhash = self.vocab_hash[:vocab].to(dev)
         # the torch path's int64 temporaries are [block, V]: bounded; the CUDA kernel has none

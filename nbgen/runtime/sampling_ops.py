@@ -6,7 +6,10 @@ same tokens whatever else is in the batch, in any row order, on CPU and CUDA.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Optional
+
+import numpy as np
 
 import torch
 from torch import Tensor
@@ -35,10 +38,22 @@ def mix32(x: Any) -> Any:
     return x ^ (x >> 16)
 
 
+@lru_cache(maxsize=1 << 16)
+def seed_key(seed: int) -> int:
+    """32-bit key of a request seed (Python ints: any size or sign); cached, a request draws many steps."""
+    return mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
+
+
 def row_key(seed: int, step: int) -> int:
-    """32-bit stream key of one (seed, step); Python ints, so any seed size/sign works."""
-    k = mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ 0x9E3779B9))
-    return mix32(k ^ mix32((step & _M32) ^ 0x85EBCA6B))
+    """32-bit stream key of one (seed, step)."""
+    return mix32(seed_key(seed) ^ mix32((step & _M32) ^ 0x85EBCA6B))
+
+
+def row_keys(seeds: list[int], steps: list[int]) -> np.ndarray:
+    """``row_key`` of each (seed, step) pair as int64 numpy (one vectorised hash for a batch)."""
+    k = np.fromiter((seed_key(s) for s in seeds), dtype=np.int64, count=len(seeds))
+    st = np.asarray(steps, dtype=np.int64) & _M32
+    return mix32(k ^ mix32(st ^ 0x85EBCA6B))
 
 
 def gumbel_from_hash(h: Tensor) -> Tensor:
