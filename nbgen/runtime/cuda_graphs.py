@@ -31,7 +31,7 @@ from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.runtime.pages import SCRATCH_PAGE
-from nbgen.runtime.step_inputs import is_placeholder, placeholder_row
+from nbgen.runtime.step_inputs import is_placeholder, placeholder_row, rope_deltas
 
 logger = logging.getLogger("nbgen")
 
@@ -191,7 +191,7 @@ class CudaGraphRunner:
         tok = np.fromiter(ids, dtype=np.int64, count=n)
         ph = is_placeholder(tok)
         io[0, :n] = np.where(ph, 0, tok)
-        io[1, :n] = pos
+        io[1, :n] = pos + rope_deltas(batch.seqs)   # M-RoPE models: decode at p + rope_delta
         io[2, :n] = slots
         io[3, :n] = np.where(ph, placeholder_row(tok), -1)
         io[:3, n:] = 0                    # padding: token 0 at position 0 into slot 0 of the scratch page

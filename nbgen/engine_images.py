@@ -1,0 +1,214 @@
+"""generate()'s ``image_data`` (SGLang's argument) on the caller's thread: images loaded, preprocessed
+with the model's HF image processor, the prompt's image placeholders expanded to one slot per image
+token, M-RoPE positions computed, and the slots filled with content-hash ids (``core/multimodal.py``).
+
+An image is a path, a ``file://`` URL, an ``http(s)://`` URL (fetched when reachable), a base64 string
+or data URL, raw bytes or a PIL image. A prompt takes one image or a list; a batch takes a list with
+one entry (None, an image or a list) per prompt. Each image needs a ``<|vision_start|><|image_pad|>
+<|vision_end|>`` placeholder in the prompt (the chat template writes it); a prompt without any gets
+them prepended, one per image.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import hashlib
+import io
+import os
+import urllib.error
+import urllib.request
+from typing import Any, Optional
+
+import numpy as np
+
+from nbgen.core.multimodal import ImageInputs
+from nbgen.core.request import Request
+from nbgen.models.mrope import mrope_positions
+from nbgen.models.registry import VISION_ARCHITECTURES
+
+_FETCH_TIMEOUT_S = 10.0
+_HASH_SPACE = 1 << 30
+
+
+def load_image(item: Any, where: str) -> Any:
+    """One image argument -> an RGB PIL image; ValueError naming ``where`` when it cannot be read."""
+    from PIL import Image
+
+    if isinstance(item, Image.Image):
+        return item.convert("RGB")
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        data = bytes(item)
+    elif isinstance(item, os.PathLike):
+        data = _read_file(os.fspath(item), where)
+    elif isinstance(item, str):
+        data = _bytes_of_string(item, where)
+    else:
+        raise ValueError(f"{where} must be a path, URL, base64 string, bytes or PIL image, got {type(item).__name__}")
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+    except Exception as e:   # PIL raises several types for undecodable data
+        raise ValueError(f"{where} is not a readable image ({type(e).__name__}: {e})") from None
+    return img.convert("RGB")
+
+
+def _read_file(path: str, where: str) -> bytes:
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read image file {path!r} ({e.strerror or e})") from None
+
+
+def _bytes_of_string(s: str, where: str) -> bytes:
+    if s.startswith("data:"):
+        head, _, payload = s.partition(",")
+        if ";base64" not in head:
+            raise ValueError(f"{where}: a data URL must be base64-encoded")
+        return _b64(payload, where)
+    if s.startswith("file://"):
+        return _read_file(urllib.request.url2pathname(s[len("file://"):]), where)
+    if s.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(s, timeout=_FETCH_TIMEOUT_S) as r:
+                return r.read()
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise ValueError(f"{where}: could not fetch {s!r} ({getattr(e, 'reason', e)}); pass a local path, "
+                             "bytes, a base64 string or a PIL image instead") from None
+    if os.path.exists(os.path.expanduser(s)):
+        return _read_file(s, where)
+    if len(s) > 64:
+        return _b64(s, where)
+    raise ValueError(f"{where}: {s!r} is neither an existing file, a URL nor a base64 image")
+
+
+def _b64(payload: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: invalid base64 image data") from None
+
+
+def per_prompt_images(image_data: Any, n: int, single: bool) -> list[list[Any]]:
+    """image_data -> one list of images per prompt (empty where a prompt has none)."""
+    if image_data is None:
+        return [[] for _ in range(n)]
+    if single:
+        return [list(image_data) if isinstance(image_data, (list, tuple)) else [image_data]]
+    if not isinstance(image_data, (list, tuple)) or len(image_data) != n:
+        got = f"{len(image_data)} entries" if isinstance(image_data, (list, tuple)) else type(image_data).__name__
+        raise ValueError(f"image_data for a batch of {n} prompts must be a list with one entry per prompt "
+                         f"(None, an image or a list of images), got {got}")
+    return [[] if x is None else list(x) if isinstance(x, (list, tuple)) else [x] for x in image_data]
+
+
+class ImagePrep:
+    """The model's image facts and processor (loaded on first use) for ``image_data``."""
+
+    def __init__(self, hf_config: Any, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = int(hf_config.vocab_size)
+        self.image_token_id = int(hf_config.image_token_id)
+        self.start_id = int(hf_config.vision_start_token_id)
+        self.end_id = int(hf_config.vision_end_token_id)
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+        self._processor: Optional[Any] = None
+
+    @property
+    def processor(self) -> Any:
+        """The HF image processor of the model directory (the PIL one when torchvision is missing)."""
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            try:
+                self._processor = AutoImageProcessor.from_pretrained(self.model_dir)
+            except (OSError, ValueError):
+                from transformers import Qwen2VLImageProcessorPil
+                self._processor = Qwen2VLImageProcessorPil()    # Qwen2-VL's defaults (min/max pixels)
+        return self._processor
+
+    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs]:
+        pil = [load_image(im, f"image_data[{idx}]" + (f"[{j}]" if len(images) > 1 else ""))
+               for j, im in enumerate(images)]
+        out = self.processor(images=pil, return_tensors="pt")
+        pv, grids = out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
+        runs = _runs(ids, self.image_token_id)
+        if not runs:
+            ids = [self.start_id, self.image_token_id, self.end_id] * len(images) + ids
+            runs = _runs(ids, self.image_token_id)
+        if len(runs) != len(images):
+            raise ValueError(f"prompt[{idx}] has {len(runs)} image placeholder(s) but image_data gives "
+                             f"{len(images)} image(s)")
+        new, spans, hashes, first = [], [], [], 0
+        rows = np.cumsum([0] + [t * h * w for t, h, w in grids])
+        for (a, b), (t, h, w), r0, r1 in zip(runs, grids, rows[:-1], rows[1:]):
+            n = t * h * w // (self.merge * self.merge)
+            new.extend(ids[first:a])
+            spans.append((len(new), len(new) + n))
+            new.extend([self.image_token_id] * n)
+            first = b
+            digest = hashlib.sha256(pv[r0:r1].float().numpy().tobytes())
+            digest.update(f"{t},{h},{w}".encode())
+            hashes.append(digest.hexdigest())
+        new.extend(ids[first:])
+        positions, delta = mrope_positions(len(new), spans, grids, self.merge)
+        pads = [self.vocab_size + int(h[:15], 16) % _HASH_SPACE for h in hashes]
+        return new, ImageInputs(pixel_values=pv, grids=grids, spans=spans, hashes=hashes, pad_values=pads,
+                                positions=positions, rope_delta=delta)
+
+    def expand(self, ids_list: list[list[int]], images: list[list[Any]]) -> tuple[list[list[int]], list[Optional[ImageInputs]]]:
+        """Prompts with their placeholders expanded (image token ids, still in the vocabulary for the
+        usual checks) and each prompt's ImageInputs (None for prompts without images)."""
+        out_ids, inputs = [], []
+        for i, (ids, ims) in enumerate(zip(ids_list, images)):
+            if not ims:
+                out_ids.append(ids)
+                inputs.append(None)
+                continue
+            new, inp = self._inputs(ids, ims, i)
+            out_ids.append(new)
+            inputs.append(inp)
+        return out_ids, inputs
+
+
+def _runs(ids: list[int], tok: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of ``tok`` in ids (one run = one image placeholder)."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == tok:
+            j = i
+            while j < len(ids) and ids[j] == tok:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def attach_images(reqs: list[Request], counts: list[int], inputs: list[Optional[ImageInputs]]) -> None:
+    """Give each request (``counts[i]`` of them for prompt i, prompt-major) its own ImageInputs and put
+    the hash ids into its prompt's image slots."""
+    it = iter(reqs)
+    for n, inp in zip(counts, inputs):
+        for _ in range(n):
+            req = next(it)
+            if inp is None:
+                continue
+            req.images = dataclasses.replace(inp)
+            req.rope_delta = inp.rope_delta
+            for (a, b), pad in zip(inp.spans, inp.pad_values):
+                req.prompt_ids[a:b] = [pad] * (b - a)
+
+
+def image_prep_for(hf_config: Any, model_dir: str) -> Optional[ImagePrep]:
+    """An ImagePrep for a vision-language model, None for a text model."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return ImagePrep(hf_config, model_dir) if archs and archs[0] in VISION_ARCHITECTURES else None
+
+
+def refuse_images(model_name: str) -> None:
+    """image_data given to a text-only model: ValueError naming what takes images."""
+    raise ValueError(f"image_data needs a vision-language model; {model_name} takes text only "
+                     f"(supported vision-language architectures: {', '.join(VISION_ARCHITECTURES)})")
