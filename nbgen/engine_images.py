@@ -76,7 +76,7 @@ def _bytes_of_string(s: str, where: str) -> bytes:
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise ValueError(f"{where}: could not fetch {s!r} ({getattr(e, 'reason', e)}); pass a local path, "
                              "bytes, a base64 string or a PIL image instead") from None
-    if os.path.exists(os.path.expanduser(s)):
+    if os.path.exists(os.path.expanduser(s)) or "." in s or s.startswith("~"):   # base64 has no "." or "~"
         return _read_file(s, where)
     if len(s) > 64:
         return _b64(s, where)

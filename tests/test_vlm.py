@@ -173,3 +173,24 @@ def test_unsupported_vlm_architecture_is_named():
 
     with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration"):
         get_model_class(ModelConfig({"architectures": ["LlavaForConditionalGeneration"]}))
+
+
+def test_generate_df_image_column_and_thumbnails(vlm, tmp_path):
+    import pandas as pd
+
+    _, eng = vlm
+    img = _image(60, 90, seed=7)
+    path = tmp_path / "a.png"
+    img.save(path)
+    df = pd.DataFrame({"prompt": ["Caption this.", "Caption this.", "Caption this.", "No image.", "Caption this."],
+                       "image": [str(path), img, path.read_bytes(), None, str(tmp_path / "missing.png")]})
+    out = nbgen.generate_df(df, "prompt", engine=eng, sampling_params=SP, image_column="image", progress=False)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Caption this."}]}]
+    want = eng.generate(eng.apply_chat_template(msgs), SP, image_data=img)["text"]
+    assert out["text"].tolist()[:3] == [want] * 3
+    assert out["error"].tolist()[:4] == [None] * 4 and out["text"][3]
+    assert out["error"][4] is not None and "missing.png" in out["error"][4]
+    page = nbgen.show_images(out, "image", size=32)._repr_html_()
+    assert page.count("<img") == 3 and "unreadable image" in page and want.split()[0][:3] in page
+    with pytest.raises(KeyError, match="image column"):
+        nbgen.generate_df(df, "prompt", engine=eng, image_column="photo")
