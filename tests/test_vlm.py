@@ -194,3 +194,22 @@ def test_generate_df_image_column_and_thumbnails(vlm, tmp_path):
     assert page.count("<img") == 3 and "unreadable image" in page and want.split()[0][:3] in page
     with pytest.raises(KeyError, match="image column"):
         nbgen.generate_df(df, "prompt", engine=eng, image_column="photo")
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_vlm_bench_runs_on_cpu():
+    from nbgen.bench.vlm import main
+
+    res = main(["--tiny", "--device", "cpu", "--num-requests", "3", "--image-size", "56", "--output-len", "3",
+                "--hf-requests", "2", "--hf-batch-size", "2", "--tower-batch", "2"])
+    assert res["nbgen"]["out_tokens"] == 9 and res["hf"]["out_tokens"] == 6
+    assert res["nbgen"]["image_tokens"] == 4 and 0 < res["vision"]["share_of_nbgen_time"]
+
+
+def test_engine_info_on_a_vlm(vlm):
+    import json
+
+    _, eng = vlm
+    json.dumps(eng.get_server_info(), default=str)
+    info = eng.get_model_info()
+    assert info is not None
