@@ -213,3 +213,21 @@ def test_engine_info_on_a_vlm(vlm):
     json.dumps(eng.get_server_info(), default=str)
     info = eng.get_model_info()
     assert info is not None
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_sglang_offline_vlm_example_shape(vlm, tmp_path):
+    """SGLang's examples/runtime/engine/offline_batch_inference_vlm.py with the model path changed (and a
+    local file for its URL: no network here): the image token inside a raw prompt."""
+    import nbgen as sgl
+
+    d, _ = vlm
+    path = tmp_path / "example_image.png"
+    _image(64, 80, seed=9).save(path)
+    image_token = "<|vision_start|><|image_pad|><|vision_end|>"
+    with sgl.Engine(model_path=d, device="cpu") as vlm_engine:
+        prompt = f"What's in this image?\n{image_token}"
+        output = vlm_engine.generate(prompt=prompt, image_data=str(path),
+                                     sampling_params={"temperature": 0.001, "max_new_tokens": 30})
+    assert isinstance(output["text"], str) and output["meta_info"]["completion_tokens"] > 0
+    assert output["meta_info"]["image_tokens"] > 0
