@@ -24,7 +24,7 @@ from nbgen.engine_session import SessionMixin
 from nbgen.engine_sync import SyncBridgeMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
                              make_requests, check_rids, normalize_inputs, per_item)
-from nbgen.engine_images import attach_images, image_prep_for, per_prompt_images, refuse_images
+from nbgen.engine_images import attach_images, image_prep_for, prepare_images
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
@@ -131,15 +131,8 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         rids = check_rids(per_item("rid", rid, n))
         prio = check_priority(priority)
         ids_list = [self._tokenize(p) for p in items] if kind == "prompt" else items
-        images = per_prompt_images(image_data, n, single)
-        image_inputs = None
-        if any(images):
-            if self._images is None:
-                refuse_images(self.model_name)
-            if any(lp.logprob_start_len >= 0 for lp, ims in zip(lps, images) if ims):
-                raise ValueError("logprob_start_len >= 0 (prompt logprobs) is not available with image_data: "
-                                 "image slots are not tokens; output logprobs are")
-            ids_list, image_inputs = self._images.expand(ids_list, images)
+        ids_list, image_inputs = prepare_images(self._images, self.model_name, ids_list, image_data, single, lps,
+                                                 session_params is not None or session_id is not None or lora_path is not None)
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
         if image_inputs is not None:

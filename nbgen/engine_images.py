@@ -202,6 +202,26 @@ def attach_images(reqs: list[Request], counts: list[int], inputs: list[Optional[
                 req.prompt_ids[a:b] = [pad] * (b - a)
 
 
+def prepare_images(prep: Optional[ImagePrep], model_name: str, ids_list: list[list[int]], image_data: Any,
+                   single: bool, logprobs: list[Any], text_only_features: bool
+                   ) -> tuple[list[list[int]], Optional[list[Optional[ImageInputs]]]]:
+    """generate()'s image_data checked and applied: (prompt ids with expanded placeholders, each prompt's
+    ImageInputs) or the ids unchanged and None without images. ``text_only_features``: the call uses
+    sessions or a LoRA adapter, which run text-only requests."""
+    images = per_prompt_images(image_data, len(ids_list), single)
+    if not any(images):
+        return ids_list, None
+    if prep is None:
+        refuse_images(model_name)
+    if any(lp.logprob_start_len >= 0 for lp, ims in zip(logprobs, images) if ims):
+        raise ValueError("logprob_start_len >= 0 (prompt logprobs) is not available with image_data: "
+                         "image slots are not tokens; output logprobs are")
+    if text_only_features:
+        raise ValueError("image_data cannot be combined with session_params / session_id or lora_path "
+                         "(sessions and LoRA adapters run text-only requests)")
+    return prep.expand(ids_list, images)
+
+
 def image_prep_for(hf_config: Any, model_dir: str) -> Optional[ImagePrep]:
     """An ImagePrep for a vision-language model, None for a text model."""
     archs = list(getattr(hf_config, "architectures", None) or [])

@@ -155,6 +155,8 @@ def test_image_data_refusals(vlm, tiny_llama_dir):
         eng.generate([prompt, prompt], SP, image_data=[img])
     with pytest.raises(ValueError, match="logprob_start_len"):
         eng.generate(prompt, SP, image_data=img, return_logprob=True, logprob_start_len=0)
+    with pytest.raises(ValueError, match="session"):
+        eng.generate(prompt, SP, image_data=img, session_params={"id": "nope"})
     buf = io.BytesIO(b"not an image")
     with pytest.raises(ValueError, match="not a readable image"):
         eng.generate(prompt, SP, image_data=buf.getvalue())
