@@ -233,3 +233,22 @@ def test_sglang_offline_vlm_example_shape(vlm, tmp_path):
                                      sampling_params={"temperature": 0.001, "max_new_tokens": 30})
     assert isinstance(output["text"], str) and output["meta_info"]["completion_tokens"] > 0
     assert output["meta_info"]["image_tokens"] > 0
+
+
+def test_older_checkpoint_layout_loads(vlm):
+    """Checkpoints saved before transformers 5 name the decoder ``model.*`` and the tower ``visual.*``."""
+    from nbgen.models.loader import iter_safetensors
+    from nbgen.models.model_config import read_model_config
+    from nbgen.models.registry import get_model_class, prepare_config
+
+    d, _ = vlm
+    cfg = prepare_config(read_model_config(d))
+    new, old = get_model_class(cfg)(cfg), get_model_class(cfg)(cfg)
+    new.load_weights(iter_safetensors(d))
+    renamed = ((n.replace("model.language_model.", "model.").replace("model.visual.", "visual."), t)
+               for n, t in iter_safetensors(d))
+    old.load_weights(renamed)
+    a, b = new.state_dict(), old.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="vision tensor"):
+        get_model_class(cfg)(cfg).load_weights((n, t) for n, t in iter_safetensors(d) if "merger" not in n)
