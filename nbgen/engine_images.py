@@ -18,9 +18,8 @@ import io
 import os
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
-
-import numpy as np
 
 from nbgen.core.multimodal import ImageInputs
 from nbgen.core.request import Request
@@ -29,6 +28,8 @@ from nbgen.models.registry import VISION_ARCHITECTURES
 
 _FETCH_TIMEOUT_S = 10.0
 _HASH_SPACE = 1 << 30
+_PARALLEL_FROM = 4          # prompts with images from which preprocessing runs in a thread pool
+_MAX_WORKERS = 8
 
 
 def load_image(item: Any, where: str) -> Any:
@@ -141,15 +142,16 @@ class ImagePrep:
             raise ValueError(f"prompt[{idx}] has {len(runs)} image placeholder(s) but image_data gives "
                              f"{len(images)} image(s)")
         new, spans, hashes, first = [], [], [], 0
-        rows = np.cumsum([0] + [t * h * w for t, h, w in grids])
-        for (a, b), (t, h, w), r0, r1 in zip(runs, grids, rows[:-1], rows[1:]):
+        for (a, b), (t, h, w), img in zip(runs, grids, pil):
             n = t * h * w // (self.merge * self.merge)
             new.extend(ids[first:a])
             spans.append((len(new), len(new) + n))
             new.extend([self.image_token_id] * n)
             first = b
-            digest = hashlib.sha256(pv[r0:r1].float().numpy().tobytes())
-            digest.update(f"{t},{h},{w}".encode())
+            # the decoded RGB pixels and the patch grid identify the processed image (the processor is
+            # deterministic); ~10x cheaper than hashing the float patches
+            digest = hashlib.sha256(img.tobytes())
+            digest.update(f"{img.size},{t},{h},{w}".encode())
             hashes.append(digest.hexdigest())
         new.extend(ids[first:])
         positions, delta = mrope_positions(len(new), spans, grids, self.merge)
@@ -160,15 +162,15 @@ class ImagePrep:
     def expand(self, ids_list: list[list[int]], images: list[list[Any]]) -> tuple[list[list[int]], list[Optional[ImageInputs]]]:
         """Prompts with their placeholders expanded (image token ids, still in the vocabulary for the
         usual checks) and each prompt's ImageInputs (None for prompts without images)."""
-        out_ids, inputs = [], []
-        for i, (ids, ims) in enumerate(zip(ids_list, images)):
-            if not ims:
-                out_ids.append(ids)
-                inputs.append(None)
-                continue
-            new, inp = self._inputs(ids, ims, i)
-            out_ids.append(new)
-            inputs.append(inp)
+        todo = [i for i, ims in enumerate(images) if ims]
+        if len(todo) >= _PARALLEL_FROM:   # decoding and resizing release the GIL for most of their time
+            with ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1)) as ex:
+                done = list(ex.map(lambda i: self._inputs(ids_list[i], images[i], i), todo))
+        else:
+            done = [self._inputs(ids_list[i], images[i], i) for i in todo]
+        out_ids, inputs = list(ids_list), [None] * len(ids_list)
+        for i, (new, inp) in zip(todo, done):
+            out_ids[i], inputs[i] = new, inp
         return out_ids, inputs
 
 
