@@ -61,7 +61,7 @@ class Qwen2VLTextModel(Qwen2Model):
     layer_cls = Qwen2VLDecoderLayer
 
     def __init__(self, config: Any) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)     # LlamaModel's init builds a plain RoPE; the same parts with M-RoPE here
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, _ = rope_settings(config)
         params = getattr(config, "rope_parameters", None) or {}
