@@ -33,7 +33,6 @@ class VisionStep:
 
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.device, self.dtype = model, device, dtype
-        self.images_encoded = 0           # images through the tower so far
 
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
@@ -43,7 +42,6 @@ class VisionStep:
         out = self.model.encode_images(pv, grids)                       # [sum image tokens, H]
         for r, part in zip(reqs, out.split([r.images.num_tokens for r in reqs])):
             r.images.embeds = part
-        self.images_encoded += len(grids)
 
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """Hidden states [T, H] of a step with image prompt chunks (``input_ids`` [T] on the device)."""
