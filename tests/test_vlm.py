@@ -252,3 +252,19 @@ def test_older_checkpoint_layout_loads(vlm):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="vision tensor"):
         get_model_class(cfg)(cfg).load_weights((n, t) for n, t in iter_safetensors(d) if "merger" not in n)
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_preempted_image_requests_recompute_the_same_tokens(vlm):
+    """A KV cache too small for the batch: requests are preempted mid-decode and recompute their prompt
+    (the tower encodes again, positions straddle prompt and output) with the same greedy tokens."""
+    d, eng = vlm
+    prompts = [_prompt(eng, 1, f"Picture number {i}, describe it.") for i in range(4)]
+    images = [_image(*SIZES[i % 4], seed=40 + i) for i in range(4)]
+    sp = {**SP, "max_new_tokens": 24}
+    want = [o["output_ids"] for o in eng.generate(prompts, sp, image_data=images)]
+    with nbgen.Engine(d, dtype="float32", device="cpu", page_size=4, max_total_tokens=128,
+                      chunked_prefill_size=16, disable_radix_cache=True) as small:
+        outs = small.generate(prompts, sp, image_data=images)
+    assert [o["output_ids"] for o in outs] == want
+    assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0
