@@ -21,6 +21,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+import torch
+
 from nbgen.core.multimodal import ImageInputs
 from nbgen.core.request import Request
 from nbgen.models.mrope import mrope_positions
@@ -129,29 +131,37 @@ class ImagePrep:
                 self._processor = Qwen2VLImageProcessorPil()    # Qwen2-VL's defaults (min/max pixels)
         return self._processor
 
-    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs]:
-        pil = [load_image(im, f"image_data[{idx}]" + (f"[{j}]" if len(images) > 1 else ""))
-               for j, im in enumerate(images)]
+    def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:
+        """(pixel patches [N, D], grids, one identity per image) of a prompt's images: loaded and run
+        through the processor, or SGLang's ``{"format": "processor_output", ...}`` dicts as given."""
+        where = f"image_data[{idx}]"
+        if any(isinstance(im, dict) for im in images):
+            return _processor_output(images, where)
+        pil = [load_image(im, where + (f"[{j}]" if len(images) > 1 else "")) for j, im in enumerate(images)]
         out = self.processor(images=pil, return_tensors="pt")
-        pv, grids = out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
+        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
+        # the decoded RGB pixels identify the processed image (the processor is deterministic); ~10x
+        # cheaper to hash than the float patches
+        return out["pixel_values"], grids, [img.tobytes() + str(img.size).encode() for img in pil]
+
+    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs]:
+        pv, grids, idents = self._pixels(images, idx)
         runs = _runs(ids, self.image_token_id)
         if not runs:
-            ids = [self.start_id, self.image_token_id, self.end_id] * len(images) + ids
+            ids = [self.start_id, self.image_token_id, self.end_id] * len(grids) + ids
             runs = _runs(ids, self.image_token_id)
-        if len(runs) != len(images):
+        if len(runs) != len(grids):
             raise ValueError(f"prompt[{idx}] has {len(runs)} image placeholder(s) but image_data gives "
-                             f"{len(images)} image(s)")
+                             f"{len(grids)} image(s)")
         new, spans, hashes, first = [], [], [], 0
-        for (a, b), (t, h, w), img in zip(runs, grids, pil):
+        for (a, b), (t, h, w), ident in zip(runs, grids, idents):
             n = t * h * w // (self.merge * self.merge)
             new.extend(ids[first:a])
             spans.append((len(new), len(new) + n))
             new.extend([self.image_token_id] * n)
             first = b
-            # the decoded RGB pixels and the patch grid identify the processed image (the processor is
-            # deterministic); ~10x cheaper than hashing the float patches
-            digest = hashlib.sha256(img.tobytes())
-            digest.update(f"{img.size},{t},{h},{w}".encode())
+            digest = hashlib.sha256(ident)
+            digest.update(f"{t},{h},{w}".encode())
             hashes.append(digest.hexdigest())
         new.extend(ids[first:])
         positions, delta = mrope_positions(len(new), spans, grids, self.merge)
@@ -172,6 +182,31 @@ class ImagePrep:
         for i, (new, inp) in zip(todo, done):
             out_ids[i], inputs[i] = new, inp
         return out_ids, inputs
+
+
+def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:
+    """SGLang's ``dict(processor_output, format="processor_output")``: the HF processor's
+    ``pixel_values`` and ``image_grid_thw`` used as they are (prompts then come as ``input_ids`` with
+    the placeholders already expanded)."""
+    if not all(isinstance(d, dict) for d in items):
+        raise ValueError(f"{where}: processor_output dicts and images cannot be mixed in one prompt")
+    pvs, grids = [], []
+    for d in items:
+        fmt = d.get("format")
+        if fmt != "processor_output":
+            raise ValueError(f"{where}: image dict format {fmt!r} is not supported (only 'processor_output'; "
+                             "precomputed embeddings are not)")
+        if "pixel_values" not in d or "image_grid_thw" not in d:
+            raise ValueError(f"{where}: a processor_output dict needs pixel_values and image_grid_thw")
+        pvs.append(torch.as_tensor(d["pixel_values"]).float())
+        grids += [tuple(int(v) for v in g) for g in torch.as_tensor(d["image_grid_thw"]).reshape(-1, 3).tolist()]
+    pv = torch.cat(pvs)
+    rows = [0]
+    for t, h, w in grids:
+        rows.append(rows[-1] + t * h * w)
+    if rows[-1] != pv.shape[0]:
+        raise ValueError(f"{where}: pixel_values has {pv.shape[0]} patches, image_grid_thw says {rows[-1]}")
+    return pv, grids, [pv[a:b].numpy().tobytes() for a, b in zip(rows[:-1], rows[1:])]
 
 
 def _runs(ids: list[int], tok: int) -> list[tuple[int, int]]:

@@ -268,3 +268,19 @@ def test_preempted_image_requests_recompute_the_same_tokens(vlm):
         outs = small.generate(prompts, sp, image_data=images)
     assert [o["output_ids"] for o in outs] == want
     assert sum(o["meta_info"]["num_retractions"] for o in outs) > 0
+
+
+def test_processor_output_format_as_sglang(vlm, hf_model):
+    """SGLang's "processor output" form: input_ids with expanded placeholders and the HF processor's
+    tensors in ``dict(..., format="processor_output")`` -> the same tokens as the image itself."""
+    _, eng = vlm
+    img = _image(60, 90, seed=31)
+    prompt = _prompt(eng, 1, "What is this?")
+    want = eng.generate(prompt, SP, image_data=img)["output_ids"]
+    x = hf_model[1](images=[img], return_tensors="pt")
+    n = int(x["image_grid_thw"].prod()) // 4
+    ids = eng.tokenizer(prompt.replace("<|image_pad|>", "<|image_pad|>" * n)).input_ids
+    out = eng.generate(input_ids=ids, sampling_params=SP, image_data=[dict(x, format="processor_output")])
+    assert out["output_ids"] == want
+    with pytest.raises(ValueError, match="precomputed_embedding"):
+        eng.generate(input_ids=ids, sampling_params=SP, image_data=[{"format": "precomputed_embedding"}])
