@@ -284,3 +284,19 @@ def test_processor_output_format_as_sglang(vlm, hf_model):
     assert out["output_ids"] == want
     with pytest.raises(ValueError, match="precomputed_embedding"):
         eng.generate(input_ids=ids, sampling_params=SP, image_data=[{"format": "precomputed_embedding"}])
+
+
+def test_stream_async_and_chat_take_images(vlm):
+    import asyncio
+
+    _, eng = vlm
+    img = _image(56, 84, seed=51)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Stream it."}]}]
+    prompt = eng.apply_chat_template(msgs)
+    want = eng.generate(prompt, SP, image_data=img)
+    chunks = list(eng.generate(prompt, SP, image_data=img, stream=True))
+    assert "".join(c["text"] for c in chunks) == want["text"]
+    got = asyncio.run(eng.async_generate(prompt, SP, image_data=img))
+    assert got["output_ids"] == want["output_ids"]
+    assert eng.chat(msgs, SP, image_data=img)["output_ids"] == want["output_ids"]
+    assert [o["output_ids"] for _, o in eng.generate_iter([prompt], SP, image_data=[img])] == [want["output_ids"]]
