@@ -233,6 +233,9 @@ def attach_images(reqs: list[Request], counts: list[int], inputs: list[Optional[
             req = next(it)
             if inp is None:
                 continue
+            if inp.end > len(req.prompt_ids):
+                raise ValueError(f"prompt of {len(req.prompt_ids)} tokens (after allow_auto_truncate) cuts into "
+                                 f"its image slots ending at {inp.end}: shorten the text or the image")
             req.images = dataclasses.replace(inp)
             req.rope_delta = inp.rope_delta
             for (a, b), pad in zip(inp.spans, inp.pad_values):

@@ -300,3 +300,13 @@ def test_stream_async_and_chat_take_images(vlm):
     assert got["output_ids"] == want["output_ids"]
     assert eng.chat(msgs, SP, image_data=img)["output_ids"] == want["output_ids"]
     assert [o["output_ids"] for _, o in eng.generate_iter([prompt], SP, image_data=[img])] == [want["output_ids"]]
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_auto_truncate_into_an_image_is_refused(vlm):
+    d, _ = vlm
+    img = _image(112, 112, seed=61)                      # 16 image tokens
+    with nbgen.Engine(d, dtype="float32", device="cpu", context_length=16, allow_auto_truncate=True) as eng:
+        with pytest.raises(ValueError, match="cuts into its image"):
+            eng.generate("Describe.", {"max_new_tokens": 2}, image_data=img)
+        assert eng.generate("Describe.", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] >= 1
