@@ -119,6 +119,8 @@ def test_prefix_cache_shares_by_image_hash(vlm):
     same = eng.generate(prompt, SP, image_data=a)
     other = eng.generate(prompt, SP, image_data=b)
     assert same["output_ids"] == first["output_ids"]
+    pair = eng.generate(prompt, {**SP, "n": 2}, image_data=a)          # n > 1: one prompt, two requests
+    assert [o["output_ids"] for o in pair] == [first["output_ids"]] * 2
     assert same["meta_info"]["cached_tokens"] > first["meta_info"]["prompt_tokens"] // 2
     # the image starts after the template's first few tokens: a different image shares nothing past them
     start = eng.tokenizer(prompt).input_ids.index(eng.hf_config.image_token_id)
