@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
+from nbgen.dataframe_images import image_cell, image_fingerprint, with_image_part
 from nbgen.dataframe_job import check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import (
     RowError,
@@ -47,6 +48,7 @@ def generate_df(
     batch_size: int = 1024,
     progress: bool = True,
     prefix: str = "",
+    image_column: Optional[str] = None,
 ) -> "pd.DataFrame":
     """Generate one completion per row; return a copy of ``df`` with the output columns added.
 
@@ -63,11 +65,14 @@ def generate_df(
     saves rows as they finish; calling again with the same arguments skips finished rows (failed
     rows are retried); the Stop button raises GenerationInterrupted (a KeyboardInterrupt) saying
     how many were kept. ``out.attrs["nbgen"]``: chat, rows, errors, restored, checkpoint.
+    ``image_column`` (vision-language models): a column of images (paths, PIL images or bytes; empty
+    cells run text-only); each image goes before its row's text in the user turn.
+    ``nbgen.show_images(out)`` shows the result with thumbnails.
     """
     import pandas as pd
 
     spec = _validate(df, prompt_column, sampling_params, param_columns, chat, system_prompt,
-                     return_logprob, top_logprobs_num, on_error, batch_size, prefix)
+                     return_logprob, top_logprobs_num, on_error, batch_size, prefix, image_column)
     # "auto" asks the engine whether it has a chat template; the answer is part of each row's key
     eng = default_engine() if engine is None and not isinstance(chat, bool) else engine
     spec.template = template_mode(chat, system_prompt, _has_template(eng))
@@ -111,6 +116,7 @@ class _Spec:
     system_prompt: Optional[str]
     gen_kw: dict[str, Any]                # generate() arguments shared by every window
     template: bool = False                # text cells go through the chat template
+    images: Optional[list[Any]] = None    # image_column's cells
     desc: str = "generate_df"             # the progress bar's title
 
     def __len__(self) -> int:
@@ -122,7 +128,10 @@ class _Spec:
         params = row_params(self.base, {c: v[pos] for c, v in self.row_values.items()}, self.mapping)
         cell = self.prompts[pos]
         templated = self.template or self.system_prompt is not None or is_messages(cell)
-        return params, row_key(jsonable(cell), params, {**self.options, "chat": templated})
+        options = {**self.options, "chat": templated}
+        if self.images is not None:
+            options["image"] = image_fingerprint(image_cell(self.images[pos]))
+        return params, row_key(jsonable(cell), params, options)
 
     def prompt(self, pos: int) -> Any:
         """Row ``pos``'s prompt: text, or messages for the chat template (RowError for bad cells)."""
@@ -134,11 +143,15 @@ class _Spec:
 
     def check(self, pos: int) -> None:
         self.prompt(pos)
+        if self.images is not None:
+            image_cell(self.images[pos])
 
     def pending(self, pos: int, engine: Any) -> PendingRow:
         """The row's prompt text (chat-templated where needed) and params."""
         params, key = self.params_and_key(pos)
         p = self.prompt(pos)
+        if self.images is not None and image_cell(self.images[pos]) is not None and not isinstance(p, str):
+            p = with_image_part(p)          # the image before the text, as Qwen2-VL's template writes it
         try:
             text = p if isinstance(p, str) else engine.apply_chat_template(p)
         except Exception as e:  # a template that rejects these messages
@@ -149,6 +162,10 @@ class _Spec:
         split = [split_generate_kwargs(r.params) for r in rows]
         lora = [kw.get("lora_path") for _, kw in split]      # param_columns={"adapter": "lora_path"}
         extra = {"lora_path": lora} if any(x is not None for x in lora) else {}
+        if self.images is not None:
+            imgs = [image_cell(self.images[r.pos]) for r in rows]
+            if any(i is not None for i in imgs):
+                extra["image_data"] = imgs
         return engine.generate_iter(prompt=[r.prompt for r in rows], sampling_params=[sp for sp, _ in split],
                                     **self.gen_kw, **extra)
 
@@ -161,7 +178,8 @@ class _Spec:
 
 def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str, Any]],
               param_columns: Any, chat: Union[str, bool], system_prompt: Optional[str], return_logprob: bool,
-              top_logprobs_num: int, on_error: str, batch_size: int, prefix: str) -> _Spec:
+              top_logprobs_num: int, on_error: str, batch_size: int, prefix: str,
+              image_column: Optional[str] = None) -> _Spec:
     """Check the call's arguments (nothing runs when one is wrong) and gather what the rows share."""
     check_call(df, prompt_column, on_error, batch_size)
     template_mode(chat, None, True)  # chat is "auto", True or False
@@ -170,6 +188,8 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
     mapping = resolve_param_columns(list(df.columns), param_columns)
     cols = output_columns(return_logprob, top_logprobs_num)
     check_new_columns(df, cols, prefix, "gen_")
+    if image_column is not None and image_column not in df.columns:
+        raise KeyError(f"image column {image_column!r} is not in the DataFrame (columns: {list(df.columns)})")
     gen_kw: dict[str, Any] = {"return_logprob": return_logprob}
     if top_logprobs_num:
         gen_kw["top_logprobs_num"] = top_logprobs_num
@@ -177,4 +197,5 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
                  options={"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                           "system_prompt": system_prompt},
                  prompts=df[prompt_column].tolist(), row_values={c: df[c].tolist() for c in mapping},
-                 labels=df.index, on_error=on_error, system_prompt=system_prompt, gen_kw=gen_kw)
+                 labels=df.index, on_error=on_error, system_prompt=system_prompt, gen_kw=gen_kw,
+                 images=df[image_column].tolist() if image_column is not None else None)

@@ -24,6 +24,7 @@ from nbgen.engine_session import SessionMixin
 from nbgen.engine_sync import SyncBridgeMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
                              make_requests, check_rids, normalize_inputs, per_item)
+from nbgen.engine_images import attach_images, image_prep_for, prepare_images
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
@@ -65,6 +66,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         self.hf_config = loaded.hf_config
         self.dtype = loaded.dtype
         self.pooling = loaded.pooling    # PoolingConfig of an embedding engine, else None
+        self._images = image_prep_for(loaded.hf_config, loaded.model_dir)   # vision-language models: image_data
         self._facts = ModelFacts(vocab_size=int(loaded.hf_config.vocab_size),
                                  context_length=int(loaded.context_length),
                                  eos_ids=frozenset(loaded.eos_token_ids),
@@ -116,7 +118,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                  rid: Any, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None,
                  return_text_in_logprobs: Any = False, priority: Any = None, session_params: Any = None,
-                 session_id: Any = None, lora_path: Any = None) -> tuple[list[Request], bool]:
+                 session_id: Any = None, lora_path: Any = None, image_data: Any = None) -> tuple[list[Request], bool]:
         self._check_alive()
         if self.config.is_embedding:
             raise ValueError("this Engine was created with is_embedding=True: it embeds and does not generate; "
@@ -136,8 +138,12 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         rids = check_rids(per_item("rid", rid, n))
         prio = check_priority(priority)
         ids_list = self._tokenize_all(items) if kind == "prompt" else items
+        ids_list, image_inputs = prepare_images(self._images, self.model_name, ids_list, image_data, single, lps,
+                                                 session_params is not None or session_id is not None or lora_path is not None)
         sps = [check_ids(ids, i, sp, self._facts) for i, (ids, sp) in enumerate(zip(ids_list, sps))]
         reqs = make_requests(ids_list, sps, lps, rids, self._facts, self._rng)
+        if image_inputs is not None:
+            attach_images(reqs, [sp.n for sp in sps], image_inputs)
         for r in reqs:
             r.priority = prio
         self._attach_lora(reqs, [sp.n for sp in sps], lora_path)
@@ -160,7 +166,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                  use_tqdm: Optional[bool] = None, return_hidden_states: Any = False,
                  custom_logit_processor: Any = None, return_text_in_logprobs: bool = False,
                  priority: Optional[int] = None, session_params: Any = None, session_id: Any = None,
-                 lora_path: Any = None) -> Any:
+                 lora_path: Any = None, image_data: Any = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
         ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
@@ -171,11 +177,13 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         of the call) orders the requests under ``Engine(enable_priority_scheduling=True)``.
         ``session_params`` continues a request of an open session (``open_session``).
         ``lora_path``: a loaded LoRA adapter's name, or a list with one per prompt (None = the base model).
+        ``image_data`` (vision-language models): an image (path, URL, base64, bytes, PIL) or a list per
+        prompt; for a batch a list with one entry per prompt (``engine_images.py``).
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
-                                     priority, session_params, session_id, lora_path)
+                                     priority, session_params, session_id, lora_path, image_data)
         if stream:
             return self._stream(self._single(reqs))
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
@@ -191,7 +199,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                                 kw.pop("return_hidden_states", False), kw.pop("custom_logit_processor", None),
                                 kw.pop("return_text_in_logprobs", False), kw.pop("priority", None),
                                 kw.pop("session_params", None), kw.pop("session_id", None),
-                                kw.pop("lora_path", None))
+                                kw.pop("lora_path", None), kw.pop("image_data", None))
         if kw:
             raise TypeError(f"generate_iter() got unexpected arguments {sorted(kw)}")
         index = {r.rid: i for i, r in enumerate(reqs)}

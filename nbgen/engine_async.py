@@ -40,12 +40,12 @@ class AsyncGenerateMixin:
                              rid: Any = None, return_hidden_states: Any = False,
                              custom_logit_processor: Any = None, return_text_in_logprobs: bool = False,
                              priority: Any = None, session_params: Any = None, session_id: Any = None,
-                             lora_path: Any = None) -> Any:
+                             lora_path: Any = None, image_data: Any = None) -> Any:
         """Awaitable twin of generate(); with ``stream=True`` it returns an async iterator of chunks."""
         reqs, single = self._prepare(prompt, sampling_params, input_ids, return_logprob,
                                      top_logprobs_num, logprob_start_len, token_ids_logprob, rid,
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
-                                     priority, session_params, session_id, lora_path)
+                                     priority, session_params, session_id, lora_path, image_data)
         if stream:
             return self._astream(self._single(reqs))
         results: dict[str, dict] = {}

@@ -48,6 +48,9 @@ def test_notebook_runs(path: str, tmp_path) -> None:
     if name.startswith("07_embeddings"):
         assert "nearest neighbour shares the topic" in shown and "zero-shot accuracy" in shown
         assert any("image/png" in o.get("data", {}) for o in outputs)      # the PCA scatter
+    if name.startswith("09_images"):
+        assert shown.count("<img") >= 8                                    # two thumbnail tables
+        assert re.search(r"same image +prompt_tokens=\d+ cached_tokens=[1-9]", shown)
     if name.startswith("08_sessions"):
         # the chat's later turns continue the session, their earlier turns read from the KV cache
         turns = re.findall(r"^\s*(\d) \|\s+(\d+) \|\s+(\d+) \| (True|False)$", shown, re.M)

@@ -68,6 +68,8 @@ class Request:
     session: Optional[SessionParams] = None  # its place in an engine session (runtime/sessions.py)
     priority: Optional[int] = None           # generate(priority=...); set to the default at add (priority scheduling)
     lora_id: Optional[int] = None            # the LoRA adapter it runs under (runtime/lora.py); None = base model
+    images: Optional[Any] = None             # ImageInputs (core/multimodal.py): image_data of a vision model
+    rope_delta: int = 0                      # M-RoPE: output position p runs at p + rope_delta (images.rope_delta)
 
     # --- mutable state (loop thread only) ---
     status: Status = Status.WAITING

@@ -112,7 +112,7 @@ NO_EFFECT: dict[str, tuple[str, ...]] = {
     ),
     "always on in nbgen": (
         "sleep_on_idle", "enable_memory_saver", "enable_weights_cpu_backup", "enable_mixed_chunk",
-        "incremental_streaming_output",
+        "incremental_streaming_output", "enable_multimodal",
     ),
     "nothing to apply it to in nbgen (a draft model, outlines, flashinfer autotuning, torch.compile)": (
         "enable_draft_weights_cpu_backup", "disable_outlines_disk_cache",
@@ -272,8 +272,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits",
         "triton_attention_split_tile_size", "enable_fused_qk_norm_rope",
     ),
-    "multimodal models": (
-        "enable_precise_embedding_interpolation", "enable_multimodal", "mm_attention_backend",
+    "multimodal serving knobs beyond nbgen's image path (caller-side preprocessing, prefill-step encoding, prefix cache by image hash)": (
+        "enable_precise_embedding_interpolation", "mm_attention_backend",
         "enable_broadcast_mm_inputs_process", "enable_prefix_mm_cache", "mm_process_config",
         "mm_processor_worker_num", "mm_io_worker_num", "allowed_media_domains",
         "media_url_max_file_size_mb", "mm_preprocess_cache_size_mb", "trust_mm_content_hashes",

@@ -26,7 +26,7 @@ from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models.linear import prepack_cpu_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.pooling_config import PoolingConfig, read_pooling_config
-from nbgen.models.registry import get_model_class
+from nbgen.models.registry import get_model_class, prepare_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -205,7 +205,7 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     """Build the model named by `cfg` on `device` and fill its weights."""
     device = torch.device(device)
     model_dir = _model_dir(cfg)
-    config = read_model_config(model_dir, trust_remote_code=cfg.trust_remote_code)
+    config = prepare_config(read_model_config(model_dir, trust_remote_code=cfg.trust_remote_code))
     pooling = read_pooling_config(model_dir, config) if cfg.is_embedding else None   # bad modules fail first
     cls = get_model_class(config)
     dtype = resolve_dtype(cfg.dtype, device)

@@ -31,7 +31,7 @@ from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.runtime.pages import SCRATCH_PAGE
-from nbgen.runtime.step_inputs import is_placeholder, placeholder_row
+from nbgen.runtime.step_inputs import is_placeholder, placeholder_row, rope_deltas
 
 logger = logging.getLogger("nbgen")
 
@@ -85,6 +85,7 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_bs: int, max_context: int) -> None:
         self.model = model
         self.backend = backend
+        self.mrope = hasattr(model, "encode_images")   # vision-language models decode at p + rope_delta
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev = backend.spec.device
@@ -191,7 +192,7 @@ class CudaGraphRunner:
         tok = np.fromiter(ids, dtype=np.int64, count=n)
         ph = is_placeholder(tok)
         io[0, :n] = np.where(ph, 0, tok)
-        io[1, :n] = pos
+        io[1, :n] = pos + rope_deltas(batch.seqs) if self.mrope else pos
         io[2, :n] = slots
         io[3, :n] = np.where(ph, placeholder_row(tok), -1)
         io[:3, n:] = 0                    # padding: token 0 at position 0 into slot 0 of the scratch page

@@ -73,6 +73,8 @@ def build_output(req: Request, text: Optional[str], output_ids: list[int], decod
     }
     if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:
         meta.update(logprob_fields(req, decode, logprob_start))
+    if req.images is not None:     # prompt tokens that are image slots (vision-language models)
+        meta["image_tokens"] = req.images.num_tokens
     if req.return_hidden_states:   # SGLang's: [0] every prompt position's state, then one per later token
         meta["hidden_states"] = req.hidden_states[logprob_start:len(req.output_ids)]
     if text is None:

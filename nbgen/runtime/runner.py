@@ -24,6 +24,7 @@ from nbgen.runtime.lora import LoRAManager, LoRAStep, make_lora_manager
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
+from nbgen.runtime.vision_step import VisionStep, has_image_prefill
 
 
 @dataclass
@@ -80,6 +81,8 @@ class ModelRunner:
         self.overlap = self.on_gpu and not self.cfg.disable_overlap_schedule
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
         self._forwards = 0                                # forward passes queued so far
+        # vision-language models: steps with image prompt chunks go through the tower (runtime/vision_step.py)
+        self.vision = VisionStep(self.model, device, parts.loaded.dtype) if hasattr(self.model, "encode_images") else None
 
     @property
     def attention_backend_name(self) -> str:
@@ -128,6 +131,12 @@ class ModelRunner:
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor:
         """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
         ids, pos = flat.ids, flat.positions
+        if self.vision is not None and has_image_prefill(batch):
+            patch = self._placeholder_patch(ids)
+            input_ids = self.to_device(ids)
+            if patch is not None:
+                patch(input_ids)
+            return self.vision.hidden_states(batch, flat, input_ids, self.backend.prepare(batch))
         lora = self.lora.step_info(batch, flat.starts) if self.lora is not None else None
         if lora is not None:
             return self._eager_lora(batch, flat, lora)
@@ -160,6 +169,8 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
         if self.lora is not None and self.lora.uses_adapters(batch):
+            return False
+        if self.vision is not None and has_image_prefill(batch):
             return False
         if n_prev is None:
             n_prev = self._last_tokens.numel() if self._last_tokens is not None else 0

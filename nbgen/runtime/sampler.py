@@ -183,6 +183,8 @@ class Sampler:
                 bias[i] = list(p.logit_bias.items())
             if p.repetition_penalty != 1.0:
                 rep[i] = req.prompt_ids + req.output_ids
+                if req.images is not None:     # image slots hold hash ids past the vocabulary
+                    rep[i] = [t for t in rep[i] if t < self.vocab_size]
                 rep_p[i] = p.repetition_penalty
             if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
                 cnt[i] = req.output_ids

@@ -54,11 +54,17 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
     for s in batch.seqs:
         starts.append(len(ids))
         ids.extend(s.token_ids)
-        pos.extend(range(s.start_pos, s.kv_len))
+        d = s.req.rope_delta if s.start_pos >= len(s.req.prompt_ids) else 0    # M-RoPE decode offset
+        pos.extend(range(s.start_pos + d, s.kv_len + d))
         if s.sample:
             rows.append(len(ids) - 1)
             seqs.append(s)
     return FlatStep(ids, pos, rows, seqs, starts)
+
+
+def rope_deltas(seqs: list[SeqWork]) -> np.ndarray:
+    """[B] M-RoPE position offsets of one-token decode seqs (0 for text models and text prompts)."""
+    return np.fromiter((s.req.rope_delta for s in seqs), dtype=np.int64, count=len(seqs))
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,36 @@
+"""ImageInputs: a request's images as the runner needs them (built on the caller's thread by
+``engine_images.py``, read and extended on the loop thread by ``runtime/vision_step.py``).
+
+The prompt's image slots hold ``pad_values`` — ids past the vocabulary derived from each image's content
+hash — instead of the image token id, so the prefix cache (which keys pages by token ids) shares KV
+between requests with the same image and never between different images. The model reads those slots
+from the vision tower's embeddings, never from the token table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class ImageInputs:
+    """All images of one prompt, in prompt order."""
+
+    pixel_values: Any                      # [N patches, C*tp*p*p] float tensor on the CPU (all images)
+    grids: list[tuple[int, int, int]]      # per image (t, h, w) in patches
+    spans: list[tuple[int, int]]           # per image: its token range [start, end) in prompt_ids
+    hashes: list[str]                      # per image: sha256 of its processed pixels and grid
+    pad_values: list[int]                  # per image: the id filling its slots (>= vocab_size)
+    positions: list[list[int]]             # [3][len(prompt_ids)] M-RoPE positions (t, h, w streams)
+    rope_delta: int                        # decode position p runs at p + rope_delta
+    embeds: Optional[Any] = None           # [image tokens, H] on the device once encoded (loop thread)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens that are image slots."""
+        return sum(e - s for s, e in self.spans)
+
+    @property
+    def end(self) -> int:
+        """The first prompt position after the last image."""
+        return self.spans[-1][1] if self.spans else 0

@@ -1,0 +1,75 @@
+"""VisionStep: the runner's path for steps holding prompt chunks of requests with images.
+
+Per such step: the vision tower encodes, in one forward, the images of every request whose chunk reaches
+an image and whose embeddings are not cached yet (they stay on the request, ``ImageInputs.embeds``, for
+its later prefill chunks, and are dropped once its last image slot is computed; a preempted request
+encodes again); the step's token embeddings take those rows at the image slots; positions are 3-D
+(M-RoPE) for every row of the step. Steps without image prompt chunks never come here: decode rows
+of image requests run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nbgen.core.batch import ScheduledBatch, SeqWork
+from nbgen.models.mrope import step_positions
+from nbgen.runtime.step_inputs import FlatStep
+
+
+def has_image_prefill(batch: ScheduledBatch) -> bool:
+    """True when a seq of the batch computes prompt tokens of a request with images."""
+    return any(s.req.images is not None and s.start_pos < len(s.req.prompt_ids) for s in batch.seqs)
+
+
+def _needs_encoding(s: SeqWork) -> bool:
+    im = s.req.images
+    return im is not None and im.embeds is None and s.start_pos < im.end and s.kv_len > im.spans[0][0]
+
+
+class VisionStep:
+    """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions)."""
+
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.device, self.dtype = model, device, dtype
+
+    def _encode(self, seqs: list[SeqWork]) -> None:
+        """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
+        reqs = [s.req for s in seqs]
+        pv = torch.cat([r.images.pixel_values for r in reqs]).to(self.device, self.dtype, non_blocking=True)
+        grids = [g for r in reqs for g in r.images.grids]
+        out = self.model.encode_images(pv, grids)                       # [sum image tokens, H]
+        for r, part in zip(reqs, out.split([r.images.num_tokens for r in reqs])):
+            r.images.embeds = part
+
+    def hidden_states(self, batch: ScheduledBatch, flat: FlatStep, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Hidden states [T, H] of a step with image prompt chunks (``input_ids`` [T] on the device)."""
+        todo = [s for s in batch.seqs if _needs_encoding(s)]
+        if todo:
+            self._encode(todo)
+        x = self.model.embed(input_ids)                                  # [T, H]
+        rows, srcs, pos = [], [], [[], [], []]
+        for s, first in zip(batch.seqs, flat.starts):
+            req, im = s.req, s.req.images
+            n_prompt = len(req.prompt_ids)
+            for r, p in zip(pos, step_positions(im.positions if im else None, n_prompt, req.rope_delta,
+                                                s.start_pos, s.kv_len)):
+                r.extend(p)
+            if im is None or s.start_pos >= im.end:
+                continue
+            done = 0                                                     # image tokens before this span
+            for a, b in im.spans:
+                lo, hi = max(a, s.start_pos), min(b, s.kv_len)
+                if lo < hi:
+                    rows.append(torch.arange(first + lo - s.start_pos, first + hi - s.start_pos))
+                    srcs.append(im.embeds[done + lo - a: done + hi - a])
+                done += b - a
+        if rows:
+            x.index_copy_(0, torch.cat(rows).to(self.device), torch.cat(srcs).to(x.dtype))
+        for s in batch.seqs:                 # last image slot computed: the cached embeddings go
+            im = s.req.images
+            if im is not None and im.embeds is not None and s.kv_len >= im.end:
+                im.embeds = None
+        positions = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)   # [3, T]
+        return self.model(input_ids, positions, meta, input_embeds=x)
