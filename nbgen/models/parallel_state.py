@@ -7,7 +7,7 @@ The linears (``models/linear.py``) read ``get_tp()`` when they are built and kee
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -37,6 +37,16 @@ def local_heads(num_q_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int,
         raise ValueError(f"tp_size must be a multiple of the model's {num_kv_heads} KV heads when "
                          f"larger, got {tp_size}")
     return num_q_heads // tp_size, max(1, num_kv_heads // tp_size)
+
+
+def check_tp_shapes(hf: Any, tp_size: int) -> None:
+    """ValueError naming tp_size unless the model's heads, MLP width and hidden size split over
+    ``tp_size`` ranks (checked before any worker starts)."""
+    heads = hf.num_attention_heads
+    local_heads(heads, getattr(hf, "num_key_value_heads", None) or heads, tp_size)
+    for name in ("intermediate_size", "hidden_size"):
+        if getattr(hf, name) % tp_size:
+            raise ValueError(f"tp_size must divide the model's {name} ({getattr(hf, name)}), got {tp_size}")
 
 
 def agree_min(value: int, device: torch.device) -> int:

@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 from nbgen.core.config import EngineConfig
 from nbgen.runtime.tp_mirror import TPCommand, mirror_runner
+from nbgen.models.embedded import default_model_path
+from nbgen.models.loader import checkpoint_dir
+from nbgen.models.model_config import read_model_config
+from nbgen.models.parallel_state import check_tp_shapes
 from nbgen.runtime import tp_worker
 from nbgen.runtime.tp_worker import WorkerSpec
 
@@ -150,5 +154,9 @@ class TPGroup:
 
 
 def start_tp(cfg: EngineConfig, device: torch.device) -> Optional[TPGroup]:
-    """A TPGroup when ``cfg.tp_size > 1``, else None."""
-    return TPGroup(cfg, device) if cfg.tp_size > 1 else None
+    """A TPGroup when ``cfg.tp_size > 1`` (after checking that the model splits), else None."""
+    if cfg.tp_size == 1:
+        return None
+    path = cfg.model_path if cfg.model_path is not None else default_model_path()
+    check_tp_shapes(read_model_config(checkpoint_dir(path, cfg.load_format), cfg.trust_remote_code), cfg.tp_size)
+    return TPGroup(cfg, device)
