@@ -66,7 +66,8 @@ class EngineConfig:
     log_level: str = "warning"
     skip_tokenizer_init: bool = False
     tp_size: int = 1       # tensor parallelism: ranks sharding the model (runtime/tp_group.py)
-    dp_size: int = 1       # data parallelism: replicas behind one Engine (engine_dp.py)
+    dp_size: int = 1       # data parallelism: replicas behind one Engine (runtime/dp_loop.py)
+    base_gpu_id: int = 0   # the first GPU this engine uses (rank 0 of replica 0)
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
     trust_remote_code: bool = False
@@ -133,6 +134,9 @@ class EngineConfig:
         self._check_lora()
         if self.tp_size > 1 and self.enable_lora:
             raise ValueError("enable_lora needs tp_size 1 (LoRA adapters are not sharded over ranks)")
+        if self.dp_size > 1 and self.enable_lora:
+            raise ValueError("enable_lora needs dp_size 1 (adapters are loaded into one replica)")
+        check("base_gpu_id", _is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
         if self.model_path is not None:
             self.model_path = os.path.expanduser(str(self.model_path))
 
