@@ -7,6 +7,8 @@ import pandas as pd
 import pytest
 
 import nbgen
+from nbgen.notebook.state import StatsHistory, dashboard_html
+from nbgen.runtime.dp_loop import merge_stats
 from nbgen.runtime.dp_router import PREFIX_TOKENS, Router
 
 PROMPTS = ["Hello there", "def add(a, b):", "The quick brown fox jumps", "Once upon a time"] * 3
@@ -34,6 +36,10 @@ def test_dp2_matches_dp1(engines):
     assert st["total_finished"] == sum(r["total_finished"] for r in st["replicas"])
     assert st["kv_pages_total"] == 2 * one.stats()["kv_pages_total"]
     assert two.get_server_info()["dp_size"] == 2
+    h = StatsHistory()
+    h.append(st)
+    html = dashboard_html(h)
+    assert "nbgen-replicas" in html and "0: 0 running" in html and "1: 0 running" in html
 
 
 def test_dp_generate_df_stream_and_samples(engines):
@@ -83,3 +89,15 @@ def test_router_prefix_affinity_within_slack():
     assert r.route("p4", shared + [4]) == 1
     assert r.route("short", shared[:10]) == 1         # too short to key: by load alone (2 < 3)
     assert r.loads() == [3, 3]
+
+
+def test_merge_stats_sums_counts_and_nested_priorities():
+    a = {"running": 1, "page_size": 16, "output_tok_s": 2.5, "priorities": {0: {"running": 1, "waiting": 0}},
+         "uptime_s": 3.0}
+    b = {"running": 2, "page_size": 16, "output_tok_s": 1.5, "priorities": {0: {"running": 0, "waiting": 4},
+                                                                            5: {"running": 1, "waiting": 0}},
+         "uptime_s": 5.0}
+    m = merge_stats([a, b])
+    assert m["running"] == 3 and m["page_size"] == 16 and m["output_tok_s"] == 4.0 and m["uptime_s"] == 5.0
+    assert m["priorities"] == {0: {"running": 1, "waiting": 4}, 5: {"running": 1, "waiting": 0}}
+    assert m["replicas"] == [a, b] and m["dp_size"] == 2

@@ -30,6 +30,16 @@ def replica_config(cfg: EngineConfig, index: int) -> EngineConfig:
     return out
 
 
+def _sum(values: list[Any]) -> Any:
+    """Numbers summed; dicts (per-priority counts) summed key by key; anything else: the first."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return sum(values)
+    if all(isinstance(v, dict) for v in values):
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        return {k: _sum([v[k] for v in values if k in v]) for k in keys}
+    return values[0]
+
+
 def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's stats from its replicas': counts and rates summed, per-replica detail kept."""
     out: dict[str, Any] = {}
@@ -39,16 +49,8 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = value
         elif key in _MAX:
             out[key] = max(values)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = sum(v for v in values if isinstance(v, (int, float)))
-        elif isinstance(value, dict) and all(isinstance(v, (int, float)) for v in value.values()):
-            merged: dict[Any, Any] = {}
-            for p in values:
-                for k, v in (p or {}).items():
-                    merged[k] = merged.get(k, 0) + v
-            out[key] = merged
         else:
-            out[key] = value
+            out[key] = _sum(values)
     out["dp_size"] = len(parts)
     out["replicas"] = parts
     return out
