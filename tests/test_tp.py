@@ -30,8 +30,13 @@ def run(model_dir: str, tp: int) -> list[dict]:
     with nbgen.Engine(model_dir, dtype="float32", device="cpu", tp_size=tp, random_seed=0,
                       chunked_prefill_size=8) as eng:
         if tp > 1:
-            assert len(tp_workers()) == tp - 1
+            workers = tp_workers()
+            assert len(workers) == tp - 1
+            for w in workers:      # a notebook's interrupt reaches the process group: workers ignore it
+                w.send_signal(signal.SIGINT)
         out = eng.generate(PROMPTS, SP, return_logprob=True, logprob_start_len=0, use_tqdm=False)
+        if tp > 1:
+            assert all(w.is_running() for w in workers)
     assert tp_workers() == []              # shutdown() stopped every worker
     return out
 
@@ -62,6 +67,8 @@ def test_tp4_replicates_kv_heads(tiny_llama_dir):
 
 
 def test_tp_size_checks(tiny_llama_dir):
+    with pytest.raises(ValueError, match="dp_size > 1 needs tp_size 1"):
+        nbgen.Engine(tiny_llama_dir, device="cpu", tp_size=2, dp_size=2)
     with pytest.raises(ValueError, match="tp_size"):
         nbgen.Engine(tiny_llama_dir, device="cpu", tp_size=0)
     with pytest.raises(ValueError, match="tp_size"):

@@ -134,6 +134,9 @@ class EngineConfig:
         self._check_lora()
         if self.tp_size > 1 and self.enable_lora:
             raise ValueError("enable_lora needs tp_size 1 (LoRA adapters are not sharded over ranks)")
+        if self.dp_size > 1 and self.tp_size > 1:
+            raise ValueError("dp_size > 1 needs tp_size 1 (a process holds one tensor-parallel group); for "
+                             "replicas of a sharded model use nbgen.ray.generate_ray with engine_kwargs={'tp_size': N}")
         if self.dp_size > 1 and self.enable_lora:
             raise ValueError("enable_lora needs dp_size 1 (adapters are loaded into one replica)")
         check("base_gpu_id", _is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
