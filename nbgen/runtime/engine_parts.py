@@ -46,7 +46,6 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
     device = torch.device(cfg.resolve_device())
     if device.type == "cuda" and cfg.base_gpu_id:
         device = torch.device("cuda", cfg.base_gpu_id)   # a data-parallel replica's GPU, or the user's
-    if device.type == "cuda":
         torch.cuda.set_device(device)   # this loop thread's kernels launch there
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rcfg = cfg.resolved(device.type, total)

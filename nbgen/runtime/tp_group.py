@@ -72,7 +72,7 @@ class TPGroup:
             spec = WorkerSpec(cfg, rank, self.size, init, backend, rank_device(device, rank), os.getpid(), TIMEOUT_S)
             self._spawn(spec)
         try:
-            if device.type == "cuda":
+            if device.type == "cuda" and device.index is not None:
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
