@@ -101,3 +101,17 @@ def test_merge_stats_sums_counts_and_nested_priorities():
     assert m["running"] == 3 and m["page_size"] == 16 and m["output_tok_s"] == 4.0 and m["uptime_s"] == 5.0
     assert m["priorities"] == {0: {"running": 1, "waiting": 4}, 5: {"running": 1, "waiting": 0}}
     assert m["replicas"] == [a, b] and m["dp_size"] == 2
+
+
+def test_dp_session_stays_on_its_replica(engines):
+    one, two = engines
+    long_prompt = " ".join(["tell me more about the quick brown fox"] * 8)
+    results = []
+    for eng in (one, two):
+        sid = eng.open_session(4096)
+        first = eng.generate(long_prompt, SP, session_params={"id": sid})
+        second = eng.generate(" and then?", SP, session_params={"id": sid, "rid": first["meta_info"]["id"]})
+        eng.close_session(sid)
+        results.append((first["output_ids"], second["output_ids"], second["meta_info"]["cached_tokens"]))
+    assert results[0] == results[1]
+    assert results[1][2] >= 16         # the second turn read the first one's KV: the same replica
