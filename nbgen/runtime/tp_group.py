@@ -67,6 +67,7 @@ class TPGroup:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._closed = False
+        self.broken = False          # abandon() ran: no more steps
         atexit.register(self.shutdown)
         for rank in range(1, self.size):
             spec = WorkerSpec(cfg, rank, self.size, init, backend, rank_device(device, rank), os.getpid(), TIMEOUT_S)
@@ -111,10 +112,22 @@ class TPGroup:
 
     def attach(self, runner: Any) -> None:
         """Mirror the runner's model calls on the workers from now on."""
-        mirror_runner(runner, self.send)
+        mirror_runner(runner, self.send, self.abandon)
+
+    def abandon(self) -> None:
+        """Give the group up after a failed step: the workers are killed at once (they may wait in a
+        collective forever) and every later step fails with a message to restart the engine."""
+        if not self._closed:
+            self.broken = True
+            for p in self.procs:
+                p.kill()
+            self.shutdown()
 
     def send(self, cmd: TPCommand) -> None:
         """One command to every worker (before rank 0 runs the same call)."""
+        if self.broken:
+            raise RuntimeError("the tensor-parallel workers stopped after a failed step; shut this engine "
+                               "down and start a new one")
         try:
             for conn in self.conns:
                 conn.send(cmd)

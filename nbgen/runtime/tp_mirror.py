@@ -51,11 +51,22 @@ def lite_batch(batch: ScheduledBatch) -> ScheduledBatch:
 
 
 class _Delegate:
-    """Forwards every attribute it does not define to the wrapped object."""
+    """Forwards every attribute it does not define to the wrapped object. ``local`` runs rank 0's
+    half of a mirrored call: if it fails, the workers may wait in a collective rank 0 never reaches,
+    so the group is given up (``broken``) rather than letting the next step's collectives pair
+    with the stale ones."""
 
-    def __init__(self, inner: Any, send: Callable[[TPCommand], None]) -> None:
+    def __init__(self, inner: Any, send: Callable[[TPCommand], None], broken: Callable[[], None]) -> None:
         self.inner = inner
         self.send = send
+        self.broken = broken
+
+    def local(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except BaseException:
+            self.broken()
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -74,21 +85,25 @@ class MirroredBackend(_Delegate):
 class MirroredModel(_Delegate):
     """Rank 0's model: the forward pass and the logits are mirrored on the workers."""
 
-    def __init__(self, inner: Any, send: Callable[[TPCommand], None], backend: MirroredBackend) -> None:
-        super().__init__(inner, send)
+    def __init__(self, inner: Any, send: Callable[[TPCommand], None], broken: Callable[[], None],
+                 backend: MirroredBackend) -> None:
+        super().__init__(inner, send, broken)
         self.backend = backend
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         assert self.backend.last is not None, "a forward pass without a prepared batch"
         self.send(TPCommand("forward", self.backend.last, input_ids.tolist(), positions.tolist()))
         self.backend.last = None
-        return self.inner(input_ids, positions, meta)
+        return self.local(self.inner, input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] (the same on every rank after the all-reduces) goes to the workers so that
         each computes its vocabulary shard; the all-gather joins them."""
         hidden = hidden.contiguous()
         self.send(TPCommand("logits", rows=hidden.shape[0], hidden=hidden.shape[1], dtype=hidden.dtype))
+        return self.local(self._logits, hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         dist.broadcast(hidden, src=0)
         return self.inner.compute_logits(hidden)
 
@@ -99,19 +114,23 @@ class MirroredGraphs(_Delegate):
 
     def stage(self, batch: ScheduledBatch, ids: list[int]) -> Any:
         self.send(TPCommand("graph", lite_batch(batch), list(ids)))
-        return self.inner.stage(batch, ids)
+        return self.local(self.inner.stage, batch, ids)
+
+    def replay(self, staged: Any, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.local(self.inner.replay, staged, prev)
 
     def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.inner.replay(self.stage(batch, ids), prev)
+        return self.replay(self.stage(batch, ids), prev)
 
 
-def mirror_runner(runner: Any, send: Callable[[TPCommand], None]) -> None:
-    """Wrap rank 0's runner (after setup) so that its model calls are mirrored on the workers."""
-    backend = MirroredBackend(runner.backend, send)
+def mirror_runner(runner: Any, send: Callable[[TPCommand], None], broken: Callable[[], None]) -> None:
+    """Wrap rank 0's runner (after setup) so that its model calls are mirrored on the workers;
+    ``broken()`` gives the group up after a failed call."""
+    backend = MirroredBackend(runner.backend, send, broken)
     runner.backend = backend
-    runner.model = MirroredModel(runner.model, send, backend)
+    runner.model = MirroredModel(runner.model, send, broken, backend)
     if runner.graphs is not None:
-        runner.graphs = MirroredGraphs(runner.graphs, send)
+        runner.graphs = MirroredGraphs(runner.graphs, send, broken)
 
 
 @torch.inference_mode()

@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -71,6 +72,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         os._exit(1)
     conn.send(("ready", spec.rank))
     model, backend, graphs = parts.loaded.model, parts.backend, parts.graphs
+    code = 0
     try:
         while True:
             try:
@@ -80,10 +82,13 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
             if cmd.kind == "stop":
                 break
             execute(cmd, model, backend, graphs, device)
+    except Exception:  # noqa: BLE001 - the group cannot go on; rank 0's collective fails with our exit
+        traceback.print_exc()
+        code = 1
     finally:
         conn.close()
         # no destroy_process_group: a peer that already left would make it wait; the process ends here
-        os._exit(0)
+        os._exit(code)
 
 
 
