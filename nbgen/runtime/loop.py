@@ -163,6 +163,8 @@ class LoopThread(LoopControl):
         try:
             info = self._build()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by start()
+            if self.tp is not None:     # the workers started before the failure
+                self.tp.shutdown()
             self._ready.set_exception(e)
             loop.close()
             return
