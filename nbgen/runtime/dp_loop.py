@@ -57,7 +57,7 @@ def merge_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class DPLoop:
-    """``dp_size`` LoopThreads behind the LoopThread interface; ``start()`` loads them in parallel."""
+    """``dp_size`` LoopThreads behind the LoopThread interface."""
 
     def __init__(self, cfg: EngineConfig, on_stage: Optional[Callable[[str], None]] = None) -> None:
         self.cfg = cfg
@@ -68,14 +68,21 @@ class DPLoop:
 
     # ---- the LoopThread interface ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
-        with cf.ThreadPoolExecutor(len(self.replicas), thread_name_prefix="nbgen-dp-start") as pool:
-            futures = [pool.submit(r.start) for r in self.replicas]
+        """Start the first replica alone (its imports are not thread-safe the first time: transformers
+        loads lazily), then the others in parallel."""
+        try:
+            info = self.replicas[0].start()
+        except BaseException:
+            self.shutdown()
+            raise
+        with cf.ThreadPoolExecutor(max(1, len(self.replicas) - 1), thread_name_prefix="nbgen-dp-start") as pool:
+            futures = [pool.submit(r.start) for r in self.replicas[1:]]
             cf.wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             self.shutdown()
             raise errors[0]
-        return futures[0].result()
+        return info
 
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         """Route each request (a sample group or session together) and submit per replica."""
