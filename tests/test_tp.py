@@ -26,7 +26,8 @@ def tp_workers() -> list[psutil.Process]:
 
 
 def run(model_dir: str, tp: int) -> list[dict]:
-    """Greedy outputs with output and prompt logprobs; small chunks so that prompts span steps."""
+    """Greedy outputs with output and prompt logprobs (small chunks so that prompts span steps), then
+    seeded samples (rank 0 samples from the gathered logits)."""
     with nbgen.Engine(model_dir, dtype="float32", device="cpu", tp_size=tp, random_seed=0,
                       chunked_prefill_size=8) as eng:
         if tp > 1:
@@ -35,6 +36,8 @@ def run(model_dir: str, tp: int) -> list[dict]:
             for w in workers:      # a notebook's interrupt reaches the process group: workers ignore it
                 w.send_signal(signal.SIGINT)
         out = eng.generate(PROMPTS, SP, return_logprob=True, logprob_start_len=0, use_tqdm=False)
+        out += eng.generate(PROMPTS[:2], {**SP, "temperature": 0.9, "top_p": 0.9, "sampling_seed": 7},
+                            return_logprob=True, use_tqdm=False)
         if tp > 1:
             assert all(w.is_running() for w in workers)
     assert tp_workers() == []              # shutdown() stopped every worker
@@ -45,6 +48,8 @@ def assert_same(a: list[dict], b: list[dict]) -> None:
     for x, y in zip(a, b):
         assert x["output_ids"] == y["output_ids"]
         for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key == "input_token_logprobs" and not x["meta_info"].get(key):
+                continue           # the sampled requests did not ask for prompt logprobs
             lx = [t[0] for t in x["meta_info"][key] if t[0] is not None]
             ly = [t[0] for t in y["meta_info"][key] if t[0] is not None]
             assert len(lx) == len(ly) > 0
@@ -54,7 +59,9 @@ def assert_same(a: list[dict], b: list[dict]) -> None:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tp2_matches_tp1(family, request):
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
-    assert_same(run(model_dir, 1), run(model_dir, 2))
+    ref = run(model_dir, 1)
+    assert all(o["meta_info"]["input_token_logprobs"] for o in ref[:len(PROMPTS)])
+    assert_same(ref, run(model_dir, 2))
 
 
 def test_tp4_replicates_kv_heads(tiny_llama_dir):
