@@ -28,7 +28,7 @@ from nbgen.engine_images import attach_images, image_prep_for, prepare_images
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
-from nbgen.runtime.loop import LoopThread
+from nbgen.runtime.dp_loop import make_loop
 
 logger = logging.getLogger("nbgen")
 
@@ -54,10 +54,10 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
             if cfg.model_path is None:
                 cfg.model_path = default_model_path(feedback)
             self.config = cfg
-            self._loop = LoopThread(cfg, on_stage=feedback)
+            self._loop = make_loop(cfg, on_stage=feedback)   # a LoopThread, or dp_size of them
             info = self._loop.start()
         self._shut = False
-        self._finalizer = weakref.finalize(self, LoopThread.shutdown, self._loop)
+        self._finalizer = weakref.finalize(self, type(self._loop).shutdown, self._loop)
         loaded = info["loaded"]
         self.device = info["device"]
         self.scheduler_config = info["scheduler"]

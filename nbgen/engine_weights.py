@@ -66,6 +66,12 @@ def _tags(tags: Any) -> list[str]:
 class WeightsMixin:
     """Weight updates, reads and memory occupation for Engine (uses its _loop, config, _check_alive)."""
 
+    def _check_one_copy(self, call: str) -> None:
+        """Weights and memory are handled for one copy of the model: refused with tp/dp > 1."""
+        if self.config.tp_size > 1 or self.config.dp_size > 1:
+            raise ValueError(f"{call} needs tp_size 1 and dp_size 1 (got tp_size={self.config.tp_size}, "
+                             f"dp_size={self.config.dp_size})")
+
     @property
     def weight_version(self) -> str:
         """The name of the weights now loaded ("default" until an update names them)."""
@@ -80,6 +86,7 @@ class WeightsMixin:
         weights); ``weight_version`` renames the weights (``meta_info["weight_version"]``)."""
         pairs = _named_pairs(named_tensors)
         _check_common(load_format, flush_cache, weight_version)
+        self._check_one_copy("update_weights_from_tensor")
         self._check_alive()
         return self._loop.call_exclusive(
             lambda: self._loop.weights.update_from_tensors(pairs, load_format, flush_cache, weight_version))
@@ -96,6 +103,7 @@ class WeightsMixin:
         if fmt not in _DISK_FORMATS:
             raise ValueError(f"load_format must be None or one of {_DISK_FORMATS}, got {load_format!r}")
         _check_version(weight_version)
+        self._check_one_copy("update_weights_from_disk")
         self._check_alive()
         path = os.path.expanduser(os.fspath(model_path))
         ok, message = self._loop.call_exclusive(
@@ -112,6 +120,7 @@ class WeightsMixin:
             raise ValueError(f"name must be a str, got {name!r}")
         if not isinstance(truncate_size, int) or isinstance(truncate_size, bool) or truncate_size < 0:
             raise ValueError(f"truncate_size must be an int >= 0, got {truncate_size!r}")
+        self._check_one_copy("get_weights_by_name")
         self._check_alive()
         return self._loop.call(lambda: self._loop.weights.get(name, truncate_size))
 
@@ -130,6 +139,7 @@ class WeightsMixin:
             raise ValueError("master_address and group_name must be non-empty strs")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        self._check_one_copy("init_weights_update_group")
         self._check_alive()
         return self._loop.weights.groups.init(master_address, master_port, rank_offset, world_size,
                                               group_name, backend)
@@ -151,6 +161,7 @@ class WeightsMixin:
                    all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s) for s in shapes):
             raise ValueError(f"shapes must be lists of ints >= 0, got {shapes!r:.80}")
         _check_common(load_format, flush_cache, weight_version)
+        self._check_one_copy("update_weights_from_distributed")
         self._check_alive()
         return self._loop.call_exclusive(lambda: self._loop.weights.update_from_group(
             list(names), dts, [list(s) for s in shapes], group_name, flush_cache, load_format, weight_version))
@@ -165,6 +176,7 @@ class WeightsMixin:
         "kv_cache" (contents dropped), "cuda_graph"; None = all. Waits for running requests;
         generation raises RuntimeError until ``resume_memory_occupation``."""
         tags = _tags(tags)
+        self._check_one_copy("release_memory_occupation")
         self._check_alive()
         self._loop.call_exclusive(lambda: self._loop.memory.release(tags))
 
@@ -172,5 +184,6 @@ class WeightsMixin:
         """Take released memory back (``tags`` as ``release_memory_occupation``); once nothing is
         released the CUDA graphs are captured again and the engine serves as before."""
         tags = _tags(tags)
+        self._check_one_copy("resume_memory_occupation")
         self._check_alive()
         self._loop.call(lambda: self._loop.memory.resume(tags))

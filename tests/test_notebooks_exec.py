@@ -23,6 +23,8 @@ def test_notebook_runs(path: str, tmp_path) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
+    if os.path.basename(path).startswith("10_ray"):
+        pytest.importorskip("ray")
     if not _embedded_model_ready():
         pytest.skip("embedded model not fetched (python -m nbgen.models fetch)")
     nb = nbformat.read(path, as_version=4)
@@ -45,6 +47,8 @@ def test_notebook_runs(path: str, tmp_path) -> None:
         assert "requests run by the second call: 3" in shown
     if name.startswith("04_streaming"):
         assert "nbgen-stream" in shown
+    if name.startswith("10_ray"):
+        assert "same texts as generate_df: True" in shown and "empty prompt" in shown
     if name.startswith("07_embeddings"):
         assert "nearest neighbour shares the topic" in shown and "zero-shot accuracy" in shown
         assert any("image/png" in o.get("data", {}) for o in outputs)      # the PCA scatter

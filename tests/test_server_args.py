@@ -40,7 +40,7 @@ def test_every_engine_argument_is_an_implemented_sglang_name_or_nbgen_own() -> N
     assert all(a.note for a in SERVER_ARGS.values() if a.status != STATUS_IMPLEMENTED)
     for name in ("host", "port", "api_key", "log_requests", "enable_metrics", "tokenizer_worker_num"):
         assert SERVER_ARGS[name].status == STATUS_NO_EFFECT
-    for name in ("speculative_algorithm", "quantization", "dp_size", "enable_hierarchical_cache"):
+    for name in ("speculative_algorithm", "quantization", "pp_size", "enable_hierarchical_cache"):
         assert SERVER_ARGS[name].status == STATUS_REFUSED
 
 
@@ -66,7 +66,7 @@ def test_no_effect_arguments_are_taken_with_one_warning_naming_them() -> None:
 
 
 @pytest.mark.parametrize("name, value", [("enable_hierarchical_cache", True), ("speculative_algorithm", "EAGLE"),
-                                         ("dp_size", 2), ("kv_cache_dtype", "fp8_e5m2"), ("quantization", "fp8"),
+                                         ("pp_size", 2), ("kv_cache_dtype", "fp8_e5m2"), ("quantization", "fp8"),
                                          ("cuda_graph_max_bs_decode", 64), ("reasoning_parser", "qwen3")])
 def test_refused_arguments_raise_naming_them(tiny_llama_dir: str, name: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"{name} is not supported yet by nbgen"):
@@ -76,13 +76,13 @@ def test_refused_arguments_raise_naming_them(tiny_llama_dir: str, name: str, val
 def test_refused_arguments_with_sglang_default_are_accepted_silently() -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        EngineConfig.from_kwargs(None, {"dp_size": 1, "kv_cache_dtype": "auto", "quantization": None,
+        EngineConfig.from_kwargs(None, {"pp_size": 1, "kv_cache_dtype": "auto", "quantization": None,
                                         "enable_hierarchical_cache": False, "schedule_conservativeness": 1.0,
                                         "radix_eviction_policy": "lru", "speculative_algorithm": None,
                                         "grammar_backend": "xgrammar"})
     assert _nbgen_warnings(rec) == []
-    with pytest.raises(ValueError, match="dp_size is not supported yet"):
-        EngineConfig.from_kwargs(None, {"dp_size": True})   # a bool is not SGLang's default 1
+    with pytest.raises(ValueError, match="pp_size is not supported yet"):
+        EngineConfig.from_kwargs(None, {"pp_size": True})   # a bool is not SGLang's default 1
 
 
 def test_unknown_names_suggest_the_closest(tiny_llama_dir: str) -> None:

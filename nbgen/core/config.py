@@ -66,7 +66,9 @@ class EngineConfig:
     random_seed: int = 0
     log_level: str = "warning"
     skip_tokenizer_init: bool = False
-    tp_size: int = 1
+    tp_size: int = 1       # tensor parallelism: ranks sharding the model (runtime/tp_group.py)
+    dp_size: int = 1       # data parallelism: replicas behind one Engine (runtime/dp_loop.py)
+    base_gpu_id: int = 0   # the first GPU this engine uses (rank 0 of replica 0)
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
     trust_remote_code: bool = False
@@ -108,7 +110,8 @@ class EngineConfig:
         check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
         check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
-        check("tp_size", self.tp_size == 1, "1 (tensor parallelism is not implemented yet)")
+        check("tp_size", _is_int(self.tp_size) and self.tp_size >= 1, "an int >= 1")
+        check("dp_size", _is_int(self.dp_size) and self.dp_size >= 1, "an int >= 1")
         check("weight_version", isinstance(self.weight_version, str), "a str")
         for name in ("enable_return_hidden_states", "return_original_logprob"):
             check(name, isinstance(getattr(self, name), bool), "a bool")
@@ -130,6 +133,14 @@ class EngineConfig:
             check(name, _is_int(v) and v >= 1, "an int >= 1")
         PriorityConfig.of(self)   # validates the priority arguments
         self._check_lora()
+        if self.tp_size > 1 and self.enable_lora:
+            raise ValueError("enable_lora needs tp_size 1 (LoRA adapters are not sharded over ranks)")
+        if self.dp_size > 1 and self.tp_size > 1:
+            raise ValueError("dp_size > 1 needs tp_size 1 (a process holds one tensor-parallel group); for "
+                             "replicas of a sharded model use nbgen.ray.generate_ray with engine_kwargs={'tp_size': N}")
+        if self.dp_size > 1 and self.enable_lora:
+            raise ValueError("enable_lora needs dp_size 1 (adapters are loaded into one replica)")
+        check("base_gpu_id", _is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
         if self.model_path is not None:
             self.model_path = os.path.expanduser(str(self.model_path))
 

@@ -42,7 +42,9 @@ IMPLEMENTED: dict[str, str] = {
     "random_seed": "nbgen's default is 0",
     "log_level": "the nbgen logger; nbgen's default is warning",
     "skip_tokenizer_init": "outputs carry output_ids and no text",
-    "tp_size": "only 1",
+    "tp_size": "tensor parallelism over torch.distributed: NCCL on GPUs, gloo on CPUs; one worker process per extra rank",
+    "dp_size": "replicas behind one Engine (with tp_size 1): least-loaded routing, a prompt prefix back to its replica",
+    "base_gpu_id": "the first GPU of the engine; data-parallel replica i uses base_gpu_id + i",
     "enable_custom_logit_processor": "",
     "trust_remote_code": "",
     "is_embedding": "",
@@ -99,12 +101,14 @@ NO_EFFECT: dict[str, tuple[str, ...]] = {
         "trace_modules", "otlp_traces_endpoint", "otlp_service_name", "export_metrics_to_file",
         "export_metrics_to_file_dir", "stat_loggers", "enable_expert_distribution_metrics",
     ),
-    "process management: nbgen is one process (no subprocesses, watchdog or process group)": (
+    "process management: tensor-parallel workers join on a free local port and watch their parent "
+    "(no watchdog, Ray launcher or NUMA pinning)": (
         "watchdog_timeout", "soft_watchdog_timeout", "use_ray", "custom_sigquit_handler", "numa_node",
         "nccl_port", "dist_timeout", "dist_init_addr", "gated_launch_port", "scheduler_recv_interval",
         "enable_p2p_check",
     ),
-    "collectives between GPUs: nbgen runs on one GPU (tp_size 1), with no all-reduce": (
+    "collectives between GPUs: tensor parallelism all-reduces through torch.distributed (NCCL), "
+    "with no custom all-reduce": (
         "enable_nccl_nvls", "enable_symm_mem", "disable_custom_all_reduce", "enable_mscclpp",
         "enable_torch_symm_mem", "pre_warm_nccl", "enable_quant_communications",
         "enforce_disable_flashinfer_allreduce_fusion", "disable_aiter_allreduce_fusion_in_prefill",
@@ -203,7 +207,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "enable_two_batch_overlap", "enable_single_batch_overlap", "tbo_token_distribution_threshold",
         "enable_scattered_sconv", "boundary_reduction", "enable_flashinfer_allreduce_fusion",
         "flashinfer_allreduce_fusion_backend", "enable_aiter_allreduce_fusion", "nnodes", "node_rank",
-        "dcp_size", "pp_size", "pp_max_micro_batch_size", "pp_async_batch_depth", "dp_size",
+        "dcp_size", "pp_size", "pp_max_micro_batch_size", "pp_async_batch_depth",
         "attn_dp_size", "load_balance_method", "attn_cp_size", "dcp_comm_backend",
         "dcp_replicate_q_proj", "enable_prefill_cp", "cp_strategy", "enable_dsa_cache_layer_split",
         "enable_cp_decode_attn_tp", "enable_kv_cache_sharding", "enable_dp_attention",
@@ -282,7 +286,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "keep_mm_feature_on_device",
     ),
     "GPU placement and GC thresholds": (
-        "base_gpu_id", "gpu_id_step", "mlx_enable_sampling", "gc_threshold",
+        "gpu_id_step", "mlx_enable_sampling", "gc_threshold",
     ),
     "scheduling knobs nbgen's scheduler does not have": (
         "radix_eviction_policy", "radix_eviction_policy_config",
@@ -376,8 +380,8 @@ SGLANG_DEFAULTS: dict[str, Any] = {
     "triton_attention_reduce_in_fp32": False, "triton_attention_num_kv_splits": 8,
     "flashinfer_mla_disable_ragged": False, "enable_precise_embedding_interpolation": False,
     "enable_deepseek_v4_fp4_indexer": False, "kv_canary": 'none', "kv_canary_real_data": 'none',
-    "kv_canary_sweep_interval": 0, "base_gpu_id": 0, "gpu_id_step": 1, "mlx_enable_sampling": False,
-    "nnodes": 1, "node_rank": 0, "dcp_size": 1, "pp_size": 1, "pp_async_batch_depth": 0, "dp_size": 1,
+    "kv_canary_sweep_interval": 0, "gpu_id_step": 1, "mlx_enable_sampling": False,
+    "nnodes": 1, "node_rank": 0, "dcp_size": 1, "pp_size": 1, "pp_async_batch_depth": 0,
     "attn_dp_size": 1, "load_balance_method": 'auto', "attn_cp_size": 1, "moe_dp_size": 1, "dwdp_size": 1,
     "enable_prefill_cp": False, "enable_dsa_cache_layer_split": False, "enable_cp_decode_attn_tp": False,
     "enable_kv_cache_sharding": False, "enable_dp_attention": False,

@@ -31,8 +31,9 @@ def get_tp() -> tuple[int, int]:
     return _TP
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP[0] > 1:
+def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    # the layer's own tp_size (fixed when it was built), not the process-wide setting
+    if tp_size > 1:
         torch.distributed.all_reduce(x)
     return x
 
@@ -231,7 +232,7 @@ class RowParallelLinear(_Linear):
         y = self._mm(x, None)
         if self.lora is not None and self.lora.active:
             self.lora(x, y)
-        y = _all_reduce(y)
+        y = _all_reduce(y, self.tp_size)
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
 
@@ -260,7 +261,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return _all_reduce(out.masked_fill(outside[:, None], 0))
+        return _all_reduce(out.masked_fill(outside[:, None], 0), self.tp_size)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

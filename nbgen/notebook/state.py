@@ -136,6 +136,15 @@ def priority_summary(stats: Mapping[str, Any]) -> str:
                       for p, c in prios.items())
 
 
+def replica_summary(stats: Mapping[str, Any]) -> str:
+    """A data-parallel engine's replicas as one line ("" with one replica): requests and KV use each."""
+    parts = []
+    for i, r in enumerate(stats.get("replicas") or []):
+        kv = kv_summary(r)
+        parts.append(f"{i}: {r.get('running', 0)} running, {r.get('waiting', 0)} waiting, KV {kv['frac']:.0%}")
+    return " | ".join(parts)
+
+
 def _bar(frac: float, prefix_frac: float) -> str:
     f, p = min(max(frac, 0.0), 1.0) * 100, min(max(prefix_frac, 0.0), 1.0) * 100
     return ('<div style="background:#eee;height:10px;width:100%;position:relative;border-radius:3px">'
@@ -173,6 +182,9 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
     prio = priority_summary(s)
     prio_line = (f'<div class="nbgen-priorities" style="font-size:11px;color:#444;margin-bottom:4px">'
                  f'priority {html.escape(prio)}</div>' if prio else "")
+    if s.get("replicas"):      # dp_size > 1: the numbers above are summed over these
+        prio_line += (f'<div class="nbgen-replicas" style="font-size:11px;color:#444;margin-bottom:4px">'
+                      f'replicas {html.escape(replica_summary(s))}</div>')
     if "lora_adapters" in s:   # an enable_lora engine: the adapters loaded now
         names = ", ".join(s["lora_adapters"]) or "none"
         prio_line += (f'<div class="nbgen-lora" style="font-size:11px;color:#444;margin-bottom:4px">'

@@ -5,6 +5,7 @@ the loop keeps the parts, the Engine facade gets ``EngineParts.info()``.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -13,7 +14,9 @@ import torch
 
 from nbgen.core.config import EngineConfig, PriorityConfig, SchedulerConfig
 from nbgen.runtime.runner import ModelRunner
+from nbgen.models.parallel_state import tp_scope
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.tp_group import TPGroup, start_tp
 
 logger = logging.getLogger("nbgen")
 
@@ -28,6 +31,7 @@ class EngineParts:
     scheduler_config: SchedulerConfig
     scheduler: Scheduler
     tokenizer: Optional[Any]          # None with skip_tokenizer_init
+    tp: Optional[TPGroup] = None      # tensor parallelism (tp_size > 1): the worker ranks
 
     def info(self) -> dict[str, Any]:
         """What ``LoopThread.start()`` hands the Engine: device, scheduler config, loaded model, and
@@ -40,12 +44,29 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
     """Resolve the config for its device, load the model, size the KV pool, make the scheduler;
     ``on_stage`` hears the start-up stages (see ``setup_model``)."""
     device = torch.device(cfg.resolve_device())
+    if device.type == "cuda" and cfg.base_gpu_id:
+        device = torch.device("cuda", cfg.base_gpu_id)   # a data-parallel replica's GPU, or the user's
+        torch.cuda.set_device(device)   # this loop thread's kernels launch there
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     rcfg = cfg.resolved(device.type, total)
     if rcfg.enable_torch_compile:
         logger.info("enable_torch_compile: nbgen runs its own fused kernels and CUDA graphs in the place of "
                     "torch.compile; the model is not compiled and outputs are unchanged")
-    runner = ModelRunner(rcfg, device, on_stage)
+    if rcfg.tp_size > 1:
+        # workers mirror rank 0's calls one by one: no overlap, no piecewise prefill graphs
+        rcfg = copy.copy(rcfg)        # (resolved values need no new validation)
+        rcfg.disable_overlap_schedule = rcfg.disable_piecewise_cuda_graph = True
+    tp = start_tp(rcfg, device)
+    try:
+        with tp_scope(rcfg.tp_size, 0):
+            runner = ModelRunner(rcfg, device, on_stage)
+        if tp is not None:
+            tp.wait_ready()
+            tp.attach(runner)
+    except BaseException:
+        if tp is not None:
+            tp.shutdown()
+        raise
     sc = SchedulerConfig(
         page_size=rcfg.page_size, num_pages=runner.num_pages,
         max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.step_token_budget,
@@ -53,7 +74,7 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
         context_length=runner.loaded.context_length, max_queued_requests=rcfg.max_queued_requests,
         priority=PriorityConfig.of(rcfg))
     return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc, scheduler=Scheduler(sc),
-                       tokenizer=runner.loaded.tokenizer)
+                       tokenizer=runner.loaded.tokenizer, tp=tp)
 
 
 def runner_info(runner: Optional[ModelRunner]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from nbgen.runtime.overlap import OverlapStepper
 from nbgen.runtime.profiler import StepProfiler
 from nbgen.runtime.weights import WeightService
 from nbgen.runtime.sessions import SessionTable
+from nbgen.runtime.tp_group import TPGroup
 
 logger = logging.getLogger("nbgen")
 
@@ -61,6 +62,7 @@ class LoopThread(LoopControl):
         self.weights: Optional[WeightService] = None  # weight updates and reads, weight_version
         self.memory: Optional[MemoryService] = None   # release / resume of the GPU memory
         self.sessions: Optional[SessionTable] = None  # open_session / session_params
+        self.tp: Optional[TPGroup] = None  # tensor parallelism: the worker ranks, stopped with the loop
 
     # ---- caller side (any thread) ---------------------------------------------------------------
     def start(self) -> dict[str, Any]:
@@ -161,6 +163,8 @@ class LoopThread(LoopControl):
         try:
             info = self._build()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by start()
+            if self.tp is not None:     # the workers started before the failure
+                self.tp.shutdown()
             self._ready.set_exception(e)
             loop.close()
             return
@@ -174,12 +178,15 @@ class LoopThread(LoopControl):
             self.runner = None
             self.weights.close()      # the model goes with the runner; weight_version stays readable
             self.memory = None
+            if self.tp is not None:
+                self.tp.shutdown()
             loop.close()
             thaw_heap()
 
     def _build(self) -> dict[str, Any]:
         parts = build_engine_parts(self.cfg, self._on_stage)
         self.runner, self.scheduler, self.tokenizer = parts.runner, parts.scheduler, parts.tokenizer
+        self.tp = parts.tp
         self._delivery = Delivery(parts.scheduler, parts.tokenizer, parts.runner.vocab_size,
                                   parts.cfg.page_size, self._stats, self._rids, self._post,
                                   parts.cfg.stream_interval)

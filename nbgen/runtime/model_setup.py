@@ -17,8 +17,10 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend
 from nbgen.attention.torch_backend import TorchAttentionBackend
 from nbgen.core.config import EngineConfig
 from nbgen.kernels import gpu_ops
+from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
 from nbgen.models.loader import LoadedModel, load_model
+from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
 from nbgen.runtime.cuda_graphs import CudaGraphRunner
 from nbgen.runtime.sampler import Sampler
@@ -58,8 +60,10 @@ def model_dims(hf: Any) -> tuple[int, int, int, int]:
 
 
 def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device) -> KVCacheSpec:
-    """The KV cache's per-layer geometry (num_pages 0: sized by ``num_pages``)."""
+    """The KV cache's per-layer geometry (num_pages 0: sized by ``num_pages``); with tensor
+    parallelism this rank's heads (``local_heads``)."""
     layers, hq, hkv, hd = model_dims(loaded.hf_config)
+    hq, hkv = local_heads(hq, hkv, get_tp()[0])
     return KVCacheSpec(layers, 0, page_size, hq, hkv, hd, loaded.dtype, device)
 
 
@@ -169,11 +173,13 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     t1 = time.perf_counter()
     report("sizing the KV cache")
     spec = kv_spec_of(loaded, cfg.page_size, device)
-    spec = replace(spec, num_pages=num_pages(cfg, spec, loaded.context_length))
+    # tensor parallelism: every rank's pool the same size (one page table for all)
+    spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length), device))
     backend = make_backend(cfg, spec)
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
     # LoRA's A matrices read the normed input: folded norms stay off with enable_lora
-    folded = (not cfg.enable_lora and norm_fold.should_fold(loaded.model, device)
+    # (tensor parallelism: o_proj / down_proj sum partial products, so they cannot accumulate in place)
+    folded = (not cfg.enable_lora and get_tp()[0] == 1 and norm_fold.should_fold(loaded.model, device)
               and norm_fold.fold_norms(loaded.model))
     sampler = Sampler(int(loaded.hf_config.vocab_size), device, original_logprobs=cfg.return_original_logprob)
     t2 = time.perf_counter()

@@ -1,0 +1,117 @@
+"""Data parallelism: dp_size=2 gives dp_size=1's outputs (greedy, fp32, CPU), one engine's stats with
+per-replica detail; the router (torch-free) balances load, keeps groups and sessions together and
+sends a known prefix back to its replica while that wins."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import nbgen
+from nbgen.notebook.state import StatsHistory, dashboard_html
+from nbgen.runtime.dp_loop import merge_stats
+from nbgen.runtime.dp_router import PREFIX_TOKENS, Router
+
+PROMPTS = ["Hello there", "def add(a, b):", "The quick brown fox jumps", "Once upon a time"] * 3
+SP = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    one = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", random_seed=0)
+    two = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", random_seed=0, dp_size=2)
+    yield one, two
+    one.shutdown()
+    two.shutdown()
+
+
+def test_dp2_matches_dp1(engines):
+    one, two = engines
+    a = one.generate(PROMPTS, SP, return_logprob=True, use_tqdm=False)
+    b = two.generate(PROMPTS, SP, return_logprob=True, use_tqdm=False)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert [o["text"] for o in a] == [o["text"] for o in b]
+    st = two.stats()
+    assert st["dp_size"] == 2 and len(st["replicas"]) == 2
+    assert all(r["total_finished"] > 0 for r in st["replicas"])       # both replicas served
+    assert st["total_finished"] == sum(r["total_finished"] for r in st["replicas"])
+    assert st["kv_pages_total"] == 2 * one.stats()["kv_pages_total"]
+    assert two.get_server_info()["dp_size"] == 2
+    h = StatsHistory()
+    h.append(st)
+    html = dashboard_html(h)
+    assert "nbgen-replicas" in html and "0: 0 running" in html and "1: 0 running" in html
+
+
+def test_dp_generate_df_stream_and_samples(engines):
+    one, two = engines
+    df = pd.DataFrame({"prompt": PROMPTS[:4]})
+    a = nbgen.generate_df(df, "prompt", engine=one, sampling_params=SP, progress=False)
+    b = nbgen.generate_df(df, "prompt", engine=two, sampling_params=SP, progress=False)
+    assert a["text"].tolist() == b["text"].tolist()
+    streamed = "".join(c["text"] for c in two.generate(PROMPTS[0], SP, stream=True))
+    assert streamed == one.generate(PROMPTS[0], SP)["text"]
+    outs = two.generate(PROMPTS[1], {**SP, "n": 3, "temperature": 0.8, "sampling_seed": 5})
+    assert len(outs) == 3 and all(len(o["output_ids"]) == SP["max_new_tokens"] for o in outs)
+
+
+def test_dp_refuses_single_copy_calls(engines):
+    _one, two = engines
+    with pytest.raises(ValueError, match="dp_size"):
+        two.update_weights_from_disk("/nonexistent")
+    with pytest.raises(ValueError, match="dp_size"):
+        nbgen.Engine(device="cpu", dp_size=0)
+
+
+def test_router_least_loaded_and_groups():
+    r = Router(3)
+    assert [r.route(f"a{i}", [1, 2]) for i in range(3)] == [0, 1, 2]
+    r.done("a1")
+    assert r.route("b", [3]) == 1                      # the replica that freed up
+    groups: dict[str, int] = {}
+    assert r.route("g0", [5], group="g", groups=groups) == 0
+    assert r.route("g1", [5], group="g", groups=groups) == 0    # samples of one prompt together
+    with pytest.raises(ValueError, match="rid 'b'"):
+        r.route("b", [3])
+    r.bind_session("s", 2)
+    assert r.route("s1", [9], session="s") == 2       # where the session's KV lives
+    assert r.loads() == [3, 1, 2]
+
+
+def test_router_prefix_affinity_within_slack():
+    r = Router(2)
+    shared = list(range(PREFIX_TOKENS))
+    assert Router.slack(0) == 2
+    # the first prompt picks replica 0; the next two follow their prefix although 1 is idle
+    assert [r.route(f"p{i}", shared + [i]) for i in range(3)] == [0, 0, 0]
+    assert r.prefix_routed == 2
+    # replica 0 is now 3 ahead, more than the slack: load wins, and the prefix moves to replica 1
+    assert r.route("p3", shared + [3]) == 1
+    assert r.route("p4", shared + [4]) == 1
+    assert r.route("short", shared[:10]) == 1         # too short to key: by load alone (2 < 3)
+    assert r.loads() == [3, 3]
+
+
+def test_merge_stats_sums_counts_and_nested_priorities():
+    a = {"running": 1, "page_size": 16, "output_tok_s": 2.5, "priorities": {0: {"running": 1, "waiting": 0}},
+         "uptime_s": 3.0}
+    b = {"running": 2, "page_size": 16, "output_tok_s": 1.5, "priorities": {0: {"running": 0, "waiting": 4},
+                                                                            5: {"running": 1, "waiting": 0}},
+         "uptime_s": 5.0}
+    m = merge_stats([a, b])
+    assert m["running"] == 3 and m["page_size"] == 16 and m["output_tok_s"] == 4.0 and m["uptime_s"] == 5.0
+    assert m["priorities"] == {0: {"running": 1, "waiting": 4}, 5: {"running": 1, "waiting": 0}}
+    assert m["replicas"] == [a, b] and m["dp_size"] == 2
+
+
+def test_dp_session_stays_on_its_replica(engines):
+    one, two = engines
+    long_prompt = " ".join(["tell me more about the quick brown fox"] * 8)
+    results = []
+    for eng in (one, two):
+        sid = eng.open_session(4096)
+        first = eng.generate(long_prompt, SP, session_params={"id": sid})
+        second = eng.generate(" and then?", SP, session_params={"id": sid, "rid": first["meta_info"]["id"]})
+        eng.close_session(sid)
+        results.append((first["output_ids"], second["output_ids"], second["meta_info"]["cached_tokens"]))
+    assert results[0] == results[1]
+    assert results[1][2] >= 16         # the second turn read the first one's KV: the same replica
