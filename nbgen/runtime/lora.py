@@ -24,6 +24,7 @@ from torch import nn
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
 from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, ModuleLoRA, load_adapter
+from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.step_inputs import to_device
 
 # a request not yet at the scheduler (submission still posted, grammar compiling) keeps its adapter
@@ -99,8 +100,9 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
                  max_loaded: Optional[int], max_rank: Optional[int],
-                 target_modules: Optional[tuple[str, ...]]) -> None:
+                 target_modules: Optional[tuple[str, ...]], batch_limit: LoRABatchLimit) -> None:
         self.dtype, self.device = dtype, device
+        self.batch_limit = batch_limit          # max_loras_per_batch, checked by the scheduler's admission
         self.max_loaded, self.max_rank, self.target_modules = max_loaded, max_rank, target_modules
         self._model = model
         self._state = _StepState()
@@ -128,6 +130,11 @@ class LoRAManager:
             if self.max_loaded is not None and len(self._resident) >= self.max_loaded:
                 raise ValueError(f"{len(self._resident)} LoRA adapters are loaded, the maximum "
                                  f"(max_loaded_loras={self.max_loaded}); unload one first")
+            if pinned and len(self.batch_limit.pinned) >= self.batch_limit.max_loras - 1:
+                # as SGLang: one slot stays free for unpinned adapters and the base model
+                raise ValueError(f"LoRA adapter {name!r} cannot be pinned: {len(self.batch_limit.pinned)} "
+                                 f"adapters are pinned and max_loras_per_batch={self.batch_limit.max_loras} "
+                                 f"keeps one slot for the others and the base model")
         weights = load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
         ref = LoRARef(next(self._ids), name, weights.path, pinned)
         for key, mod in weights.modules.items():
@@ -136,6 +143,8 @@ class LoRAManager:
             self._resident[ref.lora_id] = weights
             self._users[ref.lora_id] = []
             self._refs[name] = ref
+        if pinned:
+            self.batch_limit.pinned.add(ref.lora_id)
         return ref
 
     def unregister(self, name: str) -> int:
@@ -158,6 +167,7 @@ class LoRAManager:
                 return False
             self._users.pop(lora_id, None)
             self._resident.pop(lora_id, None)
+        self.batch_limit.pinned.discard(lora_id)
         for hook in self._hooks.values():
             hook.weights.pop(lora_id, None)
         return True
@@ -220,8 +230,10 @@ def make_lora_manager(cfg: Any, model: nn.Module, dtype: torch.dtype, device: to
     if not cfg.enable_lora:
         return None
     targets = cfg.lora_target_modules
+    # a blocked request lets a full batch of admissions pass it before the scan stops at it
+    limit = LoRABatchLimit(cfg.max_loras_per_batch, patience=cfg.max_running_requests)
     mgr = LoRAManager(model, dtype, device, cfg.lora_slots, cfg.max_lora_rank,
-                      None if targets is None else tuple(targets))
+                      None if targets is None else tuple(targets), limit)
     for spec in cfg.lora_paths or []:
         mgr.load(spec["lora_name"], spec["lora_path"], bool(spec.get("pinned", False)))
     return mgr

@@ -37,6 +37,7 @@ from nbgen.core.config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
+from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats
@@ -47,7 +48,7 @@ from nbgen.runtime.waiting import WaitingQueue
 class Scheduler:
     """Owns waiting/running requests, the PagePool and the PrefixCache (loop thread only)."""
 
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig, lora_limit: Optional[LoRABatchLimit] = None) -> None:
         self.cfg = cfg
         self.P = cfg.page_size
         self.pool = PagePool(cfg.num_pages, cfg.page_size)
@@ -61,7 +62,8 @@ class Scheduler:
             else WaitingQueue(cfg.schedule_policy))
         self._arrival_counter = 0
         self._live: dict[str, Request] = {}           # rid -> waiting or running request
-        self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt)
+        self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt,
+                                   lora_limit)
         self.num_preemptions = 0
         # called with each request finished after it ran (its full pages are in the prefix cache);
         # engine sessions pin them there (runtime/sessions.py), and drop the pins at a flush
