@@ -3,28 +3,41 @@ step's rows grouped by adapter.
 
 Adapters are loaded once (``models/lora_adapter.py``) and stay on the model's device until unloaded;
 each gets an id never reused, which requests carry (``Request.lora_id``) and the prefix cache keys on.
-A step whose seqs use adapters runs eagerly: the base GEMM once for every row, then per adapter
-the low-rank product of its rows added into the fused output slices (``LinearLoRA``). Steps without
-adapters leave the hooks inactive and run exactly as without LoRA (CUDA graphs included).
+The base GEMM runs once for every row; the hooks (``LinearLoRA``) add the low-rank products of each
+adapter's rows into the fused output slices:
+
+- CPU (and the reference): per adapter in torch; steps with adapters run eagerly, steps without
+  leave the hooks inactive.
+- CUDA: a slot pool (``runtime/lora_slots.py``) and the segmented Triton kernels
+  (``kernels/lora_sgmv.py``). The decode graphs are captured with the hooks reading the pool's static
+  step buffers (``capturing``), so decode steps with adapters replay graphs too (``stage``).
+
+Folded norms (``models/norm_fold.py``): a folded qkv / gate|up linear reads the raw residual stream and
+its row scale comes later, so an adapter's A of those linears is folded the same way at load
+(A' = A diag(g)).
 
 Unloading follows SGLang: the name goes at once (new requests are refused), the weights stay until
 the requests already submitted with them have finished (``release_if_unused``).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
-from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, ModuleLoRA, load_adapter
+from nbgen.kernels import lora_sgmv
+from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, load_adapter, read_adapter_config
 from nbgen.runtime.lora_batch import LoRABatchLimit
+from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState
+from nbgen.runtime.lora_slots import LoRASlots
 from nbgen.runtime.step_inputs import to_device
 
 # a request not yet at the scheduler (submission still posted, grammar compiling) keeps its adapter
@@ -42,56 +55,6 @@ class LoRARef:
     pinned: bool = False
 
 
-@dataclass
-class LoRASegment:
-    """The rows of one adapter in a step's flat token stream."""
-
-    lora_id: int
-    rows: Optional[torch.Tensor]     # [n] int64 row indices on the device; None = every row
-
-
-@dataclass
-class LoRAStep:
-    """The per-step adapter info, built by the runner from its batch's requests."""
-
-    segments: list[LoRASegment]
-
-
-class _StepState:
-    """The step the hooks serve now (None outside LoRA steps); shared by every hook of a model."""
-
-    def __init__(self) -> None:
-        self.step: Optional[LoRAStep] = None
-
-
-class LinearLoRA:
-    """The hook in one fused linear: adds x[rows] @ A^T @ B^T * scaling into y's shard columns."""
-
-    def __init__(self, state: _StepState) -> None:
-        self.state = state
-        self.weights: dict[int, ModuleLoRA] = {}   # lora_id -> this linear's weights of that adapter
-
-    @property
-    def active(self) -> bool:
-        return self.state.step is not None
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """x [T, in], y [T, out] (the base output, changed in place)."""
-        for seg in self.state.step.segments:
-            w = self.weights.get(seg.lora_id)
-            if w is None:        # the adapter does not target this linear
-                continue
-            xs = x if seg.rows is None else x.index_select(0, seg.rows)
-            t = xs @ w.a.t()                                          # [n, R] all shards' ranks
-            for sh in w.shards:
-                d = (t[:, sh.a_lo:sh.a_hi] @ sh.b.t()) * w.scaling    # [n, out_hi - out_lo]
-                cols = y[:, sh.out_lo:sh.out_hi]
-                if seg.rows is None:
-                    cols.add_(d)
-                else:
-                    cols.index_add_(0, seg.rows, d)
-
-
 class LoRAManager:
     """Adapters of one model: load / unregister / release, the caller-side name lookup, step info.
 
@@ -100,12 +63,15 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
                  max_loaded: Optional[int], max_rank: Optional[int],
-                 target_modules: Optional[tuple[str, ...]], batch_limit: LoRABatchLimit) -> None:
+                 target_modules: Optional[tuple[str, ...]], batch_limit: LoRABatchLimit,
+                 slot_rank: Optional[int] = None, graph_rows: int = 0) -> None:
+        """``slot_rank``: the rank of the slot pool and its kernels (None: the torch path);
+        ``graph_rows``: rows of the largest decode graph (the pool's static step buffers)."""
         self.dtype, self.device = dtype, device
         self.batch_limit = batch_limit          # max_loras_per_batch, checked by the scheduler's admission
         self.max_loaded, self.max_rank, self.target_modules = max_loaded, max_rank, target_modules
         self._model = model
-        self._state = _StepState()
+        self._state = StepState()
         self._hooks: dict[tuple[int, str], LinearLoRA] = {}
         subs = sorted({sub for sub, _ in MODULE_MAP.values()})
         for i, layer in enumerate(model.model.layers):
@@ -113,6 +79,12 @@ class LoRAManager:
                 hook = LinearLoRA(self._state)
                 layer.get_submodule(sub).lora = hook
                 self._hooks[(i, sub)] = hook
+        self.slots: Optional[LoRASlots] = None
+        if slot_rank is not None:
+            self.slots = LoRASlots({key: model.model.layers[key[0]].get_submodule(key[1]) for key in self._hooks},
+                                   batch_limit.max_loras, slot_rank, dtype, device, max(graph_rows, 1))
+            for key, hook in self._hooks.items():
+                hook.slots, hook.scaling = self.slots.linears[key], self.slots.scaling
         self._lock = threading.Lock()
         self._refs: dict[str, LoRARef] = {}                 # name -> ref (registered, usable)
         self._resident: dict[int, AdapterWeights] = {}      # lora_id -> weights (incl. unregistered in use)
@@ -136,6 +108,10 @@ class LoRAManager:
                                  f"adapters are pinned and max_loras_per_batch={self.batch_limit.max_loras} "
                                  f"keeps one slot for the others and the base model")
         weights = load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
+        if self.slots is not None and weights.rank > self.slots.rank:
+            raise ValueError(f"adapter {path!r} has rank {weights.rank}, above the GPU slot pool's rank "
+                             f"{self.slots.rank} (set max_lora_rank, or list the adapter in lora_paths)")
+        fold_norms_into(weights, self._model)
         ref = LoRARef(next(self._ids), name, weights.path, pinned)
         for key, mod in weights.modules.items():
             self._hooks[key].weights[ref.lora_id] = mod
@@ -170,6 +146,8 @@ class LoRAManager:
         self.batch_limit.pinned.discard(lora_id)
         for hook in self._hooks.values():
             hook.weights.pop(lora_id, None)
+        if self.slots is not None:
+            self.slots.evict(lora_id)
         return True
 
     def loaded(self) -> dict[str, str]:
@@ -196,8 +174,8 @@ class LoRAManager:
         """Whether any seq of the batch runs under an adapter."""
         return any(s.req.lora_id is not None for s in batch.seqs)
 
-    def step_info(self, batch: ScheduledBatch, starts: list[int]) -> Optional[LoRAStep]:
-        """The batch's rows grouped by adapter (``starts``: each seq's first row), or None."""
+    def _rows(self, batch: ScheduledBatch, starts: list[int]) -> tuple[dict[int, list[int]], int]:
+        """Rows of each adapter in the batch's flat stream (``starts``: each seq's first row), total rows."""
         rows: dict[int, list[int]] = {}
         total = 0
         for s, start in zip(batch.seqs, starts):
@@ -207,10 +185,43 @@ class LoRAManager:
                     raise ValueError(f"LoRA adapter id {s.req.lora_id} was unloaded before request "
                                      f"{s.req.rid!r} ran")
                 rows.setdefault(s.req.lora_id, []).extend(range(start, start + s.q_len))
+        return rows, total
+
+    def step_info(self, batch: ScheduledBatch, starts: list[int]) -> Optional[LoRAStep]:
+        """The batch's rows grouped by adapter, or None when no row uses one (an eager step)."""
+        rows, total = self._rows(batch, starts)
         if not rows:
             return None
+        if self.slots is not None:
+            slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned)
+            return LoRAStep([], self.slots.eager_step(rows, slots))
         segs = [LoRASegment(i, None if len(r) == total else to_device(r, self.device)) for i, r in rows.items()]
         return LoRAStep(segs)
+
+    @property
+    def in_graphs(self) -> bool:
+        """Decode steps with adapters replay CUDA graphs (the slot pool's kernels were captured)."""
+        return self.slots is not None
+
+    def stage(self, batch: ScheduledBatch) -> None:
+        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, the row
+        layout into the static buffers (queued behind the steps before it)."""
+        rows, _ = self._rows(batch, list(range(len(batch.seqs))))
+        slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned) if rows else {}
+        self.slots.stage(rows, slots)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Hooks active on the static step buffers while decode graphs are captured (none on CPU)."""
+        if self.slots is None:
+            yield
+            return
+        self.slots.stage({}, {})
+        self._state.step = LoRAStep([], self.slots.graph_step)
+        try:
+            yield
+        finally:
+            self._state.step = None
 
     def begin(self, step: LoRAStep) -> None:
         """Activate the hooks for one forward pass."""
@@ -224,16 +235,46 @@ class LoRAManager:
         return sorted(self.loaded())
 
 
-def make_lora_manager(cfg: Any, model: nn.Module, dtype: torch.dtype, device: torch.device
-                      ) -> Optional[LoRAManager]:
-    """The manager of an ``enable_lora`` engine (None otherwise), with ``lora_paths`` loaded."""
+def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
+    """Fold the norm weight g of folded layers into the adapter's A of qkv / gate|up: A' = A diag(g)
+    (fp32, rounded once), as ``norm_fold`` did to the base weights those linears hold."""
+    layers = model.model.layers
+    for (i, sub), mod in weights.modules.items():
+        layer = layers[i]
+        if not getattr(layer, "folded", False):
+            continue
+        norm = {"self_attn.qkv_proj": layer.input_layernorm, "mlp.gate_up_proj": layer.post_attention_layernorm}.get(sub)
+        if norm is not None:
+            mod.a = (mod.a.float() * norm.weight.float()[None, :]).to(mod.a.dtype)
+
+
+def slot_rank(cfg: Any) -> int:
+    """The slot pool's rank: ``max_lora_rank``, else the largest of the ``lora_paths`` adapters, else 16."""
+    if cfg.max_lora_rank is not None:
+        return int(cfg.max_lora_rank)
+    ranks = [int(read_adapter_config(spec["lora_path"])["r"]) for spec in cfg.lora_paths or []]
+    return max(ranks, default=16)
+
+
+def make_lora_manager(cfg: Any, model: nn.Module, dtype: torch.dtype, device: torch.device,
+                      slots: Optional[bool] = None, graph_rows: int = 0) -> Optional[LoRAManager]:
+    """The manager of an ``enable_lora`` engine (None otherwise), adapters not loaded yet
+    (``load_initial``). ``slots``: the slot pool and kernels (default: on CUDA with Triton)."""
     if not cfg.enable_lora:
         return None
+    if slots is None:
+        slots = device.type == "cuda" and lora_sgmv.available()
     targets = cfg.lora_target_modules
     # a blocked request lets a full batch of admissions pass it before the scan stops at it
     limit = LoRABatchLimit(cfg.max_loras_per_batch, patience=cfg.max_running_requests)
-    mgr = LoRAManager(model, dtype, device, cfg.lora_slots, cfg.max_lora_rank,
-                      None if targets is None else tuple(targets), limit)
+    return LoRAManager(model, dtype, device, cfg.lora_slots, cfg.max_lora_rank,
+                       None if targets is None else tuple(targets), limit,
+                       slot_rank(cfg) if slots else None, graph_rows)
+
+
+def load_initial(mgr: Optional[LoRAManager], cfg: Any) -> None:
+    """Load the ``lora_paths`` adapters (after norm folding: their A are folded at load)."""
+    if mgr is None:
+        return
     for spec in cfg.lora_paths or []:
         mgr.load(spec["lora_name"], spec["lora_path"], bool(spec.get("pinned", False)))
-    return mgr
