@@ -134,7 +134,8 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
         raise ValueError(f"adapter {path!r} holds no LoRA weights")
     targets = tuple(sorted({name for _, name in pairs}))
     if allowed_targets is not None and not set(targets) <= set(allowed_targets):
-        raise ValueError(f"adapter {path!r} targets {sorted(set(targets) - set(allowed_targets))}, outside "
+        raise ValueError(f"adapter {path!r} is incompatible: it targets {sorted(set(targets) - set(allowed_targets))}, "
+                         f"outside "
                          f"lora_target_modules={list(allowed_targets)}")
     layers = model.model.layers
     grouped: dict[tuple[int, str], list[tuple[Any, torch.Tensor, torch.Tensor]]] = {}
@@ -146,7 +147,7 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
         a, b = ab["A"], ab["B"]
         rank = a.shape[0]
         if max_rank is not None and rank > max_rank:
-            raise ValueError(f"adapter {path!r} has rank {rank} ({name}), above max_lora_rank={max_rank}")
+            raise ValueError(f"adapter {path!r} is incompatible: rank {rank} ({name}) is above max_lora_rank={max_rank}")
         sub, shard = MODULE_MAP[name]
         linear = layers[layer].get_submodule(sub)
         out_lo, size = linear.shard_rows(shard) if shard is not None else (0, linear.weight.shape[0])

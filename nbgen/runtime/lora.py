@@ -104,12 +104,13 @@ class LoRAManager:
                                  f"(max_loaded_loras={self.max_loaded}); unload one first")
             if pinned and len(self.batch_limit.pinned) >= self.batch_limit.max_loras - 1:
                 # as SGLang: one slot stays free for unpinned adapters and the base model
-                raise ValueError(f"LoRA adapter {name!r} cannot be pinned: {len(self.batch_limit.pinned)} "
-                                 f"adapters are pinned and max_loras_per_batch={self.batch_limit.max_loras} "
-                                 f"keeps one slot for the others and the base model")
+                raise ValueError(f"LoRA adapter {name!r} cannot be pinned: it is not allowed to pin all slots "
+                                 f"({len(self.batch_limit.pinned)} pinned, max_loras_per_batch="
+                                 f"{self.batch_limit.max_loras}), to avoid starvation of unpinned adapters "
+                                 f"and the base model")
         weights = load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
         if self.slots is not None and weights.rank > self.slots.rank:
-            raise ValueError(f"adapter {path!r} has rank {weights.rank}, above the GPU slot pool's rank "
+            raise ValueError(f"adapter {path!r} is incompatible: rank {weights.rank} is above the GPU slot pool's rank "
                              f"{self.slots.rank} (set max_lora_rank, or list the adapter in lora_paths)")
         fold_norms_into(weights, self._model)
         ref = LoRARef(next(self._ids), name, weights.path, pinned)
@@ -128,7 +129,7 @@ class LoRAManager:
         with self._lock:
             ref = self._refs.pop(name, None)
         if ref is None:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.loaded())}")
+            raise ValueError(f"LoRA adapter {name!r} does not exist (not loaded); loaded: {sorted(self.loaded())}")
         return ref.lora_id
 
     def release_if_unused(self, lora_id: int) -> bool:
@@ -161,7 +162,8 @@ class LoRAManager:
         with self._lock:
             missing = sorted({n for n in names if n is not None and n not in self._refs})
             if missing:
-                raise ValueError(f"lora_path: the following requested LoRA adapters are not loaded: "
+                raise ValueError(f"lora_path: the following requested LoRA adapters are not loaded (never been "
+                                 f"loaded, or unloaded): "
                                  f"{missing}; loaded: {sorted(self._refs)}")
             for r, n in zip(reqs, names):
                 if n is not None:
@@ -248,28 +250,36 @@ def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
             mod.a = (mod.a.float() * norm.weight.float()[None, :]).to(mod.a.dtype)
 
 
-def slot_rank(cfg: Any) -> int:
-    """The slot pool's rank: ``max_lora_rank``, else the largest of the ``lora_paths`` adapters, else 16."""
-    if cfg.max_lora_rank is not None:
-        return int(cfg.max_lora_rank)
-    ranks = [int(read_adapter_config(spec["lora_path"])["r"]) for spec in cfg.lora_paths or []]
-    return max(ranks, default=16)
+def inferred_limits(cfg: Any) -> tuple[Optional[int], Optional[tuple[str, ...]]]:
+    """(max rank, allowed target modules) of an engine, as SGLang: ``max_lora_rank`` and
+    ``lora_target_modules`` when given, else inferred from the ``lora_paths`` adapters (the largest
+    rank, the union of their targets); None = no limit (no adapters given)."""
+    confs = [read_adapter_config(spec["lora_path"]) for spec in cfg.lora_paths or []]
+    rank = cfg.max_lora_rank if cfg.max_lora_rank is not None else max((int(c["r"]) for c in confs), default=None)
+    if cfg.lora_target_modules is not None:
+        return rank, tuple(cfg.lora_target_modules)
+    names: set[str] = set()
+    for c in confs:
+        t = c.get("target_modules") or []
+        names.update([t] if isinstance(t, str) else t)
+    # a pattern (peft's "all-linear", a regex) names no module list: no limit
+    return rank, (tuple(sorted(names)) if confs and names <= set(MODULE_MAP) else None)
 
 
 def make_lora_manager(cfg: Any, model: nn.Module, dtype: torch.dtype, device: torch.device,
                       slots: Optional[bool] = None, graph_rows: int = 0) -> Optional[LoRAManager]:
     """The manager of an ``enable_lora`` engine (None otherwise), adapters not loaded yet
-    (``load_initial``). ``slots``: the slot pool and kernels (default: on CUDA with Triton)."""
+    (``load_initial``). ``slots``: the slot pool and kernels (default: on CUDA with Triton), of the
+    engine's max rank (16 when nothing says)."""
     if not cfg.enable_lora:
         return None
     if slots is None:
         slots = device.type == "cuda" and lora_sgmv.available()
-    targets = cfg.lora_target_modules
+    max_rank, targets = inferred_limits(cfg)
     # a blocked request lets a full batch of admissions pass it before the scan stops at it
     limit = LoRABatchLimit(cfg.max_loras_per_batch, patience=cfg.max_running_requests)
-    return LoRAManager(model, dtype, device, cfg.lora_slots, cfg.max_lora_rank,
-                       None if targets is None else tuple(targets), limit,
-                       slot_rank(cfg) if slots else None, graph_rows)
+    return LoRAManager(model, dtype, device, cfg.lora_slots, max_rank, targets, limit,
+                       (max_rank or 16) if slots else None, graph_rows)
 
 
 def load_initial(mgr: Optional[LoRAManager], cfg: Any) -> None:
