@@ -27,7 +27,7 @@ from nbgen.core.sampling import SamplingParams
 from nbgen.models import norm_fold
 from nbgen.models.loader import load_model
 from nbgen.runtime import lora as lora_mod
-from nbgen.runtime.lora import make_lora_manager
+from nbgen.runtime.lora_setup import make_lora_manager
 
 peft = pytest.importorskip("peft")
 ROOT = Path(__file__).resolve().parents[1]

@@ -167,3 +167,16 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
         a_all = torch.cat(a_rows).to(device=device, dtype=dtype).contiguous()
         out.modules[key] = ModuleLoRA(a_all, shards, scaling)
     return out
+
+
+def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
+    """Fold the norm weight g of folded layers into the adapter's A of qkv / gate|up: A' = A diag(g)
+    (fp32, rounded once), as ``norm_fold`` did to the base weights those linears hold."""
+    layers = model.model.layers
+    for (i, sub), mod in weights.modules.items():
+        layer = layers[i]
+        if not getattr(layer, "folded", False):
+            continue
+        norm = {"self_attn.qkv_proj": layer.input_layernorm, "mlp.gate_up_proj": layer.post_attention_layernorm}.get(sub)
+        if norm is not None:
+            mod.a = (mod.a.float() * norm.weight.float()[None, :]).to(mod.a.dtype)

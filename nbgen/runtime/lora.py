@@ -26,15 +26,14 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
-from nbgen.kernels import lora_sgmv
-from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, load_adapter, read_adapter_config
+from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, fold_norms_into, load_adapter
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState
 from nbgen.runtime.lora_slots import LoRASlots
@@ -90,18 +89,22 @@ class LoRAManager:
         self._resident: dict[int, AdapterWeights] = {}      # lora_id -> weights (incl. unregistered in use)
         self._users: dict[int, list[Request]] = {}          # lora_id -> requests submitted with it
         self._ids = itertools.count(1)
+        # SGLang's registry: every name loaded once -> (path, pinned); a request naming one not loaded
+        # now (unloaded, or evicted past max_loaded_loras) loads it again (``ensure_loaded``)
+        self._known: dict[str, tuple[str, bool]] = {}
+        self._used_at: dict[str, int] = {}                  # name -> last load / request (LRU eviction)
+        self._clock = itertools.count()
+        self._evicted: set[int] = set()                     # evicted ids whose requests still run
 
     # ---- registry ---------------------------------------------------------------------------
-    def load(self, name: str, path: str, pinned: bool = False) -> LoRARef:
+    def load(self, name: str, path: str, pinned: bool = False, keep: Optional[set[str]] = None) -> LoRARef:
         """Load an adapter under ``name`` (loop thread); ValueError if the name is taken or the
-        adapter is refused (nothing changes then)."""
+        adapter is refused (nothing changes then). Past ``max_loaded_loras`` the least recently used
+        unpinned adapter (not in ``keep``) is evicted."""
         with self._lock:
             if name in self._refs:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first); "
                                  f"loaded: {sorted(self._refs)}")
-            if self.max_loaded is not None and len(self._resident) >= self.max_loaded:
-                raise ValueError(f"{len(self._resident)} LoRA adapters are loaded, the maximum "
-                                 f"(max_loaded_loras={self.max_loaded}); unload one first")
             if pinned and len(self.batch_limit.pinned) >= self.batch_limit.max_loras - 1:
                 # as SGLang: one slot stays free for unpinned adapters and the base model
                 raise ValueError(f"LoRA adapter {name!r} cannot be pinned: it is not allowed to pin all slots "
@@ -113,6 +116,7 @@ class LoRAManager:
             raise ValueError(f"adapter {path!r} is incompatible: rank {weights.rank} is above the GPU slot pool's rank "
                              f"{self.slots.rank} (set max_lora_rank, or list the adapter in lora_paths)")
         fold_norms_into(weights, self._model)
+        self._make_room(keep or set())
         ref = LoRARef(next(self._ids), name, weights.path, pinned)
         for key, mod in weights.modules.items():
             self._hooks[key].weights[ref.lora_id] = mod
@@ -120,9 +124,41 @@ class LoRAManager:
             self._resident[ref.lora_id] = weights
             self._users[ref.lora_id] = []
             self._refs[name] = ref
+            self._known[name] = (path, pinned)
+            self._used_at[name] = next(self._clock)
         if pinned:
             self.batch_limit.pinned.add(ref.lora_id)
         return ref
+
+    def _make_room(self, keep: set[str]) -> None:
+        """At ``max_loaded_loras``: evict the least recently used unpinned adapter not in ``keep`` (as
+        SGLang; its running requests keep it until they finish), or ValueError when none can go."""
+        self._evicted = {i for i in self._evicted if not self.release_if_unused(i)}
+        with self._lock:
+            if self.max_loaded is None or len(self._refs) < self.max_loaded:
+                return
+            victims = [n for n, r in self._refs.items() if not r.pinned and n not in keep]
+            if not victims:
+                raise ValueError(f"{len(self._refs)} LoRA adapters are loaded, the maximum (max_loaded_loras="
+                                 f"{self.max_loaded}), and none can be evicted (pinned or in use here)")
+            name = min(victims, key=lambda n: self._used_at.get(n, -1))
+        lora_id = self.unregister(name)
+        if not self.release_if_unused(lora_id):
+            self._evicted.add(lora_id)
+
+    def needs_reload(self, name: str) -> bool:
+        """``name`` was loaded once and is not loaded now (a request naming it loads it again)."""
+        with self._lock:
+            return name not in self._refs and name in self._known
+
+    def ensure_loaded(self, name: str, keep: set[str]) -> None:
+        """Load a known adapter again under its name if it is not loaded (loop thread); ``keep``: the
+        adapters the same call needs (never evicted for it)."""
+        with self._lock:
+            if name in self._refs or name not in self._known:
+                return
+            path, pinned = self._known[name]
+        self.load(name, path, pinned, keep)
 
     def unregister(self, name: str) -> int:
         """Remove ``name`` so new requests are refused; its id (weights stay until released)."""
@@ -169,6 +205,7 @@ class LoRAManager:
                 if n is not None:
                     r.lora_id = self._refs[n].lora_id
                     self._users[r.lora_id].append(r)
+                    self._used_at[n] = next(self._clock)
 
     # ---- steps ------------------------------------------------------------------------------
     @staticmethod
@@ -235,56 +272,3 @@ class LoRAManager:
     def stats(self) -> list[str]:
         """Names of the loaded adapters (the dashboard's ``lora_adapters``)."""
         return sorted(self.loaded())
-
-
-def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
-    """Fold the norm weight g of folded layers into the adapter's A of qkv / gate|up: A' = A diag(g)
-    (fp32, rounded once), as ``norm_fold`` did to the base weights those linears hold."""
-    layers = model.model.layers
-    for (i, sub), mod in weights.modules.items():
-        layer = layers[i]
-        if not getattr(layer, "folded", False):
-            continue
-        norm = {"self_attn.qkv_proj": layer.input_layernorm, "mlp.gate_up_proj": layer.post_attention_layernorm}.get(sub)
-        if norm is not None:
-            mod.a = (mod.a.float() * norm.weight.float()[None, :]).to(mod.a.dtype)
-
-
-def inferred_limits(cfg: Any) -> tuple[Optional[int], Optional[tuple[str, ...]]]:
-    """(max rank, allowed target modules) of an engine, as SGLang: ``max_lora_rank`` and
-    ``lora_target_modules`` when given, else inferred from the ``lora_paths`` adapters (the largest
-    rank, the union of their targets); None = no limit (no adapters given)."""
-    confs = [read_adapter_config(spec["lora_path"]) for spec in cfg.lora_paths or []]
-    rank = cfg.max_lora_rank if cfg.max_lora_rank is not None else max((int(c["r"]) for c in confs), default=None)
-    if cfg.lora_target_modules is not None:
-        return rank, tuple(cfg.lora_target_modules)
-    names: set[str] = set()
-    for c in confs:
-        t = c.get("target_modules") or []
-        names.update([t] if isinstance(t, str) else t)
-    # a pattern (peft's "all-linear", a regex) names no module list: no limit
-    return rank, (tuple(sorted(names)) if confs and names <= set(MODULE_MAP) else None)
-
-
-def make_lora_manager(cfg: Any, model: nn.Module, dtype: torch.dtype, device: torch.device,
-                      slots: Optional[bool] = None, graph_rows: int = 0) -> Optional[LoRAManager]:
-    """The manager of an ``enable_lora`` engine (None otherwise), adapters not loaded yet
-    (``load_initial``). ``slots``: the slot pool and kernels (default: on CUDA with Triton), of the
-    engine's max rank (16 when nothing says)."""
-    if not cfg.enable_lora:
-        return None
-    if slots is None:
-        slots = device.type == "cuda" and lora_sgmv.available()
-    max_rank, targets = inferred_limits(cfg)
-    # a blocked request lets a full batch of admissions pass it before the scan stops at it
-    limit = LoRABatchLimit(cfg.max_loras_per_batch, patience=cfg.max_running_requests)
-    return LoRAManager(model, dtype, device, cfg.lora_slots, max_rank, targets, limit,
-                       (max_rank or 16) if slots else None, graph_rows)
-
-
-def load_initial(mgr: Optional[LoRAManager], cfg: Any) -> None:
-    """Load the ``lora_paths`` adapters (after norm folding: their A are folded at load)."""
-    if mgr is None:
-        return
-    for spec in cfg.lora_paths or []:
-        mgr.load(spec["lora_name"], spec["lora_path"], bool(spec.get("pinned", False)))

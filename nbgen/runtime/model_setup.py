@@ -23,7 +23,8 @@ from nbgen.models import norm_fold
 from nbgen.models.loader import LoadedModel, load_model
 from nbgen.runtime import prefill_graphs as pg
 from nbgen.runtime.cuda_graphs import CudaGraphRunner
-from nbgen.runtime.lora import LoRAManager, load_initial, make_lora_manager
+from nbgen.runtime.lora import LoRAManager
+from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
 from nbgen.runtime.sampling_ops import greedy_argmax
 
