@@ -75,7 +75,7 @@ class LoRAManager:
         subs = sorted({sub for sub, _ in MODULE_MAP.values()})
         for i, layer in enumerate(model.model.layers):
             for sub in subs:
-                hook = LinearLoRA(self._state)
+                hook = LinearLoRA(self._state, layer.get_submodule(sub).weight.shape[0])
                 layer.get_submodule(sub).lora = hook
                 self._hooks[(i, sub)] = hook
         self.slots: Optional[LoRASlots] = None
@@ -119,7 +119,8 @@ class LoRAManager:
         self._make_room(keep or set())
         ref = LoRARef(next(self._ids), name, weights.path, pinned)
         for key, mod in weights.modules.items():
-            self._hooks[key].weights[ref.lora_id] = mod
+            if self.slots is None:            # the torch path's layout (the slot pool copies its own)
+                self._hooks[key].add(ref.lora_id, mod)
         with self._lock:
             self._resident[ref.lora_id] = weights
             self._users[ref.lora_id] = []

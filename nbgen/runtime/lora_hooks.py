@@ -41,14 +41,35 @@ class StepState:
         self.step: Optional[LoRAStep] = None
 
 
+@dataclass
+class DenseLoRA:
+    """One adapter's weights of one linear laid out for the torch path: two matmuls, no per-shard loop."""
+
+    a_t: torch.Tensor              # [in, R] all shards' A rows, transposed (contiguous)
+    b_t: torch.Tensor              # [R, out] the shards' B (times scaling) in their output columns, 0 elsewhere
+
+
+def dense_lora(w: ModuleLoRA, out_features: int) -> DenseLoRA:
+    """``w`` as one block-sparse product: delta = (x @ a_t) @ b_t (scaling folded into b_t, fp32, rounded once)."""
+    b_t = torch.zeros(w.a.shape[0], out_features, dtype=torch.float32, device=w.a.device)
+    for sh in w.shards:
+        b_t[sh.a_lo:sh.a_hi, sh.out_lo:sh.out_hi] = sh.b.float().t() * w.scaling
+    return DenseLoRA(w.a.t().contiguous(), b_t.to(w.a.dtype))
+
+
 class LinearLoRA:
     """The hook in one fused linear: adds x[rows] @ A^T @ B^T * scaling into y's shard columns."""
 
-    def __init__(self, state: StepState) -> None:
+    def __init__(self, state: StepState, out_features: int) -> None:
         self.state = state
-        self.weights: dict[int, ModuleLoRA] = {}   # lora_id -> this linear's weights of that adapter
+        self.out_features = out_features
+        self.weights: dict[int, DenseLoRA] = {}    # lora_id -> this linear's weights of that adapter (torch path)
         self.slots: Optional[SlotLinear] = None    # this linear's slots of the pool (CUDA)
         self.scaling: Optional[torch.Tensor] = None  # [S] fp32 per slot (the pool's)
+
+    def add(self, lora_id: int, w: ModuleLoRA) -> None:
+        """An adapter's weights of this linear (the torch path's layout; the slot pool copies its own)."""
+        self.weights[lora_id] = dense_lora(w, self.out_features)
 
     @property
     def active(self) -> bool:
@@ -66,12 +87,7 @@ class LinearLoRA:
             w = self.weights.get(seg.lora_id)
             if w is None:        # the adapter does not target this linear
                 continue
-            xs = x if seg.rows is None else x.index_select(0, seg.rows)
-            t = xs @ w.a.t()                                          # [n, R] all shards' ranks
-            for sh in w.shards:
-                d = (t[:, sh.a_lo:sh.a_hi] @ sh.b.t()) * w.scaling    # [n, out_hi - out_lo]
-                cols = y[:, sh.out_lo:sh.out_hi]
-                if seg.rows is None:
-                    cols.add_(d)
-                else:
-                    cols.index_add_(0, seg.rows, d)
+            if seg.rows is None:
+                y.addmm_(x @ w.a_t, w.b_t)                            # y += (x A^T) B^T s, in place
+            else:
+                y.index_add_(0, seg.rows, (x.index_select(0, seg.rows) @ w.a_t) @ w.b_t)
