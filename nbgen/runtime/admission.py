@@ -91,6 +91,7 @@ class Admission:
         taken: list[Request] = []                            # leave the waiting queue after the scan
         preempted: list[Request] = []                        # priority victims: join it after the scan
         first_admit = self.admit_counter
+        lora_ids = {r.lora_id for r in running} if self.lora_limit is not None else set()
         for req in self.waiting.in_order(self.cache):
             full = len(running) >= self.cfg.max_running_requests
             if budget <= 0 or (full and not self._may_preempt(req, running, first_admit)):
@@ -99,7 +100,7 @@ class Admission:
             if g is not None and not self.cache.disabled and self.leaders.get(g, req) is not req:
                 continue                                     # wait for the group's shared prompt
             if self.lora_limit is not None:
-                verdict = self.lora_limit.check(req, running, self.admit_counter)
+                verdict = self.lora_limit.check(req, lora_ids, self.admit_counter)
                 if verdict == "stop":
                     break
                 if verdict == "skip":
@@ -130,6 +131,7 @@ class Admission:
             self.admit_counter += 1
             req.status = Status.RUNNING
             running.append(req)
+            lora_ids.add(req.lora_id)
             self.waiting.admitted(req)
             if g is not None and m < (min(len(ids), len(req.prompt_ids)) // self.P) * self.P:
                 self.leaders[g] = req                        # its prompt is not cached yet

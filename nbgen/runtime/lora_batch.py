@@ -6,7 +6,8 @@ candidate's form a set in which the base model (``None``) counts like an adapter
 at most ``max_loras_per_batch`` of them, fewer free ones when pinned adapters are loaded (a pinned
 adapter keeps its slot: ``required = ids - pinned ids in the batch`` must fit ``max - pinned``).
 A request under an adapter that does not fit is passed over and waits; base-model requests are never
-held back by the limit (SGLang: they need no adapter slot). So a batch never holds more than
+held back by the limit (SGLang: they need no adapter slot), nor are requests of an adapter the batch
+holds already (they need no new slot; SGLang would re-check the whole set, base included). So a batch never holds more than
 ``max_loras_per_batch`` adapters besides the base model: the size of the GPU slot pool.
 
 Starvation guard (nbgen's): SGLang passes a blocked request over for as long as requests of the
@@ -16,7 +17,7 @@ running drain and it fits.
 """
 from __future__ import annotations
 
-from typing import Container, Iterable, Optional
+from typing import Container, Optional
 
 from nbgen.core.request import Request
 
@@ -40,15 +41,14 @@ class LoRABatchLimit:
         pinned_in = sum(1 for i in ids if i is not None and i in self.pinned)
         return len(ids) - pinned_in <= self.max_loras - len(self.pinned)
 
-    def check(self, req: Request, running: Iterable[Request], admitted: int) -> str:
+    def check(self, req: Request, ids: set[Optional[int]], admitted: int) -> str:
         """At admission: "admit", "skip" (pass it over, it waits) or "stop" (end the scan: it has
-        waited long enough). ``running`` holds the running requests and those admitted in this scan;
-        ``admitted``: the admission counter (grows by one per admitted request)."""
-        if req.lora_id is None:
+        waited long enough). ``ids``: the adapter ids of the running requests and of those admitted
+        in this scan (the caller keeps it); ``admitted``: the admission counter (one per admission)."""
+        if req.lora_id is None or req.lora_id in ids:
+            self._blocked_at.pop(req.rid, None)
             return "admit"
-        ids = {r.lora_id for r in running}
-        ids.add(req.lora_id)
-        if self.fits(ids):
+        if self.fits(ids | {req.lora_id}):
             self._blocked_at.pop(req.rid, None)
             return "admit"
         first = self._blocked_at.setdefault(req.rid, admitted)
