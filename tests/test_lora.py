@@ -249,9 +249,8 @@ def test_dashboard_lists_adapters(lora_engine):
 
 @pytest.mark.gpu
 def test_gpu_mixed_lora_batch(gpu_model_dir, tmp_path):
-    """CUDA, bf16, decode graphs on: steps with adapters run eagerly beside graph-replayed base steps;
-    a batch mixing two adapters and the base model matches each group run alone, base rows match an
-    engine without LoRA (through its graphs)."""
+    """CUDA, bf16, decode graphs on (the slot kernels captured in them): a batch mixing two adapters
+    and the base model matches each group run alone, base rows match an engine without LoRA."""
     from tests.tiny_models import GREEDY_SP, assert_close_runs, gpu_prompts
 
     if not torch.cuda.is_available():
