@@ -57,8 +57,9 @@ class LoRARef:
 class LoRAManager:
     """Adapters of one model: load / unregister / release, the caller-side name lookup, step info.
 
-    ``load``, ``release_if_unused`` and ``begin`` / ``end`` run on the loop thread; ``resolve`` and
-    ``track`` on the caller's (the registry is guarded by a lock)."""
+    ``load``, ``ensure_loaded``, ``release_if_unused``, the step calls and ``begin`` / ``end`` run on
+    the loop thread; ``acquire``, ``needs_reload``, ``unregister`` and ``loaded`` on the caller's (the
+    registry is guarded by a lock)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
                  max_loaded: Optional[int], max_rank: Optional[int],
