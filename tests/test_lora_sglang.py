@@ -8,8 +8,7 @@ stand-in over ``nbgen.Engine`` (greedy ``batch_forward``, ``load_lora_adapter``,
 
 - ``test_lora_update.py``: the operation sequences (load / unload / forward with the expected errors)
   of BASIC_TESTS, TARGET_MODULE_TESTS, MAX_LORA_RANK_TESTS and EVICTION_TESTS, each run dynamically
-  and then statically (every adapter loaded at start), outputs equal (the basic ones in the quick
-  loop, as SGLang's CI; the others marked ``slow``). Not ported: MAX_LOADED_LORAS_TESTS
+  and then statically (every adapter loaded at start), outputs equal. Not ported: MAX_LOADED_LORAS_TESTS
   (SGLang evicts loaded adapters implicitly past ``max_loaded_loras`` and reloads them on use; nbgen
   refuses a load past the limit) and the server mode (no HTTP server).
 - ``test_lora_eviction.py``: ``max_loras_per_batch=1``, two adapters alternating in both orders and
@@ -218,11 +217,7 @@ def _run_sequence(base: str, paths: dict[str, str], case: Case, ops: list, initi
     return outputs
 
 
-# as SGLang's CI: the basic cases always, the others in the long run (``-m slow``)
-CASE_PARAMS = [pytest.param(c, id=c.description, marks=() if i < 2 else pytest.mark.slow) for i, c in enumerate(CASES)]
-
-
-@pytest.mark.parametrize("case", CASE_PARAMS)
+@pytest.mark.parametrize("case", CASES, ids=[c.description for c in CASES])
 def test_dynamic_lora_update_engine(case: Case, tiny_llama_dir, paths) -> None:
     dynamic = _run_sequence(tiny_llama_dir, paths, case, case.op_sequence, case.initial_adapters, True)
     forward_ops = [op for op in case.op_sequence if op.type is OperationType.FORWARD and op.expected_error is None]
