@@ -3,8 +3,10 @@ generate()'s ``lora_path`` (an adapter name per call or per prompt; None = the b
 
 As SGLang: load and unload answer a ``LoRAUpdateOutput`` (``success``, ``error_message``,
 ``loaded_adapters``); an adapter refused (bad path, rank, shapes, name taken) is ``success=False``
-with the reason, and the engine goes on serving. An unload removes the name at once (new requests
-naming it are refused) and returns once the requests already submitted with it have finished.
+with the reason, and the engine goes on serving. An unload removes the name at once and returns once
+the requests already submitted with it have finished. A request naming an adapter loaded before but
+not now (unloaded, or evicted past ``max_loaded_loras``) loads it again from its path; a name never
+loaded is a ValueError.
 Arguments of the wrong kind raise ValueError naming the parameter. The loop-thread side is
 ``runtime/lora.py``; docs/lora.md has the whole story.
 """
@@ -111,4 +113,11 @@ class LoRAMixin:
         mgr = self._lora()
         if mgr is None:
             raise ValueError("lora_path needs an Engine with enable_lora=True (or lora_paths=[...])")
+        wanted = {name for name in names if name is not None}
+        for name in sorted(wanted):
+            if mgr.needs_reload(name):       # unloaded or evicted: loaded again, as SGLang
+                try:
+                    self._loop.call(lambda name=name: mgr.ensure_loaded(name, wanted))
+                except ValueError as e:
+                    raise ValueError(f"lora_path: adapter {name!r} could not be loaded again: {e}") from None
         mgr.acquire(reqs, [name for name, count in zip(names, counts) for _ in range(count)])

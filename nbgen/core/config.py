@@ -93,7 +93,7 @@ class EngineConfig:
     # ["path" | "name=path" | {"lora_name", "lora_path", "pinned"}] or {name: path}; normalised to dicts
     lora_paths: Optional[Any] = None
     max_loras_per_batch: int = 8
-    max_loaded_loras: Optional[int] = None       # None: max_loras_per_batch (every loaded adapter is resident)
+    max_loaded_loras: Optional[int] = None       # None: no limit (SGLang); a batch's adapters share GPU slots
     max_lora_rank: Optional[int] = None          # None: any rank
     lora_target_modules: Optional[Any] = None    # None: any of LORA_TARGET_MODULES; "all": all of them
     lora_backend: str = "csgmv"
@@ -171,11 +171,6 @@ class EngineConfig:
                 raise ValueError(f"lora_target_modules must be None, 'all' or a list drawn from "
                                  f"{list(LORA_TARGET_MODULES)}, got {t!r}")
             self.lora_target_modules = sorted(t)
-
-    @property
-    def lora_slots(self) -> int:
-        """Adapters loaded at most at once: ``max_loaded_loras``, else ``max_loras_per_batch``."""
-        return self.max_loaded_loras if self.max_loaded_loras is not None else self.max_loras_per_batch
 
     @classmethod
     def from_kwargs(cls, model_path: Optional[str], kwargs: dict[str, Any]) -> "EngineConfig":

@@ -61,7 +61,7 @@ IMPLEMENTED: dict[str, str] = {
     "max_loaded_loras": "",
     "max_lora_rank": "",
     "lora_target_modules": "",
-    "lora_backend": "every backend name runs nbgen's torch path",
+    "lora_backend": "every backend name runs nbgen's path (torch on CPU, segmented Triton kernels on CUDA)",
     "enable_return_hidden_states": "generate(return_hidden_states=True) needs it",
 }
 

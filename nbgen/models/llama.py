@@ -63,7 +63,7 @@ class LlamaMLP(nn.Module):
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
         norm weight is in gate|up; the MLP's output is added into h in place -> h."""
         w = self.gate_up_proj.weight
-        if small_gemm.usable(h, w):   # row scale and SiLU-and-mul in the streaming kernel's epilogue
+        if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
         else:
             act = silu_mul_scaled(self.gate_up_proj(h), h, eps)

@@ -134,7 +134,8 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
         raise ValueError(f"adapter {path!r} holds no LoRA weights")
     targets = tuple(sorted({name for _, name in pairs}))
     if allowed_targets is not None and not set(targets) <= set(allowed_targets):
-        raise ValueError(f"adapter {path!r} targets {sorted(set(targets) - set(allowed_targets))}, outside "
+        raise ValueError(f"adapter {path!r} is incompatible: it targets {sorted(set(targets) - set(allowed_targets))}, "
+                         f"outside "
                          f"lora_target_modules={list(allowed_targets)}")
     layers = model.model.layers
     grouped: dict[tuple[int, str], list[tuple[Any, torch.Tensor, torch.Tensor]]] = {}
@@ -146,7 +147,7 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
         a, b = ab["A"], ab["B"]
         rank = a.shape[0]
         if max_rank is not None and rank > max_rank:
-            raise ValueError(f"adapter {path!r} has rank {rank} ({name}), above max_lora_rank={max_rank}")
+            raise ValueError(f"adapter {path!r} is incompatible: rank {rank} ({name}) is above max_lora_rank={max_rank}")
         sub, shard = MODULE_MAP[name]
         linear = layers[layer].get_submodule(sub)
         out_lo, size = linear.shard_rows(shard) if shard is not None else (0, linear.weight.shape[0])
@@ -166,3 +167,16 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
         a_all = torch.cat(a_rows).to(device=device, dtype=dtype).contiguous()
         out.modules[key] = ModuleLoRA(a_all, shards, scaling)
     return out
+
+
+def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
+    """Fold the norm weight g of folded layers into the adapter's A of qkv / gate|up: A' = A diag(g)
+    (fp32, rounded once), as ``norm_fold`` did to the base weights those linears hold."""
+    layers = model.model.layers
+    for (i, sub), mod in weights.modules.items():
+        layer = layers[i]
+        if not getattr(layer, "folded", False):
+            continue
+        norm = {"self_attn.qkv_proj": layer.input_layernorm, "mlp.gate_up_proj": layer.post_attention_layernorm}.get(sub)
+        if norm is not None:
+            mod.a = (mod.a.float() * norm.weight.float()[None, :]).to(mod.a.dtype)

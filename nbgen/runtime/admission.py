@@ -12,7 +12,9 @@ and prefill continuations left:
   until its prompt prefill is done and cached, then the others hit the cache;
 - with priority preemption, a request blocked by the slots or the pages may preempt running ones less
   important by more than the threshold (``priority.pick_victims``); they rejoin the queue after the scan;
-- a request alone that still finds no room is aborted with a message.
+- a request alone that still finds no room is aborted with a message;
+- with LoRA, a request whose adapter would take the batch past ``max_loras_per_batch`` waits
+  (``lora_batch.LoRABatchLimit``: passed over, or the scan stops at it once it waited long enough).
 
 ``refusal`` is the check at ``Scheduler.add`` (a request that can never run); ``seq_work`` builds the
 SeqWork computing a span of a request's tokens.
@@ -25,6 +27,7 @@ from nbgen.core.batch import SeqWork
 from nbgen.core.config import SchedulerConfig
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
+from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.priority import PriorityWaitingQueue, pick_victims, resolve_priority
@@ -67,8 +70,10 @@ class Admission:
 
     def __init__(self, cfg: SchedulerConfig, pool: PagePool, cache: PrefixCache,
                  waiting: WaitingQueue | PriorityWaitingQueue, live: dict[str, Request],
-                 preempt: Callable[[Request, bool], None], finished_outside: list[Request]) -> None:
+                 preempt: Callable[[Request, bool], None], finished_outside: list[Request],
+                 lora_limit: Optional[LoRABatchLimit] = None) -> None:
         self.cfg = cfg
+        self.lora_limit = lora_limit              # max_loras_per_batch (None without LoRA)
         self.P = cfg.page_size
         self.prio = cfg.priority
         self.pool, self.cache, self.waiting, self.live = pool, cache, waiting, live
@@ -88,6 +93,7 @@ class Admission:
         taken: list[Request] = []                            # leave the waiting queue after the scan
         preempted: list[Request] = []                        # priority victims: join it after the scan
         first_admit = self.admit_counter
+        lora_ids = {r.lora_id for r in running} if self.lora_limit is not None else set()
         for req in self.waiting.in_order(self.cache):
             full = len(running) >= self.cfg.max_running_requests
             if budget <= 0 or (full and not self._may_preempt(req, running, first_admit)):
@@ -95,6 +101,12 @@ class Admission:
             g = req.group
             if g is not None and not self.cache.disabled and self.leaders.get(g, req) is not req:
                 continue                                     # wait for the group's shared prompt
+            if self.lora_limit is not None:
+                verdict = self.lora_limit.check(req, lora_ids, self.admit_counter)
+                if verdict == "stop":
+                    break
+                if verdict == "skip":
+                    continue
             ids = matchable_ids(req)
             pages, m = self.cache.match(ids, ns=req.lora_id)
             self.pool.ref(pages)                             # before alloc: eviction must spare them
@@ -122,11 +134,14 @@ class Admission:
             self.admit_counter += 1
             req.status = Status.RUNNING
             running.append(req)
+            lora_ids.add(req.lora_id)
             self.waiting.admitted(req)
             if g is not None and m < (min(len(ids), len(req.prompt_ids)) // self.P) * self.P:
                 self.leaders[g] = req                        # its prompt is not cached yet
             seqs.append(seq_work(req, m, end))
             budget -= end - m
+        if self.lora_limit is not None:
+            self.lora_limit.prune(self.live)
         for req in taken:
             self.waiting.remove(req)
         for req in preempted:

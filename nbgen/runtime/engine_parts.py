@@ -73,7 +73,8 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
         schedule_policy=rcfg.schedule_policy, disable_radix_cache=rcfg.disable_radix_cache,
         context_length=runner.loaded.context_length, max_queued_requests=rcfg.max_queued_requests,
         priority=PriorityConfig.of(rcfg))
-    return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc, scheduler=Scheduler(sc),
+    return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc,
+                       scheduler=Scheduler(sc, runner.lora.batch_limit if runner.lora is not None else None),
                        tokenizer=runner.loaded.tokenizer, tp=tp)
 
 

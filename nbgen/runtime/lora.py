@@ -3,27 +3,40 @@ step's rows grouped by adapter.
 
 Adapters are loaded once (``models/lora_adapter.py``) and stay on the model's device until unloaded;
 each gets an id never reused, which requests carry (``Request.lora_id``) and the prefix cache keys on.
-A step whose seqs use adapters runs eagerly: the base GEMM once for every row, then per adapter
-the low-rank product of its rows added into the fused output slices (``LinearLoRA``). Steps without
-adapters leave the hooks inactive and run exactly as without LoRA (CUDA graphs included).
+The base GEMM runs once for every row; the hooks (``LinearLoRA``) add the low-rank products of each
+adapter's rows into the fused output slices:
+
+- CPU (and the reference): per adapter in torch; steps with adapters run eagerly, steps without
+  leave the hooks inactive.
+- CUDA: a slot pool (``runtime/lora_slots.py``) and the segmented Triton kernels
+  (``kernels/lora_sgmv.py``). The decode graphs are captured with the hooks reading the pool's static
+  step buffers (``capturing``), so decode steps with adapters replay graphs too (``stage``).
+
+Folded norms (``models/norm_fold.py``): a folded qkv / gate|up linear reads the raw residual stream and
+its row scale comes later, so an adapter's A of those linears is folded the same way at load
+(A' = A diag(g)).
 
 Unloading follows SGLang: the name goes at once (new requests are refused), the weights stay until
 the requests already submitted with them have finished (``release_if_unused``).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
-from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, ModuleLoRA, load_adapter
+from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, fold_norms_into, load_adapter
+from nbgen.runtime.lora_batch import LoRABatchLimit
+from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState
+from nbgen.runtime.lora_slots import LoRASlots
 from nbgen.runtime.step_inputs import to_device
 
 # a request not yet at the scheduler (submission still posted, grammar compiling) keeps its adapter
@@ -41,109 +54,120 @@ class LoRARef:
     pinned: bool = False
 
 
-@dataclass
-class LoRASegment:
-    """The rows of one adapter in a step's flat token stream."""
-
-    lora_id: int
-    rows: Optional[torch.Tensor]     # [n] int64 row indices on the device; None = every row
-
-
-@dataclass
-class LoRAStep:
-    """The per-step adapter info, built by the runner from its batch's requests."""
-
-    segments: list[LoRASegment]
-
-
-class _StepState:
-    """The step the hooks serve now (None outside LoRA steps); shared by every hook of a model."""
-
-    def __init__(self) -> None:
-        self.step: Optional[LoRAStep] = None
-
-
-class LinearLoRA:
-    """The hook in one fused linear: adds x[rows] @ A^T @ B^T * scaling into y's shard columns."""
-
-    def __init__(self, state: _StepState) -> None:
-        self.state = state
-        self.weights: dict[int, ModuleLoRA] = {}   # lora_id -> this linear's weights of that adapter
-
-    @property
-    def active(self) -> bool:
-        return self.state.step is not None
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """x [T, in], y [T, out] (the base output, changed in place)."""
-        for seg in self.state.step.segments:
-            w = self.weights.get(seg.lora_id)
-            if w is None:        # the adapter does not target this linear
-                continue
-            xs = x if seg.rows is None else x.index_select(0, seg.rows)
-            t = xs @ w.a.t()                                          # [n, R] all shards' ranks
-            for sh in w.shards:
-                d = (t[:, sh.a_lo:sh.a_hi] @ sh.b.t()) * w.scaling    # [n, out_hi - out_lo]
-                cols = y[:, sh.out_lo:sh.out_hi]
-                if seg.rows is None:
-                    cols.add_(d)
-                else:
-                    cols.index_add_(0, seg.rows, d)
-
-
 class LoRAManager:
     """Adapters of one model: load / unregister / release, the caller-side name lookup, step info.
 
-    ``load``, ``release_if_unused`` and ``begin`` / ``end`` run on the loop thread; ``resolve`` and
-    ``track`` on the caller's (the registry is guarded by a lock)."""
+    ``load``, ``ensure_loaded``, ``release_if_unused``, the step calls and ``begin`` / ``end`` run on
+    the loop thread; ``acquire``, ``needs_reload``, ``unregister`` and ``loaded`` on the caller's (the
+    registry is guarded by a lock)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device,
                  max_loaded: Optional[int], max_rank: Optional[int],
-                 target_modules: Optional[tuple[str, ...]]) -> None:
+                 target_modules: Optional[tuple[str, ...]], batch_limit: LoRABatchLimit,
+                 slot_rank: Optional[int] = None, graph_rows: int = 0) -> None:
+        """``slot_rank``: the rank of the slot pool and its kernels (None: the torch path);
+        ``graph_rows``: rows of the largest decode graph (the pool's static step buffers)."""
         self.dtype, self.device = dtype, device
+        self.batch_limit = batch_limit          # max_loras_per_batch, checked by the scheduler's admission
         self.max_loaded, self.max_rank, self.target_modules = max_loaded, max_rank, target_modules
         self._model = model
-        self._state = _StepState()
+        self._state = StepState()
         self._hooks: dict[tuple[int, str], LinearLoRA] = {}
         subs = sorted({sub for sub, _ in MODULE_MAP.values()})
         for i, layer in enumerate(model.model.layers):
             for sub in subs:
-                hook = LinearLoRA(self._state)
+                hook = LinearLoRA(self._state, layer.get_submodule(sub).weight.shape[0])
                 layer.get_submodule(sub).lora = hook
                 self._hooks[(i, sub)] = hook
+        self.slots: Optional[LoRASlots] = None
+        if slot_rank is not None:
+            self.slots = LoRASlots({key: model.model.layers[key[0]].get_submodule(key[1]) for key in self._hooks},
+                                   batch_limit.max_loras, slot_rank, dtype, device, max(graph_rows, 1))
+            for key, hook in self._hooks.items():
+                hook.slots, hook.scaling = self.slots.linears[key], self.slots.scaling
         self._lock = threading.Lock()
         self._refs: dict[str, LoRARef] = {}                 # name -> ref (registered, usable)
         self._resident: dict[int, AdapterWeights] = {}      # lora_id -> weights (incl. unregistered in use)
         self._users: dict[int, list[Request]] = {}          # lora_id -> requests submitted with it
         self._ids = itertools.count(1)
+        # SGLang's registry: every name loaded once -> (path, pinned); a request naming one not loaded
+        # now (unloaded, or evicted past max_loaded_loras) loads it again (``ensure_loaded``)
+        self._known: dict[str, tuple[str, bool]] = {}
+        self._used_at: dict[str, int] = {}                  # name -> last load / request (LRU eviction)
+        self._clock = itertools.count()
+        self._evicted: set[int] = set()                     # evicted ids whose requests still run
 
     # ---- registry ---------------------------------------------------------------------------
-    def load(self, name: str, path: str, pinned: bool = False) -> LoRARef:
+    def load(self, name: str, path: str, pinned: bool = False, keep: Optional[set[str]] = None) -> LoRARef:
         """Load an adapter under ``name`` (loop thread); ValueError if the name is taken or the
-        adapter is refused (nothing changes then)."""
+        adapter is refused (nothing changes then). Past ``max_loaded_loras`` the least recently used
+        unpinned adapter (not in ``keep``) is evicted."""
         with self._lock:
             if name in self._refs:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first); "
                                  f"loaded: {sorted(self._refs)}")
-            if self.max_loaded is not None and len(self._resident) >= self.max_loaded:
-                raise ValueError(f"{len(self._resident)} LoRA adapters are loaded, the maximum "
-                                 f"(max_loaded_loras={self.max_loaded}); unload one first")
+            if pinned and len(self.batch_limit.pinned) >= self.batch_limit.max_loras - 1:
+                # as SGLang: one slot stays free for unpinned adapters and the base model
+                raise ValueError(f"LoRA adapter {name!r} cannot be pinned: it is not allowed to pin all slots "
+                                 f"({len(self.batch_limit.pinned)} pinned, max_loras_per_batch="
+                                 f"{self.batch_limit.max_loras}), to avoid starvation of unpinned adapters "
+                                 f"and the base model")
         weights = load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
+        if self.slots is not None and weights.rank > self.slots.rank:
+            raise ValueError(f"adapter {path!r} is incompatible: rank {weights.rank} is above the GPU slot pool's rank "
+                             f"{self.slots.rank} (set max_lora_rank, or list the adapter in lora_paths)")
+        fold_norms_into(weights, self._model)
+        self._make_room(keep or set())
         ref = LoRARef(next(self._ids), name, weights.path, pinned)
         for key, mod in weights.modules.items():
-            self._hooks[key].weights[ref.lora_id] = mod
+            if self.slots is None:            # the torch path's layout (the slot pool copies its own)
+                self._hooks[key].add(ref.lora_id, mod)
         with self._lock:
             self._resident[ref.lora_id] = weights
             self._users[ref.lora_id] = []
             self._refs[name] = ref
+            self._known[name] = (path, pinned)
+            self._used_at[name] = next(self._clock)
+        if pinned:
+            self.batch_limit.pinned.add(ref.lora_id)
         return ref
+
+    def _make_room(self, keep: set[str]) -> None:
+        """At ``max_loaded_loras``: evict the least recently used unpinned adapter not in ``keep`` (as
+        SGLang; its running requests keep it until they finish), or ValueError when none can go."""
+        self._evicted = {i for i in self._evicted if not self.release_if_unused(i)}
+        with self._lock:
+            if self.max_loaded is None or len(self._refs) < self.max_loaded:
+                return
+            victims = [n for n, r in self._refs.items() if not r.pinned and n not in keep]
+            if not victims:
+                raise ValueError(f"{len(self._refs)} LoRA adapters are loaded, the maximum (max_loaded_loras="
+                                 f"{self.max_loaded}), and none can be evicted (pinned or in use here)")
+            name = min(victims, key=lambda n: self._used_at.get(n, -1))
+        lora_id = self.unregister(name)
+        if not self.release_if_unused(lora_id):
+            self._evicted.add(lora_id)
+
+    def needs_reload(self, name: str) -> bool:
+        """``name`` was loaded once and is not loaded now (a request naming it loads it again)."""
+        with self._lock:
+            return name not in self._refs and name in self._known
+
+    def ensure_loaded(self, name: str, keep: set[str]) -> None:
+        """Load a known adapter again under its name if it is not loaded (loop thread); ``keep``: the
+        adapters the same call needs (never evicted for it)."""
+        with self._lock:
+            if name in self._refs or name not in self._known:
+                return
+            path, pinned = self._known[name]
+        self.load(name, path, pinned, keep)
 
     def unregister(self, name: str) -> int:
         """Remove ``name`` so new requests are refused; its id (weights stay until released)."""
         with self._lock:
             ref = self._refs.pop(name, None)
         if ref is None:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.loaded())}")
+            raise ValueError(f"LoRA adapter {name!r} does not exist (not loaded); loaded: {sorted(self.loaded())}")
         return ref.lora_id
 
     def release_if_unused(self, lora_id: int) -> bool:
@@ -158,8 +182,11 @@ class LoRAManager:
                 return False
             self._users.pop(lora_id, None)
             self._resident.pop(lora_id, None)
+        self.batch_limit.pinned.discard(lora_id)
         for hook in self._hooks.values():
             hook.weights.pop(lora_id, None)
+        if self.slots is not None:
+            self.slots.evict(lora_id)
         return True
 
     def loaded(self) -> dict[str, str]:
@@ -173,12 +200,14 @@ class LoRAManager:
         with self._lock:
             missing = sorted({n for n in names if n is not None and n not in self._refs})
             if missing:
-                raise ValueError(f"lora_path: the following requested LoRA adapters are not loaded: "
+                raise ValueError(f"lora_path: the following requested LoRA adapters are not loaded (never been "
+                                 f"loaded, or unloaded): "
                                  f"{missing}; loaded: {sorted(self._refs)}")
             for r, n in zip(reqs, names):
                 if n is not None:
                     r.lora_id = self._refs[n].lora_id
                     self._users[r.lora_id].append(r)
+                    self._used_at[n] = next(self._clock)
 
     # ---- steps ------------------------------------------------------------------------------
     @staticmethod
@@ -186,8 +215,8 @@ class LoRAManager:
         """Whether any seq of the batch runs under an adapter."""
         return any(s.req.lora_id is not None for s in batch.seqs)
 
-    def step_info(self, batch: ScheduledBatch, starts: list[int]) -> Optional[LoRAStep]:
-        """The batch's rows grouped by adapter (``starts``: each seq's first row), or None."""
+    def _rows(self, batch: ScheduledBatch, starts: list[int]) -> tuple[dict[int, list[int]], int]:
+        """Rows of each adapter in the batch's flat stream (``starts``: each seq's first row), total rows."""
         rows: dict[int, list[int]] = {}
         total = 0
         for s, start in zip(batch.seqs, starts):
@@ -197,10 +226,43 @@ class LoRAManager:
                     raise ValueError(f"LoRA adapter id {s.req.lora_id} was unloaded before request "
                                      f"{s.req.rid!r} ran")
                 rows.setdefault(s.req.lora_id, []).extend(range(start, start + s.q_len))
+        return rows, total
+
+    def step_info(self, batch: ScheduledBatch, starts: list[int]) -> Optional[LoRAStep]:
+        """The batch's rows grouped by adapter, or None when no row uses one (an eager step)."""
+        rows, total = self._rows(batch, starts)
         if not rows:
             return None
+        if self.slots is not None:
+            slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned)
+            return LoRAStep([], self.slots.eager_step(rows, slots))
         segs = [LoRASegment(i, None if len(r) == total else to_device(r, self.device)) for i, r in rows.items()]
         return LoRAStep(segs)
+
+    @property
+    def in_graphs(self) -> bool:
+        """Decode steps with adapters replay CUDA graphs (the slot pool's kernels were captured)."""
+        return self.slots is not None
+
+    def stage(self, batch: ScheduledBatch) -> None:
+        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, the row
+        layout into the static buffers (queued behind the steps before it)."""
+        rows, _ = self._rows(batch, list(range(len(batch.seqs))))
+        slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned) if rows else {}
+        self.slots.stage(rows, slots)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Hooks active on the static step buffers while decode graphs are captured (none on CPU)."""
+        if self.slots is None:
+            yield
+            return
+        self.slots.stage({}, {})
+        self._state.step = LoRAStep([], self.slots.graph_step)
+        try:
+            yield
+        finally:
+            self._state.step = None
 
     def begin(self, step: LoRAStep) -> None:
         """Activate the hooks for one forward pass."""
@@ -212,16 +274,3 @@ class LoRAManager:
     def stats(self) -> list[str]:
         """Names of the loaded adapters (the dashboard's ``lora_adapters``)."""
         return sorted(self.loaded())
-
-
-def make_lora_manager(cfg: Any, model: nn.Module, dtype: torch.dtype, device: torch.device
-                      ) -> Optional[LoRAManager]:
-    """The manager of an ``enable_lora`` engine (None otherwise), with ``lora_paths`` loaded."""
-    if not cfg.enable_lora:
-        return None
-    targets = cfg.lora_target_modules
-    mgr = LoRAManager(model, dtype, device, cfg.lora_slots, cfg.max_lora_rank,
-                      None if targets is None else tuple(targets))
-    for spec in cfg.lora_paths or []:
-        mgr.load(spec["lora_name"], spec["lora_path"], bool(spec.get("pinned", False)))
-    return mgr

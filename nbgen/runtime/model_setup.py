@@ -5,6 +5,7 @@ Stepping (``runtime/runner.py``) only reads the parts; nothing here runs per ste
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -17,12 +18,15 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend
 from nbgen.attention.torch_backend import TorchAttentionBackend
 from nbgen.core.config import EngineConfig
 from nbgen.kernels import gpu_ops
+from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
 from nbgen.models.loader import LoadedModel, load_model
 from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
 from nbgen.runtime.cuda_graphs import CudaGraphRunner
+from nbgen.runtime.lora import LoRAManager
+from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
 from nbgen.runtime.sampling_ops import greedy_argmax
 
@@ -49,6 +53,7 @@ class ModelParts:
     prefill_graphs: Optional[pg.PrefillGraphRunner]  # piecewise graphs for steps with prefill chunks
     norms_folded: bool
     startup_s: dict[str, float]                    # start-up phases in seconds (get_server_info)
+    lora: Optional[LoRAManager] = None             # enable_lora: adapters, hooks, the GPU slot pool
 
 
 def model_dims(hf: Any) -> tuple[int, int, int, int]:
@@ -171,21 +176,25 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     report("loading weights")
     loaded = load_model(cfg, device)
     t1 = time.perf_counter()
+    # LoRA's slot pool before the KV cache takes the free memory; hooks before graph capture
+    lora = make_lora_manager(cfg, loaded.model, loaded.dtype, device,
+                             graph_rows=graph_batch_sizes(cfg.cuda_graph_max_bs)[-1] if device.type == "cuda" else 0)
     report("sizing the KV cache")
     spec = kv_spec_of(loaded, cfg.page_size, device)
     # tensor parallelism: every rank's pool the same size (one page table for all)
     spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length), device))
     backend = make_backend(cfg, spec)
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
-    # LoRA's A matrices read the normed input: folded norms stay off with enable_lora
-    # (tensor parallelism: o_proj / down_proj sum partial products, so they cannot accumulate in place)
-    folded = (not cfg.enable_lora and get_tp()[0] == 1 and norm_fold.should_fold(loaded.model, device)
-              and norm_fold.fold_norms(loaded.model))
+    # adapters loaded after the fold: their A of qkv / gate|up are folded alike (runtime/lora.py);
+    # tensor parallelism: o_proj / down_proj sum partial products, so they cannot accumulate in place
+    folded = get_tp()[0] == 1 and norm_fold.should_fold(loaded.model, device) and norm_fold.fold_norms(loaded.model)
+    load_initial(lora, cfg)
     sampler = Sampler(int(loaded.hf_config.vocab_size), device, original_logprobs=cfg.return_original_logprob)
     t2 = time.perf_counter()
     if graphs_enabled(cfg, backend):
         report("capturing CUDA graphs")
-    graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length)
+    with lora.capturing() if lora is not None else contextlib.nullcontext():
+        graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length)
     t3 = time.perf_counter()
     prefill = make_prefill_graphs(cfg, loaded.model, backend) if graphs is not None else None
     t4 = time.perf_counter()
@@ -194,4 +203,4 @@ def setup_model(cfg: EngineConfig, device: torch.device,
         warm_logits(loaded.model, list(graphs.batch_sizes), loaded.hf_config.hidden_size, loaded.dtype, device)
     startup = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2), "cuda_graphs": round(t3 - t2, 2),
                "prefill_graphs": round(t4 - t3, 2), "warm_logits": round(time.perf_counter() - t4, 2)}
-    return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup)
+    return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup, lora)

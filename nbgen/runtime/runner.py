@@ -9,6 +9,7 @@ sampled ids and are filled in on the GPU.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -20,7 +21,7 @@ from nbgen.kernels.batch_sizes import padded_batch_size
 from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.cuda_graphs import Staged
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
-from nbgen.runtime.lora import LoRAManager, LoRAStep, make_lora_manager
+from nbgen.runtime.lora import LoRAManager, LoRAStep
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
@@ -72,8 +73,9 @@ class ModelRunner:
         self.graphs = parts.graphs
         self.prefill_graphs = parts.prefill_graphs
         self.norms_folded = parts.norms_folded
-        # LoRA serving (enable_lora): adapters loaded, hooks in the linears; steps with adapters run eagerly
-        self.lora: Optional[LoRAManager] = make_lora_manager(self.cfg, self.model, parts.loaded.dtype, device)
+        # LoRA serving (enable_lora): adapters, hooks in the linears; on CUDA decode graphs run the adapters'
+        # kernels (``_stage``), elsewhere steps with adapters run eagerly
+        self.lora: Optional[LoRAManager] = parts.lora
         self.startup_s = parts.startup_s
         self.cuda_graph_batch_sizes = list(self.graphs.batch_sizes) if self.graphs else []
         self.piecewise_cuda_graph_tokens = list(self.prefill_graphs.buckets) if self.prefill_graphs else []
@@ -96,7 +98,8 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
-        self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length)
+        with self.lora.capturing() if self.lora is not None else contextlib.nullcontext():
+            self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length)
         self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend) if self.graphs else None
         self._last_tokens = None
 
@@ -137,11 +140,11 @@ class ModelRunner:
             if patch is not None:
                 patch(input_ids)
             return self.vision.hidden_states(batch, flat, input_ids, self.backend.prepare(batch))
+        if self._graphable(batch):
+            return self.graphs.replay(self._stage(batch), self._last_tokens)   # placeholders resolved in the graph
         lora = self.lora.step_info(batch, flat.starts) if self.lora is not None else None
         if lora is not None:
             return self._eager_lora(batch, flat, lora)
-        if self._graphable(batch):
-            return self.graphs.run(batch, ids, self._last_tokens)   # placeholders resolved in the graph
         patch = self._placeholder_patch(ids)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, len(ids)):
             return self.prefill_graphs.run(batch, ids, pos, patch)
@@ -167,8 +170,14 @@ class ModelRunner:
             self.lora.end()
 
     # ---- one step -----------------------------------------------------------------------------
+    def _stage(self, batch: ScheduledBatch) -> PreparedStep:
+        """A decode graph step's inputs (and its LoRA rows) queued for replay."""
+        if self.lora is not None and self.lora.in_graphs:
+            self.lora.stage(batch)
+        return self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+
     def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
-        if self.lora is not None and self.lora.uses_adapters(batch):
+        if self.lora is not None and not self.lora.in_graphs and self.lora.uses_adapters(batch):
             return False
         if self.vision is not None and has_image_prefill(batch):
             return False
@@ -182,7 +191,7 @@ class ModelRunner:
         None otherwise). ``n_prev``: sampled ids of the step before it, which may still be queued."""
         if not self._graphable(batch, n_prev):
             return None
-        return self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+        return self._stage(batch)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, staged: Optional[PreparedStep] = None) -> Forwarded:
@@ -198,7 +207,7 @@ class ModelRunner:
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs = [s for s in batch.seqs if s.sample]
             if staged is None:
-                staged = self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+                staged = self._stage(batch)
             hidden = self.graphs.replay(staged, self._last_tokens)
             rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
             if not rows and seqs:             # logits over the graph's padded rows, see _logits

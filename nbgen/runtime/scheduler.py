@@ -37,6 +37,7 @@ from nbgen.core.config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
+from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, importance, priority_stats
@@ -49,7 +50,7 @@ QUEUE_FULL = "The request queue is full."     # SGLang's abort message (max_queu
 class Scheduler:
     """Owns waiting/running requests, the PagePool and the PrefixCache (loop thread only)."""
 
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig, lora_limit: Optional[LoRABatchLimit] = None) -> None:
         self.cfg = cfg
         self.P = cfg.page_size
         self.pool = PagePool(cfg.num_pages, cfg.page_size)
@@ -68,7 +69,7 @@ class Scheduler:
         # not carry from here instead of scanning every tracked request
         self._finished_outside: list[Request] = []
         self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt,
-                                   self._finished_outside)
+                                   self._finished_outside, lora_limit)
         self.num_preemptions = 0
         # called with each request finished after it ran (its full pages are in the prefix cache);
         # engine sessions pin them there (runtime/sessions.py), and drop the pins at a flush

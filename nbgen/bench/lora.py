@@ -1,0 +1,134 @@
+"""Multi-LoRA throughput: ``python -m nbgen.bench.lora --model DIR --load-format dummy --lora 8 --lora-rank 16``.
+
+One process runs the same workload three ways, ``--repeats`` times each: on an engine without LoRA
+("plain", then shut down), and on an ``enable_lora`` engine with no adapter ("base") and with the
+requests spread round-robin over ``--lora`` random adapters ("lora"; peft format, built here for the
+model's shapes with random weights, rank ``--lora-rank`` on ``--targets``). Reported: output tok/s
+of every run and lora / plain, lora / base (best of each). Workloads: ``fixed`` (the bench's W-fixed:
+256 random-id prompts of 100-1024 tokens, 512 new tokens each; GPU) and ``chat32`` (32 chat questions
+x 64 new tokens, the CPU workload); greedy, ``ignore_eos``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+
+from nbgen.bench.workloads import chat32_prompts, make_workload
+from nbgen.engine import Engine
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """(out, in) of each LoRA target module of a Llama-family config."""
+    h = int(hf_config.hidden_size)
+    nh, nkv = int(hf_config.num_attention_heads), int(getattr(hf_config, "num_key_value_heads", None) or
+                                                      hf_config.num_attention_heads)
+    hd = int(getattr(hf_config, "head_dim", None) or h // nh)
+    inter = int(hf_config.intermediate_size)
+    return {"q_proj": (nh * hd, h), "k_proj": (nkv * hd, h), "v_proj": (nkv * hd, h), "o_proj": (h, nh * hd),
+            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+
+
+def write_random_adapter(out_dir: str, hf_config: Any, rank: int, seed: int,
+                         targets: tuple[str, ...] = ALL_TARGETS) -> str:
+    """A random peft LoRA adapter directory for the model of ``hf_config`` (small B: outputs stay sane)."""
+    from safetensors.torch import save_file   # a transformers dependency
+
+    os.makedirs(out_dir, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(hf_config)
+    tensors = {}
+    for layer in range(int(hf_config.num_hidden_layers)):
+        for name in targets:
+            out, inp = shapes[name]
+            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) / inp ** 0.5).to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).to(torch.bfloat16)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+                   "bias": "none", "use_rslora": False}, f)
+    return out_dir
+
+
+def _prompts(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """(prompts, sampling params) of the workload."""
+    if args.workload == "chat32":
+        sp = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens or 64, "ignore_eos": True}
+        return chat32_prompts(args.model), sp
+    ids, outs = make_workload(args.workload)
+    n = args.max_new_tokens
+    return ids, [{"temperature": 0.0, "max_new_tokens": n or o, "ignore_eos": True} for o in outs]
+
+
+def _timed(eng: Engine, prompts: Any, sp: Any, names: Optional[list]) -> dict[str, float]:
+    key = "input_ids" if isinstance(prompts[0], list) else "prompt"
+    t0 = time.perf_counter()
+    outs = eng.generate(**{key: prompts}, sampling_params=sp, lora_path=names, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    n = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return {"seconds": secs, "out_tokens": n, "out_tok_s": n / secs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--workload", default="fixed", choices=["fixed", "nano", "chat32"])
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override the workload's output lengths")
+    ap.add_argument("--lora", type=int, default=8, help="distinct adapters, requests round-robin over them")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--targets", default=",".join(ALL_TARGETS))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the results to this file")
+    args = ap.parse_args()
+    prompts, sp = _prompts(args)
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
+    if args.model:
+        kw["model_path"] = args.model
+    rows: dict[str, list[dict]] = {"plain": [], "base": [], "lora": []}
+    warm = prompts[:8]
+    warm_sp = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    with Engine(**kw) as eng:
+        eng.generate(**{"input_ids" if isinstance(warm[0], list) else "prompt": warm}, sampling_params=warm_sp,
+                     use_tqdm=False)
+        for _ in range(args.repeats):
+            rows["plain"].append(_timed(eng, prompts, sp, None))
+            print(f"plain {rows['plain'][-1]}", flush=True)
+        hf_config = eng.hf_config
+    targets = tuple(t for t in args.targets.split(",") if t)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [write_random_adapter(os.path.join(tmp, f"a{i}"), hf_config, args.lora_rank, seed=i, targets=targets)
+                 for i in range(args.lora)]
+        lora_kw = {**kw, "lora_paths": [f"a{i}={p}" for i, p in enumerate(paths)],
+                   "max_loras_per_batch": max(args.lora, 1), "max_lora_rank": args.lora_rank}
+        with Engine(**lora_kw) as eng:
+            names = [f"a{i % args.lora}" for i in range(len(prompts))]
+            eng.generate(**{"input_ids" if isinstance(warm[0], list) else "prompt": warm}, sampling_params=warm_sp,
+                         lora_path=names[:len(warm)], use_tqdm=False)
+            for _ in range(args.repeats):
+                for kind, nm in (("base", None), ("lora", names)):
+                    rows[kind].append(_timed(eng, prompts, sp, nm))
+                    print(f"{kind:5s} {rows[kind][-1]}", flush=True)
+    best = {k: max(r["out_tok_s"] for r in v) for k, v in rows.items()}
+    result = {"args": vars(args), "runs": rows, "best_out_tok_s": best,
+              "lora_vs_plain": best["lora"] / best["plain"], "lora_vs_base": best["lora"] / best["base"]}
+    print(f"best out tok/s: plain {best['plain']:.1f}  base (LoRA engine) {best['base']:.1f}  "
+          f"lora ({args.lora} x rank {args.lora_rank}) {best['lora']:.1f}  ->  lora / plain "
+          f"{result['lora_vs_plain']:.3f}, lora / base {result['lora_vs_base']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The GPU slot pool of LoRA serving: ``max_loras_per_batch`` slots of stacked A/B per fused linear,
+the adapters a step uses copied in on demand (least recently used unpinned slot evicted), and each
+step's rows grouped by slot for the segmented kernels (``kernels/lora_sgmv.py``).
+
+Admission (``runtime/lora_batch.py``) keeps a batch at ``max_loras_per_batch`` adapters at most, so
+a step's adapters always find slots. Copies into a slot are queued on the stream behind the steps
+already queued, which read the slot's previous adapter first.
+
+A decode step replayed from a CUDA graph reads its row layout from static buffers (``graph_step``),
+filled by ``stage`` from a pinned staging ring before the replay; eager steps get fresh tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from nbgen.models.linear import MergedColumnParallelLinear, QKVParallelLinear
+from nbgen.models.lora_adapter import AdapterWeights
+from nbgen.runtime.cuda_graphs import StagingRing
+
+
+@dataclass
+class SlotStep:
+    """A step's rows by slot: slot s owns rows ``perm[seg_start[s] : seg_start[s] + seg_len[s]]``."""
+
+    perm: torch.Tensor            # [rows] int32 row indices grouped by slot
+    seg_start: torch.Tensor       # [S] int32
+    seg_len: torch.Tensor         # [S] int32
+    max_rows: Optional[int]       # rows one slot holds at most (None: the step's row count)
+
+
+class SlotLinear:
+    """One fused linear's slots: a [S, nshard * R, in], b [S, out, R]; shard bounds of the output."""
+
+    def __init__(self, linear: nn.Module, slots: int, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        out, k = linear.weight.shape
+        if isinstance(linear, QKVParallelLinear):
+            self.shards = [linear.shard_rows(s) for s in ("q", "k", "v")]
+        elif isinstance(linear, MergedColumnParallelLinear):
+            self.shards = [linear.shard_rows(i) for i in range(len(linear.output_sizes))]
+        else:
+            self.shards = [(0, out)]
+        self.nshard = len(self.shards)
+        ends = [lo + n for lo, n in self.shards]
+        self.bounds = (ends[0] if self.nshard > 1 else out, ends[1] if self.nshard > 2 else out)
+        self.a = torch.zeros(slots, self.nshard * rank, k, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, out, rank, dtype=dtype, device=device)
+
+
+class LoRASlots:
+    """The pool: slot owners, LRU order, the weights per fused linear, the static step buffers."""
+
+    def __init__(self, linears: dict[tuple[int, str], nn.Module], num_slots: int, rank: int,
+                 dtype: torch.dtype, device: torch.device, max_graph_rows: int) -> None:
+        self.num_slots, self.rank, self.device = num_slots, rank, device
+        self.linears = {key: SlotLinear(m, num_slots, rank, dtype, device) for key, m in linears.items()}
+        self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.owner: list[Optional[int]] = [None] * num_slots     # lora_id held by each slot
+        self._lru: list[int] = list(range(num_slots))             # least recently used first
+        # static step buffers the decode graphs read: perm [max_graph_rows] | seg_start [S] | seg_len [S]
+        self._rows = max_graph_rows
+        self._static = torch.zeros(max_graph_rows + 2 * num_slots, dtype=torch.int32, device=device)
+        self.graph_step = SlotStep(self._static[:max_graph_rows], self._static[max_graph_rows:-num_slots],
+                                   self._static[-num_slots:], None)
+        self._ring = StagingRing(lambda: [torch.zeros(self._static.numel(), dtype=torch.int32)]) \
+            if device.type == "cuda" else None
+
+    # ---- slots ----------------------------------------------------------------------------------
+    def assign(self, ids: list[int], resident: dict[int, AdapterWeights], pinned: set[int]) -> dict[int, int]:
+        """Slots of the adapters ``ids`` (distinct, at most ``num_slots``), copying in those not held;
+        the victims: empty slots first, then the least recently used unpinned ones not in ``ids``."""
+        if len(ids) > self.num_slots:
+            raise RuntimeError(f"{len(ids)} LoRA adapters in one step, above max_loras_per_batch={self.num_slots}")
+        held = {lid: s for s, lid in enumerate(self.owner) if lid is not None}
+        out: dict[int, int] = {}
+        for lid in ids:
+            if lid in held:
+                out[lid] = held[lid]
+        for lid in ids:
+            if lid in out:
+                continue
+            free = [s for s in self._lru if self.owner[s] is None] or \
+                [s for s in self._lru if s not in out.values() and self.owner[s] not in pinned]
+            slot = free[0]
+            self._load(slot, lid, resident[lid])
+            out[lid] = slot
+        for s in out.values():                        # most recently used last
+            self._lru.remove(s)
+            self._lru.append(s)
+        return out
+
+    def _load(self, slot: int, lora_id: int, w: AdapterWeights) -> None:
+        """Copy an adapter into a slot (zeros where it has no weights: those linears add nothing)."""
+        self.owner[slot] = lora_id
+        self.scaling[slot] = w.scaling
+        for key, sl in self.linears.items():
+            a, b = sl.a[slot], sl.b[slot]
+            a.zero_()
+            b.zero_()
+            mod = w.modules.get(key)
+            if mod is None:
+                continue
+            for sh in mod.shards:
+                k = next(i for i, (lo, n) in enumerate(sl.shards) if lo <= sh.out_lo < lo + n)
+                r = sh.a_hi - sh.a_lo
+                a[k * self.rank: k * self.rank + r].copy_(mod.a[sh.a_lo:sh.a_hi], non_blocking=True)
+                b[sh.out_lo:sh.out_hi, :r].copy_(sh.b, non_blocking=True)
+
+    def evict(self, lora_id: int) -> None:
+        """An adapter was unloaded: its slot (if any) becomes empty."""
+        for s, lid in enumerate(self.owner):
+            if lid == lora_id:
+                self.owner[s] = None
+
+    # ---- a step's rows --------------------------------------------------------------------------
+    def _layout(self, rows: dict[int, list[int]], slots: dict[int, int]) -> tuple[list[int], np.ndarray, np.ndarray]:
+        perm: list[int] = []
+        start = np.zeros(self.num_slots, dtype=np.int32)
+        length = np.zeros(self.num_slots, dtype=np.int32)
+        for lid, r in rows.items():
+            s = slots[lid]
+            start[s], length[s] = len(perm), len(r)
+            perm.extend(r)
+        return perm, start, length
+
+    def eager_step(self, rows: dict[int, list[int]], slots: dict[int, int]) -> SlotStep:
+        """The row layout of an eager step as fresh device tensors."""
+        perm, start, length = self._layout(rows, slots)
+        dev = self.device
+
+        def put(v: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(v).to(dev, non_blocking=False)
+        return SlotStep(put(np.asarray(perm or [0], dtype=np.int32)), put(start), put(length),
+                        int(length.max()) if len(length) else 0)
+
+    def stage(self, rows: dict[int, list[int]], slots: dict[int, int]) -> None:
+        """Fill the static buffers a graph replay reads (queued on the stream; no host sync)."""
+        perm, start, length = self._layout(rows, slots)
+        if len(perm) > self._rows:
+            raise RuntimeError(f"{len(perm)} LoRA rows in a graph step, above {self._rows}")
+        host = np.zeros(self._static.numel(), dtype=np.int32)
+        if self._ring is not None:
+            st, npv = self._ring.next()
+            host = npv[0]
+        S = self.num_slots
+        host[:len(perm)] = perm
+        host[-2 * S:-S] = start
+        host[-S:] = length
+        if self._ring is not None:
+            self._static.copy_(st[0], non_blocking=True)
+            self._ring.done()
+        else:
+            self._static.copy_(torch.from_numpy(host))
