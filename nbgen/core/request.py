@@ -100,6 +100,12 @@ class Request:
     # device tensor, e.g. mean pooling's running sum), then the finished vector
     pool_state: Optional[Any] = None
     embedding: Optional[list[float]] = None
+    # speculative decoding (runtime/spec_step.py): decode steps it verified in, drafts proposed and
+    # accepted, and spec_histogram[k] = verify steps that accepted k drafts (SGLang's meta_info)
+    spec_verify_ct: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_histogram: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -137,6 +143,16 @@ class Request:
                 self.hidden_states[0].append(row)
             else:
                 self.hidden_states.append(row)
+
+    def truncate_output(self, n_out: int) -> None:
+        """Keep the first ``n_out`` output tokens (a stop string matched inside a run of tokens one
+        speculative step accepted): their logprobs and hidden states follow, the KV count too."""
+        del self.output_ids[n_out:]
+        for lst in (self.output_token_logprobs, self.output_top_logprobs, self.output_ids_logprobs):
+            del lst[n_out:]
+        if self.hidden_states:
+            del self.hidden_states[n_out + 1:]
+        self.num_computed = min(self.num_computed, self.num_tokens)
 
     def end_after(self, tok: int, n_out: int, context_length: Optional[int] = None) -> Optional[FinishReason]:
         """The stop check: the finish reason once ``tok``, the ``n_out``-th output token, was
