@@ -16,7 +16,7 @@ Per scheduled batch:
    and the StepOutput carries the accepted drafts: ``Scheduler.update`` appends them through the
    stop check (a stop inside the run cuts it there) and frees the pages of the rejected tail.
 
-Batches that need the synchronous logprob step (prompt logprobs, hidden states), grammars or custom
+Batches with prompt logprobs, hidden states, grammars or custom
 logit processors run as plain steps (no drafts that step); so do steps where nothing was drafted,
 which keeps the decode CUDA graphs for them. Verify steps run eagerly (no CUDA graph).
 """
@@ -29,7 +29,6 @@ import torch
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.spec_config import SpecConfig
 from nbgen.runtime.embed_step import is_embedding_batch
-from nbgen.runtime.logprob_step import needs_sync_step
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
@@ -52,8 +51,11 @@ class Drafter(Protocol):
 
 
 def _plain_only(s: SeqWork) -> bool:
-    """Seqs whose step must be a plain one: logprob/hidden-state sync steps, grammar, custom processors."""
-    return needs_sync_step(s) or s.req.grammar is not None or s.req.logit_processor is not None
+    """Seqs whose step must be a plain one: prompt logprobs, hidden states, grammar, custom processors
+    (output logprobs come from the verify rows)."""
+    req = s.req
+    return (s.prompt_logprob_start >= 0 or req.return_hidden_states or req.grammar is not None
+            or req.logit_processor is not None)
 
 
 class SpecStepper:
