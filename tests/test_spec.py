@@ -165,3 +165,29 @@ def test_ngram_proposer_prefers_longest_recent_match():
     req.output_ids = [5, 6, 5]
     assert prop.propose(req, 2) == [6, 5]                     # the index follows new tokens; recent wins ties
     assert prop.propose(Request("b", [8], SamplingParams()), 3) == []
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory) -> str:
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_llama_draft")), seed=1)
+
+
+def test_standalone_identical(tiny_llama_dir, other_llama_dir):
+    """A draft model: greedy and seeded sampling identical to plain decoding; the target as its own
+    draft accepts everything (num_steps + 1 tokens per verify), a different draft less."""
+    sp = [GREEDY, {"temperature": 0.6, "max_new_tokens": 30, "ignore_eos": True, "sampling_seed": 3},
+          {**GREEDY, "max_new_tokens": 13}]
+    prompts = PROMPTS
+    plain, _ = _run(tiny_llama_dir, prompts, sp)
+    same, stats = _run(tiny_llama_dir, prompts, sp, speculative_algorithm="STANDALONE",
+                       speculative_draft_model_path=tiny_llama_dir, speculative_num_steps=4)
+    other, _ = _run(tiny_llama_dir, prompts, sp, speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=other_llama_dir, speculative_num_steps=3)
+    assert _ids(same) == _ids(plain) and _ids(other) == _ids(plain)
+    m = same[0]["meta_info"]
+    assert m["spec_accept_length"] == 5.0 and m["spec_accept_rate"] == 1.0       # 40 tokens in 8 verifies
+    assert same[1]["meta_info"]["spec_accept_rate"] == 1.0                        # sampled: same seeded noise
+    assert stats["spec_accept_length"] > 4
+    assert other[0]["meta_info"]["spec_accept_rate"] < 1.0

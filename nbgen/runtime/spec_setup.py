@@ -8,6 +8,7 @@ from nbgen.core.spec_config import SpecConfig
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.spec_draft_model import DraftModelDrafter, make_draft_runner
 from nbgen.runtime.spec_ngram import NgramProposer
 from nbgen.runtime.spec_step import Drafter, SpecStepper
 
@@ -18,5 +19,10 @@ def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConf
     spec = SpecConfig.of(cfg)
     if spec is None:
         return None
-    drafter: Drafter = NgramProposer(spec.ngram_max_match)
+    drafter: Drafter
+    if spec.algorithm == "STANDALONE":
+        draft = make_draft_runner(cfg, runner.device, runner.num_pages)
+        drafter = DraftModelDrafter(draft, runner.vocab_size, spec.num_steps)
+    else:
+        drafter = NgramProposer(spec.ngram_max_match)
     return SpecStepper(runner, scheduler, spec, drafter, stats)
