@@ -48,7 +48,7 @@ class SpecConfig:
             raise ValueError(f"speculative_algorithm must be None or a str, got {algo!r}")
         algo = algo.upper()
         if algo in NOT_YET:
-            raise ValueError(f"speculative_algorithm={algo!r} is not supported yet by nbgen; "
+            raise ValueError(f"speculative_algorithm is not supported yet by nbgen for {algo!r}; "
                              f"use one of {ALGORITHMS}")
         if algo not in ALGORITHMS:
             raise ValueError(f"speculative_algorithm must be None or one of {ALGORITHMS}, got {algo!r}")
