@@ -191,3 +191,31 @@ def test_standalone_identical(tiny_llama_dir, other_llama_dir):
     assert same[1]["meta_info"]["spec_accept_rate"] == 1.0                        # sampled: same seeded noise
     assert stats["spec_accept_length"] > 4
     assert other[0]["meta_info"]["spec_accept_rate"] < 1.0
+
+
+def test_dashboard_shows_speculation():
+    from nbgen.notebook.state import StatsHistory, dashboard_html, dashboard_text
+
+    h = StatsHistory()
+    h.append({"running": 1, "spec_accept_length": 3.25, "spec_accept_rate": 0.5})
+    assert 'data-spec-accept-length="3.250"' in dashboard_html(h)
+    assert "3.25 tokens per step, 50% of drafts accepted" in dashboard_text(h.latest)
+    h.append({"running": 1})
+    assert "nbgen-spec" not in dashboard_html(h)
+
+
+@pytest.mark.slow
+def test_embedded_model_fp32_identical_and_faster_steps():
+    """The embedded SmolLM2 in fp32 on extractive prompts: NGRAM output token-identical, > 1.5 tokens
+    per verify step."""
+    from nbgen.bench.spec_prompts import extractive_chats
+
+    sp = {"temperature": 0.0, "max_new_tokens": 64}
+    outs = []
+    for kw in ({}, {"speculative_algorithm": "NGRAM"}):
+        with nbgen.Engine(dtype="float32", device="cpu", **kw) as eng:
+            prompts = [eng.apply_chat_template(c) for c in extractive_chats()[::5]]
+            outs.append(eng.generate(prompts, sp))
+    assert _ids(outs[0]) == _ids(outs[1])
+    toks = sum(o["meta_info"]["completion_tokens"] for o in outs[1])
+    assert toks / sum(o["meta_info"]["spec_verify_ct"] for o in outs[1]) > 1.5

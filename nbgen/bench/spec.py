@@ -8,11 +8,14 @@ taking turns prompt by prompt. Reported: output tok/s of both, the speed-up, the
 outputs are token-identical.
 
 **Machinery** (``--machinery``, for the GPU host with ``--load-format dummy``): dummy weights make
-acceptance meaningless, so the drafts are made to agree always: random-id prompts that are one
-block repeated, and ``ignore_eos``; with a draft model (``--draft-model``, STANDALONE) pass the
-target itself. Reported at ``--batch-sizes`` (1 and 32): plain decode ms per step, verify ms per
-step (``--num-draft-tokens`` wide), the acceptance length reached, and the speed-up the measured
-verify cost implies at acceptance lengths 2, 3 and 4 (acceptance length × plain step ms / verify step ms).
+acceptance meaningless, so the drafts are made to agree as far as possible: NGRAM on prompts that
+are a random block repeated, with ``ignore_eos`` (greedy random-weight models fall into cycles that
+prompt lookup then predicts), or STANDALONE with the target as its own draft (``--draft-model`` =
+``--model``: every draft agrees; its step then includes the draft's forwards). Reported per batch
+size (``--batch-sizes``, 1 and 32): ms per decode step without and with speculation (the step of a
+speculative request verifies ``--num-draft-tokens`` tokens), the acceptance length reached, the
+verify step's cost in plain decode steps, and the speed-up that cost implies at acceptance lengths
+2, 3 and 4 (acceptance length x plain step ms / speculative step ms).
 """
 from __future__ import annotations
 
