@@ -144,16 +144,6 @@ class Request:
             else:
                 self.hidden_states.append(row)
 
-    def truncate_output(self, n_out: int) -> None:
-        """Keep the first ``n_out`` output tokens (a stop string matched inside a run of tokens one
-        speculative step accepted): their logprobs and hidden states follow, the KV count too."""
-        del self.output_ids[n_out:]
-        for lst in (self.output_token_logprobs, self.output_top_logprobs, self.output_ids_logprobs):
-            del lst[n_out:]
-        if self.hidden_states:
-            del self.hidden_states[n_out + 1:]
-        self.num_computed = min(self.num_computed, self.num_tokens)
-
     def end_after(self, tok: int, n_out: int, context_length: Optional[int] = None) -> Optional[FinishReason]:
         """The stop check: the finish reason once ``tok``, the ``n_out``-th output token, was
         generated, or None to go on. A stop id ends the request once ``min_new_tokens`` are out;
