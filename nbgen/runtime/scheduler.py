@@ -224,10 +224,8 @@ class Scheduler:
         """Pages for up to ``kv_len`` tokens of a running request (its draft tokens) from free or
         evictable pages, never preempting: the number of tokens its pages cover now."""
         need = self.pool.pages_for(kv_len) - len(req.pages)
-        if need > 0:
-            new = self.pool.alloc(need)
-            if new is not None:
-                req.pages.extend(new)
+        new = self.pool.alloc(need) if need > 0 else None
+        req.pages.extend(new or ())
         return len(req.pages) * self.P
 
     def _release_tail(self, req: Request) -> None:
