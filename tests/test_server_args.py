@@ -40,7 +40,7 @@ def test_every_engine_argument_is_an_implemented_sglang_name_or_nbgen_own() -> N
     assert all(a.note for a in SERVER_ARGS.values() if a.status != STATUS_IMPLEMENTED)
     for name in ("host", "port", "api_key", "log_requests", "enable_metrics", "tokenizer_worker_num"):
         assert SERVER_ARGS[name].status == STATUS_NO_EFFECT
-    for name in ("speculative_algorithm", "quantization", "pp_size", "enable_hierarchical_cache"):
+    for name in ("speculative_token_map", "quantization", "pp_size", "enable_hierarchical_cache"):
         assert SERVER_ARGS[name].status == STATUS_REFUSED
 
 

@@ -87,3 +87,7 @@ class StepOutput:
     # on the chunk that completes the prompt the finished vector (None for other seqs)
     pool_states: Optional[list] = None
     embeddings: Optional[list[Optional[list[float]]]] = None
+    # speculative decoding (runtime/spec_step.py), per seq: the draft tokens accepted before
+    # next_token_ids[i], in order, and their logprobs (None entries where not asked for)
+    accepted: Optional[list[list[int]]] = None
+    accepted_logprobs: Optional[list[list[Optional[TokenLogprobs]]]] = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from nbgen.core.chat_template import check_chat_template
+from nbgen.core.spec_config import SpecConfig
 from nbgen.core.server_args import no_effect_message, split_engine_kwargs, unknown_key_error
 
 __all__ = ["EngineConfig", "PriorityConfig", "SchedulerConfig", "unknown_key_error"]
@@ -97,6 +98,13 @@ class EngineConfig:
     max_lora_rank: Optional[int] = None          # None: any rank
     lora_target_modules: Optional[Any] = None    # None: any of LORA_TARGET_MODULES; "all": all of them
     lora_backend: str = "csgmv"
+    # speculative decoding (core/spec_config.py, runtime/spec_*.py; SGLang's names): NGRAM or STANDALONE
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_ngram_max_trie_depth: int = 18
 
     def __post_init__(self) -> None:
         def check(name: str, ok: bool, want: str) -> None:
@@ -141,6 +149,9 @@ class EngineConfig:
         if self.dp_size > 1 and self.enable_lora:
             raise ValueError("enable_lora needs dp_size 1 (adapters are loaded into one replica)")
         check("base_gpu_id", _is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
+        spec = SpecConfig.of(self)                 # validates the speculative_* arguments
+        if spec is not None:
+            self.speculative_algorithm = spec.algorithm
         if self.model_path is not None:
             self.model_path = os.path.expanduser(str(self.model_path))
 
@@ -204,6 +215,8 @@ class EngineConfig:
             else:
                 total = gpu_total_memory or 0
                 out.cuda_graph_max_bs = 256 if total >= 40 << 30 else (128 if total >= 16 << 30 else 64)
+        if out.speculative_algorithm is not None:   # as SGLang: verify steps run without overlap
+            out.disable_overlap_schedule = True
         if out.piecewise_cuda_graph_max_tokens is None:
             out.piecewise_cuda_graph_max_tokens = min(out.step_token_budget, PIECEWISE_MAX_TOKENS)
         return out

@@ -102,6 +102,12 @@ class Request:
     # device tensor, e.g. mean pooling's running sum), then the finished vector
     pool_state: Optional[Any] = None
     embedding: Optional[list[float]] = None
+    # speculative decoding (runtime/spec_step.py): decode steps it verified in, drafts proposed and
+    # accepted, and spec_histogram[k] = verify steps that accepted k drafts (SGLang's meta_info)
+    spec_verify_ct: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_histogram: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:

@@ -63,6 +63,12 @@ IMPLEMENTED: dict[str, str] = {
     "lora_target_modules": "",
     "lora_backend": "every backend name runs nbgen's path (torch on CPU, segmented Triton kernels on CUDA)",
     "enable_return_hidden_states": "generate(return_hidden_states=True) needs it",
+    "speculative_algorithm": "NGRAM or STANDALONE (chain drafts, one mode per engine)",
+    "speculative_draft_model_path": "STANDALONE's draft model (same tokenizer)",
+    "speculative_num_steps": "STANDALONE draft steps per verify; default 3",
+    "speculative_eagle_topk": "only 1 (chain drafts)",
+    "speculative_num_draft_tokens": "tokens verified per step; NGRAM default 8, STANDALONE num_steps + 1",
+    "speculative_ngram_max_trie_depth": "NGRAM: the longest context match used to draft",
 }
 
 # accepted and ignored (one warning names those passed): reason -> names
@@ -172,10 +178,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "speculative decoding": (
         "decrypted_draft_config_file", "decoupled_spec_bind_endpoint",
         "decoupled_spec_connect_endpoints", "decoupled_spec_rank", "decoupled_spec_role",
-        "speculative_algorithm", "uno_lora_path", "speculative_draft_model_path",
-        "speculative_boundary_reduction", "speculative_draft_model_revision",
-        "speculative_draft_load_format", "speculative_num_steps", "speculative_eagle_topk",
-        "speculative_num_draft_tokens", "speculative_dflash_block_size",
+        "uno_lora_path", "speculative_boundary_reduction", "speculative_draft_model_revision",
+        "speculative_draft_load_format", "speculative_dflash_block_size",
         "speculative_domino_candidate_pool_size", "speculative_dspark_block_size",
         "speculative_dspark_sps_table_path", "speculative_dspark_confidence_sts_path",
         "speculative_dspark_align_verify_tokens_to_graph_tier", "speculative_accept_threshold_single",
@@ -188,7 +192,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "speculative_draft_model_quantization", "enable_multi_layer_eagle", "speculative_adaptive",
         "speculative_adaptive_config", "spec_trace_dir", "speculative_ngram_min_bfs_breadth",
         "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type",
-        "speculative_ngram_max_trie_depth", "speculative_ngram_capacity",
+        "speculative_ngram_capacity",
         "speculative_ngram_external_corpus_path", "speculative_ngram_external_sam_budget",
         "speculative_ngram_external_corpus_max_tokens", "speculative_skip_dp_mlp_sync",
     ),
@@ -353,7 +357,7 @@ SGLANG_DEFAULTS: dict[str, Any] = {
     "speculative_dsa_topk_backend": 'sgl-kernel', "enable_multi_layer_eagle": False,
     "speculative_adaptive": False, "speculative_ngram_min_bfs_breadth": 1,
     "speculative_ngram_max_bfs_breadth": 10, "speculative_ngram_match_type": 'BFS',
-    "speculative_ngram_max_trie_depth": 18, "speculative_ngram_capacity": 10000000,
+    "speculative_ngram_capacity": 10000000,
     "speculative_ngram_external_sam_budget": 0, "speculative_ngram_external_corpus_max_tokens": 10000000,
     "enable_fused_moe_sum_all_reduce": False, "moe_a2a_backend": 'none', "enable_w4a4_mxfp4_megamoe":
     False, "deepep_v2_mode": 'direct', "moe_runner_backend": 'auto', "flashinfer_mxfp4_moe_precision":

@@ -145,6 +145,15 @@ def replica_summary(stats: Mapping[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def spec_summary(stats: Mapping[str, Any]) -> str:
+    """Speculative decoding as one line: tokens per verify step and the draft acceptance rate
+    ("" when the engine does not speculate)."""
+    if "spec_accept_length" not in stats:
+        return ""
+    return (f"{stats['spec_accept_length']:.2f} tokens per step, {stats.get('spec_accept_rate', 0):.0%} of "
+            f"drafts accepted")
+
+
 def _bar(frac: float, prefix_frac: float) -> str:
     f, p = min(max(frac, 0.0), 1.0) * 100, min(max(prefix_frac, 0.0), 1.0) * 100
     return ('<div style="background:#eee;height:10px;width:100%;position:relative;border-radius:3px">'
@@ -189,6 +198,10 @@ def dashboard_html(history: StatsHistory, title: str = "nbgen engine", status: s
         names = ", ".join(s["lora_adapters"]) or "none"
         prio_line += (f'<div class="nbgen-lora" style="font-size:11px;color:#444;margin-bottom:4px">'
                       f'LoRA adapters: {html.escape(names)}</div>')
+    spec = spec_summary(s)
+    if spec:
+        prio_line += (f'<div class="nbgen-spec" data-spec-accept-length="{s["spec_accept_length"]:.3f}" '
+                      f'style="font-size:11px;color:#444;margin-bottom:4px">speculative: {html.escape(spec)}</div>')
     return (f'<div class="nbgen-dashboard" data-status="{html.escape(status)}" {attrs} '
             'style="font-family:system-ui,sans-serif;border:1px solid #ddd;border-radius:6px;padding:8px;'
             'max-width:460px">'
@@ -217,7 +230,8 @@ def dashboard_text(stats: Optional[Mapping[str, Any]]) -> str:
             f"{stats.get('total_finished', 0)}, aborted {stats.get('total_aborted', 0)}, tokens in/out "
             f"{stats.get('total_input_tokens', 0)}/"
             f"{stats.get('total_output_tokens', 0)}"
-            + (f" | priority {priority_summary(stats)}" if stats.get("priorities") else ""))
+            + (f" | priority {priority_summary(stats)}" if stats.get("priorities") else "")
+            + (f" | speculative {spec_summary(stats)}" if "spec_accept_length" in stats else ""))
 
 
 def svg_bars(labels: Sequence[str], values: Sequence[float], unit: str = "", width: Optional[int] = None,

@@ -31,6 +31,7 @@ from nbgen.runtime.profiler import StepProfiler
 from nbgen.runtime.weights import WeightService
 from nbgen.runtime.sessions import SessionTable
 from nbgen.runtime.tp_group import TPGroup
+from nbgen.runtime.spec_setup import make_spec_stepper
 
 logger = logging.getLogger("nbgen")
 
@@ -55,6 +56,7 @@ class LoopThread(LoopControl):
         self.runner = None
         self.scheduler = None
         self.tokenizer = None
+        self._spec = None     # SpecStepper when the engine speculates (runtime/spec_step.py)
         self._overlap = None  # OverlapStepper when the runner overlaps CPU and GPU work (CUDA)
         self._stepped = False  # steps ran since the loop last went idle
         self.profiler = StepProfiler()  # start_profile / stop_profile, driven on this thread
@@ -200,6 +202,7 @@ class LoopThread(LoopControl):
         parts.scheduler.on_finish = self.sessions.on_finish
         parts.scheduler.on_flush = self.sessions.unpin_all
         self._reap = self._delivery.reap
+        self._spec = make_spec_stepper(parts.runner, parts.scheduler, parts.cfg, self._stats)
         if getattr(parts.runner, "overlap", False):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
                                            self.run_step)
@@ -238,7 +241,7 @@ class LoopThread(LoopControl):
     def run_step(self, batch: ScheduledBatch) -> None:
         """Run one batch synchronously and deliver its results."""
         try:
-            out = self.runner.step(batch)
+            out = self._spec.step(batch) if self._spec is not None else self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - handed to fail_batch
             self.fail_batch(batch, e)
             return

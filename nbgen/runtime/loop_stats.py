@@ -45,6 +45,9 @@ class LoopStats:
         self._totals = {"total_input_tokens": 0, "total_output_tokens": 0,
                         "total_cached_tokens": 0, "total_finished": 0, "total_aborted": 0}
         self._t0 = time.time()
+        # speculative decoding (runtime/spec_step.py): decode steps of requests, tokens they produced,
+        # drafts proposed and accepted
+        self._spec = {"spec_verify_steps": 0, "spec_tokens": 0, "spec_drafts": 0, "spec_accepted": 0}
 
     def publish(self, snapshot: dict[str, Any]) -> None:
         with self._lock:
@@ -58,6 +61,13 @@ class LoopStats:
             self._totals["total_input_tokens"] += n_in
             self._totals["total_output_tokens"] += n_out
 
+    def spec_step(self, steps: int, tokens: int, drafts: int, accepted: int) -> None:
+        """One speculative step: ``steps`` requests verified, producing ``tokens`` tokens from
+        ``drafts`` proposed drafts of which ``accepted`` were accepted."""
+        with self._lock:
+            for k, v in zip(self._spec, (steps, tokens, drafts, accepted)):
+                self._spec[k] += v
+
     def finished(self, cached_tokens: int, aborted: bool = False) -> None:
         """One request ended: finished (stop / length) or aborted (by the caller, or failed)."""
         with self._lock:
@@ -68,6 +78,11 @@ class LoopStats:
         with self._lock:
             s = dict(self._snap)
             s.update(self._totals)
+            if self._spec["spec_verify_steps"]:   # SGLang's names: tokens per verify step, accepted / drafted
+                sp = self._spec
+                s.update(sp)
+                s["spec_accept_length"] = sp["spec_tokens"] / sp["spec_verify_steps"]
+                s["spec_accept_rate"] = sp["spec_accepted"] / max(sp["spec_drafts"], 1)
         s["input_tok_s"], s["output_tok_s"] = self._rates.rates()
         s["uptime_s"] = time.time() - self._t0
         s["time"] = time.time()

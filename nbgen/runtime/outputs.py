@@ -44,6 +44,19 @@ def logprob_fields(req: Request, decode: Decode, start: int = 0) -> dict[str, An
     return out
 
 
+def spec_fields(req: Request) -> dict[str, Any]:
+    """SGLang's speculative meta_info: verify steps, accepted / proposed drafts, their rate, tokens
+    per verify step, and the histogram of accepted drafts per step (with SGLang's aliases)."""
+    n, acc, prop = req.spec_verify_ct, req.spec_accepted, req.spec_proposed
+    return {"spec_verify_ct": n, "spec_accept_length": len(req.output_ids) / n,
+            "spec_accept_rate": acc / prop if prop else 0.0,
+            "spec_accepted_drafts": acc, "spec_proposed_drafts": prop,
+            "spec_num_correct_drafts": acc, "spec_num_proposed_drafts": prop,
+            "spec_accept_token_num": acc, "spec_draft_token_num": prop,
+            "spec_accept_histogram": list(req.spec_histogram),
+            "spec_correct_drafts_histogram": list(req.spec_histogram)}
+
+
 def embedding_output(req: Request) -> dict[str, Any]:
     """SGLang's encode() dict: the vector (None when the request was aborted) and its meta_info."""
     return {"embedding": req.embedding,
@@ -71,6 +84,8 @@ def build_output(req: Request, text: Optional[str], output_ids: list[int], decod
         "weight_version": req.weight_version,
         "e2e_latency": time.perf_counter() - req.arrival,
     }
+    if req.spec_verify_ct:
+        meta.update(spec_fields(req))
     if req.logprobs.return_logprob or req.logprobs.logprob_start_len >= 0:
         meta.update(logprob_fields(req, decode, logprob_start))
     if req.images is not None:     # prompt tokens that are image slots (vision-language models)

@@ -222,11 +222,16 @@ class Scheduler:
             if out.hidden_states is not None and out.hidden_states[i] is not None:
                 hs = out.hidden_states[i]                    # prompt positions of a chunk, a sampled position's
                 req.add_hidden_states(hs.first, hs.rows)
-            if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1):
+            drafted = out.accepted is not None and bool(out.accepted[i])   # verified drafts (spec_step.py)
+            if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1 and not drafted):
                 self.cache.insert_request(req, swap=True)            # share the prompt with later arrivals
                 self.admission.drop_leader(req)
             reason = None
-            if seq.sample:
+            if drafted:
+                reason = self._accept_drafts(req, out.accepted[i], out.accepted_logprobs[i])
+                if reason is not None:
+                    changed.append(req)
+            if seq.sample and reason is None:
                 tok = out.next_token_ids[i]
                 req.output_ids.append(tok)
                 lp = out.output_logprobs[i]
@@ -244,9 +249,42 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason, unlist=False)
                 done = True
+            elif out.accepted is not None:
+                self._release_tail(req)
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return changed
+
+    # ---- speculative decoding (runtime/spec_step.py) ------------------------------------------------
+    def reserve(self, req: Request, kv_len: int) -> int:
+        """Pages for up to ``kv_len`` tokens of a running request (its draft tokens) from free or
+        evictable pages, never preempting: the number of tokens its pages cover now."""
+        need = self.pool.pages_for(kv_len) - len(req.pages)
+        new = self.pool.alloc(need) if need > 0 else None
+        req.pages.extend(new or ())
+        return len(req.pages) * self.P
+
+    def _release_tail(self, req: Request) -> None:
+        """Free the pages past the request's tokens (those of rejected drafts)."""
+        keep = self.pool.pages_for(req.num_tokens)
+        if len(req.pages) > keep:
+            self.pool.unref(req.pages[keep:])
+            del req.pages[keep:]          # in place: the page table's identity marks live SeqWorks
+
+    def _accept_drafts(self, req: Request, toks: list[int], lps: list) -> Optional[FinishReason]:
+        """Append the draft tokens a verify step accepted (before its bonus token), each through the
+        stop check; a finish inside the run cuts it there, as plain decoding would have stopped."""
+        for tok, lp in zip(toks, lps):
+            req.output_ids.append(tok)
+            if lp is not None:
+                req.output_token_logprobs.append((lp.logprob, lp.token_id))
+                req.output_top_logprobs.append(lp.top)
+                req.output_ids_logprobs.append(lp.ids)
+            reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
+            if reason is not None:
+                req.num_computed = min(req.num_computed, req.num_tokens)
+                return reason
+        return None
 
     # ---- internals --------------------------------------------------------------------------------
     def _grow(self, req: Request, kv_len: int) -> bool:

@@ -1,0 +1,28 @@
+"""``make_spec_stepper``: the SpecStepper an engine's config asks for (None without speculation)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from nbgen.core.config import EngineConfig
+from nbgen.core.spec_config import SpecConfig
+from nbgen.runtime.loop_stats import LoopStats
+from nbgen.runtime.runner import ModelRunner
+from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.spec_draft_model import DraftModelDrafter, make_draft_runner
+from nbgen.runtime.spec_ngram import NgramProposer
+from nbgen.runtime.spec_step import Drafter, SpecStepper
+
+
+def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConfig,
+                      stats: Optional[LoopStats] = None) -> Optional[SpecStepper]:
+    """The loop's speculative stepper for ``cfg.speculative_algorithm`` (NGRAM or STANDALONE), or None."""
+    spec = SpecConfig.of(cfg)
+    if spec is None:
+        return None
+    drafter: Drafter
+    if spec.algorithm == "STANDALONE":
+        draft = make_draft_runner(cfg, runner.device, runner.num_pages)
+        drafter = DraftModelDrafter(draft, runner.vocab_size, spec.num_steps)
+    else:
+        drafter = NgramProposer(spec.ngram_max_match)
+    return SpecStepper(runner, scheduler, spec, drafter, stats)

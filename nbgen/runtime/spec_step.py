@@ -1,0 +1,181 @@
+"""SpecStepper: the loop's step when the engine speculates (``speculative_algorithm``; one mode per engine).
+
+Per scheduled batch:
+
+1. every decode seq (one token, past its prompt) gets a draft budget: ``speculative_num_draft_tokens - 1``,
+   cut to what ``max_new_tokens`` and the context length leave after the bonus token (none for
+   requests with ``stop`` strings or ``stop_regex``: those are matched on the text after each step);
+2. the drafter (runtime/spec_ngram.py or runtime/spec_draft_model.py) proposes up to that many tokens;
+   the scheduler lends the pages they need from free pages only (``Scheduler.reserve``: a draft never
+   preempts anyone), and drafts without pages are cut;
+3. one target forward over the whole batch — prefill chunks, plain decodes and verify seqs
+   ``[last, d1 .. dk]`` (chunks starting past their KV: the paged prefill path, causal within the
+   chunk) — with logits at every verify position;
+4. runtime/spec_verify.py samples each position as plain decoding would and accepts the agreeing
+   prefix plus one bonus token;
+5. the batch's verify seqs are rewritten to the tokens whose KV stays valid (``[last, accepted..]``),
+   and the StepOutput carries the accepted drafts: ``Scheduler.update`` appends them through the
+   stop check (a stop inside the run cuts it there) and frees the pages of the rejected tail.
+
+Batches with prompt logprobs, hidden states, grammars or custom
+logit processors run as plain steps (no drafts that step); so do steps where nothing was drafted,
+which keeps the decode CUDA graphs for them. Verify steps run eagerly (no CUDA graph).
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.spec_config import SpecConfig
+from nbgen.runtime.embed_step import is_embedding_batch
+from nbgen.runtime.loop_stats import LoopStats
+from nbgen.runtime.runner import ModelRunner
+from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.spec_verify import AcceptRule, longest_agreeing, verify
+from nbgen.runtime.step_inputs import flatten
+
+
+class Drafter(Protocol):
+    """What proposes draft tokens (NGRAM lookup or a draft model)."""
+
+    pages_first: bool     # the drafter writes KV at the draft positions: pages are lent before drafting
+
+    def draft(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
+        """Per seq of ``batch``, up to ``limits[i]`` draft tokens to follow its sequence."""
+        ...
+
+    def prune(self) -> None:
+        """Forget finished requests."""
+        ...
+
+
+def _plain_only(s: SeqWork) -> bool:
+    """Seqs whose step must be a plain one: prompt logprobs, hidden states, grammar, custom processors
+    (output logprobs come from the verify rows)."""
+    req = s.req
+    return (s.prompt_logprob_start >= 0 or req.return_hidden_states or req.grammar is not None
+            or req.logit_processor is not None)
+
+
+class SpecStepper:
+    """Runs a ScheduledBatch with drafting and verification; rewrites the batch for ``Scheduler.update``."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, spec: SpecConfig, drafter: Drafter,
+                 stats: Optional[LoopStats] = None, rule: AcceptRule = longest_agreeing) -> None:
+        """``rule``: the acceptance rule (tests swap in wrong ones to see the statistics catch them)."""
+        self.runner, self.scheduler, self.spec, self.drafter = runner, scheduler, spec, drafter
+        self.stats = stats
+        self.rule = rule
+        self._steps = 0
+
+    def _limits(self, batch: ScheduledBatch, dec: list[bool]) -> list[int]:
+        """Each seq's draft budget (0: not a decode, or no room left for drafts)."""
+        ctx = self.scheduler.cfg.context_length
+        out = []
+        for s, d in zip(batch.seqs, dec):
+            req = s.req
+            if not d or req.params.stop_strs or req.params.stop_regex:
+                out.append(0)        # stop strings are matched on text after the step: one token a step
+                continue
+            k = self.spec.max_drafts
+            if req.params.max_new_tokens is not None:
+                k = min(k, req.params.max_new_tokens - len(req.output_ids) - 1)
+            if ctx is not None:
+                k = min(k, ctx - req.num_tokens - 1)
+            out.append(max(k, 0))
+        return out
+
+    def _reserve(self, batch: ScheduledBatch, want: list[int]) -> list[int]:
+        """Pages for each seq's drafts (never preempting): how many drafts each may run."""
+        out = []
+        for s, k in zip(batch.seqs, want):
+            if k:
+                k = min(k, self.scheduler.reserve(s.req, s.kv_len + k) - s.kv_len)
+            out.append(max(k, 0))
+        return out
+
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> StepOutput:
+        """Forward, verify and sample the batch; its verify seqs are rewritten to their accepted tokens."""
+        self._steps += 1
+        if self._steps % 64 == 0:
+            self.drafter.prune()
+        # decode seqs: one token past the prompt (these are the requests' verify steps)
+        dec = [s.sample and s.q_len == 1 and bool(s.req.output_ids) for s in batch.seqs]
+        if is_embedding_batch(batch) or any(_plain_only(s) for s in batch.seqs):
+            return self._plain(batch, dec)
+        limits = self._limits(batch, dec)
+        if self.drafter.pages_first:
+            limits = self._reserve(batch, limits)
+        drafts = self.drafter.draft(batch, limits) if any(limits) else [[] for _ in batch.seqs]
+        if not self.drafter.pages_first:
+            cut = self._reserve(batch, [len(d) for d in drafts])
+            drafts = [d[:k] for d, k in zip(drafts, cut)]
+        if not any(drafts):
+            return self._plain(batch, dec)
+        return self._verify(batch, drafts, dec)
+
+    def _plain(self, batch: ScheduledBatch, dec: list[bool]) -> StepOutput:
+        """A plain step (no drafts); decode seqs still count as verify steps of their requests."""
+        out = self.runner.step(batch)
+        n = len(batch.seqs)
+        out.accepted, out.accepted_logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+        self._count(batch, dec, [0] * n, [0] * n)
+        return out
+
+    def _verify(self, batch: ScheduledBatch, drafts: list[list[int]], dec: list[bool]) -> StepOutput:
+        runner = self.runner
+        for i, d in enumerate(drafts):
+            if d:
+                s = batch.seqs[i]
+                batch.seqs[i] = SeqWork(s.req, s.token_ids + d, s.start_pos, s.pages, True)
+        flat = flatten(batch)
+        rows: list[int] = []
+        seqs: list[SeqWork] = []
+        nd: list[int] = []
+        for i, s in enumerate(batch.seqs):
+            if s.sample:
+                end = flat.starts[i] + s.q_len
+                rows.extend(range(end - 1 - len(drafts[i]), end))
+                seqs.append(s)
+                nd.append(len(drafts[i]))
+        hidden = runner.hidden_states(batch, flat)                                 # [T, H]
+        logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
+        res = iter(verify(runner.sampler, logits, seqs, nd, self.rule))
+        n = len(batch.seqs)
+        out = StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
+                         accepted=[[] for _ in range(n)], accepted_logprobs=[[] for _ in range(n)])
+        acc = [0] * n
+        for i, s in enumerate(batch.seqs):
+            if not s.sample:
+                continue
+            v = next(res)
+            out.next_token_ids[i], out.output_logprobs[i] = v.token, v.logprob
+            out.accepted[i], out.accepted_logprobs[i] = v.accepted, v.accepted_logprobs
+            acc[i] = len(v.accepted)
+            if v.error is not None:
+                out.errors[i] = v.error
+            if drafts[i]:        # KV stays valid for [last, accepted drafts]: the rest is released
+                batch.seqs[i] = SeqWork(s.req, s.token_ids[: s.q_len - len(drafts[i]) + acc[i]], s.start_pos,
+                                        s.pages, True)
+        self._count(batch, dec, [len(d) for d in drafts], acc)
+        return out
+
+    def _count(self, batch: ScheduledBatch, dec: list[bool], proposed: list[int], accepted: list[int]) -> None:
+        """Per-request counters (meta_info) and the engine's totals (stats, dashboard)."""
+        steps = toks = drafted = hits = 0
+        for s, d, k, a in zip(batch.seqs, dec, proposed, accepted):
+            if not d:
+                continue                        # a prefill chunk, not a decode step
+            req = s.req
+            req.spec_verify_ct += 1
+            req.spec_proposed += k
+            req.spec_accepted += a
+            if len(req.spec_histogram) <= a:
+                req.spec_histogram.extend([0] * (a + 1 - len(req.spec_histogram)))
+            req.spec_histogram[a] += 1
+            steps, toks, drafted, hits = steps + 1, toks + a + 1, drafted + k, hits + a
+        if self.stats is not None and steps:
+            self.stats.spec_step(steps, toks, drafted, hits)
