@@ -11,6 +11,7 @@ x 64 new tokens, the CPU workload); greedy, ``ignore_eos``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -105,6 +106,10 @@ def main() -> None:
             rows["plain"].append(_timed(eng, prompts, sp, None))
             print(f"plain {rows['plain'][-1]}", flush=True)
         hf_config = eng.hf_config
+    del eng                        # the plain engine's weights and KV pool go before the LoRA engine sizes its own
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     targets = tuple(t for t in args.targets.split(",") if t)
     with tempfile.TemporaryDirectory() as tmp:
         paths = [write_random_adapter(os.path.join(tmp, f"a{i}"), hf_config, args.lora_rank, seed=i, targets=targets)
