@@ -8,6 +8,7 @@ tests/test_grammar.py); the scheduler and schema-check tests are not."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -30,9 +31,21 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                                   "items": {"type": "string", "enum": ["red", "green", "blue"]}}}}
 
 
+DEVICE = os.environ.get("NBGEN_TEST_DEVICE", "cpu")
+DUMMY_MODEL = os.environ.get("NBGEN_TEST_GRAMMAR_MODEL")   # the GPU host: dummy weights, SmolLM2's tokenizer
+
+
 @pytest.fixture(scope="module")
 def eng():
-    e = nbgen.Engine(device="cpu", enable_jump_forward=True)
+    kw = {"device": DEVICE, "enable_jump_forward": True}
+    if DEVICE != "cpu":
+        # fp32: a chunk and a decode of the same tokens agree to the last bits only roughly in bf16
+        kw.update(mem_fraction_static=0.3, dtype="float32")
+    if DUMMY_MODEL:
+        kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
+        e = nbgen.Engine(DUMMY_MODEL, **kw)
+    else:
+        e = nbgen.Engine(**kw)
     yield e
     e.shutdown()
 
@@ -92,7 +105,7 @@ def test_jump_forward_json_outputs_validate(eng):
     assert j1 > 0 and j2 > 0
     assert [o["output_ids"] for o in over] == [o["output_ids"] for o in jumped]
     done = [o for o in jumped if o["meta_info"]["finish_reason"]["type"] == "stop"]
-    assert len(done) >= 6, [o["meta_info"]["finish_reason"] for o in jumped]
+    assert len(done) >= (1 if DUMMY_MODEL else 6), [o["meta_info"]["finish_reason"] for o in jumped]
     for o in done:
         assert not schema_errors(json.loads(o["text"]), PERSON), o["text"]
     # jumped outputs are still what the grammar accepts token by token
