@@ -72,6 +72,8 @@ class EngineConfig:
     base_gpu_id: int = 0   # the first GPU this engine uses (rank 0 of replica 0)
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
+    # grammar requests append the text their grammar forces next in one chunk (runtime/jump_forward.py)
+    enable_jump_forward: bool = False
     trust_remote_code: bool = False
     # an embedding engine: encode() pools the final hidden states (prefill only); generate() is refused
     is_embedding: bool = False

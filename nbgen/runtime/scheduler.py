@@ -200,6 +200,8 @@ class Scheduler:
             req = seq.req
             if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
                 continue                                     # aborted or preempted meanwhile
+            if seq.sample and seq.start_pos + len(seq.token_ids) != len(req.prompt_ids) + len(req.output_ids):
+                continue                                     # jumped forward meanwhile (runtime/jump_forward.py)
             if errors and i in errors:
                 self._finish(req, FinishReason.abort(errors[i]), cache=False, unlist=False)
                 changed.append(req)
@@ -242,6 +244,8 @@ class Scheduler:
                 reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
                 if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)
+                    if reason is None and req.grammar.jumper is not None:
+                        req.grammar.jump(req, self.cfg.context_length)
                 changed.append(req)
             elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
                 reason = FinishReason.length()
