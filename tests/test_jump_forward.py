@@ -15,7 +15,7 @@ import pytest
 import nbgen
 from nbgen.bench.schema_check import schema_errors
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
-from nbgen.core.config import SchedulerConfig
+from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
 from nbgen.runtime.scheduler import Scheduler
