@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from nbgen.core.config import EngineConfig, SchedulerConfig
+from nbgen.core.config import EngineConfig
+from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.version import __version__
 
 

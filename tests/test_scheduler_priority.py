@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from nbgen.core.config import EngineConfig, PriorityConfig
+from nbgen.core.config import EngineConfig
+from nbgen.core.scheduler_config import PriorityConfig
 from nbgen.core.request import Request, Status
 from nbgen.runtime.priority import DISABLED_MESSAGE
 from nbgen.runtime.scheduler import Scheduler, SchedulerConfig

@@ -8,6 +8,11 @@ constrained outputs completed the grammar and whether those parse and validate. 
 compiled in a warm-up (its first-use time is printed), then run once at the full batch for a few
 tokens (the fill worker and the mask kernel's batch-size specialisation), so the timed runs measure
 steady decoding.
+Each run also reports the loop's steps, the host's own time per step and the time it waited for
+the device (``StepTimer``); ``--gpu-profile`` adds the GPU's idle time per step. Then the realistic
+workload (``bench/grammar_extract.py``): ``--extract`` record-extraction prompts with a nested
+schema, completing their grammar (no ignore_eos), each output validated, with and without
+jump-forward decoding.
 A grammar needs a real tokenizer: with dummy weights pass ``--tokenizer DIR`` (tokenizer files; its
 vocabulary may be smaller than the model's, those logits are masked).
 """
@@ -19,7 +24,9 @@ import statistics
 import time
 from typing import Any
 
-from nbgen.bench.profiling import print_gpu_profile
+from nbgen.bench import grammar_extract
+from nbgen.bench.profiling import StepTimer, print_gpu_profile
+from nbgen.bench.schema_check import schema_errors
 from nbgen.bench.workloads import QUESTIONS
 from nbgen.engine import Engine
 
@@ -38,19 +45,12 @@ def _run(eng: Any, prompts: list[str], sp: dict[str, Any]) -> tuple[float, list[
 
 def _validity(outs: list[dict], schema: dict) -> dict[str, int]:
     stats = {"complete": 0, "valid": 0}
-    try:
-        import jsonschema
-    except ImportError:
-        jsonschema = None
     for o in outs:
         if o["meta_info"]["finish_reason"]["type"] != "stop":
             continue
         stats["complete"] += 1
         try:
-            doc = json.loads(o["text"])
-            if jsonschema is not None:
-                jsonschema.validate(doc, schema)
-            stats["valid"] += 1
+            stats["valid"] += not schema_errors(json.loads(o["text"]), schema)
         except Exception:  # noqa: BLE001 - counted as invalid
             pass
     return stats
@@ -84,14 +84,19 @@ def _host_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str) 
     st.sort_stats("cumulative").print_stats(r"overlap|runner|constraints|grammar|sampler|loop|scheduler", 18)
 
 
-def _gpu_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str) -> None:
-    """GPU busy time against wall time over one run (torch.profiler, CUDA kernels only)."""
+def _gpu_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str, timer: StepTimer) -> None:
+    """GPU busy time against wall time over one run (torch.profiler, CUDA kernels only), and the
+    GPU's idle time per loop step."""
     from torch.profiler import ProfilerActivity, profile
 
+    timer.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         secs, _ = _run(eng, prompts, sp)
     print(f"[{label}]", end=" ")
-    print_gpu_profile(prof, secs)
+    busy = print_gpu_profile(prof, secs)
+    steps = timer.summary()["steps"]
+    print(f"[{label}] GPU idle per step: {1e3 * (secs - busy) / max(steps, 1):.3f} ms over {steps} steps "
+          f"(under the profiler)")
 
 
 def main() -> None:
@@ -106,10 +111,16 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--host-profile", action="store_true",
                     help="one more run of each kind under cProfile of the engine's loop thread")
-    ap.add_argument("--gpu-profile", action="store_true", help="one more run of each kind under torch.profiler")
+    ap.add_argument("--gpu-profile", action="store_true",
+                    help="one more run of each kind under torch.profiler (GPU busy and idle time per step)")
+    ap.add_argument("--jump-forward", action="store_true", help="the json runs with jump-forward decoding")
+    ap.add_argument("--extract", type=int, default=256, help="prompts of the realistic workload (0: skip it)")
+    ap.add_argument("--extract-max-new-tokens", type=int, default=512)
     args = ap.parse_args()
 
-    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "enable_return_hidden_states": True}
+    # jump-forward is built in, and switched per run (the grammar service's jumper)
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "enable_return_hidden_states": True,
+                          "enable_jump_forward": True}
     if args.tokenizer:
         kw["tokenizer_path"] = args.tokenizer
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)
@@ -121,6 +132,10 @@ def main() -> None:
     # SCHEMA's first use (its compilation) on its own: the timed runs measure steady-state decoding
     eng.generate(prompts[:8], {**base, "max_new_tokens": 8}, use_tqdm=False)
     eng.generate(prompts[:8], {**base, "max_new_tokens": 8, "json_schema": json.dumps(WARM_SCHEMA)}, use_tqdm=False)
+    service = eng._loop._delivery.grammar
+    jumper = service.jumper
+    if not args.jump_forward:
+        eng._loop.call(lambda: setattr(service, "jumper", None))
     first_use, _ = _run(eng, prompts[:8], {**json_sp, "max_new_tokens": 8})
     print(f"first use of the schema (compile + 8 requests x 8 tokens): {first_use:.2f} s")
     # and once at the full batch: the bitmask fill's worker and thread pool start from 32 rows, and
@@ -129,18 +144,24 @@ def main() -> None:
     print(f"full-batch warm-up ({args.num} requests x 16 tokens): {warm:.2f} s")
     rows: dict[str, Any] = {"free": [], "json": []}
     last: dict[str, list] = {}
+    timer = StepTimer(eng)
     for _ in range(args.repeats):
         for kind, sp in (("free", base), ("json", json_sp)):
+            timer.reset()
             secs, outs = _run(eng, prompts, sp)
             n_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
-            rows[kind].append({"seconds": secs, "out_tokens": n_out, "out_tok_s": n_out / secs})
+            st = timer.summary()
+            rows[kind].append({"seconds": secs, "out_tokens": n_out, "out_tok_s": n_out / secs, **st})
             last[kind] = outs
-            print(f"{kind:5s} {secs:7.2f} s  {n_out:7d} out tokens  {n_out / secs:9.1f} out tok/s", flush=True)
+            print(f"{kind:5s} {secs:7.2f} s  {n_out:7d} out tokens  {n_out / secs:9.1f} out tok/s  "
+                  f"{st['steps']} steps: {st['step_ms']:.2f} ms/step, device wait {st['wait_ms']:.2f}, "
+                  f"host {st['host_ms']:.2f}", flush=True)
     for kind, sp in (("free", base), ("json", json_sp)):
         if args.host_profile:
             _host_profile(eng, prompts, sp, kind)
         if args.gpu_profile:
-            _gpu_profile(eng, prompts, sp, kind)
+            _gpu_profile(eng, prompts, sp, kind, timer)
+    timer.close()
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in rows.items()}
     median = {k: statistics.median(r["out_tok_s"] for r in v) for k, v in rows.items()}
     ratio = best["json"]["out_tok_s"] / best["free"]["out_tok_s"]
@@ -153,7 +174,12 @@ def main() -> None:
           f"{valid['complete']}/{args.num} completed the grammar, {valid['valid']} of those valid; "
           f"{consistent} accepted token by token by a fresh matcher; "
           f"completion tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}")
+    host = {k: statistics.median(r["host_ms"] for r in v) for k, v in rows.items()}
+    print(f"host time per step (median): free {host['free']:.2f} ms, json {host['json']:.2f} ms "
+          f"({'device wait excluded' if args.device == 'cuda' else 'model forward excluded'})")
     print("sample:", repr(last["json"][0]["text"][:160]))
+    eng._loop.call(lambda: setattr(service, "jumper", jumper))
+    extract = grammar_extract.run(eng, args.extract, args.extract_max_new_tokens, args.repeats) if args.extract else None
     # checks on this device: free requests give the same greedy text beside constrained ones
     free_sp = {**base, "max_new_tokens": 24}
     k = max(1, min(8, len(prompts) // 2))
@@ -172,6 +198,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"runs": rows, "best": best, "ratio": ratio, "median": median, "ratio_median": ratio_median,
                        "first_use_s": first_use, "validity": valid, "consistent": consistent,
+                       "host_ms_median": host, "jump_forward": args.jump_forward, "extract": extract,
                        "checks": checks,
                        "model": args.model,
                        "device": info["device"], "attention_backend": info["attention_backend"]}, f, indent=1)

@@ -31,8 +31,9 @@ class GcPauses:
                 f"{len(full)} full, {1e3 * sum(full):.1f} ms; longest {1e3 * longest:.1f} ms")
 
 
-def print_gpu_profile(prof: Any, wall: float) -> None:
-    """GPU busy time (sum of kernel times) against wall time, and the kernels that take the most."""
+def print_gpu_profile(prof: Any, wall: float) -> float:
+    """GPU busy time (sum of kernel times) against wall time, and the kernels that take the most;
+    returns the busy seconds."""
     ev = [e for e in prof.key_averages() if getattr(e, "device_type", None) is not None]
     dev_t = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
     ev.sort(key=dev_t, reverse=True)
@@ -40,3 +41,56 @@ def print_gpu_profile(prof: Any, wall: float) -> None:
     print(f"profile: wall {wall:.2f} s, GPU kernels busy {busy:.2f} s ({100 * busy / wall:.0f}%)")
     for e in ev[:24]:
         print(f"  {dev_t(e) / 1e6:8.3f} s {e.count:8d}x  {e.key[:110]}")
+    return busy
+
+
+class StepTimer:
+    """Per-step times of an engine's loop thread while open: the step's wall time, the part spent
+    waiting for the device (CUDA: the sampled ids' sync in ``resolve``; CPU: the model's forward,
+    which is the device work there) and the rest, the host's own work (scheduling, Python, grammar
+    fills and accepts not hidden behind the device). Installed on the loop thread between steps."""
+
+    def __init__(self, eng: Any) -> None:
+        self._loop = eng._loop
+        self.steps = 0
+        self.step_s = 0.0
+        self.wait_s = 0.0
+        runner = self._loop.runner
+        self._wait_name = "resolve" if getattr(runner, "on_gpu", False) else "forward"
+        self._loop.call(self._install)
+
+    def _install(self) -> None:
+        loop, runner = self._loop, self._loop.runner
+        step, wait = loop._step, getattr(runner, self._wait_name)
+
+        def timed_step() -> None:
+            t0 = time.perf_counter()
+            step()
+            self.steps += 1
+            self.step_s += time.perf_counter() - t0
+
+        def timed_wait(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return wait(*a, **k)
+            finally:
+                self.wait_s += time.perf_counter() - t0
+
+        loop._step = timed_step
+        setattr(runner, self._wait_name, timed_wait)
+
+    def reset(self) -> None:
+        self._loop.call(lambda: self.__dict__.update(steps=0, step_s=0.0, wait_s=0.0))
+
+    def summary(self) -> dict[str, float]:
+        """steps, ms per step, ms waiting for the device per step, host ms per step."""
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "step_ms": 1e3 * self.step_s / n, "wait_ms": 1e3 * self.wait_s / n,
+                "host_ms": 1e3 * (self.step_s - self.wait_s) / n}
+
+    def close(self) -> None:
+        def undo() -> None:
+            del self._loop._step
+            if getattr(type(self._loop.runner), self._wait_name, None) is not None:
+                delattr(self._loop.runner, self._wait_name)
+        self._loop.call(undo)

@@ -25,7 +25,7 @@ from typing import Optional
 
 from nbgen.bench.floor import floor_seconds
 from nbgen.bench.workloads import make_workload
-from nbgen.core.config import SchedulerConfig
+from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.batch import StepOutput
 from nbgen.kernels.batch_sizes import padded_batch_size
 from nbgen.runtime.prefill_graphs import DEFAULT_MAX_TOKENS, bucket_for, token_buckets

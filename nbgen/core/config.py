@@ -4,19 +4,19 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from nbgen.core.chat_template import check_chat_template
+from nbgen.core.scheduler_config import POLICIES, PriorityConfig, is_int
 from nbgen.core.spec_config import SpecConfig
 from nbgen.core.server_args import no_effect_message, split_engine_kwargs, unknown_key_error
 
-__all__ = ["EngineConfig", "PriorityConfig", "SchedulerConfig", "unknown_key_error"]
+__all__ = ["EngineConfig", "unknown_key_error"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
-_POLICIES = ("fcfs", "lpm", "lof")
 _BACKENDS = (None, "torch", "flashinfer")
 _GRAMMAR_BACKENDS = (None, "xgrammar", "none")   # SGLang's outlines / llguidance are refused
 _LORA_BACKENDS = ("csgmv", "triton", "torch_native")   # all served by nbgen's torch path for now
@@ -72,6 +72,8 @@ class EngineConfig:
     base_gpu_id: int = 0   # the first GPU this engine uses (rank 0 of replica 0)
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
+    # grammar requests append the text their grammar forces next in one chunk (runtime/jump_forward.py)
+    enable_jump_forward: bool = False
     trust_remote_code: bool = False
     # an embedding engine: encode() pools the final hidden states (prefill only); generate() is refused
     is_embedding: bool = False
@@ -114,12 +116,12 @@ class EngineConfig:
         check("dtype", self.dtype in _DTYPES, f"one of {_DTYPES}")
         check("device", self.device in _DEVICES, f"one of {_DEVICES}")
         check("load_format", self.load_format in _FORMATS, f"one of {_FORMATS}")
-        check("schedule_policy", self.schedule_policy in _POLICIES, f"one of {_POLICIES}")
+        check("schedule_policy", self.schedule_policy in POLICIES, f"one of {POLICIES}")
         check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
         check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
-        check("tp_size", _is_int(self.tp_size) and self.tp_size >= 1, "an int >= 1")
-        check("dp_size", _is_int(self.dp_size) and self.dp_size >= 1, "an int >= 1")
+        check("tp_size", is_int(self.tp_size) and self.tp_size >= 1, "an int >= 1")
+        check("dp_size", is_int(self.dp_size) and self.dp_size >= 1, "an int >= 1")
         check("weight_version", isinstance(self.weight_version, str), "a str")
         for name in ("enable_return_hidden_states", "return_original_logprob"):
             check(name, isinstance(getattr(self, name), bool), "a bool")
@@ -138,7 +140,7 @@ class EngineConfig:
             check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
         for name in ("stream_interval", "max_prefill_tokens"):
             v = getattr(self, name)
-            check(name, _is_int(v) and v >= 1, "an int >= 1")
+            check(name, is_int(v) and v >= 1, "an int >= 1")
         PriorityConfig.of(self)   # validates the priority arguments
         self._check_lora()
         if self.tp_size > 1 and self.enable_lora:
@@ -148,7 +150,7 @@ class EngineConfig:
                              "replicas of a sharded model use nbgen.ray.generate_ray with engine_kwargs={'tp_size': N}")
         if self.dp_size > 1 and self.enable_lora:
             raise ValueError("enable_lora needs dp_size 1 (adapters are loaded into one replica)")
-        check("base_gpu_id", _is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
+        check("base_gpu_id", is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
         spec = SpecConfig.of(self)                 # validates the speculative_* arguments
         if spec is not None:
             self.speculative_algorithm = spec.algorithm
@@ -165,7 +167,7 @@ class EngineConfig:
         self.enable_lora = bool(self.enable_lora or self.lora_paths)
         for name in ("max_loras_per_batch", "max_loaded_loras", "max_lora_rank"):
             v = getattr(self, name)
-            if not (v is None and name != "max_loras_per_batch") and not (_is_int(v) and v >= 1):
+            if not (v is None and name != "max_loras_per_batch") and not (is_int(v) and v >= 1):
                 raise ValueError(f"{name} must be an int >= 1{' or None' if name != 'max_loras_per_batch' else ''}"
                                  f", got {v!r}")
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
@@ -266,66 +268,3 @@ def normalize_lora_paths(paths: Any) -> list[dict[str, Any]]:
     if dup:
         raise ValueError(f"lora_paths names adapters more than once: {dup}")
     return out
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-@dataclass
-class PriorityConfig:
-    """Priority scheduling knobs (EngineConfig's names; SGLang's server args plus the bypass guard)."""
-
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False   # False: a larger value is more important
-    priority_scheduling_preemption_threshold: int = 10  # preempt only when more important by more than this
-    disable_priority_preemption: bool = False
-    default_priority_value: Optional[int] = None        # None: the least important value there is
-    abort_on_priority_when_disabled: bool = False        # priority given while disabled -> abort
-    max_priority_bypass: Optional[int] = 32              # admissions passing the oldest waiting one; None: no guard
-
-    def __post_init__(self) -> None:
-        for name in ("enable_priority_scheduling", "schedule_low_priority_values_first",
-                     "disable_priority_preemption", "abort_on_priority_when_disabled"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        t = self.priority_scheduling_preemption_threshold
-        if not _is_int(t) or t < 0:
-            raise ValueError(f"priority_scheduling_preemption_threshold must be an int >= 0, got {t!r}")
-        d = self.default_priority_value
-        if d is not None and not _is_int(d):
-            raise ValueError(f"default_priority_value must be None or an int, got {d!r}")
-        b = self.max_priority_bypass
-        if b is not None and (not _is_int(b) or b < 1):
-            raise ValueError(f"max_priority_bypass must be None or an int >= 1, got {b!r}")
-
-    @property
-    def preempts(self) -> bool:
-        """Whether a waiting request may preempt running ones for priority."""
-        return self.enable_priority_scheduling and not self.disable_priority_preemption
-
-    @classmethod
-    def of(cls, cfg: Any) -> "PriorityConfig":
-        """The priority fields of an EngineConfig (or anything with those attributes), validated."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
-
-
-@dataclass
-class SchedulerConfig:
-    """Knobs of the scheduler (from the loop's resolved EngineConfig)."""
-
-    page_size: int = 16
-    num_pages: int = 1024                       # including the scratch page 0
-    max_running_requests: int = 64
-    chunked_prefill_size: Optional[int] = 1024  # token budget per step; None or <= 0: unlimited
-    schedule_policy: str = "fcfs"               # "fcfs" | "lpm" | "lof"
-    disable_radix_cache: bool = False
-    context_length: Optional[int] = None        # prompt + output never exceeds it
-    max_queued_requests: Optional[int] = None   # waiting requests beyond it are aborted (SGLang's)
-    priority: PriorityConfig = field(default_factory=PriorityConfig)
-
-    def __post_init__(self) -> None:
-        if self.schedule_policy not in _POLICIES:
-            raise ValueError(f"schedule_policy must be one of {_POLICIES}, got {self.schedule_policy!r}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

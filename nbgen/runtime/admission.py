@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from nbgen.core.batch import SeqWork
-from nbgen.core.config import SchedulerConfig
+from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.lora_batch import LoRABatchLimit

@@ -74,6 +74,10 @@ class Constraints:
         x is changed in place (logprobs are read from the constrained logits, as SGLang's). When
         every row is constrained, the result may be narrowed to the tokenizer's ids (a view).
         """
+        if fill is not None:
+            # the pipelined path: its rows were collected when the fill started (no matcher can
+            # complete in between), and batches with custom processors never pipeline
+            return self._mask(x, seqs, fill.rows, fill), {}
         procs: list[int] = []
         gram: list[int] = []
         for i, s in enumerate(seqs):   # one scan: this runs every step of a constrained batch
@@ -176,10 +180,6 @@ class Constraints:
         if fill is not None:
             fill.wait()
             bm = fill.bitmask
-            done = set(fill.rows)
-            missing = [i for i in rows if i not in done]  # none in practice: rows only ever drop out
-            if missing:
-                self._fill(seqs, missing, bm)
         else:
             bm = self._bitmask(x.shape[0], vocab)
             self._fill(seqs, rows, bm)

@@ -53,7 +53,8 @@ class Delivery:
     """Tracked requests of one loop: add / abort them, deliver a step's results (loop thread only)."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Any, vocab_size: int, page_size: int,
-                 stats: LoopStats, rids: RidRegistry, post: Callable[..., None], stream_interval: int = 1) -> None:
+                 stats: LoopStats, rids: RidRegistry, post: Callable[..., None], stream_interval: int = 1,
+                 jump_forward: bool = False) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -64,6 +65,7 @@ class Delivery:
         self._stream_interval = stream_interval   # the engine's; a request's sampling param overrides it
         self._tracked: dict[str, Tracked] = {}
         self.grammar: Optional[GrammarService] = None   # made at the first constrained request
+        self._jump_forward = jump_forward  # EngineConfig.enable_jump_forward (runtime/jump_forward.py)
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
@@ -79,7 +81,7 @@ class Delivery:
     def _grammars(self) -> GrammarService:
         if self.grammar is None:
             self.grammar = GrammarService(self.tokenizer, self._vocab_size, self._post,
-                                          admit=self._admit, finished=self.reap)
+                                          admit=self._admit, finished=self.reap, jump_forward=self._jump_forward)
         return self.grammar
 
     def _admit(self, req: Request) -> None:

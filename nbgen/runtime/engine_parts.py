@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from nbgen.core.config import EngineConfig, PriorityConfig, SchedulerConfig
+from nbgen.core.config import EngineConfig
+from nbgen.core.scheduler_config import PriorityConfig, SchedulerConfig
 from nbgen.runtime.runner import ModelRunner
 from nbgen.models.parallel_state import tp_scope
 from nbgen.runtime.scheduler import Scheduler

@@ -8,7 +8,8 @@
   ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
   other requests meanwhile.
 - ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
-  sampling, accepts each sampled token, and ends the request when the grammar terminates.
+  sampling, accepts each sampled token, ends the request when the grammar terminates, and (with
+  ``enable_jump_forward``) appends the text the grammar forces next (runtime/jump_forward.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Status
 from nbgen.core.sampling import GRAMMAR_KINDS, SamplingParams
+from nbgen.runtime.jump_forward import JumpForward
 
 logger = logging.getLogger("nbgen")
 
@@ -112,8 +114,11 @@ def check_grammar(p: SamplingParams) -> None:
 class GrammarState:
     """One request's xgrammar matcher (loop thread only)."""
 
-    def __init__(self, compiled: Any, stop_ids: frozenset[int], vocab: int) -> None:
+    def __init__(self, compiled: Any, stop_ids: frozenset[int], vocab: int,
+                 jumper: Optional[JumpForward] = None) -> None:
         import xgrammar as xgr
+
+        self.jumper = jumper  # jump-forward decoding (None: off)
 
         self.vocab = vocab   # the tokenizer's ids [0, vocab) are in the bitmask; logits beyond are masked
         # the request's stop ids (model EOS + stop_token_ids) end the grammar; with ignore_eos and
@@ -146,13 +151,36 @@ class GrammarState:
             return reason if reason is not None and reason.is_stop else FinishReason.stop(tok)
         return reason
 
+    def jump(self, req: Any, context_length: Optional[int]) -> bool:
+        """Jump-forward after the token just accepted (see runtime/jump_forward.py); True when
+        req's output changed. Call only while req goes on (no finish reason)."""
+        return self.jumper is not None and not self.done and self.jumper.jump(req, self, context_length)
+
+    def force(self, ids: list[int], replaced: Optional[int] = None) -> bool:
+        """Accept ``ids`` after rolling back the last accepted token ``replaced`` (if given); all
+        or nothing: on a refusal the matcher is put back as it was."""
+        m = self.matcher
+        if replaced is not None:
+            m.rollback(1)
+        for k, t in enumerate(ids):
+            if t in self.stops or not self._accept(t, False):   # a refused token changes nothing
+                if k:
+                    m.rollback(k)
+                if replaced is not None:
+                    self._accept(replaced, False)
+                return False
+        return True
+
 
 class GrammarService:
     """Compiles grammars in a worker thread and holds requests until theirs is ready (loop thread)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, post: Callable[..., None],
-                 admit: Callable[[Any], None], finished: Callable[[], None], threads: int = 2) -> None:
+                 admit: Callable[[Any], None], finished: Callable[[], None], threads: int = 2,
+                 jump_forward: bool = False) -> None:
         self._tokenizer = tokenizer
+        # one for all requests (its counters are the engine's); None: jump-forward off
+        self.jumper = JumpForward(tokenizer) if jump_forward and tokenizer is not None else None
         # The grammar covers the tokenizer's ids only. The logits may be wider (config.vocab_size
         # pads the embedding): those columns are set to -inf next to the bitmask. Giving xgrammar
         # the padded size instead costs ~25x more per bitmask fill (~140 us a row for 100k pads).
@@ -231,7 +259,7 @@ class GrammarService:
     def _start(self, req: Any, compiled: Any) -> None:
         """Give req its matcher and admit it; a matcher that cannot be built fails req (never lost)."""
         try:
-            req.grammar = GrammarState(compiled, req.stop_ids, self._vocab)
+            req.grammar = GrammarState(compiled, req.stop_ids, self._vocab, self.jumper)
         except Exception as e:  # noqa: BLE001 - e.g. xgrammar refusing a stop id
             self._fail(req, f"grammar matcher failed: {type(e).__name__}: {e}")
             return

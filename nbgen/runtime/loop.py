@@ -191,7 +191,7 @@ class LoopThread(LoopControl):
         self.tp = parts.tp
         self._delivery = Delivery(parts.scheduler, parts.tokenizer, parts.runner.vocab_size,
                                   parts.cfg.page_size, self._stats, self._rids, self._post,
-                                  parts.cfg.stream_interval)
+                                  parts.cfg.stream_interval, parts.cfg.enable_jump_forward)
         self.deliver = self._delivery.deliver    # the step's hand-off, bound once (hot path)
         self.memory = MemoryService(parts.runner, parts.scheduler)
         self.weights = WeightService(parts.runner, parts.scheduler, self.memory, parts.cfg.weight_version,

@@ -225,6 +225,8 @@ class OverlapStepper:
             reason = req.end_after(tok, at + 1)          # the one stop check (a length cut was made at update)
             if req.grammar is not None:
                 reason = req.grammar.on_token(tok, reason)
+                if reason is None and req.grammar.jumper is not None:
+                    req.grammar.jump(req, sched.cfg.context_length)   # runtime/jump_forward.py
             if reason is not None:
                 if req.status is Status.FINISHED:
                     req.finish_reason = reason           # length and stop in the same step: stop wins

@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from typing import Any, Iterator, Optional
 
-from nbgen.core.config import PriorityConfig
+from nbgen.core.scheduler_config import PriorityConfig
 from nbgen.core.request import Request, Status
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
@@ -194,3 +194,21 @@ def priority_stats(running: list[Request], waiting: PriorityWaitingQueue) -> dic
     for p in sorted(set(wait) | set(run), key=lambda v: -sign * v):
         out[None if p == default else p] = {"running": run.get(p, 0), "waiting": wait.get(p, 0)}
     return out
+
+
+QUEUE_FULL = "The request queue is full."               # SGLang's messages (max_queued_requests)
+DISPLACED = "The request is aborted by a higher priority request."
+
+
+def queue_full_victim(waiting: Any, req: Request, cap: Optional[int], cfg: PriorityConfig
+                      ) -> Optional[tuple[Request, str]]:
+    """SGLang's ``max_queued_requests`` for an arrival ``req``: None while fewer than ``cap`` wait;
+    else (the request to abort, its message): the arrival, or with priority scheduling the newest
+    request of the least important level when the arrival is strictly more important."""
+    if cap is None or len(waiting) < cap:
+        return None
+    if cfg.enable_priority_scheduling and isinstance(waiting, PriorityWaitingQueue):
+        cand = waiting.least_preferred()
+        if cand is not None and importance(req, cfg) > importance(cand, cfg):
+            return cand, DISPLACED
+    return req, QUEUE_FULL

@@ -33,18 +33,17 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-from nbgen.core.config import SchedulerConfig
+from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, importance, priority_stats
+from nbgen.runtime.spec_pages import accept_drafts, release_tail, reserve_pages
+from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats, queue_full_victim
 from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue
-
-QUEUE_FULL = "The request queue is full."     # SGLang's abort message (max_queued_requests)
 
 
 class Scheduler:
@@ -114,17 +113,11 @@ class Scheduler:
             self._finished_outside.append(req)
 
     def _refused_by_full_queue(self, req: Request) -> bool:
-        """SGLang's ``max_queued_requests``: with the waiting queue full, the arrival is aborted, or
-        with priority scheduling the least preferred waiting request when the arrival is strictly
-        more important. True when ``req`` was aborted."""
-        cap = self.cfg.max_queued_requests
-        if cap is None or len(self.waiting) < cap:
+        """SGLang's ``max_queued_requests`` (``priority.queue_full_victim``); True when ``req`` was aborted."""
+        hit = queue_full_victim(self.waiting, req, self.cfg.max_queued_requests, self.prio)
+        if hit is None:
             return False
-        victim, msg = req, QUEUE_FULL
-        if self.prio.enable_priority_scheduling and isinstance(self.waiting, PriorityWaitingQueue):
-            cand = self.waiting.least_preferred()
-            if cand is not None and importance(req, self.prio) > importance(cand, self.prio):
-                victim, msg = cand, "The request is aborted by a higher priority request."
+        victim, msg = hit
         if victim is not req:
             self.finish(victim, FinishReason.abort(msg))
             return False
@@ -200,6 +193,8 @@ class Scheduler:
             req = seq.req
             if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
                 continue                                     # aborted or preempted meanwhile
+            if seq.sample and seq.start_pos + len(seq.token_ids) != len(req.prompt_ids) + len(req.output_ids):
+                continue                                     # jumped forward meanwhile (runtime/jump_forward.py)
             if errors and i in errors:
                 self._finish(req, FinishReason.abort(errors[i]), cache=False, unlist=False)
                 changed.append(req)
@@ -228,7 +223,7 @@ class Scheduler:
                 self.admission.drop_leader(req)
             reason = None
             if drafted:
-                reason = self._accept_drafts(req, out.accepted[i], out.accepted_logprobs[i])
+                reason = accept_drafts(req, out.accepted[i], out.accepted_logprobs[i], self.cfg.context_length)
                 if reason is not None:
                     changed.append(req)
             if seq.sample and reason is None:
@@ -242,6 +237,8 @@ class Scheduler:
                 reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
                 if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)
+                    if reason is None and req.grammar.jumper is not None:
+                        req.grammar.jump(req, self.cfg.context_length)
                 changed.append(req)
             elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
                 reason = FinishReason.length()
@@ -250,7 +247,7 @@ class Scheduler:
                 self._finish(req, reason, unlist=False)
                 done = True
             elif out.accepted is not None:
-                self._release_tail(req)
+                release_tail(self.pool, req)
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return changed
@@ -259,32 +256,7 @@ class Scheduler:
     def reserve(self, req: Request, kv_len: int) -> int:
         """Pages for up to ``kv_len`` tokens of a running request (its draft tokens) from free or
         evictable pages, never preempting: the number of tokens its pages cover now."""
-        need = self.pool.pages_for(kv_len) - len(req.pages)
-        new = self.pool.alloc(need) if need > 0 else None
-        req.pages.extend(new or ())
-        return len(req.pages) * self.P
-
-    def _release_tail(self, req: Request) -> None:
-        """Free the pages past the request's tokens (those of rejected drafts)."""
-        keep = self.pool.pages_for(req.num_tokens)
-        if len(req.pages) > keep:
-            self.pool.unref(req.pages[keep:])
-            del req.pages[keep:]          # in place: the page table's identity marks live SeqWorks
-
-    def _accept_drafts(self, req: Request, toks: list[int], lps: list) -> Optional[FinishReason]:
-        """Append the draft tokens a verify step accepted (before its bonus token), each through the
-        stop check; a finish inside the run cuts it there, as plain decoding would have stopped."""
-        for tok, lp in zip(toks, lps):
-            req.output_ids.append(tok)
-            if lp is not None:
-                req.output_token_logprobs.append((lp.logprob, lp.token_id))
-                req.output_top_logprobs.append(lp.top)
-                req.output_ids_logprobs.append(lp.ids)
-            reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
-            if reason is not None:
-                req.num_computed = min(req.num_computed, req.num_tokens)
-                return reason
-        return None
+        return reserve_pages(self.pool, req, kv_len)
 
     # ---- internals --------------------------------------------------------------------------------
     def _grow(self, req: Request, kv_len: int) -> bool:

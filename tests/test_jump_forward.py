@@ -1,0 +1,163 @@
+"""Jump-forward decoding (runtime/jump_forward.py) on the embedded SmolLM2 model, CPU, greedy.
+
+Where the forced text has one tokenization only (runs of '-' and digits: this tokenizer has no
+multi-digit or '-digit' tokens), outputs must equal token-by-token constrained decoding, with the
+plain loop and under the overlap stepper (whose staged step the jump makes stale). JSON outputs
+must validate; jumps must be cut at max_new_tokens. The engine tests are ``slow`` (as
+tests/test_grammar.py); the scheduler and schema-check tests are not."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import nbgen
+from nbgen.bench.schema_check import schema_errors
+from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.scheduler_config import SchedulerConfig
+from nbgen.core.request import Request
+from nbgen.core.sampling import SamplingParams
+from nbgen.runtime.scheduler import Scheduler
+
+pytest.importorskip("xgrammar")
+
+# forced runs ("-12345-", ...) between free single-digit choices
+DIGITS = r"[1-3]-12345-[4-6]-67890-[7-9]-13579-[1-9]{2,4}"
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"type": "string", "enum": ["red", "green", "blue"]}}}}
+
+
+DEVICE = os.environ.get("NBGEN_TEST_DEVICE", "cpu")
+DUMMY_MODEL = os.environ.get("NBGEN_TEST_GRAMMAR_MODEL")   # the GPU host: dummy weights, SmolLM2's tokenizer
+
+
+@pytest.fixture(scope="module")
+def eng():
+    kw = {"device": DEVICE, "enable_jump_forward": True}
+    if DEVICE != "cpu":
+        # fp32: a chunk and a decode of the same tokens agree to the last bits only roughly in bf16
+        kw.update(mem_fraction_static=0.3, dtype="float32")
+    if DUMMY_MODEL:
+        kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
+        e = nbgen.Engine(DUMMY_MODEL, **kw)
+    else:
+        e = nbgen.Engine(**kw)
+    yield e
+    e.shutdown()
+
+
+def _prompts(eng, what: str, n: int) -> list[str]:
+    return [eng.apply_chat_template([{"role": "user", "content": f"{what} (example {i})"}]) for i in range(n)]
+
+
+def _service(eng):
+    eng.generate("x", {"max_new_tokens": 1, "regex": "[ab]"})   # makes the grammar service
+    return eng._loop._delivery.grammar
+
+
+def _run_modes(eng, prompts, sps):
+    """(token by token, jump-forward with the plain loop, jump-forward under the overlap stepper)
+    outputs, and the jumps made by the last two."""
+    from nbgen.runtime.overlap import OverlapStepper
+
+    loop, service = eng._loop, _service(eng)
+    jumper, default = service.jumper, loop._overlap
+    try:
+        loop.call(lambda: setattr(service, "jumper", None))
+        plain = eng.generate(prompts, sps, use_tqdm=False)
+        loop.call(lambda: setattr(service, "jumper", jumper))
+        n0 = jumper.num_jumps
+        jumped = eng.generate(prompts, sps, use_tqdm=False)
+        n1 = jumper.num_jumps
+        loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
+        over = eng.generate(prompts, sps, use_tqdm=False)
+        n2 = jumper.num_jumps
+    finally:
+        loop.call(lambda: setattr(loop, "_overlap", default))
+        loop.call(lambda: setattr(service, "jumper", jumper))
+    return plain, jumped, over, (n1 - n0, n2 - n1)
+
+
+@pytest.mark.slow
+def test_jump_forward_equals_token_by_token_where_tokenization_is_unique(eng):
+    prompts = _prompts(eng, "Write a code like 2-12345-5", 6) + ["The capital of France is"]
+    sps = [{"temperature": 0.0, "max_new_tokens": 40, "regex": DIGITS}] * 6 + [{"temperature": 0.0,
+                                                                                "max_new_tokens": 12}]
+    plain, jumped, over, (j1, j2) = _run_modes(eng, prompts, sps)
+    assert j1 >= 6 * 3 and j2 >= 6 * 3, (j1, j2)     # each request jumps its three forced runs
+    ids = [o["output_ids"] for o in plain]
+    assert [o["output_ids"] for o in jumped] == ids
+    assert [o["output_ids"] for o in over] == ids
+    for o in plain[:6]:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+        assert o["text"][1:8] == "-12345-"
+
+
+@pytest.mark.slow
+def test_jump_forward_json_outputs_validate(eng):
+    prompts = _prompts(eng, "Give me a JSON record of a person", 8)
+    sp = {"temperature": 0.0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)}
+    plain, jumped, over, (j1, j2) = _run_modes(eng, prompts, sp)
+    assert j1 > 0 and j2 > 0
+    assert [o["output_ids"] for o in over] == [o["output_ids"] for o in jumped]
+    done = [o for o in jumped if o["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert len(done) >= (1 if DUMMY_MODEL else 6), [o["meta_info"]["finish_reason"] for o in jumped]
+    for o in done:
+        assert not schema_errors(json.loads(o["text"]), PERSON), o["text"]
+    # jumped outputs are still what the grammar accepts token by token
+    import xgrammar as xgr
+
+    tok = eng.tokenizer
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))) \
+        .compile_json_schema(json.dumps(PERSON), any_whitespace=False)
+    for o in jumped:
+        m = xgr.GrammarMatcher(compiled)
+        assert all(m.accept_token(t) for t in o["output_ids"])
+
+
+@pytest.mark.slow
+def test_jump_forward_stops_at_max_new_tokens(eng):
+    _service(eng)
+    sp = {"temperature": 0.0, "max_new_tokens": 6, "regex": r"[1-3]-1234567890123-[4-6]"}
+    out = eng.generate(_prompts(eng, "A code", 1)[0], sp)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == 6
+    assert out["text"][1:] == "-1234"
+
+
+def test_update_ignores_a_step_scheduled_before_a_jump():
+    """A decode scheduled for a request that then jumped forward no longer reaches the end of its
+    tokens: the scheduler's update skips it (its sampled id must not be appended)."""
+    sched = Scheduler(SchedulerConfig(num_pages=16, page_size=4))
+    req = Request("r", [1, 2, 3], SamplingParams(max_new_tokens=20))
+    sched.add(req)
+    batch = sched.schedule()
+    sched.update(batch, StepOutput([7], [None], [None]))           # prefill: samples 7
+    nxt = sched.schedule()                                           # decode of 7, scheduled
+    assert nxt is not None and nxt.seqs[0].token_ids == [7]
+    req.output_ids.extend([8, 9])                                    # a jump appends forced tokens
+    assert sched.update(nxt, StepOutput([5], [None], [None])) == []
+    assert req.output_ids == [7, 8, 9] and req.num_computed == 3
+    chunk = sched.schedule()                                         # the forced tokens as one chunk
+    assert [(s.token_ids, s.start_pos, s.sample) for s in chunk.seqs] == [([7, 8, 9], 3, True)]
+    assert isinstance(chunk, ScheduledBatch) and isinstance(chunk.seqs[0], SeqWork)
+
+
+def test_schema_check_finds_violations():
+    from nbgen.bench.grammar_extract import SCHEMA
+
+    good = {"name": "A", "age": 3, "address": {"city": "x", "country": "y"},
+            "job": {"employer": "e", "role": "nurse", "since": 2000}, "skills": ["a"], "status": "active",
+            "rating": 4.5}
+    assert schema_errors(good, SCHEMA) == []
+    bad = {**good, "age": 3.5, "status": "busy", "extra": 1, "job": {"employer": "e", "role": "nurse"},
+           "skills": ["a", "b", "c", "d", "e"], "rating": 7}
+    errs = schema_errors(bad, SCHEMA)
+    for frag in ("$.age", "$.status", "unexpected 'extra'", "missing 'since'", "5 items", "$.rating"):
+        assert any(frag in e for e in errs), (frag, errs)
+    with pytest.raises(ValueError):
+        schema_errors({}, {"type": "object", "patternProperties": {}})
