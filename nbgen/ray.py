@@ -99,11 +99,15 @@ def generate_ray(
                "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num, "on_error": on_error,
                "prefix": prefix}
     assert tuple(options) == _ROW_OPTIONS
+    from ray.data import ActorPoolStrategy   # Ray is optional: imported when a pipeline is built
+
+    pool = (ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1]) if isinstance(concurrency, tuple)
+            else ActorPoolStrategy(size=concurrency))
     return ds.map_batches(
         NbgenGenerator,
         fn_constructor_kwargs={"model_path": model_path, "engine_kwargs": kwargs, "prompt_column": prompt_column,
                                "sampling_params": dict(sampling_params) if sampling_params is not None else None,
                                "options": options},
-        batch_format="pandas", batch_size=batch_size, concurrency=concurrency,
+        batch_format="pandas", batch_size=batch_size, compute=pool,
         num_gpus=num_gpus, num_cpus=num_cpus)
 
