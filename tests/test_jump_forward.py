@@ -161,3 +161,9 @@ def test_schema_check_finds_violations():
         assert any(frag in e for e in errs), (frag, errs)
     with pytest.raises(ValueError):
         schema_errors({}, {"type": "object", "patternProperties": {}})
+
+
+def test_jump_forward_with_speculation_is_refused():
+    from nbgen.core.config import EngineConfig
+    with pytest.raises(ValueError, match="enable_jump_forward"):
+        EngineConfig(enable_jump_forward=True, speculative_algorithm="NGRAM")

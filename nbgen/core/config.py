@@ -154,6 +154,9 @@ class EngineConfig:
         spec = SpecConfig.of(self)                 # validates the speculative_* arguments
         if spec is not None:
             self.speculative_algorithm = spec.algorithm
+            if self.enable_jump_forward:
+                raise ValueError("enable_jump_forward cannot be combined with speculative_algorithm "
+                                 "(a jump rewrites the tokens a verify step drafts on)")
         if self.model_path is not None:
             self.model_path = os.path.expanduser(str(self.model_path))
 

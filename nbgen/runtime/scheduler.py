@@ -193,8 +193,8 @@ class Scheduler:
             req = seq.req
             if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
                 continue                                     # aborted or preempted meanwhile
-            if seq.sample and seq.start_pos + len(seq.token_ids) != len(req.prompt_ids) + len(req.output_ids):
-                continue                                     # jumped forward meanwhile (runtime/jump_forward.py)
+            if out.accepted is None and seq.sample and seq.start_pos + len(seq.token_ids) != req.num_tokens:
+                continue            # jumped forward meanwhile (runtime/jump_forward.py); verify rows carry drafts
             if errors and i in errors:
                 self._finish(req, FinishReason.abort(errors[i]), cache=False, unlist=False)
                 changed.append(req)
