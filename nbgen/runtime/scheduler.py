@@ -6,9 +6,8 @@ requests join and leave at every step. A step is built in this order:
 1. **Decodes**: each running request with one token left to compute gets it (oldest first). They
    count against the token budget (``chunked_prefill_size``) but are never held back by it.
 2. **Prefill continuation**: requests mid-prefill get the next chunk of what the budget leaves.
-3. **Admission** (not in a step that preempted; runtime/admission.py): waiting requests in
-   ``WaitingQueue`` order while budget, ``max_running_requests`` and pages allow, prefix-cache hits
-   shared.
+3. **Admission** (not in a step that preempted; runtime/admission.py): waiting requests in queue
+   order while budget, ``max_running_requests`` and pages allow, prefix-cache hits shared.
 4. **Pages**: a request gets the pages its new tokens need before the step. When the pool (after
    evicting unreferenced cached pages) runs dry, the most recently admitted running request is
    preempted: its computed full pages go into the prefix cache, its pages are released, and it
@@ -16,9 +15,8 @@ requests join and leave at every step. A step is built in this order:
    fit even alone is aborted with a message: never a spin, never a silent drop.
 5. **n > 1**: requests of one ``group`` share a prompt: one member is admitted alone until its
    prompt prefill is done and cached, then the others hit the cache.
-6. **Embedding requests** (``max_new_tokens=0``, ``req.embed``): prefill only; the update of the
-   chunk that completes the prompt stores the vector and finishes them. Mean / CLS pooling never
-   take cached pages (``waiting.matchable_ids``).
+6. **Embedding requests** (``max_new_tokens=0``, ``req.embed``): prefill only; the chunk completing
+   the prompt stores the vector and finishes them (mean / CLS pooling take no cached pages).
 7. **Priority** (``enable_priority_scheduling``, runtime/priority.py): the queue is ordered by
    priority, then as above; a request blocked by the slots or the pages may preempt running ones
    less important by more than the threshold (they rejoin the queue after the scan), and running dry
