@@ -71,29 +71,23 @@ def dequantize_stream(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Forma
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of an fp8 checkpoint with every float8 weight dequantized (see the module
     docstring); a float8 weight whose scale never comes raises a ValueError naming it."""
-    pending: dict[str, torch.Tensor] = {}        # weight name -> float8 tensor waiting for its scale
-    scales: dict[str, torch.Tensor] = {}         # weight name -> scale that came first
+    parts: dict[str, dict[str, torch.Tensor]] = {}   # weight name -> its float8 "weight" / "scale" so far
     for name, t in weights:
         if name.endswith(".input_scale") or name.endswith(".weight_zero_point"):
             continue
         base = _weight_of_scale(name)
-        if base is not None:
-            w = pending.pop(base, None)
-            if w is None:
-                scales[base] = t
-            else:
-                yield base, dequantize(w, t, fmt.block)
+        if base is None and t.dtype not in FP8_DTYPES:
+            yield name, t
             continue
-        if t.dtype in FP8_DTYPES:
-            s = scales.pop(name, None)
-            if s is None:
-                pending[name] = t
-            else:
-                yield name, dequantize(t, s, fmt.block)
-            continue
-        yield name, t
-    if pending:
-        raise ValueError(f"fp8 checkpoint: no scale for {sorted(pending)[:3]} "
+        key, role = (base, "scale") if base is not None else (name, "weight")
+        got = parts.setdefault(key, {})
+        got[role] = t
+        if len(got) == 2:                            # both halves seen, in either order
+            del parts[key]
+            yield key, dequantize(got["weight"], got["scale"], fmt.block)
+    missing = sorted(k for k, got in parts.items() if "weight" in got)
+    if missing:
+        raise ValueError(f"fp8 checkpoint: no scale for {missing[:3]} "
                          "(expected <name>_scale_inv or <name>_scale beside each float8 weight)")
 
 
