@@ -45,21 +45,15 @@ def meta_model(model_dir: str) -> tuple[torch.nn.Module, Any]:
         return get_model_class(cfg)(cfg), cfg
 
 
-def bound_seconds(model_dir: str, lens: list[int], rate: float) -> tuple[float, float]:
-    """(prefill FLOPs of ``lens`` without the LM head, seconds at ``rate`` FLOP/s)."""
+def bounds(model_dir: str, lens: list[int], rate: float, rows: int, device: torch.device) -> tuple[float, float, float]:
+    """(prefill FLOPs of ``lens`` without the LM head, seconds at ``rate`` FLOP/s, the shape bound): the
+    same FLOPs with the decoder linears at the rate their own shapes reach on ``rows``-token chunks
+    (``floor.linear_rate``) and attention at ``rate`` — this model's bound when everything besides its
+    matmuls (norms, RoPE, activations, pooling, host work) were free."""
     model, cfg = meta_model(model_dir)
     flops = prefill_flops(model, cfg, lens, lm_head=False)
-    return flops, flops / rate
-
-
-def shape_bound_seconds(model_dir: str, lens: list[int], rows: int, rate: float, device: torch.device) -> float:
-    """Seconds of the same FLOPs with the decoder linears at the rate their own shapes reach on
-    ``rows``-token chunks (``floor.linear_rate``) and attention at ``rate``: this model's bound when
-    everything besides its matmuls (norms, RoPE, activations, pooling, host work) were free."""
-    model, cfg = meta_model(model_dir)
-    total = prefill_flops(model, cfg, lens, lm_head=False)
     linear = 2.0 * sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2) * sum(lens)
-    return linear / linear_rate(model, rows, device) + (total - linear) / rate
+    return flops, flops / rate, linear / linear_rate(model, rows, device) + (flops - linear) / rate
 
 
 def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any]:
@@ -195,9 +189,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         except Exception as e:  # noqa: BLE001 - report the peer's failure, keep nbgen's numbers
             rows.append({"engine": "sentence-transformers", "error": f"{type(e).__name__}: {e}"})
     lens = [len(t) for t in texts]
-    flops, bound = bound_seconds(args.model, lens, rate)
     chunk = rows[0]["server_info"].get("chunked_prefill_size") or 8192
-    shape_bound = shape_bound_seconds(args.model, lens, chunk, rate, dev)
+    flops, bound, shape_bound = bounds(args.model, lens, rate, chunk, dev)
     print(f"\n{args.num_texts} texts of {args.min_tokens}-{args.max_tokens} random tokens  model {args.model}  "
           f"device {args.device}  startup {rows[0]['startup_s']:.1f} s")
     print(f"prefill {flops / 1e12:.3g} TFLOP at the measured matmul rate {rate / 1e12:.3g} TFLOP/s: bound {bound:.3f} s")
