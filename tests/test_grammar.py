@@ -18,6 +18,7 @@ import torch
 import nbgen
 from nbgen.core.logit_processor import CustomLogitProcessor
 from nbgen.runtime.stop_regex import StopRegexMatcher
+from tests.tiny_models import grammar_engine
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -100,11 +101,7 @@ def eng():
         from nbgen.kernels import small_gemm
         mp.setattr(small_gemm, "MAX_ROWS", 0)
         mp.setattr(triton_decode, "supported", lambda head_dim: False)
-    if DUMMY_MODEL:
-        kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
-        e = nbgen.Engine(DUMMY_MODEL, **kw)
-    else:
-        e = nbgen.Engine(**kw)
+    e = grammar_engine(**kw)
     yield e
     e.shutdown()
     mp.undo()

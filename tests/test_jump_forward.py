@@ -12,13 +12,13 @@ import os
 
 import pytest
 
-import nbgen
 from nbgen.bench.schema_check import schema_errors
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
 from nbgen.runtime.scheduler import Scheduler
+from tests.tiny_models import grammar_engine
 
 pytest.importorskip("xgrammar")
 
@@ -41,11 +41,7 @@ def eng():
     if DEVICE != "cpu":
         # fp32: a chunk and a decode of the same tokens agree to the last bits only roughly in bf16
         kw.update(mem_fraction_static=0.3, dtype="float32")
-    if DUMMY_MODEL:
-        kw.update(load_format="dummy", tokenizer_path=os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", DUMMY_MODEL))
-        e = nbgen.Engine(DUMMY_MODEL, **kw)
-    else:
-        e = nbgen.Engine(**kw)
+    e = grammar_engine(**kw)
     yield e
     e.shutdown()
 

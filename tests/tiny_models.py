@@ -185,3 +185,13 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     page, off = slots // P, slots % P
     k_cache[page, :, off] = k.reshape(T, H, D)
     v_cache[page, :, off] = v.reshape(T, H, D)
+
+
+def grammar_engine(**kw) -> "nbgen.Engine":
+    """The structured-output tests' engine: the embedded model, or where NBGEN_TEST_GRAMMAR_MODEL names a
+    config (the GPU host) dummy weights of it with NBGEN_TEST_GRAMMAR_TOKENIZER's tokenizer."""
+    model = os.environ.get("NBGEN_TEST_GRAMMAR_MODEL")
+    if model:
+        tok = os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", model)
+        return nbgen.Engine(model, load_format="dummy", tokenizer_path=tok, **kw)
+    return nbgen.Engine(**kw)
