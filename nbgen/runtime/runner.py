@@ -131,36 +131,34 @@ class ModelRunner:
             input_ids.index_copy_(0, rows_t, prev.index_select(0, src_t))
         return patch
 
+    def _input_ids(self, ids: list[int]) -> torch.Tensor:
+        """``ids`` on the device with their placeholders filled from the previous launch's sampled ids."""
+        patch = self._placeholder_patch(ids)
+        input_ids = self.to_device(ids)
+        if patch is not None:
+            patch(input_ids)
+        return input_ids
+
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor:
         """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
         ids, pos = flat.ids, flat.positions
         if self.vision is not None and has_image_prefill(batch):
-            patch = self._placeholder_patch(ids)
-            input_ids = self.to_device(ids)
-            if patch is not None:
-                patch(input_ids)
-            return self.vision.hidden_states(batch, flat, input_ids, self.backend.prepare(batch))
+            return self.vision.hidden_states(batch, flat, self._input_ids(ids), self.backend.prepare(batch))
         if self._graphable(batch):
             return self.graphs.replay(self._stage(batch), self._last_tokens)   # placeholders resolved in the graph
         lora = self.lora.step_info(batch, flat.starts) if self.lora is not None else None
         if lora is not None:
             return self._eager_lora(batch, flat, lora)
-        patch = self._placeholder_patch(ids)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, len(ids)):
-            return self.prefill_graphs.run(batch, ids, pos, patch)
-        input_ids = self.to_device(ids)
-        if patch is not None:
-            patch(input_ids)
+            return self.prefill_graphs.run(batch, ids, pos, self._placeholder_patch(ids))
+        input_ids = self._input_ids(ids)
         positions = self.to_device(pos)
         meta = self.backend.prepare(batch)
         return self.model(input_ids, positions, meta)
 
     def _eager_lora(self, batch: ScheduledBatch, flat: FlatStep, lora: LoRAStep) -> torch.Tensor:
         """Hidden states [T, H] of a step with LoRA rows: eager (no CUDA graphs), hooks active."""
-        patch = self._placeholder_patch(flat.ids)
-        input_ids = self.to_device(flat.ids)
-        if patch is not None:
-            patch(input_ids)
+        input_ids = self._input_ids(flat.ids)
         positions = self.to_device(flat.positions)
         meta = self.backend.prepare(batch)
         self.lora.begin(lora)
