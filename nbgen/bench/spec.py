@@ -35,8 +35,11 @@ def _engine(args: argparse.Namespace, spec: bool) -> Engine:
     kw: dict[str, Any] = dict(dtype=args.dtype, device=args.device, random_seed=0)
     if args.load_format:
         kw["load_format"] = args.load_format
-    if args.mem_fraction_static:
-        kw["mem_fraction_static"] = args.mem_fraction_static      # STANDALONE: room for the draft's KV
+    if not spec:
+        # both engines are up at once and each sizes its KV pool from the share of the GPU the whole
+        # process may use: the plain engine, built first, takes a part, the speculative one (and a
+        # STANDALONE draft's KV) the default share of what is left
+        kw["mem_fraction_static"] = args.mem_fraction_static
     if spec:
         kw["speculative_num_draft_tokens"] = args.num_draft_tokens
         if args.draft_model:
@@ -143,7 +146,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--block", type=int, default=64, help="machinery: random block repeated in each prompt")
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--mem-fraction-static", type=float, default=None)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.4,
+                    help="GPU memory share of the plain engine (cuda)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.threads:
