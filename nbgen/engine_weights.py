@@ -72,6 +72,13 @@ class WeightsMixin:
             raise ValueError(f"{call} needs tp_size 1 and dp_size 1 (got tp_size={self.config.tp_size}, "
                              f"dp_size={self.config.dp_size})")
 
+    def _check_weights_in_place(self, call: str) -> None:
+        """Weights read and written in place: refused while layers are offloaded to the host (their
+        device tensors are staging buffers shared by those layers)."""
+        if self.config.cpu_offload_gb:
+            raise ValueError(f"{call} is not supported with cpu_offload_gb={self.config.cpu_offload_gb} "
+                             "(offloaded layers share their device buffers)")
+
     @property
     def weight_version(self) -> str:
         """The name of the weights now loaded ("default" until an update names them)."""
@@ -87,6 +94,7 @@ class WeightsMixin:
         pairs = _named_pairs(named_tensors)
         _check_common(load_format, flush_cache, weight_version)
         self._check_one_copy("update_weights_from_tensor")
+        self._check_weights_in_place("update_weights_from_tensor")
         self._check_alive()
         return self._loop.call_exclusive(
             lambda: self._loop.weights.update_from_tensors(pairs, load_format, flush_cache, weight_version))
@@ -104,6 +112,7 @@ class WeightsMixin:
             raise ValueError(f"load_format must be None or one of {_DISK_FORMATS}, got {load_format!r}")
         _check_version(weight_version)
         self._check_one_copy("update_weights_from_disk")
+        self._check_weights_in_place("update_weights_from_disk")
         self._check_alive()
         path = os.path.expanduser(os.fspath(model_path))
         ok, message = self._loop.call_exclusive(
@@ -121,6 +130,7 @@ class WeightsMixin:
         if not isinstance(truncate_size, int) or isinstance(truncate_size, bool) or truncate_size < 0:
             raise ValueError(f"truncate_size must be an int >= 0, got {truncate_size!r}")
         self._check_one_copy("get_weights_by_name")
+        self._check_weights_in_place("get_weights_by_name")
         self._check_alive()
         return self._loop.call(lambda: self._loop.weights.get(name, truncate_size))
 
@@ -162,6 +172,7 @@ class WeightsMixin:
             raise ValueError(f"shapes must be lists of ints >= 0, got {shapes!r:.80}")
         _check_common(load_format, flush_cache, weight_version)
         self._check_one_copy("update_weights_from_distributed")
+        self._check_weights_in_place("update_weights_from_distributed")
         self._check_alive()
         return self._loop.call_exclusive(lambda: self._loop.weights.update_from_group(
             list(names), dts, [list(s) for s in shapes], group_name, flush_cache, load_format, weight_version))

@@ -48,6 +48,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["chunked_prefill_size"] = args.chunked_prefill_size
     if args.schedule_policy:
         kw["schedule_policy"] = args.schedule_policy
+    if args.cpu_offload_gb:
+        kw["cpu_offload_gb"] = args.cpu_offload_gb
     if args.tokenizer_path:
         kw["tokenizer_path"] = args.tokenizer_path
     t0 = time.perf_counter()
@@ -139,6 +141,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--disable-piecewise-cuda-graph", action="store_true",
                     help="steps with prefill chunks run eagerly (A/B of the piecewise prefill graphs)")
     ap.add_argument("--disable-overlap-schedule", action="store_true")
+    ap.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                    help="GiB of weights kept in host memory (the floor still counts them as read from the GPU)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--repeat", type=int, default=1,

@@ -39,6 +39,8 @@ class EngineConfig:
     load_format: str = "auto"
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.85
+    # GiB of weights kept in pinned host memory, copied in layer by layer each step (models/cpu_offload.py)
+    cpu_offload_gb: float = 0
     max_running_requests: Optional[int] = None
     max_queued_requests: Optional[int] = None
     max_total_tokens: Optional[int] = None
@@ -120,6 +122,8 @@ class EngineConfig:
         check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
         check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
+        check("cpu_offload_gb", isinstance(self.cpu_offload_gb, (int, float)) and not isinstance(
+            self.cpu_offload_gb, bool) and self.cpu_offload_gb >= 0, "a number >= 0")
         check("tp_size", is_int(self.tp_size) and self.tp_size >= 1, "an int >= 1")
         check("dp_size", is_int(self.dp_size) and self.dp_size >= 1, "an int >= 1")
         check("weight_version", isinstance(self.weight_version, str), "a str")
@@ -150,6 +154,9 @@ class EngineConfig:
                              "replicas of a sharded model use nbgen.ray.generate_ray with engine_kwargs={'tp_size': N}")
         if self.dp_size > 1 and self.enable_lora:
             raise ValueError("enable_lora needs dp_size 1 (adapters are loaded into one replica)")
+        if self.cpu_offload_gb and (self.enable_lora or self.tp_size > 1):
+            raise ValueError("cpu_offload_gb needs tp_size 1 and no enable_lora (offloaded layers share "
+                             "their device buffers, which sharding and adapter hooks do not)")
         check("base_gpu_id", is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
         spec = SpecConfig.of(self)                 # validates the speculative_* arguments
         if spec is not None:

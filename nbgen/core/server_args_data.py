@@ -19,6 +19,7 @@ IMPLEMENTED: dict[str, str] = {
     "load_format": "auto, safetensors, gguf, dummy",
     "context_length": "",
     "mem_fraction_static": "",
+    "cpu_offload_gb": "whole decoder layers (the last ones) in pinned host memory, copied in before each runs (CUDA; no effect on the CPU)",
     "max_running_requests": "",
     "max_queued_requests": "arrivals beyond it are aborted (\"The request queue is full.\"); with priorities a more important one displaces the least preferred",
     "max_total_tokens": "",
@@ -204,7 +205,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "dllm_algorithm", "dllm_algorithm_config", "dllm_fdfo",
     ),
     "CPU offloading": (
-        "cpu_offload_gb", "offload_group_size", "offload_num_in_group", "offload_prefetch_step",
+        "offload_group_size", "offload_num_in_group", "offload_prefetch_step",
         "offload_mode",
     ),
     "multi-GPU and multi-node parallelism": (

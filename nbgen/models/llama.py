@@ -6,7 +6,7 @@ attributes / small hooks below instead of copying the layers.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -128,6 +128,8 @@ class LlamaDecoderLayer(nn.Module):
     # norms folded into qkv / gate|up (nbgen.models.norm_fold.fold_norms): the layer then passes the raw
     # residual stream on (its x outputs are None) and o_proj / down_proj accumulate into it
     folded: bool = False
+    # weights kept in host memory (nbgen.models.cpu_offload): copies them to the GPU before the layer runs
+    stage_in: Optional[Callable[[], None]] = None
 
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
         super().__init__()
@@ -140,6 +142,8 @@ class LlamaDecoderLayer(nn.Module):
                       qkv_out: Optional[torch.Tensor] = None) -> tuple[tuple, torch.Tensor]:
         """x: the previous layer's output (not yet added to the residual stream) -> ((q, k, v, K/V written),
         residual). The residual is updated in place where the fused add+RMSNorm runs."""
+        if self.stage_in is not None:
+            self.stage_in()
         if self.folded:     # x is None (already in the stream) or, before layer 0, the embeddings
             residual = x if residual is None else residual
             eps = self.input_layernorm.eps

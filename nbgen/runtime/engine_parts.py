@@ -16,6 +16,7 @@ from nbgen.core.config import EngineConfig
 from nbgen.core.scheduler_config import PriorityConfig, SchedulerConfig
 from nbgen.runtime.runner import ModelRunner
 from nbgen.models.parallel_state import tp_scope
+from nbgen.models.cpu_offload import OffloadPlan
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.tp_group import TPGroup, start_tp
 
@@ -86,13 +87,25 @@ def runner_info(runner: Optional[ModelRunner]) -> dict[str, Any]:
             "piecewise_cuda_graph_tokens": list(getattr(runner, "piecewise_cuda_graph_tokens", []) or []),
             "startup_s": dict(getattr(runner, "startup_s", {}) or {}),
             "norms_folded": bool(getattr(runner, "norms_folded", False)),
+            "cpu_offload": offload_info(getattr(runner, "cpu_offload", None)),
             "memory_usage": memory_usage(runner) if runner else {}}
 
 
+def offload_info(plan: Optional[OffloadPlan]) -> dict[str, Any]:
+    """The offloaded layers and their host / device-staging GiB ({} without cpu_offload_gb)."""
+    if plan is None:
+        return {}
+    return {"layers": list(plan.layers), "host_gb": round(plan.host_bytes / (1 << 30), 6),
+            "staging_gb": round(plan.staging_bytes / (1 << 30), 6)}
+
+
 def memory_usage(runner: ModelRunner) -> dict[str, Any]:
-    """SGLang's ``memory_usage`` of the internal state: weights and KV pool in GB, KV capacity in tokens."""
+    """SGLang's ``memory_usage`` of the internal state: weights (on the device; each storage once) and KV
+    pool in GB, KV capacity in tokens."""
     model = runner.model
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers()) if t.device.type == runner.device.type}
+    weights = sum(storages.values())
     spec = runner.kv_spec
     return {"weight": round(weights / (1 << 30), 2),
             "kvcache": round(spec.bytes_per_page() * spec.num_pages / (1 << 30), 2),

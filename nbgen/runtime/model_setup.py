@@ -21,6 +21,7 @@ from nbgen.kernels import gpu_ops
 from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
+from nbgen.models.cpu_offload import OffloadPlan, offload_layers
 from nbgen.models.loader import LoadedModel, load_model
 from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
@@ -54,6 +55,7 @@ class ModelParts:
     norms_folded: bool
     startup_s: dict[str, float]                    # start-up phases in seconds (get_server_info)
     lora: Optional[LoRAManager] = None             # enable_lora: adapters, hooks, the GPU slot pool
+    offload: Optional[OffloadPlan] = None          # cpu_offload_gb: the layers whose weights live on the host
 
 
 def model_dims(hf: Any) -> tuple[int, int, int, int]:
@@ -175,6 +177,10 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     t0 = time.perf_counter()
     report("loading weights")
     loaded = load_model(cfg, device)
+    # before the KV cache is sized: the offloaded layers' device memory goes to it
+    offload = offload_layers(loaded.model, cfg.cpu_offload_gb)
+    if cfg.cpu_offload_gb and offload is None:
+        logger.warning("cpu_offload_gb has no effect on the %s: the weights already live in host memory", device.type)
     t1 = time.perf_counter()
     # LoRA's slot pool before the KV cache takes the free memory; hooks before graph capture
     lora = make_lora_manager(cfg, loaded.model, loaded.dtype, device,
@@ -187,7 +193,9 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
     # adapters loaded after the fold: their A of qkv / gate|up are folded alike (runtime/lora.py);
     # tensor parallelism: o_proj / down_proj sum partial products, so they cannot accumulate in place
-    folded = get_tp()[0] == 1 and norm_fold.should_fold(loaded.model, device) and norm_fold.fold_norms(loaded.model)
+    # (not with offloaded layers: their device weights are buffers the layers share)
+    folded = get_tp()[0] == 1 and not (offload and offload.layers) and norm_fold.should_fold(loaded.model, device) \
+        and norm_fold.fold_norms(loaded.model)
     load_initial(lora, cfg)
     sampler = Sampler(int(loaded.hf_config.vocab_size), device, original_logprobs=cfg.return_original_logprob)
     t2 = time.perf_counter()
@@ -203,4 +211,4 @@ def setup_model(cfg: EngineConfig, device: torch.device,
         warm_logits(loaded.model, list(graphs.batch_sizes), loaded.hf_config.hidden_size, loaded.dtype, device)
     startup = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2), "cuda_graphs": round(t3 - t2, 2),
                "prefill_graphs": round(t4 - t3, 2), "warm_logits": round(time.perf_counter() - t4, 2)}
-    return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup, lora)
+    return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup, lora, offload)

@@ -77,6 +77,7 @@ class ModelRunner:
         # kernels (``_stage``), elsewhere steps with adapters run eagerly
         self.lora: Optional[LoRAManager] = parts.lora
         self.startup_s = parts.startup_s
+        self.cpu_offload = parts.offload         # cpu_offload_gb: the plan of the layers kept in host memory
         self.cuda_graph_batch_sizes = list(self.graphs.batch_sizes) if self.graphs else []
         self.piecewise_cuda_graph_tokens = list(self.prefill_graphs.buckets) if self.prefill_graphs else []
         # overlap scheduling needs asynchronous device work; CPU steps are synchronous anyway
