@@ -4,6 +4,7 @@ The caller's thread validates, tokenizes and shapes outputs; a LoopThread owns e
 """
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import threading
@@ -58,7 +59,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
             info = self._loop.start()
         self._shut = False
         self._finalizer = weakref.finalize(self, type(self._loop).shutdown, self._loop)
-        loaded = info["loaded"]
+        loaded = info.pop("loaded")     # the start-up future keeps the rest: not the model
         self.device = info["device"]
         self.scheduler_config = info["scheduler"]
         self.resolved_config = info["config"]   # every device-dependent default chosen
@@ -258,6 +259,9 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         finally:
             self.final_stats = self._loop.stats()  # last numbers, for widgets that outlive the engine
             self.shutting_down = False
+        # the model, KV pool and graphs are only reachable through cycles once the loop let go of them:
+        # collect them now, so their GPU memory is back before the next Engine sizes its KV cache
+        gc.collect()
         try:
             import torch
 

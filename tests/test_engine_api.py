@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -576,3 +578,31 @@ def test_a_batch_of_text_prompts_tokenizes_as_each_alone(tiny_engine) -> None:
     outs = tiny_engine.generate(texts, sp)
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(tiny_engine.tokenizer.encode(t)) for t in texts]
     assert [o["output_ids"] for o in outs] == [tiny_engine.generate(t, sp)["output_ids"] for t in texts]
+
+
+def _models_reachable_from(root: object) -> list:
+    """The torch modules named *ForCausalLM reachable from ``root`` through references."""
+    seen, todo, found = {id(root)}, [root], []
+    while todo:
+        obj = todo.pop()
+        if type(obj).__name__.endswith("ForCausalLM"):
+            found.append(obj)
+            continue
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, (type, str, bytes, int, float)):
+                seen.add(id(ref))
+                todo.append(ref)
+    return found
+
+
+def test_shutdown_lets_go_of_the_model(tiny_llama_dir):
+    """After shutdown nothing keeps the model alive (its GPU memory must return before another
+    Engine in the same process sizes its KV cache)."""
+    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu")
+    eng.generate("hello", {"max_new_tokens": 2})
+    models = _models_reachable_from(eng)
+    assert len(models) == 1
+    ref = weakref.ref(models[0])
+    del models
+    eng.shutdown()
+    assert ref() is None

@@ -177,8 +177,9 @@ class LoopThread(LoopControl):
             loop.run_until_complete(self._main())
         finally:
             self._delivery.fail_all("engine is shut down")
-            self.runner = None
-            self.weights.close()      # the model goes with the runner; weight_version stays readable
+            # the model, KV pool and graphs go with the runner and everything stepping with it
+            self.runner = self._spec = self._overlap = self._intake = None
+            self.weights.close()      # weight_version stays readable
             self.memory = None
             if self.tp is not None:
                 self.tp.shutdown()
