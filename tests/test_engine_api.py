@@ -5,6 +5,7 @@ import asyncio
 import gc
 import threading
 import time
+import types
 import weakref
 
 import pytest
@@ -580,6 +581,10 @@ def test_a_batch_of_text_prompts_tokenizes_as_each_alone(tiny_engine) -> None:
     assert [o["output_ids"] for o in outs] == [tiny_engine.generate(t, sp)["output_ids"] for t in texts]
 
 
+# not followed: Python modules and functions (their globals reach every engine of the process)
+_SKIP = (type, types.ModuleType, types.FunctionType, str, bytes, int, float)
+
+
 def _models_reachable_from(root: object) -> list:
     """The torch modules named *ForCausalLM reachable from ``root`` through references."""
     seen, todo, found = {id(root)}, [root], []
@@ -589,7 +594,7 @@ def _models_reachable_from(root: object) -> list:
             found.append(obj)
             continue
         for ref in gc.get_referents(obj):
-            if id(ref) not in seen and not isinstance(ref, (type, str, bytes, int, float)):
+            if id(ref) not in seen and not isinstance(ref, _SKIP):
                 seen.add(id(ref))
                 todo.append(ref)
     return found
