@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbgen.kernels import small_gemm
+from nbgen.models import cpu_int4
+from nbgen.models.cpu_int4 import Int4Weight
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 
@@ -90,6 +92,7 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     packed: Optional[torch.Tensor] = None  # set by prepack_cpu(): the weight in oneDNN's layout
+    int4: Optional[Int4Weight] = None      # set by prepack_cpu() for weights on a 4-bit grid (GGUF Q4)
     # LoRA serving (runtime/lora.py): a hook adding the step's adapters' low-rank products into the
     # output, ``lora(x [T, in], y [T, out])`` in place; ``lora.active`` is False on steps without adapters
     lora: Optional[Any] = None
@@ -104,7 +107,9 @@ class _Linear(nn.Module):
 
     def prepack_cpu(self) -> None:
         """Re-lay the weight out for oneDNN (bf16 on CPU, after loading). The parameter keeps its shape
-        but its storage is released (a stride-0 view; no second copy in memory): only forward() reads W."""
+        but its storage is released (a stride-0 view; no second copy in memory): only forward() reads W.
+        A weight on a 4-bit grid also keeps an int4 copy for steps of a few rows (models/cpu_int4.py)."""
+        self.int4 = cpu_int4.from_grid(self.weight.data)
         self.packed = pack_linear_weight(self.weight.data)
         self.weight.data = torch.zeros(1, dtype=self.weight.dtype).expand(self.weight.shape)
 
@@ -120,7 +125,7 @@ class _Linear(nn.Module):
         """Undo ``prepack_cpu``: the parameter holds the weight again (before a weight update)."""
         if self.packed is not None:
             self.weight.data = self.dense_weight()
-            self.packed = None
+            self.packed = self.int4 = None
 
     def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if out is not None:
@@ -128,6 +133,8 @@ class _Linear(nn.Module):
             # cuBLAS call F.linear makes (addmm / mm with the transposed weight)
             w = self.weight.t()
             return torch.addmm(bias, x, w, out=out) if bias is not None else torch.mm(x, w, out=out)
+        if self.int4 is not None and cpu_int4.use_int4(x, self.int4):
+            return cpu_int4.int4_linear(x, self.int4, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         if small_gemm.usable(x, self.weight):

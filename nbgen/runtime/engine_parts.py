@@ -88,6 +88,8 @@ def runner_info(runner: Optional[ModelRunner]) -> dict[str, Any]:
             "startup_s": dict(getattr(runner, "startup_s", {}) or {}),
             "norms_folded": bool(getattr(runner, "norms_folded", False)),
             "cpu_offload": offload_info(getattr(runner, "cpu_offload", None)),
+            # CPU linears with a 4-bit copy for steps of a few rows (models/cpu_int4.py: GGUF Q4 weights)
+            "int4_linears": sum(getattr(m, "int4", None) is not None for m in runner.model.modules()) if runner else 0,
             "memory_usage": memory_usage(runner) if runner else {}}
 
 
