@@ -38,7 +38,7 @@ def hf_model(llava):
 
     d, _ = llava
     model = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
-    return model, tf.AutoImageProcessor.from_pretrained(d)
+    return model, tf.AutoProcessor.from_pretrained(d)       # HF's LlavaProcessor: <image> expansion, CLIP pixels
 
 
 def _prompt(eng, n_images: int, text: str = "Describe the image.") -> str:
@@ -46,15 +46,16 @@ def _prompt(eng, n_images: int, text: str = "Describe the image.") -> str:
     return eng.apply_chat_template([{"role": "user", "content": content}])
 
 
-def _hf_ids(tok, prompt: str) -> list[int]:
-    """The prompt's ids with each <image> expanded to its slots (what HF's LlavaProcessor produces)."""
-    return tok(prompt.replace("<image>", "<image>" * PER_IMAGE)).input_ids
+def _hf_inputs(proc, prompt: str, images: list) -> dict:
+    """HF LlavaProcessor's input_ids (each <image> expanded to its slots) and pixel_values."""
+    x = proc(text=[prompt], images=images or None, return_tensors="pt")
+    return {"input_ids": x["input_ids"], **({"pixel_values": x["pixel_values"]} if images else {})}
 
 
 def _hf_generate(hf_model, tok, prompt: str, images: list, n: int = SP["max_new_tokens"]) -> list[int]:
     model, proc = hf_model
-    ids = torch.tensor([_hf_ids(tok, prompt)])
-    kw = {"pixel_values": proc(images=images, return_tensors="pt")["pixel_values"]} if images else {}
+    kw = _hf_inputs(proc, prompt, images)
+    ids = kw.pop("input_ids")
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                              min_new_tokens=n, do_sample=False, **kw)
@@ -64,7 +65,8 @@ def _hf_generate(hf_model, tok, prompt: str, images: list, n: int = SP["max_new_
 def test_tower_and_projector_match_hf(llava, hf_model):
     d, _ = llava
     model, proc = hf_model
-    pv = proc(images=[_image(40, 60, 1), _image(28, 28, 2), _image(90, 30, 3)], return_tensors="pt")["pixel_values"]
+    pv = proc.image_processor(images=[_image(40, 60, 1), _image(28, 28, 2), _image(90, 30, 3)],
+                              return_tensors="pt")["pixel_values"]
     from nbgen.models.loader import iter_safetensors
     from nbgen.models.model_config import read_model_config
     from nbgen.models.registry import get_model_class, prepare_config
@@ -88,7 +90,7 @@ def test_greedy_matches_hf(llava, hf_model, n_images):
     out = eng.generate(prompt, SP, image_data=ims if n_images > 1 else ims[0])
     assert out["output_ids"] == _hf_generate(hf_model, eng.tokenizer, prompt, ims)
     assert out["meta_info"]["image_tokens"] == n_images * PER_IMAGE
-    assert out["meta_info"]["prompt_tokens"] == len(_hf_ids(eng.tokenizer, prompt))
+    assert out["meta_info"]["prompt_tokens"] == _hf_inputs(hf_model[1], prompt, ims)["input_ids"].shape[1]
 
 
 def test_chunked_prefill_splits_image_spans(llava, hf_model):
@@ -97,7 +99,7 @@ def test_chunked_prefill_splits_image_spans(llava, hf_model):
     _, eng = llava
     ims = [_image(50, 50, seed=31), _image(30, 70, seed=32)]
     prompt = _prompt(eng, 2, "Now compare both pictures carefully.")
-    ids = _hf_ids(eng.tokenizer, prompt)
+    ids = _hf_inputs(hf_model[1], prompt, ims)["input_ids"][0].tolist()
     first = ids.index(eng.hf_config.image_token_id)
     assert first % CHUNK != 0 and (first + PER_IMAGE - 1) // CHUNK > first // CHUNK
     out = eng.generate(prompt, SP, image_data=ims)
@@ -138,7 +140,8 @@ def test_expanded_input_ids_and_refusals(llava, hf_model):
     img = _image(44, 66, seed=41)
     prompt = _prompt(eng, 1)
     short = eng.generate(prompt, SP, image_data=img)
-    full = eng.generate(input_ids=_hf_ids(eng.tokenizer, prompt), sampling_params=SP, image_data=img)
+    full = eng.generate(input_ids=_hf_inputs(hf_model[1], prompt, [img])["input_ids"][0].tolist(), sampling_params=SP,
+                        image_data=img)
     assert full["output_ids"] == short["output_ids"]
     bare = eng.generate("Describe.", SP, image_data=img)                   # no placeholder: one prepended
     assert bare["meta_info"]["image_tokens"] == PER_IMAGE
@@ -165,3 +168,68 @@ def test_generate_df_image_column(llava, tmp_path):
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Caption this."}]}]
     want = eng.generate(eng.apply_chat_template(msgs), SP, image_data=img)["text"]
     assert out["text"].tolist()[:2] == [want] * 2 and out["error"].tolist() == [None] * 3
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_sglang_offline_vlm_example_shape(llava, tmp_path):
+    """SGLang's examples/runtime/engine/offline_batch_inference_vlm.py with the model path changed (a
+    local file for its URL): LLaVA's image token inside a raw prompt."""
+    import nbgen as sgl
+
+    d, _ = llava
+    path = tmp_path / "example_image.png"
+    _image(64, 80, seed=9).save(path)
+    image_token = "<image>"
+    with sgl.Engine(model_path=d, device="cpu") as vlm:
+        prompt = f"What's in this image?\n{image_token}"
+        output = vlm.generate(prompt=prompt, image_data=str(path),
+                              sampling_params={"temperature": 0.001, "max_new_tokens": 30})
+    assert isinstance(output["text"], str) and output["meta_info"]["completion_tokens"] > 0
+    assert output["meta_info"]["image_tokens"] == PER_IMAGE
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_sglang_token_in_token_out_vlm_example_shape(llava, hf_model, tmp_path):
+    """SGLang's token_in_token_out_vlm.py: ids from the HF processor (image slots expanded), the image
+    again as image_data, skip_tokenizer_init; the output ids equal HF's greedy ones."""
+    from transformers import AutoProcessor
+
+    from nbgen import Engine
+
+    d, _ = llava
+    path = tmp_path / "example_image.png"
+    img = _image(50, 70, seed=8)
+    img.save(path)
+    processor = AutoProcessor.from_pretrained(d)
+    inputs = processor(text=["<image>What is in this picture?"], images=[img], return_tensors="pt")
+    input_ids = inputs.input_ids[0].tolist()
+    with Engine(model_path=d, device="cpu", dtype="float32", skip_tokenizer_init=True) as backend:
+        output = backend.generate(input_ids=input_ids, image_data=[str(path)], sampling_params=SP)
+    assert output["output_ids"] == _hf_generate(hf_model, None, "<image>What is in this picture?", [img])
+
+
+def test_older_checkpoint_layout_loads(llava):
+    """Checkpoints saved before transformers 5: ``language_model.model.*``, ``language_model.lm_head.*``,
+    ``vision_tower.*``, ``multi_modal_projector.*``; a checkpoint without the projector is refused."""
+    from nbgen.models.loader import iter_safetensors
+    from nbgen.models.model_config import read_model_config
+    from nbgen.models.registry import get_model_class, prepare_config
+
+    d, _ = llava
+    cfg = prepare_config(read_model_config(d))
+    new, old = get_model_class(cfg)(cfg), get_model_class(cfg)(cfg)
+    new.load_weights(iter_safetensors(d))
+    moves = [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+             ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")]
+
+    def renamed(name: str) -> str:
+        for a, b in moves:
+            if name.startswith(a):
+                return b + name[len(a):]
+        return name
+
+    old.load_weights((renamed(n), t) for n, t in iter_safetensors(d))
+    a, b = new.state_dict(), old.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="vision tensor"):
+        get_model_class(cfg)(cfg).load_weights((n, t) for n, t in iter_safetensors(d) if "projector" not in n)

@@ -109,6 +109,9 @@ def make_tiny_llava(path: str, text_family: str = "llama", seed: int = 0, image_
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    tf.CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                             crop_size={"height": image_size, "width": image_size}).save_pretrained(path)
+    proc = tf.CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                    crop_size={"height": image_size, "width": image_size})
+    proc.save_pretrained(path)
+    tf.LlavaProcessor(image_processor=proc, tokenizer=tok, patch_size=patch_size, num_additional_image_tokens=1,
+                      vision_feature_select_strategy="default", chat_template=tok.chat_template).save_pretrained(path)
     return path
