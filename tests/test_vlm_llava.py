@@ -1,7 +1,8 @@
-"""LLaVA-1.5: images in, text out. Tiny random LLaVA (CLIP tower, Llama or Qwen2 decoder) built with
-transformers; fp32 greedy outputs token-identical to HF ``generate`` (one image, two images, a batch
-mixing text-only and image prompts, image spans split by chunked prefill); tower + projector within
-1e-4 of HF's ``get_image_features``; the prefix cache shares image KV by content hash only."""
+"""LLaVA-1.5 and LLaVA-NeXT: images in, text out. Tiny random models (CLIP tower, Llama or Qwen2 decoder;
+NeXT: anyres tiles and image_newline) built with transformers; fp32 greedy outputs token-identical to HF
+``generate`` (one image, two images, a batch mixing text-only and image prompts, image spans split by
+chunked prefill); tower + projector (+ NeXT's packing) within 1e-4 of HF's ``get_image_features``; the
+prefix cache shares image KV by content hash only."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ import nbgen
 from nbgen.bench.tiny_vlm import make_tiny_llava
 
 SP = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-PER_IMAGE = 16          # (28 px / 7 px)^2 patches, CLS dropped
+PER_IMAGE = 16          # LLaVA-1.5: (28 px / 7 px)^2 patches, CLS dropped
 CHUNK = 16
 
 
@@ -23,10 +24,13 @@ def _image(h: int, w: int, seed: int):
     return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "next_llama"])
 def llava(request, tmp_path_factory):
-    """(model dir, engine whose 16-token prefill chunks and 4-token pages cut through image spans)."""
-    d = make_tiny_llava(str(tmp_path_factory.mktemp(f"llava_{request.param}")), request.param)
+    """(model dir, engine whose 16-token prefill chunks and 4-token pages cut through image spans);
+    ``next_*``: LLaVA-NeXT."""
+    family = request.param.replace("next_", "")
+    d = make_tiny_llava(str(tmp_path_factory.mktemp(f"llava_{request.param}")), family,
+                        anyres=request.param.startswith("next_"))
     eng = nbgen.Engine(d, dtype="float32", device="cpu", page_size=4, chunked_prefill_size=CHUNK, random_seed=0)
     yield d, eng
     eng.shutdown()
@@ -37,7 +41,7 @@ def hf_model(llava):
     import transformers as tf
 
     d, _ = llava
-    model = tf.LlavaForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    model = tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
     return model, tf.AutoProcessor.from_pretrained(d)       # HF's LlavaProcessor: <image> expansion, CLIP pixels
 
 
@@ -47,9 +51,15 @@ def _prompt(eng, n_images: int, text: str = "Describe the image.") -> str:
 
 
 def _hf_inputs(proc, prompt: str, images: list) -> dict:
-    """HF LlavaProcessor's input_ids (each <image> expanded to its slots) and pixel_values."""
+    """HF processor's input_ids (each <image> expanded to its slots), pixel_values (NeXT: image_sizes)."""
     x = proc(text=[prompt], images=images or None, return_tensors="pt")
-    return {"input_ids": x["input_ids"], **({"pixel_values": x["pixel_values"]} if images else {})}
+    keys = ["input_ids"] + (["pixel_values", "image_sizes"] if images else [])
+    return {k: x[k] for k in keys if k in x}
+
+
+def _slots(hf_model, prompt: str, images: list) -> int:
+    """Image slots HF's processor gives the prompt (NeXT: they depend on each image's size)."""
+    return int((_hf_inputs(hf_model[1], prompt, images)["input_ids"] == hf_model[0].config.image_token_id).sum())
 
 
 def _hf_generate(hf_model, tok, prompt: str, images: list, n: int = SP["max_new_tokens"]) -> list[int]:
@@ -62,11 +72,7 @@ def _hf_generate(hf_model, tok, prompt: str, images: list, n: int = SP["max_new_
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_tower_and_projector_match_hf(llava, hf_model):
-    d, _ = llava
-    model, proc = hf_model
-    pv = proc.image_processor(images=[_image(40, 60, 1), _image(28, 28, 2), _image(90, 30, 3)],
-                              return_tensors="pt")["pixel_values"]
+def _ours(d: str):
     from nbgen.models.loader import iter_safetensors
     from nbgen.models.model_config import read_model_config
     from nbgen.models.registry import get_model_class, prepare_config
@@ -74,11 +80,31 @@ def test_tower_and_projector_match_hf(llava, hf_model):
     cfg = prepare_config(read_model_config(d))
     ours = get_model_class(cfg)(cfg)
     ours.load_weights(iter_safetensors(d))
+    return cfg, ours
+
+
+def test_tower_and_projector_match_hf(llava, hf_model):
+    d, _ = llava
+    model, proc = hf_model
+    ims = [_image(40, 60, 1), _image(28, 28, 2), _image(90, 30, 3), _image(30, 120, 4), _image(130, 35, 5)]
+    x = proc.image_processor(images=ims, return_tensors="pt")
+    cfg, ours = _ours(d)
     assert len(ours.vision_tower.encoder.layers) == 2          # layer -2 of 3: the last one is never built
+    if "image_sizes" not in x:                                 # LLaVA-1.5: 16 slots per image
+        pv, grids, kw = x["pixel_values"], [(1, 1, PER_IMAGE)] * len(ims), {}
+    else:                                                      # NeXT: the processor pads to the most tiles
+        from nbgen.models.llava_next import next_layout
+
+        lays = [next_layout(cfg, h, w) for h, w in x["image_sizes"].tolist()]
+        assert any(lay.rows != (0, lay.tiles_h * lay.side) or lay.cols != (0, lay.tiles_w * lay.side)
+                   for lay in lays)                            # some images lose letterbox rows or columns
+        pv = torch.cat([p[:lay.num_tiles] for p, lay in zip(x["pixel_values"], lays)])
+        grids = [(lay.num_tiles, h, w) for lay, (h, w) in zip(lays, x["image_sizes"].tolist())]
+        kw = {"image_sizes": x["image_sizes"]}
     with torch.no_grad():
-        ref = torch.cat(model.model.get_image_features(pv).pooler_output)      # [3 * 16, H]
-        got = ours.encode_images(pv, [(1, 1, PER_IMAGE)] * 3)
-    assert got.shape == ref.shape == (3 * PER_IMAGE, cfg.hidden_size)
+        ref = torch.cat(model.model.get_image_features(x["pixel_values"], **kw).pooler_output)
+        got = ours.encode_images(pv, grids)
+    assert got.shape == ref.shape
     assert (got - ref).abs().max().item() <= 1e-4
 
 
@@ -89,7 +115,7 @@ def test_greedy_matches_hf(llava, hf_model, n_images):
     prompt = _prompt(eng, n_images)
     out = eng.generate(prompt, SP, image_data=ims if n_images > 1 else ims[0])
     assert out["output_ids"] == _hf_generate(hf_model, eng.tokenizer, prompt, ims)
-    assert out["meta_info"]["image_tokens"] == n_images * PER_IMAGE
+    assert out["meta_info"]["image_tokens"] == _slots(hf_model, prompt, ims)
     assert out["meta_info"]["prompt_tokens"] == _hf_inputs(hf_model[1], prompt, ims)["input_ids"].shape[1]
 
 
@@ -101,7 +127,10 @@ def test_chunked_prefill_splits_image_spans(llava, hf_model):
     prompt = _prompt(eng, 2, "Now compare both pictures carefully.")
     ids = _hf_inputs(hf_model[1], prompt, ims)["input_ids"][0].tolist()
     first = ids.index(eng.hf_config.image_token_id)
-    assert first % CHUNK != 0 and (first + PER_IMAGE - 1) // CHUNK > first // CHUNK
+    end = first
+    while ids[end] == eng.hf_config.image_token_id:       # the first image's run (a newline follows it)
+        end += 1
+    assert first % CHUNK != 0 and (end - 1) // CHUNK > first // CHUNK
     out = eng.generate(prompt, SP, image_data=ims)
     assert out["output_ids"] == _hf_generate(hf_model, eng.tokenizer, prompt, ims)
 
@@ -118,7 +147,7 @@ def test_batch_mixing_text_and_images_matches_hf(llava, hf_model):
         assert ("image_tokens" in o["meta_info"]) == (ims is not None)
 
 
-def test_prefix_cache_shares_by_image_hash(llava):
+def test_prefix_cache_shares_by_image_hash(llava, hf_model):
     _, eng = llava
     prompt = _prompt(eng, 1, "Tell me about this picture in a few words.")
     a, b = _image(56, 56, seed=21), _image(56, 56, seed=22)
@@ -129,7 +158,7 @@ def test_prefix_cache_shares_by_image_hash(llava):
     assert same["output_ids"] == first["output_ids"]
     start = eng.tokenizer(prompt).input_ids.index(eng.hf_config.image_token_id)
     assert first["meta_info"]["cached_tokens"] == 0
-    assert same["meta_info"]["cached_tokens"] >= start + PER_IMAGE          # the image's KV is reused
+    assert same["meta_info"]["cached_tokens"] >= start + _slots(hf_model, prompt, [a])   # the image's KV is reused
     assert other["meta_info"]["cached_tokens"] <= start                      # a different image shares none of it
 
 
@@ -144,7 +173,7 @@ def test_expanded_input_ids_and_refusals(llava, hf_model):
                         image_data=img)
     assert full["output_ids"] == short["output_ids"]
     bare = eng.generate("Describe.", SP, image_data=img)                   # no placeholder: one prepended
-    assert bare["meta_info"]["image_tokens"] == PER_IMAGE
+    assert bare["meta_info"]["image_tokens"] == short["meta_info"]["image_tokens"]
     with pytest.raises(ValueError, match="image placeholder"):
         eng.generate(prompt, SP, image_data=[img, img])
     bad = eng.tokenizer(prompt).input_ids
@@ -185,7 +214,7 @@ def test_sglang_offline_vlm_example_shape(llava, tmp_path):
         output = vlm.generate(prompt=prompt, image_data=str(path),
                               sampling_params={"temperature": 0.001, "max_new_tokens": 30})
     assert isinstance(output["text"], str) and output["meta_info"]["completion_tokens"] > 0
-    assert output["meta_info"]["image_tokens"] == PER_IMAGE
+    assert output["meta_info"]["image_tokens"] > 0
 
 
 @pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
@@ -220,6 +249,7 @@ def test_older_checkpoint_layout_loads(llava):
     new, old = get_model_class(cfg)(cfg), get_model_class(cfg)(cfg)
     new.load_weights(iter_safetensors(d))
     moves = [("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+             ("model.image_newline", "image_newline"),
              ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector.")]
 
     def renamed(name: str) -> str:

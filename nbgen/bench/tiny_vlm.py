@@ -81,10 +81,11 @@ def make_tiny_vlm(path: str, family: str = "qwen2_vl", seed: int = 0, max_pixels
 
 
 def make_tiny_llava(path: str, text_family: str = "llama", seed: int = 0, image_size: int = 28,
-                    patch_size: int = 7, **text_overrides: Any) -> str:
+                    patch_size: int = 7, anyres: bool = False, **text_overrides: Any) -> str:
     """Save a tiny random fp32 LLaVA-1.5 (CLIP tower, feature layer -2, CLS dropped, GELU projector,
     ``text_family`` 'llama' | 'qwen2' decoder) with tokenizer (``<image>`` token, Qwen-style chat
-    template) and CLIP image processor into ``path``: (image_size / patch_size)^2 = 16 tokens per image."""
+    template), CLIP image processor and LlavaProcessor into ``path``: (image_size / patch_size)^2 = 16
+    tokens per image. ``anyres``: LLaVA-NeXT instead (tiles on 1x2, 2x1 and 2x2 grids, image_newline)."""
     import transformers as tf
 
     tok = make_vlm_tokenizer(extra=("<image>",))
@@ -98,20 +99,30 @@ def make_tiny_llava(path: str, text_family: str = "llama", seed: int = 0, image_
     text.update(text_overrides)
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                   num_attention_heads=2, image_size=image_size, patch_size=patch_size, projection_dim=32)
-    cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<image>"),
-                         image_seq_length=(image_size // patch_size) ** 2, tie_word_embeddings=False)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    pins = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
+    if anyres:
+        cfg = tf.LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                                 image_grid_pinpoints=pins, tie_word_embeddings=False)
+    else:
+        cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_id,
+                             image_seq_length=(image_size // patch_size) ** 2, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = tf.LlavaForConditionalGeneration(cfg).to(torch.float32).eval()
+    model = (tf.LlavaNextForConditionalGeneration if anyres else tf.LlavaForConditionalGeneration)(cfg)
+    model = model.to(torch.float32).eval()
     with torch.no_grad():   # as make_tiny_vlm: widen the decoder so greedy choices are not near-ties
         for name, p in model.named_parameters():
             if p.dim() == 2 and "vision_tower" not in name:
                 p.mul_(3.0)
+            if name.endswith("image_newline"):
+                p.normal_()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    proc = tf.CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                    crop_size={"height": image_size, "width": image_size})
+    sizes = dict(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    proc = tf.LlavaNextImageProcessorPil(image_grid_pinpoints=pins, **sizes) if anyres else \
+        tf.CLIPImageProcessorPil(**sizes)
     proc.save_pretrained(path)
-    tf.LlavaProcessor(image_processor=proc, tokenizer=tok, patch_size=patch_size, num_additional_image_tokens=1,
+    (tf.LlavaNextProcessor if anyres else tf.LlavaProcessor)(image_processor=proc, tokenizer=tok, patch_size=patch_size, num_additional_image_tokens=1,
                       vision_feature_select_strategy="default", chat_template=tok.chat_template).save_pretrained(path)
     return path
