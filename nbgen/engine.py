@@ -25,7 +25,8 @@ from nbgen.engine_session import SessionMixin
 from nbgen.engine_sync import SyncBridgeMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
                              make_requests, check_rids, normalize_inputs, per_item)
-from nbgen.engine_images import attach_images, image_prep_for, prepare_images
+from nbgen.engine_images import attach_images, prepare_images
+from nbgen.engine_images_llava import vision_prep_for
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
@@ -67,7 +68,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         self.hf_config = loaded.hf_config
         self.dtype = loaded.dtype
         self.pooling = loaded.pooling    # PoolingConfig of an embedding engine, else None
-        self._images = image_prep_for(loaded.hf_config, loaded.model_dir)   # vision-language models: image_data
+        self._images = vision_prep_for(loaded.hf_config, loaded.model_dir)   # vision-language models: image_data
         self._facts = ModelFacts(vocab_size=int(loaded.hf_config.vocab_size),
                                  context_length=int(loaded.context_length),
                                  eos_ids=frozenset(loaded.eos_token_ids),

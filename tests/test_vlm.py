@@ -176,7 +176,7 @@ def test_unsupported_vlm_architecture_is_named():
     from nbgen.models.registry import get_model_class
 
     with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration"):
-        get_model_class(ModelConfig({"architectures": ["LlavaForConditionalGeneration"]}))
+        get_model_class(ModelConfig({"architectures": ["Idefics3ForConditionalGeneration"]}))
 
 
 def test_generate_df_image_column_and_thumbnails(vlm, tmp_path):

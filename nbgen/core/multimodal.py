@@ -21,7 +21,7 @@ class ImageInputs:
     spans: list[tuple[int, int]]           # per image: its token range [start, end) in prompt_ids
     hashes: list[str]                      # per image: sha256 of its processed pixels and grid
     pad_values: list[int]                  # per image: the id filling its slots (>= vocab_size)
-    positions: list[list[int]]             # [3][len(prompt_ids)] M-RoPE positions (t, h, w streams)
+    positions: Optional[list[list[int]]]   # [3][len(prompt_ids)] M-RoPE positions (t, h, w); None: 1-D
     rope_delta: int                        # decode position p runs at p + rope_delta
     embeds: Optional[Any] = None           # [image tokens, H] on the device once encoded (loop thread)
 

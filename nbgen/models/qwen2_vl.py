@@ -85,6 +85,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     model_cls = Qwen2VLTextModel
     vision_v25 = False
+    mrope = True         # the vision step passes [3, T] positions
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -8,6 +8,9 @@ from torch import nn
 from nbgen.models.llama import LlamaForCausalLM, MistralForCausalLM
 from nbgen.models.qwen2 import Qwen2ForCausalLM
 from nbgen.models.qwen3 import Qwen3ForCausalLM
+from nbgen.models.llava import LLAVA_MODEL_TYPES, LlavaForConditionalGeneration, flatten_llava_config
+from nbgen.models.llava_next import (LLAVA_NEXT_MODEL_TYPES, LlavaNextForConditionalGeneration,
+                                     flatten_llava_next_config)
 from nbgen.models.qwen2_vl import (VL_MODEL_TYPES, Qwen2_5_VLForConditionalGeneration,
                                    Qwen2VLForConditionalGeneration, flatten_vl_config)
 
@@ -27,14 +30,18 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # vision-language: images in, text out (engine_images.py, runtime/vision_step.py)
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
 }
-VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                        "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 
 # configs without `architectures` (e.g. converted from GGUF) fall back on their model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "qwen2_vl": "Qwen2VLForConditionalGeneration",
-                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "llava": "LlavaForConditionalGeneration",
+                  "llava_next": "LlavaNextForConditionalGeneration"}
 _VISION_HINTS = ("ForConditionalGeneration", "VL", "Llava", "Vision", "Idefics", "Pixtral")
 
 
@@ -43,6 +50,10 @@ def prepare_config(config: Any) -> Any:
     if getattr(config, "model_type", None) in VL_MODEL_TYPES and hasattr(config, "vision_config") \
             and not hasattr(config, "num_hidden_layers"):
         return flatten_vl_config(config)
+    if getattr(config, "model_type", None) in LLAVA_MODEL_TYPES and hasattr(config, "text_config"):
+        return flatten_llava_config(config)
+    if getattr(config, "model_type", None) in LLAVA_NEXT_MODEL_TYPES and hasattr(config, "text_config"):
+        return flatten_llava_next_config(config)
     return config
 
 

@@ -4,7 +4,8 @@ Per such step: the vision tower encodes, in one forward, the images of every req
 an image and whose embeddings are not cached yet (they stay on the request, ``ImageInputs.embeds``, for
 its later prefill chunks, and are dropped once its last image slot is computed; a preempted request
 encodes again); the step's token embeddings take those rows at the image slots; positions are 3-D
-(M-RoPE) for every row of the step. Steps without image prompt chunks never come here: decode rows
+(M-RoPE) for every row of the step, or 1-D for models without M-RoPE (``model.mrope`` False: LLaVA).
+Steps without image prompt chunks never come here: decode rows
 of image requests run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
 """
 from __future__ import annotations
@@ -71,5 +72,6 @@ class VisionStep:
             im = s.req.images
             if im is not None and im.embeds is not None and s.kv_len >= im.end:
                 im.embeds = None
-        positions = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)   # [3, T]
+        positions = torch.tensor(pos if self.model.mrope else pos[0], dtype=torch.long)   # [3, T] or [T]
+        positions = positions.to(self.device, non_blocking=True)
         return self.model(input_ids, positions, meta, input_embeds=x)

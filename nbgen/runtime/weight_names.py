@@ -45,7 +45,7 @@ class WeightNames:
         self.fused: set[str] = set()       # parameters that hold several HF tensors (q|k|v, gate|up)
         stacked = getattr(model, "stacked_params", [])
         for pname, p in self.params.items():
-            owner = model.get_submodule(pname.rsplit(".", 1)[0])
+            owner = model.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else model   # top-level: LLaVA-NeXT's image_newline
             parts = [(fused, part, shard) for fused, part, shard in stacked if f".{fused}." in pname]
             if parts:
                 self.fused.add(pname)
