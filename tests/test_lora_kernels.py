@@ -124,8 +124,46 @@ def test_folded_norms_adapter_equals_unfolded_and_peft(tmp_path: Path, monkeypat
     assert (_forward(loaded, mgr, PROMPTS[:1], [raw_id]) - unfolded).abs().max() > 1e-3
 
 
+def _segments(slot: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """perm / seg_start / seg_len of rows assigned to slots (-1: a base row)."""
+    order = torch.argsort(slot, stable=True)
+    perm = order[slot[order] >= 0].int()
+    counts = torch.bincount(slot[slot >= 0], minlength=S).int()
+    return (perm if perm.numel() else torch.zeros(1, dtype=torch.int32)), (torch.cumsum(counts, 0) - counts).int(), counts
+
+
+def _kernel_cases() -> None:
+    """The kernels against ``lora_reference`` in fp32: K over several split-K blocks, segments longer
+    than a row block, one slot holding almost every row (max_rows given), empty slots, one row."""
+    from nbgen.kernels.lora_sgmv import lora_reference, lora_sgmv
+
+    g = torch.Generator().manual_seed(0)
+    for T, K, sizes, R, S, max_rows in ((7, 96, [64, 16, 16], 4, 3, None), (40, 300, [48, 48], 8, 4, None),
+                                        (37, 520, [32], 16, 2, 34), (1, 64, [32, 16, 16], 8, 2, None),
+                                        (20, 64, [16], 4, 5, None)):
+        nshard, N = len(sizes), sum(sizes)
+        bounds = (sizes[0] if nshard > 1 else N, sizes[0] + sizes[1] if nshard > 2 else N)
+        x = torch.randn(T, K, generator=g)
+        a, b = torch.randn(S, nshard * R, K, generator=g) * 0.1, torch.randn(S, N, R, generator=g) * 0.1
+        sc = torch.rand(S, generator=g) * 2
+        slot = torch.randint(-1, S, (T,), generator=g)
+        if max_rows is not None:
+            slot[:] = 1
+            slot[:T - max_rows] = -1
+        perm, start, counts = _segments(slot, S)
+        y = torch.randn(T, N, generator=g)
+        y1, y2 = y.clone(), y.clone()
+        lora_sgmv(x, y1, a, b, sc, perm, start, counts, bounds, nshard, max_rows)
+        lora_reference(x, y2, a, b, sc, perm, start, counts, bounds, nshard)
+        torch.testing.assert_close(y1, y2, atol=1e-4, rtol=1e-4)
+        assert torch.equal(y1[slot < 0], y[slot < 0])                    # base rows untouched
+        assert (y1 - y).abs().max() > 1e-2 or not (slot >= 0).any()     # the adapters add something
+
+
 def _slot_check(tmp: str) -> None:
-    """Run under TRITON_INTERPRET=1: the slot pool's kernels against the torch path (fp32)."""
+    """Run under TRITON_INTERPRET=1: the kernels against the reference, the slot pool's kernels
+    against the torch path (fp32)."""
+    _kernel_cases()
     tmp_p = Path(tmp)
     ads = _adapters(tmp_p, _base(tmp_p))
     ref_model, ref = _setup(tmp_p, slots=False)
@@ -170,8 +208,11 @@ def test_gpu_kernels_vs_reference_bf16() -> None:
         pytest.skip("needs CUDA")
     g = torch.Generator(device="cuda").manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
+    # the last two: the benchmark's decode step (256 rows round-robin over 8 rank-16 slots, Llama-8B's
+    # qkv and down_proj: split-K over 16 and 56 blocks)
     for T, K, sizes, R, S in ((7, 4096, [4096, 1024, 1024], 16, 8), (300, 4096, [14336, 14336], 16, 4),
-                              (33, 14336, [4096], 64, 3), (1, 896, [896, 128, 128], 8, 2)):
+                              (33, 14336, [4096], 64, 3), (1, 896, [896, 128, 128], 8, 2),
+                              (256, 4096, [4096, 1024, 1024], 16, 8), (256, 14336, [4096], 16, 8)):
         nshard, N = len(sizes), sum(sizes)
         bounds = (sizes[0] if nshard > 1 else N, sizes[0] + sizes[1] if nshard > 2 else N)
         x = torch.randn(T, K, device=dev, generator=g).to(dt)
@@ -179,10 +220,9 @@ def test_gpu_kernels_vs_reference_bf16() -> None:
         b = (torch.randn(S, N, R, device=dev, generator=g) * 0.02).to(dt)
         sc = torch.rand(S, device=dev, generator=g) * 2
         slot = torch.randint(-1, S, (T,), device=dev, generator=g)        # -1: base rows
-        order = torch.argsort(slot, stable=True)
-        perm = order[slot[order] >= 0].int()
-        counts = torch.bincount(slot[slot >= 0], minlength=S).int()
-        start = (torch.cumsum(counts, 0) - counts).int()
+        if T == 256:
+            slot = torch.arange(T, device=dev) % S
+        perm, start, counts = _segments(slot, S)
         y = torch.randn(T, N, device=dev, generator=g).to(dt)
         y1, y2 = y.clone(), y.clone()
         lora_sgmv(x, y1, a, b, sc, perm, start, counts, bounds, nshard)
