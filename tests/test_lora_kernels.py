@@ -253,3 +253,29 @@ def test_gpu_lora_decode_graphs_equal_eager(gpu_model_dir, tmp_path: Path) -> No
             outs.append(eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True,
                                      lora_path=names, use_tqdm=False))
     assert_close_runs(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_lora_engine_base_steps_replay_plain_graphs(gpu_model_dir, tmp_path: Path) -> None:
+    """Decode steps without an adapter row replay the plain graphs (no LoRA kernels, fused epilogues
+    on): base-model requests on an ``enable_lora`` engine give the outputs of an engine without LoRA,
+    token for token and logprob for logprob; an adapter request in between still applies it."""
+    import nbgen
+    from tests.test_lora import make_adapter
+    from tests.tiny_models import GREEDY_SP, gpu_prompts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ad = make_adapter(gpu_model_dir, str(tmp_path / "g0"), seed=0, r=16, alpha=16)
+    prompts = gpu_prompts(8)
+    kw = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=16)
+    with nbgen.Engine(gpu_model_dir, **kw) as eng:
+        plain = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
+    with nbgen.Engine(gpu_model_dir, lora_paths=[f"g0={ad}"], max_loras_per_batch=2, **kw) as eng:
+        base = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
+        with_ad = eng.generate(input_ids=prompts[:2], sampling_params=GREEDY_SP, lora_path=["g0", "g0"],
+                               use_tqdm=False)
+    for p, b in zip(plain, base):
+        assert p["output_ids"] == b["output_ids"]
+        assert p["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    assert [o["output_ids"] for o in with_ad] != [o["output_ids"] for o in plain[:2]]

@@ -9,8 +9,10 @@ adapter's rows into the fused output slices:
 - CPU (and the reference): per adapter in torch; steps with adapters run eagerly, steps without
   leave the hooks inactive.
 - CUDA: a slot pool (``runtime/lora_slots.py``) and the segmented Triton kernels
-  (``kernels/lora_sgmv.py``). The decode graphs are captured with the hooks reading the pool's static
-  step buffers (``capturing``), so decode steps with adapters replay graphs too (``stage``).
+  (``kernels/lora_sgmv.py``). Each decode graph batch size has a second graph captured with the
+  hooks reading the pool's static step buffers (``graph_variant``), so decode steps with adapters
+  replay graphs too (``stage``); decode steps without any adapter row replay the plain graphs (no
+  LoRA kernels, the fused epilogues the hooks turn off).
 
 Folded norms (``models/norm_fold.py``): a folded qkv / gate|up linear reads the raw residual stream and
 its row scale comes later, so an adapter's A of those linears is folded the same way at load
@@ -34,6 +36,7 @@ from torch import nn
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
 from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, fold_norms_into, load_adapter
+from nbgen.runtime.cuda_graphs import GraphVariant
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState
 from nbgen.runtime.lora_slots import LoRASlots
@@ -248,8 +251,13 @@ class LoRAManager:
         """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, the row
         layout into the static buffers (queued behind the steps before it)."""
         rows, _ = self._rows(batch, list(range(len(batch.seqs))))
-        slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned) if rows else {}
-        self.slots.stage(rows, slots)
+        if rows:                  # else the plain graph replays: it reads no LoRA buffer
+            self.slots.stage(rows, self.slots.assign(list(rows), self._resident, self.batch_limit.pinned))
+
+    def graph_variant(self) -> Optional[GraphVariant]:
+        """The decode graphs' LoRA variant (slot pool only): captured with the hooks on the static step
+        buffers, replayed for batches with an adapter row."""
+        return GraphVariant(self.capturing, self.uses_adapters) if self.slots is not None else None
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:

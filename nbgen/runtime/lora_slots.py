@@ -128,14 +128,18 @@ class LoRASlots:
         return perm, start, length
 
     def eager_step(self, rows: dict[int, list[int]], slots: dict[int, int]) -> SlotStep:
-        """The row layout of an eager step as fresh device tensors."""
+        """The row layout of an eager step as device tensors: one copy from pinned memory, queued on
+        the stream (no host sync, so the loop keeps the GPU fed)."""
         perm, start, length = self._layout(rows, slots)
-        dev = self.device
-
-        def put(v: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(v).to(dev, non_blocking=False)
-        return SlotStep(put(np.asarray(perm or [0], dtype=np.int32)), put(start), put(length),
-                        int(length.max()) if len(length) else 0)
+        S, P = self.num_slots, max(len(perm), 1)
+        host = np.zeros(P + 2 * S, dtype=np.int32)            # perm | seg_start | seg_len
+        host[:len(perm)] = perm
+        host[P:P + S] = start
+        host[P + S:] = length
+        buf = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        return SlotStep(buf[:P], buf[P:P + S], buf[P + S:], int(length.max()) if len(length) else 0)
 
     def stage(self, rows: dict[int, list[int]], slots: dict[int, int]) -> None:
         """Fill the static buffers a graph replay reads (queued on the stream; no host sync)."""
