@@ -124,6 +124,34 @@ def test_folded_norms_adapter_equals_unfolded_and_peft(tmp_path: Path, monkeypat
     assert (_forward(loaded, mgr, PROMPTS[:1], [raw_id]) - unfolded).abs().max() > 1e-3
 
 
+def test_weight_update_refolds_adapters(tmp_path: Path) -> None:
+    """A weight update changing folded norm weights (as ``runtime/weights.py`` writes it: the fused
+    columns rescaled by new / old, then the norm) and ``refold``: the folded model with the adapter
+    gives the logits of the unfolded model with the new norms and the adapter; without the refold it
+    would not."""
+    ads = _adapters(tmp_path, _base(tmp_path))
+    unf, ref = _setup(tmp_path, slots=False)
+    fol, mgr = _setup(tmp_path, slots=False)
+    assert norm_fold.fold_norms(fol.model)
+    iu, i_f = ref.load("a", ads["a"]).lora_id, mgr.load("a", ads["a"]).lora_id
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for lu, lf in zip(unf.model.model.layers, fol.model.model.layers):
+            for name, fused in (("input_layernorm", lf.self_attn.qkv_proj), ("post_attention_layernorm", lf.mlp.gate_up_proj)):
+                norm = getattr(lf, name).weight
+                new = norm.data * (0.5 + torch.rand(norm.shape, generator=g))
+                norm_fold.refold(fused.weight.data, norm.data, new)
+                norm.data.copy_(new)
+                getattr(lu, name).weight.data.copy_(new)
+    want = _forward(unf, ref, PROMPTS[:2], [iu, None])
+    stale = _forward(fol, mgr, PROMPTS[:2], [i_f, None])
+    mgr.refold()
+    torch.testing.assert_close(_forward(fol, mgr, PROMPTS[:2], [i_f, None]), want, atol=2e-4, rtol=1e-4)
+    assert (stale - want).abs().max() > 1e-3
+    mgr.refold()                                   # idempotent: folds from the adapter's own A
+    torch.testing.assert_close(_forward(fol, mgr, PROMPTS[:2], [i_f, None]), want, atol=2e-4, rtol=1e-4)
+
+
 def _segments(slot: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """perm / seg_start / seg_len of rows assigned to slots (-1: a base row)."""
     order = torch.argsort(slot, stable=True)
@@ -279,3 +307,65 @@ def test_gpu_lora_engine_base_steps_replay_plain_graphs(gpu_model_dir, tmp_path:
         assert p["output_ids"] == b["output_ids"]
         assert p["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
     assert [o["output_ids"] for o in with_ad] != [o["output_ids"] for o in plain[:2]]
+
+
+def test_lora_tensors_listed_for_memory_release(tmp_path: Path) -> None:
+    """Memory release offloads ``LoRAManager.tensors()`` with the weights: every loaded adapter's
+    tensors and every slot pool tensor are in it."""
+    ads = _adapters(tmp_path, _base(tmp_path))
+    _loaded, mgr = _setup(tmp_path, slots=True)
+    lid = mgr.load("a", ads["a"]).lora_id
+    listed = {t.data_ptr() for t in mgr.tensors()}
+    assert {sl.a.data_ptr() for sl in mgr.slots.linears.values()} <= listed
+    assert {sl.b.data_ptr() for sl in mgr.slots.linears.values()} <= listed
+    assert mgr.slots.scaling.data_ptr() in listed
+    n_pool = 2 + 2 * len(mgr.slots.linears)
+    assert len(mgr.tensors()) > n_pool                                  # the adapter's own tensors too
+    mgr.unregister("a")
+    assert mgr.release_if_unused(lid)
+    assert len(mgr.tensors()) == n_pool
+
+
+@pytest.mark.gpu
+def test_gpu_lora_weight_update_refolds_and_memory_release(gpu_model_dir, tmp_path: Path) -> None:
+    """bf16 CUDA (norms folded): ``update_weights_from_disk`` with new norm weights refolds the loaded
+    adapters (outputs match an engine started on the new checkpoint); ``release_memory_occupation``
+    offloads the adapters and the slot pool with the weights and ``resume`` restores them."""
+    import shutil
+
+    import nbgen
+    import transformers as tf
+    from tests.test_lora import make_adapter
+    from tests.tiny_models import GREEDY_SP, assert_close_runs, gpu_prompts
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ad = make_adapter(gpu_model_dir, str(tmp_path / "g0"), seed=3, r=16, alpha=32)
+    new_dir = tmp_path / "new"
+    shutil.copytree(gpu_model_dir, new_dir)
+    hf = tf.AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.mul_(0.5 + torch.rand(norm.weight.shape, generator=g))
+    hf.save_pretrained(new_dir)
+    prompts, names = gpu_prompts(6), ["g0", None] * 3
+    kw = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, lora_paths=[f"g0={ad}"], max_loras_per_batch=2)
+
+    def run(eng) -> list:
+        return eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, lora_path=names,
+                            use_tqdm=False)
+    with nbgen.Engine(gpu_model_dir, **kw) as eng:
+        before = run(eng)
+        ok, msg, _ = eng.update_weights_from_disk(str(new_dir))
+        assert ok, msg
+        updated = run(eng)
+        eng.release_memory_occupation()
+        eng.resume_memory_occupation()
+        resumed = run(eng)
+    with nbgen.Engine(str(new_dir), **kw) as eng:
+        fresh = run(eng)
+    assert [o["output_ids"] for o in updated] != [o["output_ids"] for o in before]
+    assert_close_runs(updated, fresh)
+    assert_close_runs(resumed, updated)

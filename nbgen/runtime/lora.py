@@ -255,8 +255,7 @@ class LoRAManager:
             self.slots.stage(rows, self.slots.assign(list(rows), self._resident, self.batch_limit.pinned))
 
     def graph_variant(self) -> Optional[GraphVariant]:
-        """The decode graphs' LoRA variant (slot pool only): captured with the hooks on the static step
-        buffers, replayed for batches with an adapter row."""
+        """The decode graphs' LoRA variant (slot pool only), replayed for batches with an adapter row."""
         return GraphVariant(self.capturing, self.uses_adapters) if self.slots is not None else None
 
     @contextlib.contextmanager
@@ -278,6 +277,23 @@ class LoRAManager:
 
     def end(self) -> None:
         self._state.step = None
+
+    def refold(self) -> None:
+        """After a weight update (loop thread): fold the adapters' A again with the norm weights now."""
+        with self._lock:
+            resident = dict(self._resident)
+        for lora_id, weights in resident.items():
+            fold_norms_into(weights, self._model)
+            for key, mod in weights.modules.items() if self.slots is None else ():
+                self._hooks[key].add(lora_id, mod)
+        if self.slots is not None:
+            self.slots.reload(resident)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors of the loaded adapters and the slot pool (memory release offloads them)."""
+        with self._lock:
+            out = [t for w in self._resident.values() for m in w.modules.values() for t in m.tensors()]
+        return out + (self.slots.tensors() if self.slots is not None else [])
 
     def stats(self) -> list[str]:
         """Names of the loaded adapters (the dashboard's ``lora_adapters``)."""

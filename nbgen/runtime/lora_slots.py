@@ -110,6 +110,16 @@ class LoRASlots:
                 a[k * self.rank: k * self.rank + r].copy_(mod.a[sh.a_lo:sh.a_hi], non_blocking=True)
                 b[sh.out_lo:sh.out_hi, :r].copy_(sh.b, non_blocking=True)
 
+    def reload(self, resident: dict[int, AdapterWeights]) -> None:
+        """Copy every held adapter into its slot again (its weights changed: a refold)."""
+        for s, lid in enumerate(self.owner):
+            if lid is not None and lid in resident:
+                self._load(s, lid, resident[lid])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's device tensors (memory release offloads them with the weights)."""
+        return [self.scaling, self._static] + [t for sl in self.linears.values() for t in (sl.a, sl.b)]
+
     def evict(self, lora_id: int) -> None:
         """An adapter was unloaded: its slot (if any) becomes empty."""
         for s, lid in enumerate(self.owner):
