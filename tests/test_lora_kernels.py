@@ -369,3 +369,42 @@ def test_gpu_lora_weight_update_refolds_and_memory_release(gpu_model_dir, tmp_pa
     assert [o["output_ids"] for o in updated] != [o["output_ids"] for o in before]
     assert_close_runs(updated, fresh)
     assert_close_runs(resumed, updated)
+
+
+def test_host_cache_reload_reads_no_file(tmp_path: Path, monkeypatch) -> None:
+    """An adapter released from the device goes to the host cache: loading it again (another name,
+    same path) reads no file and gives the same logits; a rewritten adapter is read again; the cache
+    keeps at most ``max_bytes``, least recently used out first."""
+    ads = _adapters(tmp_path, _base(tmp_path))
+    loaded, mgr = _setup(tmp_path, slots=False)
+    first = mgr.load("a", ads["a"]).lora_id
+    want = _forward(loaded, mgr, PROMPTS[:2], [first, None])
+    mgr.unregister("a")
+    assert mgr.release_if_unused(first) and len(mgr.host_cache) == 1
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("read from disk")
+    real = lora_mod.load_adapter
+    monkeypatch.setattr(lora_mod, "load_adapter", no_disk)
+    again = mgr.load("a2", ads["a"]).lora_id
+    torch.testing.assert_close(_forward(loaded, mgr, PROMPTS[:2], [again, None]), want, atol=0, rtol=0)
+    assert mgr.host_cache.hits == 1
+    with pytest.raises(AssertionError, match="read from disk"):
+        mgr.load("b", ads["b"])                                         # never cached: from disk
+    # rewritten on disk: a miss
+    mgr.unregister("a2")
+    assert mgr.release_if_unused(again)
+    cfg_file = Path(ads["a"]) / "adapter_config.json"
+    cfg_file.write_text(cfg_file.read_text() + " ")
+    with pytest.raises(AssertionError, match="read from disk"):
+        mgr.load("a3", ads["a"])
+    # the bound: room for one adapter of "a"'s size only
+    monkeypatch.setattr(lora_mod, "load_adapter", real)
+    ids = [mgr.load(n, ads[n]).lora_id for n in ("a", "b")]
+    for n, i in zip(("a", "b"), ids):
+        mgr.unregister(n)
+        assert mgr.release_if_unused(i)
+    assert len(mgr.host_cache) == 2
+    mgr.host_cache.max_bytes = mgr.host_cache.bytes - 1
+    mgr.host_cache.put(mgr.host_cache.get(ads["b"], torch.device("cpu")))   # b used last: a goes
+    assert len(mgr.host_cache) == 1 and mgr.host_cache.get(ads["a"], torch.device("cpu")) is None
