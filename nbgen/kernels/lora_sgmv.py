@@ -82,7 +82,7 @@ if triton is not None:
                 acc += tl.dot(xt, at, input_precision=PREC)
             # this K block's partial sums into the zeroed fp32 t
             tl.atomic_add(t_ptr + rows[:, None] * stride_t + offs_r[None, :], acc,
-                          mask=mmask[:, None] & rmask[None, :])
+                          mask=mmask[:, None] & rmask[None, :], sem="relaxed")   # sums: no ordering needed
 
     @triton.jit
     def _expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, start_ptr, len_ptr, scale_ptr, S, N, R, B1, B2,
@@ -146,7 +146,7 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     t = torch.zeros(T, NR, dtype=torch.float32, device=x.device)      # [T, nshard*R] the shrink's sums
     nblk = row_blocks(T, S, rows)
-    sp = triton.next_power_of_2(S)
+    sp = max(16, triton.next_power_of_2(S))        # the slots' lengths as one vector
     _shrink_kernel[(nblk, triton.cdiv(K, KSPLIT))](x, a, t, perm, seg_start, seg_len, S, K, NR,
                                                    x.stride(0), a.stride(0), a.stride(1), t.stride(0),
                                                    BM=BM, BR=_pow2(NR), BK=BK, KSPLIT=KSPLIT, SP=sp, PREC=prec)
