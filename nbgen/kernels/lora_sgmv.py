@@ -31,7 +31,7 @@ except ImportError:                      # pragma: no cover - triton ships with 
 
 BM = 16          # rows per program (tl.dot's minimum)
 BK = 64          # shrink: K per inner iteration
-KSPLIT = 256     # shrink: K per program (split-K: the K blocks are a grid axis)
+KSPLIT = 256     # shrink: K per program at least (split-K: the K blocks are a grid axis)
 BN = 64          # expand: output columns per program
 
 
@@ -127,6 +127,15 @@ def row_blocks(rows: int, slots: int, max_rows: int) -> int:
     return min(triton.cdiv(rows, BM) + slots - 1, slots * triton.cdiv(max_rows, BM))
 
 
+def k_split(K: int, nblk: int) -> int:
+    """K per shrink program: ``KSPLIT``, doubled while the grid would pass ~1024 programs (a prefill
+    step's many row blocks fill the GPU with fewer K blocks, and add fewer partial sums)."""
+    ks = KSPLIT
+    while nblk * triton.cdiv(K, ks) > 1024 and ks < K:
+        ks *= 2
+    return ks
+
+
 def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
               perm: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, bounds: tuple[int, int],
               nshard: int, max_rows: Optional[int] = None) -> None:
@@ -147,9 +156,10 @@ def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     t = torch.zeros(T, NR, dtype=torch.float32, device=x.device)      # [T, nshard*R] the shrink's sums
     nblk = row_blocks(T, S, rows)
     sp = max(16, triton.next_power_of_2(S))        # the slots' lengths as one vector
-    _shrink_kernel[(nblk, triton.cdiv(K, KSPLIT))](x, a, t, perm, seg_start, seg_len, S, K, NR,
-                                                   x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-                                                   BM=BM, BR=_pow2(NR), BK=BK, KSPLIT=KSPLIT, SP=sp, PREC=prec)
+    ks = k_split(K, nblk)
+    _shrink_kernel[(nblk, triton.cdiv(K, ks))](x, a, t, perm, seg_start, seg_len, S, K, NR,
+                                               x.stride(0), a.stride(0), a.stride(1), t.stride(0),
+                                               BM=BM, BR=_pow2(NR), BK=BK, KSPLIT=ks, SP=sp, PREC=prec)
     _expand_kernel[(nblk, triton.cdiv(N, BN))](t, b, y, perm, seg_start, seg_len, scaling, S, N, R,
                                                bounds[0], bounds[1], t.stride(0), b.stride(0), b.stride(1),
                                                y.stride(0), NSHARD=nshard, BM=BM, BN=BN, BR=_pow2(R), SP=sp,
