@@ -247,11 +247,11 @@ class LoRAManager:
         return self.slots is not None
 
     def stage(self, batch: ScheduledBatch) -> None:
-        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, the row
-        layout into the static buffers (queued behind the steps before it)."""
-        rows, _ = self._rows(batch, list(range(len(batch.seqs))))
-        if rows:                  # else the plain graph replays: it reads no LoRA buffer
-            self.slots.stage(rows, self.slots.assign(list(rows), self._resident, self.batch_limit.pinned))
+        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, its rows staged."""
+        ids = [s.req.lora_id for s in batch.seqs]
+        used = [i for i in set(ids) if i is not None]
+        if used:                  # else the plain graph replays: it reads no LoRA buffer
+            self.slots.stage_rows(ids, self.slots.assign(used, self._resident, self.batch_limit.pinned))
 
     def graph_variant(self) -> Optional[GraphVariant]:
         """The decode graphs' LoRA variant (slot pool only), replayed for batches with an adapter row."""

@@ -153,7 +153,17 @@ class LoRASlots:
 
     def stage(self, rows: dict[int, list[int]], slots: dict[int, int]) -> None:
         """Fill the static buffers a graph replay reads (queued on the stream; no host sync)."""
-        perm, start, length = self._layout(rows, slots)
+        self._fill(*self._layout(rows, slots))
+
+    def stage_rows(self, ids: list[Optional[int]], slots: dict[int, int]) -> None:
+        """``stage`` for a decode step: row i under adapter ``ids[i]`` (None: the base model), grouped
+        by slot with numpy (no Python loop over rows besides the slot lookup)."""
+        slot = np.fromiter((-1 if i is None else slots[i] for i in ids), dtype=np.int32, count=len(ids))
+        length = np.bincount(slot[slot >= 0], minlength=self.num_slots).astype(np.int32)
+        order = np.argsort(slot, kind="stable")                    # base rows (-1) first
+        self._fill(order[len(ids) - int(length.sum()):], np.cumsum(length, dtype=np.int32) - length, length)
+
+    def _fill(self, perm: "list[int] | np.ndarray", start: np.ndarray, length: np.ndarray) -> None:
         if len(perm) > self._rows:
             raise RuntimeError(f"{len(perm)} LoRA rows in a graph step, above {self._rows}")
         host = np.zeros(self._static.numel(), dtype=np.int32)
