@@ -153,12 +153,17 @@ class _Linear(nn.Module):
         CUDA: the streaming kernel's epilogue at a few rows, else cuBLAS with beta = 1)."""
         if get_tp()[0] != 1:
             raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
-        if self.lora is not None and self.lora.active:
-            return into.add_(self.forward(x))
+        lora = self.lora is not None and self.lora.active
         if self.packed is None and self.bias is None and into.is_cuda and into.is_contiguous():
             if small_gemm.usable(x, self.weight):
-                return small_gemm.small_gemm(x, self.weight, accumulate=into)
-            return into.addmm_(x, self.weight.t())
+                small_gemm.small_gemm(x, self.weight, accumulate=into)
+            else:
+                into.addmm_(x, self.weight.t())
+            if lora:             # the adapters' products added in place too (no [T, out] temporary)
+                self.lora(x, into)
+            return into
+        if lora:
+            return into.add_(self.forward(x))
         return into.add_(self._mm(x, self.bias))
 
 

@@ -50,6 +50,11 @@ class ModuleLoRA:
     a: torch.Tensor            # [sum of the shards' ranks, in]
     shards: list[ShardLoRA]
     scaling: float
+    a_raw: Optional[torch.Tensor] = None   # the adapter's own A when ``a`` holds it folded (fold_norms_into)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this module's weights hold."""
+        return [self.a] + [sh.b for sh in self.shards] + ([self.a_raw] if self.a_raw is not None else [])
 
 
 @dataclass
@@ -171,7 +176,8 @@ def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.
 
 def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
     """Fold the norm weight g of folded layers into the adapter's A of qkv / gate|up: A' = A diag(g)
-    (fp32, rounded once), as ``norm_fold`` did to the base weights those linears hold."""
+    (fp32, rounded once), as ``norm_fold`` did to the base weights those linears hold. Folding again
+    (the norm weights changed: a weight update) starts from the adapter's own A, kept in ``a_raw``."""
     layers = model.model.layers
     for (i, sub), mod in weights.modules.items():
         layer = layers[i]
@@ -179,4 +185,6 @@ def fold_norms_into(weights: AdapterWeights, model: nn.Module) -> None:
             continue
         norm = {"self_attn.qkv_proj": layer.input_layernorm, "mlp.gate_up_proj": layer.post_attention_layernorm}.get(sub)
         if norm is not None:
-            mod.a = (mod.a.float() * norm.weight.float()[None, :]).to(mod.a.dtype)
+            if mod.a_raw is None:
+                mod.a_raw = mod.a
+            mod.a = (mod.a_raw.float() * norm.weight.float()[None, :]).to(mod.a_raw.dtype)

@@ -15,13 +15,17 @@ step's sampled ids") are resolved inside the graph from ``prev``, where greedy s
 for them.
 Staging buffers alternate between two slots, each guarded by an event, because a step's copies
 may still be queued on the GPU while the host prepares the next step.
+
+A ``GraphVariant`` (LoRA: the adapters' kernels) adds a second graph per batch size, captured with
+its context active into the same pool; a step replays it only when the variant says the batch
+needs it, so steps that do not (no adapter row) run the plain graphs.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import numpy as np
 import torch
@@ -46,6 +50,15 @@ class Staged:
     n: int                 # live rows
     bs: int                # graph batch size (rows n..bs-1 are padding)
     placeholders: bool     # some token ids come from the previous step's sampled ids
+    variant: bool = False  # replay the variant's graph (GraphVariant)
+
+
+@dataclass
+class GraphVariant:
+    """Second graphs captured inside ``capturing()``, replayed for the batches ``wanted`` accepts."""
+
+    capturing: Callable[[], ContextManager[None]]
+    wanted: Callable[[ScheduledBatch], bool]
 
 
 class StagingRing:
@@ -82,8 +95,10 @@ def _blocks128(n: int) -> int:
 class CudaGraphRunner:
     """Captures and replays decode graphs; ``run`` returns the last hidden states [n, H]."""
 
-    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_bs: int, max_context: int) -> None:
+    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_bs: int, max_context: int,
+                 variant: Optional[GraphVariant] = None) -> None:
         self.model = model
+        self.variant = variant
         self.backend = backend
         self.mrope = hasattr(model, "encode_images")   # vision-language models decode at p + rope_delta
         self.batch_sizes = graph_batch_sizes(max_bs)
@@ -108,6 +123,8 @@ class CudaGraphRunner:
         self._ring = StagingRing(lambda: [torch.zeros(self._buf.numel(), dtype=torch.int32)])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.variant_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.variant_outputs: dict[int, torch.Tensor] = {}
         self.wrappers: dict[int, Any] = {}
         self.pool = None
         t0 = time.perf_counter()
@@ -163,6 +180,12 @@ class CudaGraphRunner:
         self._send(bs, st, npv, 0, 0)
         self._ring.done()
         meta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], w)
+        self.graphs[bs], self.outputs[bs] = self._capture_one(bs, meta, warmup)
+        if self.variant is not None:
+            with self.variant.capturing():
+                self.variant_graphs[bs], self.variant_outputs[bs] = self._capture_one(bs, meta, warmup)
+
+    def _capture_one(self, bs: int, meta: FlashInferMetadata, warmup: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with torch.inference_mode():
             for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
                 self._forward_static(bs, meta)
@@ -172,8 +195,7 @@ class CudaGraphRunner:
                 out = self._forward_static(bs, meta)
         if self.pool is None:
             self.pool = g.pool()
-        self.graphs[bs] = g
-        self.outputs[bs] = out
+        return g, out
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
         """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""
@@ -203,7 +225,7 @@ class CudaGraphRunner:
         hidx[:nnz] = idx
         self._send(bs, st, npv, n, nnz)
         self._ring.done()
-        return Staged(n, bs, bool(ph.any()))
+        return Staged(n, bs, bool(ph.any()), self.variant is not None and self.variant.wanted(batch))
 
     def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay a staged step; ``prev``: the previous step's sampled ids (GPU) its placeholders
@@ -212,12 +234,12 @@ class CudaGraphRunner:
             assert prev is not None and prev.numel() <= PREV_CAPACITY, "placeholder without previous ids"
             if prev.data_ptr() != self.prev.data_ptr():     # else sampled into place (runner.sample)
                 self.prev[: prev.numel()].copy_(prev)
-        self.graphs[staged.bs].replay()
-        return self.outputs[staged.bs][: staged.n]
+        (self.variant_graphs if staged.variant else self.graphs)[staged.bs].replay()
+        return self.padded_output(staged)[: staged.n]
 
     def padded_output(self, staged: Staged) -> torch.Tensor:
         """The replayed step's hidden states with its padding rows: [bs, H] (rows n.. are padding)."""
-        return self.outputs[staged.bs]
+        return (self.variant_outputs if staged.variant else self.outputs)[staged.bs]
 
     def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Stage and replay a decode-only batch (see ``stage`` / ``replay``)."""

@@ -1,20 +1,22 @@
 """LoRA serving on the loop thread: the adapter registry, the hooks in the fused linears, and each
 step's rows grouped by adapter.
 
-Adapters are loaded once (``models/lora_adapter.py``) and stay on the model's device until unloaded;
-each gets an id never reused, which requests carry (``Request.lora_id``) and the prefix cache keys on.
+Adapters are loaded once (``models/lora_adapter.py``) and stay on the model's device until unloaded,
+then in a bounded host cache (``runtime/lora_cache.py``: loading them again reads no file); each gets
+an id never reused, which requests carry (``Request.lora_id``) and the prefix cache keys on.
 The base GEMM runs once for every row; the hooks (``LinearLoRA``) add the low-rank products of each
 adapter's rows into the fused output slices:
 
 - CPU (and the reference): per adapter in torch; steps with adapters run eagerly, steps without
   leave the hooks inactive.
 - CUDA: a slot pool (``runtime/lora_slots.py``) and the segmented Triton kernels
-  (``kernels/lora_sgmv.py``). The decode graphs are captured with the hooks reading the pool's static
-  step buffers (``capturing``), so decode steps with adapters replay graphs too (``stage``).
+  (``kernels/lora_sgmv.py``). Each decode graph batch size has a second graph captured with the
+  hooks reading the pool's static step buffers (``graph_variant``), so decode steps with adapters
+  replay graphs too (``stage``); decode steps without any adapter row replay the plain graphs (no
+  LoRA kernels, the fused epilogues the hooks turn off).
 
-Folded norms (``models/norm_fold.py``): a folded qkv / gate|up linear reads the raw residual stream and
-its row scale comes later, so an adapter's A of those linears is folded the same way at load
-(A' = A diag(g)).
+Folded norms (``models/norm_fold.py``): an adapter's A of a folded qkv / gate|up is folded alike at
+load (A' = A diag(g)), and again after a weight update (``refold``).
 
 Unloading follows SGLang: the name goes at once (new requests are refused), the weights stay until
 the requests already submitted with them have finished (``release_if_unused``).
@@ -33,9 +35,11 @@ from torch import nn
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
-from nbgen.models.lora_adapter import MODULE_MAP, AdapterWeights, fold_norms_into, load_adapter
+from nbgen.models.lora_adapter import AdapterWeights, fold_norms_into, load_adapter
+from nbgen.runtime.cuda_graphs import GraphVariant
 from nbgen.runtime.lora_batch import LoRABatchLimit
-from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState
+from nbgen.runtime.lora_cache import AdapterHostCache
+from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState, install_hooks
 from nbgen.runtime.lora_slots import LoRASlots
 from nbgen.runtime.step_inputs import to_device
 
@@ -72,13 +76,7 @@ class LoRAManager:
         self.max_loaded, self.max_rank, self.target_modules = max_loaded, max_rank, target_modules
         self._model = model
         self._state = StepState()
-        self._hooks: dict[tuple[int, str], LinearLoRA] = {}
-        subs = sorted({sub for sub, _ in MODULE_MAP.values()})
-        for i, layer in enumerate(model.model.layers):
-            for sub in subs:
-                hook = LinearLoRA(self._state, layer.get_submodule(sub).weight.shape[0])
-                layer.get_submodule(sub).lora = hook
-                self._hooks[(i, sub)] = hook
+        self._hooks: dict[tuple[int, str], LinearLoRA] = install_hooks(model, self._state)
         self.slots: Optional[LoRASlots] = None
         if slot_rank is not None:
             self.slots = LoRASlots({key: model.model.layers[key[0]].get_submodule(key[1]) for key in self._hooks},
@@ -96,6 +94,7 @@ class LoRAManager:
         self._used_at: dict[str, int] = {}                  # name -> last load / request (LRU eviction)
         self._clock = itertools.count()
         self._evicted: set[int] = set()                     # evicted ids whose requests still run
+        self.host_cache = AdapterHostCache()                # weights released from the device
 
     # ---- registry ---------------------------------------------------------------------------
     def load(self, name: str, path: str, pinned: bool = False, keep: Optional[set[str]] = None) -> LoRARef:
@@ -112,7 +111,8 @@ class LoRAManager:
                                  f"({len(self.batch_limit.pinned)} pinned, max_loras_per_batch="
                                  f"{self.batch_limit.max_loras}), to avoid starvation of unpinned adapters "
                                  f"and the base model")
-        weights = load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
+        weights = self.host_cache.get(path, self.device) or \
+            load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
         if self.slots is not None and weights.rank > self.slots.rank:
             raise ValueError(f"adapter {path!r} is incompatible: rank {weights.rank} is above the GPU slot pool's rank "
                              f"{self.slots.rank} (set max_lora_rank, or list the adapter in lora_paths)")
@@ -181,7 +181,9 @@ class LoRAManager:
                 self._users[lora_id] = users
                 return False
             self._users.pop(lora_id, None)
-            self._resident.pop(lora_id, None)
+            weights = self._resident.pop(lora_id, None)
+        if weights is not None:
+            self.host_cache.put(weights)
         self.batch_limit.pinned.discard(lora_id)
         for hook in self._hooks.values():
             hook.weights.pop(lora_id, None)
@@ -245,11 +247,15 @@ class LoRAManager:
         return self.slots is not None
 
     def stage(self, batch: ScheduledBatch) -> None:
-        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, the row
-        layout into the static buffers (queued behind the steps before it)."""
-        rows, _ = self._rows(batch, list(range(len(batch.seqs))))
-        slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned) if rows else {}
-        self.slots.stage(rows, slots)
+        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, its rows staged."""
+        ids = [s.req.lora_id for s in batch.seqs]
+        used = [i for i in set(ids) if i is not None]
+        if used:                  # else the plain graph replays: it reads no LoRA buffer
+            self.slots.stage_rows(ids, self.slots.assign(used, self._resident, self.batch_limit.pinned))
+
+    def graph_variant(self) -> Optional[GraphVariant]:
+        """The decode graphs' LoRA variant (slot pool only), replayed for batches with an adapter row."""
+        return GraphVariant(self.capturing, self.uses_adapters) if self.slots is not None else None
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -270,6 +276,23 @@ class LoRAManager:
 
     def end(self) -> None:
         self._state.step = None
+
+    def refold(self) -> None:
+        """After a weight update (loop thread): fold the adapters' A again with the norm weights now."""
+        with self._lock:
+            resident = dict(self._resident)
+        for lora_id, weights in resident.items():
+            fold_norms_into(weights, self._model)
+            for key, mod in weights.modules.items() if self.slots is None else ():
+                self._hooks[key].add(lora_id, mod)
+        if self.slots is not None:
+            self.slots.reload(resident)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors of the loaded adapters and the slot pool (memory release offloads them)."""
+        with self._lock:
+            out = [t for w in self._resident.values() for m in w.modules.values() for t in m.tensors()]
+        return out + (self.slots.tensors() if self.slots is not None else [])
 
     def stats(self) -> list[str]:
         """Names of the loaded adapters (the dashboard's ``lora_adapters``)."""

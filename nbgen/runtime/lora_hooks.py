@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 
 from nbgen.kernels import lora_sgmv
-from nbgen.models.lora_adapter import ModuleLoRA
+from nbgen.models.lora_adapter import MODULE_MAP, ModuleLoRA
 from nbgen.runtime.lora_slots import SlotLinear, SlotStep
 
 
@@ -91,3 +92,13 @@ class LinearLoRA:
                 y.addmm_(x @ w.a_t, w.b_t)                            # y += (x A^T) B^T s, in place
             else:
                 y.index_add_(0, seg.rows, (x.index_select(0, seg.rows) @ w.a_t) @ w.b_t)
+
+
+def install_hooks(model: nn.Module, state: StepState) -> dict[tuple[int, str], LinearLoRA]:
+    """A hook in every fused linear an adapter may target, per (layer, submodule), sharing ``state``."""
+    hooks: dict[tuple[int, str], LinearLoRA] = {}
+    for i, layer in enumerate(model.model.layers):
+        for sub in sorted({sub for sub, _ in MODULE_MAP.values()}):
+            linear = layer.get_submodule(sub)
+            linear.lora = hooks[(i, sub)] = LinearLoRA(state, linear.weight.shape[0])
+    return hooks

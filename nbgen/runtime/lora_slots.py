@@ -110,6 +110,16 @@ class LoRASlots:
                 a[k * self.rank: k * self.rank + r].copy_(mod.a[sh.a_lo:sh.a_hi], non_blocking=True)
                 b[sh.out_lo:sh.out_hi, :r].copy_(sh.b, non_blocking=True)
 
+    def reload(self, resident: dict[int, AdapterWeights]) -> None:
+        """Copy every held adapter into its slot again (its weights changed: a refold)."""
+        for s, lid in enumerate(self.owner):
+            if lid is not None and lid in resident:
+                self._load(s, lid, resident[lid])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's device tensors (memory release offloads them with the weights)."""
+        return [self.scaling, self._static] + [t for sl in self.linears.values() for t in (sl.a, sl.b)]
+
     def evict(self, lora_id: int) -> None:
         """An adapter was unloaded: its slot (if any) becomes empty."""
         for s, lid in enumerate(self.owner):
@@ -128,18 +138,32 @@ class LoRASlots:
         return perm, start, length
 
     def eager_step(self, rows: dict[int, list[int]], slots: dict[int, int]) -> SlotStep:
-        """The row layout of an eager step as fresh device tensors."""
+        """The row layout of an eager step as device tensors: one copy from pinned memory, queued on
+        the stream (no host sync, so the loop keeps the GPU fed)."""
         perm, start, length = self._layout(rows, slots)
-        dev = self.device
-
-        def put(v: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(v).to(dev, non_blocking=False)
-        return SlotStep(put(np.asarray(perm or [0], dtype=np.int32)), put(start), put(length),
-                        int(length.max()) if len(length) else 0)
+        S, P = self.num_slots, max(len(perm), 1)
+        host = np.zeros(P + 2 * S, dtype=np.int32)            # perm | seg_start | seg_len
+        host[:len(perm)] = perm
+        host[P:P + S] = start
+        host[P + S:] = length
+        buf = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        return SlotStep(buf[:P], buf[P:P + S], buf[P + S:], int(length.max()) if len(length) else 0)
 
     def stage(self, rows: dict[int, list[int]], slots: dict[int, int]) -> None:
         """Fill the static buffers a graph replay reads (queued on the stream; no host sync)."""
-        perm, start, length = self._layout(rows, slots)
+        self._fill(*self._layout(rows, slots))
+
+    def stage_rows(self, ids: list[Optional[int]], slots: dict[int, int]) -> None:
+        """``stage`` for a decode step: row i under adapter ``ids[i]`` (None: the base model), grouped
+        by slot with numpy (no Python loop over rows besides the slot lookup)."""
+        slot = np.fromiter((-1 if i is None else slots[i] for i in ids), dtype=np.int32, count=len(ids))
+        length = np.bincount(slot[slot >= 0], minlength=self.num_slots).astype(np.int32)
+        order = np.argsort(slot, kind="stable")                    # base rows (-1) first
+        self._fill(order[len(ids) - int(length.sum()):], np.cumsum(length, dtype=np.int32) - length, length)
+
+    def _fill(self, perm: "list[int] | np.ndarray", start: np.ndarray, length: np.ndarray) -> None:
         if len(perm) > self._rows:
             raise RuntimeError(f"{len(perm)} LoRA rows in a graph step, above {self._rows}")
         host = np.zeros(self._static.numel(), dtype=np.int32)

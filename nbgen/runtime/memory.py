@@ -1,8 +1,8 @@
 """Memory occupation (SGLang's ``release_memory_occupation`` / ``resume_memory_occupation``): an RL
 loop hands the GPU to its trainer between rollouts and takes it back.
 
-Tags: "weights" (the model's parameters and buffers), "kv_cache" (the KV pool), "cuda_graph" (the
-decode and prefill graphs and their memory pools). On CUDA, released weights are copied to pinned host
+Tags: "weights" (the model's parameters and buffers, LoRA's adapters and slot pool), "kv_cache" (the
+KV pool), "cuda_graph" (the decode and prefill graphs and their memory pools). On CUDA, released weights are copied to pinned host
 memory and their device storage freed; the KV pool's storage is freed (its contents are dropped with
 the prefix cache); the tensors stay the same Python objects, so every module keeps its references.
 Restored storage lives at new addresses, which the CUDA graphs baked in: any release drops the graphs,
@@ -99,9 +99,10 @@ class MemoryService:
 
     def _offload_weights(self) -> None:
         """Copy each weight storage to pinned host memory and free it on the device."""
-        model = self._runner.model
+        model, lora = self._runner.model, self._runner.lora
         seen: dict[int, torch.UntypedStorage] = {}
-        for t in list(model.parameters()) + list(model.buffers()):
+        # LoRA: the loaded adapters and the GPU slot pool go with the weights
+        for t in list(model.parameters()) + list(model.buffers()) + (lora.tensors() if lora is not None else []):
             st = t.untyped_storage()
             if st.device.type == "cuda" and st.nbytes() and st.data_ptr() not in seen:
                 seen[st.data_ptr()] = st

@@ -5,7 +5,6 @@ Stepping (``runtime/runner.py``) only reads the parts; nothing here runs per ste
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -25,7 +24,7 @@ from nbgen.models.cpu_offload import OffloadPlan, offload_layers
 from nbgen.models.loader import LoadedModel, load_model
 from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
-from nbgen.runtime.cuda_graphs import CudaGraphRunner
+from nbgen.runtime.cuda_graphs import CudaGraphRunner, GraphVariant
 from nbgen.runtime.lora import LoRAManager
 from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
@@ -129,9 +128,10 @@ def graphs_enabled(cfg: EngineConfig, backend: AttentionBackend) -> bool:
 
 
 def make_decode_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
-                       context_length: int) -> Optional[CudaGraphRunner]:
-    """Decode graphs at the padded batch sizes (``graphs_enabled``), or None."""
-    return CudaGraphRunner(model, backend, cfg.cuda_graph_max_bs, context_length) \
+                       context_length: int, variant: Optional[GraphVariant] = None) -> Optional[CudaGraphRunner]:
+    """Decode graphs at the padded batch sizes (``graphs_enabled``), or None; ``variant``: a second
+    graph per batch size (LoRA's, for the steps with adapter rows)."""
+    return CudaGraphRunner(model, backend, cfg.cuda_graph_max_bs, context_length, variant) \
         if graphs_enabled(cfg, backend) else None
 
 
@@ -201,8 +201,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     t2 = time.perf_counter()
     if graphs_enabled(cfg, backend):
         report("capturing CUDA graphs")
-    with lora.capturing() if lora is not None else contextlib.nullcontext():
-        graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length)
+    graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length,
+                                lora.graph_variant() if lora is not None else None)
     t3 = time.perf_counter()
     prefill = make_prefill_graphs(cfg, loaded.model, backend) if graphs is not None else None
     t4 = time.perf_counter()

@@ -9,7 +9,6 @@ sampled ids and are filled in on the GPU.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -99,8 +98,8 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
-        with self.lora.capturing() if self.lora is not None else contextlib.nullcontext():
-            self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length)
+        self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length,
+                                         self.lora.graph_variant() if self.lora is not None else None)
         self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend) if self.graphs else None
         self._last_tokens = None
 

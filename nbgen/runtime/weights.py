@@ -95,6 +95,7 @@ class WeightService:
         self._device = runner.device
         self._scheduler = scheduler
         self._memory = memory
+        self._lora = runner.lora                # adapters folded with the norm weights (refold)
         self._model_dir = runner.loaded.model_dir   # what a failed disk update rolls back to
         self._from_disk = load_format != "dummy"
 
@@ -216,6 +217,8 @@ class WeightService:
             writer.close()
 
     def _finish(self, flush_cache: bool, weight_version: Optional[str]) -> None:
+        if self._lora is not None:
+            self._lora.refold()              # folded norms may have changed
         if flush_cache:
             self._scheduler.flush_cache()    # cached prefixes hold the old weights' K/V
         if weight_version is not None:
