@@ -43,7 +43,9 @@ _SIGNATURES = {
     "rope": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _ptr, _int, _i64, _int],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _int, _int],
     "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr, _int],
+    "q4_grid": [_ptr, _i64, _i64, _ptr, _ptr, _f32],
 }
+_RESTYPES = {"q4_grid": _int}                     # the others return nothing
 _DTYPES = (torch.bfloat16, torch.float32)
 _checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
 
@@ -94,7 +96,7 @@ def load() -> Optional[ctypes.CDLL]:
             lib = ctypes.CDLL(str(_build(cc)))
             for name, args in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, None
+                fn.argtypes, fn.restype = args, _RESTYPES.get(name)
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use the torch path
             logger.warning("nbgen: CPU kernels unavailable (%s); using the torch path", str(e)[:500])
@@ -211,3 +213,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, dtype=torch.int64)
     load().argmax_rows(x.data_ptr(), xs, T, x.shape[1], out.data_ptr(), int(x.dtype == torch.bfloat16))
     return out
+
+
+def q4_grid(w: torch.Tensor, tol: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(q [N, K] int32, (scale, zero) [K/32, N, 2] fp32) of a bf16 weight on a 4-bit grid (groups of
+    32 along K: see ``nbgen.models.cpu_int4``), None when it is off the grid. Needs ``available()``."""
+    w = w.contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int32)
+    sz = torch.empty(k // 32, n, 2, dtype=torch.float32)
+    ok = _lib.q4_grid(w.data_ptr(), n, k, q.data_ptr(), sz.data_ptr(), tol)
+    return (q, sz) if ok else None

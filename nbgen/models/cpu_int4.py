@@ -8,7 +8,7 @@ machine, 30 rotating copies so nothing stays cached: 3072 x 576 in 54 us against
 oneDNN bf16 matmul, the 30 layers of SmolLM2-135M in ~3.5 ms against ~9.5 ms). At 8 rows and more the
 int4 kernel loses (it dequantises per row block), so bigger steps keep the bf16 path: ``use_int4``.
 
-Detection instead of a GGUF reader: a GGUF loads dequantized (``gguf_convert``), and a weight whose
+Detection instead of a GGUF reader (``cpu_ops.q4_grid``, one pass in C): a GGUF loads dequantized (``gguf_convert``), and a weight whose
 every group of 32 is ``lo + d * q`` with integer q in [0, 15] (its minimum at q = 0, its maximum at
 15: how the Q4_1 quantizer sets them) gives back the same q, d and lo from its values. A weight that
 does not reconstruct within bf16 rounding stays bf16 only. torch's format is ``(q - 8) * s + z``
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from nbgen.kernels import cpu_ops
 
 GROUP = 32
 MAX_ROWS = 4          # steps of more rows use the bf16 matmul (see the module docstring)
@@ -35,8 +37,9 @@ class Int4Weight:
 
 
 def available() -> bool:
-    """torch has the CPU int4 kernels."""
-    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_convert_weight_to_int4pack_for_cpu")
+    """torch has the CPU int4 kernels and nbgen's C kernels (the grid detection) are built."""
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch, "_convert_weight_to_int4pack_for_cpu") and cpu_ops.available()
 
 
 @torch.no_grad()
@@ -44,18 +47,12 @@ def from_grid(w: torch.Tensor) -> Optional[Int4Weight]:
     """The int4 copy of a bf16 CPU weight [N, K] whose groups of 32 lie on a 4-bit grid, else None."""
     if not available() or w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] % GROUP:
         return None
-    n, k = w.shape
-    wf = w.float().view(n, k // GROUP, GROUP)
-    lo, hi = wf.amin(-1, keepdim=True), wf.amax(-1, keepdim=True)
-    d = (hi - lo) / 15
-    q = torch.where(d > 0, (wf - lo) / d.clamp_min(1e-30), torch.zeros_like(wf)).round_().clamp_(0, 15)
-    err = (q * d + lo - wf).abs().amax(-1, keepdim=True)
-    span = (hi.abs() + lo.abs()).clamp_min(1e-30)
-    if bool((err > _TOL * span).any()):
+    found = cpu_ops.q4_grid(w, _TOL)
+    if found is None:
         return None
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.view(n, k).to(torch.int32), 2)
-    sz = torch.cat([d, lo + 8 * d], dim=-1)                       # [N, K/G, 2]
-    return Int4Weight(packed, sz.transpose(0, 1).contiguous().to(w.dtype))
+    q, sz = found
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+    return Int4Weight(packed, sz.to(w.dtype))
 
 
 def use_int4(x: torch.Tensor, q: Optional[Int4Weight]) -> bool:

@@ -29,8 +29,10 @@
 static inline void widen(const void *src, int is_bf16, float *dst, int64_t n) {
     if (is_bf16) {
         const uint16_t *s = (const uint16_t *)src;
-        uint32_t *d = (uint32_t *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;   /* exact */
+        for (int64_t i = 0; i < n; i++) {           /* exact; memcpy: no float / uint32 aliasing */
+            const uint32_t b = (uint32_t)s[i] << 16;
+            memcpy(dst + i, &b, sizeof b);
+        }
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)n);
     }
@@ -299,4 +301,32 @@ void argmax_rows(const void *x, int64_t x_stride, int64_t T, int64_t V, int64_t 
         }
         out[t] = found;
     }
+}
+
+/* 4-bit grid of a bf16 weight [N, K] (K a multiple of 32): per group of 32 along K, lo = min,
+ * d = (max - lo) / 15, q = round((w - lo) / d) in [0, 15]. Returns 1 and fills q [N, K] (int32) and
+ * sz [K/32, N, 2] = (d, lo + 8 d) (torch's int4 layout) when every value is within tol * (|max| + |lo|) of lo + q d
+ * (a GGUF Q4 weight read back through bf16), else 0 (the outputs are then unspecified). */
+int q4_grid(const uint16_t *w, int64_t N, int64_t K, int32_t *q, float *sz, float tol) {
+    int ok = 1;
+#pragma omp parallel for schedule(static) reduction(& : ok) if (N * K > 65536)
+    for (int64_t n = 0; n < N; n++) {
+        if (!ok) continue;
+        for (int64_t g = 0; g < K / 32 && ok; g++) {
+            float v[32], lo = INFINITY, hi = -INFINITY;
+            widen(w + n * K + g * 32, 1, v, 32);
+            for (int i = 0; i < 32; i++) { lo = v[i] < lo ? v[i] : lo; hi = v[i] > hi ? v[i] : hi; }
+            const float d = (hi - lo) / 15.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            const float lim = tol * (fabsf(hi) + fabsf(lo));
+            int32_t *qo = q + n * K + g * 32;
+            for (int i = 0; i < 32; i++) {
+                const float r = rintf((v[i] - lo) * inv);
+                qo[i] = (int32_t)r;
+                if (fabsf(r * d + lo - v[i]) > lim) ok = 0;
+            }
+            sz[(g * N + n) * 2] = d;
+            sz[(g * N + n) * 2 + 1] = lo + 8.0f * d;
+        }
+    }
+    return ok;
 }
