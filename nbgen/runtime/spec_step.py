@@ -113,13 +113,15 @@ class SpecStepper:
         if not self.drafter.pages_first:
             cut = self._reserve(batch, [len(d) for d in drafts])
             drafts = [d[:k] for d, k in zip(drafts, cut)]
-        if not any(drafts):
+        if not any(drafts) and not getattr(self.drafter, "wants_hidden", False):
             return self._plain(batch, dec)
         return self._verify(batch, drafts, dec)
 
     def _plain(self, batch: ScheduledBatch, dec: list[bool]) -> StepOutput:
         """A plain step (no drafts); decode seqs still count as verify steps of their requests."""
         out = self.runner.step(batch)
+        if getattr(self.drafter, "wants_hidden", False):
+            self.drafter.observe(batch, None, None)     # no features this step (runtime/spec_eagle.py)
         n = len(batch.seqs)
         out.accepted, out.accepted_logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
         self._count(batch, dec, [0] * n, [0] * n)
@@ -160,6 +162,8 @@ class SpecStepper:
             if drafts[i]:        # KV stays valid for [last, accepted drafts]: the rest is released
                 batch.seqs[i] = SeqWork(s.req, s.token_ids[: s.q_len - len(drafts[i]) + acc[i]], s.start_pos,
                                         s.pages, True)
+        if getattr(self.drafter, "wants_hidden", False):      # EAGLE: the kept tokens' features
+            self.drafter.observe(batch, flat.starts, hidden)
         self._count(batch, dec, [len(d) for d in drafts], acc)
         return out
 

@@ -1,0 +1,92 @@
+"""EAGLE / EAGLE3 draft heads: tiny random heads saved in SGLang's checkpoint format draft for a tiny
+Llama target; greedy and seeded sampling identical to the plain engine; the head's forward against a
+torch reference; config errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import nbgen
+from nbgen.models.eagle import DraftCache, EagleDraft, load_eagle
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7], [100, 7, 200, 9, 150, 3, 99, 17, 250, 31]]
+SP = [{"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
+      {"temperature": 0.7, "max_new_tokens": 20, "ignore_eos": True, "sampling_seed": 5}]
+
+
+def _save_head(path: str, target_dir: str, eagle3: bool, draft_vocab: int = 0) -> str:
+    """A random head for the target in ``target_dir``, saved as SGLang's EAGLE checkpoints are."""
+    from safetensors.torch import save_file
+    import transformers as tf
+
+    t = json.load(open(os.path.join(target_dir, "config.json")))
+    raw = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                             "rms_norm_eps", "max_position_embeddings", "vocab_size")}
+    raw.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLMEagle"])
+    if draft_vocab:
+        raw["draft_vocab_size"] = draft_vocab
+    torch.manual_seed(7)
+    head = EagleDraft(tf.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}), eagle3,
+                      raw["hidden_size"])
+    if draft_vocab:
+        head.draft_vocab = draft_vocab
+    state = {k: v.contiguous() for k, v in head.state_dict().items() if "cos_sin" not in k}
+    state.pop("embed_tokens.weight")          # shared with the target, as published heads do
+    if eagle3:
+        state["d2t"] = torch.arange(len(state["d2t"])) % 3            # draft id i -> target id i + d2t[i]
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    json.dump(raw, open(os.path.join(path, "config.json"), "w"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def deep_llama_dir(tmp_path_factory) -> str:
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_llama6")), num_hidden_layers=6)
+
+
+def _run(path: str, **kw):
+    with nbgen.Engine(path, dtype="float32", device="cpu", random_seed=0, **kw) as eng:
+        return eng.generate(input_ids=PROMPTS, sampling_params=SP)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_eagle_identical(deep_llama_dir, tmp_path, algo):
+    head = _save_head(str(tmp_path / "head"), deep_llama_dir, algo == "EAGLE3", 200 if algo == "EAGLE3" else 0)
+    plain = _run(deep_llama_dir)
+    spec = _run(deep_llama_dir, speculative_algorithm=algo, speculative_draft_model_path=head,
+                speculative_num_steps=3)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    m = spec[0]["meta_info"]
+    assert 0 < m["spec_verify_ct"] <= 24 and m["spec_accept_length"] >= 1.0
+
+
+def test_eagle_head_matches_reference(deep_llama_dir, tmp_path):
+    """Rows run one at a time through the cache equal one batched causal pass (the KV plumbing)."""
+    path = _save_head(str(tmp_path / "head"), deep_llama_dir, False)
+    emb = torch.nn.Embedding(384, 64)
+    head = load_eagle(path, 64, emb, torch.float32, torch.device("cpu"))
+    ids, feats = torch.randint(0, 300, (6,)), torch.randn(6, 64)
+    pos = torch.arange(10, 16)
+    full = head.step(ids, feats, pos, DraftCache())
+    c = DraftCache()
+    parts = [head.step(ids[i:i + 1], feats[i:i + 1], pos[i:i + 1], c) for i in range(6)]
+    assert torch.allclose(torch.cat(parts), full, atol=1e-5)
+    assert torch.equal(head.embed_tokens.weight, emb.weight)
+
+
+def test_eagle_config_errors(deep_llama_dir, tiny_llama_dir, tmp_path):
+    head = _save_head(str(tmp_path / "head"), deep_llama_dir, False)
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", speculative_algorithm="EAGLE")
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", speculative_algorithm="EAGLE3",
+                      speculative_draft_model_path=head)
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=tiny_llama_dir)
