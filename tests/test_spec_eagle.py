@@ -64,6 +64,7 @@ def test_eagle_identical(deep_llama_dir, tmp_path, algo):
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     m = spec[0]["meta_info"]
     assert 0 < m["spec_verify_ct"] <= 24 and m["spec_accept_length"] >= 1.0
+    assert m["spec_proposed_drafts"] > 0          # the head drafted (lossless whatever it proposes)
 
 
 def test_eagle_head_matches_reference(deep_llama_dir, tmp_path):
@@ -90,3 +91,43 @@ def test_eagle_config_errors(deep_llama_dir, tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="not an EAGLE head"):
         nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", speculative_algorithm="EAGLE",
                       speculative_draft_model_path=tiny_llama_dir)
+
+
+def _expected_copy_counts(out: list[int], steps: int) -> tuple[int, int, int]:
+    """(verify steps, proposed, accepted) of a head that always drafts the last token ``steps`` times."""
+    n, verifies, proposed, accepted = 1, 0, 0, 0
+    while n < len(out):
+        k = min(steps, len(out) - n - 1)
+        a = 0
+        while a < k and out[n + a] == out[n - 1]:
+            a += 1
+        verifies, proposed, accepted, n = verifies + 1, proposed + k, accepted + a, n + a + 1
+    return verifies, proposed, accepted
+
+
+def test_eagle_features_aligned(deep_llama_dir, tmp_path):
+    """A 'copy' head (fc passes the target's feature through, the layer adds nothing) drafts
+    argmax lm_head(h_{n-1}) = the last token, for every step: only when feature j meets token j + 1
+    at position j. Its acceptance counts are then predictable from the output alone."""
+    from safetensors.torch import load_file, save_file
+
+    path = _save_head(str(tmp_path / "head"), deep_llama_dir, False)
+    st = load_file(os.path.join(path, "model.safetensors"))
+    H = st["fc.bias"].shape[0]
+    st["fc.weight"] = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
+    st["fc.bias"] = torch.zeros(H)
+    st["layers.0.self_attn.o_proj.weight"].zero_()
+    st["layers.0.mlp.down_proj.weight"].zero_()
+    save_file(st, os.path.join(path, "model.safetensors"))
+    prompts = [[7] * 12, [9, 9, 9, 3, 3, 3, 3, 9, 9, 9], [40, 41, 42, 43, 44] * 4, [100, 7, 200, 9, 150]]
+    sp = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+    with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=path, speculative_num_steps=3) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params=sp)
+    total = 0
+    for o in outs:
+        m = o["meta_info"]
+        v, p, a = _expected_copy_counts(o["output_ids"], 3)
+        assert (m["spec_verify_ct"], m["spec_proposed_drafts"], m["spec_accepted_drafts"]) == (v, p, a)
+        total += a
+    assert total > 0, "no repeated tokens: the check would not see a misaligned feature"

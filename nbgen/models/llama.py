@@ -188,8 +188,8 @@ class LlamaModel(nn.Module):
             self.captured = []
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:      # a copy: the next add+norm updates the stream in place
-                self.captured.append(x.clone() if residual is None else (residual.clone() if x is None
-                                                                          else x + residual))
+                h = x.clone() if residual is None else (residual.clone() if x is None else x + residual)
+                self.captured.extend([h] * self.capture_layers.count(i))
             x, residual = layer(positions, x, residual, meta)
         return self.final_norm(x, residual)
 

@@ -3,8 +3,9 @@
 Per scheduled batch:
 
 1. every decode seq (one token, past its prompt) gets a draft budget: ``speculative_num_draft_tokens - 1``,
-   cut to what ``max_new_tokens`` and the context length leave after the bonus token (none for
-   requests with ``stop`` strings or ``stop_regex``: those are matched on the text after each step);
+   cut to what ``max_new_tokens`` and the context length leave after the bonus token (``stop``
+   strings and ``stop_regex`` are matched token by token on the accepted run, which is cut where
+   plain decoding would have stopped: runtime/tracker.py);
 2. the drafter (runtime/spec_ngram.py or runtime/spec_draft_model.py) proposes up to that many tokens;
    the scheduler lends the pages they need from free pages only (``Scheduler.reserve``: a draft never
    preempts anyone), and drafts without pages are cut;
@@ -76,8 +77,8 @@ class SpecStepper:
         out = []
         for s, d in zip(batch.seqs, dec):
             req = s.req
-            if not d or req.params.stop_strs or req.params.stop_regex:
-                out.append(0)        # stop strings are matched on text after the step: one token a step
+            if not d:
+                out.append(0)
                 continue
             k = self.spec.max_drafts
             if req.params.max_new_tokens is not None:
