@@ -3,14 +3,13 @@ Llama target; greedy and seeded sampling identical to the plain engine; the head
 torch reference; config errors."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
 import nbgen
-from nbgen.models.eagle import DraftCache, EagleDraft, load_eagle
+from nbgen.models.eagle import DraftCache, load_eagle, save_random_head
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7], [100, 7, 200, 9, 150, 3, 99, 17, 250, 31]]
 SP = [{"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
@@ -18,29 +17,7 @@ SP = [{"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
 
 
 def _save_head(path: str, target_dir: str, eagle3: bool, draft_vocab: int = 0) -> str:
-    """A random head for the target in ``target_dir``, saved as SGLang's EAGLE checkpoints are."""
-    from safetensors.torch import save_file
-    import transformers as tf
-
-    t = json.load(open(os.path.join(target_dir, "config.json")))
-    raw = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                             "rms_norm_eps", "max_position_embeddings", "vocab_size")}
-    raw.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLMEagle"])
-    if draft_vocab:
-        raw["draft_vocab_size"] = draft_vocab
-    torch.manual_seed(7)
-    head = EagleDraft(tf.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}), eagle3,
-                      raw["hidden_size"])
-    if draft_vocab:
-        head.draft_vocab = draft_vocab
-    state = {k: v.contiguous() for k, v in head.state_dict().items() if "cos_sin" not in k}
-    state.pop("embed_tokens.weight")          # shared with the target, as published heads do
-    if eagle3:
-        state["d2t"] = torch.arange(len(state["d2t"])) % 3            # draft id i -> target id i + d2t[i]
-    os.makedirs(path, exist_ok=True)
-    save_file(state, os.path.join(path, "model.safetensors"))
-    json.dump(raw, open(os.path.join(path, "config.json"), "w"))
-    return path
+    return save_random_head(target_dir, path, eagle3, draft_vocab)
 
 
 @pytest.fixture(scope="module")

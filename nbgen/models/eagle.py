@@ -201,3 +201,32 @@ def load_eagle(path: str, target_hidden: int, embed: nn.Module, dtype: torch.dty
     if missing or unexpected:
         raise ValueError(f"speculative_draft_model_path: EAGLE weights do not match ({missing=}, {unexpected=})")
     return model.to(device=device, dtype=dtype).eval()
+
+
+def save_random_head(target_dir: str, path: str, eagle3: bool = False, draft_vocab: int = 0, seed: int = 7) -> str:
+    """Save a random one-layer EAGLE / EAGLE3 head for the model in ``target_dir`` at ``path`` in the
+    published checkpoint format (no ``embed_tokens``: shared with the target; EAGLE3: ``d2t`` maps
+    draft id i to target id i + i % 3). For tests and the speed machinery (acceptance is meaningless)."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        t = json.load(f)
+    t = t.get("text_config", t)
+    raw = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                             "rms_norm_eps", "max_position_embeddings", "vocab_size") if k in t}
+    raw.update(num_hidden_layers=1, architectures=list(EAGLE3_ARCHS if eagle3 else EAGLE_ARCHS))
+    if draft_vocab:
+        raw["draft_vocab_size"] = draft_vocab
+    torch.manual_seed(seed)
+    head = EagleDraft(tf.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}), eagle3,
+                      raw["hidden_size"])
+    state = {k: v.contiguous() for k, v in head.state_dict().items() if "cos_sin" not in k}
+    state.pop("embed_tokens.weight")
+    if eagle3:
+        state["d2t"] = torch.arange(len(state["d2t"])) % 3
+    os.makedirs(path, exist_ok=True)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return path
