@@ -74,7 +74,7 @@ class EagleDrafter:
                 st.cache, st.base, st.rows = DraftCache(), s.start_pos, []   # a gap: restart here
             if not st.rows:
                 st.first = s.start_pos
-            st.rows.append(hidden[r0: r0 + s.q_len])
+            st.rows.append(hidden[r0: r0 + s.q_len].clone())    # a copy: graph outputs are reused buffers
 
     @torch.inference_mode()
     def draft(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
@@ -116,6 +116,9 @@ def make_eagle_drafter(cfg: EngineConfig, runner: ModelRunner, steps: int, eagle
     """Load the head of ``cfg.speculative_draft_model_path`` for ``runner``'s model (EAGLE3: its
     capture layers switched on)."""
     assert cfg.speculative_draft_model_path is not None
+    if cfg.tp_size > 1:
+        raise ValueError(f"speculative_algorithm={'EAGLE3' if eagle3 else 'EAGLE'} runs with tp_size=1 in nbgen "
+                         f"(the head is not sharded), got tp_size={cfg.tp_size}")
     model = runner.model.model
     H = runner.model.config.hidden_size
     head = load_eagle(cfg.speculative_draft_model_path, H, model.embed_tokens,

@@ -6,7 +6,7 @@ Per scheduled batch:
    cut to what ``max_new_tokens`` and the context length leave after the bonus token (``stop``
    strings and ``stop_regex`` are matched token by token on the accepted run, which is cut where
    plain decoding would have stopped: runtime/tracker.py);
-2. the drafter (runtime/spec_ngram.py or runtime/spec_draft_model.py) proposes up to that many tokens;
+2. the drafter (runtime/spec_ngram.py, spec_draft_model.py or spec_eagle.py) proposes up to that many tokens;
    the scheduler lends the pages they need from free pages only (``Scheduler.reserve``: a draft never
    preempts anyone), and drafts without pages are cut;
 3. one target forward over the whole batch — prefill chunks, plain decodes and verify seqs
