@@ -108,3 +108,31 @@ def test_eagle_features_aligned(deep_llama_dir, tmp_path):
         assert (m["spec_verify_ct"], m["spec_proposed_drafts"], m["spec_accepted_drafts"]) == (v, p, a)
         total += a
     assert total > 0, "no repeated tokens: the check would not see a misaligned feature"
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_eagle3_capture_matches_hf_hidden_states(tmp_path, fold):
+    """The target's EAGLE3 features: the residual stream at the inputs of layers 2, L // 2, L - 3
+    equals HF's ``hidden_states[i]`` (plain and norm-folded layers; two sequences in one flat batch)."""
+    from nbgen.core.config import EngineConfig
+    from nbgen.models import norm_fold
+    from nbgen.models.loader import load_model
+    from nbgen.runtime.spec_eagle import eagle3_layers
+    from tests.test_models import _hf_model, _run
+
+    hf = _hf_model("LlamaForCausalLM", num_hidden_layers=8)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(EngineConfig(model_path=str(tmp_path), dtype="float32", device="cpu"), torch.device("cpu"))
+    if fold:
+        assert norm_fold.fold_norms(loaded.model)
+    layers = eagle3_layers(8)
+    assert layers == (2, 4, 5)
+    loaded.model.model.capture_layers = layers
+    a, b = [5, 9, 2, 77, 31, 8, 100], [3, 44, 12]
+    _run(loaded, [a, b])
+    got = loaded.model.model.captured
+    with torch.no_grad():
+        hs = [hf(torch.tensor([s]), output_hidden_states=True).hidden_states for s in (a, b)]
+    assert len(got) == 3
+    for k, i in enumerate(layers):
+        torch.testing.assert_close(got[k], torch.cat([h[i][0] for h in hs]), atol=1e-4, rtol=0)
