@@ -32,6 +32,7 @@ import torch
 from nbgen.bench.spec_prompts import extractive_chats
 from nbgen.engine import Engine
 from nbgen.models.eagle import save_random_head
+from nbgen.models.embedded import default_model_path
 
 
 def _engine(args: argparse.Namespace, spec: bool) -> Engine:
@@ -45,7 +46,8 @@ def _engine(args: argparse.Namespace, spec: bool) -> Engine:
         if args.eagle_head:
             head = args.eagle_head
             if head == "random":       # speed machinery only: a random head's drafts are rarely accepted
-                head = save_random_head(args.model, tempfile.mkdtemp(prefix="nbgen_eagle_"), args.eagle3)
+                head = save_random_head(args.model or default_model_path(), tempfile.mkdtemp(prefix="nbgen_eagle_"),
+                                        args.eagle3)
             kw.update(speculative_algorithm="EAGLE3" if args.eagle3 else "EAGLE",
                       speculative_draft_model_path=head, speculative_num_steps=args.num_draft_tokens - 1)
             kw.pop("speculative_num_draft_tokens")
