@@ -53,11 +53,14 @@ class InfoMixin:
                  **runner}
         internal = {**args, **facts,
                     "last_gen_throughput": self._loop.stats().get("output_tok_s", 0.0),
+                    # SGLang's name for the engine's mean tokens per verify step (speculative engines)
+                    "avg_spec_accept_length": self._loop.stats().get("spec_accept_length", 0.0),
                     "effective_max_running_requests_per_dp": sc.max_running_requests, "world_size": 1,
                     "startup_time": _startup_time(runner.get("startup_s", {}))}
         return {**args, **facts, "status": "ready", "max_total_num_tokens": capacity,
                 "max_req_input_len": self._facts.context_length - 1,
-                "startup_time": internal["startup_time"], "internal_states": [internal], "version": __version__}
+                "startup_time": internal["startup_time"], "avg_spec_accept_length": internal["avg_spec_accept_length"],
+                "internal_states": [internal], "version": __version__}
 
     def get_model_info(self) -> dict[str, Any]:
         """What the engine serves: model path and name, generation or embedding, architecture, sizes."""

@@ -65,7 +65,7 @@ def test_no_effect_arguments_are_taken_with_one_warning_naming_them() -> None:
     assert _nbgen_warnings(rec) == []
 
 
-@pytest.mark.parametrize("name, value", [("enable_hierarchical_cache", True), ("speculative_algorithm", "EAGLE"),
+@pytest.mark.parametrize("name, value", [("enable_hierarchical_cache", True), ("speculative_algorithm", "NEXTN"),
                                          ("pp_size", 2), ("kv_cache_dtype", "fp8_e5m2"), ("quantization", "fp8"),
                                          ("cuda_graph_max_bs_decode", 64), ("reasoning_parser", "qwen3")])
 def test_refused_arguments_raise_naming_them(tiny_llama_dir: str, name: str, value: Any) -> None:

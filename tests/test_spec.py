@@ -143,7 +143,7 @@ def test_engine_sampling_distribution(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("kw, word", [
-    ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm"),
+    ({"speculative_algorithm": "NEXTN"}, "speculative_algorithm"),
     ({"speculative_algorithm": "BOGUS"}, "speculative_algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "speculative_eagle_topk"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "speculative_num_draft_tokens"),

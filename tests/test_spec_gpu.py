@@ -48,3 +48,24 @@ def test_standalone_gpu_self_draft(gpu_model_dir):
     assert_close_runs(spec, base)
     rate = _accepted(spec) / max(sum(o["meta_info"]["spec_proposed_drafts"] for o in spec), 1)
     assert rate > 0.8, rate
+
+
+@gpu
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_eagle_gpu_random_head(gpu_model_dir, tmp_path, algo):
+    """EAGLE / EAGLE3 with a random head on CUDA: outputs as plain decoding (bf16 up to near-tie
+    forks; fp32 with the torch backend token-identical), drafts proposed every decode step."""
+    from nbgen.models.eagle import save_random_head
+
+    head = save_random_head(gpu_model_dir, str(tmp_path / "head"), algo == "EAGLE3")
+    kw = {"speculative_algorithm": algo, "speculative_draft_model_path": head, "speculative_num_steps": 3}
+    prompts = _repeating_prompts()
+    base = gpu_generate(gpu_model_dir, prompts, logprobs=True)
+    spec = gpu_generate(gpu_model_dir, prompts, logprobs=True, **kw)
+    assert_close_runs(spec, base)
+    assert sum(o["meta_info"]["spec_proposed_drafts"] for o in spec) > 0
+    runs = []
+    for k in ({}, kw):
+        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="float32", attention_backend="torch", **k) as eng:
+            runs.append(output_ids(eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False)))
+    assert runs[0] == runs[1]

@@ -11,7 +11,8 @@ outputs are token-identical.
 acceptance meaningless, so the drafts are made to agree as far as possible: NGRAM on prompts that
 are a random block repeated, with ``ignore_eos`` (greedy random-weight models fall into cycles that
 prompt lookup then predicts), or STANDALONE with the target as its own draft (``--draft-model`` =
-``--model``: every draft agrees; its step then includes the draft's forwards). Reported per batch
+``--model``: every draft agrees; its step then includes the draft's forwards), or an EAGLE / EAGLE3
+head (``--eagle-head DIR`` or ``random`` [``--eagle3``]: the head's cost per step). Reported per batch
 size (``--batch-sizes``, 1 and 32): ms per decode step without and with speculation (the step of a
 speculative request verifies ``--num-draft-tokens`` tokens), the acceptance length reached, the
 verify step's cost in plain decode steps, and the speed-up that cost implies at acceptance lengths
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 from typing import Any, Optional
 
@@ -29,6 +31,8 @@ import torch
 
 from nbgen.bench.spec_prompts import extractive_chats
 from nbgen.engine import Engine
+from nbgen.models.eagle import save_random_head
+from nbgen.models.embedded import default_model_path
 
 
 def _engine(args: argparse.Namespace, spec: bool) -> Engine:
@@ -42,7 +46,15 @@ def _engine(args: argparse.Namespace, spec: bool) -> Engine:
         kw["mem_fraction_static"] = args.mem_fraction_static
     if spec:
         kw["speculative_num_draft_tokens"] = args.num_draft_tokens
-        if args.draft_model:
+        if args.eagle_head:
+            head = args.eagle_head
+            if head == "random":       # speed machinery only: a random head's drafts are rarely accepted
+                head = save_random_head(args.model or default_model_path(), tempfile.mkdtemp(prefix="nbgen_eagle_"),
+                                        args.eagle3)
+            kw.update(speculative_algorithm="EAGLE3" if args.eagle3 else "EAGLE",
+                      speculative_draft_model_path=head, speculative_num_steps=args.num_draft_tokens - 1)
+            kw.pop("speculative_num_draft_tokens")
+        elif args.draft_model:
             kw.update(speculative_algorithm="STANDALONE", speculative_draft_model_path=args.draft_model,
                       speculative_num_steps=args.num_draft_tokens - 1)
             kw.pop("speculative_num_draft_tokens")
@@ -107,7 +119,8 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     sp = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     res: dict[str, Any] = {"mode": "machinery", "model": args.model, "num_draft_tokens": args.num_draft_tokens,
-                           "draft_model": args.draft_model}
+                           "draft_model": args.draft_model, "eagle_head": args.eagle_head,
+                           "eagle3": args.eagle3}
     engines = {"plain": _engine(args, False), "spec": _engine(args, True)}
     try:
         tok = engines["plain"].tokenizer
@@ -143,6 +156,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--machinery", action="store_true")
     ap.add_argument("--draft-model", default=None, help="STANDALONE draft (machinery: the target itself)")
+    ap.add_argument("--eagle-head", default=None,
+                    help="EAGLE / EAGLE3 head dir, or 'random' (a random head for --model: speed machinery only)")
+    ap.add_argument("--eagle3", action="store_true", help="the head is EAGLE3 (speculative_algorithm='EAGLE3')")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--block", type=int, default=64, help="machinery: random block repeated in each prompt")
     ap.add_argument("--repeats", type=int, default=4)

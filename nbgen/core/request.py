@@ -146,6 +146,13 @@ class Request:
             else:
                 self.hidden_states.append(row)
 
+    def trim_output(self, n: int) -> None:
+        """Keep the first ``n`` output tokens (and their logprobs): a stop string matched inside a
+        speculative step's accepted run, where plain decoding would have stopped."""
+        for lst in (self.output_ids, self.output_token_logprobs, self.output_top_logprobs,
+                    self.output_ids_logprobs):
+            del lst[n:]
+
     def end_after(self, tok: int, n_out: int, context_length: Optional[int] = None) -> Optional[FinishReason]:
         """The stop check: the finish reason once ``tok``, the ``n_out``-th output token, was
         generated, or None to go on. A stop id ends the request once ``min_new_tokens`` are out;

@@ -64,11 +64,11 @@ IMPLEMENTED: dict[str, str] = {
     "lora_target_modules": "",
     "lora_backend": "every backend name runs nbgen's path (torch on CPU, segmented Triton kernels on CUDA)",
     "enable_return_hidden_states": "generate(return_hidden_states=True) needs it",
-    "speculative_algorithm": "NGRAM or STANDALONE (chain drafts, one mode per engine)",
-    "speculative_draft_model_path": "STANDALONE's draft model (same tokenizer)",
-    "speculative_num_steps": "STANDALONE draft steps per verify; default 3",
+    "speculative_algorithm": "NGRAM, STANDALONE, EAGLE or EAGLE3 (chain drafts, one mode per engine)",
+    "speculative_draft_model_path": "STANDALONE's draft model (same tokenizer) or an EAGLE / EAGLE3 head",
+    "speculative_num_steps": "STANDALONE / EAGLE draft steps per verify; default 3",
     "speculative_eagle_topk": "only 1 (chain drafts)",
-    "speculative_num_draft_tokens": "tokens verified per step; NGRAM default 8, STANDALONE num_steps + 1",
+    "speculative_num_draft_tokens": "tokens verified per step; NGRAM default 8, STANDALONE / EAGLE num_steps + 1",
     "speculative_ngram_max_trie_depth": "NGRAM: the longest context match used to draft",
 }
 

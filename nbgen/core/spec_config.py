@@ -8,6 +8,9 @@ nbgen drafts chains (one candidate per position, SGLang's ``speculative_eagle_to
 - ``"STANDALONE"``: a small draft model with the same tokenizer (``speculative_draft_model_path``)
   proposes ``speculative_num_steps`` tokens autoregressively; ``speculative_num_draft_tokens`` is
   ``speculative_num_steps + 1`` (SGLang adjusts it the same way for chains).
+- ``"EAGLE"`` / ``"EAGLE3"``: an EAGLE head (``speculative_draft_model_path``: SGLang's
+  ``LlamaForCausalLMEagle`` / ``LlamaForCausalLMEagle3`` checkpoints) drafts from the target's hidden
+  states; steps and draft tokens as STANDALONE.
 
 Speculation is one mode per engine, as SGLang: every generate request of the engine is drafted.
 """
@@ -17,8 +20,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
-NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "MTP")
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+NOT_YET = ("NEXTN", "MTP")
 NGRAM_DRAFT_TOKENS = 8            # default verify width of NGRAM (the last token + 7 drafts)
 STANDALONE_STEPS = 3              # SGLang's auto choice for chains: 3 steps, topk 1, 4 draft tokens
 
@@ -27,7 +30,7 @@ STANDALONE_STEPS = 3              # SGLang's auto choice for chains: 3 steps, to
 class SpecConfig:
     """The resolved speculative settings of an engine (``SpecConfig.of(cfg)``; None when off)."""
 
-    algorithm: str                     # "NGRAM" | "STANDALONE"
+    algorithm: str                     # "NGRAM" | "STANDALONE" | "EAGLE" | "EAGLE3"
     num_draft_tokens: int              # tokens verified per step: the last sampled one + drafts
     num_steps: int                     # STANDALONE: draft-model steps per verify (= drafts)
     draft_model_path: Optional[str]    # STANDALONE: the draft model
@@ -73,11 +76,11 @@ class SpecConfig:
                 raise ValueError(f"speculative_num_draft_tokens must be >= 2 for NGRAM, got {n}")
             return cls("NGRAM", n, n - 1, None, depth)
         if not isinstance(path, str) or not path:
-            raise ValueError("speculative_algorithm='STANDALONE' needs speculative_draft_model_path "
-                             "(a draft model with the target's tokenizer)")
+            raise ValueError(f"speculative_algorithm={algo!r} needs speculative_draft_model_path "
+                             "(a draft model or EAGLE head for the target's tokenizer)")
         steps = cfg.speculative_num_steps or STANDALONE_STEPS
         n = cfg.speculative_num_draft_tokens
         if n is not None and n != steps + 1:
             warnings.warn(f"speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = {steps + 1} "
                           "for chain drafts", UserWarning, stacklevel=4)
-        return cls("STANDALONE", steps + 1, steps, path, depth)
+        return cls(algo, steps + 1, steps, path, depth)

@@ -181,11 +181,19 @@ class LlamaModel(nn.Module):
         rope = get_rope(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(self.layer_cls(config, i, rope) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE3 (runtime/spec_eagle.py): the residual stream at the input of these layers, per eager forward
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                              # [T, H]
         residual = None
-        for layer in self.layers:
+        if self.capture_layers:
+            self.captured = []
+        for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:      # a copy: the next add+norm updates the stream in place
+                h = x.clone() if residual is None else (residual.clone() if x is None else x + residual)
+                self.captured.extend([h] * self.capture_layers.count(i))
             x, residual = layer(positions, x, residual, meta)
         return self.final_norm(x, residual)
 

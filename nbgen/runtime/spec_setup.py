@@ -8,6 +8,7 @@ from nbgen.core.spec_config import SpecConfig
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.spec_eagle import make_eagle_drafter
 from nbgen.runtime.spec_draft_model import DraftModelDrafter, make_draft_runner
 from nbgen.runtime.spec_ngram import NgramProposer
 from nbgen.runtime.spec_step import Drafter, SpecStepper
@@ -15,7 +16,7 @@ from nbgen.runtime.spec_step import Drafter, SpecStepper
 
 def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConfig,
                       stats: Optional[LoopStats] = None) -> Optional[SpecStepper]:
-    """The loop's speculative stepper for ``cfg.speculative_algorithm`` (NGRAM or STANDALONE), or None."""
+    """The loop's speculative stepper for ``cfg.speculative_algorithm`` (NGRAM, STANDALONE, EAGLE, EAGLE3), or None."""
     spec = SpecConfig.of(cfg)
     if spec is None:
         return None
@@ -23,6 +24,8 @@ def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConf
     if spec.algorithm == "STANDALONE":
         draft = make_draft_runner(cfg, runner.device, runner.num_pages)
         drafter = DraftModelDrafter(draft, runner.vocab_size, spec.num_steps)
+    elif spec.algorithm in ("EAGLE", "EAGLE3"):
+        drafter = make_eagle_drafter(cfg, runner, spec.num_steps, spec.algorithm == "EAGLE3")
     else:
         drafter = NgramProposer(spec.ngram_max_match)
     return SpecStepper(runner, scheduler, spec, drafter, stats)

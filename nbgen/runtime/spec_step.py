@@ -3,9 +3,10 @@
 Per scheduled batch:
 
 1. every decode seq (one token, past its prompt) gets a draft budget: ``speculative_num_draft_tokens - 1``,
-   cut to what ``max_new_tokens`` and the context length leave after the bonus token (none for
-   requests with ``stop`` strings or ``stop_regex``: those are matched on the text after each step);
-2. the drafter (runtime/spec_ngram.py or runtime/spec_draft_model.py) proposes up to that many tokens;
+   cut to what ``max_new_tokens`` and the context length leave after the bonus token (``stop``
+   strings and ``stop_regex`` are matched token by token on the accepted run, which is cut where
+   plain decoding would have stopped: runtime/tracker.py);
+2. the drafter (runtime/spec_ngram.py, spec_draft_model.py or spec_eagle.py) proposes up to that many tokens;
    the scheduler lends the pages they need from free pages only (``Scheduler.reserve``: a draft never
    preempts anyone), and drafts without pages are cut;
 3. one target forward over the whole batch — prefill chunks, plain decodes and verify seqs
@@ -76,8 +77,8 @@ class SpecStepper:
         out = []
         for s, d in zip(batch.seqs, dec):
             req = s.req
-            if not d or req.params.stop_strs or req.params.stop_regex:
-                out.append(0)        # stop strings are matched on text after the step: one token a step
+            if not d:
+                out.append(0)
                 continue
             k = self.spec.max_drafts
             if req.params.max_new_tokens is not None:
@@ -113,13 +114,15 @@ class SpecStepper:
         if not self.drafter.pages_first:
             cut = self._reserve(batch, [len(d) for d in drafts])
             drafts = [d[:k] for d, k in zip(drafts, cut)]
-        if not any(drafts):
+        if not any(drafts) and not getattr(self.drafter, "wants_hidden", False):
             return self._plain(batch, dec)
         return self._verify(batch, drafts, dec)
 
     def _plain(self, batch: ScheduledBatch, dec: list[bool]) -> StepOutput:
         """A plain step (no drafts); decode seqs still count as verify steps of their requests."""
         out = self.runner.step(batch)
+        if getattr(self.drafter, "wants_hidden", False):
+            self.drafter.observe(batch, None, None)     # no features this step (runtime/spec_eagle.py)
         n = len(batch.seqs)
         out.accepted, out.accepted_logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
         self._count(batch, dec, [0] * n, [0] * n)
@@ -160,6 +163,8 @@ class SpecStepper:
             if drafts[i]:        # KV stays valid for [last, accepted drafts]: the rest is released
                 batch.seqs[i] = SeqWork(s.req, s.token_ids[: s.q_len - len(drafts[i]) + acc[i]], s.start_pos,
                                         s.pages, True)
+        if getattr(self.drafter, "wants_hidden", False):      # EAGLE: the kept tokens' features
+            self.drafter.observe(batch, flat.starts, hidden)
         self._count(batch, dec, [len(d) for d in drafts], acc)
         return out
 

@@ -74,11 +74,16 @@ class Tracked:
         if (isinstance(matched, int) and not req.params.no_stop_trim and text_ids
                 and text_ids[-1] == matched):
             text_ids = text_ids[:-1]  # a matched stop token is not part of the text
-        piece = self.detok.add(text_ids) if (self.detok is not None and text_ids) else ""
-        if req.finished and self.detok is not None:
-            piece += self.detok.flush()
-        if self.matcher is not None and not self.matcher.done:
-            emit, matched = self.matcher.feed(piece)
+        if self.matcher is not None and not self.matcher.done and self.detok is not None and len(text_ids) > 1:
+            emit, matched = self._feed_each(text_ids)   # a speculative step's run of tokens
+            piece = None
+        else:
+            piece = self.detok.add(text_ids) if (self.detok is not None and text_ids) else ""
+            if req.finished and self.detok is not None:
+                piece += self.detok.flush()
+        if self.matcher is not None and (piece is None or not self.matcher.done):
+            if piece is not None:
+                emit, matched = self.matcher.feed(piece)
             if matched is not None:
                 if not req.finished:
                     scheduler.finish(req, FinishReason.stop(matched))
@@ -102,6 +107,25 @@ class Tracked:
                            logprob_start=self.n_sent_ids)
         self.n_sent_ids, self.n_sent_text = n_out, len(self.text)
         return Update(req.rid, out, finished=False)
+
+    def _feed_each(self, ids: list[int]) -> tuple[str, Optional[str]]:
+        """Several new tokens (accepted drafts): matched one token at a time, as plain decoding
+        meets them; a stop string inside the run cuts the output after its last token."""
+        req, emit = self.req, ""
+        first = len(req.output_ids) - len(ids)
+        for j, tok in enumerate(ids):
+            last = j == len(ids) - 1
+            piece = self.detok.add([tok])
+            if last and req.finished:
+                piece += self.detok.flush()
+            out, matched = self.matcher.feed(piece)
+            emit += out
+            if matched is not None:
+                if not last:
+                    req.trim_output(first + j + 1)
+                    self.n_ids = self.n_text = len(req.output_ids)
+                return emit, matched
+        return emit, None
 
     def _text(self, text: str) -> Optional[str]:
         """The text of an output, or None (no text key) without a tokenizer."""

@@ -1,0 +1,134 @@
+"""EAGLE / EAGLE3 drafts (chains, ``speculative_eagle_topk=1``): a draft head reading the target's
+hidden states (nbgen/models/eagle.py).
+
+The target hands its features over after every forward (``observe``): the last layer's hidden state
+(EAGLE) or the residual stream at three layers' inputs (EAGLE3: SGLang's default ``[2, L // 2, L - 3]``)
+for each token whose KV stays valid — a prefill chunk's tokens, a verify seq's ``[last, accepted..]``.
+Draft row j reads (feature of token j, token j + 1) at position j; the features wait until token
+j + 1 is known. At the next draft, each drafting request's waiting rows run through the head (its own
+KV cache of committed rows), the last row's output gives d1, and ``speculative_num_steps - 1`` more
+one-row steps (the head's own output as the feature) give d2 .. dk; their KV is dropped afterwards.
+Drafts are the head's argmax (point masses): verification (runtime/spec_verify.py) keeps any draft
+lossless. A request whose features have a gap (a plain step, a prefix-cache hit) restarts its draft
+cache at the first row it has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from nbgen.core.batch import ScheduledBatch
+from nbgen.core.config import EngineConfig
+from nbgen.core.request import Request
+from nbgen.models.eagle import DraftCache, EagleDraft, load_eagle
+from nbgen.runtime.runner import ModelRunner
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """SGLang's default EAGLE3 capture layers (the stream at the input of these target layers)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class _State:
+    req: Request
+    cache: DraftCache = field(default_factory=DraftCache)
+    base: int = 0                                   # position of the cache's first row
+    rows: list[torch.Tensor] = field(default_factory=list)   # waiting features, consecutive
+    first: int = -1                                 # position of rows[0]
+
+    @property
+    def end(self) -> int:
+        """The position after the last committed or waiting row."""
+        return self.first + sum(r.shape[0] for r in self.rows) if self.rows else self.base + self.cache.length
+
+
+class EagleDrafter:
+    """A ``spec_step.Drafter`` running an EAGLE / EAGLE3 head on the target's features (loop thread)."""
+
+    pages_first = False     # the head keeps its own KV cache: pages are lent for the drafts it made
+    wants_hidden = True     # every target forward hands its features over (``observe``)
+
+    def __init__(self, target: ModelRunner, head: EagleDraft, steps: int) -> None:
+        self.target, self.head, self.steps = target, head, steps
+        self.model = target.model.model
+        self._st: dict[str, _State] = {}
+
+    def observe(self, batch: ScheduledBatch, starts: Optional[list[int]], hidden: Optional[torch.Tensor]) -> None:
+        """Take the features of the tokens of ``batch`` (its seqs as kept: rows ``starts[i] ..``) from
+        the target forward that produced ``hidden`` [T, H]; None: a step without features."""
+        aux, self.model.captured = self.model.captured, []
+        if hidden is None or starts is None:
+            return
+        if self.head.eagle3:
+            if len(aux) != 3 or aux[0].shape[0] != hidden.shape[0]:
+                return                       # no capture (a graph replay): the next forward restarts
+            hidden = torch.cat(aux, dim=-1)                                   # [T, 3H]
+        for s, r0 in zip(batch.seqs, starts):
+            st = self._st.get(s.req.rid)
+            if st is None or st.req is not s.req:
+                st = self._st[s.req.rid] = _State(s.req)
+            if s.start_pos != st.end or (not st.rows and not st.cache.length):
+                st.cache, st.base, st.rows = DraftCache(), s.start_pos, []   # a gap: restart here
+            if not st.rows:
+                st.first = s.start_pos
+            st.rows.append(hidden[r0: r0 + s.q_len].clone())    # a copy: graph outputs are reused buffers
+
+    @torch.inference_mode()
+    def draft(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
+        """Per seq, up to ``limits[i]`` draft tokens (the head's greedy chain)."""
+        out: list[list[int]] = [[] for _ in batch.seqs]
+        dev = self.target.device
+        for i, (s, k) in enumerate(zip(batch.seqs, limits)):
+            st = self._st.get(s.req.rid)
+            if not k or st is None or st.req is not s.req or not st.rows:
+                continue
+            ids = s.req.all_ids
+            feats = torch.cat(st.rows)                                         # [m, Hin]
+            m, p = feats.shape[0], st.first
+            if p + m >= len(ids):
+                continue                     # the token after the last row is not known yet
+            st.cache.truncate(p - st.base)
+            pos = torch.arange(p, p + m, device=dev)
+            o = self.head.step(torch.tensor(ids[p + 1: p + m + 1], device=dev), feats, pos, st.cache)
+            st.rows = []
+            committed = st.cache.length
+            h, q = o[-1:], p + m
+            for _ in range(min(k, self.steps)):
+                tok = int(self.head.logits_to_tokens(h, self.target.model.compute_logits)[0])
+                out[i].append(tok)
+                if len(out[i]) == min(k, self.steps):
+                    break
+                h = self.head.step(torch.tensor([tok], device=dev), h, torch.tensor([q], device=dev), st.cache)
+                q += 1
+            st.cache.truncate(committed)     # draft rows are recomputed from the target's features
+        return out
+
+    def prune(self) -> None:
+        """Forget finished requests."""
+        for rid in [r for r, st in self._st.items() if st.req.finished]:
+            del self._st[rid]
+
+
+def make_eagle_drafter(cfg: EngineConfig, runner: ModelRunner, steps: int, eagle3: bool) -> EagleDrafter:
+    """Load the head of ``cfg.speculative_draft_model_path`` for ``runner``'s model (EAGLE3: its
+    capture layers switched on)."""
+    assert cfg.speculative_draft_model_path is not None
+    if cfg.tp_size > 1:
+        raise ValueError(f"speculative_algorithm={'EAGLE3' if eagle3 else 'EAGLE'} runs with tp_size=1 in nbgen "
+                         f"(the head is not sharded), got tp_size={cfg.tp_size}")
+    model = runner.model.model
+    H = runner.model.config.hidden_size
+    head = load_eagle(cfg.speculative_draft_model_path, H, model.embed_tokens,
+                      next(runner.model.parameters()).dtype, runner.device)
+    if head.eagle3 != eagle3:
+        raise ValueError(f"speculative_draft_model_path holds an {'EAGLE3' if head.eagle3 else 'EAGLE'} head; "
+                         f"speculative_algorithm is {'EAGLE3' if eagle3 else 'EAGLE'}")
+    if eagle3:
+        n = len(model.layers)
+        if n < 4:
+            raise ValueError(f"speculative_algorithm='EAGLE3' needs a target with >= 4 layers, got {n}")
+        model.capture_layers = eagle3_layers(n)
+    return EagleDrafter(runner, head, steps)
