@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbgen.kernels import small_gemm
+from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 
@@ -93,6 +94,9 @@ class _Linear(nn.Module):
     # LoRA serving (runtime/lora.py): a hook adding the step's adapters' low-rank products into the
     # output, ``lora(x [T, in], y [T, out])`` in place; ``lora.active`` is False on steps without adapters
     lora: Optional[Any] = None
+    # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its row scales;
+    # the parameter then holds the same e4m3 tensor
+    fp8: Optional[Fp8Weight] = None
 
     @property
     def lora_active(self) -> bool:
@@ -123,6 +127,9 @@ class _Linear(nn.Module):
             self.packed = None
 
     def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.fp8, bias)
+            return y if out is None else out.copy_(y)
         if out is not None:
             # into the caller's buffer (piecewise prefill graphs keep q/k/v in a static one): the same
             # cuBLAS call F.linear makes (addmm / mm with the transposed weight)
@@ -148,7 +155,8 @@ class _Linear(nn.Module):
             raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
         if self.lora is not None and self.lora.active:
             return into.add_(self.forward(x))
-        if self.packed is None and self.bias is None and into.is_cuda and into.is_contiguous():
+        if self.fp8 is None and self.packed is None and self.bias is None and into.is_cuda \
+                and into.is_contiguous():
             if small_gemm.usable(x, self.weight):
                 return small_gemm.small_gemm(x, self.weight, accumulate=into)
             return into.addmm_(x, self.weight.t())
