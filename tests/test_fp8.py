@@ -4,6 +4,11 @@ the KV pool's size, and the accuracy bounds on the embedded SmolLM2 (real weight
 gpu) compare the Triton GEMV and ``torch._scaled_mm`` with the torch reference."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +16,7 @@ import nbgen
 from nbgen.attention import kv_quant
 from nbgen.attention.base import KVCacheSpec
 from nbgen.bench import fp8_accuracy
+from nbgen.kernels import fp8_gemv
 from nbgen.models.fp8_checkpoint import dequantize
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_rows, reference_matmul
 
@@ -74,6 +80,26 @@ def test_fp8_accuracy_bounds_on_smollm2() -> None:
     assert w.top1_agreement >= 0.85 and w.mean_abs_dlogprob < 0.25 and abs(w.ppl_change) < 0.06
     assert kv.top1_agreement >= 0.9 and kv.mean_abs_dlogprob < 0.15 and abs(kv.ppl_change) < 0.02
     assert w.mean_abs_dlogprob > 0 and kv.mean_abs_dlogprob > 0      # both modes did quantize
+
+
+def _gemv_check() -> None:
+    """Run under TRITON_INTERPRET=1: the fp8 GEMV kernel against the torch reference (ragged N, K)."""
+    torch.manual_seed(0)
+    for m in (1, 3, 16):
+        x, w, b = torch.randn(m, 200), torch.randn(40, 200), torch.randn(40)
+        xq, sx = quantize_rows(x)
+        fw = Fp8Weight(*quantize_rows(w))
+        got = fp8_gemv.fp8_gemv(xq, sx, fw.q, fw.scale, b, torch.float32)
+        torch.testing.assert_close(got, reference_matmul(xq, sx, fw, b, torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_gemv_kernel_under_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    res = subprocess.run([sys.executable, "-c", "import tests.test_fp8 as t; t._gemv_check()"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """FP8 checkpoints read as dequantized weights: HF ``quant_method: "fp8"`` (block-wise e4m3 weights with
-``weight_scale_inv`` per ``weight_block_size`` block) and compressed-tensors float8 (``weight_scale``
-per output channel or per tensor).
+``weight_scale_inv`` per ``weight_block_size`` block, or one scale per tensor) and compressed-tensors
+float8 (``weight_scale`` per output channel or per tensor). The loader then quantizes the decoder
+linears back to e4m3 per output feature (``fp8_linear.quantize_linears``), so they run as fp8 GEMMs.
 
 The weight stream of such a checkpoint passes through ``dequantize_stream``: each float8 weight is held
 until its scale arrives (safetensors lists ``x.weight`` before ``x.weight_scale*``), multiplied out in
