@@ -74,6 +74,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = Non
         return fp8_gemv.fp8_gemv(xq, sx, w.q, w.scale, bias, x.dtype)
     if x.shape[0] == 0:
         return x.new_empty((0, w.q.shape[0]))
+    if xq.shape[1] % 16 or w.q.shape[0] % 16:   # cuBLASLt fp8 needs both dims in multiples of 16
+        return reference_matmul(xq, sx, w, bias, x.dtype)
     return _scaled_mm(xq, sx, w, bias, x.dtype)
 
 
