@@ -89,8 +89,11 @@ def _gemv_check() -> None:
         x, w, b = torch.randn(m, 200), torch.randn(40, 200), torch.randn(40)
         xq, sx = quantize_rows(x)
         fw = Fp8Weight(*quantize_rows(w))
+        want = reference_matmul(xq, sx, fw, b, torch.float32)
         got = fp8_gemv.fp8_gemv(xq, sx, fw.q, fw.scale, b, torch.float32)
-        torch.testing.assert_close(got, reference_matmul(xq, sx, fw, b, torch.float32), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the in-kernel activation quantization (sx None) is checked on the GPU only: the interpreter's
+    # fp32 -> e4m3 cast drops a rounding carry (7.77 becomes 4.0, not 8.0)
 
 
 def test_fp8_gemv_kernel_under_triton_interpreter() -> None:
@@ -112,7 +115,7 @@ def test_gpu_fp8_gemm_equals_the_reference(m: int) -> None:
     fw = Fp8Weight(*quantize_rows(w))
     xq, sx = quantize_rows(x)
     want = reference_matmul(xq, sx, fw, b, torch.bfloat16).float()
-    got = fp8_linear(x, fw, b).float()        # Triton GEMV up to 16 rows, torch._scaled_mm past them
+    got = fp8_linear(x, fw, b).float()        # Triton GEMV (x quantized in it) up to 16 rows, _scaled_mm past them
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
     graph_x = x.clone()
     g = torch.cuda.CUDAGraph()

@@ -27,15 +27,28 @@ MAX_ROWS = 16   # up to this many rows the streaming kernel replaces torch._scal
 if triton is not None:
     @triton.jit
     def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-        # one program: BLOCK_N output features for all M (<= BLOCK_M) rows over the whole K
+                         HAS_BIAS: tl.constexpr, QUANT_X: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one program: BLOCK_N output features for all M (<= BLOCK_M) rows over the whole K.
+        # QUANT_X: x is in the model dtype and each program quantizes it per row itself (x is a few
+        # KB against the MBs of weight: re-reading it per program costs less than the ~5 launches of a
+        # separate quantization, which at batch 1 would add ~1.5 ms a token over Llama-8B's 128 linears)
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         n_mask = rn < N
         m_mask = rm < M
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * swn
+        if QUANT_X:
+            amax = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :],
+                            other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+            sx = tl.maximum(amax, 1e-12) / 448.0
+        else:
+            sx = tl.load(sx_ptr + rm, mask=m_mask, other=1.0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
@@ -44,9 +57,10 @@ if triton is not None:
                         eviction_policy="evict_first").to(tl.float32)          # [BLOCK_N, BLOCK_K]
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0).to(tl.float32)                                 # [BLOCK_M, BLOCK_K]
+            if QUANT_X:   # the reference's rounding: x / sx clamped to +-448, to e4m3
+                x = tl.clamp(x / sx[:, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
             # [BLOCK_M, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K: FMAs, no tensor cores (M is tiny)
             acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-        sx = tl.load(sx_ptr + rm, mask=m_mask, other=0.0)
         sw = tl.load(sw_ptr + rn, mask=n_mask, other=0.0)
         y = acc * sx[:, None] * sw[None, :]
         if HAS_BIAS:
@@ -55,9 +69,9 @@ if triton is not None:
                  mask=m_mask[:, None] & n_mask[None, :])
 
 
-def usable(xq: torch.Tensor) -> bool:
-    """The streaming kernel takes these rows (Triton present, CUDA, 1..MAX_ROWS rows)."""
-    return triton is not None and xq.is_cuda and 0 < xq.shape[0] <= MAX_ROWS
+def usable(x: torch.Tensor) -> bool:
+    """The streaming kernel takes these rows (Triton present, CUDA, 1..MAX_ROWS contiguous rows)."""
+    return triton is not None and x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.stride(1) == 1
 
 
 def pick_config(M: int, N: int) -> tuple[int, int, int]:
@@ -70,17 +84,19 @@ def pick_config(M: int, N: int) -> tuple[int, int, int]:
     return 8, 64, 4
 
 
-def fp8_gemv(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+def fp8_gemv(xq: torch.Tensor, sx: Optional[torch.Tensor], wq: torch.Tensor, sw: torch.Tensor,
              bias: Optional[torch.Tensor], out_dtype: torch.dtype,
              config: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """xq [M, K] e4m3 (sx [M] fp32 per row) @ wq [N, K] e4m3 (sw [N] fp32 per output feature) -> [M, N]
-    in ``out_dtype`` (+ bias). Graph-capturable (one launch, no host sync)."""
+    in ``out_dtype`` (+ bias). With ``sx`` None, ``xq`` is the activation in the model dtype and the
+    kernel quantizes it per row (the same rounding as ``fp8_linear.quantize_rows``). Graph-capturable
+    (one launch, no host sync)."""
     M, K = xq.shape
     N = wq.shape[0]
     y = torch.empty((M, N), dtype=out_dtype, device=xq.device)
     bm = max(2, triton.next_power_of_2(M))
     bn, bk, warps = config or pick_config(M, N)
     _fp8_gemv_kernel[(triton.cdiv(N, bn),)](
-        xq, sx, wq, sw, bias if bias is not None else sw, y, M, N, K, xq.stride(0), wq.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        xq, sx if sx is not None else sw, wq, sw, bias if bias is not None else sw, y, M, N, K, xq.stride(0),
+        wq.stride(0), y.stride(0), HAS_BIAS=bias is not None, QUANT_X=sx is None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return y

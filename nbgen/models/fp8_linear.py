@@ -67,11 +67,11 @@ def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight, bias: Optional[
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring)."""
+    if fp8_gemv.usable(x):   # decode sizes: one launch, x quantized inside the kernel
+        return fp8_gemv.fp8_gemv(x, None, w.q, w.scale, bias, x.dtype)
     xq, sx = quantize_rows(x)
     if not x.is_cuda:
         return reference_matmul(xq, sx, w, bias, x.dtype)
-    if fp8_gemv.usable(xq):
-        return fp8_gemv.fp8_gemv(xq, sx, w.q, w.scale, bias, x.dtype)
     if x.shape[0] == 0:
         return x.new_empty((0, w.q.shape[0]))
     if xq.shape[1] % 16 or w.q.shape[0] % 16:   # cuBLASLt fp8 needs both dims in multiples of 16
