@@ -65,6 +65,8 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
             deq[name] = dequantize(q, s, block).to(t.dtype)
         else:
             fp8[name] = deq[name] = t
+    if method.startswith("fp8"):   # a KV-cache scale, as fp8 checkpoints with an fp8 KV cache carry
+        fp8["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
     save_file(fp8, os.path.join(dst, "model.safetensors"))
     save_file(deq, os.path.join(ref, "model.safetensors"))
     cfg_path = os.path.join(dst, "config.json")

@@ -18,7 +18,7 @@ IMPLEMENTED: dict[str, str] = {
     "device": "auto, cpu, cuda",
     "load_format": "auto, safetensors, gguf, dummy",
     "quantization": "None or fp8 (e4m3 weights per output feature, per-token activations); fp8 and compressed-tensors float8 checkpoints are detected",
-    "kv_cache_dtype": "auto (the model dtype) or fp8_e4m3 (per-tensor k/v scales from the checkpoint, else 1.0)",
+    "kv_cache_dtype": "auto (the model dtype) or fp8_e4m3 (K and V scale 1.0; a checkpoint's k_scale / v_scale are not read); the torch attention backend",
     "context_length": "",
     "mem_fraction_static": "",
     "max_running_requests": "",
