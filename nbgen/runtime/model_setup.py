@@ -113,6 +113,7 @@ def make_backend(cfg: EngineConfig, spec: KVCacheSpec) -> AttentionBackend:
         if cfg.attention_backend == "flashinfer":
             raise ValueError("kv_cache_dtype='fp8_e4m3' runs on attention_backend='torch'; "
                              "the flashinfer backend keeps KV in the model dtype")
+        logger.warning("kv_cache_dtype='fp8_e4m3': attention runs on the torch backend (no CUDA graphs)")
         name = "torch"
     if name == "flashinfer" and not half:
         raise ValueError(f"attention_backend='flashinfer' needs dtype bfloat16 or float16, got {spec.dtype}")
