@@ -1,7 +1,8 @@
 """FP8 checkpoints on the CPU (nbgen.models.fp8_checkpoint): tiny models whose linear weights the test
 quantizes to float8 e4m3 (HF block-wise ``weight_scale_inv``; compressed-tensors per-channel
-``weight_scale`` with an ``input_scale``) load dequantized, and greedy output equals HF transformers
-running the same dequantized weights in fp32."""
+``weight_scale`` with an ``input_scale``; HF per-tensor) load into fp8 linears (the checkpoint's values
+requantized per output feature, ``models/fp8_linear.py``), and greedy output equals HF transformers
+running the dequantized weights in fp32."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import nbgen
+from nbgen.core.config import EngineConfig
+from nbgen.models.loader import load_model
 from nbgen.models.fp8_checkpoint import Fp8Format, dequantize, dequantize_stream, fp8_format
 from tests.tiny_models import make_tiny_model
 
@@ -46,12 +49,15 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
     shutil.copytree(src, ref)
     sd = load_file(os.path.join(src, "model.safetensors"))
     fp8, deq = {}, {}
-    block = (16, 32) if method == "fp8" else None
+    block = (16, 32) if method == "fp8" else None   # "fp8-tensor": HF fp8 with one scale per tensor
     for name, t in sd.items():
         if name.endswith(".weight") and any(f".{p}." in name for p in LINEARS):
             q, s = _quantize(t.float(), block)
+            if method == "fp8-tensor":
+                s = t.float().abs().max() / 448.0
+                q = (t.float() / s).to(F8)
             fp8[name] = q
-            if method == "fp8":
+            if method.startswith("fp8"):
                 fp8[name + "_scale_inv"] = s
             else:
                 fp8[name + "_scale"] = s
@@ -59,6 +65,8 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
             deq[name] = dequantize(q, s, block).to(t.dtype)
         else:
             fp8[name] = deq[name] = t
+    if method.startswith("fp8"):   # a KV-cache scale, as fp8 checkpoints with an fp8 KV cache carry
+        fp8["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
     save_file(fp8, os.path.join(dst, "model.safetensors"))
     save_file(deq, os.path.join(ref, "model.safetensors"))
     cfg_path = os.path.join(dst, "config.json")
@@ -66,6 +74,8 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
     cfg["quantization_config"] = (
         {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
         if method == "fp8" else
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        if method == "fp8-tensor" else
         {"quant_method": "compressed-tensors", "format": "float-quantized",
          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8,
                                                                           "strategy": "channel"}}}})
@@ -73,7 +83,7 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
     return ref
 
 
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["fp8", "fp8-tensor", "compressed-tensors"])
 def test_fp8_checkpoint_greedy_equals_hf_on_the_dequantized_weights(tmp_path, method) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -89,6 +99,25 @@ def test_fp8_checkpoint_greedy_equals_hf_on_the_dequantized_weights(tmp_path, me
     # the quantization changed the weights (else this test would not test the dequantization)
     assert not torch.equal(load_file(os.path.join(src, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"],
                            load_file(os.path.join(ref, "model.safetensors"))["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.parametrize("method", ["fp8", "fp8-tensor", "compressed-tensors"])
+def test_fp8_checkpoint_loads_fp8_linears_equal_to_quantizing_its_values(tmp_path, method) -> None:
+    # the checkpoint's linears run as fp8 GEMMs: the same e4m3 weights and row scales as
+    # quantization="fp8" gives the dequantized values (exactly the checkpoint's for per-channel scales)
+    src = make_tiny_model("llama", str(tmp_path / "base"))
+    ref = _fp8_copy(src, str(tmp_path / "fp8"), method)
+    cpu = torch.device("cpu")
+    got = load_model(EngineConfig(model_path=str(tmp_path / "fp8"), dtype="float32"), cpu).model
+    want = load_model(EngineConfig(model_path=ref, dtype="float32", quantization="fp8"), cpu).model
+    plain = load_model(EngineConfig(model_path=ref, dtype="float32"), cpu).model
+    down = [m.model.layers[0].mlp.down_proj for m in (got, want, plain)]
+    assert down[0].fp8 is not None and down[2].fp8 is None and down[0].weight.dtype == F8
+    assert torch.equal(down[0].fp8.q.view(torch.uint8), down[1].fp8.q.view(torch.uint8))
+    assert torch.equal(down[0].fp8.scale, down[1].fp8.scale)
+    if method == "compressed-tensors":   # per channel: the stored float8 values themselves
+        raw = load_file(os.path.join(tmp_path / "fp8", "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
+        assert torch.equal(down[0].fp8.q.view(torch.uint8), raw.view(torch.uint8))
 
 
 def test_block_dequantize_covers_ragged_edges() -> None:

@@ -40,7 +40,7 @@ def test_every_engine_argument_is_an_implemented_sglang_name_or_nbgen_own() -> N
     assert all(a.note for a in SERVER_ARGS.values() if a.status != STATUS_IMPLEMENTED)
     for name in ("host", "port", "api_key", "log_requests", "enable_metrics", "tokenizer_worker_num"):
         assert SERVER_ARGS[name].status == STATUS_NO_EFFECT
-    for name in ("speculative_token_map", "quantization", "pp_size", "enable_hierarchical_cache"):
+    for name in ("speculative_token_map", "modelopt_quant", "pp_size", "enable_hierarchical_cache"):
         assert SERVER_ARGS[name].status == STATUS_REFUSED
 
 
@@ -66,11 +66,17 @@ def test_no_effect_arguments_are_taken_with_one_warning_naming_them() -> None:
 
 
 @pytest.mark.parametrize("name, value", [("enable_hierarchical_cache", True), ("speculative_algorithm", "NEXTN"),
-                                         ("pp_size", 2), ("kv_cache_dtype", "fp8_e5m2"), ("quantization", "fp8"),
+                                         ("pp_size", 2), ("modelopt_quant", "fp8"),
                                          ("cuda_graph_max_bs_decode", 64), ("reasoning_parser", "qwen3")])
 def test_refused_arguments_raise_naming_them(tiny_llama_dir: str, name: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"{name} is not supported yet by nbgen"):
         nbgen.Engine(tiny_llama_dir, device="cpu", **{name: value})
+
+
+@pytest.mark.parametrize("name, value", [("kv_cache_dtype", "fp8_e5m2"), ("quantization", "awq")])
+def test_unsupported_quantization_values_raise_naming_the_parameter(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=name):
+        EngineConfig.from_kwargs(None, {name: value})
 
 
 def test_refused_arguments_with_sglang_default_are_accepted_silently() -> None:

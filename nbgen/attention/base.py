@@ -26,10 +26,20 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    # the pool's element type when it differs from the model dtype (kv_cache_dtype="fp8_e4m3":
+    # attention/kv_quant.py) and the per-tensor K / V scales of an fp8 pool
+    kv_dtype: Optional[torch.dtype] = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV pool's element type."""
+        return self.kv_dtype or self.dtype
 
     def bytes_per_page(self) -> int:
         """K and V bytes of one page over all layers (the KV pool's sizing unit)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -46,8 +56,9 @@ class AttentionBackend(ABC):
         self.spec = spec
         self.scale = spec.head_dim ** -0.5
         shape = self.cache_shape()
-        self.k_cache = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        dt = spec.cache_dtype
+        self.k_cache = [torch.zeros(shape, dtype=dt, device=spec.device) for _ in range(spec.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dt, device=spec.device) for _ in range(spec.num_layers)]
 
     def cache_shape(self) -> tuple[int, ...]:
         """Per-layer K (and V) tensor shape; default NHD pages: [num_pages, page_size, Hkv, D]."""

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nbgen.attention import kv_quant
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
 from nbgen.kernels import cpu_ops
 from nbgen.core.batch import ScheduledBatch
@@ -49,7 +50,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, spec: KVCacheSpec, use_cpu_kernels: Optional[bool] = None) -> None:
         super().__init__(spec)
         self.gqa = spec.num_q_heads // spec.num_kv_heads
-        usable = spec.device.type == "cpu" and cpu_ops.supports_decode(
+        # the C kernel reads pages of the model dtype (an fp8 pool takes the gather path, dequantized)
+        usable = spec.device.type == "cpu" and spec.cache_dtype == spec.dtype and cpu_ops.supports_decode(
             spec.dtype, spec.num_q_heads, spec.num_kv_heads)
         self.cpu_kernels = usable and use_cpu_kernels is not False and cpu_ops.available()
 
@@ -122,8 +124,8 @@ class TorchAttentionBackend(AttentionBackend):
         k = k.view(T, hkv, d)
         v = v.view(T, hkv, d)
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]              # [Hkv, slots, D]
-        kc.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kc.dtype))
-        vc.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(vc.dtype))
+        kv_quant.write(kc, meta.slot_mapping, k.transpose(0, 1), sp.k_scale)
+        kv_quant.write(vc, meta.slot_mapping, v.transpose(0, 1), sp.v_scale)
         out = torch.empty_like(q)
         if meta.decode_table is not None:
             bd = meta.decode_rows.shape[0]
@@ -148,7 +150,8 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.kv_buf = torch.empty((2, hkv, flat.numel(), d), dtype=kc.dtype, device=kc.device)
             kd = torch.index_select(kc, 1, flat, out=meta.kv_buf[0]).view(hkv * bd, kmax, d)  # [Hkv*Bd, Kmax, D]
             vd = torch.index_select(vc, 1, flat, out=meta.kv_buf[1]).view(hkv * bd, kmax, d)
-            scores = torch.bmm(qd, kd.transpose(1, 2).to(qd.dtype)).float().mul_(self.scale)
+            kd, vd = kv_quant.load(kd, sp.k_scale, qd.dtype), kv_quant.load(vd, sp.v_scale, qd.dtype)
+            scores = torch.bmm(qd, kd.transpose(1, 2)).float().mul_(self.scale)
             scores = scores.view(hkv, bd, g, kmax).masked_fill_(meta.decode_pad, float("-inf"))
             probs = torch.softmax(scores, -1, dtype=torch.float32).to(vd.dtype).view(hkv * bd, g, kmax)
             od = torch.bmm(probs, vd).view(hkv, bd, g, d).transpose(0, 1)     # [Bd, Hkv, G, D]
@@ -158,11 +161,13 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, meta.decode_rows, od)
         for p in meta.prefill:
             qs = q[p.tok_start:p.tok_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-            if p.kv_slots is None:  # fresh prompt chunk: its own k/v are the whole context
+            if p.kv_slots is None and kc.dtype == q.dtype:  # fresh prompt chunk: its own k/v are the context
                 ks = k[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
                 vs = v[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
-            else:
-                ks, vs = kc.index_select(1, p.kv_slots), vc.index_select(1, p.kv_slots)  # [Hkv, K, D]
+            else:   # from the pool (an fp8 pool: the chunk's own k/v as stored, as the paged kernels read them)
+                slots = p.kv_slots if p.kv_slots is not None else meta.slot_mapping[p.tok_start:p.tok_start + p.q_len]
+                ks = kv_quant.load(kc.index_select(1, slots), sp.k_scale, q.dtype)       # [Hkv, K, D]
+                vs = kv_quant.load(vc.index_select(1, slots), sp.v_scale, q.dtype)
             os_ = F.scaled_dot_product_attention(qs, ks.unsqueeze(0).to(qs.dtype), vs.unsqueeze(0).to(qs.dtype),
                                                  attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
                                                  enable_gqa=self.gqa > 1)

@@ -11,7 +11,7 @@ large model, whose prompts are compute-bound work a decode-only floor does not c
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,8 +39,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / secs
 
 
-def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
-    """(weight bytes read per decode step, KV bytes per token)."""
+def model_bytes(model: torch.nn.Module, hf: Any, kv_bytes_per_token: Optional[int] = None) -> tuple[int, int]:
+    """(weight bytes read per decode step, KV bytes per token): parameters at their stored size (fp8
+    weights 1 byte each); the KV from ``kv_bytes_per_token`` when given (the pool's own), else at the
+    embedding's dtype."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     emb = model.model.embed_tokens.weight
     if not getattr(hf, "tie_word_embeddings", False):
@@ -48,6 +50,8 @@ def model_bytes(model: torch.nn.Module, hf: Any) -> tuple[int, int]:
     heads = hf.num_attention_heads
     kv = getattr(hf, "num_key_value_heads", None) or heads
     hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    if kv_bytes_per_token is not None:
+        return total, kv_bytes_per_token
     return total, 2 * hf.num_hidden_layers * kv * hd * emb.element_size()
 
 

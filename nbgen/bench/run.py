@@ -52,6 +52,10 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["cpu_offload_gb"] = args.cpu_offload_gb
     if args.tokenizer_path:
         kw["tokenizer_path"] = args.tokenizer_path
+    if args.quantization:
+        kw["quantization"] = args.quantization
+    if args.kv_cache_dtype:
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     t0 = time.perf_counter()
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     startup = time.perf_counter() - t0
@@ -98,7 +102,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng._loop.runner
-    wb, kvb = model_bytes(runner.model, runner.hf_config)
+    # bytes actually read: fp8 weights 1 byte a parameter, an fp8 KV pool 1 byte a value
+    wb, kvb = model_bytes(runner.model, runner.hf_config, runner.kv_spec.bytes_per_page() // runner.kv_spec.page_size)
     pf = prefill_flops(runner.model, runner.hf_config, [r["meta_info"]["prompt_tokens"] for r in res])
     info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes",
                                 "piecewise_cuda_graph_tokens", "startup_s")}
@@ -137,6 +142,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); nano-vllm samples at 0.6")
     ap.add_argument("--text", action="store_true", help="text prompts (the workload's ids decoded) and text outputs")
     ap.add_argument("--tokenizer-path", default=None, help="tokenizer for --text when the model dir has none")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights (default: the checkpoint's)")
+    ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--disable-piecewise-cuda-graph", action="store_true",
                     help="steps with prefill chunks run eagerly (A/B of the piecewise prefill graphs)")
@@ -188,6 +195,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "")
     print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  floor {floor:.2f} s  startup {rows[0]['startup_s']:.1f} s")
+    print(f"floor bytes: weights {rows[0]['weight_bytes'] / 1e9:.3f} GB per decode step, KV "
+          f"{rows[0]['kv_bytes_per_token'] / 1e3:.1f} KB per token (quantization {args.quantization or 'checkpoint'}, "
+          f"kv_cache_dtype {args.kv_cache_dtype or 'auto'})")
     print(f"prefill {rows[0]['prefill_flops'] / 1e12:.3g} TFLOP at the measured matmul rate {mm / 1e12:.3g} TFLOP/s: "
           f"floor+pf {floor_pf:.2f} s (decode floor plus prefill compute; the targets use the floor)")
     print(f"server: {rows[0]['server_info']}")

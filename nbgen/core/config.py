@@ -17,6 +17,8 @@ __all__ = ["EngineConfig", "unknown_key_error"]
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = (None, "fp8")            # fp8 checkpoints are detected from config.json whatever this says
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")   # auto: the model dtype
 _BACKENDS = (None, "torch", "flashinfer")
 _GRAMMAR_BACKENDS = (None, "xgrammar", "none")   # SGLang's outlines / llguidance are refused
 _LORA_BACKENDS = ("csgmv", "triton", "torch_native")   # all served by nbgen's torch path for now
@@ -37,6 +39,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    quantization: Optional[str] = None     # "fp8": e4m3 weights per output feature (models/fp8_linear.py)
+    kv_cache_dtype: str = "auto"           # "fp8_e4m3": the KV pool in e4m3 (attention/kv_quant.py)
     context_length: Optional[int] = None
     mem_fraction_static: float = 0.85
     # GiB of weights kept in pinned host memory, copied in layer by layer each step (models/cpu_offload.py)
@@ -118,6 +122,8 @@ class EngineConfig:
         check("dtype", self.dtype in _DTYPES, f"one of {_DTYPES}")
         check("device", self.device in _DEVICES, f"one of {_DEVICES}")
         check("load_format", self.load_format in _FORMATS, f"one of {_FORMATS}")
+        check("quantization", self.quantization in QUANTIZATIONS, f"one of {QUANTIZATIONS}")
+        check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
         check("schedule_policy", self.schedule_policy in POLICIES, f"one of {POLICIES}")
         check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
         check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")

@@ -17,6 +17,8 @@ IMPLEMENTED: dict[str, str] = {
     "dtype": "auto, float32, bfloat16, float16",
     "device": "auto, cpu, cuda",
     "load_format": "auto, safetensors, gguf, dummy",
+    "quantization": "None or fp8 (e4m3 weights per output feature, per-token activations); fp8 and compressed-tensors float8 checkpoints are detected",
+    "kv_cache_dtype": "auto (the model dtype) or fp8_e4m3 (K and V scale 1.0; a checkpoint's k_scale / v_scale are not read); the torch attention backend",
     "context_length": "",
     "mem_fraction_static": "",
     "cpu_offload_gb": "whole decoder layers (the last ones) in pinned host memory, copied in before each runs (CUDA; no effect on the CPU)",
@@ -154,7 +156,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "weight_cache_timeout",
     ),
     "quantization and other KV-cache dtypes": (
-        "quantization", "quantization_param_path", "kv_cache_dtype", "modelopt_quant",
+        "quantization_param_path", "modelopt_quant",
         "modelopt_checkpoint_restore_path", "modelopt_checkpoint_save_path", "modelopt_export_path",
         "quantize_and_serve", "rl_quant_profile", "prefill_kv_cache_dequant_dtype",
         "fp8_gemm_runner_backend", "fp4_gemm_runner_backend", "torchao_config",

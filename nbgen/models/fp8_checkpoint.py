@@ -1,12 +1,14 @@
 """FP8 checkpoints read as dequantized weights: HF ``quant_method: "fp8"`` (block-wise e4m3 weights with
-``weight_scale_inv`` per ``weight_block_size`` block) and compressed-tensors float8 (``weight_scale``
-per output channel or per tensor).
+``weight_scale_inv`` per ``weight_block_size`` block, or one scale per tensor) and compressed-tensors
+float8 (``weight_scale`` per output channel or per tensor). The loader then quantizes the decoder
+linears back to e4m3 per output feature (``fp8_linear.quantize_linears``), so they run as fp8 GEMMs.
 
 The weight stream of such a checkpoint passes through ``dequantize_stream``: each float8 weight is held
 until its scale arrives (safetensors lists ``x.weight`` before ``x.weight_scale*``), multiplied out in
 float32 and handed on under the weight's name, so the model's weight loaders see an ordinary checkpoint
-and cast to the engine's dtype. Activation scales (``input_scale``, static fp8 activations) only matter to
-fp8 GEMMs and are dropped here.
+and cast to the engine's dtype. Activation scales (``input_scale``, static fp8 activations) are dropped
+here (activations are quantized per token), and so are KV-cache scales (``k_scale`` / ``v_scale``,
+compressed-tensors ``output_scale``): the fp8 KV cache uses one scale of 1.0.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# tensors of fp8 checkpoints nbgen does not read (see the module docstring)
+_DROPPED = (".input_scale", ".weight_zero_point", ".k_scale", ".v_scale", ".kv_scale", ".output_scale")
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def dequantize_stream(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Forma
     docstring); a float8 weight whose scale never comes raises a ValueError naming it."""
     parts: dict[str, dict[str, torch.Tensor]] = {}   # weight name -> its float8 "weight" / "scale" so far
     for name, t in weights:
-        if name.endswith(".input_scale") or name.endswith(".weight_zero_point"):
+        if name.endswith(_DROPPED):
             continue
         base = _weight_of_scale(name)
         if base is None and t.dtype not in FP8_DTYPES:

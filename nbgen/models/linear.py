@@ -17,6 +17,7 @@ from torch import nn
 from nbgen.kernels import small_gemm
 from nbgen.models import cpu_int4
 from nbgen.models.cpu_int4 import Int4Weight
+from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 
@@ -96,6 +97,9 @@ class _Linear(nn.Module):
     # LoRA serving (runtime/lora.py): a hook adding the step's adapters' low-rank products into the
     # output, ``lora(x [T, in], y [T, out])`` in place; ``lora.active`` is False on steps without adapters
     lora: Optional[Any] = None
+    # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its row scales;
+    # the parameter then holds the same e4m3 tensor
+    fp8: Optional[Fp8Weight] = None
 
     @property
     def lora_active(self) -> bool:
@@ -128,6 +132,9 @@ class _Linear(nn.Module):
             self.packed = self.int4 = None
 
     def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.fp8, bias)
+            return y if out is None else out.copy_(y)
         if out is not None:
             # into the caller's buffer (piecewise prefill graphs keep q/k/v in a static one): the same
             # cuBLAS call F.linear makes (addmm / mm with the transposed weight)
@@ -154,7 +161,8 @@ class _Linear(nn.Module):
         if get_tp()[0] != 1:
             raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
         lora = self.lora is not None and self.lora.active
-        if self.packed is None and self.bias is None and into.is_cuda and into.is_contiguous():
+        if self.fp8 is None and self.packed is None and self.bias is None and into.is_cuda \
+                and into.is_contiguous():
             if small_gemm.usable(x, self.weight):
                 small_gemm.small_gemm(x, self.weight, accumulate=into)
             else:

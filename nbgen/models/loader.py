@@ -24,6 +24,7 @@ from nbgen.models.embedded import default_model_path
 from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format
 from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models.linear import prepack_cpu_linears
+from nbgen.models.fp8_linear import quantize_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.pooling_config import PoolingConfig, read_pooling_config
 from nbgen.models.registry import get_model_class, prepare_config
@@ -217,10 +218,12 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
         # an embedding engine never computes logits: a checkpoint without lm_head (saved as the base model) loads
         weights = iter_safetensors(model_dir)
         fp8 = fp8_format(config)
-        if fp8 is not None:   # fp8 checkpoint: weights dequantized as they stream (fp8 GEMMs: not yet)
+        if fp8 is not None:   # fp8 checkpoint: weights dequantized as they stream, requantized below
             weights = dequantize_stream(weights, fp8)
         model.load_weights(weights, require_head=not cfg.is_embedding)
     model.eval().requires_grad_(False)
+    if cfg.quantization == "fp8" or (cfg.load_format != "dummy" and fp8_format(config) is not None):
+        quantize_linears(model)   # fp8 GEMMs (models/fp8_linear.py); before the CPU prepack, which skips them
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
         prepack_cpu_linears(model)

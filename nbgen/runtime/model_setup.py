@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nbgen.attention import kv_quant
 from nbgen.attention.base import AttentionBackend, KVCacheSpec
 from nbgen.attention.flashinfer_backend import FlashInferBackend
 from nbgen.attention.torch_backend import TorchAttentionBackend
@@ -65,12 +66,15 @@ def model_dims(hf: Any) -> tuple[int, int, int, int]:
     return hf.num_hidden_layers, heads, kv, head_dim
 
 
-def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device) -> KVCacheSpec:
+def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device,
+               kv_cache_dtype: str = "auto") -> KVCacheSpec:
     """The KV cache's per-layer geometry (num_pages 0: sized by ``num_pages``); with tensor
-    parallelism this rank's heads (``local_heads``)."""
+    parallelism this rank's heads (``local_heads``); an fp8 pool for ``kv_cache_dtype="fp8_e4m3"``."""
     layers, hq, hkv, hd = model_dims(loaded.hf_config)
     hq, hkv = local_heads(hq, hkv, get_tp()[0])
-    return KVCacheSpec(layers, 0, page_size, hq, hkv, hd, loaded.dtype, device)
+    cache = kv_quant.storage_dtype(kv_cache_dtype, loaded.dtype)
+    return KVCacheSpec(layers, 0, page_size, hq, hkv, hd, loaded.dtype, device,
+                       kv_dtype=cache if cache != loaded.dtype else None)
 
 
 def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int) -> int:
@@ -105,6 +109,13 @@ def make_backend(cfg: EngineConfig, spec: KVCacheSpec) -> AttentionBackend:
     # flashinfer's kernels are half-precision only: fp32 on a GPU (parity runs) uses the torch backend
     half = spec.dtype in (torch.bfloat16, torch.float16)
     name = cfg.attention_backend or ("flashinfer" if on_gpu and half else "torch")
+    if name == "flashinfer" and spec.cache_dtype != spec.dtype:
+        # the flashinfer backend's kernels (Triton decode, fused K/V write) read and write model-dtype pages
+        if cfg.attention_backend == "flashinfer":
+            raise ValueError("kv_cache_dtype='fp8_e4m3' runs on attention_backend='torch'; "
+                             "the flashinfer backend keeps KV in the model dtype")
+        logger.warning("kv_cache_dtype='fp8_e4m3': attention runs on the torch backend (no CUDA graphs)")
+        name = "torch"
     if name == "flashinfer" and not half:
         raise ValueError(f"attention_backend='flashinfer' needs dtype bfloat16 or float16, got {spec.dtype}")
     if name == "flashinfer":
@@ -186,7 +197,7 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     lora = make_lora_manager(cfg, loaded.model, loaded.dtype, device,
                              graph_rows=graph_batch_sizes(cfg.cuda_graph_max_bs)[-1] if device.type == "cuda" else 0)
     report("sizing the KV cache")
-    spec = kv_spec_of(loaded, cfg.page_size, device)
+    spec = kv_spec_of(loaded, cfg.page_size, device, cfg.kv_cache_dtype)
     # tensor parallelism: every rank's pool the same size (one page table for all)
     spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length), device))
     backend = make_backend(cfg, spec)
