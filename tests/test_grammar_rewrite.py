@@ -18,6 +18,7 @@ xgr = pytest.importorskip("xgrammar")
 CHARS = list(string.ascii_lowercase + 'XYZ019 -_.:,"{}[]\\/') + ["é"]
 PIECES = ['",', '"}', '"]', '", "', '":', 'ab', 'abc"', 'c",', 'a "', '"a', '}}', '"}]', '0.', '12', 'true',
           'false', 'null', '"name": "', '"tags": ["', 'ab"}', 'x"]', '""', ', "', '{"']
+CONTROL = ["\t", "a\x01"]   # raw control characters: xgrammar's bounded strings admit them, JSON does not
 SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["name", "tags", "n"],
      "properties": {"name": {"type": "string", "maxLength": 5},
@@ -29,7 +30,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def info() -> "xgr.TokenizerInfo":
-    vocab = CHARS + PIECES + ["</s>"]
+    vocab = CHARS + PIECES + CONTROL + ["</s>"]
     return xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
 
 
@@ -45,6 +46,7 @@ def _matchers(info: "xgr.TokenizerInfo", schema: dict) -> tuple:
 @pytest.mark.parametrize("schema", SCHEMAS)
 def test_same_masks_along_random_walks(info: "xgr.TokenizerInfo", schema: dict) -> None:
     n = info.vocab_size
+    control = [len(CHARS) + len(PIECES) + k for k in range(len(CONTROL))]
     rng = random.Random(0)
     for _ in range(30):
         ref, fast = _matchers(info, schema)
@@ -52,6 +54,9 @@ def test_same_masks_along_random_walks(info: "xgr.TokenizerInfo", schema: dict) 
         for _step in range(60):
             ref.fill_next_token_bitmask(a)
             fast.fill_next_token_bitmask(b)
+            for t in control:          # the one difference: never a raw control character
+                assert not (b[0, t // 32] >> (t % 32)) & 1
+                a[0, t // 32] &= ~(1 << (t % 32))
             assert torch.equal(a, b)
             allowed = [t for t in range(n) if (a[0, t // 32] >> (t % 32)) & 1]
             assert allowed
@@ -72,6 +77,7 @@ def test_bounds_enforced(info: "xgr.TokenizerInfo") -> None:
     assert not accepts('{"name": "abcdef"')                    # maxLength 5
     assert not accepts('{"name": "", "tags": [""')             # minLength 1
     assert not accepts('{"name": "", "tags": ["abcd"')         # maxLength 3
+    assert not accepts('{"name": "a\tb"')                      # not JSON: json.loads refuses it
 
 
 def test_what_is_rewritten() -> None:

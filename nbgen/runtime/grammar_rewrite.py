@@ -13,7 +13,10 @@ after optional whitespace). With that assertion xgrammar decides at compile time
 close the string, so fills inside it are table lookups again. The assertion holds wherever a
 string can stand inside an object or an array, so it is applied only to schemas whose top level is
 an object or an array (a top-level string is followed by the end of the output instead).
-The masks are unchanged (tests/test_grammar_rewrite.py compares both grammars token by token).
+One change on purpose: xgrammar's bounded strings admit raw control characters (a tab, ``\x01``),
+which are not valid JSON (``json.loads`` refuses them); the rewritten ones take JSON's string
+characters. Otherwise the masks are unchanged (tests/test_grammar_rewrite.py compares both grammars
+token by token).
 """
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ MAX_UNROLL = 1024   # longest bound rewritten (one grammar rule per character of
 # xgrammar's print of a bounded string rule: name ::= (("\"" chars{lo, hi} "\""))
 _BOUNDED = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.M)
 _FOLLOW = r'(=([ \n\r\t]* [,}\]:]))'   # what follows a string inside JSON structure
+# one unescaped character of a JSON string: xgrammar's bounded strings use [^"\\\r\n], which lets raw
+# control characters (a tab, \x01) through, and json.loads refuses those
+_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def nested_only(schema_text: str) -> bool:
@@ -48,14 +54,14 @@ def unroll_bounded_strings(ebnf: str) -> Optional[str]:
     extra: list[str] = []
 
     def rewrite(m: re.Match) -> str:
-        name, chars, lo, hi = m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+        name, lo, hi = m.group(1), int(m.group(3)), int(m.group(4))
         if hi < lo or hi > MAX_UNROLL:
             return m.group(0)
         rest = f"{name}_nbgen_room"
         # rest{k}: the closing quote, or one more character and rest{k-1}
         extra.append(f'{rest}0 ::= (("\\"")) {_FOLLOW}')
-        extra.extend(f'{rest}{k} ::= (("\\"") | ({chars} {rest}{k - 1})) {_FOLLOW}' for k in range(1, hi - lo + 1))
-        return f'{name} ::= (("\\""{f" {chars}" * lo} {rest}{hi - lo}))'
+        extra.extend(f'{rest}{k} ::= (("\\"") | ({_CHAR} {rest}{k - 1})) {_FOLLOW}' for k in range(1, hi - lo + 1))
+        return f'{name} ::= (("\\""{f" {_CHAR}" * lo} {rest}{hi - lo}))'
 
     out = _BOUNDED.sub(rewrite, ebnf)
     if not extra:
