@@ -163,3 +163,29 @@ def test_jump_forward_with_speculation_is_refused():
     from nbgen.core.config import EngineConfig
     with pytest.raises(ValueError, match="enable_jump_forward"):
         EngineConfig(enable_jump_forward=True, speculative_algorithm="NGRAM")
+
+
+def test_tail_tokenizes_each_boundary_once():
+    """tail() caches (last token, forced text) -> tokenization: a batch's requests share JSON keys."""
+    from nbgen.runtime.jump_forward import JumpForward
+
+    class CharTok:   # one token per character; counts its calls
+        calls = 0
+
+        def encode(self, text, add_special_tokens=False):
+            CharTok.calls += 1
+            return [ord(c) for c in text]
+
+        def decode(self, ids, clean_up_tokenization_spaces=False):
+            CharTok.calls += 1
+            return "".join(chr(i) for i in ids)
+
+    jf = JumpForward(CharTok())
+    first = jf.tail(ord('"'), ', "b": ')
+    assert first == (False, [ord(c) for c in ', "b": '])
+    n = CharTok.calls
+    first[1].clear()                                    # a caller's list is its own
+    assert jf.tail(ord('"'), ', "b": ') == (False, [ord(c) for c in ', "b": '])
+    assert CharTok.calls == n
+    assert jf.tail(ord("x"), ', "b": ')[1][0] == ord(",")   # another boundary: tokenized again
+    assert CharTok.calls > n

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Status
 from nbgen.core.sampling import GRAMMAR_KINDS, SamplingParams
+from nbgen.runtime.grammar_rewrite import fast_json_grammar
 from nbgen.runtime.jump_forward import JumpForward
 
 logger = logging.getLogger("nbgen")
@@ -208,8 +209,10 @@ class GrammarService:
         if kind == "json_schema":
             if text == ANY_JSON:
                 return comp.compile_builtin_json_grammar()
-            # compact separators: free whitespace lets small models pad with blanks until max_new_tokens
-            return comp.compile_json_schema(text, any_whitespace=False)
+            # compact separators: free whitespace lets small models pad with blanks until max_new_tokens;
+            # maxLength strings rewritten so their bitmask fills stay cheap (runtime/grammar_rewrite.py)
+            fast = fast_json_grammar(text, any_whitespace=False)
+            return comp.compile_json_schema(text, any_whitespace=False) if fast is None else comp.compile_grammar(fast)
         if kind == "regex":
             return comp.compile_regex(text)
         if kind == "structural_tag":

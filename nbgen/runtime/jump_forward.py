@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 MIN_JUMP = 2  # fewer new tokens than this: decode them (a one-token jump saves one row of one step)
+MAX_PLANS = 4096  # (last token, forced text) -> tokenization kept: a batch's requests share keys and punctuation
 REPLACEMENT = "\ufffd"
 
 
@@ -40,6 +41,7 @@ class JumpForward:
         self.tokenizer = tokenizer
         self.num_jumps = 0          # jumps made
         self.num_tokens = 0         # tokens appended by them (net of replaced ones)
+        self._plans: dict[tuple[int, str], Optional[tuple[bool, list[int]]]] = {}   # tail's results
 
     def _encode(self, text: str) -> Optional[list[int]]:
         """Token ids of text, or None when they do not decode back to exactly text."""
@@ -53,7 +55,16 @@ class JumpForward:
         """-> (replace the last token?, the ids that follow the kept output), or None (no jump).
 
         ``last`` is the token just sampled; it is encoded again with the forced text when it
-        decodes to whole characters."""
+        decodes to whole characters. Results are cached (the tokenizer calls cost ~30-100 us)."""
+        key = (last, forced)
+        if key not in self._plans:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = self._plan(last, forced)
+        plan = self._plans[key]
+        return None if plan is None else (plan[0], list(plan[1]))
+
+    def _plan(self, last: int, forced: str) -> Optional[tuple[bool, list[int]]]:
         text = self.tokenizer.decode([last], clean_up_tokenization_spaces=False)
         if text and REPLACEMENT not in text:
             ids = self._encode(text + forced)
