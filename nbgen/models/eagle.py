@@ -200,7 +200,10 @@ def load_eagle(path: str, target_hidden: int, embed: nn.Module, dtype: torch.dty
     missing = [m for m in missing if not m.endswith("inv_freq") and "rope" not in m]
     if missing or unexpected:
         raise ValueError(f"speculative_draft_model_path: EAGLE weights do not match ({missing=}, {unexpected=})")
-    return model.to(device=device, dtype=dtype).eval()
+    model.to(device=device)
+    for p in model.parameters():          # weights in the model dtype; the RoPE cache stays fp32 (flashinfer's rope
+        p.data = p.data.to(dtype)         # kernel takes only an fp32 cos/sin cache)
+    return model.eval()
 
 
 def save_random_head(target_dir: str, path: str, eagle3: bool = False, draft_vocab: int = 0, seed: int = 7) -> str:

@@ -32,8 +32,7 @@ def embedded_gguf_path() -> Path:
 
 def embedded_model_ready() -> bool:
     """True when the embedded model is on disk already (no download needed to load it)."""
-    p = embedded_gguf_path()
-    return p.exists() or is_converted(str(p))
+    return embedded_gguf_path().exists()     # its conversion is keyed by the file: no file, no model
 
 
 def _manual_hint() -> str:
