@@ -34,6 +34,17 @@ _PARALLEL_FROM = 4          # prompts with images from which preprocessing runs 
 _MAX_WORKERS = 8
 
 
+def checkpoint_image_processor(model_dir: str, fallback: str, kwargs: dict[str, Any]) -> Any:
+    """The image processor a model directory ships (``AutoImageProcessor``), else transformers'
+    ``fallback`` class built with ``kwargs``."""
+    import transformers
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return getattr(transformers, fallback)(**kwargs)
+
+
 def load_image(item: Any, where: str) -> Any:
     """One image argument -> an RGB PIL image; ValueError naming ``where`` when it cannot be read."""
     from PIL import Image
@@ -122,13 +133,8 @@ class ImagePrep:
     def processor(self) -> Any:
         """The HF image processor of the model directory (the PIL one when torchvision is missing)."""
         if self._processor is None:
-            from transformers import AutoImageProcessor
-
-            try:
-                self._processor = AutoImageProcessor.from_pretrained(self.model_dir)
-            except (OSError, ValueError):
-                from transformers import Qwen2VLImageProcessorPil
-                self._processor = Qwen2VLImageProcessorPil()    # Qwen2-VL's defaults (min/max pixels)
+            # Qwen2-VL's defaults (min/max pixels) where the directory has no processor config
+            self._processor = checkpoint_image_processor(self.model_dir, "Qwen2VLImageProcessorPil", {})
         return self._processor
 
     def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from nbgen.core.multimodal import ImageInputs
-from nbgen.engine_images import ImagePrep, image_prep_for, load_image
+from nbgen.engine_images import ImagePrep, checkpoint_image_processor, image_prep_for, load_image
 from nbgen.models.llava import image_tokens_per_image
 from nbgen.models.llava_next import next_layout
 
@@ -40,14 +40,9 @@ class LlavaImagePrep(ImagePrep):
     def processor(self) -> Any:
         """The checkpoint's image processor; without one, CLIP's (PIL backend) at the tower's size."""
         if self._processor is None:
-            from transformers import AutoImageProcessor
-
-            try:
-                self._processor = AutoImageProcessor.from_pretrained(self.model_dir)
-            except (OSError, ValueError):
-                from transformers import CLIPImageProcessorPil
-                self._processor = CLIPImageProcessorPil(size={"shortest_edge": self.size},
-                                                        crop_size={"height": self.size, "width": self.size})
+            self._processor = checkpoint_image_processor(
+                self.model_dir, "CLIPImageProcessorPil",
+                {"size": {"shortest_edge": self.size}, "crop_size": {"height": self.size, "width": self.size}})
         return self._processor
 
     def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nbgen.models.clip_vision import CLIPVisionTower, activation
-from nbgen.models.layers import default_weight_loader
+from nbgen.models.vision_weights import DirectWeights
 from nbgen.models.llama import LlamaForCausalLM, LlamaModel
 from nbgen.models.model_config import ModelConfig
 from nbgen.models.qwen2 import Qwen2Model
@@ -131,9 +131,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_head: bool = True) -> set[str]:
         """HF names of either layout; tower and projector load directly, the decoder as Llama's / Qwen2's."""
-        direct = {f"vision_tower.{k}": p for k, p in self.vision_tower.named_parameters()}
-        direct.update({f"multi_modal_projector.{k}": p for k, p in self.multi_modal_projector.named_parameters()})
-        seen: set[str] = set()
+        params = {f"vision_tower.{k}": p for k, p in self.vision_tower.named_parameters()}
+        params.update({f"multi_modal_projector.{k}": p for k, p in self.multi_modal_projector.named_parameters()})
+        direct = DirectWeights(params, type(self).__name__)
 
         def text_part() -> Iterable[tuple[str, torch.Tensor]]:
             for name, t in weights:
@@ -149,17 +149,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 key = name.replace("vision_tower.vision_model.", "vision_tower.", 1)
                 if key.startswith("vision_tower.") and self.vision_tower.skipped(key[len("vision_tower."):]):
                     continue
-                if key not in direct:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-                with torch.no_grad():
-                    default_weight_loader(direct[key], t)
-                seen.add(key)
+                direct.load(key, name, t)
 
         loaded = super().load_weights(text_part(), require_head)
-        missing = sorted(set(direct) - seen)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} vision tensor(s), e.g. {missing[:5]}")
-        return loaded | seen
+        direct.check_complete()
+        return loaded | direct.seen
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         # the decoder's completeness (tower and projector are checked in load_weights)

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from nbgen.models.layers import RMSNorm, VocabParallelEmbedding, default_weight_loader, rope_settings
+from nbgen.models.layers import RMSNorm, VocabParallelEmbedding, rope_settings
+from nbgen.models.vision_weights import DirectWeights
 from nbgen.models.llama import head_dim_of
 from nbgen.models.model_config import ModelConfig
 from nbgen.models.mrope import MRotaryEmbedding
@@ -109,8 +110,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_head: bool = True) -> set[str]:
         """HF names of either layout; the tower's tensors load directly, the decoder's as Qwen2's."""
-        vis = dict(self.visual.named_parameters())
-        seen: set[str] = set()
+        vis = DirectWeights(dict(self.visual.named_parameters()), type(self).__name__)
 
         def text_part() -> Iterable[tuple[str, torch.Tensor]]:
             for name, t in weights:
@@ -118,18 +118,11 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 if not name.startswith("visual."):
                     yield name, t
                     continue
-                key = name[len("visual."):]
-                if key not in vis:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-                with torch.no_grad():
-                    default_weight_loader(vis[key], t)
-                seen.add(key)
+                vis.load(name[len("visual."):], name, t)
 
         loaded = super().load_weights(text_part(), require_head)
-        missing = sorted(set(vis) - seen)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} vision tensor(s), e.g. {missing[:5]}")
-        return loaded | {f"visual.{k}" for k in seen}
+        vis.check_complete()
+        return loaded | {f"visual.{k}" for k in vis.seen}
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         # the decoder's completeness (the tower is checked in load_weights)
