@@ -270,8 +270,8 @@ class LlamaForCausalLM(nn.Module):
             want = [f"{name}#{s}" for s in fused] if fused else [name]
             missing += [w for w in want if w not in loaded]
         if missing == ["lm_head.weight"]:
-            raise ValueError(f"checkpoint has no lm_head.weight (a base model, e.g. an embedding model): "
-                             f"pass is_embedding=True to embed with it; generation needs the LM head")
+            raise ValueError("checkpoint has no lm_head.weight (a base model, e.g. an embedding model): "
+                             "pass is_embedding=True to embed with it; generation needs the LM head")
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) of {type(self).__name__}, "
                              f"e.g. {missing[:5]}")
