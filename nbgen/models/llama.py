@@ -173,6 +173,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # EAGLE3 (runtime/spec_eagle.py): the residual stream at the input of these layers, per eager forward
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -181,12 +183,13 @@ class LlamaModel(nn.Module):
         rope = get_rope(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(self.layer_cls(config, i, rope) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # EAGLE3 (runtime/spec_eagle.py): the residual stream at the input of these layers, per eager forward
-        self.capture_layers: tuple[int, ...] = ()
         self.captured: list[torch.Tensor] = []
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                              # [T, H]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """-> final-normed hidden states [T, H]; ``input_embeds`` [T, H] (vision-language models: image
+        features in their slots) replaces the token lookup."""
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds      # [T, H]
         residual = None
         if self.capture_layers:
             self.captured = []

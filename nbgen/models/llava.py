@@ -58,27 +58,8 @@ def image_tokens_per_image(config: Any) -> int:
     return (v.image_size // v.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
 
 
-class _EmbedsForward:
-    """The decoder's forward with ``input_embeds`` [T, H] in place of the token lookup."""
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds      # [T, H]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.final_norm(x, residual)
-
-
-class LlavaLlamaModel(_EmbedsForward, LlamaModel):
-    pass
-
-
-class LlavaQwen2Model(_EmbedsForward, Qwen2Model):
-    pass
-
-
-_TEXT_MODELS = {"llama": LlavaLlamaModel, "mistral": LlavaLlamaModel, "qwen2": LlavaQwen2Model}
+# decoders that take image features through ``input_embeds``
+_TEXT_MODELS = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": Qwen2Model}
 
 
 class LlavaProjector(nn.Module):

@@ -72,13 +72,6 @@ class Qwen2VLTextModel(Qwen2Model):
         self.layers = nn.ModuleList(self.layer_cls(config, i, rope) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds      # [T, H]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.final_norm(x, residual)
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
