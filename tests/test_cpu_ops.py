@@ -137,3 +137,23 @@ def test_argmax_matches_torch_incl_ties_inf_nan(dtype):
         x[3, vocab // 3] = float("nan")               # NaN counts as the largest
         x[4, -1] = 1e4
         assert torch.equal(cpu_ops.argmax(x), x.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, [0, 2, 5]])
+def test_apply_token_bitmask_matches_xgrammar(dtype, rows):
+    xgr = pytest.importorskip("xgrammar")
+    torch.manual_seed(0)
+    B, V, width = 7, 1000, 990                   # width < V: ids past the tokenizer stay as they are
+    x = torch.randn(B, V).to(dtype)
+    bm = torch.randint(-2 ** 31, 2 ** 31 - 1, (B + 3, (V + 31) // 32), dtype=torch.int32)
+    bm[2] = -1                                    # a row that allows everything
+    bm[0, 3] = 0                                  # a word that allows nothing
+    ref = x.float().clone()                       # (x.float() is x itself for fp32)
+    xgr.apply_token_bitmask_inplace(ref, bm[:B], vocab_size=width, indices=rows, backend="cpu")
+    got = x.clone()
+    assert cpu_ops.apply_token_bitmask(got, bm, width, rows)
+    assert torch.equal(got.float(), ref.to(dtype).float())
+    assert got.isinf().any() and not torch.equal(got, x)
+    # layouts the kernel does not take are left to xgrammar
+    assert not cpu_ops.apply_token_bitmask(x.t(), bm, width, rows)

@@ -44,6 +44,7 @@ _SIGNATURES = {
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _int, _int],
     "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr, _int],
     "q4_grid": [_ptr, _i64, _i64, _ptr, _ptr, _f32],
+    "apply_token_bitmask": [_ptr, _i64, _int, _ptr, _i64, _ptr, _i64, _i64],
 }
 _RESTYPES = {"q4_grid": _int}                     # the others return nothing
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -224,3 +225,17 @@ def q4_grid(w: torch.Tensor, tol: float) -> Optional[tuple[torch.Tensor, torch.T
     sz = torch.empty(k // 32, n, 2, dtype=torch.float32)
     ok = _lib.q4_grid(w.data_ptr(), n, k, q.data_ptr(), sz.data_ptr(), tol)
     return (q, sz) if ok else None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, width: int, rows: Optional[list[int]]) -> bool:
+    """logits [B, V] (CPU, fp32 / bf16, unit stride along V) of ``rows`` (None: all) get -inf at the
+    ids in [0, width) that the int32 ``bitmask`` [>= B, ceil(V / 32)] (xgrammar's layout) does not
+    allow, in place. False (nothing done) when the C kernels or these layouts are not available."""
+    if not available() or logits.dtype not in _DTYPES or logits.dim() != 2 or logits.stride(1) != 1 \
+            or bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.stride(1) != 1 \
+            or bitmask.shape[1] * 32 < width:
+        return False
+    idx = torch.arange(logits.shape[0], dtype=torch.int64) if rows is None else torch.tensor(rows, dtype=torch.int64)
+    _lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16),
+                             bitmask.data_ptr(), bitmask.stride(0), idx.data_ptr(), idx.numel(), width)
+    return True

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from nbgen.core.batch import SeqWork
 from nbgen.kernels.envs import grammar_threads
+from nbgen.kernels import cpu_ops
 
 logger = logging.getLogger("nbgen")
 
@@ -195,6 +196,8 @@ class Constraints:
                 x[:, vocab:].index_fill_(0, rows_t, float("-inf"))
         width = min(vocab, x.shape[1])
         idx = None if every else rows   # indices cost the kernel an extra host->device copy
+        if x.device.type == "cpu" and cpu_ops.apply_token_bitmask(x, dev_bm, width, idx):
+            return x            # nbgen's C kernel: threaded, whole allowed words skipped
         try:
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
         except Exception as e:  # noqa: BLE001 - e.g. no triton on this GPU host: torch fallback

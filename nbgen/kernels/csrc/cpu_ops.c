@@ -330,3 +330,26 @@ int q4_grid(const uint16_t *w, int64_t N, int64_t K, int32_t *q, float *sz, floa
     }
     return ok;
 }
+
+/* Grammar masks: for each listed row of logits [*, >= width] (fp32 or bf16, row stride in elements), the
+ * ids in [0, width) whose bit is 0 in the row's int32 bitmask (bit j % 32 of word j / 32, xgrammar's
+ * layout) become -inf. Words with every bit set are skipped whole. */
+void apply_token_bitmask(void *logits, int64_t stride, int is_bf16, const int32_t *bm, int64_t bm_stride,
+                         const int64_t *rows, int64_t n_rows, int64_t width) {
+    const int64_t words = (width + 31) / 32;
+#pragma omp parallel for schedule(static) if (n_rows * width > 262144)
+    for (int64_t r = 0; r < n_rows; r++) {
+        const int64_t row = rows[r];
+        const int32_t *m = bm + row * bm_stride;
+        for (int64_t w = 0; w < words; w++) {
+            const uint32_t word = (uint32_t)m[w];
+            if (word == 0xffffffffu) continue;
+            const int64_t end = (w + 1) * 32 < width ? (w + 1) * 32 : width;
+            for (int64_t j = w * 32; j < end; j++) {
+                if ((word >> (j - w * 32)) & 1u) continue;
+                if (is_bf16) ((uint16_t *)logits)[row * stride + j] = 0xff80u;      /* bf16 -inf */
+                else ((float *)logits)[row * stride + j] = -INFINITY;
+            }
+        }
+    }
+}
