@@ -119,6 +119,31 @@ def gpu_generate(path: str, prompts: list[list[int]], logprobs: bool = False, **
     return out
 
 
+def random_images(n: int) -> list:
+    """n random RGB PIL images of four sizes (the VLM GPU tests' inputs)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    sizes = [(56, 56), (60, 90), (120, 40), (112, 112)]
+    return [Image.fromarray((rng.random((*sizes[i % 4], 3)) * 255).astype("uint8")) for i in range(n)]
+
+
+def vlm_image_run(path: str, device: str, dtype: str, **cfg) -> list[dict]:
+    """12 greedy chat requests with one image each, the fourth text-only, on a VLM engine at ``path``
+    (24 new tokens, ``ignore_eos``, logprobs: for ``assert_close_runs``)."""
+    n = 12
+    with nbgen.Engine(path, device=device, dtype=dtype, **cfg) as eng:
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Image {i}?"}]}
+                for i in range(n)]
+        prompts = [eng.apply_chat_template([m]) for m in msgs]
+        prompts[3] = "Text only, no image."
+        images = random_images(n)
+        images[3] = None
+        return eng.generate(prompts, {**GREEDY_SP, "max_new_tokens": 24}, image_data=images, return_logprob=True,
+                            use_tqdm=False)
+
+
 def output_ids(outs: list[dict]) -> list[list[int]]:
     """The output ids of each output dict."""
     return [o["output_ids"] for o in outs]

@@ -65,8 +65,7 @@ def offload_layers(model: nn.Module, cpu_offload_gb: float) -> Optional[OffloadP
         return None
     if not all(hasattr(m, "stage_in") for m in layers):
         raise ValueError(f"cpu_offload_gb: {type(model).__name__} has no offloadable decoder layers")
-    first = _layer_params(layers[0])
-    if next(iter(first.values())).device.type != "cuda":
+    if next(layers[0].parameters()).device.type != "cuda":
         return None
     plan = move_layers(layers, plan_layers(layers, int(cpu_offload_gb * GIB)), pin_memory=True)
     torch.cuda.empty_cache()

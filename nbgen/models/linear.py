@@ -140,7 +140,7 @@ class _Linear(nn.Module):
             # cuBLAS call F.linear makes (addmm / mm with the transposed weight)
             w = self.weight.t()
             return torch.addmm(bias, x, w, out=out) if bias is not None else torch.mm(x, w, out=out)
-        if self.int4 is not None and cpu_int4.use_int4(x, self.int4):
+        if cpu_int4.use_int4(x, self.int4):
             return cpu_int4.int4_linear(x, self.int4, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
