@@ -66,6 +66,7 @@ class PrefillGraphRunner:
         if not supported(model):
             raise ValueError(f"{type(model).__name__} does not expose pre_attention / post_attention")
         inner = model.model
+        self.inner = inner          # EAGLE3 reads ``captured`` from it (``run`` fills it)
         self.backend = backend
         self.embed, self.layers, self.final_norm = inner.embed_tokens, list(inner.layers), inner.final_norm
         self.buckets = token_buckets(max_tokens)
@@ -176,8 +177,14 @@ class PrefillGraphRunner:
         graphs = self.graphs[T]
         q, k, v = self.qkv[:n].split(self.split, dim=-1)
         attn = self.attn[:n]
+        cap = self.inner.capture_layers
+        got: list[torch.Tensor] = []
         graphs[0].replay()
-        for layer, g in zip(self.layers, graphs[1:]):
+        for i, (layer, g) in enumerate(zip(self.layers, graphs[1:])):
+            if i in cap:     # piece i left the stream at layer i's input in the residual buffer
+                got.extend([self.residual[:n].clone()] * cap.count(i))
             layer.self_attn.attn(q, k, v, meta, kv_written=self.kv_written, out=attn)
             g.replay()
+        if cap:
+            self.inner.captured = got          # as an eager forward leaves it (EAGLE3's features)
         return self.hidden[:n]
