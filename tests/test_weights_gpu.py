@@ -136,3 +136,58 @@ def test_release_resume_memory(dtype, tmp_path):
         assert eng.update_weights_from_tensor(list(hf.named_parameters()))[0]
         eng.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])
         assert [o["output_ids"] for o in _run(eng, prompts)] == base
+
+
+def _nccl_trainer(port: int, path: str) -> None:
+    """Rank 0 on cuda:1: broadcast every parameter of the model at ``path`` over NCCL."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from nbgen.runtime.weight_sync import init_custom_process_group
+
+    torch.cuda.set_device(1)
+    pg = init_custom_process_group("nccl", f"tcp://127.0.0.1:{port}", 2, 0, "rl")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda:1")
+    for _, p in hf.named_parameters():
+        dist.broadcast(p.data, src=0, group=pg)
+    torch.cuda.synchronize()
+    dist.destroy_process_group(pg)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_update_weights_from_distributed_nccl(tmp_path):
+    """A trainer process on the second GPU broadcasts new weights over NCCL into an engine on the first
+    (SGLang's init_weights_update_group / update_weights_from_distributed): afterwards the engine's greedy
+    output equals an engine loaded from those weights (graphs on, fp32)."""
+    import multiprocessing as mp
+    import socket
+
+    a = _model(str(tmp_path / "a"), "llama", 0)
+    b = _model(str(tmp_path / "b"), "llama", 1)
+    prompts = _prompts(512)
+    with _engine(b, dtype="float32") as eng:
+        want = [o["output_ids"] for o in _run(eng, prompts)]
+    params = list(_hf(b).named_parameters())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = mp.get_context("spawn").Process(target=_nccl_trainer, args=(port, b))
+    trainer.start()
+    try:
+        with _engine(a, dtype="float32") as eng:
+            before = [o["output_ids"] for o in _run(eng, prompts)]
+            ok, msg = eng.init_weights_update_group("127.0.0.1", port, 1, 2, "rl", backend="nccl")
+            assert ok, msg
+            ok, msg = eng.update_weights_from_distributed([n for n, _ in params], ["float32"] * len(params),
+                                                          [list(p.shape) for _, p in params], "rl",
+                                                          weight_version="nccl-1")
+            assert ok, msg
+            assert eng.weight_version == "nccl-1"
+            got = [o["output_ids"] for o in _run(eng, prompts)]
+            assert eng.destroy_weights_update_group("rl")[0]
+    finally:
+        trainer.join(120)
+    assert trainer.exitcode == 0
+    assert before != want            # the update had something to change
+    assert got == want
