@@ -56,6 +56,10 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["quantization"] = args.quantization
     if args.kv_cache_dtype:
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tp_size > 1:
+        kw["tp_size"] = args.tp_size
+    if args.dp_size > 1:
+        kw["dp_size"] = args.dp_size
     t0 = time.perf_counter()
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     startup = time.perf_counter() - t0
@@ -150,6 +154,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     ap.add_argument("--cpu-offload-gb", type=float, default=0.0,
                     help="GiB of weights kept in host memory (the floor still counts them as read from the GPU)")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor parallel GPUs (the floor reads each shard at the measured one-GPU bandwidth)")
+    ap.add_argument("--dp-size", type=int, default=1, help="data parallel replicas, one per GPU")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--repeat", type=int, default=1,
@@ -190,11 +197,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if bw0 is not None:
         print(f"\ncopy bandwidth before the engines {bw0 / 1e9:.0f} GB/s, after {bw_after / 1e9:.0f} GB/s")
     ins = rows[0]["prompt_lens"]
-    floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw)
-    floor_pf = floor + rows[0]["prefill_flops"] / mm
+    # tp shards the weights and KV over tp GPUs (aggregate bandwidth); dp replicas each read all
+    # the weights in their own steps, so only the prefill compute spreads over them
+    floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw * args.tp_size)
+    floor_pf = floor + rows[0]["prefill_flops"] / (mm * args.tp_size * args.dp_size)
     mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "")
     print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
-          f"copy bandwidth {bw / 1e9:.0f} GB/s  floor {floor:.2f} s  startup {rows[0]['startup_s']:.1f} s")
+          f"copy bandwidth {bw / 1e9:.0f} GB/s  tp {args.tp_size} dp {args.dp_size}  floor {floor:.2f} s  "
+          f"startup {rows[0]['startup_s']:.1f} s")
     print(f"floor bytes: weights {rows[0]['weight_bytes'] / 1e9:.3f} GB per decode step, KV "
           f"{rows[0]['kv_bytes_per_token'] / 1e3:.1f} KB per token (quantization {args.quantization or 'checkpoint'}, "
           f"kv_cache_dtype {args.kv_cache_dtype or 'auto'})")
