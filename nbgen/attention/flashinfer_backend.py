@@ -122,10 +122,6 @@ class FlashInferBackend(AttentionBackend):
             self._plan_done.synchronize()
 
     def _after_plan(self) -> None:
-        if self.spec.device.index:
-            # a data-parallel replica's loop thread (GPU > 0): flashinfer's planner may leave the
-            # thread on another device, where nbgen's Triton kernels could not see this one's memory
-            torch.cuda.set_device(self.spec.device)
         ev = torch.cuda.Event()
         ev.record()
         self._plan_done = ev

@@ -127,6 +127,9 @@ class CudaGraphRunner:
         self.variant_outputs: dict[int, torch.Tensor] = {}
         self.wrappers: dict[int, Any] = {}
         self.pool = None
+        # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
+        # on the device of its first use, and capturing on it would move a second GPU's thread there
+        self._capture_stream = torch.cuda.Stream(dev)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
         for i, bs in enumerate(reversed(self.batch_sizes)):
@@ -191,7 +194,7 @@ class CudaGraphRunner:
                 self._forward_static(bs, meta)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            with torch.cuda.graph(g, pool=self.pool, stream=self._capture_stream):
                 out = self._forward_static(bs, meta)
         if self.pool is None:
             self.pool = g.pool()
