@@ -73,7 +73,13 @@ def gumbel_noise(keys: Tensor, vocab_hash: Tensor) -> Tensor:
     return gumbel_from_hash(mix32(keys.view(-1, 1) ^ vocab_hash.view(1, -1)))   # hashes [b, V]
 
 
-_ARGMAX_WS = gpu_argmax.ArgmaxWorkspace()
+# one workspace per GPU: data-parallel replicas on two GPUs sample from two loop threads at once
+_ARGMAX_WS: dict[torch.device, gpu_argmax.ArgmaxWorkspace] = {}
+
+
+def _argmax_ws(device: torch.device) -> gpu_argmax.ArgmaxWorkspace:
+    ws = _ARGMAX_WS.get(device)
+    return ws if ws is not None else _ARGMAX_WS.setdefault(device, gpu_argmax.ArgmaxWorkspace())
 
 
 def greedy_argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -83,7 +89,7 @@ def greedy_argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
         ids = cpu_ops.argmax(x)
         return ids if out is None else out.copy_(ids)
     if gpu_argmax.usable(x):
-        return gpu_argmax.argmax(x, _ARGMAX_WS, out)
+        return gpu_argmax.argmax(x, _argmax_ws(x.device), out)
     return x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
 
 
@@ -92,5 +98,5 @@ def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
     Triton kernel that hashes the noise in place (kernels/gpu_argmax), elsewhere int64 tensor ops
     over a [b, V] temporary (callers bound b)."""
     if gpu_argmax.usable(x):
-        return gpu_argmax.noisy_argmax(x, keys, vocab_hash, _ARGMAX_WS)
+        return gpu_argmax.noisy_argmax(x, keys, vocab_hash, _argmax_ws(x.device))
     return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
