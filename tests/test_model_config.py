@@ -18,7 +18,7 @@ from nbgen.models.layers import rope_settings
 from nbgen.models.llama import head_dim_of
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.registry import get_model_class
-from nbgen.runtime.model_setup import model_dims
+from nbgen.models.model_config import model_dims
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("NBGEN_SHARED_MODELS", REPO.parent / "shared" / "models"))

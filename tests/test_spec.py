@@ -193,6 +193,25 @@ def test_standalone_identical(tiny_llama_dir, other_llama_dir):
     assert other[0]["meta_info"]["spec_accept_rate"] < 1.0
 
 
+def test_standalone_draft_share_of_the_budget(tiny_llama_dir, other_llama_dir):
+    """The target's KV sizing on a GPU sets aside the STANDALONE draft's weights (its parameters in
+    the engine's dtype, counted without reading them) and prices each page with the draft's K/V."""
+    import transformers as tf
+
+    from nbgen.core.config import EngineConfig
+    from nbgen.runtime.spec_memory import DraftShare, draft_share
+
+    cfg = EngineConfig(model_path=tiny_llama_dir, speculative_algorithm="STANDALONE",
+                       speculative_draft_model_path=other_llama_dir, page_size=16)
+    share = draft_share(cfg, torch.bfloat16)
+    hf = tf.AutoModelForCausalLM.from_pretrained(other_llama_dir)
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    assert share.weight_bytes == 2 * sum(p.numel() for p in hf.parameters())
+    assert share.bytes_per_page == 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * head_dim * 2
+    assert draft_share(EngineConfig(model_path=tiny_llama_dir), torch.bfloat16) == DraftShare()
+
+
 def test_dashboard_shows_speculation():
     from nbgen.notebook.state import StatsHistory, dashboard_html, dashboard_text
 

@@ -113,3 +113,11 @@ def read_model_config(model_dir: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def model_dims(hf: Any) -> tuple[int, int, int, int]:
+    """(num_layers, num_q_heads, num_kv_heads, head_dim) of a model config."""
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return hf.num_hidden_layers, heads, kv, head_dim

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -23,6 +23,7 @@ from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
 from nbgen.models.cpu_offload import OffloadPlan, offload_layers
 from nbgen.models.loader import LoadedModel, load_model
+from nbgen.models.model_config import model_dims
 from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
 from nbgen.runtime.cuda_graphs import CudaGraphRunner, GraphVariant
@@ -30,6 +31,7 @@ from nbgen.runtime.lora import LoRAManager
 from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
 from nbgen.runtime.sampling_ops import greedy_argmax
+from nbgen.runtime.spec_memory import DraftShare, draft_share
 
 logger = logging.getLogger("nbgen")
 
@@ -58,14 +60,6 @@ class ModelParts:
     offload: Optional[OffloadPlan] = None          # cpu_offload_gb: the layers whose weights live on the host
 
 
-def model_dims(hf: Any) -> tuple[int, int, int, int]:
-    """(num_layers, num_q_heads, num_kv_heads, head_dim) of a model config."""
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    return hf.num_hidden_layers, heads, kv, head_dim
-
-
 def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device,
                kv_cache_dtype: str = "auto") -> KVCacheSpec:
     """The KV cache's per-layer geometry (num_pages 0: sized by ``num_pages``); with tensor
@@ -77,10 +71,11 @@ def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device,
                        kv_dtype=cache if cache != loaded.dtype else None)
 
 
-def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int) -> int:
+def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int, draft: DraftShare = DraftShare()) -> int:
     """KV pages (page 0, the scratch page, included): max_total_tokens, else on a GPU what
     mem_fraction_static leaves after the weights (at most every running request at the full
-    context), else the CPU default."""
+    context; a STANDALONE ``draft``'s weights and pool of as many pages inside it), else the CPU
+    default."""
     P = cfg.page_size
     if cfg.max_total_tokens is not None:
         return max(2, -(-cfg.max_total_tokens // P) + 1)
@@ -91,14 +86,14 @@ def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int) -> int:
         torch.cuda.synchronize(spec.device)
         free, total = torch.cuda.mem_get_info(spec.device)
         used = total - free
-        budget = total * cfg.mem_fraction_static - used - GPU_RESERVE_BYTES
+        budget = total * cfg.mem_fraction_static - used - GPU_RESERVE_BYTES - draft.weight_bytes
         if budget <= 0:
             raise RuntimeError(f"no GPU memory left for the KV cache (mem_fraction_static="
                                f"{cfg.mem_fraction_static}, {used / 2**30:.1f} GiB in use)")
         # never more KV than the engine can use: every running request at the full context
         # (keeps a tiny model from taking the card, so several engines share one GPU)
         useful = cfg.max_running_requests * int(context_length)
-        return max(2, min(int(budget // spec.bytes_per_page()), -(-useful // P) + 1))
+        return max(2, min(int(budget // (spec.bytes_per_page() + draft.bytes_per_page)), -(-useful // P) + 1))
     return -(-CPU_DEFAULT_TOTAL_TOKENS // P) + 1
 
 
@@ -199,7 +194,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     report("sizing the KV cache")
     spec = kv_spec_of(loaded, cfg.page_size, device, cfg.kv_cache_dtype)
     # tensor parallelism: every rank's pool the same size (one page table for all)
-    spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length), device))
+    draft = draft_share(cfg, loaded.dtype) if device.type == "cuda" else DraftShare()
+    spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length, draft), device))
     backend = make_backend(cfg, spec)
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
     # adapters loaded after the fold: their A of qkv / gate|up are folded alike (runtime/lora.py);
