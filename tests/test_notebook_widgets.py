@@ -16,7 +16,8 @@ from nb_fakes import FakeEngine  # noqa: E402
 
 from nbgen.notebook import _compat  # noqa: E402
 from nbgen.notebook.dashboard import Dashboard, dashboard  # noqa: E402
-from nbgen.notebook.playground import (CONTROL_WIDTH, LABEL_WIDTH, SLIDERS, Debouncer, Playground,  # noqa: E402
+from nbgen.notebook._compat import Debouncer  # noqa: E402
+from nbgen.notebook.playground import (CONTROL_WIDTH, LABEL_WIDTH, SLIDERS, Playground,  # noqa: E402
                                        sample_params)
 from nbgen.notebook.state import (StatsHistory, dashboard_html, dashboard_text, fmt_num, kv_summary,  # noqa: E402
                                   nice_ceil, svg_bars, svg_lines)

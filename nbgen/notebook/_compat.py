@@ -1,8 +1,10 @@
-"""Lazy ipywidgets / IPython access with clear messages when they are missing."""
+"""Lazy ipywidgets / IPython access with clear messages when they are missing; the widgets' shared helpers
+(``Shown``, ``Debouncer``)."""
 from __future__ import annotations
 
+import threading
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 _INSTALL = "pip install ipywidgets  (or: pip install 'nbgen[notebook]')"
 _warned = False
@@ -140,3 +142,26 @@ class Shown:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
         return self._bundle()
+
+
+class Debouncer:
+    """Call ``fn`` once, ``delay`` seconds after the last ``trigger()`` (slider drags -> one run)."""
+
+    def __init__(self, delay: float, fn: Callable[[], None]) -> None:
+        self.delay, self.fn = delay, fn
+        self._timer: Optional[threading.Timer] = None
+        self._lock = threading.Lock()
+
+    def trigger(self, *_: Any) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.delay, self.fn)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None

@@ -10,9 +10,9 @@ import math
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
-from nbgen.notebook._compat import Shown, widgets_or_none
+from nbgen.notebook._compat import Debouncer, Shown, widgets_or_none
 from nbgen.core.sampling import SamplingParams
 
 # name: (min, max, step, default); top_k 0 on the slider means "off" (-1 for the engine)
@@ -41,29 +41,6 @@ def sample_params(values: Mapping[str, Any], k: int, seed: int) -> list[dict[str
     for p in out:
         SamplingParams.from_dict(p)  # raise here, with the engine's message, not in a thread
     return out
-
-
-class Debouncer:
-    """Call ``fn`` once, ``delay`` seconds after the last ``trigger()`` (slider drags -> one run)."""
-
-    def __init__(self, delay: float, fn: Callable[[], None]) -> None:
-        self.delay, self.fn = delay, fn
-        self._timer: Optional[threading.Timer] = None
-        self._lock = threading.Lock()
-
-    def trigger(self, *_: Any) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = threading.Timer(self.delay, self.fn)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
 
 
 def sample_html(i: int, text: str, tokens: int, seconds: float, status: str) -> str:
