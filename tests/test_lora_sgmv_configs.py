@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -29,32 +30,34 @@ def _segments(slot: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, t
     return (perm if perm.numel() else torch.zeros(1, dtype=torch.int32)), (torch.cumsum(counts, 0) - counts).int(), counts
 
 
-def _cases() -> None:
+def _cases(device: str = "cpu", dtypes: tuple = ((torch.float32, 1e-4), (torch.float16, 1e-2)),
+           expand_cfgs: Optional[list] = None) -> None:
     from nbgen.kernels.lora_sgmv import ExpandConfig, ShrinkConfig, lora_reference, lora_sgmv
 
-    expand_cfgs = [ExpandConfig(),                                    # BN 64, one block per program
-                   ExpandConfig(bm=32, bn=32, niter=3),               # groups of 3 blocks, ragged at the end
-                   ExpandConfig(bm=64, bn=16, niter=2),
-                   ExpandConfig(bn=32, all_shards=True)]              # the baseline: every shard, select
+    expand_cfgs = expand_cfgs or [ExpandConfig(),                     # BN 64, one block per program
+                                  ExpandConfig(bm=32, bn=32, niter=3),  # groups of 3 blocks, ragged at the end
+                                  ExpandConfig(bm=64, bn=16, niter=2),
+                                  ExpandConfig(bn=32, all_shards=True)]  # the baseline: every shard, select
     shrink_cfgs = [ShrinkConfig(ksplit=64, bk=32), ShrinkConfig(bm=32, ksplit=1024)]   # split K | one K block
     g = torch.Generator().manual_seed(0)
     # (T, K, shard sizes, R, S): bounds 48 / 88 straddle 32-column blocks, 64 / 96 never do at BN <= 32;
     # segments of 1..40 rows (not multiples of BM); slot 2 of the first case has no row
     cases = ((40, 96, [48, 40], 8, 4), (23, 64, [64, 32, 32], 16, 3), (30, 80, [48, 40, 24], 4, 3),
              (9, 72, [80], 8, 2), (1, 64, [32, 16, 16], 8, 2))
-    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+    for dtype, tol in dtypes:
         for i, (T, K, sizes, R, S) in enumerate(cases):
             nshard, N = len(sizes), sum(sizes)
             bounds = (sizes[0] if nshard > 1 else N, sizes[0] + sizes[1] if nshard > 2 else N)
-            x = torch.randn(T, K, generator=g).to(dtype)
-            a = (torch.randn(S, nshard * R, K, generator=g) * 0.1).to(dtype)
-            b = (torch.randn(S, N, R, generator=g) * 0.3).to(dtype)
-            sc = torch.rand(S, generator=g) * 2 + 0.5
+            x = torch.randn(T, K, generator=g).to(device, dtype)
+            a = (torch.randn(S, nshard * R, K, generator=g) * 0.1).to(device, dtype)
+            b = (torch.randn(S, N, R, generator=g) * 0.3).to(device, dtype)
+            sc = (torch.rand(S, generator=g) * 2 + 0.5).to(device)
             slot = torch.randint(-1, S, (T,), generator=g)
             if i == 0:
                 slot[slot == 2] = 3                                      # an empty slot between full ones
-            perm, start, counts = _segments(slot, S)
-            y = torch.randn(T, N, generator=g).to(dtype)
+            perm, start, counts = (v.to(device) for v in _segments(slot, S))
+            slot = slot.to(device)
+            y = torch.randn(T, N, generator=g).to(device, dtype)
             want = y.clone()
             lora_reference(x, want, a, b, sc, perm, start, counts, bounds, nshard)
             assert (want.float() - y.float()).abs().max() > 0.1 or not (slot >= 0).any()   # the adapters add something
@@ -86,4 +89,58 @@ def test_tables_cover_every_bucket() -> None:
             e, s = k.expand_config(rows, width), k.shrink_config(rows, width)
             for v in (e.bm, e.bn, s.bm, s.bk):
                 assert v >= 16 and v & (v - 1) == 0
-            assert e.niter >= 1 and s.ksplit >= s.bk and not e.all_shards
+            assert e.niter >= 1 and s.ksplit % s.bk == 0 and not e.all_shards
+
+
+def _sweep_smoke() -> None:
+    """The GPU sweep's code path end to end on tiny shapes (fp16, interpreter; a fake timer): every
+    candidate passes the reference check, and the winners come out in the tables' syntax."""
+    import time
+
+    from nbgen.bench import lora_kernels as lk
+    from nbgen.kernels import lora_sgmv as k
+
+    k.WIDE_N, k.DEEP_K, k.SMALL_ROWS = 96, 128, 16
+    lk.SHAPES = {"qkv": (64, [32, 16, 16]), "o": (64, [32]), "gate_up": (64, [64, 64]), "down": (128, [32])}
+    lk.EXPAND_GRID = {"bm": (16,), "bn": (32, 64), "niter": (1, 2)}
+    lk.SHRINK_GRID = {"bm": (16,), "bk": (32,), "ksplit": (64, 16384)}
+    lk.LAUNCH_GRID = {"warps": (4,), "stages": (1, 2)}
+    lk.TOP = 1
+
+    def cpu_us(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t0)
+    lk._us = cpu_us
+    res = lk.kernel_times((40, 8), slots=3, rank=8, sweep=True, shapes=tuple(lk.SHAPES), device="cpu",
+                          dtype=torch.float16)
+    assert set(res["best"]) == {f"{kind}:{rb}:{w}" for rb in ("small", "large")
+                                for kind, ws in (("shrink", ("narrow", "deep")), ("expand", ("narrow", "wide")))
+                                for w in ws}
+    print("SWEEP_SMOKE_OK")
+
+
+def test_kernel_sweep_smoke_under_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", "import tests.test_lora_sgmv_configs as t; t._sweep_smoke()"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = res.stdout
+    assert "SWEEP_SMOKE_OK" in out and "WRONG" not in out, out[-3000:] + res.stderr[-3000:]
+    assert "EXPAND_TABLE winners" in out and "('large', 'wide'): ExpandConfig(" in out, out[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_sgmv_configs_bf16() -> None:
+    """bf16 on CUDA: the cases above at every tiling the sweep may pick (BM x BN x niter), the tables'
+    configs and the first kernel's."""
+    import itertools
+
+    from nbgen.bench.lora_kernels import EXPAND_GRID
+    from nbgen.kernels.lora_sgmv import EXPAND_TABLE, ExpandConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfgs = [ExpandConfig(bm=bm, bn=bn, niter=it) for bm, bn, it in itertools.product(*EXPAND_GRID.values())]
+    cfgs += list(EXPAND_TABLE.values()) + [ExpandConfig(all_shards=True)]
+    _cases("cuda", ((torch.bfloat16, 3e-2), (torch.float32, 1e-3)), cfgs)

@@ -46,6 +46,10 @@ class ShrinkConfig:
     warps: int = 4
     stages: int = 3
 
+    def __post_init__(self) -> None:
+        if self.ksplit % self.bk:        # a K block must end where the next program's begins
+            raise ValueError(f"ksplit ({self.ksplit}) must be a multiple of bk ({self.bk})")
+
 
 @dataclass(frozen=True)
 class ExpandConfig:
@@ -213,7 +217,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, seg_start:
     S, NR, _ = a.shape
     cfg = cfg or shrink_config(T, K)
     nblk = row_blocks(T, S, T if max_rows is None else max_rows, cfg.bm)
-    ks = k_split(K, nblk, cfg.ksplit)
+    ks = min(k_split(K, nblk, cfg.ksplit), triton.cdiv(K, cfg.bk) * cfg.bk)     # no K past the last BK block
     nks = triton.cdiv(K, ks)
     t = (torch.zeros if nks > 1 else torch.empty)(T, NR, dtype=torch.float32, device=x.device)
     _shrink_kernel[(nblk, nks)](x, a, t, perm, seg_start, seg_len, S, K, NR,
