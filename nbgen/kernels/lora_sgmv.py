@@ -147,6 +147,21 @@ if triton is not None:
                 tl.store(ptrs, acc, mask=tmask)
 
     @triton.jit
+    def _shard_dot(t_rows, tmask, bt, col, PREC: tl.constexpr):
+        """t[rows, col : col + R] (rounded to B's dtype, as a t of that dtype would be) @ bt.T -> [BM, BN] fp32."""
+        tk = tl.load(t_rows + col, mask=tmask, other=0.0).to(bt.dtype)
+        return tl.dot(tk, tl.trans(bt), input_precision=PREC)
+
+    @triton.jit
+    def _select_dot(t_rows, tmask, bt, offs_n, R, B1, B2, NSHARD: tl.constexpr, PREC: tl.constexpr):
+        """Every shard's product, each column taking its own shard's (a block across a shard bound)."""
+        shard = (offs_n >= B1).to(tl.int32) + (offs_n >= B2).to(tl.int32)
+        acc = _shard_dot(t_rows, tmask, bt, 0, PREC)
+        for k in tl.static_range(1, NSHARD):
+            acc = tl.where((shard == k)[None, :], _shard_dot(t_rows, tmask, bt, k * R, PREC), acc)
+        return acc
+
+    @triton.jit
     def _expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, start_ptr, len_ptr, scale_ptr, S, N, R, B1, B2,
                        stride_t, stride_bs, stride_bn, stride_y,
                        NSHARD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NITER: tl.constexpr,
@@ -170,20 +185,15 @@ if triton is not None:
                 nmask = offs_n < N
                 bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
                              mask=nmask[:, None] & rmask[None, :], other=0.0)           # [BN, BR]
-                shard = (offs_n >= B1).to(tl.int32) + (offs_n >= B2).to(tl.int32)
                 if ALL_SHARDS:
-                    k_lo = 0
-                    k_hi = NSHARD - 1
+                    acc = _select_dot(t_rows, tmask, bt, offs_n, R, B1, B2, NSHARD, PREC)
                 else:    # the shards of the block's first and last column: equal unless it straddles
                     k_lo = (n0 >= B1).to(tl.int32) + (n0 >= B2).to(tl.int32)
                     last = tl.minimum(n0 + BN, N) - 1
-                    k_hi = (last >= B1).to(tl.int32) + (last >= B2).to(tl.int32)
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for k in range(k_lo, k_hi + 1):
-                    # t rounded to the model dtype, as a t of that dtype would be
-                    tk = tl.load(t_rows + k * R, mask=tmask, other=0.0).to(b_ptr.dtype.element_ty)
-                    d = tl.dot(tk, tl.trans(bt), input_precision=PREC)                 # [BM, BN]
-                    acc = tl.where((shard == k)[None, :], d, acc)
+                    if (last >= B1).to(tl.int32) + (last >= B2).to(tl.int32) > k_lo:
+                        acc = _select_dot(t_rows, tmask, bt, offs_n, R, B1, B2, NSHARD, PREC)
+                    else:
+                        acc = _shard_dot(t_rows, tmask, bt, k_lo * R, PREC)
                 ptrs = y_rows + offs_n[None, :]
                 ymask = mmask[:, None] & nmask[None, :]
                 y = tl.load(ptrs, mask=ymask, other=0.0).to(tl.float32)
