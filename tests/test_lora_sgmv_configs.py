@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -107,11 +107,11 @@ def _sweep_smoke() -> None:
     lk.LAUNCH_GRID = {"warps": (4,), "stages": (1, 2)}
     lk.TOP = 1
 
-    def cpu_us(fn) -> float:
+    def cpu_us(fn: "Callable[[], None]") -> float:
         t0 = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - t0)
-    lk._us = cpu_us
+    lk.us_per_call = cpu_us
     res = lk.kernel_times((40, 8), slots=3, rank=8, sweep=True, shapes=tuple(lk.SHAPES), device="cpu",
                           dtype=torch.float16)
     assert set(res["best"]) == {f"{kind}:{rb}:{w}" for rb in ("small", "large")
@@ -143,4 +143,4 @@ def test_gpu_sgmv_configs_bf16() -> None:
         pytest.skip("needs CUDA")
     cfgs = [ExpandConfig(bm=bm, bn=bn, niter=it) for bm, bn, it in itertools.product(*EXPAND_GRID.values())]
     cfgs += list(EXPAND_TABLE.values()) + [ExpandConfig(all_shards=True)]
-    _cases("cuda", ((torch.bfloat16, 3e-2), (torch.float32, 1e-3)), cfgs)
+    _cases("cuda", ((torch.bfloat16, 3e-2),), cfgs)

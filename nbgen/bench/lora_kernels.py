@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -73,10 +73,11 @@ def make_case(name: str, rows: int, slots: int, rank: int, empty: bool = False, 
     return Case(name, rows, x, y0, a, b, sc, perm, start, lens, bounds, ns, want, t)
 
 
-def _us(fn: Callable[[], None]) -> float:
+def us_per_call(fn: Callable[[], None]) -> float:
+    """µs per call: the median of 10 replays of one graph of ~10 ms of calls."""
     import triton.testing
 
-    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=20)
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
 
 
 def check(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.ExpandConfig] = None) -> bool:
@@ -87,21 +88,25 @@ def check(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.E
 
 
 def time_sgmv(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.ExpandConfig] = None) -> float:
+    """µs per ``lora_sgmv`` call (shrink + expand)."""
     y = c.y0.clone()
-    return _us(lambda: K.lora_sgmv(c.x, y, c.a, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard,
+    return us_per_call(lambda: K.lora_sgmv(c.x, y, c.a, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard,
                                    shrink_cfg=shrink, expand_cfg=expand))
 
 
 def time_shrink(c: Case, cfg: K.ShrinkConfig) -> float:
-    return _us(lambda: K.lora_shrink(c.x, c.a, c.perm, c.start, c.lens, cfg=cfg))
+    """µs per shrink call (with t's memset when it splits K)."""
+    return us_per_call(lambda: K.lora_shrink(c.x, c.a, c.perm, c.start, c.lens, cfg=cfg))
 
 
 def time_expand(c: Case, cfg: K.ExpandConfig) -> float:
+    """µs per expand call."""
     y = c.y0.clone()
-    return _us(lambda: K.lora_expand(c.t, y, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard, cfg=cfg))
+    return us_per_call(lambda: K.lora_expand(c.t, y, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard, cfg=cfg))
 
 
-def _grid(base, grid: dict) -> list:
+def _grid(base: Any, grid: dict) -> list:
+    """``base`` with every combination of ``grid``'s values."""
     return [replace(base, **dict(zip(grid, vals))) for vals in itertools.product(*grid.values())]
 
 
