@@ -144,3 +144,14 @@ def test_gpu_sgmv_configs_bf16() -> None:
     cfgs = [ExpandConfig(bm=bm, bn=bn, niter=it) for bm, bn, it in itertools.product(*EXPAND_GRID.values())]
     cfgs += list(EXPAND_TABLE.values()) + [ExpandConfig(all_shards=True)]
     _cases("cuda", ((torch.bfloat16, 3e-2),), cfgs)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda k: k.ExpandConfig(bn=48), "bn"), (lambda k: k.ExpandConfig(bm=8), "bm"),
+    (lambda k: k.ExpandConfig(niter=0), "niter"), (lambda k: k.ShrinkConfig(bk=96), "bk"),
+    (lambda k: k.ShrinkConfig(ksplit=96), "ksplit")])
+def test_invalid_configs_name_the_parameter(make: Callable, name: str) -> None:
+    from nbgen.kernels import lora_sgmv as k
+
+    with pytest.raises(ValueError, match=name):
+        make(k)

@@ -47,6 +47,7 @@ class ShrinkConfig:
     stages: int = 3
 
     def __post_init__(self) -> None:
+        _check_tiles(self, ("bm", "bk"))
         if self.ksplit % self.bk:        # a K block must end where the next program's begins
             raise ValueError(f"ksplit ({self.ksplit}) must be a multiple of bk ({self.bk})")
 
@@ -54,8 +55,8 @@ class ShrinkConfig:
 @dataclass(frozen=True)
 class ExpandConfig:
     """The expand's tiling: BM rows x BN columns per block, ``niter`` column blocks per program (a
-    loop: t and the row indices loaded once); ``all_shards``: every block computes every shard's
-    product and selects per column (the first kernel's way, kept as the sweep's baseline)."""
+    loop: the slot lookup and row indices once per program); ``all_shards``: every block computes
+    every shard's product and selects per column (the first kernel's way, kept as the sweep's baseline)."""
 
     bm: int = 16
     bn: int = 64
@@ -63,6 +64,19 @@ class ExpandConfig:
     warps: int = 4
     stages: int = 3
     all_shards: bool = False
+
+    def __post_init__(self) -> None:
+        _check_tiles(self, ("bm", "bn"))
+        if self.niter < 1:
+            raise ValueError(f"niter must be at least 1, got {self.niter}")
+
+
+def _check_tiles(cfg: object, names: tuple[str, ...]) -> None:
+    """Tile sizes are powers of two of at least 16 (tl.arange, tl.dot)."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
 
 
 SMALL_ROWS = 64      # a step of at most this many rows uses the "small" configs (decode of few requests)
