@@ -93,8 +93,8 @@ SHRINK_TABLE: dict[tuple[str, str], ShrinkConfig] = {
 EXPAND_TABLE: dict[tuple[str, str], ExpandConfig] = {
     ("small", "narrow"): ExpandConfig(bn=128, niter=2, stages=2),
     ("small", "wide"): ExpandConfig(bn=128, niter=4, stages=2),
-    ("large", "narrow"): ExpandConfig(bn=128, niter=2, stages=2),
-    ("large", "wide"): ExpandConfig(bn=128, niter=4, stages=2),
+    ("large", "narrow"): ExpandConfig(bm=32, bn=128, niter=2, stages=2),
+    ("large", "wide"): ExpandConfig(bm=32, bn=128, niter=4, stages=2),
 }
 
 
