@@ -7,7 +7,7 @@ model's shapes with random weights, rank ``--lora-rank`` on ``--targets``). Repo
 of every run and lora / plain, lora / base (best of each). Workloads: ``fixed`` (the bench's W-fixed:
 256 random-id prompts of 100-1024 tokens, 512 new tokens each; GPU) and ``chat32`` (32 chat questions
 x 64 new tokens, the CPU workload); greedy, ``ignore_eos``. ``--kernels``: only the LoRA kernels' time per
-call at Llama-8B's shapes (CUDA).
+call at Llama-8B's shapes (CUDA; ``--sweep``: their config sweep, ``bench/lora_kernels.py``).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from typing import Any, Optional
 
 import torch
 
+from nbgen.bench.lora_kernels import SHAPES, kernel_times
 from nbgen.bench.workloads import chat32_prompts, make_workload
 from nbgen.engine import Engine
-from nbgen.kernels.lora_sgmv import lora_sgmv
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -81,30 +81,6 @@ def _timed(eng: Engine, prompts: Any, sp: Any, names: Optional[list]) -> dict[st
     return {"seconds": secs, "out_tokens": n, "out_tok_s": n / secs}
 
 
-def kernel_times(rows: int = 256, slots: int = 8, rank: int = 16) -> None:
-    """Microseconds per ``lora_sgmv`` call (shrink + expand) at Llama-3.1-8B's four fused linears,
-    ``rows`` decode rows round-robin over ``slots`` adapters, and with no adapter row (CUDA, bf16)."""
-    import triton.testing
-
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    for name, k, sizes in (("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]),
-                           ("gate_up", 4096, [14336, 14336]), ("down", 14336, [4096])):
-        n, ns = sum(sizes), len(sizes)
-        bounds = (sizes[0] if ns > 1 else n, sizes[0] + sizes[1] if ns > 2 else n)
-        x, y = torch.randn(rows, k, device=dev, dtype=dt), torch.zeros(rows, n, device=dev, dtype=dt)
-        a = torch.randn(slots, ns * rank, k, device=dev, dtype=dt) * 0.01
-        b = torch.randn(slots, n, rank, device=dev, dtype=dt) * 0.01
-        sc = torch.ones(slots, device=dev)
-        out = []
-        for lens in ([rows // slots] * slots, [0] * slots):
-            ln = torch.tensor(lens, device=dev, dtype=torch.int32)
-            start = (torch.cumsum(ln, 0) - ln).int()
-            perm = torch.argsort(torch.arange(rows, device=dev) % slots, stable=True).int()
-            out.append(1e3 * triton.testing.do_bench(lambda: lora_sgmv(x, y, a, b, sc, perm, start, ln, bounds, ns)))
-        print(f"lora_sgmv {name:7s} K={k:5d} N={n:5d}: {out[0]:6.1f} us ({rows} rows / {slots} adapters r{rank}), "
-              f"{out[1]:5.1f} us (no adapter row)", flush=True)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
@@ -118,9 +94,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--kernels", action="store_true", help="only time the LoRA kernels at Llama-8B's shapes (CUDA)")
+    ap.add_argument("--sweep", action="store_true", help="with --kernels: sweep the kernels' configs")
+    ap.add_argument("--rows", default="256,32", help="with --kernels: decode rows per case")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="with --kernels: which of " + ",".join(SHAPES))
     args = ap.parse_args()
     if args.kernels:
-        kernel_times(slots=max(args.lora, 1), rank=args.lora_rank)
+        kernel_times(tuple(int(r) for r in args.rows.split(",")), slots=max(args.lora, 1), rank=args.lora_rank,
+                     sweep=args.sweep, shapes=tuple(s for s in args.shapes.split(",") if s), json_path=args.json)
         return
     prompts, sp = _prompts(args)
     kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}

@@ -9,16 +9,21 @@ holds the row indices grouped by slot, slot s owning ``perm[seg_start[s] : seg_s
 slot after slot (each program finds its slot from ``seg_len``); its size is a bound from the step's
 row count, so the index tensors can be static buffers filled before a CUDA-graph replay, and
 programs past the last block return at once. The shrink's second axis splits K (memory-bound: a
-few rows against every slot's A), the expand's splits N.
+few rows against every slot's A), the expand's splits N into groups of ``niter`` column blocks.
 
 - shrink: t[r, :] = x[r, :] @ A[s].T                                 (t [T, NSHARD * R], fp32 sums)
 - expand: y[r, n] += scaling[s] * t[r, shard(n)*R : shard(n)*R + R] @ B[s, n, :]
   with shard(n) = (n >= b1) + (n >= b2) for fused q|k|v (b1, b2 the shard bounds) or gate|up.
+  A block of BN columns computes only the shards it touches (one, unless it straddles a bound).
 
-The base GEMM is untouched: ``y`` is its output. ``lora_reference`` is the same math in torch.
+Tile sizes, warps and pipeline stages come from ``SHRINK_TABLE`` / ``EXPAND_TABLE`` (by the step's
+row count and the linear's width; ``python -m nbgen.bench.lora --kernels --sweep`` times the
+candidates on a GPU and prints the winners in the tables' syntax). The base GEMM is untouched: ``y``
+is its output. ``lora_reference`` is the same math in torch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,10 +34,78 @@ try:
 except ImportError:                      # pragma: no cover - triton ships with torch on Linux
     triton = None
 
-BM = 16          # rows per program (tl.dot's minimum)
-BK = 64          # shrink: K per inner iteration
-KSPLIT = 256     # shrink: K per program at least (split-K: the K blocks are a grid axis)
-BN = 64          # expand: output columns per program
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """The shrink's tiling: BM rows per program, BK of K per inner step, ``ksplit`` K per program at
+    least (doubled while the grid passes ~1024 programs); launch warps and pipeline stages."""
+
+    bm: int = 16
+    bk: int = 64
+    ksplit: int = 256
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        _check_tiles(self, ("bm", "bk"))
+        if self.ksplit % self.bk:        # a K block must end where the next program's begins
+            raise ValueError(f"ksplit ({self.ksplit}) must be a multiple of bk ({self.bk})")
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    """The expand's tiling: BM rows x BN columns per block, ``niter`` column blocks per program (a
+    loop: the slot lookup and row indices once per program); ``all_shards``: every block computes
+    every shard's product and selects per column (the first kernel's way, kept as the sweep's baseline)."""
+
+    bm: int = 16
+    bn: int = 64
+    niter: int = 1
+    warps: int = 4
+    stages: int = 3
+    all_shards: bool = False
+
+    def __post_init__(self) -> None:
+        _check_tiles(self, ("bm", "bn"))
+        if self.niter < 1:
+            raise ValueError(f"niter must be at least 1, got {self.niter}")
+
+
+def _check_tiles(cfg: object, names: tuple[str, ...]) -> None:
+    """Tile sizes are powers of two of at least 16 (tl.arange, tl.dot)."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+
+
+SMALL_ROWS = 64      # a step of at most this many rows uses the "small" configs (decode of few requests)
+WIDE_N = 16384       # expand: a linear this wide or wider is "wide" (gate|up)
+DEEP_K = 8192        # shrink: an input this long or longer is "deep" (down_proj)
+
+# (rows bucket, width bucket) -> config; edit from the sweep's output.
+SHRINK_TABLE: dict[tuple[str, str], ShrinkConfig] = {
+    ("small", "narrow"): ShrinkConfig(),
+    ("small", "deep"): ShrinkConfig(),
+    ("large", "narrow"): ShrinkConfig(),
+    ("large", "deep"): ShrinkConfig(),
+}
+EXPAND_TABLE: dict[tuple[str, str], ExpandConfig] = {
+    ("small", "narrow"): ExpandConfig(bn=128, niter=2, stages=2),
+    ("small", "wide"): ExpandConfig(bn=128, niter=4, stages=2),
+    ("large", "narrow"): ExpandConfig(bm=32, bn=128, niter=2, stages=2),
+    ("large", "wide"): ExpandConfig(bm=32, bn=128, niter=4, stages=2),
+}
+
+
+def shrink_config(rows: int, K: int) -> ShrinkConfig:
+    """The table's shrink config for a step of ``rows`` rows over an input of K."""
+    return SHRINK_TABLE[("small" if rows <= SMALL_ROWS else "large", "deep" if K >= DEEP_K else "narrow")]
+
+
+def expand_config(rows: int, N: int) -> ExpandConfig:
+    """The table's expand config for a step of ``rows`` rows into an output of N columns."""
+    return EXPAND_TABLE[("small" if rows <= SMALL_ROWS else "large", "wide" if N >= WIDE_N else "narrow")]
 
 
 def available() -> bool:
@@ -60,7 +133,7 @@ if triton is not None:
     def _shrink_kernel(x_ptr, a_ptr, t_ptr, perm_ptr, start_ptr, len_ptr, S, K, NR,
                        stride_x, stride_as, stride_ar, stride_t,
                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, KSPLIT: tl.constexpr,
-                       SP: tl.constexpr, PREC: tl.constexpr):
+                       SP: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr):
         s, m0, n = _block(len_ptr, S, BM, SP)
         if s < S:
             k_lo = tl.program_id(1) * KSPLIT
@@ -80,90 +153,135 @@ if triton is not None:
                 at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
                              mask=rmask[None, :] & kmask[:, None], other=0.0)          # [BK, BR]
                 acc += tl.dot(xt, at, input_precision=PREC)
-            # this K block's partial sums into the zeroed fp32 t
-            tl.atomic_add(t_ptr + rows[:, None] * stride_t + offs_r[None, :], acc,
-                          mask=mmask[:, None] & rmask[None, :], sem="relaxed")   # sums: no ordering needed
+            ptrs = t_ptr + rows[:, None] * stride_t + offs_r[None, :]
+            tmask = mmask[:, None] & rmask[None, :]
+            if ATOMIC:   # this K block's partial sums into the zeroed fp32 t (sums: no ordering needed)
+                tl.atomic_add(ptrs, acc, mask=tmask, sem="relaxed")
+            else:        # one K block covers K: the whole sum
+                tl.store(ptrs, acc, mask=tmask)
+
+    @triton.jit
+    def _shard_dot(t_rows, tmask, bt, col, PREC: tl.constexpr):
+        """t[rows, col : col + R] (rounded to B's dtype, as a t of that dtype would be) @ bt.T -> [BM, BN] fp32."""
+        tk = tl.load(t_rows + col, mask=tmask, other=0.0).to(bt.dtype)
+        return tl.dot(tk, tl.trans(bt), input_precision=PREC)
+
+    @triton.jit
+    def _select_dot(t_rows, tmask, bt, offs_n, R, B1, B2, NSHARD: tl.constexpr, PREC: tl.constexpr):
+        """Every shard's product, each column taking its own shard's (a block across a shard bound)."""
+        shard = (offs_n >= B1).to(tl.int32) + (offs_n >= B2).to(tl.int32)
+        acc = _shard_dot(t_rows, tmask, bt, 0, PREC)
+        for k in tl.static_range(1, NSHARD):
+            acc = tl.where((shard == k)[None, :], _shard_dot(t_rows, tmask, bt, k * R, PREC), acc)
+        return acc
 
     @triton.jit
     def _expand_kernel(t_ptr, b_ptr, y_ptr, perm_ptr, start_ptr, len_ptr, scale_ptr, S, N, R, B1, B2,
                        stride_t, stride_bs, stride_bn, stride_y,
-                       NSHARD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                       SP: tl.constexpr, PREC: tl.constexpr):
+                       NSHARD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NITER: tl.constexpr,
+                       BR: tl.constexpr, SP: tl.constexpr, PREC: tl.constexpr, ALL_SHARDS: tl.constexpr):
         s, m0, n = _block(len_ptr, S, BM, SP)
         if s < S:
-            nb = tl.program_id(1)
             start = tl.load(start_ptr + s)
             offs_m = m0 + tl.arange(0, BM)
             mmask = offs_m < n
             rows = tl.load(perm_ptr + start + offs_m, mask=mmask, other=0).to(tl.int64)
-            offs_n = nb * BN + tl.arange(0, BN)
-            nmask = offs_n < N
             offs_r = tl.arange(0, BR)
             rmask = offs_r < R
-            bt = tl.load(b_ptr + s.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
-                         mask=rmask[:, None] & nmask[None, :], other=0.0)              # [BR, BN]
-            shard = (offs_n >= B1).to(tl.int32) + (offs_n >= B2).to(tl.int32)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k in tl.static_range(NSHARD):
-                # t rounded to the model dtype, as a t of that dtype would be
-                tk = tl.load(t_ptr + rows[:, None] * stride_t + (k * R + offs_r)[None, :],
-                             mask=mmask[:, None] & rmask[None, :], other=0.0).to(b_ptr.dtype.element_ty)
-                d = tl.dot(tk, bt, input_precision=PREC)
-                acc = tl.where((shard == k)[None, :], d, acc)
+            tmask = mmask[:, None] & rmask[None, :]
+            t_rows = t_ptr + rows[:, None] * stride_t + offs_r[None, :]          # [BM, BR] shard 0's t
+            y_rows = y_ptr + rows[:, None] * stride_y
+            b_base = b_ptr + s.to(tl.int64) * stride_bs
             scale = tl.load(scale_ptr + s)
-            ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
-            ymask = mmask[:, None] & nmask[None, :]
-            y = tl.load(ptrs, mask=ymask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=ymask)
+            n_lo = tl.program_id(1) * (BN * NITER)
+            for n0 in range(n_lo, tl.minimum(n_lo + BN * NITER, N), BN):
+                offs_n = n0 + tl.arange(0, BN)
+                nmask = offs_n < N
+                bt = tl.load(b_base + offs_n[:, None] * stride_bn + offs_r[None, :],
+                             mask=nmask[:, None] & rmask[None, :], other=0.0)           # [BN, BR]
+                if ALL_SHARDS:
+                    acc = _select_dot(t_rows, tmask, bt, offs_n, R, B1, B2, NSHARD, PREC)
+                else:    # the shards of the block's first and last column: equal unless it straddles
+                    k_lo = (n0 >= B1).to(tl.int32) + (n0 >= B2).to(tl.int32)
+                    last = tl.minimum(n0 + BN, N) - 1
+                    if (last >= B1).to(tl.int32) + (last >= B2).to(tl.int32) > k_lo:
+                        acc = _select_dot(t_rows, tmask, bt, offs_n, R, B1, B2, NSHARD, PREC)
+                    else:
+                        acc = _shard_dot(t_rows, tmask, bt, k_lo * R, PREC)
+                ptrs = y_rows + offs_n[None, :]
+                ymask = mmask[:, None] & nmask[None, :]
+                y = tl.load(ptrs, mask=ymask, other=0.0).to(tl.float32)
+                tl.store(ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=ymask)
 
 
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def row_blocks(rows: int, slots: int, max_rows: int) -> int:
+def row_blocks(rows: int, slots: int, max_rows: int, bm: int = 16) -> int:
     """Programs per grid column: an upper bound on the step's row blocks (sum over slots of
-    cdiv(len_s, BM)) from its row count ``rows`` and the longest segment ``max_rows``."""
-    return min(triton.cdiv(rows, BM) + slots - 1, slots * triton.cdiv(max_rows, BM))
+    cdiv(len_s, bm)) from its row count ``rows`` and the longest segment ``max_rows``."""
+    return min(triton.cdiv(rows, bm) + slots - 1, slots * triton.cdiv(max_rows, bm))
 
 
-def k_split(K: int, nblk: int) -> int:
-    """K per shrink program: ``KSPLIT``, doubled while the grid would pass ~1024 programs (a prefill
+def k_split(K: int, nblk: int, ksplit: int = 256) -> int:
+    """K per shrink program: ``ksplit``, doubled while the grid would pass ~1024 programs (a prefill
     step's many row blocks fill the GPU with fewer K blocks, and add fewer partial sums)."""
-    ks = KSPLIT
+    ks = ksplit
     while nblk * triton.cdiv(K, ks) > 1024 and ks < K:
         ks *= 2
     return ks
 
 
-def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-              perm: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, bounds: tuple[int, int],
-              nshard: int, max_rows: Optional[int] = None) -> None:
-    """y[T, N] += per-slot LoRA of x[T, K] (in place). a [S, nshard*R, K], b [S, N, R], scaling [S] fp32;
-    perm / seg_start / seg_len int32 (module docstring); ``bounds``: (b1, b2) shard bounds of N;
-    ``max_rows``: rows a slot may hold this step (default T). Graph-capturable: no host reads.
-
-    The shrink splits K over the grid (partial sums added atomically into an fp32 t, so its last
-    bits may differ from run to run); the expand rounds t to the model dtype."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, perm: torch.Tensor, seg_start: torch.Tensor,
+                seg_len: torch.Tensor, max_rows: Optional[int] = None,
+                cfg: Optional[ShrinkConfig] = None) -> torch.Tensor:
+    """t [T, nshard*R] fp32 = x[r] @ A[slot(r)].T for every row r of a segment (other rows unset)."""
     T, K = x.shape
     S, NR, _ = a.shape
-    R = b.shape[2]
-    N = y.shape[1]
-    rows = T if max_rows is None else max_rows
-    if T == 0 or rows == 0:
+    cfg = cfg or shrink_config(T, K)
+    nblk = row_blocks(T, S, T if max_rows is None else max_rows, cfg.bm)
+    ks = min(k_split(K, nblk, cfg.ksplit), triton.cdiv(K, cfg.bk) * cfg.bk)     # no K past the last BK block
+    nks = triton.cdiv(K, ks)
+    t = (torch.zeros if nks > 1 else torch.empty)(T, NR, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(nblk, nks)](x, a, t, perm, seg_start, seg_len, S, K, NR,
+                                x.stride(0), a.stride(0), a.stride(1), t.stride(0),
+                                BM=cfg.bm, BR=_pow2(NR), BK=cfg.bk, KSPLIT=ks, SP=_pow2(S),
+                                PREC="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=nks > 1,
+                                num_warps=cfg.warps, num_stages=cfg.stages)
+    return t
+
+
+def lora_expand(t: torch.Tensor, y: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor, perm: torch.Tensor,
+                seg_start: torch.Tensor, seg_len: torch.Tensor, bounds: tuple[int, int], nshard: int,
+                max_rows: Optional[int] = None, cfg: Optional[ExpandConfig] = None) -> None:
+    """y[r, n] += scaling[slot] * t[r, shard(n)] @ B[slot, n] for every row r of a segment (in place)."""
+    T, N = y.shape
+    S, _, R = b.shape
+    cfg = cfg or expand_config(T, N)
+    nblk = row_blocks(T, S, T if max_rows is None else max_rows, cfg.bm)
+    _expand_kernel[(nblk, triton.cdiv(N, cfg.bn * cfg.niter))](
+        t, b, y, perm, seg_start, seg_len, scaling, S, N, R, bounds[0], bounds[1],
+        t.stride(0), b.stride(0), b.stride(1), y.stride(0), NSHARD=nshard, BM=cfg.bm, BN=cfg.bn, NITER=cfg.niter,
+        BR=_pow2(R), SP=_pow2(S), PREC="ieee" if y.dtype == torch.float32 else "tf32", ALL_SHARDS=cfg.all_shards,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def lora_sgmv(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
+              perm: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, bounds: tuple[int, int],
+              nshard: int, max_rows: Optional[int] = None, shrink_cfg: Optional[ShrinkConfig] = None,
+              expand_cfg: Optional[ExpandConfig] = None) -> None:
+    """y[T, N] += per-slot LoRA of x[T, K] (in place). a [S, nshard*R, K], b [S, N, R], scaling [S] fp32;
+    perm / seg_start / seg_len int32 (module docstring); ``bounds``: (b1, b2) shard bounds of N;
+    ``max_rows``: rows a slot may hold this step (default T); configs: the tables' unless given.
+    Graph-capturable: no host reads.
+
+    A shrink split over K adds partial sums atomically into an fp32 t (its last bits may differ
+    from run to run); the expand rounds t to the model dtype."""
+    if x.shape[0] == 0 or max_rows == 0:
         return
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    t = torch.zeros(T, NR, dtype=torch.float32, device=x.device)      # [T, nshard*R] the shrink's sums
-    nblk = row_blocks(T, S, rows)
-    sp = max(16, triton.next_power_of_2(S))        # the slots' lengths as one vector
-    ks = k_split(K, nblk)
-    _shrink_kernel[(nblk, triton.cdiv(K, ks))](x, a, t, perm, seg_start, seg_len, S, K, NR,
-                                               x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-                                               BM=BM, BR=_pow2(NR), BK=BK, KSPLIT=ks, SP=sp, PREC=prec)
-    _expand_kernel[(nblk, triton.cdiv(N, BN))](t, b, y, perm, seg_start, seg_len, scaling, S, N, R,
-                                               bounds[0], bounds[1], t.stride(0), b.stride(0), b.stride(1),
-                                               y.stride(0), NSHARD=nshard, BM=BM, BN=BN, BR=_pow2(R), SP=sp,
-                                               PREC=prec)
+    t = lora_shrink(x, a, perm, seg_start, seg_len, max_rows, shrink_cfg)
+    lora_expand(t, y, b, scaling, perm, seg_start, seg_len, bounds, nshard, max_rows, expand_cfg)
 
 
 def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
