@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 from nbgen.bench.profiling import StepTimer
 from nbgen.bench.schema_check import schema_errors
@@ -73,9 +73,11 @@ def check(outs: list[dict]) -> dict[str, int]:
     return {"n": len(outs), "complete": len(done), "valid": valid}
 
 
-def run(eng: Any, n: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
+def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
+        profile: Optional[Callable[[Any, list[str], dict[str, Any], str], None]] = None) -> dict[str, Any]:
     """Alternate runs with and without jump-forward (the engine must have been built with
-    ``enable_jump_forward=True``; the switch is the grammar service's jumper). Prints each run."""
+    ``enable_jump_forward=True``; the switch is the grammar service's jumper). Prints each run.
+    ``profile(eng, prompts, sampling params, label)``: one more run of each kind under it."""
     sp = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(SCHEMA)}
     ps = prompts(eng, n)
     eng.generate(ps[:4], {**sp, "max_new_tokens": 8}, use_tqdm=False)   # compile the schema
@@ -100,6 +102,9 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
                       f"({r['jumped_tokens']} jumped)  {r['valid']}/{n} valid ({r['complete']} complete)  "
                       f"{r['steps']} steps, {r['step_ms']:.2f} ms/step, host {r['host_ms']:.2f} ms/step",
                       flush=True)
+        for kind in rows if profile is not None else ():
+            eng._loop.call(lambda: setattr(service, "jumper", jumper if kind == "jump_forward" else None))
+            profile(eng, ps, sp, f"extract {kind}")
     finally:
         eng._loop.call(lambda: setattr(service, "jumper", jumper))
         timer.close()
