@@ -94,6 +94,37 @@ def test_jump_forward_equals_token_by_token_where_tokenization_is_unique(eng):
 
 
 @pytest.mark.slow
+def test_forced_rows_and_chunks_give_the_same_outputs(eng):
+    """Forced tokens as one-token rows of a decode step (runtime/forced_rows.py) compute what one
+    chunk does: outputs equal with the rows on and off, and the rows were used."""
+    prompts = _prompts(eng, "Write a code like 2-12345-5", 4)
+    sp = {"temperature": 0.0, "max_new_tokens": 40, "regex": DIGITS}
+    loop, sched = eng._loop, eng._loop.scheduler
+    rows, seen = sched.cfg.forced_token_rows, []
+    assert rows > 0
+    schedule = sched.schedule
+
+    def counting():
+        b = schedule()
+        if b is not None:
+            seen.append(sum(not s.sample and s.start_pos >= len(s.req.prompt_ids) for s in b.seqs))
+        return b
+    _service(eng)
+    try:
+        loop.call(lambda: setattr(sched, "schedule", counting))
+        with_rows = eng.generate(prompts, sp, use_tqdm=False)
+        used = sum(seen)
+        loop.call(lambda: setattr(sched.cfg, "forced_token_rows", 0))
+        seen.clear()
+        chunks = eng.generate(prompts, sp, use_tqdm=False)
+    finally:
+        loop.call(lambda: setattr(sched.cfg, "forced_token_rows", rows))
+        loop.call(lambda: setattr(sched, "schedule", schedule))
+    assert used >= 4 * 3 * 5 and sum(seen) == 0, (used, seen)   # 3 forced runs of >= 5 tokens each
+    assert [o["output_ids"] for o in with_rows] == [o["output_ids"] for o in chunks]
+
+
+@pytest.mark.slow
 def test_jump_forward_json_outputs_validate(eng):
     prompts = _prompts(eng, "Give me a JSON record of a person", 8)
     sp = {"temperature": 0.0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)}
