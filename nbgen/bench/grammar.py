@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--jump-forward", action="store_true", help="the json runs with jump-forward decoding")
     ap.add_argument("--extract", type=int, default=256, help="prompts of the realistic workload (0: skip it)")
     ap.add_argument("--extract-max-new-tokens", type=int, default=512)
+    ap.add_argument("--extract-chunks", action="store_true",
+                    help="extract: also jump-forward with forced tokens as chunks instead of decode rows")
     args = ap.parse_args()
 
     # jump-forward is built in, and switched per run (the grammar service's jumper)
@@ -181,7 +183,8 @@ def main() -> None:
     print("sample:", repr(last["json"][0]["text"][:160]))
     eng._loop.call(lambda: setattr(service, "jumper", jumper))
     extract = grammar_extract.run(eng, args.extract, args.extract_max_new_tokens, args.repeats,
-                                  _host_profile if args.host_profile else None) if args.extract else None
+                                  _host_profile if args.host_profile else None,
+                                  args.extract_chunks) if args.extract else None
     # checks on this device: free requests give the same greedy text beside constrained ones
     free_sp = {**base, "max_new_tokens": 24}
     k = max(1, min(8, len(prompts) // 2))
