@@ -94,6 +94,37 @@ def test_jump_forward_equals_token_by_token_where_tokenization_is_unique(eng):
 
 
 @pytest.mark.slow
+def test_forced_rows_and_chunks_give_the_same_outputs(eng):
+    """Forced tokens as one-token rows of a decode step (runtime/forced_rows.py) compute what one
+    chunk does: outputs equal with the rows on and off, and the rows were used."""
+    prompts = _prompts(eng, "Write a code like 2-12345-5", 4)
+    sp = {"temperature": 0.0, "max_new_tokens": 40, "regex": DIGITS}
+    loop, sched = eng._loop, eng._loop.scheduler
+    rows, seen = sched.cfg.forced_token_rows, []
+    assert rows > 0
+    schedule = sched.schedule
+
+    def counting():
+        b = schedule()
+        if b is not None:
+            seen.append(sum(not s.sample and s.start_pos >= len(s.req.prompt_ids) for s in b.seqs))
+        return b
+    _service(eng)
+    try:
+        loop.call(lambda: setattr(sched, "schedule", counting))
+        with_rows = eng.generate(prompts, sp, use_tqdm=False)
+        used = sum(seen)
+        loop.call(lambda: setattr(sched.cfg, "forced_token_rows", 0))
+        seen.clear()
+        chunks = eng.generate(prompts, sp, use_tqdm=False)
+    finally:
+        loop.call(lambda: setattr(sched.cfg, "forced_token_rows", rows))
+        loop.call(lambda: setattr(sched, "schedule", schedule))
+    assert used >= 4 * 3 * 5 and sum(seen) == 0, (used, seen)   # 3 forced runs of >= 5 tokens each
+    assert [o["output_ids"] for o in with_rows] == [o["output_ids"] for o in chunks]
+
+
+@pytest.mark.slow
 def test_jump_forward_json_outputs_validate(eng):
     prompts = _prompts(eng, "Give me a JSON record of a person", 8)
     sp = {"temperature": 0.0, "max_new_tokens": 96, "json_schema": json.dumps(PERSON)}
@@ -189,3 +220,49 @@ def test_tail_tokenizes_each_boundary_once():
     assert CharTok.calls == n
     assert jf.tail(ord("x"), ', "b": ')[1][0] == ord(",")   # another boundary: tokenized again
     assert CharTok.calls > n
+
+
+def _jumped_scheduler(rows: int):
+    """A scheduler (forced_token_rows=rows) whose request sampled 7, then jumped forward by 8, 9."""
+    sched = Scheduler(SchedulerConfig(num_pages=16, page_size=4, forced_token_rows=rows))
+    req = Request("r", [1, 2, 3], SamplingParams(max_new_tokens=20))
+    sched.add(req)
+    sched.update(sched.schedule(), StepOutput([7], [None], [None]))  # prefill: samples 7
+    req.output_ids.extend([8, 9])                                    # the jump's forced tokens
+    return sched, req
+
+
+def test_forced_tokens_run_as_one_token_rows():
+    """With forced_token_rows, the tokens a jump left without KV are one-token rows (a decode-only
+    step, runtime/forced_rows.py); only the last samples, and update walks them in order."""
+    sched, req = _jumped_scheduler(8)
+    batch = sched.schedule()
+    assert batch.is_decode_only
+    assert [(s.token_ids, s.start_pos, s.sample) for s in batch.seqs] == [([7], 3, False), ([8], 4, False),
+                                                                          ([9], 5, True)]
+    assert all(s.pages is req.pages for s in batch.seqs)
+    n = len(batch.seqs)
+    assert sched.update(batch, StepOutput([-1, -1, 11], [None] * n, [None] * n)) == [req]
+    assert req.output_ids == [7, 8, 9, 11] and req.num_computed == 6
+    nxt = sched.schedule()
+    assert [(s.token_ids, s.start_pos, s.sample) for s in nxt.seqs] == [([11], 6, True)]
+
+
+def test_forced_tokens_beyond_the_row_cap_run_as_a_chunk():
+    sched, _req = _jumped_scheduler(2)           # 3 rows do not fit
+    batch = sched.schedule()
+    assert [(s.token_ids, s.start_pos, s.sample) for s in batch.seqs] == [([7, 8, 9], 3, True)]
+    with pytest.raises(ValueError, match="forced_token_rows"):
+        SchedulerConfig(forced_token_rows=-1)
+
+
+def test_forced_token_rows_follow_the_config():
+    from nbgen.core.config import EngineConfig
+    from nbgen.runtime.forced_rows import forced_token_rows
+
+    cpu = EngineConfig(enable_jump_forward=True).resolved("cpu")
+    assert forced_token_rows(cpu) == 4 * cpu.max_running_requests
+    assert forced_token_rows(EngineConfig().resolved("cpu")) == 0
+    gpu = EngineConfig(enable_jump_forward=True).resolved("cuda", 80 << 30)
+    assert gpu.cuda_graph_max_bs == 512 and forced_token_rows(gpu) == 512
+    assert EngineConfig().resolved("cuda", 80 << 30).cuda_graph_max_bs == 256

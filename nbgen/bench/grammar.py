@@ -110,12 +110,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each kind")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--host-profile", action="store_true",
-                    help="one more run of each kind under cProfile of the engine's loop thread")
+                    help="one more run of each kind (extract: with and without jump-forward) under cProfile "
+                         "of the engine's loop thread")
     ap.add_argument("--gpu-profile", action="store_true",
                     help="one more run of each kind under torch.profiler (GPU busy and idle time per step)")
     ap.add_argument("--jump-forward", action="store_true", help="the json runs with jump-forward decoding")
     ap.add_argument("--extract", type=int, default=256, help="prompts of the realistic workload (0: skip it)")
     ap.add_argument("--extract-max-new-tokens", type=int, default=512)
+    ap.add_argument("--extract-chunks", action="store_true",
+                    help="extract: also jump-forward with forced tokens as chunks instead of decode rows")
     args = ap.parse_args()
 
     # jump-forward is built in, and switched per run (the grammar service's jumper)
@@ -179,7 +182,9 @@ def main() -> None:
           f"({'device wait excluded' if args.device == 'cuda' else 'model forward excluded'})")
     print("sample:", repr(last["json"][0]["text"][:160]))
     eng._loop.call(lambda: setattr(service, "jumper", jumper))
-    extract = grammar_extract.run(eng, args.extract, args.extract_max_new_tokens, args.repeats) if args.extract else None
+    extract = grammar_extract.run(eng, args.extract, args.extract_max_new_tokens, args.repeats,
+                                  _host_profile if args.host_profile else None,
+                                  args.extract_chunks) if args.extract else None
     # checks on this device: free requests give the same greedy text beside constrained ones
     free_sp = {**base, "max_new_tokens": 24}
     k = max(1, min(8, len(prompts) // 2))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 from nbgen.bench.profiling import StepTimer
 from nbgen.bench.schema_check import schema_errors
@@ -73,9 +73,14 @@ def check(outs: list[dict]) -> dict[str, int]:
     return {"n": len(outs), "complete": len(done), "valid": valid}
 
 
-def run(eng: Any, n: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
+def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
+        profile: Optional[Callable[[Any, list[str], dict[str, Any], str], None]] = None,
+        chunks: bool = False) -> dict[str, Any]:
     """Alternate runs with and without jump-forward (the engine must have been built with
-    ``enable_jump_forward=True``; the switch is the grammar service's jumper). Prints each run."""
+    ``enable_jump_forward=True``; the switch is the grammar service's jumper). Prints each run.
+    ``profile(eng, prompts, sampling params, label)``: one more run of each kind under it.
+    ``chunks``: a third kind, jump-forward with its forced tokens computed as chunks (mixed steps)
+    instead of decode rows (``SchedulerConfig.forced_token_rows`` 0; runtime/forced_rows.py)."""
     sp = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(SCHEMA)}
     ps = prompts(eng, n)
     eng.generate(ps[:4], {**sp, "max_new_tokens": 8}, use_tqdm=False)   # compile the schema
@@ -83,12 +88,20 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
     jumper = service.jumper
     if jumper is None:
         raise ValueError("the realistic workload needs an engine built with enable_jump_forward=True")
+    sched = eng._loop.scheduler
+    forced_rows = sched.cfg.forced_token_rows
     timer = StepTimer(eng)
     rows: dict[str, list] = {"token_by_token": [], "jump_forward": []}
+    if chunks:
+        rows["jump_forward_chunks"] = []
+
+    def switch(kind: str) -> None:    # loop thread
+        service.jumper = None if kind == "token_by_token" else jumper
+        sched.cfg.forced_token_rows = 0 if kind == "jump_forward_chunks" else forced_rows
     try:
         for _ in range(repeats):
             for kind in rows:
-                eng._loop.call(lambda: setattr(service, "jumper", jumper if kind == "jump_forward" else None))
+                eng._loop.call(lambda: switch(kind))
                 timer.reset()
                 j0, t0 = jumper.num_tokens, time.perf_counter()
                 outs = eng.generate(ps, sp, use_tqdm=False)
@@ -96,14 +109,20 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
                 r = {"seconds": secs, "out_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs),
                      "jumped_tokens": jumper.num_tokens - j0, **check(outs), **timer.summary()}
                 rows[kind].append(r)
-                print(f"extract {kind:14s} {secs:7.2f} s  {r['out_tokens']:6d} out tokens "
+                print(f"extract {kind:19s} {secs:7.2f} s  {r['out_tokens']:6d} out tokens "
                       f"({r['jumped_tokens']} jumped)  {r['valid']}/{n} valid ({r['complete']} complete)  "
                       f"{r['steps']} steps, {r['step_ms']:.2f} ms/step, host {r['host_ms']:.2f} ms/step",
                       flush=True)
+        for kind in rows if profile is not None else ():
+            eng._loop.call(lambda: switch(kind))
+            profile(eng, ps, sp, f"extract {kind}")
     finally:
-        eng._loop.call(lambda: setattr(service, "jumper", jumper))
+        eng._loop.call(lambda: switch("jump_forward"))
         timer.close()
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
     ratio = med["jump_forward"] / med["token_by_token"]
     print(f"extract: jump-forward / token-by-token time, median of {repeats}: {ratio:.3f}")
+    if chunks:
+        print(f"extract: jump-forward as chunks / token-by-token: "
+              f"{med['jump_forward_chunks'] / med['token_by_token']:.3f}")
     return {"runs": rows, "median_s": med, "ratio": ratio}

@@ -14,6 +14,7 @@ import torch
 
 from nbgen.core.config import EngineConfig
 from nbgen.core.scheduler_config import PriorityConfig, SchedulerConfig
+from nbgen.runtime.forced_rows import forced_token_rows
 from nbgen.runtime.runner import ModelRunner
 from nbgen.models.parallel_state import tp_scope
 from nbgen.models.cpu_offload import OffloadPlan
@@ -74,7 +75,7 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
         max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.step_token_budget,
         schedule_policy=rcfg.schedule_policy, disable_radix_cache=rcfg.disable_radix_cache,
         context_length=runner.loaded.context_length, max_queued_requests=rcfg.max_queued_requests,
-        priority=PriorityConfig.of(rcfg))
+        priority=PriorityConfig.of(rcfg), forced_token_rows=forced_token_rows(rcfg))
     return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc,
                        scheduler=Scheduler(sc, runner.lora.batch_limit if runner.lora is not None else None),
                        tokenizer=runner.loaded.tokenizer, tp=tp)

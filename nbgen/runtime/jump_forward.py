@@ -4,16 +4,16 @@ SGLang's compressed-FSM idea over xgrammar's ``GrammarMatcher.find_jump_forward_
 constrained request accepted a sampled token, the text the grammar forces next (a JSON key with
 its quotes and colon, the punctuation after a value, the rest of an enum member) is tokenized and
 appended to the request's output in one go. The scheduler then sees a running request with several
-tokens without KV and computes them as one chunk of that request (``Scheduler.schedule``'s prefill
-continuation), whose last position samples the next free token: one forward instead of one per
-forced token.
+tokens without KV and computes them in the next step, as one-token rows of the decode step
+(runtime/forced_rows.py) or else as one chunk, whose last position samples the next free token: one
+forward instead of one per forced token.
 
 Retokenization at the boundary: the token just sampled (not delivered to the caller yet) is
 encoded again together with the forced text, so a token that merges across the boundary (``{`` +
 ``"name`` -> ``{"`` + ``name``) is replaced; the matcher rolls it back and its KV had not been
 computed yet. Tokens delivered earlier are never changed. A step scheduled before the jump (overlap
 scheduling queues one ahead) no longer matches the request's length and is ignored by the
-scheduler's update; its KV writes are repeated by the chunk.
+scheduler's update; its KV writes are repeated by the next step.
 
 Where outputs can differ from token-by-token decoding: the forced text gets the tokenizer's
 canonical tokenization; a model decoding token by token may split the same text differently (``":``

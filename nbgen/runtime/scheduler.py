@@ -35,6 +35,7 @@ from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
+from nbgen.runtime.forced_rows import forced_rows
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
@@ -167,6 +168,7 @@ class Scheduler:
             else:                                            # last prompt token (rare)
                 seqs.append(seq_work(req, c, c + 1))
             budget -= 1
+        rows = self.cfg.forced_token_rows - len(seqs)         # jump-forward rows (runtime/forced_rows.py)
         for req in list(self.running):                       # 2. prefill continuation
             left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
             if left <= 1 or req.status is not RUNNING:
@@ -175,7 +177,9 @@ class Scheduler:
                 break
             end = req.num_computed + min(left, budget)
             if self._grow(req, end):
-                seqs.append(seq_work(req, req.num_computed, end))
+                split = forced_rows(req, req.num_computed, end, rows) if rows > 0 else None
+                seqs += split or [seq_work(req, req.num_computed, end)]
+                rows -= len(split) if split else 1
                 budget -= end - req.num_computed
         # 3. admissions; not in a step that preempted (damps admit/preempt thrashing)
         if self.num_preemptions == preempted:
