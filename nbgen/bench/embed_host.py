@@ -7,7 +7,7 @@ returns a vector for every finished prompt, and times the host's share of each s
 (prefix-cache inserts, finishing, freeing pages). The KV pool size defaults to what Qwen3-0.6B gets on
 an 80 GB card (``--num-pages``), so the cache fills and evicts as on the GPU host. A second number
 times ``PrefixCache.insert`` alone: ``--insert-prompts`` prompts of ``--insert-tokens`` tokens (one
-step's finished prompts) into a cache already holding other prompts.
+step's finished prompts) into a cache already holding other prompts (median over 50 such steps).
 
 The runner's share of a step (inputs, attention plan, graph launches) and delivery are not included:
 they need the model; ``bench.embed`` reports the whole step on the GPU.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from typing import Any
 
@@ -65,22 +66,23 @@ def run_scheduler(texts: list[list[int]], chunk: int, num_pages: int, page_size:
 
 
 def time_inserts(n_prompts: int, n_tokens: int, page_size: int, rounds: int) -> float:
-    """Microseconds per ``PrefixCache.insert`` of one ``n_tokens``-token prompt (new to the cache)."""
+    """Microseconds per ``PrefixCache.insert`` of one ``n_tokens``-token prompt (new to the cache):
+    the median over ``rounds`` steps' worth of inserts (the cache grows from round to round)."""
     rng = random.Random(0)
     per_round = n_prompts * (n_tokens // page_size)
     pool = PagePool(per_round * (rounds + 1) + 1, page_size)
     cache = PrefixCache(pool)
-    total = 0.0
+    times = []
     for _ in range(rounds):
         prompts = [[rng.randrange(10000) for _ in range(n_tokens)] for _ in range(n_prompts)]
         pages = [pool.alloc(n_tokens // page_size) for _ in prompts]
         t0 = time.perf_counter()
         for ids, pg in zip(prompts, pages):
             cache.insert(ids, pg)
-        total += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
         for pg in pages:
             pool.unref(pg)                  # the requests finish; the cache keeps its ref
-    return 1e6 * total / (rounds * n_prompts)
+    return 1e6 * statistics.median(times) / n_prompts
 
 
 def main() -> None:
