@@ -101,6 +101,26 @@ class AttentionBackend(ABC):
             out.extend((pages[pos // P - a // P] * P + pos % P).tolist())
         return out
 
+    def slot_mapping_into(self, batch: ScheduledBatch, out: np.ndarray) -> None:
+        """``slot_mapping`` written straight into ``out`` (int64, at least the batch's token count),
+        vectorised over the whole batch: the pages each seq's tokens land in, gathered into one array,
+        then slot = page * page_size + offset per token (no Python list of the step's slots)."""
+        P = self.spec.page_size
+        pages: list[int] = []
+        base, start, q = [], [], []          # per seq: its pages' offset in `pages`, first position, tokens
+        for s in batch.seqs:
+            a, b = s.start_pos, s.kv_len
+            base.append(len(pages) - a // P)
+            pages.extend(s.pages[a // P: (b - 1) // P + 1])
+            start.append(a)
+            q.append(b - a)
+        n = sum(q)
+        qa = np.asarray(q, dtype=np.int64)
+        first_row = np.cumsum(qa) - qa
+        pos = np.arange(n, dtype=np.int64) + np.repeat(np.asarray(start, dtype=np.int64) - first_row, qa)
+        page = np.asarray(pages, dtype=np.int64)[np.repeat(np.asarray(base, dtype=np.int64), qa) + pos // P]
+        out[:n] = page * P + pos % P
+
 
 class Attention(nn.Module):
     """The attention call site inside a model layer: forwards to the step's backend."""

@@ -24,10 +24,11 @@ from typing import Any, Optional
 import torch
 
 from nbgen.bench.floor import linear_rate, matmul_rate, prefill_flops
-from nbgen.bench.profiling import print_gpu_profile
+from nbgen.bench.profiling import StepTimer, print_gpu_profile
 from nbgen.engine import Engine
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import get_model_class
+from nbgen.runtime.pooling import PendingVectors
 
 
 def make_texts(n: int, lo: int, hi: int, vocab_size: int = 10000) -> list[list[int]]:
@@ -58,7 +59,7 @@ def bounds(model_dir: str, lens: list[int], rate: float, rows: int, device: torc
 
 def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any]:
     kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "is_embedding": True}
-    for k in ("dtype", "chunked_prefill_size", "max_running_requests"):
+    for k in ("dtype", "chunked_prefill_size", "max_running_requests", "piecewise_cuda_graph_max_tokens"):
         if getattr(args, k):
             kw[k] = getattr(args, k)
     if args.disable_cuda_graph:
@@ -68,9 +69,16 @@ def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any
     startup = time.perf_counter() - t0
     eng.encode(input_ids=[t[:64] for t in texts[:8]])                  # warm-up (graphs, kernels)
     eng.flush_cache()
+    # the loop's time per step, and the part spent waiting for the device: pipelined embedding steps
+    # wait for the previous step's vectors (CUDA), a CPU step for its forward
+    timer = StepTimer(eng, (PendingVectors, "wait") if args.device == "cuda" else (eng._loop.runner, "hidden_states"))
     t0 = time.perf_counter()
     outs = eng.encode(input_ids=texts)
     secs = time.perf_counter() - t0
+    steps = timer.summary()
+    timer.close()
+    print(f"nbgen: {steps['steps']} steps, {steps['step_ms']:.2f} ms each: host {steps['host_ms']:.2f} ms, "
+          f"waiting for the device {steps['wait_ms']:.2f} ms (a wait near 0: the host is the bottleneck)")
     info = eng.get_server_info()
     if args.profile and args.device == "cuda":   # a second, profiled run: GPU busy time and top kernels
         from torch.profiler import ProfilerActivity, profile
@@ -84,7 +92,7 @@ def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any
     n_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
     return {"engine": "nbgen", "seconds": secs, "in_tokens": n_in, "startup_s": startup,
             "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
-            "dim": len(outs[0]["embedding"]),
+            "dim": len(outs[0]["embedding"]), "steps": steps,
             "server_info": {k: info.get(k) for k in ("attention_backend", "piecewise_cuda_graph_tokens",
                                                      "chunked_prefill_size", "max_running_requests")}}
 
@@ -166,6 +174,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
     ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                    help="largest piecewise prefill graph (default: the chunk, at most 8192)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--st-batch-size", type=int, default=32, help="the peer's batch size (encode's default)")
     ap.add_argument("--no-peer", action="store_true", help="skip sentence-transformers")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any
+from typing import Any, Optional
 
 class GcPauses:
     """Cyclic-GC pauses in any thread while it is open (a full collection stalls the engine's loop
@@ -50,18 +50,25 @@ class StepTimer:
     which is the device work there) and the rest, the host's own work (scheduling, Python, grammar
     fills and accepts not hidden behind the device). Installed on the loop thread between steps."""
 
-    def __init__(self, eng: Any) -> None:
+    def __init__(self, eng: Any, wait_on: Optional[tuple[Any, str]] = None) -> None:
+        """``wait_on``: (object or class, method name) where a step waits for the device, when not
+        the runner's ``resolve`` (CUDA) / ``forward`` (CPU): embedding steps wait in
+        ``(pooling.PendingVectors, "wait")`` on CUDA and in ``(runner, "hidden_states")`` on the CPU."""
         self._loop = eng._loop
         self.steps = 0
         self.step_s = 0.0
         self.wait_s = 0.0
         runner = self._loop.runner
-        self._wait_name = "resolve" if getattr(runner, "on_gpu", False) else "forward"
+        self._wait_on = wait_on or (runner, "resolve" if getattr(runner, "on_gpu", False) else "forward")
+        self._wait_orig = self._wait_on[0].__dict__.get(self._wait_on[1])   # a class's own function, if any
         self._loop.call(self._install)
 
     def _install(self) -> None:
-        loop, runner = self._loop, self._loop.runner
-        step, wait = loop._step, getattr(runner, self._wait_name)
+        loop = self._loop
+        target, name = self._wait_on
+        step, wait = loop._step, getattr(target, name)
+        if isinstance(target, type):     # a class: wrap its function, bound per instance as before
+            wait = self._wait_orig
 
         def timed_step() -> None:
             t0 = time.perf_counter()
@@ -77,13 +84,17 @@ class StepTimer:
                 self.wait_s += time.perf_counter() - t0
 
         loop._step = timed_step
-        setattr(runner, self._wait_name, timed_wait)
+        setattr(target, name, timed_wait)
 
     def reset(self) -> None:
         self._loop.call(lambda: self.__dict__.update(steps=0, step_s=0.0, wait_s=0.0))
 
     def summary(self) -> dict[str, float]:
-        """steps, ms per step, ms waiting for the device per step, host ms per step."""
+        """steps, ms per step, ms waiting for the device per step, host ms per step (read on the loop
+        thread, after the step that delivered the last result has been counted)."""
+        return self._loop.call(self._summary)
+
+    def _summary(self) -> dict[str, float]:
         n = max(self.steps, 1)
         return {"steps": self.steps, "step_ms": 1e3 * self.step_s / n, "wait_ms": 1e3 * self.wait_s / n,
                 "host_ms": 1e3 * (self.step_s - self.wait_s) / n}
@@ -91,6 +102,9 @@ class StepTimer:
     def close(self) -> None:
         def undo() -> None:
             del self._loop._step
-            if getattr(type(self._loop.runner), self._wait_name, None) is not None:
-                delattr(self._loop.runner, self._wait_name)
+            target, name = self._wait_on
+            if isinstance(target, type):
+                setattr(target, name, self._wait_orig)
+            elif getattr(type(target), name, None) is not None:
+                delattr(target, name)
         self._loop.call(undo)

@@ -73,6 +73,7 @@ def launch_embed(runner: PoolRunner, batch: ScheduledBatch) -> tuple[StepOutput,
         else:
             owner.extend([len(mean_seq)] * s.q_len)
             mean_seq.append(i)
+    rows = None
     if pick_seq:
         rows = pick_rows(hidden, runner.to_device(pick_row))                # [N, H] fp32
         for k, i in enumerate(pick_seq):
@@ -85,7 +86,8 @@ def launch_embed(runner: PoolRunner, batch: ScheduledBatch) -> tuple[StepOutput,
             prev = s.req.pool_state if s.start_pos > 0 else None            # a recompute restarts at 0
             states[i] = sums[k] if prev is None else prev + sums[k]
     return (StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
-                       errors=errors, pool_states=states), _finished(batch, states))
+                       errors=errors, pool_states=states),
+            _finished(batch, states, rows if not mean_seq and len(pick_seq) == n else None))
 
 
 class StepVectors:
@@ -102,17 +104,24 @@ class StepVectors:
         return out
 
 
-def _finished(batch: ScheduledBatch, states: list[Optional[Any]]) -> StepVectors:
-    """The vectors of the seqs whose chunk completes their prompt, on their way to the host."""
+def _finished(batch: ScheduledBatch, states: list[Optional[Any]],
+              picked: Optional[torch.Tensor] = None) -> StepVectors:
+    """The vectors of the seqs whose chunk completes their prompt, on their way to the host.
+    ``picked``: the step's picked rows [n, H] when every seq of the batch had its row picked (then
+    they are the states in seq order, and the finished ones are all of them when all pool ``last``)."""
     done = [i for i, s in enumerate(batch.seqs)
             if s.req.embed is not None and states[i] is not None and s.kv_len >= len(s.req.prompt_ids)]
     if not done:
         return StepVectors(len(batch.seqs), [], None)
-    vecs = []
-    for i in done:
-        s = batch.seqs[i]
-        v = states[i]
-        vecs.append(v / len(s.req.prompt_ids) if s.req.embed.pooling == "mean" else v)
     embeds = [batch.seqs[i].req.embed for i in done]
-    pending = PendingVectors(torch.stack(vecs), [e.dimensions for e in embeds], [e.normalize for e in embeds])
+    if picked is not None and len(done) == len(batch.seqs) and all(e.pooling == "last" for e in embeds):
+        stacked = picked                       # one tensor already: no per-row views to stack
+    else:
+        vecs = []
+        for i in done:
+            s = batch.seqs[i]
+            v = states[i]
+            vecs.append(v / len(s.req.prompt_ids) if s.req.embed.pooling == "mean" else v)
+        stacked = torch.stack(vecs)
+    pending = PendingVectors(stacked, [e.dimensions for e in embeds], [e.normalize for e in embeds])
     return StepVectors(len(batch.seqs), done, pending)

@@ -150,7 +150,7 @@ class ModelRunner:
         if lora is not None:
             return self._eager_lora(batch, flat, lora)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, len(ids)):
-            return self.prefill_graphs.run(batch, ids, pos, self._placeholder_patch(ids))
+            return self.prefill_graphs.run(batch, ids, self._placeholder_patch(ids))
         input_ids = self._input_ids(ids)
         positions = self.to_device(pos)
         meta = self.backend.prepare(batch)

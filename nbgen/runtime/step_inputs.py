@@ -62,6 +62,20 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
     return FlatStep(ids, pos, rows, seqs, starts)
 
 
+def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
+    """``flatten(batch).positions`` written straight into ``out`` (int64, at least the batch's token
+    count): numpy ranges per seq, no Python list of ints (the prefill graphs' staging buffer)."""
+    o = 0
+    for s in batch.seqs:
+        a, b = s.start_pos, s.kv_len
+        d = s.req.rope_delta if a >= len(s.req.prompt_ids) else 0              # M-RoPE decode offset
+        if b - a == 1:
+            out[o] = a + d
+        else:
+            out[o:o + b - a] = np.arange(a + d, b + d)
+        o += b - a
+
+
 def rope_deltas(seqs: list[SeqWork]) -> np.ndarray:
     """[B] M-RoPE position offsets of one-token decode seqs (0 for text models and text prompts)."""
     return np.fromiter((s.req.rope_delta for s in seqs), dtype=np.int64, count=len(seqs))
