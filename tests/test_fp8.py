@@ -82,7 +82,7 @@ def test_fp8_accuracy_bounds_on_smollm2() -> None:
     # the first 256 tokens of the shipped text; the full-text numbers are in docs/benchmarks.md
     res = {r.mode: r for r in fp8_accuracy.run(256, "cpu", ["fp8-weights", "fp8-kv"])}
     w, kv = res["fp8-weights"], res["fp8-kv"]
-    assert w.top1_agreement >= 0.85 and w.mean_abs_dlogprob < 0.25 and abs(w.ppl_change) < 0.06
+    assert w.top1_agreement >= 0.9 and w.mean_abs_dlogprob < 0.18 and abs(w.ppl_change) < 0.03
     assert kv.top1_agreement >= 0.9 and kv.mean_abs_dlogprob < 0.15 and abs(kv.ppl_change) < 0.02
     assert w.mean_abs_dlogprob > 0 and kv.mean_abs_dlogprob > 0      # both modes did quantize
 
