@@ -224,7 +224,8 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
         model.load_weights(weights, require_head=not cfg.is_embedding)
     model.eval().requires_grad_(False)
     if cfg.quantization == "fp8" or (cfg.load_format != "dummy" and fp8_format(config) is not None):
-        quantize_linears(model, module_scales(model, ckpt_scales))   # fp8 GEMMs (models/fp8_linear.py); before the CPU prepack, which skips them
+        # fp8 GEMMs (models/fp8_linear.py); before the CPU prepack, which skips them
+        quantize_linears(model, module_scales(model, ckpt_scales))
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
         prepack_cpu_linears(model)
