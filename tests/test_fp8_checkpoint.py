@@ -1,8 +1,8 @@
 """FP8 checkpoints on the CPU (nbgen.models.fp8_checkpoint): tiny models whose linear weights the test
 quantizes to float8 e4m3 (HF block-wise ``weight_scale_inv``; compressed-tensors per-channel
-``weight_scale`` with an ``input_scale``; HF per-tensor) load into fp8 linears (the checkpoint's values
-requantized per output feature, ``models/fp8_linear.py``), and greedy output equals HF transformers
-running the dequantized weights in fp32."""
+``weight_scale`` with an ``input_scale``; HF per-tensor) load into fp8 linears holding the checkpoint's
+own e4m3 bytes (its scales expanded to 1x128 groups, ``models/fp8_linear.py``), and greedy output equals
+HF transformers running the dequantized weights in fp32."""
 from __future__ import annotations
 
 import json
@@ -49,7 +49,7 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
     shutil.copytree(src, ref)
     sd = load_file(os.path.join(src, "model.safetensors"))
     fp8, deq = {}, {}
-    block = (16, 32) if method == "fp8" else None   # "fp8-tensor": HF fp8 with one scale per tensor
+    block = (16, 128) if method == "fp8" else None   # "fp8-tensor": HF fp8 with one scale per tensor
     for name, t in sd.items():
         if name.endswith(".weight") and any(f".{p}." in name for p in LINEARS):
             q, s = _quantize(t.float(), block)
@@ -72,7 +72,7 @@ def _fp8_copy(src: str, dst: str, method: str) -> str:
     cfg_path = os.path.join(dst, "config.json")
     cfg = json.load(open(cfg_path))
     cfg["quantization_config"] = (
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]}
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 128]}
         if method == "fp8" else
         {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
         if method == "fp8-tensor" else
@@ -102,22 +102,32 @@ def test_fp8_checkpoint_greedy_equals_hf_on_the_dequantized_weights(tmp_path, me
 
 
 @pytest.mark.parametrize("method", ["fp8", "fp8-tensor", "compressed-tensors"])
-def test_fp8_checkpoint_loads_fp8_linears_equal_to_quantizing_its_values(tmp_path, method) -> None:
-    # the checkpoint's linears run as fp8 GEMMs: the same e4m3 weights and row scales as
-    # quantization="fp8" gives the dequantized values (exactly the checkpoint's for per-channel scales)
+def test_fp8_checkpoint_loads_its_own_e4m3_bytes(tmp_path, method) -> None:
+    # the checkpoint's linears run as fp8 GEMMs on the stored e4m3 values (no requantization), also
+    # inside the fused q|k|v and gate|up projections; quantization="fp8" on the dequantized values
+    # picks its own scales, which round block and per-tensor values differently
     src = make_tiny_model("llama", str(tmp_path / "base"))
     ref = _fp8_copy(src, str(tmp_path / "fp8"), method)
     cpu = torch.device("cpu")
-    got = load_model(EngineConfig(model_path=str(tmp_path / "fp8"), dtype="float32"), cpu).model
-    want = load_model(EngineConfig(model_path=ref, dtype="float32", quantization="fp8"), cpu).model
-    plain = load_model(EngineConfig(model_path=ref, dtype="float32"), cpu).model
-    down = [m.model.layers[0].mlp.down_proj for m in (got, want, plain)]
-    assert down[0].fp8 is not None and down[2].fp8 is None and down[0].weight.dtype == F8
-    assert torch.equal(down[0].fp8.q.view(torch.uint8), down[1].fp8.q.view(torch.uint8))
-    assert torch.equal(down[0].fp8.scale, down[1].fp8.scale)
-    if method == "compressed-tensors":   # per channel: the stored float8 values themselves
-        raw = load_file(os.path.join(tmp_path / "fp8", "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
-        assert torch.equal(down[0].fp8.q.view(torch.uint8), raw.view(torch.uint8))
+    got = load_model(EngineConfig(model_path=str(tmp_path / "fp8"), dtype="bfloat16"), cpu).model
+    requant = load_model(EngineConfig(model_path=ref, dtype="float32", quantization="fp8"), cpu).model
+    raw = load_file(os.path.join(tmp_path / "fp8", "model.safetensors"))
+    layer = got.model.layers[0]
+    checked = 0
+    for fused, parts in ((layer.self_attn.qkv_proj, {"q_proj": "q", "k_proj": "k", "v_proj": "v"}),
+                         (layer.mlp.gate_up_proj, {"gate_proj": 0, "up_proj": 1}),
+                         (layer.mlp.down_proj, {"down_proj": None})):
+        assert fused.fp8 is not None and fused.weight.dtype == F8
+        for part, shard in parts.items():
+            kind = "self_attn" if part.endswith(("q_proj", "k_proj", "v_proj")) else "mlp"
+            stored = raw[f"model.layers.0.{kind}.{part}.weight"]
+            off, size = fused.shard_rows(shard) if shard is not None else (0, stored.shape[0])
+            assert torch.equal(fused.fp8.q[off:off + size].view(torch.uint8), stored.view(torch.uint8))
+            checked += 1
+    assert checked == 6
+    if method != "compressed-tensors":   # per channel, the stored values already sit on amax / 448's grid
+        mine = requant.model.layers[0].mlp.down_proj.fp8.q.view(torch.uint8)
+        assert not torch.equal(mine, layer.mlp.down_proj.fp8.q.view(torch.uint8))
 
 
 def test_block_dequantize_covers_ragged_edges() -> None:

@@ -41,9 +41,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 def model_bytes(model: torch.nn.Module, hf: Any, kv_bytes_per_token: Optional[int] = None) -> tuple[int, int]:
     """(weight bytes read per decode step, KV bytes per token): parameters at their stored size (fp8
-    weights 1 byte each); the KV from ``kv_bytes_per_token`` when given (the pool's own), else at the
-    embedding's dtype."""
+    weights 1 byte each, plus their fp32 group scales); the KV from ``kv_bytes_per_token`` when given
+    (the pool's own), else at the embedding's dtype."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.fp8.scale.numel() * m.fp8.scale.element_size()        # fp8 linears' group scales
+                 for m in model.modules() if getattr(m, "fp8", None) is not None)
     emb = model.model.embed_tokens.weight
     if not getattr(hf, "tie_word_embeddings", False):
         total -= emb.numel() * emb.element_size()    # a decode step reads a few embedding rows only

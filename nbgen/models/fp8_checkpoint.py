@@ -1,7 +1,9 @@
 """FP8 checkpoints read as dequantized weights: HF ``quant_method: "fp8"`` (block-wise e4m3 weights with
 ``weight_scale_inv`` per ``weight_block_size`` block, or one scale per tensor) and compressed-tensors
-float8 (``weight_scale`` per output channel or per tensor). The loader then quantizes the decoder
-linears back to e4m3 per output feature (``fp8_linear.quantize_linears``), so they run as fp8 GEMMs.
+float8 (``weight_scale`` per output channel or per tensor). The loader then turns the decoder linears
+into fp8 linears (``fp8_linear.quantize_linears``) with the checkpoint's own scales expanded to 1x128
+groups (``group_scales``, ``module_scales``): the values round back to the stored e4m3 bytes exactly.
+Blocks whose column count is not a multiple of 128 cannot be expanded; their values are requantized.
 
 The weight stream of such a checkpoint passes through ``dequantize_stream``: each float8 weight is held
 until its scale arrives (safetensors lists ``x.weight`` before ``x.weight_scale*``), multiplied out in
@@ -71,10 +73,57 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[
     return w * s.reshape(-1, 1)
 
 
-def dequantize_stream(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def group_scales(scale: torch.Tensor, shape: tuple[int, int], block: Optional[tuple[int, int]],
+                 group: int = 128) -> Optional[torch.Tensor]:
+    """A checkpoint scale (per tensor, per row, or per ``block``) as 1 x ``group`` scales [out, ceil(in /
+    group)] fp32 with the same value on every column; None when blocks split a group."""
+    out, inp = shape
+    n_groups = -(-inp // group)
+    s = scale.to(torch.float32)
+    if block is not None and s.dim() == 2 and s.numel() > 1:
+        bo, bi = block
+        if bi % group:
+            return None
+        s = s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi // group, 1)[:, :n_groups]
+        return s.contiguous()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(out, n_groups).contiguous()
+    return s.reshape(-1, 1).expand(out, n_groups).contiguous()
+
+
+def module_scales(model: torch.nn.Module, scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint weight name -> group scales (``group_scales``) as module name -> [N, G] scales of the
+    model's (fused) linears: q/k/v and gate/up rows stacked at the module's ``shard_rows`` offsets.
+    A module is left out when any of its parts has no scale or its rows are not all covered."""
+    modules = dict(model.named_modules())
+    stacked = getattr(model, "stacked_params", [])
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, s in scales.items():
+        target, shard = name, None
+        for fused, part, shard_id in stacked:
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
+                break
+        mod_name = target[: -len(".weight")]
+        mod = modules.get(mod_name)
+        if mod is None or not hasattr(mod, "fp8"):
+            continue
+        offset = mod.shard_rows(shard)[0] if shard is not None else 0
+        parts.setdefault(mod_name, []).append((offset, s))
+    out = {}
+    for mod_name, got in parts.items():
+        rows = modules[mod_name].weight.shape[0]
+        if sum(s.shape[0] for _, s in got) != rows:   # a part without a scale, or tensor-parallel rows
+            continue
+        out[mod_name] = torch.cat([s for _, s in sorted(got, key=lambda p: p[0])], dim=0)
+    return out
+
+
+def dequantize_stream(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Format,
+                      scales: Optional[dict[str, torch.Tensor]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of an fp8 checkpoint with every float8 weight dequantized (see the module
-    docstring); a float8 weight whose scale never comes raises a ValueError naming it."""
+    docstring); a float8 weight whose scale never comes raises a ValueError naming it. ``scales``, when
+    given, receives each weight's ``group_scales`` under the weight's name."""
     parts: dict[str, dict[str, torch.Tensor]] = {}   # weight name -> its float8 "weight" / "scale" so far
     for name, t in weights:
         if name.endswith(_DROPPED):
@@ -88,6 +137,10 @@ def dequantize_stream(weights: Iterable[tuple[str, torch.Tensor]], fmt: Fp8Forma
         got[role] = t
         if len(got) == 2:                            # both halves seen, in either order
             del parts[key]
+            if scales is not None and got["weight"].dim() == 2:
+                gs = group_scales(got["scale"], tuple(got["weight"].shape), fmt.block)
+                if gs is not None:
+                    scales[key] = gs
             yield key, dequantize(got["weight"], got["scale"], fmt.block)
     missing = sorted(k for k, got in parts.items() if "weight" in got)
     if missing:

@@ -1,18 +1,26 @@
-"""FP8 linears: e4m3 weights with one fp32 scale per output feature, activations quantized per token.
+"""FP8 linears: e4m3 weights with one fp32 scale per output row and 128 input columns (1x128 groups),
+activations quantized per token and 128 columns at run time.
 
 ``quantize_linears`` turns every projection of a loaded model (q|k|v, o, gate|up, down; not the
 embedding or the LM head) into this form: ``quantization="fp8"`` on a bf16 checkpoint, and fp8
-checkpoints, whose weights arrive dequantized (``fp8_checkpoint``) and are quantized back per output
-feature here (exact for per-channel checkpoints; per-tensor scales become per-row scales, at least as
-fine; block-wise [128, 128] scales are merged to the row's largest value, which the accuracy study
-bounds).
+checkpoints. A checkpoint's own scales (per tensor, per channel, or ``weight_block_size`` blocks whose
+columns are 128 or a multiple of it) expand exactly onto 1x128 groups (``fp8_checkpoint``), so its
+stored e4m3 values are kept as they are, not requantized.
 
-The arithmetic, on every device: the activation rows x [M, K] are scaled per token to the e4m3 range
-(sx = amax(|x_row|) / 448), the weight [N, K] holds wq = round_e4m3(W / sw) with sw = amax(|W_row|) / 448,
-and y = (xq @ wq.T) * sx * sw (+ bias), products summed in fp32. On CUDA the sum runs on tensor cores
-through ``torch._scaled_mm`` with row-wise scales (large M) or in ``kernels.fp8_gemv`` (decode sizes);
-on the CPU ``reference_matmul`` computes it in fp32 torch (the reference the GPU kernels are tested
-against), so tests and notebooks run fp8 models anywhere.
+Why 1x128: fused projections (q|k|v, gate|up) stack checkpoints' rows at any offset and tensor
+parallelism splits rows anywhere, which row-wise groups survive and 128x128 blocks do not; SGLang's
+block-fp8 activations and DeepSeek-style 128x128 checkpoints share its 128-column groups; the scales
+add 1/32 of a byte per weight byte read; and ``torch._scaled_mm`` knows the recipe ("1x128 x 1x128").
+
+Weight scales are searched, not just amax / 448 (``search_scales``): e4m3 is a floating-point grid, so a
+finer group barely changes a value's relative rounding error, but where the grid points fall does; of
+16 scales spanning one octave above amax / 448 (none clips) each group keeps the one with the least
+squared error. On the embedded SmolLM2 this takes the perplexity change from +3.5 % to +1.8 %
+(``nbgen.bench.fp8_accuracy``). Activations, quantized at run time by the kernels, use amax:
+sx[m, g] = max(amax(|x[m, g*128:(g+1)*128]|), 1e-10) / 448 and xq = round_e4m3(x / sx). Then y = sum_g (xq_g @ wq_g.T) * sx_g * sw_g
+(+ bias) in fp32, rounded once to the output dtype. On CUDA ``kernels.fp8_gemm`` computes it; on the
+CPU ``reference_matmul`` does in fp32 torch (the reference the GPU kernels are tested against), so
+tests and notebooks run fp8 models anywhere.
 """
 from __future__ import annotations
 
@@ -22,76 +30,98 @@ from typing import Optional
 import torch
 from torch import nn
 
-from nbgen.kernels import fp8_gemv
+from nbgen.kernels import fp8_gemm
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0          # largest finite e4m3fn value
-_MIN_SCALE = 1e-12       # an all-zero row keeps a finite scale
+FP8_MAX = fp8_gemm.FP8_MAX
+GROUP = fp8_gemm.GROUP
 
 
 @dataclass
 class Fp8Weight:
-    """A linear's quantized weight: ``q`` [N, K] e4m3 and ``scale`` [N] fp32 (W ~ q * scale[:, None])."""
+    """A linear's quantized weight: ``q`` [N, K] e4m3 and ``scale`` [N, ceil(K / 128)] fp32
+    (W[n, k] ~ q[n, k] * scale[n, k // 128])."""
 
     q: torch.Tensor
     scale: torch.Tensor
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantization of x [R, K] -> (q [R, K] e4m3, scale [R] fp32), x ~ q * scale."""
+def expand_groups(scale: torch.Tensor, k: int) -> torch.Tensor:
+    """Group scales [R, G] -> one value per column [R, k] (the dequantization's multiplier)."""
+    return scale.repeat_interleave(GROUP, dim=1)[:, :k]
+
+
+def quantize_groups(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q [R, K] e4m3, scale [R, ceil(K / 128)] fp32), x ~ q * scale per 1x128 group.
+    ``scale`` given: round with those scales (a checkpoint's), else amax / 448 per group."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=_MIN_SCALE) / FP8_MAX
-    q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    if scale is None:
+        pad = (-xf.shape[1]) % GROUP
+        groups = nn.functional.pad(xf, (0, pad)).view(xf.shape[0], -1, GROUP)
+        scale = groups.abs().amax(dim=-1).clamp(min=fp8_gemm.MIN_AMAX) / FP8_MAX
+    q = (xf / expand_groups(scale, xf.shape[1])).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.float().contiguous()
+
+
+SCALE_STEPS = 16   # candidate weight scales per octave (search_scales)
+
+
+def search_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per 1x128 group of w [R, K], the scale among amax / 448 * 2^(i / SCALE_STEPS), i < SCALE_STEPS,
+    whose e4m3 rounding has the least squared error -> [R, G] fp32 (see the module docstring)."""
+    wf = w.float()
+    groups = nn.functional.pad(wf, (0, (-wf.shape[1]) % GROUP)).view(wf.shape[0], -1, GROUP)   # [R, G, 128]
+    base = groups.abs().amax(dim=-1).clamp(min=fp8_gemm.MIN_AMAX) / FP8_MAX                   # [R, G]
+    best, best_err = base, None
+    for i in range(SCALE_STEPS):
+        s = base * 2 ** (i / SCALE_STEPS)
+        err = ((groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s[..., None] - groups).square().sum(-1)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of group-quantized q [R, K] (scale [R, G])."""
+    return q.float() * expand_groups(scale, q.shape[1])
 
 
 def reference_matmul(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight,
                      bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    """(xq @ w.q.T) * sx[:, None] * w.scale[None, :] (+ bias) in fp32 torch, rounded once to ``out_dtype``."""
-    y = (xq.float() @ w.q.float().t()) * sx[:, None] * w.scale[None, :]
+    """The module docstring's y in fp32 torch (xq [M, K] e4m3, sx [M, G]), rounded once to ``out_dtype``."""
+    y = dequantize(xq, sx) @ dequantize(w.q, w.scale).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)
 
 
-def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor],
-               out_dtype: torch.dtype) -> torch.Tensor:
-    # cuBLASLt row-wise scaling (sm89+): scale_a [M, 1], scale_b [1, N] fp32; b must be column-major
-    # ([K, N] as the transposed view of the row-major [N, K] weight). bf16 output only for row-wise.
-    y = torch._scaled_mm(xq, w.q.t(), scale_a=sx[:, None], scale_b=w.scale[None, :],
-                         out_dtype=torch.bfloat16)
-    if bias is not None:
-        y = y + bias
-    return y.to(out_dtype)
-
-
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring)."""
-    if fp8_gemv.usable(x):   # decode sizes: one launch, x quantized inside the kernel
-        return fp8_gemv.fp8_gemv(x, None, w.q, w.scale, bias, x.dtype)
-    xq, sx = quantize_rows(x)
-    if not x.is_cuda:
-        return reference_matmul(xq, sx, w, bias, x.dtype)
-    if x.shape[0] == 0:
-        return x.new_empty((0, w.q.shape[0]))
-    if xq.shape[1] % 16 or w.q.shape[0] % 16:   # cuBLASLt fp8 needs both dims in multiples of 16
-        return reference_matmul(xq, sx, w, bias, x.dtype)
-    return _scaled_mm(xq, sx, w, bias, x.dtype)
+    if fp8_gemm.usable(x):
+        return fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
+    xq, sx = quantize_groups(x)
+    return reference_matmul(xq, sx, w, bias, x.dtype)
 
 
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def quantize_linears(model: nn.Module) -> int:
+def quantize_linears(model: nn.Module, scales: Optional[dict[str, torch.Tensor]] = None) -> int:
     """Quantize every decoder projection (``QUANTIZED_PROJECTIONS``) of a loaded model in place: each
     linear's weight parameter becomes its e4m3 copy (1 byte per value) and the linear gets ``fp8``,
-    which its forward takes. Returns how many linears were quantized."""
+    which its forward takes. ``scales``: module name -> [N, G] group scales an fp8 checkpoint gave
+    (its weights, loaded as values, are rounded back with them: the checkpoint's own e4m3 values).
+    Returns how many linears were quantized."""
     n = 0
     for name, m in model.named_modules():
         if name.rsplit(".", 1)[-1] not in QUANTIZED_PROJECTIONS or not hasattr(m, "fp8"):
             continue
         w = m.weight.data
-        q, scale = quantize_rows(w)
+        given = (scales or {}).get(name)
+        q, scale = quantize_groups(w, given.to(w.device) if given is not None else search_scales(w))
         m.weight.data = q            # the bf16 copy is released; the parameter now reads as e4m3
         m.fp8 = Fp8Weight(q, scale)
         n += 1

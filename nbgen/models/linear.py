@@ -97,7 +97,7 @@ class _Linear(nn.Module):
     # LoRA serving (runtime/lora.py): a hook adding the step's adapters' low-rank products into the
     # output, ``lora(x [T, in], y [T, out])`` in place; ``lora.active`` is False on steps without adapters
     lora: Optional[Any] = None
-    # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its row scales;
+    # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its group scales;
     # the parameter then holds the same e4m3 tensor
     fp8: Optional[Fp8Weight] = None
 

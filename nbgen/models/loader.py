@@ -21,7 +21,7 @@ from torch import nn
 from nbgen.core.chat_template import apply_chat_template_arg
 from nbgen.core.config import EngineConfig
 from nbgen.models.embedded import default_model_path
-from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format
+from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format, module_scales
 from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models.linear import prepack_cpu_linears
 from nbgen.models.fp8_linear import quantize_linears
@@ -212,18 +212,20 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     dtype = resolve_dtype(cfg.dtype, device)
     with _default_dtype(dtype), torch.device(device):
         model = cls(config)
+    ckpt_scales: dict[str, torch.Tensor] = {}   # an fp8 checkpoint's scales, by weight name
     if cfg.load_format == "dummy":
         _dummy_init(model, cfg.random_seed)
     else:
         # an embedding engine never computes logits: a checkpoint without lm_head (saved as the base model) loads
         weights = iter_safetensors(model_dir)
         fp8 = fp8_format(config)
-        if fp8 is not None:   # fp8 checkpoint: weights dequantized as they stream, requantized below
-            weights = dequantize_stream(weights, fp8)
+        if fp8 is not None:   # fp8 checkpoint: weights dequantized as they stream, their scales kept
+            weights = dequantize_stream(weights, fp8, ckpt_scales)
         model.load_weights(weights, require_head=not cfg.is_embedding)
     model.eval().requires_grad_(False)
     if cfg.quantization == "fp8" or (cfg.load_format != "dummy" and fp8_format(config) is not None):
-        quantize_linears(model)   # fp8 GEMMs (models/fp8_linear.py); before the CPU prepack, which skips them
+        # fp8 GEMMs (models/fp8_linear.py); before the CPU prepack, which skips them
+        quantize_linears(model, module_scales(model, ckpt_scales))
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
         prepack_cpu_linears(model)
