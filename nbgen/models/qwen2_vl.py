@@ -103,7 +103,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_head: bool = True) -> set[str]:
         """HF names of either layout; the tower's tensors load directly, the decoder's as Qwen2's."""
-        vis = DirectWeights(dict(self.visual.named_parameters()), type(self).__name__)
+        vis = DirectWeights(self.visual.checkpoint_tensors(), type(self).__name__)
 
         def text_part() -> Iterable[tuple[str, torch.Tensor]]:
             for name, t in weights:
