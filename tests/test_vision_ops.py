@@ -156,3 +156,40 @@ def test_tower_with_fused_kernels_close_to_hf(family: str, tmp_path: Path) -> No
             assert err <= 3e-2 * ref.abs().max().item(), err
     finally:
         gpu_ops.enable_fused(was)
+
+
+@pytest.mark.filterwarnings("ignore:.*other nbgen Engine")
+def test_vlm_bench_profile_on_cpu(tmp_path: Path) -> None:
+    """``--profile`` reruns the workload under the profiler and reports the tower's range (CPU: no kernels)."""
+    from nbgen.bench.vlm import main
+
+    res = main(["--tiny", "--device", "cpu", "--num-requests", "2", "--image-size", "56", "--output-len", "2",
+                "--hf-requests", "0", "--profile", "--profile-dir", str(tmp_path)])
+    prof = res["nbgen"]["profile"]
+    assert prof["steps"] >= 2 and Path(prof["trace"]).exists() and prof["wall_s"] > 0
+    assert prof["tower_forwards"] >= 1 and prof["tower_host_s"] > 0
+    assert prof["gpu_busy_s"] == 0.0 and prof["tower_gpu_s"] == 0.0
+
+
+def test_trace_summary_counts_union_and_tower(tmp_path: Path) -> None:
+    import gzip
+    import json
+
+    from nbgen.bench.vlm_profile import summarize_trace
+
+    ev = [{"ph": "X", "cat": "kernel", "name": "sm90_gemm_bf16", "ts": 0, "dur": 10},
+          {"ph": "X", "cat": "kernel", "name": "flash_fwd", "ts": 5, "dur": 10},         # overlaps: union 15
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 30, "dur": 5},
+          {"ph": "X", "cat": "kernel", "name": "rope", "ts": 40, "dur": 10},
+          {"ph": "X", "cat": "gpu_user_annotation", "name": "nbgen::vision_tower", "ts": 38, "dur": 7},
+          {"ph": "X", "cat": "user_annotation", "name": "nbgen::vision_tower", "ts": 30, "dur": 3},
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100}]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = summarize_trace(str(path), wall_s=100e-6)
+    assert s["gpu_busy_s"] == pytest.approx(30e-6) and s["gpu_busy_share"] == pytest.approx(0.3)
+    assert s["tower_gpu_s"] == pytest.approx(5e-6) and s["tower_forwards"] == 1
+    assert s["tower_host_s"] == pytest.approx(3e-6)
+    assert s["gpu_s_by_class"] == pytest.approx({"matmul": 10e-6, "attention": 10e-6, "other": 10e-6})
+    assert s["top_kernels"][0]["calls"] == 1

@@ -18,6 +18,8 @@ from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.models.mrope import step_positions
 from nbgen.runtime.step_inputs import FlatStep
 
+TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
+
 
 def has_image_prefill(batch: ScheduledBatch) -> bool:
     """True when a seq of the batch computes prompt tokens of a request with images."""
@@ -40,7 +42,8 @@ class VisionStep:
         reqs = [s.req for s in seqs]
         pv = torch.cat([r.images.pixel_values for r in reqs]).to(self.device, self.dtype, non_blocking=True)
         grids = [g for r in reqs for g in r.images.grids]
-        out = self.model.encode_images(pv, grids)                       # [sum image tokens, H]
+        with torch.profiler.record_function(TOWER_RANGE):            # a profile's tower share (bench.vlm --profile)
+            out = self.model.encode_images(pv, grids)                   # [sum image tokens, H]
         for r, part in zip(reqs, out.split([r.images.num_tokens for r in reqs])):
             r.images.embeds = part
 
