@@ -3,6 +3,8 @@
 - ``kernels/vision_ops.py``: the 2-D rotary and SiLU-and-mul Triton kernels under TRITON_INTERPRET=1 (in a
   subprocess: the interpreter is chosen when Triton loads) against the torch references; on the GPU
   (``gpu`` mark) in bf16.
+- M-RoPE image steps: the LLM's fused RoPE kernel reading the step's M-RoPE table (interpreter: fp32;
+  GPU: bf16 / fp16) against M-RoPE in torch.
 - ``SegmentPlan``: attention per segment (views for back-to-back equal segments, gathers for scattered
   ones, empty segments) equals one SDPA per segment.
 - The fused gate|up linear: HF's gate_proj / up_proj names resolve to its row halves for weight updates.
@@ -57,12 +59,46 @@ def _kernel_cases(device: str) -> None:
     print("KERNELS_OK")
 
 
-def test_kernels_under_triton_interpreter() -> None:
+def _mrope_cases(device: str) -> None:
+    """The LLM's fused RoPE kernel reading an M-RoPE step table at rows 0..T-1 (the image-step path of
+    ``Qwen2VLAttention``) against M-RoPE in torch; with equal streams it equals 1-D RoPE's kernel."""
+    from nbgen.kernels import qk_norm_rope as fr
+    from nbgen.models.mrope import MRotaryEmbedding, mrope_positions
+
+    torch.manual_seed(3)
+    D, Hq, Hkv, T = 64, 4, 2, 30
+    rope = MRotaryEmbedding(D, 4096, 10000.0, [8, 12, 12]).to(device)
+    pos, _ = mrope_positions(T, [(3, 3 + 4 * 5)], [(1, 8, 10)], 2)
+    positions = torch.tensor(pos, device=device)
+    dtypes = (torch.float32,) if device == "cpu" else (torch.bfloat16, torch.float16)
+    for dt in dtypes:      # the interpreter's bf16 casts truncate: bf16 is checked on the GPU
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device).to(dt)
+        q, k, _ = qkv.split([Hq * D, Hkv * D, Hkv * D], -1)
+        wq, wk = rope(positions, q.reshape(T, Hq, D), k.reshape(T, Hkv, D))
+        table, rows = rope.step_table(positions)
+        assert rope.step_table(positions)[0] is table                      # built once per positions tensor
+        got = qkv.clone()
+        fr.qk_norm_rope_(got, rows, None, None, 0.0, table, Hq, Hkv, D)
+        tol = 0.0 if dt == torch.float32 else 2.0 ** -7
+        torch.testing.assert_close(got[:, :Hq * D], wq.reshape(T, -1), atol=1e-6, rtol=tol)
+        torch.testing.assert_close(got[:, Hq * D:(Hq + Hkv) * D], wk.reshape(T, -1), atol=1e-6, rtol=tol)
+    text = torch.arange(5, 5 + T, device=device)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device=device).to(torch.bfloat16)
+    one, three = qkv.clone(), qkv.clone()
+    fr.qk_norm_rope_(one, text, None, None, 0.0, rope.cos_sin_cache, Hq, Hkv, D)
+    table, rows = rope.step_table(text.expand(3, -1).contiguous())
+    fr.qk_norm_rope_(three, rows, None, None, 0.0, table, Hq, Hkv, D)
+    assert torch.equal(one, three)
+    print("MROPE_OK")
+
+
+@pytest.mark.parametrize("case", ["_kernel_cases", "_mrope_cases"])
+def test_kernels_under_triton_interpreter(case: str) -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", "import tests.test_vision_ops as t; t._kernel_cases('cpu')"],
+    res = subprocess.run([sys.executable, "-c", f"import tests.test_vision_ops as t; t.{case}('cpu')"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert "KERNELS_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 def test_torch_paths_match_hf_formulas() -> None:
@@ -120,6 +156,7 @@ def test_gate_up_names_resolve_to_row_halves(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_kernels_cuda_bf16() -> None:
     _kernel_cases("cuda")
+    _mrope_cases("cuda")
 
 
 @pytest.mark.gpu
