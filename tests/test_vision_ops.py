@@ -205,6 +205,7 @@ def test_vlm_bench_profile_on_cpu(tmp_path: Path) -> None:
     prof = res["nbgen"]["profile"]
     assert prof["steps"] >= 2 and Path(prof["trace"]).exists() and prof["wall_s"] > 0
     assert prof["tower_forwards"] >= 1 and prof["tower_host_s"] > 0
+    assert prof["images_per_tower_forward"] == 2 / prof["tower_forwards"]
     assert prof["gpu_busy_s"] == 0.0 and prof["tower_gpu_s"] == 0.0
 
 

@@ -97,6 +97,7 @@ def profile_generate(eng: Any, ids: list[list[int]], images: list[Any], sp: dict
     res = eng.stop_profile()
     out = summarize_trace(res.path, wall)
     out["trace"] = res.path
+    out["images_per_tower_forward"] = len(images) / out["tower_forwards"] if out["tower_forwards"] else 0.0
     out["steps"] = res.steps
     out["top_ops"] = [{k: r[k] for k in ("name", "calls", "cpu_us", "device_us")} for r in res.ops[:15]]
     return out
