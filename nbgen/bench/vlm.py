@@ -8,7 +8,8 @@ Reported: nbgen's output tok/s; HF transformers ``generate`` on the first ``--hf
 in batches of ``--hf-batch-size`` (the prompts have equal lengths: no padding), random weights of the same
 config, its output tok/s and the ratio; the vision tower's share: the tower alone over the same
 images (batches of ``--tower-batch`` images, as prefill steps group them) ÷ nbgen's time; the
-preprocessing time alone. ``--tiny`` builds a tiny random Qwen2.5-VL instead (CPU smoke run).
+preprocessing time alone. ``--profile``: the workload once more under the profiler
+(``bench/vlm_profile.py``). ``--tiny`` builds a tiny random Qwen2.5-VL instead (CPU smoke run).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import numpy as np
 import torch
 
 from nbgen.bench.tiny_vlm import make_tiny_vlm
+from nbgen.bench.vlm_profile import profile_generate
 from nbgen.engine import Engine
+from nbgen.kernels import gpu_ops
 from nbgen.models.model_config import read_model_config
 from nbgen.models.qwen2_vl_vision import VisionTower
 from nbgen.models.registry import prepare_config
@@ -64,11 +67,15 @@ def run_nbgen(args: argparse.Namespace, model_dir: str, ids: list[list[int]], im
     t0 = time.perf_counter()
     outs = eng.generate(input_ids=ids, sampling_params=sp, image_data=images, use_tqdm=False)
     secs = time.perf_counter() - t0
+    prof = profile_generate(eng, ids, images, sp, args.profile_dir or tempfile.gettempdir()) if args.profile else None
     eng.shutdown()
     n_out = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"engine": "nbgen", "seconds": secs, "out_tokens": n_out, "out_tok_s": n_out / secs,
-            "prompt_tokens": outs[0]["meta_info"]["prompt_tokens"],
-            "image_tokens": outs[0]["meta_info"]["image_tokens"]}
+    res = {"engine": "nbgen", "seconds": secs, "out_tokens": n_out, "out_tok_s": n_out / secs,
+           "prompt_tokens": outs[0]["meta_info"]["prompt_tokens"],
+           "image_tokens": outs[0]["meta_info"]["image_tokens"]}
+    if prof is not None:
+        res["profile"] = prof
+    return res
 
 
 def run_hf(args: argparse.Namespace, model_dir: str, ids: list[list[int]], images: list[Any]) -> dict[str, Any]:
@@ -109,6 +116,8 @@ def run_tower(args: argparse.Namespace, model_dir: str, images: list[Any]) -> di
 
     cfg = prepare_config(read_model_config(model_dir))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    if args.device == "cuda":
+        gpu_ops.enable_fused(True)            # flashinfer's norms, as an engine's tower runs them
     with torch.device(args.device):
         tower = VisionTower(cfg.vision_config, cfg.hidden_size, True).to(dtype).eval()
     with torch.no_grad():
@@ -143,6 +152,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--hf-requests", type=int, default=64, help="prompts HF generate runs (0: skip HF)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--tower-batch", type=int, default=32)
+    ap.add_argument("--profile", action="store_true",
+                    help="run nbgen's workload again under the profiler: GPU busy time, tower share, top kernels")
+    ap.add_argument("--profile-dir", default=None, help="where --profile writes its trace (default: temp dir)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_vlm(tmp, "qwen2_5_vl", max_pixels=args.image_size ** 2) if args.tiny else args.model

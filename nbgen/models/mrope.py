@@ -4,7 +4,8 @@ Each rotary frequency of a head follows one of three position streams — tempor
 chosen by ``mrope_section`` (counts of frequencies per stream, summing to head_dim / 2). Text tokens
 have the same value in all three streams, so for them M-RoPE equals plain RoPE at that position:
 decode steps and text-only prompts run the ordinary 1-D path (CUDA graphs and fused kernels
-included); only prefill chunks of prompts with images pass 3-D positions [3, T].
+included); only prefill chunks of prompts with images pass 3-D positions [3, T], whose per-step
+cos|sin table (``step_table``, built once for all layers) the same fused RoPE kernel reads.
 """
 from __future__ import annotations
 
@@ -25,15 +26,28 @@ class MRotaryEmbedding(RotaryEmbedding):
         # stream (0, 1, 2) that each of the D/2 frequencies reads, for the cos half and the sin half: [D]
         stream = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(mrope_section)])
         self.register_buffer("stream", torch.cat([stream, stream]), persistent=False)
+        self._memo: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None   # (positions, table, rows)
+
+    def step_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [T, D] fp32: row t = token t's cos | sin, each column from its stream; rows [T] = 0..T-1)
+        for positions [3, T]: a per-step cos_sin_cache that 1-D RoPE (and its fused kernel) reads at
+        ``rows``. Built once per step: every layer passes the same positions tensor."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions:
+            return memo[1], memo[2]
+        T = positions.shape[1]
+        cs = self.cos_sin_cache[positions]                                 # [3, T, D] fp32
+        idx = self.stream.to(positions.device).view(1, 1, -1).expand(1, T, -1)
+        table = cs.gather(0, idx).squeeze(0)                               # [T, D]: each column from its stream
+        rows = torch.arange(T, device=positions.device)
+        self._memo = (positions, table, rows)
+        return table, rows
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             return super().forward(positions, q, k)
-        T = positions.shape[1]
-        cs = self.cos_sin_cache[positions]                                 # [3, T, D] fp32
-        idx = self.stream.to(positions.device).view(1, 1, -1).expand(1, T, -1)
-        cs = cs.gather(0, idx).squeeze(0).to(q.dtype)                      # [T, D]: each column from its stream
+        cs = self.step_table(positions)[0].to(q.dtype)                     # [T, D]
         half = self.head_dim // 2
         cos, sin = cs[:, None, :half], cs[:, None, half:]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -13,6 +13,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from nbgen.kernels import qk_norm_rope as fused_rope
+from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.models.layers import RMSNorm, VocabParallelEmbedding, rope_settings
 from nbgen.models.vision_weights import DirectWeights
 from nbgen.models.llama import head_dim_of
@@ -44,12 +46,19 @@ class Qwen2VLAttention(Qwen2Attention):
     def project(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
                 qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-        """1-D positions: the Llama path (fused kernels included); 3-D [3, T]: M-RoPE in torch."""
+        """1-D positions: the Llama path; 3-D [3, T]: the same fused RoPE (+ K/V write) kernel reading
+        the step's M-RoPE table at rows 0..T-1 on CUDA, M-RoPE in torch elsewhere."""
         if positions.dim() == 1:
             return super().project(positions, x, meta, qkv_out, fold_eps)
         assert fold_eps is None, "Qwen2-VL layers have biases and are never folded"
         qkv = self.qkv_proj(x, out=qkv_out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
+            table, rows = self.rotary_emb.step_table(positions)              # [T, D] fp32, [T]
+            kv = self.attn.kv_target(meta)
+            fused_rope.qk_norm_rope_(qkv, rows, *self.qk_norm_weights(), table, self.qkv_proj.num_heads,
+                                     self.qkv_proj.num_kv_heads, self.head_dim, kv=kv)
+            return q, k, v, kv is not None
         q, k = self.rotary_emb(positions, q, k)
         return q, k, v, False
 
@@ -103,7 +112,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], require_head: bool = True) -> set[str]:
         """HF names of either layout; the tower's tensors load directly, the decoder's as Qwen2's."""
-        vis = DirectWeights(dict(self.visual.named_parameters()), type(self).__name__)
+        vis = DirectWeights(self.visual.checkpoint_tensors(), type(self).__name__)
 
         def text_part() -> Iterable[tuple[str, torch.Tensor]]:
             for name, t in weights:

@@ -7,7 +7,6 @@ and the tower must be complete at the end.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from nbgen.models.layers import default_weight_loader
 
@@ -15,7 +14,7 @@ from nbgen.models.layers import default_weight_loader
 class DirectWeights:
     """Parameters filled one tensor at a time by name; ``check_complete`` raises for any left unset."""
 
-    def __init__(self, params: dict[str, nn.Parameter], model_name: str) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], model_name: str) -> None:
         self.params = params
         self.model_name = model_name
         self.seen: set[str] = set()
