@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -112,10 +113,14 @@ def walk(tree: DraftTree, targets: list[int]) -> list[int]:
         node = nxt
 
 
-def verify_trees(sampler: Sampler, logits: torch.Tensor, seqs: list[SeqWork], trees: list[DraftTree]
-                 ) -> list[tuple[Verified, list[int]]]:
+# (tree, target tokens per row) -> the accepted nodes, a root-to-node path
+TreeRule = Callable[[DraftTree, list[int]], list[int]]
+
+
+def verify_trees(sampler: Sampler, logits: torch.Tensor, seqs: list[SeqWork], trees: list[DraftTree],
+                 rule: TreeRule = walk) -> list[tuple[Verified, list[int]]]:
     """Sample every row of ``logits`` [R, V] (seq i owns ``len(trees[i]) + 1`` consecutive rows) and
-    walk each tree: (the result, the accepted node indices)."""
+    walk each tree by ``rule`` (tests swap in wrong ones): (the result, the accepted node indices)."""
     rows: list[SeqWork] = []
     for s, t in zip(seqs, trees):
         rows.extend(row_seqs(s, t))
@@ -125,7 +130,7 @@ def verify_trees(sampler: Sampler, logits: torch.Tensor, seqs: list[SeqWork], tr
     r0 = 0
     for t in trees:
         tt = toks[r0: r0 + len(t) + 1]
-        path = walk(t, tt)
+        path = rule(t, tt)
         used = [r0] + [r0 + j + 1 for j in path]             # the rows of the root and the accepted nodes
         err = next((res.errors[r] for r in used if r in res.errors), None)
         lps = [res.logprobs[r] for r in used]
