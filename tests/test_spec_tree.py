@@ -33,13 +33,12 @@ def deep_llama_dir(tmp_path_factory) -> str:
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tree_llama6")), num_hidden_layers=6)
 
 
-@pytest.fixture(scope="module")
-def copy_head(deep_llama_dir, tmp_path_factory) -> str:
+def make_copy_head(target_dir: str, path: str) -> str:
     """An EAGLE head whose output is the target's feature (fc passes it through, the layer adds
     nothing): every node's children are the target's top-k after the root."""
     from safetensors.torch import load_file, save_file
 
-    path = save_random_head(deep_llama_dir, str(tmp_path_factory.mktemp("copy_head")), False)
+    save_random_head(target_dir, path, False)
     st = load_file(os.path.join(path, "model.safetensors"))
     H = st["fc.bias"].shape[0]
     st["fc.weight"] = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
@@ -48,6 +47,11 @@ def copy_head(deep_llama_dir, tmp_path_factory) -> str:
     st["layers.0.mlp.down_proj.weight"].zero_()
     save_file(st, os.path.join(path, "model.safetensors"))
     return path
+
+
+@pytest.fixture(scope="module")
+def copy_head(deep_llama_dir, tmp_path_factory) -> str:
+    return make_copy_head(deep_llama_dir, str(tmp_path_factory.mktemp("copy_head")))
 
 
 def _gen(path: str, prompts, params, **kw) -> list[dict]:
@@ -189,7 +193,8 @@ def tree_vs_paths(model_dir: str, device: str, dtype: str, backend: str) -> tupl
     """Logits [n + 1, V] of a tree verify chunk after a 37-token prompt, and of the same rows run plainly
     (the root + the path to each node as a causal chunk over the same prefix)."""
     parts = build_engine_parts(EngineConfig(model_path=model_dir, device=device, dtype=dtype,
-                                            attention_backend=backend, disable_cuda_graph=True))
+                                            attention_backend=backend, disable_cuda_graph=True,
+                                            mem_fraction_static=0.3))
     runner, P = parts.runner, parts.scheduler.cfg.page_size
     prompt = [(7 * i + 3) % 300 + 2 for i in range(37)]
     tree = DraftTree([11, 12, 13, 14, 15, 16, 17], [-1, -1, 0, 0, 1, 2, 4])
