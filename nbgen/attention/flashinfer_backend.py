@@ -241,6 +241,7 @@ class FlashInferBackend(AttentionBackend):
         P = self.spec.page_size
         sp, so, dp, do = src // P, src % P, dst // P, dst % P
         for c in self.k_cache + self.v_cache:                       # [pages, Hkv, P, D]
+            c = c.view(torch.uint8) if c.element_size() == 1 else c    # fp8 pages copied as bytes
             c[dp, :, do] = c[sp, :, so]                             # the gather copies before the write
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:

@@ -116,6 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V at cache slots ``src`` [n] copied to slots ``dst`` [n]."""
         for c in self.k_cache + self.v_cache:                              # [Hkv, slots, D]
+            c = c.view(torch.uint8) if c.element_size() == 1 else c       # fp8 pages copied as bytes
             c.index_copy_(1, dst, c.index_select(1, src))
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
