@@ -1,4 +1,5 @@
-"""SpecStepper: the loop's step when the engine speculates (``speculative_algorithm``; one mode per engine).
+"""SpecStepper: the loop's step when the engine speculates (``speculative_algorithm``; one mode per engine);
+chains here, EAGLE trees in runtime/spec_tree_step.py (the same steps with a tree in place of a chain).
 
 Per scheduled batch:
 
