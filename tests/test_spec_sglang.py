@@ -2,10 +2,10 @@
 ``TestEAGLE3Engine``) with the import and model paths changed: a tiny random Llama target and a
 random EAGLE / EAGLE3 head saved in the published format instead of downloaded checkpoints.
 
-Changed beyond paths, because they need trained heads or tree drafts: ``speculative_eagle_topk`` is 1
-(nbgen drafts chains), the acceptance-length thresholds (1.9 / 2.5 / 3.6, reached by trained heads)
-become "at least one token per verify step", and every batch output must equal the reference
-engine's (SGLang only prints them)."""
+SGLang's tree settings are kept (``speculative_num_steps=5, speculative_eagle_topk=4,
+speculative_num_draft_tokens=8``). Changed beyond paths, because they need trained heads: the
+acceptance-length thresholds (1.9 / 2.5 / 3.6) become "at least one token per verify step", and every
+batch output must equal the reference engine's (SGLang only prints them)."""
 from __future__ import annotations
 
 import unittest
@@ -33,7 +33,7 @@ class TestEAGLEEngine(unittest.TestCase):
     def base_config(self) -> dict:
         return {"model_path": self.target, "speculative_draft_model_path": self.heads[self.ALGORITHM == "EAGLE3"],
                 "speculative_algorithm": self.ALGORITHM, "speculative_num_steps": 5,
-                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6, "mem_fraction_static": 0.7,
+                "speculative_eagle_topk": 4, "speculative_num_draft_tokens": 8, "mem_fraction_static": 0.7,
                 "cuda_graph_max_bs": 4, "device": "cpu", "dtype": "float32"}
 
     def setUp(self):

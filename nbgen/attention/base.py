@@ -81,6 +81,11 @@ class AttentionBackend(ABC):
         tokens (causal within the new tokens).
         """
 
+    @abstractmethod
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at flat cache slots ``src`` [n] to slots ``dst`` [n] (long, on the
+        device; a tree verify step moves its accepted tokens' KV into place: runtime/spec_tree_step.py)."""
+
     def kv_target(self, layer_id: int, meta: AttentionMetadata) -> Optional[KVTarget]:
         """Where a fused kernel may write this step's K/V itself: (k_cache, v_cache, slots [T] long),
         HND pages; None when this backend writes them in ``forward``."""

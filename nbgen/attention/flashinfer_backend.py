@@ -11,7 +11,8 @@ table:
     attention (``decode_tensor_cores``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
     ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
-    and chunked prefill need. The step's leading one-token rows (the running decodes) go through
+    and chunked prefill need; a step verifying a draft tree plans a ``custom_mask`` instead
+    (attention/tree_mask.py: each tree token sees the prefix and its ancestors). The step's leading one-token rows (the running decodes) go through
     the Triton decode kernel instead (flashinfer's prefill kernel reads a one-query row's KV at about
     half the bandwidth).
 ``plan()`` runs once per step in ``prepare``; all layers reuse it. Page tables (``page_tables``) go to
@@ -28,6 +29,7 @@ import torch
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
 from nbgen.attention.page_tables import DecodeTables, page_tables
+from nbgen.attention.tree_mask import flat_masks, has_tree
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels import triton_decode
 from nbgen.kernels.kv_write import KVTarget, write_kv
@@ -186,13 +188,17 @@ class FlashInferBackend(AttentionBackend):
         wrapper._plan_info, wrapper._max_kv_len = info, int(kv_lens.max()) if bs else 0
         return True
 
-    def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int]) -> None:
+    def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int],
+                     custom_mask: Optional[torch.Tensor] = None) -> None:
+        """Plan the prefill wrapper: causal chunks, or ``custom_mask`` (the chunks' [q_len, kv_len] masks
+        flattened, attention/tree_mask.py) when the step verifies a draft tree."""
         sp = self.spec
         self._before_plan()
+        mask = {} if custom_mask is None else {"custom_mask": custom_mask.to(sp.device, non_blocking=True)}
         self.prefill_wrapper.plan(_pinned(qo), _pinned(kv_indptr), _pinned(kv_indices), _pinned(last),
-                                  sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size, causal=True,
-                                  sm_scale=self.scale, q_data_type=sp.dtype, kv_data_type=sp.dtype,
-                                  non_blocking=True)
+                                  sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
+                                  causal=custom_mask is None, sm_scale=self.scale, q_data_type=sp.dtype,
+                                  kv_data_type=sp.dtype, non_blocking=True, **mask)
         self._after_plan()
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None) -> FlashInferMetadata:
@@ -209,7 +215,8 @@ class FlashInferBackend(AttentionBackend):
                 dptr, didx, dlast, _pos, _slots = self.tables.build(batch.seqs[:d])
                 self.plan_decode(self.triton_wrapper, _pinned(dptr), _pinned(didx), _pinned(dlast))
             qo, kv_ptr, idx, last = page_tables(batch.seqs[d:], self.spec.page_size)
-            self.plan_prefill(qo, kv_ptr, idx, last)
+            tree = flat_masks(batch.seqs[d:]) if has_tree(batch.seqs[d:]) else None
+            self.plan_prefill(qo, kv_ptr, idx, last, tree)
             wrapper = self.prefill_wrapper
             slots = None
         if slot_mapping is None:
@@ -228,6 +235,14 @@ class FlashInferBackend(AttentionBackend):
         while d < len(seqs) and seqs[d].q_len == 1:
             d += 1
         return d if d < len(seqs) else 0
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at flat cache slots ``src`` [n] copied to slots ``dst`` [n] (HND pages)."""
+        P = self.spec.page_size
+        sp, so, dp, do = src // P, src % P, dst // P, dst % P
+        for c in self.k_cache + self.v_cache:                       # [pages, Hkv, P, D]
+            c = c.view(torch.uint8) if c.element_size() == 1 else c    # fp8 pages copied as bytes
+            c[dp, :, do] = c[sp, :, so]                             # the gather copies before the write
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
         """The layer's caches and slots: the fused RoPE kernel writes the step's K/V there."""

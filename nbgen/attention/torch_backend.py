@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from nbgen.attention import kv_quant
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
+from nbgen.attention.tree_mask import chunk_mask
 from nbgen.kernels import cpu_ops
 from nbgen.core.batch import ScheduledBatch
 
@@ -77,7 +78,10 @@ class TorchAttentionBackend(AttentionBackend):
                 dec_lens.append(s.kv_len)
             else:
                 kv_slots = mask = None
-                if s.start_pos > 0:
+                if s.tree_parents is not None:      # a tree verify chunk: ancestors only
+                    kv_slots = self._slots(s.pages, s.kv_len)
+                    mask = chunk_mask(s).to(dev)
+                elif s.start_pos > 0:
                     kv_slots = self._slots(s.pages, s.kv_len)
                     q_pos = torch.arange(s.start_pos, s.kv_len, device=dev)
                     mask = torch.arange(s.kv_len, device=dev)[None, :] <= q_pos[:, None]
@@ -108,6 +112,12 @@ class TorchAttentionBackend(AttentionBackend):
         n_pages = (n + P - 1) // P
         table = torch.tensor(pages[:n_pages], dtype=torch.long)
         return (table[:, None] * P + torch.arange(P)).reshape(-1)[:n].to(self.spec.device)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at cache slots ``src`` [n] copied to slots ``dst`` [n]."""
+        for c in self.k_cache + self.v_cache:                              # [Hkv, slots, D]
+            c = c.view(torch.uint8) if c.element_size() == 1 else c       # fp8 pages copied as bytes
+            c.index_copy_(1, dst, c.index_select(1, src))
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchAttentionMetadata, kv_written: bool = False,

@@ -12,7 +12,8 @@ acceptance meaningless, so the drafts are made to agree as far as possible: NGRA
 are a random block repeated, with ``ignore_eos`` (greedy random-weight models fall into cycles that
 prompt lookup then predicts), or STANDALONE with the target as its own draft (``--draft-model`` =
 ``--model``: every draft agrees; its step then includes the draft's forwards), or an EAGLE / EAGLE3
-head (``--eagle-head DIR`` or ``random`` [``--eagle3``]: the head's cost per step). Reported per batch
+head (``--eagle-head DIR`` or ``random`` [``--eagle3``]: the head's cost per step; ``--eagle-topk K
+--eagle-steps S``: trees of ``--num-draft-tokens`` tokens instead of chains). Reported per batch
 size (``--batch-sizes``, 1 and 32): ms per decode step without and with speculation (the step of a
 speculative request verifies ``--num-draft-tokens`` tokens), the acceptance length reached, the
 verify step's cost in plain decode steps, and the speed-up that cost implies at acceptance lengths
@@ -53,7 +54,10 @@ def _engine(args: argparse.Namespace, spec: bool) -> Engine:
                                         args.eagle3)
             kw.update(speculative_algorithm="EAGLE3" if args.eagle3 else "EAGLE",
                       speculative_draft_model_path=head, speculative_num_steps=args.num_draft_tokens - 1)
-            kw.pop("speculative_num_draft_tokens")
+            if args.eagle_topk > 1:    # a tree of num_draft_tokens tokens, eagle_steps deep
+                kw.update(speculative_eagle_topk=args.eagle_topk, speculative_num_steps=args.eagle_steps)
+            else:
+                kw.pop("speculative_num_draft_tokens")
         elif args.draft_model:
             kw.update(speculative_algorithm="STANDALONE", speculative_draft_model_path=args.draft_model,
                       speculative_num_steps=args.num_draft_tokens - 1)
@@ -120,7 +124,7 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
     sp = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     res: dict[str, Any] = {"mode": "machinery", "model": args.model, "num_draft_tokens": args.num_draft_tokens,
                            "draft_model": args.draft_model, "eagle_head": args.eagle_head,
-                           "eagle3": args.eagle3}
+                           "eagle3": args.eagle3, "eagle_topk": args.eagle_topk}
     engines = {"plain": _engine(args, False), "spec": _engine(args, True)}
     try:
         tok = engines["plain"].tokenizer
@@ -159,6 +163,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--eagle-head", default=None,
                     help="EAGLE / EAGLE3 head dir, or 'random' (a random head for --model: speed machinery only)")
     ap.add_argument("--eagle3", action="store_true", help="the head is EAGLE3 (speculative_algorithm='EAGLE3')")
+    ap.add_argument("--eagle-topk", type=int, default=1,
+                    help="EAGLE tree drafts: children per node (> 1: a tree of --num-draft-tokens tokens)")
+    ap.add_argument("--eagle-steps", type=int, default=3, help="EAGLE tree drafts: the tree's depth")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--block", type=int, default=64, help="machinery: random block repeated in each prompt")
     ap.add_argument("--repeats", type=int, default=4)

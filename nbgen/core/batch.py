@@ -18,6 +18,9 @@ class SeqWork:
     sample: bool            # this chunk reaches the end of all_ids: sample the next token
     prompt_logprob_start: int = -1  # >= 0: return logprobs of the prompt tokens at positions
                                     # [max(start, 1), end of chunk] (prediction from the previous position)
+    tree_parents: Optional[list[int]] = None  # a tree verify chunk (runtime/spec_tree.py): each token's
+                                    # parent row in token_ids (-1 for the first); a token sees the cached
+                                    # prefix and its ancestors only, at position start_pos + its depth
 
     @property
     def q_len(self) -> int:
@@ -26,6 +29,14 @@ class SeqWork:
     @property
     def kv_len(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    def tree_depths(self) -> list[int]:
+        """Depth of each token of a tree chunk (the first is 0); parents come before their children."""
+        assert self.tree_parents is not None
+        d: list[int] = []
+        for p in self.tree_parents:
+            d.append(d[p] + 1 if p >= 0 else 0)
+        return d
 
     @property
     def out_index(self) -> int:

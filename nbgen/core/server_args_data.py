@@ -66,11 +66,11 @@ IMPLEMENTED: dict[str, str] = {
     "lora_target_modules": "",
     "lora_backend": "every backend name runs nbgen's path (torch on CPU, segmented Triton kernels on CUDA)",
     "enable_return_hidden_states": "generate(return_hidden_states=True) needs it",
-    "speculative_algorithm": "NGRAM, STANDALONE, EAGLE or EAGLE3 (chain drafts, one mode per engine)",
+    "speculative_algorithm": "NGRAM, STANDALONE, EAGLE or EAGLE3 (one mode per engine; EAGLE trees with topk > 1)",
     "speculative_draft_model_path": "STANDALONE's draft model (same tokenizer) or an EAGLE / EAGLE3 head",
-    "speculative_num_steps": "STANDALONE / EAGLE draft steps per verify; default 3",
-    "speculative_eagle_topk": "only 1 (chain drafts)",
-    "speculative_num_draft_tokens": "tokens verified per step; NGRAM default 8, STANDALONE / EAGLE num_steps + 1",
+    "speculative_num_steps": "STANDALONE / EAGLE draft steps (tree depth) per verify; default 3",
+    "speculative_eagle_topk": "1: chain drafts; > 1: EAGLE / EAGLE3 tree drafts (k children per expanded node)",
+    "speculative_num_draft_tokens": "tokens verified per step; NGRAM default 8, chains num_steps + 1, trees required",
     "speculative_ngram_max_trie_depth": "NGRAM: the longest context match used to draft",
 }
 

@@ -1,6 +1,7 @@
 """Speculative decoding settings (SGLang's ``speculative_*`` server args), validated once.
 
-nbgen drafts chains (one candidate per position, SGLang's ``speculative_eagle_topk=1``):
+nbgen drafts chains (one candidate per position, SGLang's ``speculative_eagle_topk=1``), and
+EAGLE / EAGLE3 also trees (``speculative_eagle_topk > 1``, runtime/spec_tree*.py):
 
 - ``"NGRAM"``: prompt lookup. The longest recent match (at most ``speculative_ngram_max_trie_depth``
   tokens) of the sequence's own suffix in its earlier context proposes the tokens that followed it;
@@ -10,7 +11,11 @@ nbgen drafts chains (one candidate per position, SGLang's ``speculative_eagle_to
   ``speculative_num_steps + 1`` (SGLang adjusts it the same way for chains).
 - ``"EAGLE"`` / ``"EAGLE3"``: an EAGLE head (``speculative_draft_model_path``: SGLang's
   ``LlamaForCausalLMEagle`` / ``LlamaForCausalLMEagle3`` checkpoints) drafts from the target's hidden
-  states; steps and draft tokens as STANDALONE.
+  states; steps and draft tokens as STANDALONE. With ``speculative_eagle_topk = k > 1`` each of
+  the ``speculative_num_steps`` draft steps expands the k best leaves by k children, and the
+  ``speculative_num_draft_tokens - 1`` best nodes (cumulative draft probability) are verified as a
+  tree together with the last sampled token; ``speculative_num_draft_tokens`` is then required (as
+  SGLang, which sets the three together) and at most ``k + (steps - 1) * k * k + 1``.
 
 Speculation is one mode per engine, as SGLang: every generate request of the engine is drafted.
 """
@@ -35,6 +40,7 @@ class SpecConfig:
     num_steps: int                     # STANDALONE: draft-model steps per verify (= drafts)
     draft_model_path: Optional[str]    # STANDALONE: the draft model
     ngram_max_match: int               # NGRAM: longest suffix matched against earlier context
+    topk: int = 1                      # EAGLE: children per expanded node (> 1: tree drafts)
 
     @property
     def max_drafts(self) -> int:
@@ -59,9 +65,10 @@ class SpecConfig:
             v = getattr(cfg, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {v!r}")
-        if cfg.speculative_eagle_topk not in (None, 1):
-            raise ValueError(f"speculative_eagle_topk={cfg.speculative_eagle_topk}: nbgen drafts chains "
-                             "(topk 1); tree drafts are not supported yet")
+        topk = cfg.speculative_eagle_topk or 1
+        if topk > 1 and algo not in ("EAGLE", "EAGLE3"):
+            raise ValueError(f"speculative_eagle_topk={topk}: tree drafts are for EAGLE / EAGLE3 in nbgen; "
+                             f"{algo} drafts chains (speculative_eagle_topk=1)")
         depth = cfg.speculative_ngram_max_trie_depth
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"speculative_ngram_max_trie_depth must be an int >= 1, got {depth!r}")
@@ -80,6 +87,13 @@ class SpecConfig:
                              "(a draft model or EAGLE head for the target's tokenizer)")
         steps = cfg.speculative_num_steps or STANDALONE_STEPS
         n = cfg.speculative_num_draft_tokens
+        if topk > 1:
+            most = topk + (steps - 1) * topk * topk + 1
+            if n is None or not 2 <= n <= most:
+                raise ValueError(f"speculative_num_draft_tokens must be set for tree drafts (speculative_eagle_topk="
+                                 f"{topk}) and lie in [2, {most}] (the root + the {most - 1} candidates of "
+                                 f"{steps} steps), got {n!r}")
+            return cls(algo, n, steps, path, depth, topk)
         if n is not None and n != steps + 1:
             warnings.warn(f"speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = {steps + 1} "
                           "for chain drafts", UserWarning, stacklevel=4)

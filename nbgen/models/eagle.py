@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +69,10 @@ class _Attn(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: DraftCache, li: int) -> torch.Tensor:
-        """x [T, in] of one request at positions pos [T], appended to its cache -> [T, H]."""
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: DraftCache, li: int,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] of one request at positions pos [T], appended to its cache -> [T, H]; ``mask``
+        [T, n] bool over the cache after the append (default causal)."""
         T = x.shape[0]
         q, k = self.rope(pos, self.q_proj(x).contiguous(), self.k_proj(x).contiguous())
         q, k = q.reshape(T, self.nh, self.hd), k.reshape(T, self.nkv, self.hd)
@@ -86,7 +88,8 @@ class _Attn(nn.Module):
         rep = self.nh // self.nkv
         K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
         # causal: query t (the last T of n) sees keys 0 .. n - T + t
-        mask = torch.ones(T, n, dtype=torch.bool, device=x.device).tril(n - T)
+        if mask is None:
+            mask = torch.ones(T, n, dtype=torch.bool, device=x.device).tril(n - T)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1), attn_mask=mask)
         return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
 
@@ -138,20 +141,22 @@ class EagleDraft(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=True)
             self.layers = nn.ModuleList(_Layer(cfg, H, rope, i > 0, False) for i in range(cfg.num_hidden_layers))
 
-    def step(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, cache: DraftCache
-             ) -> torch.Tensor:
-        """ids [T], hidden [T, Hin] (target features or the draft's own outputs), pos [T] -> out [T, H]."""
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, cache: DraftCache,
+             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """ids [T], hidden [T, Hin] (target features or the draft's own outputs), pos [T] -> out [T, H];
+        ``mask`` [T, cache rows after the step] bool: which rows each new row attends to (tree drafts;
+        default causal)."""
         e = self.embed_tokens(ids)
         eps = self.cfg.rms_norm_eps
         if self.eagle3:
             h = self.fc(hidden) if hidden.shape[-1] != e.shape[-1] else hidden
             L = self.midlayer
             x = torch.cat([L.input_layernorm(e), L.hidden_norm(h)], dim=-1)
-            res = h + L.self_attn(x, pos, cache, 0)
+            res = h + L.self_attn(x, pos, cache, 0, mask)
             return res + L.mlp(L.post_attention_layernorm(res))
         x = self.fc(torch.cat([e, hidden], dim=-1))
         for i, L in enumerate(self.layers):
-            a = L.self_attn(L.input_layernorm(x) if L.input_layernorm is not None else x, pos, cache, i)
+            a = L.self_attn(L.input_layernorm(x) if L.input_layernorm is not None else x, pos, cache, i, mask)
             x = x + a
             x = x + L.mlp(_rms(x, L.post_attention_layernorm.weight, eps))
         return x
@@ -163,6 +168,16 @@ class EagleDraft(nn.Module):
             best = self.lm_head(self.norm(out)).argmax(-1)
             return best + self.d2t[best]
         return target_head(out).argmax(-1)
+
+
+    def topk(self, out: torch.Tensor, target_head: Callable[[torch.Tensor], torch.Tensor], k: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely draft tokens of each row of ``out`` [T, H]: (probabilities [T, k] fp32,
+        target-vocabulary ids [T, k]), most likely first."""
+        if self.eagle3:
+            p, best = torch.softmax(self.lm_head(self.norm(out)).float(), -1).topk(k, -1)
+            return p, best + self.d2t[best]
+        return torch.softmax(target_head(out).float(), -1).topk(k, -1)
 
 
 def load_eagle(path: str, target_hidden: int, embed: nn.Module, dtype: torch.dtype, device: torch.device

@@ -1,5 +1,5 @@
-"""EAGLE / EAGLE3 drafts (chains, ``speculative_eagle_topk=1``): a draft head reading the target's
-hidden states (nbgen/models/eagle.py).
+"""EAGLE / EAGLE3 drafts: a draft head reading the target's hidden states (nbgen/models/eagle.py);
+chains here (``speculative_eagle_topk=1``), trees in runtime/spec_eagle_tree.py.
 
 The target hands its features over after every forward (``observe``): the last layer's hidden state
 (EAGLE) or the residual stream at three layers' inputs (EAGLE3: SGLang's default ``[2, L // 2, L - 3]``)
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.core.batch import ScheduledBatch
+from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.models.eagle import DraftCache, EagleDraft, load_eagle
@@ -56,9 +56,11 @@ class EagleDrafter:
         self.model = target.model.model
         self._st: dict[str, _State] = {}
 
-    def observe(self, batch: ScheduledBatch, starts: Optional[list[int]], hidden: Optional[torch.Tensor]) -> None:
+    def observe(self, batch: ScheduledBatch, starts: Optional[list[int]], hidden: Optional[torch.Tensor],
+                order: Optional[torch.Tensor] = None) -> None:
         """Take the features of the tokens of ``batch`` (its seqs as kept: rows ``starts[i] ..``) from
-        the target forward that produced ``hidden`` [T, H]; None: a step without features."""
+        the target forward that produced ``hidden`` [T, H]; None: a step without features. ``order``
+        [T]: the forward's row feeding each row (a verified tree's accepted path moved to its front)."""
         aux, self.model.captured = self.model.captured, []
         if hidden is None or starts is None:
             return
@@ -66,6 +68,8 @@ class EagleDrafter:
             if len(aux) != 3 or aux[0].shape[0] != hidden.shape[0]:
                 return                       # no capture (a graph replay): the next forward restarts
             hidden = torch.cat(aux, dim=-1)                                   # [T, 3H]
+        if order is not None:
+            hidden = hidden.index_select(0, order)
         for s, r0 in zip(batch.seqs, starts):
             st = self._st.get(s.req.rid)
             if st is None or st.req is not s.req:
@@ -76,34 +80,44 @@ class EagleDrafter:
                 st.first = s.start_pos
             st.rows.append(hidden[r0: r0 + s.q_len].clone())    # a copy: graph outputs are reused buffers
 
+    def catch_up(self, s: SeqWork) -> Optional[tuple[DraftCache, torch.Tensor, int]]:
+        """Run the waiting feature rows of ``s``'s request through the head: its draft cache (the
+        committed rows), the last row's output [1, H] (it predicts the token after the last sampled
+        one) and the position of the next draft row; None when the request cannot draft now."""
+        st = self._st.get(s.req.rid)
+        if st is None or st.req is not s.req or not st.rows:
+            return None
+        ids = s.req.all_ids
+        feats = torch.cat(st.rows)                                         # [m, Hin]
+        m, p = feats.shape[0], st.first
+        if p + m >= len(ids):
+            return None                      # the token after the last row is not known yet
+        dev = self.target.device
+        st.cache.truncate(p - st.base)
+        pos = torch.arange(p, p + m, device=dev)
+        o = self.head.step(torch.tensor(ids[p + 1: p + m + 1], device=dev), feats, pos, st.cache)
+        st.rows = []
+        return st.cache, o[-1:], p + m
+
     @torch.inference_mode()
     def draft(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
         """Per seq, up to ``limits[i]`` draft tokens (the head's greedy chain)."""
         out: list[list[int]] = [[] for _ in batch.seqs]
         dev = self.target.device
         for i, (s, k) in enumerate(zip(batch.seqs, limits)):
-            st = self._st.get(s.req.rid)
-            if not k or st is None or st.req is not s.req or not st.rows:
+            got = self.catch_up(s) if k else None
+            if got is None:
                 continue
-            ids = s.req.all_ids
-            feats = torch.cat(st.rows)                                         # [m, Hin]
-            m, p = feats.shape[0], st.first
-            if p + m >= len(ids):
-                continue                     # the token after the last row is not known yet
-            st.cache.truncate(p - st.base)
-            pos = torch.arange(p, p + m, device=dev)
-            o = self.head.step(torch.tensor(ids[p + 1: p + m + 1], device=dev), feats, pos, st.cache)
-            st.rows = []
-            committed = st.cache.length
-            h, q = o[-1:], p + m
+            cache, h, q = got
+            committed = cache.length
             for _ in range(min(k, self.steps)):
                 tok = int(self.head.logits_to_tokens(h, self.target.model.compute_logits)[0])
                 out[i].append(tok)
                 if len(out[i]) == min(k, self.steps):
                     break
-                h = self.head.step(torch.tensor([tok], device=dev), h, torch.tensor([q], device=dev), st.cache)
+                h = self.head.step(torch.tensor([tok], device=dev), h, torch.tensor([q], device=dev), cache)
                 q += 1
-            st.cache.truncate(committed)     # draft rows are recomputed from the target's features
+            cache.truncate(committed)        # draft rows are recomputed from the target's features
         return out
 
     def prune(self) -> None:

@@ -1,4 +1,5 @@
-"""SpecStepper: the loop's step when the engine speculates (``speculative_algorithm``; one mode per engine).
+"""SpecStepper: the loop's step when the engine speculates (``speculative_algorithm``; one mode per engine);
+chains here, EAGLE trees in runtime/spec_tree_step.py (the same steps with a tree in place of a chain).
 
 Per scheduled batch:
 
@@ -52,7 +53,7 @@ class Drafter(Protocol):
         ...
 
 
-def _plain_only(s: SeqWork) -> bool:
+def plain_only(s: SeqWork) -> bool:
     """Seqs whose step must be a plain one: prompt logprobs, hidden states, grammar, custom processors
     (output logprobs come from the verify rows)."""
     req = s.req
@@ -71,8 +72,9 @@ class SpecStepper:
         self.rule = rule
         self._steps = 0
 
-    def _limits(self, batch: ScheduledBatch, dec: list[bool]) -> list[int]:
-        """Each seq's draft budget (0: not a decode, or no room left for drafts)."""
+    def limits(self, batch: ScheduledBatch, dec: list[bool], most: Optional[int] = None) -> list[int]:
+        """Each seq's draft budget, at most ``most`` (default: the drafts per verify; a tree's depth for
+        runtime/spec_tree_step.py); 0: not a decode, or no room left for drafts."""
         ctx = self.scheduler.cfg.context_length
         out = []
         for s, d in zip(batch.seqs, dec):
@@ -80,7 +82,7 @@ class SpecStepper:
             if not d:
                 out.append(0)
                 continue
-            k = self.spec.max_drafts
+            k = self.spec.max_drafts if most is None else most
             if req.params.max_new_tokens is not None:
                 k = min(k, req.params.max_new_tokens - len(req.output_ids) - 1)
             if ctx is not None:
@@ -88,7 +90,7 @@ class SpecStepper:
             out.append(max(k, 0))
         return out
 
-    def _reserve(self, batch: ScheduledBatch, want: list[int]) -> list[int]:
+    def reserve_drafts(self, batch: ScheduledBatch, want: list[int]) -> list[int]:
         """Pages for each seq's drafts (never preempting): how many drafts each may run."""
         out = []
         for s, k in zip(batch.seqs, want):
@@ -105,27 +107,27 @@ class SpecStepper:
             self.drafter.prune()
         # decode seqs: one token past the prompt (these are the requests' verify steps)
         dec = [s.sample and s.q_len == 1 and bool(s.req.output_ids) for s in batch.seqs]
-        if is_embedding_batch(batch) or any(_plain_only(s) for s in batch.seqs):
-            return self._plain(batch, dec)
-        limits = self._limits(batch, dec)
+        if is_embedding_batch(batch) or any(plain_only(s) for s in batch.seqs):
+            return self.plain(batch, dec)
+        limits = self.limits(batch, dec)
         if self.drafter.pages_first:
-            limits = self._reserve(batch, limits)
+            limits = self.reserve_drafts(batch, limits)
         drafts = self.drafter.draft(batch, limits) if any(limits) else [[] for _ in batch.seqs]
         if not self.drafter.pages_first:
-            cut = self._reserve(batch, [len(d) for d in drafts])
+            cut = self.reserve_drafts(batch, [len(d) for d in drafts])
             drafts = [d[:k] for d, k in zip(drafts, cut)]
         if not any(drafts) and not getattr(self.drafter, "wants_hidden", False):
-            return self._plain(batch, dec)
+            return self.plain(batch, dec)
         return self._verify(batch, drafts, dec)
 
-    def _plain(self, batch: ScheduledBatch, dec: list[bool]) -> StepOutput:
+    def plain(self, batch: ScheduledBatch, dec: list[bool]) -> StepOutput:
         """A plain step (no drafts); decode seqs still count as verify steps of their requests."""
         out = self.runner.step(batch)
         if getattr(self.drafter, "wants_hidden", False):
             self.drafter.observe(batch, None, None)     # no features this step (runtime/spec_eagle.py)
         n = len(batch.seqs)
         out.accepted, out.accepted_logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
-        self._count(batch, dec, [0] * n, [0] * n)
+        self.count(batch, dec, [0] * n, [0] * n)
         return out
 
     def _verify(self, batch: ScheduledBatch, drafts: list[list[int]], dec: list[bool]) -> StepOutput:
@@ -165,10 +167,10 @@ class SpecStepper:
                                         s.pages, True)
         if getattr(self.drafter, "wants_hidden", False):      # EAGLE: the kept tokens' features
             self.drafter.observe(batch, flat.starts, hidden)
-        self._count(batch, dec, [len(d) for d in drafts], acc)
+        self.count(batch, dec, [len(d) for d in drafts], acc)
         return out
 
-    def _count(self, batch: ScheduledBatch, dec: list[bool], proposed: list[int], accepted: list[int]) -> None:
+    def count(self, batch: ScheduledBatch, dec: list[bool], proposed: list[int], accepted: list[int]) -> None:
         """Per-request counters (meta_info) and the engine's totals (stats, dashboard)."""
         steps = toks = drafted = hits = 0
         for s, d, k, a in zip(batch.seqs, dec, proposed, accepted):

@@ -51,7 +51,7 @@ class Verified:
     error: Optional[str] = None
 
 
-def _uses_output(req: Request) -> bool:
+def uses_output(req: Request) -> bool:
     """The request's sampling reads its output ids (penalties): draft rows need them extended."""
     p = req.params
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
@@ -66,7 +66,7 @@ def position_seqs(seq: SeqWork, k: int) -> list[SeqWork]:
     drafts = seq.token_ids[n - k:]
     out = []
     for j in range(k + 1):
-        r = dataclasses.replace(req, output_ids=req.output_ids + drafts[:j]) if j and _uses_output(req) else req
+        r = dataclasses.replace(req, output_ids=req.output_ids + drafts[:j]) if j and uses_output(req) else req
         out.append(SeqWork(r, seq.token_ids[: n - k + j], seq.start_pos, seq.pages, True))
     return out
 

@@ -55,7 +55,10 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
         starts.append(len(ids))
         ids.extend(s.token_ids)
         d = s.req.rope_delta if s.start_pos >= len(s.req.prompt_ids) else 0    # M-RoPE decode offset
-        pos.extend(range(s.start_pos + d, s.kv_len + d))
+        if s.tree_parents is None:
+            pos.extend(range(s.start_pos + d, s.kv_len + d))
+        else:                                   # a tree verify chunk: position = depth below its first token
+            pos.extend(s.start_pos + d + x for x in s.tree_depths())
         if s.sample:
             rows.append(len(ids) - 1)
             seqs.append(s)
