@@ -54,11 +54,16 @@ def test_standalone_gpu_self_draft(gpu_model_dir):
 
 @gpu
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
-def test_eagle_gpu_random_head(gpu_model_dir, tmp_path, algo):
+def test_eagle_gpu_random_head(gpu_model_dir, tmp_path, algo, request):
     """EAGLE / EAGLE3 with a random head on CUDA: outputs as plain decoding (bf16 up to near-tie
-    forks; fp32 with the torch backend token-identical), drafts proposed every decode step."""
+    forks; fp32 with the torch backend token-identical), drafts proposed every decode step. EAGLE3
+    reads three layers' features: a 6-layer target of the family (prefill through piecewise graphs)."""
     from nbgen.models.eagle import save_random_head
+    from tests.tiny_models import make_gpu_model
 
+    if algo == "EAGLE3":
+        family = request.node.callspec.params["gpu_model_dir"]
+        gpu_model_dir = make_gpu_model(family, str(tmp_path / "deep"), layers=6)
     head = save_random_head(gpu_model_dir, str(tmp_path / "head"), algo == "EAGLE3")
     kw = {"speculative_algorithm": algo, "speculative_draft_model_path": head, "speculative_num_steps": 3}
     prompts = _repeating_prompts()

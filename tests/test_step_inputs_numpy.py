@@ -40,7 +40,10 @@ def _batch(rng: random.Random, P: int) -> ScheduledBatch:
         pages = rng.sample(range(next_page, next_page + 3 * n_pages), n_pages)
         next_page += 3 * n_pages
         req.pages = pages
-        seqs.append(SeqWork(req, req.all_ids[start:end], start, pages, False))
+        tree = None
+        if end - start > 1 and rng.random() < 0.3:          # a draft tree's verify chunk (parents first)
+            tree = [-1] + [rng.randrange(i) for i in range(1, end - start)]
+        seqs.append(SeqWork(req, req.all_ids[start:end], start, pages, False, tree_parents=tree))
     return ScheduledBatch(seqs=seqs, page_size=P)
 
 

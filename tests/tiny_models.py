@@ -77,11 +77,11 @@ def make_tiny_model(family: str, path: str, vocab_size: int = 384, seed: int = 0
 GREEDY_SP = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
 
 
-def make_gpu_model(family: str, path: str) -> str:
+def make_gpu_model(family: str, path: str, layers: int = 3) -> str:
     """A random Llama / Qwen2 / Qwen3 (head_dim 128, weights widened) saved at ``path`` for the GPU tests."""
     import transformers as tf
 
-    common = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+    common = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   eos_token_id=1, bos_token_id=0, pad_token_id=0)
     if family == "llama":

@@ -88,6 +88,7 @@ class FlashInferBackend(AttentionBackend):
         self.triton_wrapper = self._triton_wrapper() if self.triton_decode else None
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, self.kv_layout, backend="auto")
+        self.masked_wrapper: Optional[Any] = None     # tree-verify steps (made at the first one)
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
@@ -189,17 +190,27 @@ class FlashInferBackend(AttentionBackend):
         return True
 
     def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int],
-                     custom_mask: Optional[torch.Tensor] = None) -> None:
-        """Plan the prefill wrapper: causal chunks, or ``custom_mask`` (the chunks' [q_len, kv_len] masks
-        flattened, attention/tree_mask.py) when the step verifies a draft tree."""
+                     custom_mask: Optional[torch.Tensor] = None) -> Any:
+        """Plan a prefill wrapper and return it: causal chunks, or ``custom_mask`` (the chunks' [q_len,
+        kv_len] masks flattened, attention/tree_mask.py) when the step verifies a draft tree."""
         sp = self.spec
         self._before_plan()
         mask = {} if custom_mask is None else {"custom_mask": custom_mask.to(sp.device, non_blocking=True)}
-        self.prefill_wrapper.plan(_pinned(qo), _pinned(kv_indptr), _pinned(kv_indices), _pinned(last),
+        wrapper = self.prefill_wrapper if custom_mask is None else self._masked()
+        wrapper.plan(_pinned(qo), _pinned(kv_indptr), _pinned(kv_indices), _pinned(last),
                                   sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
                                   causal=custom_mask is None, sm_scale=self.scale, q_data_type=sp.dtype,
                                   kv_data_type=sp.dtype, non_blocking=True, **mask)
         self._after_plan()
+        return wrapper
+
+    def _masked(self) -> Any:
+        """The prefill wrapper of tree-verify steps: flashinfer's fa2 kernels, since its SM90 (fa3)
+        prefill kernels, which ``backend="auto"`` picks on Hopper, take no custom mask."""
+        if self.masked_wrapper is None:
+            self.masked_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout,
+                                                                                 backend="fa2")
+        return self.masked_wrapper
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
@@ -216,8 +227,7 @@ class FlashInferBackend(AttentionBackend):
                 self.plan_decode(self.triton_wrapper, _pinned(dptr), _pinned(didx), _pinned(dlast))
             qo, kv_ptr, idx, last = page_tables(batch.seqs[d:], self.spec.page_size)
             tree = flat_masks(batch.seqs[d:]) if has_tree(batch.seqs[d:]) else None
-            self.plan_prefill(qo, kv_ptr, idx, last, tree)
-            wrapper = self.prefill_wrapper
+            wrapper = self.plan_prefill(qo, kv_ptr, idx, last, tree)
             slots = None
         if slot_mapping is None:
             if slots is None:
@@ -261,7 +271,7 @@ class FlashInferBackend(AttentionBackend):
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()
-        if meta.wrapper is self.prefill_wrapper:
+        if meta.wrapper is self.prefill_wrapper or meta.wrapper is self.masked_wrapper:
             # every row is a planned query token, so the kernels write all of `out`: without one,
             # flashinfer zero-fills a fresh buffer first (~11 us a layer at 8k tokens on an H100)
             o = torch.empty((T, sp.num_q_heads, sp.head_dim), dtype=q.dtype, device=q.device) \

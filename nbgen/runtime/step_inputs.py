@@ -74,6 +74,8 @@ def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
         d = s.req.rope_delta if a >= len(s.req.prompt_ids) else 0              # M-RoPE decode offset
         if b - a == 1:
             out[o] = a + d
+        elif s.tree_parents is not None:        # a tree verify chunk: position = depth below its first token
+            out[o:o + b - a] = np.asarray(s.tree_depths(), dtype=np.int64) + (a + d)
         else:
             out[o:o + b - a] = np.arange(a + d, b + d)
         o += b - a
