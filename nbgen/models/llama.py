@@ -16,6 +16,7 @@ from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels import small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
+from nbgen.models.cpu_decode import CpuDecodePlan
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -184,6 +185,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(config, i, rope) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.captured: list[torch.Tensor] = []
+        # CPU decode steps of a few rows without the modules' dispatch (set at load: models/cpu_decode.py)
+        self.cpu_decode: Optional[CpuDecodePlan] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                 input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -193,6 +196,11 @@ class LlamaModel(nn.Module):
         residual = None
         if self.capture_layers:
             self.captured = []
+        plan = self.cpu_decode
+        if plan is not None and not self.capture_layers and plan.applies(x, meta):
+            for i in range(len(self.layers)):
+                x, residual = plan.layer(i, positions, x, residual, meta)
+            return self.final_norm(x, residual)
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:      # a copy: the next add+norm updates the stream in place
                 h = x.clone() if residual is None else (residual.clone() if x is None else x + residual)
