@@ -66,9 +66,14 @@ def test_paged_decode_attention_writes_new_kv_first(dtype):
     kc2[:, slots] = k.view(B, hkv, d).transpose(0, 1)
     vc2[:, slots] = v.view(B, hkv, d).transpose(0, 1)
     ref = cpu_ops.paged_decode_attention(q.view(B, hq, d), kc2, vc2, table, lens, P, d ** -0.5)
+    kc3, vc3 = kc.clone(), vc.clone()
     out = cpu_ops.paged_decode_attention(q.view(B, hq, d), kc, vc, table, lens, P, d ** -0.5, new_kv=(k, v, slots))
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert torch.equal(out, ref)
+    # k and v with different row strides (Qwen3's normed k is its own tensor, v a view of qkv)
+    out = cpu_ops.paged_decode_attention(q.view(B, hq, d), kc3, vc3, table, lens, P, d ** -0.5,
+                                         new_kv=(k.contiguous(), v, slots))
+    assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2) and torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

@@ -38,7 +38,7 @@ _tried = False
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _i64, _i64,
-                               _f32, _int, _ptr, _ptr, _i64, _ptr],
+                               _f32, _int, _ptr, _ptr, _i64, _i64, _ptr],
     "rmsnorm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int, _int, _f32, _int],
     "rope": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _ptr, _int, _i64, _int],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _int, _int],
@@ -143,15 +143,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is None:
         out = torch.empty((B, Hq, D), dtype=q.dtype)
     kn = vn = sl = None
-    kv_stride = 0
+    k_stride = v_stride = 0
     if new_kv is not None:
         k, v, slots = new_kv
         assert k.dtype == v.dtype == k_cache.dtype and k.shape == v.shape == (B, Hkv * D) and k.stride(1) == 1 \
-            and v.stride() == k.stride() and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == B
-        kn, vn, sl, kv_stride = k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.stride(0)
+            and v.stride(1) == 1 and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == B
+        kn, vn, sl, k_stride, v_stride = k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.stride(0), v.stride(0)
     lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                table.data_ptr(), lens.data_ptr(), B, Hq, Hkv, D, page_size, table.shape[1], S,
-                               scale, int(q.dtype == torch.bfloat16), kn, vn, kv_stride, sl)
+                               scale, int(q.dtype == torch.bfloat16), kn, vn, k_stride, v_stride, sl)
     return out
 
 
