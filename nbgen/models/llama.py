@@ -176,6 +176,8 @@ class LlamaModel(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # EAGLE3 (runtime/spec_eagle.py): the residual stream at the input of these layers, per eager forward
     capture_layers: tuple[int, ...] = ()
+    # CPU decode steps of a few rows without the modules' dispatch (set at load: models/cpu_decode.py)
+    cpu_decode: Optional[CpuDecodePlan] = None
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -185,8 +187,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(config, i, rope) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.captured: list[torch.Tensor] = []
-        # CPU decode steps of a few rows without the modules' dispatch (set at load: models/cpu_decode.py)
-        self.cpu_decode: Optional[CpuDecodePlan] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                 input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
