@@ -47,6 +47,61 @@ def test_paged_decode_attention_matches_reference(dtype, tol, hq, hkv, d, P):
     assert (out.float() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_writes_new_kv_first(dtype):
+    """new_kv: each sequence's new K / V row (a strided view of qkv) lands in its slot before it attends,
+    exactly as the separate write + attention; other slots untouched."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, P, B = 9, 3, 64, 16, 4
+    kc = torch.randn(hkv, 20 * P, d, generator=g).to(dtype)
+    vc = torch.randn(hkv, 20 * P, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 17, 40, 16])
+    table = torch.zeros(B, 3, dtype=torch.long)
+    for b, pages in enumerate([[3], [5, 6], [7, 8, 9], [12]]):
+        table[b, :len(pages)] = torch.tensor(pages)
+    slots = torch.tensor([int(table[b, (n - 1) // P]) * P + (n - 1) % P for b, n in enumerate(lens.tolist())])
+    qkv = torch.randn(B, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[:, slots] = k.view(B, hkv, d).transpose(0, 1)
+    vc2[:, slots] = v.view(B, hkv, d).transpose(0, 1)
+    ref = cpu_ops.paged_decode_attention(q.view(B, hq, d), kc2, vc2, table, lens, P, d ** -0.5)
+    kc3, vc3 = kc.clone(), vc.clone()
+    out = cpu_ops.paged_decode_attention(q.view(B, hq, d), kc, vc, table, lens, P, d ** -0.5, new_kv=(k, v, slots))
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert torch.equal(out, ref)
+    # k and v with different row strides (Qwen3's normed k is its own tensor, v a view of qkv)
+    out = cpu_ops.paged_decode_attention(q.view(B, hq, d), kc3, vc3, table, lens, P, d ** -0.5,
+                                         new_kv=(k.contiguous(), v, slots))
+    assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2) and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_q8_grid_and_gemv_match_the_dequantized_weight(rows):
+    """A GGUF Q8_0 weight read back through bf16 is found on its grid (the GGUF's q almost everywhere);
+    the GEMV equals x @ (q * d).T in fp32 up to summation order; weights off the grid are refused."""
+    g = torch.Generator().manual_seed(rows)
+    N, K = 80, 128
+    d = torch.rand(N, K // 32, generator=g) * 0.01 + 1e-3
+    qt = torch.randint(-127, 128, (N, K), generator=g)
+    qt[:, ::32] = 127                                   # Q8_0: each group's largest value is +-127 d
+    w = (qt.float().view(N, K // 32, 32) * d[:, :, None]).view(N, K).bfloat16()
+    q, dd = cpu_ops.q8_grid(w, 2 ** -7)
+    assert (q.long() == qt).float().mean() > 0.95
+    assert ((q.float().view(N, -1, 32) * dd[:, :, None]).view(N, K) - w.float()).abs().max() <= 2 ** -7 * w.abs().max()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, K, generator=g).to(dtype)
+        ref = x.float() @ (q.float().view(N, -1, 32) * dd[:, :, None]).view(N, K).t()
+        y = cpu_ops.q8_gemv(x, q, dd)
+        assert y.dtype == dtype and y.shape == (rows, N)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        assert ((y.float() - ref).abs() <= tol * ref.abs() + 1e-5).all()
+    assert cpu_ops.q8_grid(torch.randn(N, K, generator=g).bfloat16(), 2 ** -7) is None
+    w_off = w.clone()
+    w_off[3, 40] = d[3, 1] * 2.4              # between two grid points (a small value: bf16 keeps it exact enough)
+    assert cpu_ops.q8_grid(w_off, 2 ** -7) is None
+
+
 def test_softmax_is_stable_for_large_scores():
     """Scores of +-1e4 (no overflow to inf/nan): the largest key wins outright."""
     kc = torch.zeros(1, 32, 4)

@@ -134,6 +134,12 @@ class TorchAttentionBackend(AttentionBackend):
         k = k.view(T, hkv, d)
         v = v.view(T, hkv, d)
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]              # [Hkv, slots, D]
+        if meta.decode_table is not None and not meta.prefill:
+            # a decode-only step: the C kernel writes the new K / V rows into their slots and attends, one call
+            od = cpu_ops.paged_decode_attention(q, kc, vc, meta.decode_table, meta.decode_lens, sp.page_size,
+                                                self.scale, new_kv=(k.view(T, hkv * d), v.view(T, hkv * d),
+                                                                    meta.slot_mapping))
+            return od.view(T, sp.num_q_heads * d)
         kv_quant.write(kc, meta.slot_mapping, k.transpose(0, 1), sp.k_scale)
         kv_quant.write(vc, meta.slot_mapping, v.transpose(0, 1), sp.v_scale)
         out = torch.empty_like(q)

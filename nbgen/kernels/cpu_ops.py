@@ -1,9 +1,9 @@
-"""nbgen's own CPU kernels (``nbgen/kernels/csrc/cpu_ops.c``): built with the system C compiler on first
+"""nbgen's own CPU kernels (``nbgen/kernels/csrc/cpu_ops.c``, ``cpu_q8.c``: one library): built with the system C compiler on first
 use, cached, called through ctypes — the CPU counterpart of ``gpu_ops`` (flashinfer on CUDA).
 
 The build is plain C with no torch headers (about a second with gcc), so it happens inside the
 first ``Engine()`` rather than at install time. The shared library is cached under the nbgen cache
-dir keyed by the source, the compiler and this CPU (it is built with ``-march=native``). It links
+dir keyed by the sources, the compiler and this CPU (it is built with ``-march=native``). It links
 libgomp by its soname, so inside a torch process it shares torch's OpenMP runtime and thread pool.
 
 When there is no compiler, the build fails, or ``NBGEN_CPU_KERNELS=0`` is set, ``available()`` is
@@ -29,7 +29,7 @@ from nbgen.kernels.envs import cache_dir, cpu_kernels_enabled
 
 logger = logging.getLogger("nbgen")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.c"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.c", "cpu_q8.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -38,15 +38,17 @@ _tried = False
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int, _i64, _i64,
-                               _f32, _int],
+                               _f32, _int, _ptr, _ptr, _i64, _i64, _ptr],
     "rmsnorm": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _int, _int, _f32, _int],
     "rope": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _ptr, _int, _i64, _int],
     "silu_and_mul": [_ptr, _i64, _ptr, _i64, _int, _int],
     "argmax_rows": [_ptr, _i64, _i64, _i64, _ptr, _int],
     "q4_grid": [_ptr, _i64, _i64, _ptr, _ptr, _f32],
     "apply_token_bitmask": [_ptr, _i64, _int, _ptr, _i64, _ptr, _i64, _i64],
+    "q8_grid": [_ptr, _i64, _i64, _ptr, _ptr, _f32],
+    "q8_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _int],
 }
-_RESTYPES = {"q4_grid": _int}                     # the others return nothing
+_RESTYPES = {"q4_grid": _int, "q8_grid": _int}                     # the others return nothing
 _DTYPES = (torch.bfloat16, torch.float32)
 _checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
 
@@ -62,7 +64,7 @@ def _cpu_key() -> str:
 
 
 def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"
@@ -72,7 +74,7 @@ def _build(cc: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:   # build aside, then rename: never half a file
         tmp_lib = Path(tmp) / lib.name
-        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_lib), "-lm"],
+        res = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"],
                              capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed:\n{res.stderr[-2000:]}")
@@ -122,12 +124,15 @@ def supports_decode(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int) -> 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            table: torch.Tensor, lens: torch.Tensor, page_size: int, scale: float,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           out: Optional[torch.Tensor] = None,
+                           new_kv: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """One query token per sequence against its pages, read in place (no gather).
 
     q [B, Hq, D] (rows may be strided; heads and dims contiguous); k_cache / v_cache [Hkv, S, D]
     contiguous head-major caches of one layer; table [B, max_pages] int64 page ids; lens [B] int64
     cached tokens per sequence, the new one included. Returns out [B, Hq, D] in q's dtype.
+    ``new_kv`` = (k [B, Hkv * D], v [B, Hkv * D], slots [B] int64): the new tokens' K / V (rows may be
+    strided views of the qkv projection, in the cache's dtype), written into their slots first.
     """
     lib = load()
     assert lib is not None, "cpu_ops.paged_decode_attention called without the kernels (check available())"
@@ -137,9 +142,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert table.dtype == torch.int64 and lens.dtype == torch.int64 and table.is_contiguous()
     if out is None:
         out = torch.empty((B, Hq, D), dtype=q.dtype)
+    kn = vn = sl = None
+    k_stride = v_stride = 0
+    if new_kv is not None:
+        k, v, slots = new_kv
+        assert k.dtype == v.dtype == k_cache.dtype and k.shape == v.shape == (B, Hkv * D) and k.stride(1) == 1 \
+            and v.stride(1) == 1 and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == B
+        kn, vn, sl, k_stride, v_stride = k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.stride(0), v.stride(0)
     lib.paged_decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                table.data_ptr(), lens.data_ptr(), B, Hq, Hkv, D, page_size, table.shape[1], S,
-                               scale, int(q.dtype == torch.bfloat16))
+                               scale, int(q.dtype == torch.bfloat16), kn, vn, k_stride, v_stride, sl)
     return out
 
 
@@ -225,6 +237,28 @@ def q4_grid(w: torch.Tensor, tol: float) -> Optional[tuple[torch.Tensor, torch.T
     sz = torch.empty(k // 32, n, 2, dtype=torch.float32)
     ok = _lib.q4_grid(w.data_ptr(), n, k, q.data_ptr(), sz.data_ptr(), tol)
     return (q, sz) if ok else None
+
+
+def q8_grid(w: torch.Tensor, tol: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(q [N, K] int8, d [N, K/32] fp32) of a bf16 weight on an 8-bit grid (GGUF Q8_0: per group of 32
+    along K, q in [-127, 127] times d = max|w| / 127), None when it is off the grid. Needs ``available()``."""
+    w = w.contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.int8)
+    d = torch.empty(n, k // 32, dtype=torch.float32)
+    return (q, d) if _lib.q8_grid(w.data_ptr(), n, k, q.data_ptr(), d.data_ptr(), tol) else None
+
+
+def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (T <= 4, bf16 / fp32, contiguous last dim) @ (q * d).T -> [T, N] in x's dtype, fp32
+    accumulation; q, d as ``q8_grid`` returns them."""
+    xs, T = _rows(x)
+    assert T <= 4 and q.is_contiguous() and d.is_contiguous() and x.shape[1] == q.shape[1]
+    n = q.shape[0]
+    y = torch.empty((T, n), dtype=x.dtype)
+    _lib.q8_gemv(x.data_ptr(), xs, q.data_ptr(), d.data_ptr(), y.data_ptr(), n, T, n, q.shape[1],
+                 int(x.dtype == torch.bfloat16))
+    return y
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, width: int, rows: Optional[list[int]]) -> bool:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbgen.kernels import small_gemm
-from nbgen.models import cpu_int4
+from nbgen.models import cpu_int4, cpu_int8
 from nbgen.models.cpu_int4 import Int4Weight
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
 
@@ -293,15 +293,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight
         self.packed: Optional[torch.Tensor] = None
+        self.int8: Optional[cpu_int8.Int8Weight] = None   # a weight on GGUF's Q8_0 grid: decode steps read it
 
     def prepack_cpu(self) -> None:
-        """Keep a oneDNN-packed copy for the logits matmul (the weight may be tied to the embedding)."""
+        """Keep a oneDNN-packed copy for the logits matmul (the weight may be tied to the embedding), and
+        an int8 one for steps of a few rows when the weight is on a Q8_0 grid (models/cpu_int8.py)."""
         self.packed = pack_linear_weight(self.weight.data)
+        self.int8 = cpu_int8.from_grid(self.weight.data)
 
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """hidden [N, H] -> logits [N, vocab] in the model dtype."""
-        if self.packed is not None:
+        if cpu_int8.use_int8(hidden, self.int8):
+            logits = cpu_int8.int8_linear(hidden, self.int8)
+        elif self.packed is not None:
             logits = packed_linear(hidden, self.packed, None)
         elif small_gemm.usable(hidden, self.weight):
             logits = small_gemm.small_gemm(hidden, self.weight)

@@ -16,6 +16,7 @@ from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels import small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
+from nbgen.models.cpu_decode import CpuDecodePlan
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -175,6 +176,8 @@ class LlamaModel(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # EAGLE3 (runtime/spec_eagle.py): the residual stream at the input of these layers, per eager forward
     capture_layers: tuple[int, ...] = ()
+    # CPU decode steps of a few rows without the modules' dispatch (set at load: models/cpu_decode.py)
+    cpu_decode: Optional[CpuDecodePlan] = None
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -193,6 +196,11 @@ class LlamaModel(nn.Module):
         residual = None
         if self.capture_layers:
             self.captured = []
+        plan = self.cpu_decode
+        if plan is not None and not self.capture_layers and plan.applies(x, meta):
+            for i in range(len(self.layers)):
+                x, residual = plan.layer(i, positions, x, residual, meta)
+            return self.final_norm(x, residual)
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:      # a copy: the next add+norm updates the stream in place
                 h = x.clone() if residual is None else (residual.clone() if x is None else x + residual)

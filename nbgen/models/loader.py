@@ -23,6 +23,7 @@ from nbgen.core.config import EngineConfig
 from nbgen.models.embedded import default_model_path
 from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format, module_scales
 from nbgen.models.gguf_convert import gguf_to_hf_dir
+from nbgen.models import cpu_decode
 from nbgen.models.linear import prepack_cpu_linears
 from nbgen.models.fp8_linear import quantize_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
@@ -229,6 +230,7 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
     if prepack and device.type == "cpu" and dtype == torch.bfloat16:
         # oneDNN-packed weights: ~25% faster decode matmuls; raw weight values are no longer readable
         prepack_cpu_linears(model)
+        cpu_decode.attach(model)      # decode steps of a few rows without the modules' dispatch
     tokenizer = _load_tokenizer(cfg, model_dir)
     eos, defaults = _eos_ids(model_dir, config, tokenizer)
     ctx = cfg.context_length or int(getattr(config, "max_position_embeddings", 0) or 0) or 2048

@@ -91,6 +91,8 @@ def runner_info(runner: Optional[ModelRunner]) -> dict[str, Any]:
             "cpu_offload": offload_info(getattr(runner, "cpu_offload", None)),
             # CPU linears with a 4-bit copy for steps of a few rows (models/cpu_int4.py: GGUF Q4 weights)
             "int4_linears": sum(getattr(m, "int4", None) is not None for m in runner.model.modules()) if runner else 0,
+            # the LM head's int8 copy for steps of a few rows (models/cpu_int8.py: a GGUF Q8_0 output matrix)
+            "int8_linears": sum(getattr(m, "int8", None) is not None for m in runner.model.modules()) if runner else 0,
             "memory_usage": memory_usage(runner) if runner else {}}
 
 

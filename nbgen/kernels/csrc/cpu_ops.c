@@ -150,9 +150,13 @@ static void attend_one(const float *qf, const char *kh, const char *vh, const in
     }
 }
 
-void paged_decode_attention(const void *q, int64_t q_stride, const void *k, const void *v, void *out,
+/* k_new / v_new (NULL: already in the cache): the step's new K / V rows [B, Hkv, D] (row strides k_stride / v_stride, in
+ * the cache's dtype), written at slots[b] of their head before that (sequence, kv head) attends: the KV
+ * write of a decode-only step in the same call (each item writes only its own rows). */
+void paged_decode_attention(const void *q, int64_t q_stride, void *k, void *v, void *out,
                    const int64_t *table, const int64_t *lens, int B, int Hq, int Hkv, int D, int P,
-                   int64_t max_pages, int64_t S, float scale, int is_bf16) {
+                   int64_t max_pages, int64_t S, float scale, int is_bf16,
+                   const void *k_new, const void *v_new, int64_t k_stride, int64_t v_stride, const int64_t *slots) {
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
     int64_t max_len = 1;
@@ -169,6 +173,11 @@ void paged_decode_attention(const void *q, int64_t q_stride, const void *k, cons
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < (int64_t)B * Hkv; item++) {
             const int64_t b = item / Hkv, h = item % Hkv;
+            if (k_new != NULL) {
+                const size_t dst = (size_t)((h * S + slots[b]) * D) * esize;
+                memcpy((char *)k + dst, (const char *)k_new + (size_t)(b * k_stride + h * D) * esize, (size_t)D * esize);
+                memcpy((char *)v + dst, (const char *)v_new + (size_t)(b * v_stride + h * D) * esize, (size_t)D * esize);
+            }
             widen((const char *)q + (size_t)(b * q_stride + h * G * D) * esize, is_bf16, qf, (int64_t)G * D);
             attend_one(qf, (const char *)k + (size_t)(h * S * D) * esize, (const char *)v + (size_t)(h * S * D) * esize,
                        table + b * max_pages, lens[b], G, D, P, esize, is_bf16, scale, s, max_len, blk, acc);
