@@ -16,7 +16,7 @@ vectors a row), the matching activation columns, and the two scale vectors.
 - USE_DOT: the group product on tensor cores (``tl.dot``, fp8 x fp8 -> fp32; BLOCK_M >= 16) or as
   FMAs on a [BLOCK_M, BLOCK_N, 128] broadcast (no padding of 1-row GEMVs to 16 rows).
 Which variant runs is the table ``CONFIGS`` below (rows bucket -> GemmConfig), filled from
-``python -m nbgen.bench.fp8_kernels`` on an H100; edit it there.
+``python -m nbgen.bench.fp8_kernels`` on a GPU; edit it there.
 """
 from __future__ import annotations
 
@@ -51,13 +51,12 @@ class GemmConfig:
 
 # rows bucket (the smallest key >= M) -> config. Edit from the sweep's winners
 # (python -m nbgen.bench.fp8_kernels prints one line per shape and variant).
-CONFIGS: dict[int, GemmConfig] = {
-    1: GemmConfig(block_m=1, block_n=16, split_k=1, num_warps=4, num_stages=4, use_dot=False, quant_x=True),
-    4: GemmConfig(block_m=4, block_n=16, split_k=1, num_warps=4, num_stages=4, use_dot=False, quant_x=True),
-    16: GemmConfig(block_m=16, block_n=32, split_k=1, num_warps=4, num_stages=4, use_dot=True, quant_x=True),
+CONFIGS: dict[int, GemmConfig] = {      # H200 sweep winners (sum of the four Llama-8B shapes per rows bucket)
+    1: GemmConfig(block_m=16, block_n=64, split_k=2, num_warps=4, num_stages=3, use_dot=True, quant_x=True),
+    4: GemmConfig(block_m=16, block_n=64, split_k=2, num_warps=4, num_stages=3, use_dot=True, quant_x=True),
+    16: GemmConfig(block_m=16, block_n=64, split_k=2, num_warps=4, num_stages=3, use_dot=True, quant_x=True),
     64: GemmConfig(block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=3, use_dot=True, quant_x=False),
-    1 << 62: GemmConfig(block_m=128, block_n=128, split_k=1, num_warps=8, num_stages=3, use_dot=True,
-                        quant_x=False),
+    1 << 62: GemmConfig(block_m=64, block_n=64, split_k=1, num_warps=4, num_stages=3, use_dot=True, quant_x=False),
 }
 
 

@@ -87,14 +87,14 @@ DEEP_K = 8192        # shrink: an input this long or longer is "deep" (down_proj
 SHRINK_TABLE: dict[tuple[str, str], ShrinkConfig] = {
     ("small", "narrow"): ShrinkConfig(),
     ("small", "deep"): ShrinkConfig(),
-    ("large", "narrow"): ShrinkConfig(),
-    ("large", "deep"): ShrinkConfig(),
+    ("large", "narrow"): ShrinkConfig(bm=16, bk=64, ksplit=256, warps=4, stages=3),     # H200 sweep, 256 rows
+    ("large", "deep"): ShrinkConfig(bm=32, bk=64, ksplit=256, warps=4, stages=2),
 }
 EXPAND_TABLE: dict[tuple[str, str], ExpandConfig] = {
     ("small", "narrow"): ExpandConfig(bn=128, niter=2, stages=2),
     ("small", "wide"): ExpandConfig(bn=128, niter=4, stages=2),
-    ("large", "narrow"): ExpandConfig(bm=32, bn=128, niter=2, stages=2),
-    ("large", "wide"): ExpandConfig(bm=32, bn=128, niter=4, stages=2),
+    ("large", "narrow"): ExpandConfig(bm=16, bn=128, niter=1, warps=4, stages=2),        # H200 sweep, 256 rows
+    ("large", "wide"): ExpandConfig(bm=32, bn=128, niter=1, warps=4, stages=2),
 }
 
 
