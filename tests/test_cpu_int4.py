@@ -5,23 +5,19 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file, save_file
 
 import nbgen
 from nbgen.models import cpu_int4
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import gguf_round_trip, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="torch without the CPU int4 kernels")
 
 
 def _q4_1(w: torch.Tensor) -> torch.Tensor:
-    """w through GGUF's Q4_1 quantizer and back (fp32)."""
-    q = quants.quantize(w.float().numpy(), GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(q, GGMLQuantizationType.Q4_1)))
+    return gguf_round_trip(w, "Q4_1")
 
 
 def test_q4_1_weight_is_found_and_multiplied() -> None:

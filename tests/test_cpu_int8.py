@@ -5,24 +5,20 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file, save_file
 
 import nbgen
 from nbgen.kernels import cpu_ops
 from nbgen.models import cpu_int8
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import gguf_round_trip, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 
 
 def _q8_0(w: torch.Tensor) -> torch.Tensor:
-    """w through GGUF's Q8_0 quantizer and back (fp32)."""
-    q = quants.quantize(w.float().numpy(), GGMLQuantizationType.Q8_0)
-    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(q, GGMLQuantizationType.Q8_0)))
+    return gguf_round_trip(w, "Q8_0")
 
 
 def test_q8_0_weight_is_found_and_multiplied() -> None:

@@ -3,8 +3,6 @@ Llama target; greedy and seeded sampling identical to the plain engine; the head
 torch reference; config errors."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -86,16 +84,9 @@ def test_eagle_features_aligned(deep_llama_dir, tmp_path):
     """A 'copy' head (fc passes the target's feature through, the layer adds nothing) drafts
     argmax lm_head(h_{n-1}) = the last token, for every step: only when feature j meets token j + 1
     at position j. Its acceptance counts are then predictable from the output alone."""
-    from safetensors.torch import load_file, save_file
+    from tests.tiny_models import make_copy_head
 
-    path = _save_head(str(tmp_path / "head"), deep_llama_dir, False)
-    st = load_file(os.path.join(path, "model.safetensors"))
-    H = st["fc.bias"].shape[0]
-    st["fc.weight"] = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
-    st["fc.bias"] = torch.zeros(H)
-    st["layers.0.self_attn.o_proj.weight"].zero_()
-    st["layers.0.mlp.down_proj.weight"].zero_()
-    save_file(st, os.path.join(path, "model.safetensors"))
+    path = make_copy_head(deep_llama_dir, str(tmp_path / "head"))
     prompts = [[7] * 12, [9, 9, 9, 3, 3, 3, 3, 9, 9, 9], [40, 41, 42, 43, 44] * 4, [100, 7, 200, 9, 150]]
     sp = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
     with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", speculative_algorithm="EAGLE",

@@ -107,7 +107,7 @@ def test_eagle_tree_gpu(gpu_model_dir, tmp_path, head_kind):
     near-tie forks; fp32 with the torch backend token-identical); the copy head's trees are accepted
     (the accepted path's KV moved in flashinfer's HND pages)."""
     from nbgen.models.eagle import save_random_head
-    from tests.test_spec_tree import make_copy_head
+    from tests.tiny_models import make_copy_head
 
     path = str(tmp_path / "head")
     head = save_random_head(gpu_model_dir, path, False) if head_kind == "random" else make_copy_head(gpu_model_dir, path)

@@ -3,8 +3,6 @@ engine, the tree's acceptance predictable with a 'copy' head, the tree-verify ru
 attention against running each path plainly, node selection and masks, config errors."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ from nbgen.runtime.sampler import Sampler
 from nbgen.runtime.spec_tree import DraftTree, chain, select_nodes, verify_trees, walk
 from nbgen.runtime.step_inputs import flatten
 from tests.test_spec import _chi2
+from tests.tiny_models import make_copy_head
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7], [100, 7, 200, 9, 150, 3, 99, 17, 250, 31],
            [7] * 12, [40, 41, 42, 43, 44] * 4]
@@ -31,22 +30,6 @@ def deep_llama_dir(tmp_path_factory) -> str:
     from tests.tiny_models import make_tiny_model
 
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tree_llama6")), num_hidden_layers=6)
-
-
-def make_copy_head(target_dir: str, path: str) -> str:
-    """An EAGLE head whose output is the target's feature (fc passes it through, the layer adds
-    nothing): every node's children are the target's top-k after the root."""
-    from safetensors.torch import load_file, save_file
-
-    save_random_head(target_dir, path, False)
-    st = load_file(os.path.join(path, "model.safetensors"))
-    H = st["fc.bias"].shape[0]
-    st["fc.weight"] = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
-    st["fc.bias"] = torch.zeros(H)
-    st["layers.0.self_attn.o_proj.weight"].zero_()
-    st["layers.0.mlp.down_proj.weight"].zero_()
-    save_file(st, os.path.join(path, "model.safetensors"))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -220,3 +220,30 @@ def grammar_engine(**kw) -> "nbgen.Engine":
         tok = os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER", model)
         return nbgen.Engine(model, load_format="dummy", tokenizer_path=tok, **kw)
     return nbgen.Engine(**kw)
+
+
+def make_copy_head(target_dir: str, path: str) -> str:
+    """An EAGLE head whose output is the target's feature (fc passes it through, the layer adds
+    nothing): every node's children are the target's top-k after the root."""
+    from safetensors.torch import load_file, save_file
+
+    from nbgen.models.eagle import save_random_head
+
+    save_random_head(target_dir, path, False)
+    st = load_file(os.path.join(path, "model.safetensors"))
+    H = st["fc.bias"].shape[0]
+    st["fc.weight"] = torch.cat([torch.zeros(H, H), torch.eye(H)], dim=1)
+    st["fc.bias"] = torch.zeros(H)
+    st["layers.0.self_attn.o_proj.weight"].zero_()
+    st["layers.0.mlp.down_proj.weight"].zero_()
+    save_file(st, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def gguf_round_trip(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """w through GGUF's quantizer of ``qtype`` ("Q4_1", "Q8_0") and back, fp32 (a weight on that grid)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[qtype]
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w.float().numpy(), kind), kind)))
