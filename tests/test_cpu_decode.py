@@ -1,14 +1,13 @@
-"""The lean CPU decode layer (nbgen.models.cpu_decode): on a model whose linears have int4 copies, decode
-steps of a few rows give the module path's hidden states bit for bit; other steps and models use the modules."""
+"""The lean CPU decode layer (nbgen.models.cpu_decode): on a bf16 model with packed linears (int4 copies for
+steps of a few rows), decode steps of any row count give the module path's hidden states bit for bit;
+prefill steps and fp32 models use the modules."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, quants
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.torch_backend import TorchAttentionBackend
@@ -17,15 +16,12 @@ from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
 from nbgen.models import cpu_int4
+from nbgen.models.linear import cpu_packed_matmul_available
 from nbgen.models.loader import load_model
+from tests.tiny_models import gguf_round_trip
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="torch without the CPU int4 kernels")
 PAGE = 4
-
-
-def _q4_1(w: torch.Tensor) -> torch.Tensor:
-    q = quants.quantize(w.float().numpy(), GGMLQuantizationType.Q4_1)
-    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(q, GGMLQuantizationType.Q4_1)))
 
 
 def _q4_model(tmp_path: Path, cls_name: str, **extra) -> Path:
@@ -37,7 +33,7 @@ def _q4_model(tmp_path: Path, cls_name: str, **extra) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name and "lm_head" not in name:
-                p.copy_(_q4_1(p * 3))                  # the projections on a 4-bit grid, as a GGUF Q4_1
+                p.copy_(gguf_round_trip(p * 3, "Q4_1"))                  # the projections on a 4-bit grid, as a GGUF Q4_1
             elif "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(tmp_path)
@@ -66,12 +62,12 @@ def test_decode_steps_equal_the_module_path(tmp_path: Path, cls_name: str, extra
                        dtype=torch.bfloat16, device=torch.device("cpu"))
     backend = TorchAttentionBackend(spec)
     assert backend.cpu_kernels
-    prompts = [[5, 17, 42, 9, 100, 3, 77], [8, 1, 250, 64, 2]]
-    pages = [[1, 2, 3], [4, 5, 6]]
-    _step(model, backend, prompts, [0, 0], pages)                   # prefill (12 rows: the modules)
+    prompts = [[5, 17, 42, 9, 100, 3, 77], [8, 1, 250, 64, 2], [7, 7, 7], [90, 91], [4, 30, 200, 6], [1]]
+    pages = [[1 + 3 * i, 2 + 3 * i, 3 + 3 * i] for i in range(len(prompts))]
+    _step(model, backend, prompts, [0] * len(prompts), pages)      # prefill (22 rows: the modules)
     lens = [len(p) for p in prompts]
-    for t, rows in enumerate([[11, 12], [13, 14], [15, 16]]):
-        ids = [[r] for r in rows] if t != 1 else [[rows[0]]]        # 2 rows, then 1, then 2
+    for n in (2, 1, 6, 2):              # decode rows: int4 copies up to cpu_int4.MAX_ROWS, packed bf16 above
+        ids = [[11 + n + i] for i in range(n)]
         starts = lens[:len(ids)]
         inner.cpu_decode = None
         ref = _step(model, backend, ids, starts, pages)
@@ -81,15 +77,18 @@ def test_decode_steps_equal_the_module_path(tmp_path: Path, cls_name: str, extra
         plan.layer = lambda *a, **k: hits.append(1) or orig(*a, **k)
         out = _step(model, backend, ids, starts, pages)
         del plan.layer
-        assert len(hits) == 2 and torch.equal(out, ref)
+        assert len(hits) == 2 and torch.equal(out, ref), n
         lens = [n + 1 for n in starts] + lens[len(ids):]
 
 
-def test_models_without_int4_copies_get_no_plan(tmp_path: Path) -> None:
+def test_plans_for_packed_bf16_models_only(tmp_path: Path) -> None:
+    """A bf16 model off the 4-bit grid gets a plan (its packed weights), an fp32 one does not."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=300)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    got = {}
     for dtype in ("bfloat16", "float32"):
         loaded = load_model(EngineConfig(model_path=str(tmp_path), dtype=dtype, device="cpu"), torch.device("cpu"))
-        assert loaded.model.model.cpu_decode is None
+        got[dtype] = loaded.model.model.cpu_decode is not None
+    assert got == {"bfloat16": cpu_packed_matmul_available(), "float32": False}

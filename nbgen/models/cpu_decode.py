@@ -1,14 +1,14 @@
-"""A lean decoder layer for CPU decode steps of a few rows (the batch-1 playground / streamed-cell case).
+"""A lean decoder layer for CPU decode steps (the batch-1 playground / streamed-cell case, and batched decode).
 
 At batch 1 the embedded model's arithmetic per layer is ~120 us of int4 matmuls; the module path around it
 (a dozen ``nn.Module`` calls, the GPU / CPU / LoRA / fp8 / tensor-parallel checks of each linear and norm)
 cost about as much again in Python. ``CpuDecodePlan`` runs the same kernels in the same order (nbgen's C
-add+RMSNorm, RoPE, SiLU-and-mul and paged attention with the K/V write, torch's int4 matmuls), so its
-outputs equal the module path's bit for bit; it only skips the dispatch. It applies to a step when every
-layer is a plain Llama-shaped layer on the CPU whose linears all have int4 copies (``cpu_int4``), the step
-has at most ``cpu_int4.MAX_ROWS`` rows, all of them decodes through the C attention kernel, and no LoRA
-adapter, q/k norm, folded norm, offloaded layer or tensor parallelism is involved; otherwise the model
-runs its modules.
+add+RMSNorm, RoPE, SiLU-and-mul and paged attention with the K/V write; each linear's int4 copy at steps of
+up to ``cpu_int4.MAX_ROWS`` rows and its oneDNN-packed bf16 weight otherwise, as ``_Linear`` picks them), so
+its outputs equal the module path's bit for bit; it only skips the dispatch. It applies to a step when every
+layer is a plain Llama-shaped layer on the CPU whose linears are all packed (``prepack_cpu``), all the
+step's rows are decodes through the C attention kernel, and no LoRA adapter, q/k norm, folded norm,
+offloaded layer, fp8 weight or tensor parallelism is involved; otherwise the model runs its modules.
 """
 from __future__ import annotations
 
@@ -20,12 +20,19 @@ from torch import nn
 from nbgen.kernels import cpu_ops
 from nbgen.models import cpu_int4
 from nbgen.models.layers import RotaryEmbedding
-from nbgen.models.linear import get_tp
+from nbgen.models.linear import get_tp, packed_linear
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     a, m = layer.self_attn, layer.mlp
     return a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj
+
+
+def _mm(x: torch.Tensor, lin: nn.Module, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``lin``'s CPU matmul as ``_Linear._mm`` chooses it: the int4 copy at a few rows, else the packed weight."""
+    if cpu_int4.use_int4(x, lin.int4):
+        return cpu_int4.int4_linear(x, lin.int4, bias)
+    return packed_linear(x, lin.packed, bias)
 
 
 class CpuDecodePlan:
@@ -37,25 +44,25 @@ class CpuDecodePlan:
 
     @staticmethod
     def build(layers: nn.ModuleList) -> Optional["CpuDecodePlan"]:
-        """A plan when every layer has the plain Llama structure on the CPU in bf16 with int4 linears
-        (checked again per step: weight updates may drop the int4 copies), else None."""
-        if not cpu_int4.available() or get_tp()[0] != 1:
+        """A plan when every layer has the plain Llama structure on the CPU in bf16 with packed linears
+        (checked again per step: weight updates unpack them), else None."""
+        if get_tp()[0] != 1:
             return None
         for layer in layers:
             attn = getattr(layer, "self_attn", None)
             if attn is None or getattr(layer, "mlp", None) is None or layer.folded or layer.stage_in is not None \
                     or type(attn.rotary_emb) is not RotaryEmbedding or attn.qk_norm_weights()[0] is not None:
                 return None
-            if any(lin.int4 is None or lin.fp8 is not None for lin in _linears(layer)):
+            if any(lin.packed is None or lin.fp8 is not None for lin in _linears(layer)):
                 return None
         return CpuDecodePlan(layers)
 
     def applies(self, x: torch.Tensor, meta: Any) -> bool:
-        """This step runs through the plan: a few bf16 rows, all decodes through the C attention kernel,
-        every linear with its int4 copy and no LoRA hook."""
-        return x.shape[0] <= cpu_int4.MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
+        """This step runs through the plan: bf16 rows, all decodes through the C attention kernel, every
+        linear packed and without a LoRA hook."""
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" \
             and getattr(meta, "decode_table", None) is not None and not meta.prefill \
-            and all(lin.int4 is not None and lin.lora is None for lin in self.linears)
+            and all(lin.packed is not None and lin.lora is None for lin in self.linears)
 
     def layer(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
               meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,19 +75,19 @@ class CpuDecodePlan:
         else:
             cpu_ops.add_rmsnorm(x, residual, norm.weight, norm.eps)        # in place: x normed, residual summed
         qkv_proj = attn.qkv_proj
-        qkv = cpu_int4.int4_linear(x, qkv_proj.int4, qkv_proj.bias)        # [T, (Hq + 2 Hkv) D]
+        qkv = _mm(x, qkv_proj, qkv_proj.bias)                               # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         cpu_ops.rope_inplace(positions, q, k, attn.head_dim, attn.rotary_emb.cos_sin_cache)
         o = meta.backend.forward(attn.attn.layer_id, q, k, v, meta)         # [T, Hq D], K/V written
         o_proj = attn.o_proj
-        h = cpu_int4.int4_linear(o, o_proj.int4, None)
+        h = _mm(o, o_proj, None)               # row-parallel linears add their bias after the matmul
         if o_proj.bias is not None:
             h = h + o_proj.bias
         norm = layer.post_attention_layernorm
         cpu_ops.add_rmsnorm(h, residual, norm.weight, norm.eps)
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        act = cpu_ops.silu_and_mul(cpu_int4.int4_linear(h, gate_up.int4, gate_up.bias))   # [T, I]
-        out = cpu_int4.int4_linear(act, down.int4, None)
+        act = cpu_ops.silu_and_mul(_mm(h, gate_up, gate_up.bias))          # [T, I]
+        out = _mm(act, down, None)
         return (out + down.bias if down.bias is not None else out), residual
 
 
