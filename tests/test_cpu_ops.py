@@ -76,6 +76,31 @@ def test_paged_decode_attention_writes_new_kv_first(dtype):
     assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2) and torch.equal(out, ref)
 
 
+def test_paged_decode_attention_rows_of_one_sequence_see_each_other():
+    """A jump's forced tokens: rows j = 0..R-1 of one sequence at lengths n + j in one call, each reading
+    the rows before it. With new_kv every row's K / V is written before any row attends (else a thread
+    could attend a slot another thread has not written yet)."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, P, R, n = 8, 4, 64, 16, 48, 10
+    kc = torch.randn(hkv, 8 * P, d, generator=g)
+    vc = torch.randn(hkv, 8 * P, d, generator=g)
+    pages = torch.tensor([2, 5, 1, 7])
+    lens = torch.arange(n + 1, n + R + 1)
+    table = pages.repeat(R, 1)
+    slots = torch.tensor([int(pages[(m - 1) // P]) * P + (m - 1) % P for m in lens.tolist()])
+    qkv = torch.randn(R, (hq + 2 * hkv) * d, generator=g)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[:, slots] = k.view(R, hkv, d).transpose(0, 1)
+    vc2[:, slots] = v.view(R, hkv, d).transpose(0, 1)
+    ref = cpu_ops.paged_decode_attention(q.reshape(R, hq, d), kc2, vc2, table, lens, P, d ** -0.5)
+    for _ in range(5):
+        k3, v3 = kc.clone(), vc.clone()
+        out = cpu_ops.paged_decode_attention(q.reshape(R, hq, d), k3, v3, table, lens, P, d ** -0.5,
+                                             new_kv=(k, v, slots))
+        assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_q8_grid_and_gemv_match_the_dequantized_weight(rows):
     """A GGUF Q8_0 weight read back through bf16 is found on its grid (the GGUF's q almost everywhere);

@@ -170,14 +170,20 @@ void paged_decode_attention(const void *q, int64_t q_stride, void *k, void *v, v
     {
         float *s = scratch + per_thread * (size_t)omp_get_thread_num();
         float *qf = s + (size_t)G * max_len, *acc = qf + (size_t)G * D, *blk = acc + (size_t)G * D;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)B * Hkv; item++) {
-            const int64_t b = item / Hkv, h = item % Hkv;
-            if (k_new != NULL) {
+        /* every new row's K / V lands before any row attends: rows of one sequence in one step (a jump's
+         * forced tokens) read each other's (the loop's implicit barrier) */
+        if (k_new != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < (int64_t)B * Hkv; item++) {
+                const int64_t b = item / Hkv, h = item % Hkv;
                 const size_t dst = (size_t)((h * S + slots[b]) * D) * esize;
                 memcpy((char *)k + dst, (const char *)k_new + (size_t)(b * k_stride + h * D) * esize, (size_t)D * esize);
                 memcpy((char *)v + dst, (const char *)v_new + (size_t)(b * v_stride + h * D) * esize, (size_t)D * esize);
             }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)B * Hkv; item++) {
+            const int64_t b = item / Hkv, h = item % Hkv;
             widen((const char *)q + (size_t)(b * q_stride + h * G * D) * esize, is_bf16, qf, (int64_t)G * D);
             attend_one(qf, (const char *)k + (size_t)(h * S * D) * esize, (const char *)v + (size_t)(h * S * D) * esize,
                        table + b * max_pages, lens[b], G, D, P, esize, is_bf16, scale, s, max_len, blk, acc);
