@@ -99,15 +99,20 @@ class SpecStepper:
             out.append(max(k, 0))
         return out
 
-    @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> StepOutput:
-        """Forward, verify and sample the batch; its verify seqs are rewritten to their accepted tokens."""
+    def begin(self, batch: ScheduledBatch) -> tuple[list[bool], bool]:
+        """Count the step (the drafter forgets finished requests every 64) -> (which seqs are decodes,
+        one token past the prompt: the requests' verify steps; whether the step must run plain)."""
         self._steps += 1
         if self._steps % 64 == 0:
             self.drafter.prune()
-        # decode seqs: one token past the prompt (these are the requests' verify steps)
         dec = [s.sample and s.q_len == 1 and bool(s.req.output_ids) for s in batch.seqs]
-        if is_embedding_batch(batch) or any(plain_only(s) for s in batch.seqs):
+        return dec, is_embedding_batch(batch) or any(plain_only(s) for s in batch.seqs)
+
+    @torch.inference_mode()
+    def step(self, batch: ScheduledBatch) -> StepOutput:
+        """Forward, verify and sample the batch; its verify seqs are rewritten to their accepted tokens."""
+        dec, plain = self.begin(batch)
+        if plain:
             return self.plain(batch, dec)
         limits = self.limits(batch, dec)
         if self.drafter.pages_first:

@@ -23,12 +23,11 @@ import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.spec_config import SpecConfig
-from nbgen.runtime.embed_step import is_embedding_batch
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.spec_eagle_tree import EagleTreeDrafter
-from nbgen.runtime.spec_step import SpecStepper, plain_only
+from nbgen.runtime.spec_step import SpecStepper
 from nbgen.runtime.spec_tree import DraftTree, verify_trees
 from nbgen.runtime.step_inputs import flatten
 
@@ -45,16 +44,12 @@ class TreeSpecStepper(SpecStepper):
                  stats: Optional[LoopStats] = None) -> None:
         super().__init__(runner, scheduler, spec, drafter, stats)
         self.trees = drafter
-        self._tree_steps = 0
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> StepOutput:
         """Forward, verify and sample the batch; its verify seqs are rewritten to their accepted tokens."""
-        self._tree_steps += 1
-        if self._tree_steps % 64 == 0:
-            self.trees.prune()
-        dec = [s.sample and s.q_len == 1 and bool(s.req.output_ids) for s in batch.seqs]
-        if is_embedding_batch(batch) or any(plain_only(s) for s in batch.seqs):
+        dec, plain = self.begin(batch)
+        if plain:
             return self.plain(batch, dec)
         depths = self.limits(batch, dec, self.spec.num_steps)
         trees = self.trees.draft_trees(batch, depths) if any(depths) else [DraftTree([], []) for _ in batch.seqs]
