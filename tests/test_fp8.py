@@ -4,10 +4,6 @@ the KV pool's size, and the accuracy bounds on the embedded SmolLM2 (real weight
 gpu) compare the Triton group-scaled kernels (kernels/fp8_gemm.py) with the torch reference."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from nbgen.attention.base import KVCacheSpec
 from nbgen.bench import fp8_accuracy
 from nbgen.kernels import fp8_gemm
 from nbgen.models.fp8_linear import Fp8Weight, dequantize, fp8_linear, quantize_groups, reference_matmul
+from tests.tiny_models import run_under_triton_interpreter
 
 
 def test_quantize_groups_bounds_and_round_trip() -> None:
@@ -111,10 +108,7 @@ def _kernel_check() -> None:
 
 def test_fp8_gemm_kernel_under_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    res = subprocess.run([sys.executable, "-c", "import tests.test_fp8 as t; t._kernel_check()"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    res = run_under_triton_interpreter("import tests.test_fp8 as t; t._kernel_check()")
     assert res.returncode == 0, res.stderr[-3000:]
 
 

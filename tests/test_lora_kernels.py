@@ -10,9 +10,6 @@
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,9 +25,10 @@ from nbgen.models import norm_fold
 from nbgen.models.loader import load_model
 from nbgen.runtime import lora as lora_mod
 from nbgen.runtime.lora_setup import make_lora_manager
+from tests.tiny_models import run_under_triton_interpreter
+
 
 peft = pytest.importorskip("peft")
-ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4
 PROMPTS = [[5, 9, 2, 77, 31, 8, 100], [3, 4], [60, 61, 62, 63, 64], [11, 12, 13]]
 
@@ -222,9 +220,7 @@ def _slot_check(tmp: str) -> None:
 def test_slot_kernels_under_triton_interpreter(tmp_path: Path) -> None:
     pytest.importorskip("triton")
     _adapters(tmp_path, _base(tmp_path))            # built here, read by the subprocess
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", f"import tests.test_lora_kernels as t; t._slot_check({str(tmp_path)!r})"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_under_triton_interpreter(f"import tests.test_lora_kernels as t; t._slot_check({str(tmp_path)!r})")
     assert "SLOT_CHECK_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -10,16 +10,12 @@ and fp16 (the interpreter's tl.dot misreads bf16 operands, so bf16 runs in
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.tiny_models import run_under_triton_interpreter
 
 
 def _segments(slot: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,9 +69,7 @@ def _cases(device: str = "cpu", dtypes: tuple = ((torch.float32, 1e-4), (torch.f
 
 def test_sgmv_configs_under_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", "import tests.test_lora_sgmv_configs as t; t._cases()"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_under_triton_interpreter("import tests.test_lora_sgmv_configs as t; t._cases()")
     assert "SGMV_CONFIGS_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -122,9 +116,7 @@ def _sweep_smoke() -> None:
 
 def test_kernel_sweep_smoke_under_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", "import tests.test_lora_sgmv_configs as t; t._sweep_smoke()"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_under_triton_interpreter("import tests.test_lora_sgmv_configs as t; t._sweep_smoke()")
     out = res.stdout
     assert "SWEEP_SMOKE_OK" in out and "WRONG" not in out, out[-3000:] + res.stderr[-3000:]
     assert "EXPAND_TABLE winners" in out and "('large', 'wide'): ExpandConfig(" in out, out[-3000:]

@@ -12,6 +12,8 @@ from nbgen.core.request import LogprobRequest, Request
 from nbgen.runtime.sampler import Sampler
 from nbgen.runtime.sampling_ops import gumbel_noise, mix32, row_key
 from nbgen.core.sampling import SamplingParams
+from tests.tiny_models import run_under_triton_interpreter
+
 
 CPU = torch.device("cpu")
 DEVICES = [CPU] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -337,8 +339,6 @@ def test_triton_gumbel_draw_equals_the_torch_formula() -> None:
 def test_triton_gumbel_draw_on_the_interpreter_equals_the_torch_formula() -> None:
     """The same kernel under Triton's CPU interpreter (tl.log for libdevice's), in a fresh process."""
     pytest.importorskip("triton")
-    import subprocess
-    import sys
     code = """
 import torch
 from nbgen.kernels import gpu_argmax
@@ -354,9 +354,7 @@ assert torch.equal(got, ref), (got, ref)
 assert int(got[1]) == 17 and int(got[2]) < 100
 print("ok")
 """
-    env = {**__import__("os").environ, "TRITON_INTERPRET": "1"}
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]     # this checkout's nbgen first
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    r = run_under_triton_interpreter(code, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 

@@ -12,9 +12,6 @@
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +20,7 @@ import torch.nn.functional as F
 
 from nbgen.kernels import vision_ops as vo
 from nbgen.models.qwen2_vl_vision import SegmentPlan
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.tiny_models import run_under_triton_interpreter
 
 
 def _rope_want(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
@@ -95,9 +91,7 @@ def _mrope_cases(device: str) -> None:
 @pytest.mark.parametrize("case", ["_kernel_cases", "_mrope_cases"])
 def test_kernels_under_triton_interpreter(case: str) -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", f"import tests.test_vision_ops as t; t.{case}('cpu')"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_under_triton_interpreter(f"import tests.test_vision_ops as t; t.{case}('cpu')")
     assert "_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -247,3 +250,12 @@ def gguf_round_trip(w: torch.Tensor, qtype: str) -> torch.Tensor:
 
     kind = GGMLQuantizationType[qtype]
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w.float().numpy(), kind), kind)))
+
+
+def run_under_triton_interpreter(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -c code`` in a subprocess with TRITON_INTERPRET=1 (Triton picks the interpreter when it
+    loads, so it cannot be switched on in this process), this checkout first on the path."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
