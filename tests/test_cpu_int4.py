@@ -2,7 +2,6 @@
 torch's int4 kernel at decode steps of a few rows; other weights stay bf16 only."""
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import nbgen
 from nbgen.models import cpu_int4
-from tests.tiny_models import gguf_round_trip, make_tiny_model
+from tests.tiny_models import gguf_round_trip, make_tiny_model, quantized_cpu_run_follows_fp32
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="torch without the CPU int4 kernels")
 
@@ -56,22 +55,7 @@ def test_engine_with_q4_weights_decodes_through_int4(tmp_path: Path) -> None:
     proj = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     sd = {k: _q4_1(v) if any(f".{p}." in k for p in proj) else v for k, v in sd.items()}
     save_file(sd, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
-    prompt = "hello there, how are"
-    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    with nbgen.Engine(path, device="cpu", dtype="bfloat16") as eng:
-        assert eng.get_server_info()["int4_linears"] == 4 * 2     # qkv, o, gate|up, down per layer
-        one = eng.generate(prompt, sp, return_logprob=True)
-        batch = eng.generate([prompt] * 6, sp)                     # 6 rows a step: the bf16 path
-    with nbgen.Engine(path, device="cpu", dtype="float32") as eng:
-        assert eng.get_server_info()["int4_linears"] == 0
-        ref = eng.generate(prompt, sp, return_logprob=True)
-    assert all(o["meta_info"]["completion_tokens"] == 12 for o in batch)
-    # batch 1 (int4) against fp32: the same tokens up to a near-tie, logprobs within bf16 noise
-    n = next((i for i, (a, b) in enumerate(zip(one["output_ids"], ref["output_ids"])) if a != b), 12)
-    assert n >= 4, (one["output_ids"], ref["output_ids"])
-    diffs = [abs(a[0] - b[0]) for a, b in zip(one["meta_info"]["output_token_logprobs"][:n],
-                                              ref["meta_info"]["output_token_logprobs"][:n])]
-    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.3, diffs
+    quantized_cpu_run_follows_fp32(path, "int4_linears", 4 * 2)     # qkv, o, gate|up, down per layer
 
 
 def test_engine_with_plain_weights_has_no_int4(tmp_path: Path) -> None:

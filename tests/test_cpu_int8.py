@@ -2,17 +2,15 @@
 read by the C GEMV at decode steps of a few rows; bf16 weights keep the bf16 head."""
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import nbgen
 from nbgen.kernels import cpu_ops
 from nbgen.models import cpu_int8
-from tests.tiny_models import gguf_round_trip, make_tiny_model
+from tests.tiny_models import gguf_round_trip, make_tiny_model, quantized_cpu_run_follows_fp32
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 
@@ -41,18 +39,4 @@ def test_engine_with_a_q8_0_head_decodes_through_int8(tmp_path: Path) -> None:
     sd = load_file(str(tmp_path / "m" / "model.safetensors"))
     sd = {k: _q8_0(v) if k == "model.embed_tokens.weight" else v for k, v in sd.items()}
     save_file(sd, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
-    prompt = "hello there, how are"
-    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    with nbgen.Engine(path, device="cpu", dtype="bfloat16") as eng:
-        assert eng.get_server_info()["int8_linears"] == 1           # the tied head
-        one = eng.generate(prompt, sp, return_logprob=True)
-        batch = eng.generate([prompt] * 6, sp)                     # 6 rows a step: the bf16 head
-    with nbgen.Engine(path, device="cpu", dtype="float32") as eng:
-        assert eng.get_server_info()["int8_linears"] == 0
-        ref = eng.generate(prompt, sp, return_logprob=True)
-    assert all(o["meta_info"]["completion_tokens"] == 12 for o in batch)
-    n = next((i for i, (a, b) in enumerate(zip(one["output_ids"], ref["output_ids"])) if a != b), 12)
-    assert n >= 4, (one["output_ids"], ref["output_ids"])
-    diffs = [abs(a[0] - b[0]) for a, b in zip(one["meta_info"]["output_token_logprobs"][:n],
-                                              ref["meta_info"]["output_token_logprobs"][:n])]
-    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.3, diffs
+    quantized_cpu_run_follows_fp32(path, "int8_linears", 1)          # the tied head

@@ -259,3 +259,25 @@ def run_under_triton_interpreter(code: str, timeout: float = 600) -> subprocess.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def quantized_cpu_run_follows_fp32(path: str, counter: str, count: int) -> None:
+    """A tiny model whose weights lie on a GGUF grid, on the CPU: in bf16 ``get_server_info()[counter]``
+    (``int4_linears`` / ``int8_linears``) is ``count`` and a batch of 6 (the bf16 path) completes; the
+    batch-1 greedy run (the quantized path) gives fp32's tokens up to a near-tie and logprobs within
+    bf16 noise; in fp32 the counter is 0."""
+    prompt = "hello there, how are"
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with nbgen.Engine(path, device="cpu", dtype="bfloat16") as eng:
+        assert eng.get_server_info()[counter] == count
+        one = eng.generate(prompt, sp, return_logprob=True)
+        batch = eng.generate([prompt] * 6, sp)                     # 6 rows a step: the bf16 path
+    with nbgen.Engine(path, device="cpu", dtype="float32") as eng:
+        assert eng.get_server_info()[counter] == 0
+        ref = eng.generate(prompt, sp, return_logprob=True)
+    assert all(o["meta_info"]["completion_tokens"] == 12 for o in batch)
+    n = next((i for i, (a, b) in enumerate(zip(one["output_ids"], ref["output_ids"])) if a != b), 12)
+    assert n >= 4, (one["output_ids"], ref["output_ids"])
+    diffs = [abs(a[0] - b[0]) for a, b in zip(one["meta_info"]["output_token_logprobs"][:n],
+                                              ref["meta_info"]["output_token_logprobs"][:n])]
+    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.3, diffs
