@@ -3,7 +3,6 @@ get_weights_by_name, release / resume_memory_occupation) on tiny random models, 
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import threading
 import time
 
@@ -12,7 +11,7 @@ import torch
 
 import nbgen
 from nbgen.models.linear import cpu_packed_matmul_available
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import broadcast_weights, free_port, make_tiny_model
 
 SP = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 3], [100] * 20]
@@ -280,32 +279,12 @@ def test_bf16_cpu_packed_weights(pair):
         assert _greedy(eng) == want
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _trainer(port: int, path: str, group: str) -> None:
-    """Rank 0: broadcast every parameter of the model at ``path`` (in named_parameters order)."""
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-
-    from nbgen.runtime.weight_sync import init_custom_process_group
-
-    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, group)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    for _, p in hf.named_parameters():
-        dist.broadcast(p.data, src=0, group=pg)
-    dist.destroy_process_group(pg)
-
-
 def test_update_weights_from_distributed_gloo(pair):
     a, b = pair
     hb = _hf(b)
     params = list(hb.named_parameters())
-    port = _free_port()
-    trainer = mp.get_context("spawn").Process(target=_trainer, args=(port, b, "rl"))
+    port = free_port()
+    trainer = mp.get_context("spawn").Process(target=broadcast_weights, args=(port, b, "rl"))
     trainer.start()
     try:
         with nbgen.Engine(a, dtype="float32", device="cpu") as eng:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nbgen
-from tests.tiny_models import assert_close_runs
+from tests.tiny_models import assert_close_runs, broadcast_weights, free_port
 
 gpu = pytest.mark.gpu
 SP = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
@@ -138,22 +138,6 @@ def test_release_resume_memory(dtype, tmp_path):
         assert [o["output_ids"] for o in _run(eng, prompts)] == base
 
 
-def _nccl_trainer(port: int, path: str) -> None:
-    """Rank 0 on cuda:1: broadcast every parameter of the model at ``path`` over NCCL."""
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-
-    from nbgen.runtime.weight_sync import init_custom_process_group
-
-    torch.cuda.set_device(1)
-    pg = init_custom_process_group("nccl", f"tcp://127.0.0.1:{port}", 2, 0, "rl")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda:1")
-    for _, p in hf.named_parameters():
-        dist.broadcast(p.data, src=0, group=pg)
-    torch.cuda.synchronize()
-    dist.destroy_process_group(pg)
-
-
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_update_weights_from_distributed_nccl(tmp_path):
@@ -161,7 +145,6 @@ def test_update_weights_from_distributed_nccl(tmp_path):
     (SGLang's init_weights_update_group / update_weights_from_distributed): afterwards the engine's greedy
     output equals an engine loaded from those weights (graphs on, fp32)."""
     import multiprocessing as mp
-    import socket
 
     a = _model(str(tmp_path / "a"), "llama", 0)
     b = _model(str(tmp_path / "b"), "llama", 1)
@@ -169,10 +152,8 @@ def test_update_weights_from_distributed_nccl(tmp_path):
     with _engine(b, dtype="float32") as eng:
         want = [o["output_ids"] for o in _run(eng, prompts)]
     params = list(_hf(b).named_parameters())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    trainer = mp.get_context("spawn").Process(target=_nccl_trainer, args=(port, b))
+    port = free_port()
+    trainer = mp.get_context("spawn").Process(target=broadcast_weights, args=(port, b, "rl", "cuda:1"))
     trainer.start()
     try:
         with _engine(a, dtype="float32") as eng:

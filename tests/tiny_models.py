@@ -281,3 +281,33 @@ def quantized_cpu_run_follows_fp32(path: str, counter: str, count: int) -> None:
     diffs = [abs(a[0] - b[0]) for a, b in zip(one["meta_info"]["output_token_logprobs"][:n],
                                               ref["meta_info"]["output_token_logprobs"][:n])]
     assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.3, diffs
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broadcast_weights(port: int, path: str, group: str, device: str = "cpu") -> None:
+    """A trainer at rank 0 of a 2-rank weight-update group (gloo on the CPU, NCCL on a CUDA ``device``):
+    broadcast every fp32 parameter of the model at ``path``, in named_parameters order. Runs in a
+    spawned process beside an engine that called ``init_weights_update_group``."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from nbgen.runtime.weight_sync import init_custom_process_group
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    pg = init_custom_process_group("nccl" if cuda else "gloo", f"tcp://127.0.0.1:{port}", 2, 0, group)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    for _, p in hf.named_parameters():
+        dist.broadcast(p.data, src=0, group=pg)
+    if cuda:
+        torch.cuda.synchronize()
+    dist.destroy_process_group(pg)
