@@ -85,14 +85,14 @@ DEEP_K = 8192        # shrink: an input this long or longer is "deep" (down_proj
 
 # (rows bucket, width bucket) -> config; edit from the sweep's output.
 SHRINK_TABLE: dict[tuple[str, str], ShrinkConfig] = {
-    ("small", "narrow"): ShrinkConfig(),
-    ("small", "deep"): ShrinkConfig(),
+    ("small", "narrow"): ShrinkConfig(bm=16, bk=128, ksplit=256, warps=4, stages=3),    # H200 sweep, 8 and 32 rows
+    ("small", "deep"): ShrinkConfig(bm=16, bk=128, ksplit=256, warps=4, stages=2),
     ("large", "narrow"): ShrinkConfig(bm=16, bk=64, ksplit=256, warps=4, stages=3),     # H200 sweep, 256 rows
     ("large", "deep"): ShrinkConfig(bm=32, bk=64, ksplit=256, warps=4, stages=2),
 }
 EXPAND_TABLE: dict[tuple[str, str], ExpandConfig] = {
-    ("small", "narrow"): ExpandConfig(bn=128, niter=2, stages=2),
-    ("small", "wide"): ExpandConfig(bn=128, niter=4, stages=2),
+    ("small", "narrow"): ExpandConfig(bm=16, bn=128, niter=1, warps=4, stages=3),        # H200 sweep, 8 and 32 rows
+    ("small", "wide"): ExpandConfig(bm=16, bn=256, niter=2, warps=4, stages=2),
     ("large", "narrow"): ExpandConfig(bm=16, bn=128, niter=1, warps=4, stages=2),        # H200 sweep, 256 rows
     ("large", "wide"): ExpandConfig(bm=32, bn=128, niter=1, warps=4, stages=2),
 }
