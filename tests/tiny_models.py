@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -311,46 +311,3 @@ def broadcast_weights(port: int, path: str, group: str, device: str = "cpu") -> 
     if cuda:
         torch.cuda.synchronize()
     dist.destroy_process_group(pg)
-
-
-def peer_sum_rank(rank: int, port: int, out: Any) -> None:
-    """One rank of a 2-GPU check of ``nbgen.models.all_reduce``: the one-shot path set up, sums of
-    several sizes and dtypes (below and above its size limit) eagerly and in a replayed CUDA graph;
-    puts (rank, in use, max abs error per case) on ``out``."""
-    import torch
-    import torch.distributed as dist
-
-    from nbgen.models import all_reduce as ar
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    used = ar.setup(torch.device("cuda", rank), True)
-    errors = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        for n in (1, 4096, 8 * 4096, ar.ONE_SHOT_MAX_BYTES // 2 + 8):    # the last: above the limit in bf16
-            g = torch.Generator(device="cuda").manual_seed(n)
-            parts = [torch.randn(n, generator=g, device="cuda").to(dtype) for _ in range(2)]
-            want = (parts[0].float() + parts[1].float()).to(dtype)
-            x = parts[rank].clone()
-            ar.all_reduce(x)
-            # relative to the value (bf16 keeps 8 bits: a different rounding order is one ulp)
-            errors[f"{dtype}-{n}"] = float(((x.float() - want.float()).abs() / want.float().abs().clamp(min=1)).max())
-    # captured once, replayed on new data (the decode graphs' use)
-    x = torch.zeros(4096, dtype=torch.bfloat16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        ar.all_reduce(x)          # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        ar.all_reduce(x)
-    for k in range(3):
-        x.copy_(torch.full_like(x, float(rank + 1 + k)))
-        graph.replay()
-        errors[f"graph-{k}"] = float((x.float() - float(2 * k + 3)).abs().max())
-    torch.cuda.synchronize()
-    dist.barrier()
-    out.put((rank, used, errors))
-    ar.reset()
-    dist.destroy_process_group()

@@ -60,8 +60,6 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["tp_size"] = args.tp_size
     if args.dp_size > 1:
         kw["dp_size"] = args.dp_size
-    if args.disable_custom_all_reduce:
-        kw["disable_custom_all_reduce"] = True
     t0 = time.perf_counter()
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     startup = time.perf_counter() - t0
@@ -159,7 +157,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor parallel GPUs (the floor reads each shard at the measured one-GPU bandwidth)")
     ap.add_argument("--dp-size", type=int, default=1, help="data parallel replicas, one per GPU")
-    ap.add_argument("--disable-custom-all-reduce", action="store_true", help="tensor parallelism: NCCL for every size")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--repeat", type=int, default=1,

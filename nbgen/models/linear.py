@@ -16,7 +16,6 @@ from torch import nn
 
 from nbgen.kernels import small_gemm
 from nbgen.models import cpu_int4, cpu_int8
-from nbgen.models.all_reduce import all_reduce
 from nbgen.models.cpu_int4 import Int4Weight
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
 
@@ -38,7 +37,7 @@ def get_tp() -> tuple[int, int]:
 def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     # the layer's own tp_size (fixed when it was built), not the process-wide setting
     if tp_size > 1:
-        all_reduce(x)
+        torch.distributed.all_reduce(x)
     return x
 
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from nbgen.core.config import EngineConfig
 from nbgen.runtime.tp_mirror import TPCommand, mirror_runner
 from nbgen.models.embedded import default_model_path
-from nbgen.models import all_reduce as tp_all_reduce
 from nbgen.models.loader import checkpoint_dir
 from nbgen.models.model_config import read_model_config
 from nbgen.models.parallel_state import check_tp_shapes
@@ -78,7 +77,6 @@ class TPGroup:
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
-            tp_all_reduce.setup(device, not cfg.disable_custom_all_reduce)
         except BaseException:
             self.shutdown()
             raise
@@ -164,7 +162,6 @@ class TPGroup:
                     continue
         for conn in self.conns:
             conn.close()
-        tp_all_reduce.reset()
         if dist.is_initialized():
             dist.destroy_process_group()
 

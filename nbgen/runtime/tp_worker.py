@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from nbgen.core.config import EngineConfig
-from nbgen.models import all_reduce as tp_all_reduce
 from nbgen.models.parallel_state import tp_scope
 from nbgen.runtime.model_setup import setup_model
 from nbgen.runtime.tp_mirror import execute
@@ -66,7 +65,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     try:
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank,
                                 world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s))
-        tp_all_reduce.setup(device, not spec.cfg.disable_custom_all_reduce)
         with tp_scope(spec.world_size, spec.rank):
             parts = setup_model(spec.cfg, device)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it in the Engine's caller
