@@ -197,10 +197,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if bw0 is not None:
         print(f"\ncopy bandwidth before the engines {bw0 / 1e9:.0f} GB/s, after {bw_after / 1e9:.0f} GB/s")
     ins = rows[0]["prompt_lens"]
-    # tp shards the weights and KV over tp GPUs (aggregate bandwidth); dp replicas each read all
-    # the weights in their own steps, so only the prefill compute spreads over them
-    floor = floor_seconds(ins, outs, rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"], bw * args.tp_size)
-    floor_pf = floor + rows[0]["prefill_flops"] / (mm * args.tp_size * args.dp_size)
+    # weight and KV bytes and prefill FLOPs are rank 0's shard (tp ranks read theirs in parallel, each
+    # at its own bandwidth); dp replicas each read all the weights in their own steps, while the
+    # sequences' KV and the prefill compute spread over them
+    wb, kvb = rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"]
+    floor = floor_seconds(ins, outs, wb, 0, bw) + floor_seconds(ins, outs, 0, kvb, bw * args.dp_size)
+    floor_pf = floor + rows[0]["prefill_flops"] / (mm * args.dp_size)
     mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "")
     print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  tp {args.tp_size} dp {args.dp_size}  floor {floor:.2f} s  "
