@@ -106,8 +106,10 @@ def _sweep_smoke() -> None:
         fn()
         return 1e6 * (time.perf_counter() - t0)
     lk.us_per_call = cpu_us
-    res = lk.kernel_times((40, 8), slots=3, rank=8, sweep=True, shapes=tuple(lk.SHAPES), device="cpu",
-                          dtype=torch.float16)
+    res = lk.kernel_times((40, 8, 12), slots=3, rank=8, sweep=True, shapes=tuple(lk.SHAPES), device="cpu",
+                          dtype=torch.float16)          # 8 and 12 rows: one "small" bucket, swept together
+    assert all("best_shrink" in r and "best_expand" in r for res_rows in res["rows"].values()
+               for r in res_rows.values())
     assert set(res["best"]) == {f"{kind}:{rb}:{w}" for rb in ("small", "large")
                                 for kind, ws in (("shrink", ("narrow", "deep")), ("expand", ("narrow", "wide")))
                                 for w in ws}
@@ -120,6 +122,7 @@ def test_kernel_sweep_smoke_under_triton_interpreter() -> None:
     out = res.stdout
     assert "SWEEP_SMOKE_OK" in out and "WRONG" not in out, out[-3000:] + res.stderr[-3000:]
     assert "EXPAND_TABLE winners" in out and "('large', 'wide'): ExpandConfig(" in out, out[-3000:]
+    assert "('gate_up', 8), ('gate_up', 12)" in out, out[-3000:]          # the small bucket's sweep saw both
 
 
 @pytest.mark.gpu

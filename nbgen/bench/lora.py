@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--kernels", action="store_true", help="only time the LoRA kernels at Llama-8B's shapes (CUDA)")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: sweep the kernels' configs")
-    ap.add_argument("--rows", default="256,32", help="with --kernels: decode rows per case")
+    ap.add_argument("--rows", default="256,32", help="with --kernels: rows per case (row counts of one table bucket are swept together)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="with --kernels: which of " + ",".join(SHAPES))
     args = ap.parse_args()
     if args.kernels:
