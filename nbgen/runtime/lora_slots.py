@@ -175,14 +175,17 @@ def segment_layout(slot: np.ndarray, starts: np.ndarray, lens: np.ndarray,
     """(perm, seg_start, seg_len) int32 of a step whose seq i owns rows ``starts[i] : starts[i] + lens[i]``
     under slot ``slot[i]`` (-1: the base model, in no segment): the rows grouped by slot, seqs of one
     slot in their batch order."""
-    keep = slot >= 0
-    s, st, ln = slot[keep], starts[keep].astype(np.int64), lens[keep].astype(np.int64)
-    order = np.argsort(s, kind="stable")
-    s, st, ln = s[order], st[order], ln[order]
-    length = np.bincount(s, weights=ln, minlength=num_slots).astype(np.int32)
-    first = np.cumsum(ln) - ln                                   # each seq's first place in perm
-    perm = (np.arange(int(ln.sum()), dtype=np.int64) + np.repeat(st - first, ln)).astype(np.int32)
-    return perm, (np.cumsum(length, dtype=np.int32) - length), length
+    order = np.argsort(slot, kind="stable")
+    order = order[np.count_nonzero(slot < 0):]                   # the adapter seqs, grouped by slot
+    ln, st = lens[order], starts[order]
+    length = np.bincount(slot[order], weights=ln, minlength=num_slots).astype(np.int32)
+    total = int(length.sum())
+    if total == len(order) and (ln == 1).all():                  # one row per seq (a decode step)
+        perm = st.astype(np.int32)
+    else:                                                        # runs: each seq's rows from its first
+        first = np.cumsum(ln) - ln                               # each seq's first place in perm
+        perm = (np.arange(total, dtype=np.int64) + np.repeat(st - first, ln)).astype(np.int32)
+    return perm, np.cumsum(length, dtype=np.int32) - length, length
 
 
 def seq_segments(ids: list[Optional[int]], q_lens: list[int],
