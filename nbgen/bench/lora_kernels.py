@@ -3,14 +3,15 @@ config sweep: ``python -m nbgen.bench.lora --kernels [--sweep]``.
 
 Every case is a step of ``rows`` rows round-robin over ``slots`` rank-``rank`` adapters (default 256
 and 32 rows: the tables' "large" and "small" buckets; the tables are keyed by the step's row count,
-"small" up to ``SMALL_ROWS`` = 64, and by the linear's width). Times come from CUDA-graph replays
+``rows_bucket``: "small" up to 64, "large" up to 1024, "prefill" above, and by the linear's width).
+Times come from CUDA-graph replays
 (steps replay graphs, so no launch overhead), in µs per call. ``--sweep`` times, per table bucket
 (rows bucket x width bucket, summed over the shapes and the row counts in it: ``--rows 8,32`` picks
 one "small" winner for both), a grid of tilings (BM x BN x niter for
 the expand, BM x BK x ksplit for the shrink) at 4 warps / 2 stages, then the best few at every
 warps x stages; each candidate is first checked against ``lora_reference``. It prints per shape the
 first kernel (every shard per block, BN 64, no loop), the tables' configs and the sweep's best, and
-the winners in the tables' syntax for ``kernels/lora_sgmv.py``.
+the winners in the tables' syntax for ``kernels/lora_sgmv_configs.py``.
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from nbgen.kernels import lora_sgmv as K
+from nbgen.kernels import lora_sgmv_configs as C
 
 # name -> (K, output shard sizes) of Llama-3.1-8B's fused linears
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
           "down": (14336, [4096])}
-OLD_SHRINK, OLD_EXPAND = K.ShrinkConfig(), K.ExpandConfig(all_shards=True)      # the first kernel's tiling
+OLD_SHRINK, OLD_EXPAND = C.ShrinkConfig(), C.ExpandConfig(all_shards=True)      # the first kernel's tiling
 EXPAND_GRID = {"bm": (16, 32), "bn": (64, 128, 256), "niter": (1, 2, 4, 8)}
 SHRINK_GRID = {"bm": (16, 32), "bk": (64, 128), "ksplit": (256, 512, 1024, 16384)}   # 16384: no split at K <= 16384
 LAUNCH_GRID = {"warps": (4, 8), "stages": (1, 2, 3)}
@@ -82,26 +84,26 @@ def us_per_call(fn: Callable[[], None]) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
 
 
-def check(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.ExpandConfig] = None) -> bool:
+def check(c: Case, shrink: Optional[C.ShrinkConfig] = None, expand: Optional[C.ExpandConfig] = None) -> bool:
     """One eager call (compiles) against the reference: bf16 outputs within 0.05."""
     y = c.y0.clone()
     K.lora_sgmv(c.x, y, c.a, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard, shrink_cfg=shrink, expand_cfg=expand)
     return (y.float() - c.want.float()).abs().max().item() < 0.05
 
 
-def time_sgmv(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.ExpandConfig] = None) -> float:
+def time_sgmv(c: Case, shrink: Optional[C.ShrinkConfig] = None, expand: Optional[C.ExpandConfig] = None) -> float:
     """µs per ``lora_sgmv`` call (shrink + expand)."""
     y = c.y0.clone()
     return us_per_call(lambda: K.lora_sgmv(c.x, y, c.a, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard,
                                    shrink_cfg=shrink, expand_cfg=expand))
 
 
-def time_shrink(c: Case, cfg: K.ShrinkConfig) -> float:
+def time_shrink(c: Case, cfg: C.ShrinkConfig) -> float:
     """µs per shrink call (with t's memset when it splits K)."""
     return us_per_call(lambda: K.lora_shrink(c.x, c.a, c.perm, c.start, c.lens, cfg=cfg))
 
 
-def time_expand(c: Case, cfg: K.ExpandConfig) -> float:
+def time_expand(c: Case, cfg: C.ExpandConfig) -> float:
     """µs per expand call."""
     y = c.y0.clone()
     return us_per_call(lambda: K.lora_expand(c.t, y, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard, cfg=cfg))
@@ -114,7 +116,7 @@ def _grid(base: Any, grid: dict) -> list:
 
 def sweep_bucket(cases: list[Case], kind: str) -> list[tuple[float, object]]:
     """(summed µs over ``cases``, config) of the tilings grid then the launch grid, best first."""
-    base = K.ShrinkConfig(warps=4, stages=2) if kind == "shrink" else K.ExpandConfig(warps=4, stages=2)
+    base = C.ShrinkConfig(warps=4, stages=2) if kind == "shrink" else C.ExpandConfig(warps=4, stages=2)
     timer = time_shrink if kind == "shrink" else time_expand
 
     def score(cfgs: list) -> list[tuple[float, object]]:
@@ -142,8 +144,8 @@ def sweep_bucket(cases: list[Case], kind: str) -> list[tuple[float, object]]:
 def _width(c: Case, kind: str) -> str:
     """The table's width bucket of a case for the shrink (K) or the expand (N)."""
     if kind == "shrink":
-        return "deep" if c.x.shape[1] >= K.DEEP_K else "narrow"
-    return "wide" if c.y0.shape[1] >= K.WIDE_N else "narrow"
+        return "deep" if c.x.shape[1] >= C.DEEP_K else "narrow"
+    return "wide" if c.y0.shape[1] >= C.WIDE_N else "narrow"
 
 
 def _sweep(by_rows: dict[int, dict[str, Case]], result: dict) -> None:
@@ -151,7 +153,7 @@ def _sweep(by_rows: dict[int, dict[str, Case]], result: dict) -> None:
     in it (``--rows 8,32``: one winner for the "small" rows, timed at both), best configs into ``result``."""
     groups: dict[tuple[str, str, str], list[Case]] = {}
     for rows, cases in by_rows.items():
-        rb = "small" if rows <= K.SMALL_ROWS else "large"
+        rb = C.rows_bucket(rows)
         for kind in ("shrink", "expand"):
             for c in cases.values():
                 groups.setdefault((kind, rb, _width(c, kind)), []).append(c)
@@ -169,7 +171,7 @@ def _sweep(by_rows: dict[int, dict[str, Case]], result: dict) -> None:
                 print(f"{name:7s} rows={rows:3d}: best shrink {r['best_shrink']:.1f} + expand {r['best_expand']:.1f} us "
                       f"(first kernel {r['old']:.1f}, tables {r['table']:.1f})", flush=True)
     for kind, cls in (("shrink", "ShrinkConfig"), ("expand", "ExpandConfig")):
-        print(f"{kind.upper()}_TABLE winners (paste into kernels/lora_sgmv.py):")
+        print(f"{kind.upper()}_TABLE winners (paste into kernels/lora_sgmv_configs.py):")
         for key, cfg in sorted(result["best"].items()):
             if key.startswith(kind):
                 _, rb, w = key.split(":")
@@ -194,8 +196,8 @@ def kernel_times(rows_list: tuple[int, ...] = (256, 32), slots: int = 8, rank: i
             empty = make_case(name, rows, slots, rank, empty=True, device=device, dtype=dtype)
             res[name] = {"old": time_sgmv(c, OLD_SHRINK, OLD_EXPAND), "table": time_sgmv(c),
                          "old_shrink": time_shrink(c, OLD_SHRINK), "old_expand": time_expand(c, OLD_EXPAND),
-                         "table_shrink": time_shrink(c, K.shrink_config(rows, c.x.shape[1])),
-                         "table_expand": time_expand(c, K.expand_config(rows, c.y0.shape[1])),
+                         "table_shrink": time_shrink(c, C.shrink_config(rows, c.x.shape[1])),
+                         "table_expand": time_expand(c, C.expand_config(rows, c.y0.shape[1])),
                          "table_no_adapter_row": time_sgmv(empty)}
             r = res[name]
             print(f"{name:7s} rows={rows:3d}: first kernel {r['old']:6.1f} us (shrink {r['old_shrink']:.1f}, expand "
