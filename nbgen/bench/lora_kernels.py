@@ -29,8 +29,9 @@ from nbgen.kernels import lora_sgmv_configs as C
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
           "down": (14336, [4096])}
 OLD_SHRINK, OLD_EXPAND = C.ShrinkConfig(), C.ExpandConfig(all_shards=True)      # the first kernel's tiling
-EXPAND_GRID = {"bm": (16, 32), "bn": (64, 128, 256), "niter": (1, 2, 4, 8)}
-SHRINK_GRID = {"bm": (16, 32), "bk": (64, 128), "ksplit": (256, 512, 1024, 16384)}   # 16384: no split at K <= 16384
+# BM 64: fewer, fuller row blocks for the "prefill" rows (thousands of rows in long runs per slot)
+EXPAND_GRID = {"bm": (16, 32, 64), "bn": (64, 128, 256), "niter": (1, 2, 4, 8)}
+SHRINK_GRID = {"bm": (16, 32, 64), "bk": (64, 128), "ksplit": (256, 512, 1024, 16384)}   # 16384: no split at K <= 16384
 LAUNCH_GRID = {"warps": (4, 8), "stages": (1, 2, 3)}
 TOP = 3          # tilings carried into the warps x stages stage
 
