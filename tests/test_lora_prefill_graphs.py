@@ -80,7 +80,7 @@ def test_gpu_lora_prefill_graphs_equal_eager(gpu_model_dir, tmp_path: Path) -> N
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    ads = [make_adapter(gpu_model_dir, str(tmp_path / f"g{i}"), seed=i, r=16, alpha=32) for i in range(2)]
+    ads = [make_adapter(gpu_model_dir, str(tmp_path / f"g{i}"), seed=i, r=16, alpha=16) for i in range(2)]
     rng = random.Random(4)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (3, 40, 300, 700, 90, 1000, 17, 500, 260)]
     names = [["g0", "g1", None][i % 3] for i in range(len(prompts))]
