@@ -55,13 +55,13 @@ def _setup(tmp: Path, slots: bool):
     cfg = EngineConfig(model_path=base, dtype="float32", device="cpu", enable_lora=True,
                        max_loras_per_batch=2, max_loaded_loras=4, max_lora_rank=8).resolved("cpu", None)
     loaded = load_model(cfg, torch.device("cpu"))
-    mgr = make_lora_manager(cfg, loaded.model, loaded.dtype, torch.device("cpu"), slots=slots, graph_rows=8)
+    mgr = make_lora_manager(cfg, loaded.model, loaded.dtype, torch.device("cpu"), slots=slots, graph_rows=32)
     return loaded, mgr
 
 
 def _forward(loaded, mgr, prompts: list[list[int]], lora_ids: list, graph: bool = False) -> torch.Tensor:
     """One flat prefill of ``prompts`` through the torch backend, row groups under ``lora_ids`` ->
-    fp32 logits [T, V]. ``graph``: the hooks read the slot pool's static buffers (decode graph path)."""
+    fp32 logits [T, V]. ``graph``: the hooks read the slot pool's static buffers (the graphs' path)."""
     cfg = loaded.hf_config
     spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_pages=64, page_size=PAGE,
                        num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
@@ -200,6 +200,9 @@ def _slot_check(tmp: str) -> None:
     names = ["a", None, "b", "a"]
     want = _forward(ref_model, ref, PROMPTS, [ids[n][0] if n else None for n in names])
     got = _forward(model, mgr, PROMPTS, [ids[n][1] if n else None for n in names])
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    # the graphs' layout (static buffers, a piecewise prefill bucket's rows): prompts of several tokens
+    got = _forward(model, mgr, PROMPTS, [ids[n][1] if n else None for n in names], graph=True)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     # decode-graph layout: one token per seq, rows read from the static buffers
     singles = [[p[0]] for p in PROMPTS]

@@ -28,7 +28,8 @@ def _segments(slot: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, t
 
 def _cases(device: str = "cpu", dtypes: tuple = ((torch.float32, 1e-4), (torch.float16, 1e-2)),
            expand_cfgs: Optional[list] = None) -> None:
-    from nbgen.kernels.lora_sgmv import ExpandConfig, ShrinkConfig, lora_reference, lora_sgmv
+    from nbgen.kernels.lora_sgmv import lora_reference, lora_sgmv
+    from nbgen.kernels.lora_sgmv_configs import ExpandConfig, ShrinkConfig
 
     expand_cfgs = expand_cfgs or [ExpandConfig(),                     # BN 64, one block per program
                                   ExpandConfig(bm=32, bn=32, niter=3),  # groups of 3 blocks, ragged at the end
@@ -76,8 +77,11 @@ def test_sgmv_configs_under_triton_interpreter() -> None:
 def test_tables_cover_every_bucket() -> None:
     """Every (rows, width) bucket has a config; BN / BM are tl.dot-sized powers of two."""
     pytest.importorskip("triton")
-    from nbgen.kernels import lora_sgmv as k
+    from nbgen.kernels import lora_sgmv_configs as k
 
+    assert [k.rows_bucket(r) for r in (1, k.SMALL_ROWS, k.SMALL_ROWS + 1, k.LARGE_ROWS, k.LARGE_ROWS + 1)] == \
+        ["small", "small", "large", "large", "prefill"]
+    assert {rb for rb, _ in k.SHRINK_TABLE} == {rb for rb, _ in k.EXPAND_TABLE} == {"small", "large", "prefill"}
     for rows in (1, k.SMALL_ROWS, k.SMALL_ROWS + 1, 4096):
         for width in (896, k.WIDE_N - 1, k.WIDE_N, 28672):
             e, s = k.expand_config(rows, width), k.shrink_config(rows, width)
@@ -92,7 +96,7 @@ def _sweep_smoke() -> None:
     import time
 
     from nbgen.bench import lora_kernels as lk
-    from nbgen.kernels import lora_sgmv as k
+    from nbgen.kernels import lora_sgmv_configs as k
 
     k.WIDE_N, k.DEEP_K, k.SMALL_ROWS = 96, 128, 16
     lk.SHAPES = {"qkv": (64, [32, 16, 16]), "o": (64, [32]), "gate_up": (64, [64, 64]), "down": (128, [32])}
@@ -106,8 +110,10 @@ def _sweep_smoke() -> None:
         fn()
         return 1e6 * (time.perf_counter() - t0)
     lk.us_per_call = cpu_us
-    res = lk.kernel_times((40, 8), slots=3, rank=8, sweep=True, shapes=tuple(lk.SHAPES), device="cpu",
-                          dtype=torch.float16)
+    res = lk.kernel_times((40, 8, 12), slots=3, rank=8, sweep=True, shapes=tuple(lk.SHAPES), device="cpu",
+                          dtype=torch.float16)          # 8 and 12 rows: one "small" bucket, swept together
+    assert all("best_shrink" in r and "best_expand" in r for res_rows in res["rows"].values()
+               for r in res_rows.values())
     assert set(res["best"]) == {f"{kind}:{rb}:{w}" for rb in ("small", "large")
                                 for kind, ws in (("shrink", ("narrow", "deep")), ("expand", ("narrow", "wide")))
                                 for w in ws}
@@ -120,6 +126,7 @@ def test_kernel_sweep_smoke_under_triton_interpreter() -> None:
     out = res.stdout
     assert "SWEEP_SMOKE_OK" in out and "WRONG" not in out, out[-3000:] + res.stderr[-3000:]
     assert "EXPAND_TABLE winners" in out and "('large', 'wide'): ExpandConfig(" in out, out[-3000:]
+    assert "('gate_up', 8), ('gate_up', 12)" in out, out[-3000:]          # the small bucket's sweep saw both
 
 
 @pytest.mark.gpu
@@ -129,7 +136,7 @@ def test_gpu_sgmv_configs_bf16() -> None:
     import itertools
 
     from nbgen.bench.lora_kernels import EXPAND_GRID
-    from nbgen.kernels.lora_sgmv import EXPAND_TABLE, ExpandConfig
+    from nbgen.kernels.lora_sgmv_configs import EXPAND_TABLE, ExpandConfig
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -143,7 +150,7 @@ def test_gpu_sgmv_configs_bf16() -> None:
     (lambda k: k.ExpandConfig(niter=0), "niter"), (lambda k: k.ShrinkConfig(bk=96), "bk"),
     (lambda k: k.ShrinkConfig(ksplit=96), "ksplit")])
 def test_invalid_configs_name_the_parameter(make: Callable, name: str) -> None:
-    from nbgen.kernels import lora_sgmv as k
+    from nbgen.kernels import lora_sgmv_configs as k
 
     with pytest.raises(ValueError, match=name):
         make(k)

@@ -6,8 +6,11 @@ requests spread round-robin over ``--lora`` random adapters ("lora"; peft format
 model's shapes with random weights, rank ``--lora-rank`` on ``--targets``). Reported: output tok/s
 of every run and lora / plain, lora / base (best of each). Workloads: ``fixed`` (the bench's W-fixed:
 256 random-id prompts of 100-1024 tokens, 512 new tokens each; GPU) and ``chat32`` (32 chat questions
-x 64 new tokens, the CPU workload); greedy, ``ignore_eos``. ``--kernels``: only the LoRA kernels' time per
-call at Llama-8B's shapes (CUDA; ``--sweep``: their config sweep, ``bench/lora_kernels.py``).
+x 64 new tokens, the CPU workload); greedy, ``ignore_eos``. ``--profile`` (CUDA): one more run of each kind
+under torch.profiler and the loop's step timer: GPU busy time against wall time, the top kernels (the
+LoRA kernels' total among them), and per step the device wait and the host's own time, to tell the
+adapters' kernel cost from host cost. ``--kernels``: only the LoRA kernels' time per call at Llama-8B's
+shapes (CUDA; ``--sweep``: their config sweep, ``bench/lora_kernels.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from nbgen.bench.lora_kernels import SHAPES, kernel_times
+from nbgen.bench.profiling import StepTimer, print_gpu_profile
 from nbgen.bench.workloads import chat32_prompts, make_workload
 from nbgen.engine import Engine
 
@@ -81,6 +85,26 @@ def _timed(eng: Engine, prompts: Any, sp: Any, names: Optional[list]) -> dict[st
     return {"seconds": secs, "out_tokens": n, "out_tok_s": n / secs}
 
 
+def _profiled(eng: Engine, prompts: Any, sp: Any, names: Optional[list], label: str) -> dict[str, float]:
+    """One more run under torch.profiler (CUDA kernels) with the step timer: GPU busy vs wall, top kernels,
+    ms per step (device wait, host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timer = StepTimer(eng)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run = _timed(eng, prompts, sp, names)
+        print(f"[{label}]", end=" ")
+        busy = print_gpu_profile(prof, run["seconds"])
+        st = timer.summary()
+    finally:
+        timer.close()
+    idle = 1e3 * (run["seconds"] - busy) / max(st["steps"], 1)
+    print(f"[{label}] {st['steps']} steps: {st['step_ms']:.2f} ms/step (device wait {st['wait_ms']:.2f}, host "
+          f"{st['host_ms']:.2f}); GPU idle {idle:.2f} ms/step (under the profiler)", flush=True)
+    return {**run, **st, "gpu_busy_s": busy, "gpu_idle_ms_per_step": idle}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
@@ -93,20 +117,24 @@ def main() -> None:
     ap.add_argument("--targets", default=",".join(ALL_TARGETS))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--profile", action="store_true", help="one more profiled run of each kind (CUDA)")
     ap.add_argument("--kernels", action="store_true", help="only time the LoRA kernels at Llama-8B's shapes (CUDA)")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: sweep the kernels' configs")
-    ap.add_argument("--rows", default="256,32", help="with --kernels: decode rows per case")
+    ap.add_argument("--rows", default="256,32", help="with --kernels: rows per case (row counts of one table bucket are swept together)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="with --kernels: which of " + ",".join(SHAPES))
     args = ap.parse_args()
     if args.kernels:
         kernel_times(tuple(int(r) for r in args.rows.split(",")), slots=max(args.lora, 1), rank=args.lora_rank,
                      sweep=args.sweep, shapes=tuple(s for s in args.shapes.split(",") if s), json_path=args.json)
         return
+    if args.profile and args.device != "cuda":
+        raise SystemExit("--profile needs --device cuda (it reports GPU kernel time)")
     prompts, sp = _prompts(args)
     kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format}
     if args.model:
         kw["model_path"] = args.model
     rows: dict[str, list[dict]] = {"plain": [], "base": [], "lora": []}
+    profiles: dict[str, dict] = {}
     warm = prompts[:8]
     warm_sp = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
     with Engine(**kw) as eng:
@@ -115,6 +143,8 @@ def main() -> None:
         for _ in range(args.repeats):
             rows["plain"].append(_timed(eng, prompts, sp, None))
             print(f"plain {rows['plain'][-1]}", flush=True)
+        if args.profile:
+            profiles["plain"] = _profiled(eng, prompts, sp, None, "plain")
         hf_config = eng.hf_config
     del eng                        # the plain engine's weights and KV pool go before the LoRA engine sizes its own
     gc.collect()
@@ -134,8 +164,11 @@ def main() -> None:
                 for kind, nm in (("base", None), ("lora", names)):
                     rows[kind].append(_timed(eng, prompts, sp, nm))
                     print(f"{kind:5s} {rows[kind][-1]}", flush=True)
+            if args.profile:
+                for kind, nm in (("base", None), ("lora", names)):
+                    profiles[kind] = _profiled(eng, prompts, sp, nm, kind)
     best = {k: max(r["out_tok_s"] for r in v) for k, v in rows.items()}
-    result = {"args": vars(args), "runs": rows, "best_out_tok_s": best,
+    result = {"args": vars(args), "runs": rows, "best_out_tok_s": best, "profiles": profiles,
               "lora_vs_plain": best["lora"] / best["plain"], "lora_vs_base": best["lora"] / best["base"]}
     print(f"best out tok/s: plain {best['plain']:.1f}  base (LoRA engine) {best['base']:.1f}  "
           f"lora ({args.lora} x rank {args.lora_rank}) {best['lora']:.1f}  ->  lora / plain "

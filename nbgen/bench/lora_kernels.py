@@ -1,14 +1,17 @@
 """The LoRA slot kernels' time per call at Llama-3.1-8B's four fused linears (CUDA, bf16), and a
 config sweep: ``python -m nbgen.bench.lora --kernels [--sweep]``.
 
-Every case is a decode step of ``rows`` rows round-robin over ``slots`` rank-``rank`` adapters (256
-and 32 rows: the tables' "large" and "small" buckets). Times come from CUDA-graph replays (decode
-steps replay graphs, so no launch overhead), in µs per call. ``--sweep`` times, per table bucket
-(rows bucket x width bucket, summed over the shapes in it), a grid of tilings (BM x BN x niter for
+Every case is a step of ``rows`` rows round-robin over ``slots`` rank-``rank`` adapters (default 256
+and 32 rows: the tables' "large" and "small" buckets; the tables are keyed by the step's row count,
+``rows_bucket``: "small" up to 64, "large" up to 1024, "prefill" above, and by the linear's width).
+Times come from CUDA-graph replays
+(steps replay graphs, so no launch overhead), in µs per call. ``--sweep`` times, per table bucket
+(rows bucket x width bucket, summed over the shapes and the row counts in it: ``--rows 8,32`` picks
+one "small" winner for both), a grid of tilings (BM x BN x niter for
 the expand, BM x BK x ksplit for the shrink) at 4 warps / 2 stages, then the best few at every
 warps x stages; each candidate is first checked against ``lora_reference``. It prints per shape the
 first kernel (every shard per block, BN 64, no loop), the tables' configs and the sweep's best, and
-the winners in the tables' syntax for ``kernels/lora_sgmv.py``.
+the winners in the tables' syntax for ``kernels/lora_sgmv_configs.py``.
 """
 from __future__ import annotations
 
@@ -20,13 +23,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from nbgen.kernels import lora_sgmv as K
+from nbgen.kernels import lora_sgmv_configs as C
 
 # name -> (K, output shard sizes) of Llama-3.1-8B's fused linears
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
           "down": (14336, [4096])}
-OLD_SHRINK, OLD_EXPAND = K.ShrinkConfig(), K.ExpandConfig(all_shards=True)      # the first kernel's tiling
-EXPAND_GRID = {"bm": (16, 32), "bn": (64, 128, 256), "niter": (1, 2, 4, 8)}
-SHRINK_GRID = {"bm": (16, 32), "bk": (64, 128), "ksplit": (256, 512, 1024, 16384)}   # 16384: no split at K <= 16384
+OLD_SHRINK, OLD_EXPAND = C.ShrinkConfig(), C.ExpandConfig(all_shards=True)      # the first kernel's tiling
+# BM 64: fewer, fuller row blocks for the "prefill" rows (thousands of rows in long runs per slot)
+EXPAND_GRID = {"bm": (16, 32, 64), "bn": (64, 128, 256), "niter": (1, 2, 4, 8)}
+SHRINK_GRID = {"bm": (16, 32, 64), "bk": (64, 128), "ksplit": (256, 512, 1024, 16384)}   # 16384: no split at K <= 16384
 LAUNCH_GRID = {"warps": (4, 8), "stages": (1, 2, 3)}
 TOP = 3          # tilings carried into the warps x stages stage
 
@@ -80,26 +85,26 @@ def us_per_call(fn: Callable[[], None]) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=10, return_mode="median")
 
 
-def check(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.ExpandConfig] = None) -> bool:
+def check(c: Case, shrink: Optional[C.ShrinkConfig] = None, expand: Optional[C.ExpandConfig] = None) -> bool:
     """One eager call (compiles) against the reference: bf16 outputs within 0.05."""
     y = c.y0.clone()
     K.lora_sgmv(c.x, y, c.a, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard, shrink_cfg=shrink, expand_cfg=expand)
     return (y.float() - c.want.float()).abs().max().item() < 0.05
 
 
-def time_sgmv(c: Case, shrink: Optional[K.ShrinkConfig] = None, expand: Optional[K.ExpandConfig] = None) -> float:
+def time_sgmv(c: Case, shrink: Optional[C.ShrinkConfig] = None, expand: Optional[C.ExpandConfig] = None) -> float:
     """µs per ``lora_sgmv`` call (shrink + expand)."""
     y = c.y0.clone()
     return us_per_call(lambda: K.lora_sgmv(c.x, y, c.a, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard,
                                    shrink_cfg=shrink, expand_cfg=expand))
 
 
-def time_shrink(c: Case, cfg: K.ShrinkConfig) -> float:
+def time_shrink(c: Case, cfg: C.ShrinkConfig) -> float:
     """µs per shrink call (with t's memset when it splits K)."""
     return us_per_call(lambda: K.lora_shrink(c.x, c.a, c.perm, c.start, c.lens, cfg=cfg))
 
 
-def time_expand(c: Case, cfg: K.ExpandConfig) -> float:
+def time_expand(c: Case, cfg: C.ExpandConfig) -> float:
     """µs per expand call."""
     y = c.y0.clone()
     return us_per_call(lambda: K.lora_expand(c.t, y, c.b, c.sc, c.perm, c.start, c.lens, c.bounds, c.nshard, cfg=cfg))
@@ -112,7 +117,7 @@ def _grid(base: Any, grid: dict) -> list:
 
 def sweep_bucket(cases: list[Case], kind: str) -> list[tuple[float, object]]:
     """(summed µs over ``cases``, config) of the tilings grid then the launch grid, best first."""
-    base = K.ShrinkConfig(warps=4, stages=2) if kind == "shrink" else K.ExpandConfig(warps=4, stages=2)
+    base = C.ShrinkConfig(warps=4, stages=2) if kind == "shrink" else C.ExpandConfig(warps=4, stages=2)
     timer = time_shrink if kind == "shrink" else time_expand
 
     def score(cfgs: list) -> list[tuple[float, object]]:
@@ -137,61 +142,74 @@ def sweep_bucket(cases: list[Case], kind: str) -> list[tuple[float, object]]:
     return sorted(((us, cfg) for cfg, us in best.items()), key=lambda r: r[0])
 
 
+def _width(c: Case, kind: str) -> str:
+    """The table's width bucket of a case for the shrink (K) or the expand (N)."""
+    if kind == "shrink":
+        return "deep" if c.x.shape[1] >= C.DEEP_K else "narrow"
+    return "wide" if c.y0.shape[1] >= C.WIDE_N else "narrow"
+
+
+def _sweep(by_rows: dict[int, dict[str, Case]], result: dict) -> None:
+    """Per table bucket (kind x rows bucket x width bucket), one sweep over the cases of every row count
+    in it (``--rows 8,32``: one winner for the "small" rows, timed at both), best configs into ``result``."""
+    groups: dict[tuple[str, str, str], list[Case]] = {}
+    for rows, cases in by_rows.items():
+        rb = C.rows_bucket(rows)
+        for kind in ("shrink", "expand"):
+            for c in cases.values():
+                groups.setdefault((kind, rb, _width(c, kind)), []).append(c)
+    for (kind, rb, w), cs in groups.items():
+        ranked = sweep_bucket(cs, kind)
+        best = ranked[0][1]
+        result["best"][f"{kind}:{rb}:{w}"] = asdict(best)
+        for c in cs:
+            result["rows"][c.rows][c.name][f"best_{kind}"] = (time_shrink if kind == "shrink" else time_expand)(c, best)
+        print(f"{kind} ({rb!r}, {w!r}) over {sorted({(c.name, c.rows) for c in cs})}: best {best} "
+              f"{ranked[0][0]:.1f} us; next {[(round(t, 1), str(cfg)) for t, cfg in ranked[1:4]]}", flush=True)
+    for rows, res in result["rows"].items():
+        for name, r in res.items():
+            if "best_shrink" in r and "best_expand" in r:
+                print(f"{name:7s} rows={rows:3d}: best shrink {r['best_shrink']:.1f} + expand {r['best_expand']:.1f} us "
+                      f"(first kernel {r['old']:.1f}, tables {r['table']:.1f})", flush=True)
+    for kind, cls in (("shrink", "ShrinkConfig"), ("expand", "ExpandConfig")):
+        print(f"{kind.upper()}_TABLE winners (paste into kernels/lora_sgmv_configs.py):")
+        for key, cfg in sorted(result["best"].items()):
+            if key.startswith(kind):
+                _, rb, w = key.split(":")
+                args = ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "all_shards")
+                print(f"    ({rb!r}, {w!r}): {cls}({args}),")
+
+
 def kernel_times(rows_list: tuple[int, ...] = (256, 32), slots: int = 8, rank: int = 16, sweep: bool = False,
                  shapes: tuple[str, ...] = tuple(SHAPES), json_path: Optional[str] = None, device: str = "cuda",
                  dtype: torch.dtype = torch.bfloat16) -> dict:
     """Per shape and row count: µs of the first kernel, of the tables' configs (shrink, expand, both,
-    and both with no adapter row); with ``sweep``: each bucket's best configs and their times.
-    (``device`` / ``dtype``: the tests run it on the CPU under the Triton interpreter, in fp16.)"""
+    and both with no adapter row); with ``sweep``: each table bucket's best configs and their times
+    (row counts of one bucket swept together). (``device`` / ``dtype``: the tests run it on the CPU
+    under the Triton interpreter, in fp16.)"""
     result: dict = {"rows": {}, "best": {}}
+    by_rows: dict[int, dict[str, Case]] = {}
     for rows in rows_list:
         cases = {name: make_case(name, rows, slots, rank, device=device, dtype=dtype) for name in shapes}
-        rb = "small" if rows <= K.SMALL_ROWS else "large"
         res: dict = {}
         for name, c in cases.items():
             assert check(c, OLD_SHRINK, OLD_EXPAND) and check(c), name
             empty = make_case(name, rows, slots, rank, empty=True, device=device, dtype=dtype)
             res[name] = {"old": time_sgmv(c, OLD_SHRINK, OLD_EXPAND), "table": time_sgmv(c),
                          "old_shrink": time_shrink(c, OLD_SHRINK), "old_expand": time_expand(c, OLD_EXPAND),
-                         "table_shrink": time_shrink(c, K.shrink_config(rows, c.x.shape[1])),
-                         "table_expand": time_expand(c, K.expand_config(rows, c.y0.shape[1])),
+                         "table_shrink": time_shrink(c, C.shrink_config(rows, c.x.shape[1])),
+                         "table_expand": time_expand(c, C.expand_config(rows, c.y0.shape[1])),
                          "table_no_adapter_row": time_sgmv(empty)}
             r = res[name]
             print(f"{name:7s} rows={rows:3d}: first kernel {r['old']:6.1f} us (shrink {r['old_shrink']:.1f}, expand "
                   f"{r['old_expand']:.1f}) | tables {r['table']:6.1f} us (shrink {r['table_shrink']:.1f}, expand "
                   f"{r['table_expand']:.1f}; no adapter row {r['table_no_adapter_row']:.1f})", flush=True)
-        if sweep:
-            for kind in ("shrink", "expand"):
-                buckets: dict[str, list[Case]] = {}
-                for c in cases.values():
-                    w = (("deep" if c.x.shape[1] >= K.DEEP_K else "narrow") if kind == "shrink"
-                         else ("wide" if c.y0.shape[1] >= K.WIDE_N else "narrow"))
-                    buckets.setdefault(w, []).append(c)
-                for w, cs in buckets.items():
-                    ranked = sweep_bucket(cs, kind)
-                    best = ranked[0][1]
-                    key = f"{kind}:{rb}:{w}"
-                    result["best"][key] = asdict(best)
-                    for c in cs:
-                        res[c.name][f"best_{kind}"] = (time_shrink if kind == "shrink" else time_expand)(c, best)
-                    print(f"{kind} ({rb!r}, {w!r}) over {[c.name for c in cs]}: best {best} {ranked[0][0]:.1f} us; "
-                          f"next {[(round(s, 1), str(cfg)) for s, cfg in ranked[1:4]]}", flush=True)
-            for name, c in cases.items():
-                r = res[name]
-                if "best_shrink" in r and "best_expand" in r:
-                    print(f"{name:7s} rows={rows:3d}: best shrink {r['best_shrink']:.1f} + expand {r['best_expand']:.1f} us "
-                          f"(first kernel {r['old']:.1f}, tables {r['table']:.1f})", flush=True)
         result["rows"][rows] = res
+        by_rows[rows] = cases
         print(f"rows={rows}: sum over the four linears: first kernel {sum(r['old'] for r in res.values()):.1f} us, "
               f"tables {sum(r['table'] for r in res.values()):.1f} us", flush=True)
     if sweep:
-        for kind, cls in (("shrink", "ShrinkConfig"), ("expand", "ExpandConfig")):
-            print(f"{kind.upper()}_TABLE winners (paste into kernels/lora_sgmv.py):")
-            for key, cfg in sorted(result["best"].items()):
-                if key.startswith(kind):
-                    _, rb, w = key.split(":")
-                    args = ", ".join(f"{k}={v}" for k, v in cfg.items() if k != "all_shards")
-                    print(f"    ({rb!r}, {w!r}): {cls}({args}),")
+        _sweep(by_rows, result)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

@@ -9,11 +9,11 @@ adapter's rows into the fused output slices:
 
 - CPU (and the reference): per adapter in torch; steps with adapters run eagerly, steps without
   leave the hooks inactive.
-- CUDA: a slot pool (``runtime/lora_slots.py``) and the segmented Triton kernels
-  (``kernels/lora_sgmv.py``). Each decode graph batch size has a second graph captured with the
-  hooks reading the pool's static step buffers (``graph_variant``), so decode steps with adapters
-  replay graphs too (``stage``); decode steps without any adapter row replay the plain graphs (no
-  LoRA kernels, the fused epilogues the hooks turn off).
+- CUDA: a slot pool (``runtime/lora_slots.py``) and the segmented Triton kernels (``kernels/lora_sgmv.py``).
+  Each decode graph size and piecewise prefill bucket has a second capture with the hooks reading the
+  pool's static step buffers (``graph_variant``): steps with adapters replay it (``stage``), steps
+  without replay the plain graphs (no LoRA kernels, the fused epilogues the hooks turn off). Eager
+  steps with adapters (graphs off) get their row layout as fresh tensors (``step_info``).
 
 Folded norms (``models/norm_fold.py``): an adapter's A of a folded qkv / gate|up is folded alike at
 load (A' = A diag(g)), and again after a weight update (``refold``).
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,9 +40,8 @@ from nbgen.models.lora_adapter import AdapterWeights, fold_norms_into, load_adap
 from nbgen.runtime.cuda_graphs import GraphVariant
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.lora_cache import AdapterHostCache
-from nbgen.runtime.lora_hooks import LinearLoRA, LoRASegment, LoRAStep, StepState, install_hooks
-from nbgen.runtime.lora_slots import LoRASlots
-from nbgen.runtime.step_inputs import to_device
+from nbgen.runtime.lora_hooks import LinearLoRA, LoRAStep, StepState, install_hooks, torch_step
+from nbgen.runtime.lora_slots import LoRASlots, seq_segments
 
 # a request not yet at the scheduler (submission still posted, grammar compiling) keeps its adapter
 # loaded this long after it was made
@@ -217,65 +217,65 @@ class LoRAManager:
         """Whether any seq of the batch runs under an adapter."""
         return any(s.req.lora_id is not None for s in batch.seqs)
 
-    def _rows(self, batch: ScheduledBatch, starts: list[int]) -> tuple[dict[int, list[int]], int]:
-        """Rows of each adapter in the batch's flat stream (``starts``: each seq's first row), total rows."""
-        rows: dict[int, list[int]] = {}
-        total = 0
-        for s, start in zip(batch.seqs, starts):
-            total += s.q_len
-            if s.req.lora_id is not None:
-                if s.req.lora_id not in self._resident:
-                    raise ValueError(f"LoRA adapter id {s.req.lora_id} was unloaded before request "
-                                     f"{s.req.rid!r} ran")
-                rows.setdefault(s.req.lora_id, []).extend(range(start, start + s.q_len))
-        return rows, total
+    def _used(self, batch: ScheduledBatch) -> tuple[list[Optional[int]], set[int]]:
+        """Each seq's adapter id and the set of those used; ValueError if one was unloaded before its request ran."""
+        ids = [s.req.lora_id for s in batch.seqs]
+        used = {i for i in ids if i is not None}
+        gone = used - self._resident.keys()
+        if gone:
+            raise ValueError(f"LoRA adapter id {min(gone)} was unloaded before request "
+                             f"{next(s.req.rid for s in batch.seqs if s.req.lora_id in gone)!r} ran")
+        return ids, used
 
     def step_info(self, batch: ScheduledBatch, starts: list[int]) -> Optional[LoRAStep]:
-        """The batch's rows grouped by adapter, or None when no row uses one (an eager step)."""
-        rows, total = self._rows(batch, starts)
-        if not rows:
+        """The batch's rows grouped by adapter for an eager step (``starts``: each seq's first row of
+        the flat stream), or None when no row uses one."""
+        ids, used = self._used(batch)
+        if not used:
             return None
-        if self.slots is not None:
-            slots = self.slots.assign(list(rows), self._resident, self.batch_limit.pinned)
-            return LoRAStep([], self.slots.eager_step(rows, slots))
-        segs = [LoRASegment(i, None if len(r) == total else to_device(r, self.device)) for i, r in rows.items()]
-        return LoRAStep(segs)
+        if self.slots is None:
+            return torch_step(batch, starts, self.device)
+        slots = self.slots.assign(list(used), self._resident, self.batch_limit.pinned)
+        return LoRAStep([], self.slots.eager_step(*seq_segments(ids, [s.q_len for s in batch.seqs], slots)))
 
     @property
     def in_graphs(self) -> bool:
-        """Decode steps with adapters replay CUDA graphs (the slot pool's kernels were captured)."""
+        """Steps with adapters replay CUDA graphs (the slot pool's kernels were captured)."""
         return self.slots is not None
 
     def stage(self, batch: ScheduledBatch) -> None:
-        """Before a decode graph replays ``batch`` (row i = seq i): its adapters into slots, its rows staged."""
-        ids = [s.req.lora_id for s in batch.seqs]
-        used = [i for i in set(ids) if i is not None]
-        if used:                  # else the plain graph replays: it reads no LoRA buffer
-            self.slots.stage_rows(ids, self.slots.assign(used, self._resident, self.batch_limit.pinned))
+        """Before graphs replay ``batch`` (its flat stream: each seq's ``q_len`` rows in turn; a decode
+        graph's row i = seq i): its adapters into slots, its rows staged. Without an adapter row nothing
+        happens: the plain graphs replay and read no LoRA buffer."""
+        ids, used = self._used(batch)
+        if used:        # (slot, first row, rows) per seq, its adapters put in slots first
+            slots = self.slots.assign(list(used), self._resident, self.batch_limit.pinned)
+            self.slots.stage(*seq_segments(ids, [s.q_len for s in batch.seqs], slots))
 
     def graph_variant(self) -> Optional[GraphVariant]:
-        """The decode graphs' LoRA variant (slot pool only), replayed for batches with an adapter row."""
+        """The graphs' LoRA variant (slot pool only: decode graphs and piecewise prefill graphs), replayed
+        for batches with an adapter row."""
         return GraphVariant(self.capturing, self.uses_adapters) if self.slots is not None else None
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """Hooks active on the static step buffers while decode graphs are captured (none on CPU)."""
+        """Hooks active on the static step buffers while graphs are captured (none on CPU)."""
         if self.slots is None:
             yield
             return
-        self.slots.stage({}, {})
+        self.slots.stage(*(np.zeros(0, dtype=np.int32),) * 3)    # every segment empty
         self._state.step = LoRAStep([], self.slots.graph_step)
         try:
             yield
         finally:
             self._state.step = None
 
-    def begin(self, step: LoRAStep) -> None:
-        """Activate the hooks for one forward pass."""
+    def begin(self, step: Optional[LoRAStep]) -> None:
+        """Activate the hooks for one forward pass (``end``: None, inactive)."""
         self._state.step = step
 
     def end(self) -> None:
-        self._state.step = None
+        self.begin(None)
 
     def refold(self) -> None:
         """After a weight update (loop thread): fold the adapters' A again with the norm weights now."""

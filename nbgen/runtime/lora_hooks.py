@@ -13,9 +13,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels import lora_sgmv
 from nbgen.models.lora_adapter import MODULE_MAP, ModuleLoRA
 from nbgen.runtime.lora_slots import SlotLinear, SlotStep
+from nbgen.runtime.step_inputs import to_device
 
 
 @dataclass
@@ -33,6 +35,18 @@ class LoRAStep:
 
     segments: list[LoRASegment]
     slots: Optional[SlotStep] = None
+
+
+def torch_step(batch: ScheduledBatch, starts: list[int], device: torch.device) -> LoRAStep:
+    """The torch path's step: each adapter's rows of the batch's flat stream (``starts``: each seq's
+    first row) as one index tensor (None when the adapter has every row)."""
+    rows: dict[int, list[int]] = {}
+    total = 0
+    for s, start in zip(batch.seqs, starts):
+        total += s.q_len
+        if s.req.lora_id is not None:
+            rows.setdefault(s.req.lora_id, []).extend(range(start, start + s.q_len))
+    return LoRAStep([LoRASegment(i, None if len(r) == total else to_device(r, device)) for i, r in rows.items()])
 
 
 class StepState:

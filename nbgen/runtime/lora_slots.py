@@ -6,8 +6,11 @@ Admission (``runtime/lora_batch.py``) keeps a batch at ``max_loras_per_batch`` a
 a step's adapters always find slots. Copies into a slot are queued on the stream behind the steps
 already queued, which read the slot's previous adapter first.
 
-A decode step replayed from a CUDA graph reads its row layout from static buffers (``graph_step``),
-filled by ``stage`` from a pinned staging ring before the replay; eager steps get fresh tensors.
+A step's rows are given per seq (its slot, first row, row count): a decode seq has one row, a prefill
+chunk a run of rows of one adapter; ``segment_layout`` groups them by slot with numpy (no Python loop
+over rows). A step replayed from CUDA graphs (decode graphs, piecewise prefill graphs) reads its row
+layout from static buffers (``graph_step``), filled by ``stage`` from a pinned staging ring before the
+replay; eager steps get fresh tensors.
 """
 from __future__ import annotations
 
@@ -61,11 +64,14 @@ class LoRASlots:
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.owner: list[Optional[int]] = [None] * num_slots     # lora_id held by each slot
         self._lru: list[int] = list(range(num_slots))             # least recently used first
-        # static step buffers the decode graphs read: perm [max_graph_rows] | seg_start [S] | seg_len [S]
+        # static step buffers the graphs read (decode rows or a prefill bucket's tokens):
+        # seg_start [S] | seg_len [S] | padding to 128 bytes | perm [max_graph_rows]; a step copies the
+        # head and its own rows of perm only
         self._rows = max_graph_rows
-        self._static = torch.zeros(max_graph_rows + 2 * num_slots, dtype=torch.int32, device=device)
-        self.graph_step = SlotStep(self._static[:max_graph_rows], self._static[max_graph_rows:-num_slots],
-                                   self._static[-num_slots:], None)
+        self._head = -(-2 * num_slots // 32) * 32
+        self._static = torch.zeros(self._head + max_graph_rows, dtype=torch.int32, device=device)
+        self.graph_step = SlotStep(self._static[self._head:], self._static[:num_slots],
+                                   self._static[num_slots:2 * num_slots], None)
         self._ring = StagingRing(lambda: [torch.zeros(self._static.numel(), dtype=torch.int32)]) \
             if device.type == "cuda" else None
 
@@ -127,20 +133,10 @@ class LoRASlots:
                 self.owner[s] = None
 
     # ---- a step's rows --------------------------------------------------------------------------
-    def _layout(self, rows: dict[int, list[int]], slots: dict[int, int]) -> tuple[list[int], np.ndarray, np.ndarray]:
-        perm: list[int] = []
-        start = np.zeros(self.num_slots, dtype=np.int32)
-        length = np.zeros(self.num_slots, dtype=np.int32)
-        for lid, r in rows.items():
-            s = slots[lid]
-            start[s], length[s] = len(perm), len(r)
-            perm.extend(r)
-        return perm, start, length
-
-    def eager_step(self, rows: dict[int, list[int]], slots: dict[int, int]) -> SlotStep:
-        """The row layout of an eager step as device tensors: one copy from pinned memory, queued on
-        the stream (no host sync, so the loop keeps the GPU fed)."""
-        perm, start, length = self._layout(rows, slots)
+    def eager_step(self, slot: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> SlotStep:
+        """The row layout of an eager step as device tensors (``segment_layout``'s arguments): one copy
+        from pinned memory, queued on the stream (no host sync, so the loop keeps the GPU fed)."""
+        perm, start, length = segment_layout(slot, starts, lens, self.num_slots)
         S, P = self.num_slots, max(len(perm), 1)
         host = np.zeros(P + 2 * S, dtype=np.int32)            # perm | seg_start | seg_len
         host[:len(perm)] = perm
@@ -151,31 +147,52 @@ class LoRASlots:
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         return SlotStep(buf[:P], buf[P:P + S], buf[P + S:], int(length.max()) if len(length) else 0)
 
-    def stage(self, rows: dict[int, list[int]], slots: dict[int, int]) -> None:
-        """Fill the static buffers a graph replay reads (queued on the stream; no host sync)."""
-        self._fill(*self._layout(rows, slots))
-
-    def stage_rows(self, ids: list[Optional[int]], slots: dict[int, int]) -> None:
-        """``stage`` for a decode step: row i under adapter ``ids[i]`` (None: the base model), grouped
-        by slot with numpy (no Python loop over rows besides the slot lookup)."""
-        slot = np.fromiter((-1 if i is None else slots[i] for i in ids), dtype=np.int32, count=len(ids))
-        length = np.bincount(slot[slot >= 0], minlength=self.num_slots).astype(np.int32)
-        order = np.argsort(slot, kind="stable")                    # base rows (-1) first
-        self._fill(order[len(ids) - int(length.sum()):], np.cumsum(length, dtype=np.int32) - length, length)
-
-    def _fill(self, perm: "list[int] | np.ndarray", start: np.ndarray, length: np.ndarray) -> None:
-        if len(perm) > self._rows:
-            raise RuntimeError(f"{len(perm)} LoRA rows in a graph step, above {self._rows}")
-        host = np.zeros(self._static.numel(), dtype=np.int32)
-        if self._ring is not None:
+    def stage(self, slot: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
+        """Fill the static buffers a graph replay reads (``segment_layout``'s arguments; no seq: every
+        segment empty). Queued on the stream, no host sync."""
+        perm, start, length = segment_layout(slot, starts, lens, self.num_slots)
+        n = len(perm)
+        if n > self._rows:
+            raise RuntimeError(f"{n} LoRA rows in a graph step, above {self._rows}")
+        S, h = self.num_slots, self._head
+        if self._ring is None:
+            host = np.zeros(h + n, dtype=np.int32)
+        else:
             st, npv = self._ring.next()
             host = npv[0]
-        S = self.num_slots
-        host[:len(perm)] = perm
-        host[-2 * S:-S] = start
-        host[-S:] = length
-        if self._ring is not None:
-            self._static.copy_(st[0], non_blocking=True)
-            self._ring.done()
-        else:
-            self._static.copy_(torch.from_numpy(host))
+        host[:S] = start
+        host[S:2 * S] = length
+        host[h:h + n] = perm
+        if self._ring is None:
+            self._static[:h + n].copy_(torch.from_numpy(host))
+            return
+        self._static[:h + n].copy_(st[0][:h + n], non_blocking=True)
+        self._ring.done()
+
+
+def segment_layout(slot: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                   num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(perm, seg_start, seg_len) int32 of a step whose seq i owns rows ``starts[i] : starts[i] + lens[i]``
+    under slot ``slot[i]`` (-1: the base model, in no segment): the rows grouped by slot, seqs of one
+    slot in their batch order."""
+    order = np.argsort(slot, kind="stable")
+    order = order[np.count_nonzero(slot < 0):]                   # the adapter seqs, grouped by slot
+    ln, st = lens[order], starts[order]
+    length = np.bincount(slot[order], weights=ln, minlength=num_slots).astype(np.int32)
+    total = int(length.sum())
+    if total == len(order) and (ln == 1).all():                  # one row per seq (a decode step)
+        perm = st.astype(np.int32)
+    else:                                                        # runs: each seq's rows from its first
+        first = np.cumsum(ln) - ln                               # each seq's first place in perm
+        perm = (np.arange(total, dtype=np.int64) + np.repeat(st - first, ln)).astype(np.int32)
+    return perm, np.cumsum(length, dtype=np.int32) - length, length
+
+
+def seq_segments(ids: list[Optional[int]], q_lens: list[int],
+                 slots: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot, first row, rows) per seq of a flat stream of ``q_lens`` rows per seq, seq i under adapter
+    ``ids[i]`` (None: the base model, slot -1) held in ``slots[ids[i]]``: ``segment_layout``'s input."""
+    n = len(ids)
+    slot = np.fromiter((-1 if i is None else slots[i] for i in ids), dtype=np.int32, count=n)
+    lens = np.asarray(q_lens, dtype=np.int64)
+    return slot, np.cumsum(lens) - lens, lens

@@ -141,14 +141,15 @@ def make_decode_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: Atten
         if graphs_enabled(cfg, backend) else None
 
 
-def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module,
-                        backend: AttentionBackend) -> Optional[pg.PrefillGraphRunner]:
+def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
+                        variant: Optional[GraphVariant] = None) -> Optional[pg.PrefillGraphRunner]:
     """Piecewise graphs for steps with prefill chunks (with the decode graphs; None when off, or when
-    the model or memory does not allow them: then those steps run eagerly)."""
+    the model or memory does not allow them: then those steps run eagerly); ``variant``: a second set
+    of pieces per bucket (LoRA's, for the steps with adapter rows)."""
     if cfg.disable_piecewise_cuda_graph or not pg.supported(model):
         return None
     try:
-        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens)
+        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens, variant)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
         logger.warning("piecewise prefill graphs unavailable (%s); prefill steps run eagerly", e)
         torch.cuda.empty_cache()
@@ -189,8 +190,11 @@ def setup_model(cfg: EngineConfig, device: torch.device,
         logger.warning("cpu_offload_gb has no effect on the %s: the weights already live in host memory", device.type)
     t1 = time.perf_counter()
     # LoRA's slot pool before the KV cache takes the free memory; hooks before graph capture
+    # (its static row layout holds a decode graph's rows or a piecewise prefill bucket's tokens)
+    graph_rows = max(graph_batch_sizes(cfg.cuda_graph_max_bs)[-1],
+                     0 if cfg.disable_piecewise_cuda_graph else cfg.piecewise_cuda_graph_max_tokens)
     lora = make_lora_manager(cfg, loaded.model, loaded.dtype, device,
-                             graph_rows=graph_batch_sizes(cfg.cuda_graph_max_bs)[-1] if device.type == "cuda" else 0)
+                             graph_rows=graph_rows if device.type == "cuda" else 0)
     report("sizing the KV cache")
     spec = kv_spec_of(loaded, cfg.page_size, device, cfg.kv_cache_dtype)
     # tensor parallelism: every rank's pool the same size (one page table for all)
@@ -211,7 +215,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length,
                                 lora.graph_variant() if lora is not None else None)
     t3 = time.perf_counter()
-    prefill = make_prefill_graphs(cfg, loaded.model, backend) if graphs is not None else None
+    prefill = make_prefill_graphs(cfg, loaded.model, backend, lora.graph_variant() if lora is not None else None) \
+        if graphs is not None else None
     t4 = time.perf_counter()
     if graphs is not None:
         report("warming up")

@@ -16,6 +16,10 @@ attention runs over the T real rows only. Every tensor that crosses from one pie
 static buffer made before capture: the inputs, the residual stream (the fused add+RMSNorm updates it
 in place), q|k|v (the qkv projection writes into it), the attention output and the final hidden
 states. The pieces' private memory pool therefore holds only temporaries, shared by all buckets.
+
+A ``GraphVariant`` (LoRA: the adapters' kernels reading the slot pool's static row layout) adds a
+second set of pieces per bucket, captured with its context active into the same pool; a step replays
+them when the variant says the batch needs it (the caller staged its rows), else the plain pieces.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.core.batch import ScheduledBatch
-from nbgen.runtime.cuda_graphs import StagingRing
+from nbgen.runtime.cuda_graphs import GraphVariant, StagingRing
 from nbgen.runtime.step_inputs import positions_into
 
 logger = logging.getLogger("nbgen")
@@ -65,7 +69,8 @@ def supported(model: torch.nn.Module) -> bool:
 class PrefillGraphRunner:
     """Captures the pieces at every bucket; ``run`` returns the step's hidden states [T, H]."""
 
-    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_tokens: int,
+                 variant: Optional[GraphVariant] = None) -> None:
         if not supported(model):
             raise ValueError(f"{type(model).__name__} does not expose pre_attention / post_attention")
         inner = model.model
@@ -89,18 +94,25 @@ class PrefillGraphRunner:
         self.kv_written = True
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.variant = variant
+        self.variant_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.variant_replays = 0       # steps that replayed the variant's pieces (tests, stats)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
         stream = torch.cuda.Stream(dev)
         with torch.inference_mode():
             for bs in reversed(self.buckets):
-                self._capture(bs, stream)
+                self.graphs[bs] = self._capture(bs, stream)
+                if variant is not None:
+                    with variant.capturing():
+                        self.variant_graphs[bs] = self._capture(bs, stream)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()            # the warm-up runs' eager temporaries
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
-        logger.info("captured piecewise prefill graphs at %d token counts (%s) in %.1f s, %.0f MiB",
-                    len(self.buckets), self.buckets, self.capture_seconds, self.memory_bytes / 2**20)
+        logger.info("captured piecewise prefill graphs at %d token counts (%s)%s in %.1f s, %.0f MiB",
+                    len(self.buckets), self.buckets, " with a variant" if variant is not None else "",
+                    self.capture_seconds, self.memory_bytes / 2**20)
 
     # ---- capture ----------------------------------------------------------------------------------
     def _piece(self, i: int, T: int, meta: FlashInferMetadata) -> Callable[[], Optional[tuple]]:
@@ -132,7 +144,7 @@ class PrefillGraphRunner:
                                "(fused RoPE and fused add+RMSNorm)")
         self.kv_written = bool(written)
 
-    def _capture(self, T: int, stream: torch.cuda.Stream) -> None:
+    def _capture(self, T: int, stream: torch.cuda.Stream) -> list[torch.cuda.CUDAGraph]:
         io = self.io[: 3 * T].view(3, T)
         meta = FlashInferMetadata(self.backend, io[2], None)   # slots: 0 (scratch) while capturing
         pieces = [self._piece(i, T, meta) for i in range(len(self.layers) + 1)]
@@ -152,7 +164,7 @@ class PrefillGraphRunner:
                     g.capture_end()
                 graphs.append(g)
         torch.cuda.current_stream().wait_stream(stream)
-        self.graphs[T] = graphs
+        return graphs
 
     # ---- replay -----------------------------------------------------------------------------------
     def can_run(self, batch: ScheduledBatch, num_tokens: int) -> bool:
@@ -163,7 +175,8 @@ class PrefillGraphRunner:
             patch: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
         """Hidden states [n, H] of the step's n tokens (a view of the static output buffer, valid
         until the next step's replay); ``ids``: the step's flat token ids. ``patch`` fills
-        placeholder ids on the GPU."""
+        placeholder ids on the GPU. The variant's pieces replay when it wants the batch (its inputs
+        staged by the caller before)."""
         n = len(ids)
         T = bucket_for(self.buckets, n)
         st, npv = self._ring.next()
@@ -178,7 +191,11 @@ class PrefillGraphRunner:
         if patch is not None:
             patch(io[0, :n])
         meta = self.backend.prepare(batch, slot_mapping=io[2, :n])
-        graphs = self.graphs[T]
+        if self.variant is not None and self.variant.wanted(batch):
+            graphs = self.variant_graphs[T]
+            self.variant_replays += 1
+        else:
+            graphs = self.graphs[T]
         q, k, v = self.qkv[:n].split(self.split, dim=-1)
         attn = self.attn[:n]
         cap = self.inner.capture_layers

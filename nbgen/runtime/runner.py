@@ -72,8 +72,8 @@ class ModelRunner:
         self.graphs = parts.graphs
         self.prefill_graphs = parts.prefill_graphs
         self.norms_folded = parts.norms_folded
-        # LoRA serving (enable_lora): adapters, hooks in the linears; on CUDA decode graphs run the adapters'
-        # kernels (``_stage``), elsewhere steps with adapters run eagerly
+        # LoRA serving (enable_lora): adapters, hooks in the linears; on CUDA the decode and piecewise prefill
+        # graphs run the adapters' kernels (``LoRAManager.stage``), elsewhere steps with adapters run eagerly
         self.lora: Optional[LoRAManager] = parts.lora
         self.startup_s = parts.startup_s
         self.cpu_offload = parts.offload         # cpu_offload_gb: the plan of the layers kept in host memory
@@ -100,7 +100,9 @@ class ModelRunner:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
         self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length,
                                          self.lora.graph_variant() if self.lora is not None else None)
-        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend) if self.graphs else None
+        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend,
+                                                  self.lora.graph_variant() if self.lora is not None else None) \
+            if self.graphs else None
         self._last_tokens = None
 
     # ---- inputs -------------------------------------------------------------------------------
@@ -146,11 +148,14 @@ class ModelRunner:
             return self.vision.hidden_states(batch, flat, self._input_ids(ids), self.backend.prepare(batch))
         if self._graphable(batch):
             return self.graphs.replay(self._stage(batch), self._last_tokens)   # placeholders resolved in the graph
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, len(ids)) \
+                and not self._lora_eager(batch):
+            if self.lora is not None and self.lora.in_graphs:
+                self.lora.stage(batch)              # adapter rows: the variant's pieces read them
+            return self.prefill_graphs.run(batch, ids, self._placeholder_patch(ids))
         lora = self.lora.step_info(batch, flat.starts) if self.lora is not None else None
         if lora is not None:
             return self._eager_lora(batch, flat, lora)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, len(ids)):
-            return self.prefill_graphs.run(batch, ids, self._placeholder_patch(ids))
         input_ids = self._input_ids(ids)
         positions = self.to_device(pos)
         meta = self.backend.prepare(batch)
@@ -174,8 +179,12 @@ class ModelRunner:
             self.lora.stage(batch)
         return self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
 
+    def _lora_eager(self, batch: ScheduledBatch) -> bool:
+        """The batch has adapter rows and the graphs hold no LoRA kernels (no slot pool)."""
+        return self.lora is not None and not self.lora.in_graphs and self.lora.uses_adapters(batch)
+
     def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
-        if self.lora is not None and not self.lora.in_graphs and self.lora.uses_adapters(batch):
+        if self._lora_eager(batch):
             return False
         if self.vision is not None and has_image_prefill(batch):
             return False
