@@ -112,3 +112,18 @@ def test_engine_cascade_greedy_matches_plain(tiny_llama_dir, monkeypatch):
     assert run() == plain
     assert calls and max(len(p.groups[0].rows) for p in calls) == len(prompts)
     assert all(len(p.groups[0].prefix_pages) >= 5 for p in calls)
+
+
+def test_shared_floor_counts_each_prefix_once_per_step():
+    from nbgen.bench.floor import floor_seconds, shared_floor_seconds
+    from nbgen.bench.workloads import PREFIX_LEN, prefix_workload
+
+    prompts, outs, groups = prefix_workload()
+    ins = [len(p) for p in prompts]
+    assert len(prompts) == 256 and sorted(set(groups)) == list(range(8))
+    assert all(p[:PREFIX_LEN] == prompts[groups.index(g)][:PREFIX_LEN] for p, g in zip(prompts, groups))
+    # no prefix: every token is a seq's own, the naive floor
+    assert shared_floor_seconds(0, groups, ins, outs, 10, 3, 1.0) == floor_seconds(ins, outs, 10, 3, 1.0)
+    # one seq per group: the same; two seqs of one group, both decoding 4 steps: the prefix once a step
+    assert shared_floor_seconds(5, [0, 1], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0)
+    assert shared_floor_seconds(5, [0, 0], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0) - 5 * 4

@@ -1,0 +1,120 @@
+"""Cascade decode attention on flashinfer (CUDA): a decode step's rows split by a ``CascadePlan``.
+
+Level 0: each group's query rows against its shared prefix pages, one non-causal paged prefill call
+over all groups (``qo_indptr`` = the groups' row bounds): the prefix KV is read once per group
+instead of once per row. Level 1: every row against its own remaining pages, flashinfer's paged
+decode (tensor-core variant for grouped-query models, as the backend's plain decode). Both return
+their log-sum-exps; ``merge_state_in_place`` combines the grouped rows' two parts (flashinfer's
+MultiLevelCascadeAttentionWrapper does the same with a prefill call per level; level 1 as a decode
+call reads one-query rows at the decode kernel's bandwidth).
+
+The two wrappers share the backend's float workspace (their runs are sequential on one stream, as
+in flashinfer's own cascade wrapper) and have their own int workspaces, so both are planned in the
+same step. Cascade steps run eagerly, outside the decode CUDA graphs: the plan's shapes (groups,
+rows per group) change from step to step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from nbgen.attention.base import KVCacheSpec
+from nbgen.core.batch import ScheduledBatch
+from nbgen.core.cascade_plan import CascadePlan, plan_cascade
+
+try:
+    import flashinfer
+except ImportError:  # pragma: no cover - CPU installs
+    flashinfer = None
+
+
+@dataclass
+class CascadeStep:
+    """A planned cascade step: the grouped rows (level 0's query order) on the device."""
+
+    rows: torch.Tensor           # [R] long, level-0 query rows (group after group) in the batch
+
+
+def _pinned(values: Any) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(values, dtype=np.int32)).pin_memory()
+
+
+class FlashInferCascade:
+    """The two wrappers of cascade decode steps: chosen per step (``choose``), planned (``plan``), run per
+    layer (``run``)."""
+
+    # A decode step runs as cascade when sharing saves at least this many bytes of KV reads (None:
+    # never). Cascade steps leave the decode CUDA graphs, so the saving must outweigh an eager
+    # step's launch cost: 8 GB is ~2.7 ms at 2.9 TB/s, above the host time of an eager decode step
+    # of a 0.6B-8B model (an estimate for the W-prefix bench to check; there the first steps save
+    # ~57 GB each: 8 prefixes x 2,000 tokens x 31 other rows x 112 KiB a token for Qwen3-0.6B).
+    min_saved_bytes: Optional[int] = 8 << 30
+
+    def __init__(self, spec: KVCacheSpec, workspace: torch.Tensor, kv_layout: str, use_tensor_cores: bool,
+                 scale: float) -> None:
+        self.spec = spec
+        self.scale = scale
+        # fa2: a prefill kernel that returns the log-sum-exp with the output on every architecture
+        self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend="fa2")
+        self.suffix = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout,
+                                                                    use_tensor_cores=use_tensor_cores)
+        # plan() stages its scheduling data in the wrapper's pinned host buffer and copies it
+        # asynchronously: a wrapper's next plan waits for its previous copy (one event each)
+        self._done: dict[int, torch.cuda.Event] = {}
+        self._memo: tuple[Optional[ScheduledBatch], Optional[CascadePlan]] = (None, None)
+
+    def choose(self, batch: ScheduledBatch) -> Optional[CascadePlan]:
+        """The plan of a decode-only batch when cascade pays for it (``min_saved_bytes``), else None;
+        computed once per batch (the runner asks before choosing the graph path, ``prepare`` again)."""
+        memo_batch, memo_plan = self._memo
+        if memo_batch is batch:
+            return memo_plan
+        plan = None
+        if self.min_saved_bytes is not None and len(batch.seqs) > 1 and batch.is_decode_only:
+            per_token = self.spec.bytes_per_page() // self.spec.page_size       # K and V, all layers
+            plan = plan_cascade([s.pages for s in batch.seqs], [s.kv_len for s in batch.seqs],
+                                self.spec.page_size, -(-self.min_saved_bytes // per_token))
+        self._memo = (batch, plan)
+        return plan
+
+    def _planning(self, wrapper: Any) -> None:
+        ev = self._done.get(id(wrapper))
+        if ev is not None:
+            ev.synchronize()
+
+    def _planned(self, wrapper: Any) -> None:
+        ev = torch.cuda.Event()
+        ev.record()
+        self._done[id(wrapper)] = ev
+
+    def plan(self, plan: CascadePlan) -> CascadeStep:
+        """Plan both levels of a decode step (host page tables, asynchronous copies)."""
+        sp = self.spec
+        self._planning(self.suffix)
+        self.suffix.plan(_pinned(plan.suffix_kv_indptr), _pinned(plan.suffix_kv_indices),
+                         _pinned(plan.suffix_last_page_len), sp.num_q_heads, sp.num_kv_heads, sp.head_dim,
+                         sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype, kv_data_type=sp.dtype,
+                         sm_scale=self.scale, non_blocking=True)
+        self._planned(self.suffix)
+        self._planning(self.prefix)
+        groups = len(plan.groups)
+        self.prefix.plan(_pinned(plan.level0_qo_indptr), _pinned(plan.level0_kv_indptr),
+                         _pinned(plan.level0_kv_indices), _pinned([sp.page_size] * groups),   # full pages
+                         sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size, causal=False,
+                         sm_scale=self.scale, q_data_type=sp.dtype, kv_data_type=sp.dtype, non_blocking=True)
+        self._planned(self.prefix)
+        rows = torch.from_numpy(np.asarray(plan.level0_rows, dtype=np.int64)).pin_memory()
+        return CascadeStep(rows.to(sp.device, non_blocking=True))
+
+    def run(self, step: CascadeStep, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of the step's one-token rows q [B, Hq, D] -> [B, Hq, D] (into ``out`` when given)."""
+        o, lse = self.suffix.run(q, kv, return_lse=True)                 # [B, Hq, D], [B, Hq] fp32
+        o0, lse0 = self.prefix.run(q.index_select(0, step.rows), kv, return_lse=True)   # [R, Hq, D], [R, Hq]
+        og, lg = o.index_select(0, step.rows), lse.index_select(0, step.rows)
+        flashinfer.merge_state_in_place(og, lg, o0, lse0)
+        o.index_copy_(0, step.rows, og)
+        return o if out is None else out.copy_(o)
