@@ -56,17 +56,21 @@ def test_flashinfer_cascade_matches_reference(hq, hkv, page):
 
 
 @gpu
-def test_engine_cascade_matches_plain_graphs(gpu_model_dir, monkeypatch):
-    """Requests sharing a 40-page prompt prefix: decode steps by cascade (eager) give the plain decode
-    graphs' tokens and logprobs (bf16 near-ties aside: ``assert_close_runs``)."""
+@pytest.mark.parametrize("eager", [False, True])
+def test_engine_cascade_matches_plain_graphs(gpu_model_dir, monkeypatch, eager):
+    """Requests sharing a 40-page prompt prefix: decode steps by cascade (through the piecewise graphs,
+    or eagerly) give the plain decode graphs' tokens and logprobs (bf16 near-ties aside:
+    ``assert_close_runs``)."""
     from nbgen.attention import cascade_flashinfer as cf
+    from nbgen.runtime import prefill_graphs
 
     rng = random.Random(5)
     prefix = [rng.randrange(2, 512) for _ in range(640)]
     prompts = [prefix + [rng.randrange(2, 512) for _ in range(rng.randint(1, 60))] for _ in range(12)]
 
     def run() -> list[dict]:
-        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16) as eng:
+        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
+                          disable_piecewise_cuda_graph=eager) as eng:
             eng.generate(input_ids=[prefix], sampling_params={**GREEDY_SP, "max_new_tokens": 1}, use_tqdm=False)
             out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
             assert eng.get_server_info()["cuda_graph_batch_sizes"]
@@ -80,11 +84,20 @@ def test_engine_cascade_matches_plain_graphs(gpu_model_dir, monkeypatch):
         return plan(self, p)
 
     monkeypatch.setattr(cf.FlashInferCascade, "plan", spy)
-    monkeypatch.setattr(cf.FlashInferCascade, "min_saved_bytes", None)
+    pieces: list[int] = []
+    run_pieces = prefill_graphs.PrefillGraphRunner.run
+
+    def pieces_spy(self, batch, ids, patch=None):
+        pieces.append(batch.is_decode_only)
+        return run_pieces(self, batch, ids, patch)
+
+    monkeypatch.setattr(prefill_graphs.PrefillGraphRunner, "run", pieces_spy)
+    monkeypatch.setattr(cf.FlashInferCascade, "min_saved_layer_bytes", None)
     plain = run()
     assert not planned
-    monkeypatch.setattr(cf.FlashInferCascade, "min_saved_bytes", 1)
+    monkeypatch.setattr(cf.FlashInferCascade, "min_saved_layer_bytes", 1)
     cascade = run()
     assert len(planned) >= GREEDY_SP["max_new_tokens"] // 2
     assert max(len(g.rows) for p in planned for g in p.groups) == len(prompts)
+    assert sum(pieces) == (0 if eager else len(planned))       # cascade decode steps on the graph pieces
     assert_close_runs(cascade, plain)

@@ -10,8 +10,9 @@ call reads one-query rows at the decode kernel's bandwidth).
 
 The two wrappers share the backend's float workspace (their runs are sequential on one stream, as
 in flashinfer's own cascade wrapper) and have their own int workspaces, so both are planned in the
-same step. Cascade steps run eagerly, outside the decode CUDA graphs: the plan's shapes (groups,
-rows per group) change from step to step.
+same step. Cascade steps run outside the decode CUDA graphs, since the plan's shapes (groups, rows per
+group) change from step to step: through the piecewise graphs (runtime/prefill_graphs.py: each layer's
+attention launched between graph pieces) where the model has them, else eagerly.
 """
 from __future__ import annotations
 
@@ -46,12 +47,13 @@ class FlashInferCascade:
     """The two wrappers of cascade decode steps: chosen per step (``choose``), planned (``plan``), run per
     layer (``run``)."""
 
-    # A decode step runs as cascade when sharing saves at least this many bytes of KV reads (None:
-    # never). Cascade steps leave the decode CUDA graphs, so the saving must outweigh an eager
-    # step's launch cost: 8 GB is ~2.7 ms at 2.9 TB/s, above the host time of an eager decode step
-    # of a 0.6B-8B model (an estimate for the W-prefix bench to check; there the first steps save
-    # ~57 GB each: 8 prefixes x 2,000 tokens x 31 other rows x 112 KiB a token for Qwen3-0.6B).
-    min_saved_bytes: Optional[int] = 8 << 30
+    # A decode step runs as cascade when sharing saves at least this many bytes of KV reads per layer
+    # (None: never). A cascade step leaves the decode CUDA graphs for the piecewise ones: each layer's
+    # attention is launched from the host (two flashinfer runs, the gathers and the merge: ~150 us,
+    # an estimate), so the reads it saves per layer must take at least as long on the GPU: 448 MiB
+    # is ~160 us at 2.9 TB/s. Then a cascade step is never slower than the plain one. W-prefix's
+    # first steps save ~2 GB a layer (Qwen3-0.6B: 8 prefixes x 2,000 tokens x 31 rows x 4 KiB).
+    min_saved_layer_bytes: Optional[int] = 448 << 20
 
     def __init__(self, spec: KVCacheSpec, workspace: torch.Tensor, kv_layout: str, use_tensor_cores: bool,
                  scale: float) -> None:
@@ -67,16 +69,17 @@ class FlashInferCascade:
         self._memo: tuple[Optional[ScheduledBatch], Optional[CascadePlan]] = (None, None)
 
     def choose(self, batch: ScheduledBatch) -> Optional[CascadePlan]:
-        """The plan of a decode-only batch when cascade pays for it (``min_saved_bytes``), else None;
+        """The plan of a decode-only batch when cascade pays for it (``min_saved_layer_bytes``), else None;
         computed once per batch (the runner asks before choosing the graph path, ``prepare`` again)."""
         memo_batch, memo_plan = self._memo
         if memo_batch is batch:
             return memo_plan
         plan = None
-        if self.min_saved_bytes is not None and len(batch.seqs) > 1 and batch.is_decode_only:
-            per_token = self.spec.bytes_per_page() // self.spec.page_size       # K and V, all layers
+        sp = self.spec
+        if self.min_saved_layer_bytes is not None and len(batch.seqs) > 1 and batch.is_decode_only:
+            per_token = sp.bytes_per_page() // (sp.page_size * sp.num_layers)     # K and V of one layer
             plan = plan_cascade([s.pages for s in batch.seqs], [s.kv_len for s in batch.seqs],
-                                self.spec.page_size, -(-self.min_saved_bytes // per_token))
+                                sp.page_size, -(-self.min_saved_layer_bytes // per_token))
         self._memo = (batch, plan)
         return plan
 

@@ -9,7 +9,7 @@ table:
     than flashinfer's decode + merge at every batch size measured), for the head sizes it supports;
     other head sizes take BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query
     attention (``decode_tensor_cores``);
-  * decode-only step whose rows share long prompt prefixes -> cascade attention, eagerly (``cascade_flashinfer``);
+  * decode-only step whose rows share long prompt prefixes -> cascade attention (``cascade_flashinfer``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
     ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
     and chunked prefill need; a step verifying a draft tree plans a ``custom_mask`` instead
