@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,32 +14,40 @@ from nbgen.attention.cascade_torch import attend_lse, cascade_decode, merge_stat
 from nbgen.core.cascade_plan import plan_cascade
 
 
+def plan_of(pages: list[list[int]], kv_lens: list[int], page_size: int, min_saved_tokens: int):
+    """plan_cascade of rows given as page lists (exactly their pages) and token counts."""
+    ptr = np.cumsum([0] + [len(p) for p in pages])
+    last = [n - (len(p) - 1) * page_size for p, n in zip(pages, kv_lens)]
+    assert all(1 <= x <= page_size for x in last)
+    return plan_cascade(ptr, np.concatenate(pages), last, page_size, min_saved_tokens)
+
+
 def test_plan_groups_rows_by_shared_full_pages():
     P = 4
     pre = [10, 11, 12]
     pages = [pre + [20, 21], pre + [30], pre + [40, 41, 42], [50, 51], [10, 11, 60]]
     lens = [19, 13, 23, 6, 10]        # row 1: 13 tokens = 3 full pages + its own page
-    plan = plan_cascade(pages, lens, P, min_saved_tokens=1)
+    plan = plan_of(pages, lens, P, min_saved_tokens=1)
     assert plan is not None
     # row 4 shares only two pages with the reference: kept out (3 x 2 others beats 2 x 3)
     assert [(g.rows, g.prefix_pages) for g in plan.groups] == [([0, 1, 2], pre)]
-    assert plan.level0_rows == [0, 1, 2] and plan.level0_qo_indptr == [0, 3]
-    assert plan.level0_kv_indptr == [0, 3] and plan.level0_kv_indices == pre
-    ip, idx = plan.suffix_kv_indptr, plan.suffix_kv_indices
+    assert plan.level0_rows.tolist() == [0, 1, 2] and plan.level0_qo_indptr.tolist() == [0, 3]
+    assert plan.level0_kv_indptr.tolist() == [0, 3] and plan.level0_kv_indices.tolist() == pre
+    ip, idx = plan.suffix_kv_indptr, plan.suffix_kv_indices.tolist()
     assert [idx[ip[i]: ip[i + 1]] for i in range(5)] == [[20, 21], [30], [40, 41, 42], [50, 51], [10, 11, 60]]
-    assert plan.suffix_last_page_len == [3, 1, 3, 2, 2]
+    assert plan.suffix_last_page_len.tolist() == [3, 1, 3, 2, 2]
     assert plan.saved_tokens == 3 * P * 2 and plan.total_tokens == sum(lens)
 
 
 def test_plan_threshold_and_own_page():
     P = 4
     pages = [[1, 2, 3], [1, 2, 4]]
-    assert plan_cascade(pages, [12, 12], P, min_saved_tokens=9) is None       # saves 2 pages x 1 row = 8
-    assert plan_cascade(pages, [12, 12], P, min_saved_tokens=8) is not None
+    assert plan_of(pages, [12, 12], P, min_saved_tokens=9) is None       # saves 2 pages x 1 row = 8
+    assert plan_of(pages, [12, 12], P, min_saved_tokens=8) is not None
     # the page of a row's new token is never shared, even when both rows list the same page there
-    assert plan_cascade([[1, 2], [1, 2]], [8, 8], P, min_saved_tokens=1).groups[0].prefix_pages == [1]
-    assert plan_cascade([[1], [1]], [4, 4], P, min_saved_tokens=1) is None
-    assert plan_cascade([[1, 2], [3, 4]], [8, 8], P, min_saved_tokens=1) is None
+    assert plan_of([[1, 2], [1, 2]], [8, 8], P, min_saved_tokens=1).groups[0].prefix_pages == [1]
+    assert plan_of([[1], [1]], [4, 4], P, min_saved_tokens=1) is None
+    assert plan_of([[1, 2], [3, 4]], [8, 8], P, min_saved_tokens=1) is None
 
 
 def _plain(q, kc, vc, pages, lens, P, scale):
@@ -61,15 +70,19 @@ def test_cascade_equals_plain_attention(hq, hkv):
     free = list(range(1, num_pages))
     rng.shuffle(free)
     prefixes = [[free.pop() for _ in range(rng.randint(1, 6))] for _ in range(3)]
-    pages, lens = [], []
+    pages, lens, heads = [], [], []
     for _ in range(12):
         head = rng.choice(prefixes + [[]])
         n = len(head) * P + rng.randint(1, 11)
         own = [free.pop() for _ in range((n + P - 1) // P - len(head))]
         pages.append(head + own)
         lens.append(n)
-    plan = plan_cascade(pages, lens, P, min_saved_tokens=1)
+        heads.append(tuple(head))
+    plan = plan_of(pages, lens, P, min_saved_tokens=1)
     assert plan is not None and len(plan.groups) >= 2
+    # every prefix used by two or more rows is one group of exactly those rows
+    want = sorted(([i for i, h in enumerate(heads) if h == x], list(x)) for x in set(heads) if x and heads.count(x) > 1)
+    assert sorted((g.rows, g.prefix_pages) for g in plan.groups) == want
     q = torch.randn(len(lens), hq, D)
     scale = D ** -0.5
     torch.testing.assert_close(cascade_decode(q, kc, vc, plan, scale), _plain(q, kc, vc, pages, lens, P, scale),

@@ -9,9 +9,9 @@ import torch
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.cascade_torch import cascade_decode
-from nbgen.core.cascade_plan import plan_cascade
 
 import nbgen
+from tests.test_cascade import plan_of
 from tests.tiny_models import GREEDY_SP, assert_close_runs
 
 gpu = pytest.mark.gpu
@@ -44,7 +44,7 @@ def test_flashinfer_cascade_matches_reference(hq, hkv, page):
         n = len(head) * page + rng.randint(1, 5 * page)
         pages.append(head + [free.pop() for _ in range((n + page - 1) // page - len(head))])
         lens.append(n)
-    plan = plan_cascade(pages, lens, page, min_saved_tokens=1)
+    plan = plan_of(pages, lens, page, min_saved_tokens=1)
     assert plan is not None and len(plan.groups) >= 4
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
     fc = FlashInferCascade(spec, ws, "HND", decode_tensor_cores(hq // hkv), D ** -0.5)

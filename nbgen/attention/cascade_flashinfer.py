@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from nbgen.attention.base import KVCacheSpec
+from nbgen.attention.page_tables import DecodeTables
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.cascade_plan import CascadePlan, plan_cascade
 
@@ -56,9 +57,10 @@ class FlashInferCascade:
     min_saved_layer_bytes: Optional[int] = 448 << 20
 
     def __init__(self, spec: KVCacheSpec, workspace: torch.Tensor, kv_layout: str, use_tensor_cores: bool,
-                 scale: float) -> None:
+                 scale: float, tables: DecodeTables) -> None:
         self.spec = spec
         self.scale = scale
+        self.tables = tables            # the backend's page tables of decode rows
         # fa2: a prefill kernel that returns the log-sum-exp with the output on every architecture
         self.prefix = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend="fa2")
         self.suffix = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout,
@@ -66,22 +68,28 @@ class FlashInferCascade:
         # plan() stages its scheduling data in the wrapper's pinned host buffer and copies it
         # asynchronously: a wrapper's next plan waits for its previous copy (one event each)
         self._done: dict[int, torch.cuda.Event] = {}
-        self._memo: tuple[Optional[ScheduledBatch], Optional[CascadePlan]] = (None, None)
+        self._memo: tuple[Optional[ScheduledBatch], Optional[CascadePlan], Any] = (None, None, None)
 
     def choose(self, batch: ScheduledBatch) -> Optional[CascadePlan]:
         """The plan of a decode-only batch when cascade pays for it (``min_saved_layer_bytes``), else None;
         computed once per batch (the runner asks before choosing the graph path, ``prepare`` again)."""
-        memo_batch, memo_plan = self._memo
-        if memo_batch is batch:
-            return memo_plan
-        plan = None
-        sp = self.spec
-        if self.min_saved_layer_bytes is not None and len(batch.seqs) > 1 and batch.is_decode_only:
-            per_token = sp.bytes_per_page() // (sp.page_size * sp.num_layers)     # K and V of one layer
-            plan = plan_cascade([s.pages for s in batch.seqs], [s.kv_len for s in batch.seqs],
-                                sp.page_size, -(-self.min_saved_layer_bytes // per_token))
-        self._memo = (batch, plan)
+        if self._memo[0] is batch:
+            return self._memo[1]
+        plan, slots, sp, seqs = None, None, self.spec, batch.seqs
+        if self.min_saved_layer_bytes is not None and len(seqs) > 1 and batch.is_decode_only:
+            # first pages of the rows with a full page before their new token's: a repeat is needed
+            first = [s.pages[0] for s in seqs if s.start_pos >= sp.page_size]
+            if len(set(first)) < len(first):
+                ptr, idx, last, _pos, slots = self.tables.build(seqs)
+                per_token = sp.bytes_per_page() // (sp.page_size * sp.num_layers)     # K and V of one layer
+                plan = plan_cascade(ptr, idx, last, sp.page_size, -(-self.min_saved_layer_bytes // per_token))
+        self._memo = (batch, plan, slots)
         return plan
+
+    def slots(self, batch: ScheduledBatch) -> np.ndarray:
+        """[B] int64 cache slots of the new tokens of the batch ``choose`` last planned."""
+        assert self._memo[0] is batch and self._memo[2] is not None
+        return self._memo[2]
 
     def _planning(self, wrapper: Any) -> None:
         ev = self._done.get(id(wrapper))

@@ -94,7 +94,8 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, self.kv_layout, backend="auto")
         self.masked_wrapper: Optional[Any] = None     # tree-verify steps (made at the first one)
         self.tables = DecodeTables(spec.page_size)
-        self.cascade = FlashInferCascade(spec, self.workspace, self.kv_layout, self.use_tensor_cores, self.scale)
+        self.cascade = FlashInferCascade(spec, self.workspace, self.kv_layout, self.use_tensor_cores, self.scale,
+                                         self.tables)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
@@ -220,9 +221,8 @@ class FlashInferBackend(AttentionBackend):
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
         d, cascade, plan = 0, None, self.cascade_plan(batch)
-        if plan is not None:            # the tables for the slots; the plan holds the cascade's own
-            _ptr, _idx, _last, _pos, slots = self.tables.build(batch.seqs)
-            wrapper, cascade = None, self.cascade.plan(plan)
+        if plan is not None:            # a decode step by shared prefixes
+            wrapper, cascade, slots = None, self.cascade.plan(plan), self.cascade.slots(batch)
         elif batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
             wrapper = self.triton_wrapper if self.triton_decode else self.decode_wrapper

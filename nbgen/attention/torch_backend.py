@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -96,7 +97,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.prefill.append(_PrefillSeq(row, s.q_len, s.start_pos, kv_slots, mask))
             row += s.q_len
         if self.cascade_min_saved_tokens is not None and dec_rows and not meta.prefill:
-            meta.cascade = plan_cascade(dec_pages, dec_lens, P, self.cascade_min_saved_tokens)
+            ptr = np.cumsum([0] + [len(p) for p in dec_pages])
+            last = [n - (len(p) - 1) * P for p, n in zip(dec_pages, dec_lens)]
+            meta.cascade = plan_cascade(ptr, np.concatenate(dec_pages), last, P, self.cascade_min_saved_tokens)
         if dec_rows and self.cpu_kernels:
             width = max(len(p) for p in dec_pages)
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long)

@@ -8,18 +8,22 @@ attention in two levels:
   * level 1: each row's remaining pages (its own suffix, the new token included), a plain decode;
 the two partial results are merged with their log-sum-exps. The KV a step reads drops from
 sum(rows' tokens) to sum(distinct tokens); ``plan_cascade`` builds the plan when that saving is at
-least ``min_saved_tokens`` and returns None otherwise (the plain decode path runs).
+least ``min_saved_tokens`` and returns None otherwise (the plain decode path runs). It works on the
+step's page tables as numpy arrays: ~0.3 ms for 256 rows of 130 pages in 8 groups, ~30 us when no
+two rows start with the same page.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
 
 
 @dataclass
 class CascadeGroup:
-    """Rows (indices into the decode batch) that share ``prefix_pages`` (full pages) at the head of
-    their page tables."""
+    """Rows (indices into the decode batch, ascending) sharing ``prefix_pages`` (full pages) at the
+    head of their page tables."""
 
     rows: list[int]
     prefix_pages: list[int]
@@ -27,102 +31,92 @@ class CascadeGroup:
 
 @dataclass
 class CascadePlan:
-    """A decode batch's two-level plan (B rows, page_size P).
+    """A decode batch's two-level plan (B rows, page_size P); int32 numpy arrays unless noted.
 
-    Level 0: ``groups``; ``level0_rows`` lists their rows group after group, ``level0_qo_indptr``
-    [G + 1] the groups' bounds in it, ``level0_kv_indptr`` [G + 1] / ``level0_kv_indices`` their
-    prefix pages (all full). Level 1: every row's page table after its group's prefix (the whole
-    table for rows in no group): ``suffix_kv_indptr`` [B + 1], ``suffix_kv_indices``,
-    ``suffix_last_page_len`` [B] (tokens in each row's last page, >= 1).
+    Level 0: ``groups``; ``level0_rows`` (int64) lists their rows group after group,
+    ``level0_qo_indptr`` [G + 1] the groups' bounds in it, ``level0_kv_indptr`` [G + 1] /
+    ``level0_kv_indices`` their prefix pages (all full). Level 1: every row's page table after its
+    group's prefix (the whole table for rows in no group): ``suffix_kv_indptr`` [B + 1],
+    ``suffix_kv_indices``, ``suffix_last_page_len`` [B] (tokens in each row's last page, >= 1).
     """
 
     page_size: int
     groups: list[CascadeGroup]
-    suffix_kv_indptr: list[int]
-    suffix_kv_indices: list[int]
-    suffix_last_page_len: list[int]
-    level0_rows: list[int] = field(default_factory=list)
-    level0_qo_indptr: list[int] = field(default_factory=lambda: [0])
-    level0_kv_indptr: list[int] = field(default_factory=lambda: [0])
-    level0_kv_indices: list[int] = field(default_factory=list)
+    suffix_kv_indptr: np.ndarray
+    suffix_kv_indices: np.ndarray
+    suffix_last_page_len: np.ndarray
     total_tokens: int = 0          # KV tokens the plain decode reads (every row's whole context)
     saved_tokens: int = 0          # of which the cascade reads only once per group
 
     def __post_init__(self) -> None:
-        for g in self.groups:
-            self.level0_rows.extend(g.rows)
-            self.level0_qo_indptr.append(len(self.level0_rows))
-            self.level0_kv_indices.extend(g.prefix_pages)
-            self.level0_kv_indptr.append(len(self.level0_kv_indices))
+        g = self.groups
+        self.level0_rows = np.asarray([r for x in g for r in x.rows], dtype=np.int64)
+        self.level0_qo_indptr = np.cumsum([0] + [len(x.rows) for x in g], dtype=np.int32)
+        self.level0_kv_indptr = np.cumsum([0] + [len(x.prefix_pages) for x in g], dtype=np.int32)
+        self.level0_kv_indices = np.asarray([p for x in g for p in x.prefix_pages], dtype=np.int32)
 
 
-def _shared_len(ref: list[int], other: list[int], hi: int) -> int:
-    """Length of the common head of ``ref`` and ``other`` (at most ``hi``): one C-speed slice compare
-    when they agree up to ``hi``, else a binary search over slice compares."""
-    if ref[:hi] == other[:hi]:
-        return hi
-    lo = 0                                     # ref[:lo] == other[:lo] holds; ref[:hi] != other[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if ref[:mid] == other[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _best_group(rows: list[int], shared: list[int]) -> tuple[list[int], int]:
-    """From rows (the reference first) and each row's shared page count with the reference, the
-    subset and prefix length that save the most reads: length m x (rows sharing >= m pages - 1)."""
-    order = sorted(range(1, len(rows)), key=lambda i: -shared[i])
-    best_gain, best_k = 0, 0
-    for k, i in enumerate(order, start=1):       # k other rows share >= shared[i] pages
-        gain = shared[i] * k
-        if gain > best_gain:
-            best_gain, best_k = gain, k
-    if best_k == 0:
+def _best_group(rows: np.ndarray, shared: np.ndarray) -> tuple[list[int], int]:
+    """From a group's rows (its reference first) and the pages each shares with the reference, the
+    members and prefix length that save the most reads: m pages x (members - 1), where the members
+    are the reference and the rows sharing >= m pages."""
+    order = np.argsort(-shared[1:], kind="stable") + 1
+    gain = shared[order] * np.arange(1, len(order) + 1)         # k other rows share >= shared[order[k-1]]
+    k = int(np.argmax(gain)) + 1
+    m = int(shared[order[k - 1]])
+    if m == 0:
         return [], 0
-    m = shared[order[best_k - 1]]
-    return sorted([rows[0]] + [rows[i] for i in order[:best_k]]), m
+    return sorted([int(rows[0])] + rows[order[:k]].tolist()), m
 
 
-def plan_cascade(pages: Sequence[list[int]], kv_lens: Sequence[int], page_size: int,
+def plan_cascade(kv_indptr: np.ndarray, kv_indices: np.ndarray, last_page_len: np.ndarray, page_size: int,
                  min_saved_tokens: int) -> Optional[CascadePlan]:
-    """The cascade plan of a decode batch, or None when sharing saves fewer than ``min_saved_tokens``
-    KV token reads this step.
+    """The cascade plan of a decode batch's page tables (flashinfer's form: ``kv_indptr`` [B + 1],
+    ``kv_indices``, ``last_page_len`` [B]; the new token is each row's last), or None when sharing
+    saves fewer than ``min_saved_tokens`` KV token reads this step.
 
-    ``pages[i]``: row i's page list (may be longer than its KV); ``kv_lens[i]``: its tokens, the new
-    one included. Rows are grouped by their first page; within a group, the shared prefix is the
-    full pages every member has in common before the page of its new token (that page is the row's
-    own), with rows sharing too little left out of the group (``_best_group``).
+    Rows are grouped by their first page; within a group, the shared prefix is the full pages a row
+    has in common with the group's first row before the page of its new token (that page is the
+    row's own), with rows sharing too little left out of the group (``_best_group``).
     """
     P = page_size
-    by_first: dict[int, list[int]] = {}
-    full = [(n - 1) // P for n in kv_lens]         # pages wholly before each row's new-token page
-    for i, p in enumerate(pages):
-        if full[i] > 0:
-            by_first.setdefault(p[0], []).append(i)
+    ip = np.asarray(kv_indptr, dtype=np.int64)
+    idx = np.asarray(kv_indices, dtype=np.int32)
+    last = np.asarray(last_page_len, dtype=np.int32)
+    npages = ip[1:] - ip[:-1]
+    full = npages - 1                                   # pages wholly before each row's new-token page
+    rows = np.flatnonzero(full > 0)
+    if len(rows) < 2:
+        return None
+    first = idx[ip[rows]]
+    order = np.argsort(first, kind="stable")
+    rows, first = rows[order], first[order]
+    start = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])   # each first-page run in `rows`
+    size = np.diff(np.r_[start, len(rows)])
+    if not (size > 1).any():                             # no two rows start with the same page
+        return None
+    # each row against its run's first row (the reference), over the pages both have before their own
+    ref = np.repeat(rows[start], size)
+    hi = np.minimum(full[rows], full[ref])
+    pos = np.arange(int(hi.sum())) - np.repeat(np.cumsum(hi) - hi, hi)          # 0..hi-1 per row
+    diff = idx[np.repeat(ip[rows], hi) + pos] != idx[np.repeat(ip[ref], hi) + pos]
+    mism = np.where(diff, pos, np.repeat(hi, hi))
+    shared = np.minimum.reduceat(mism, np.cumsum(hi) - hi)      # first mismatch, else hi (hi >= 1)
     groups: list[CascadeGroup] = []
-    prefix_of: dict[int, int] = {}
+    skip = np.zeros(len(npages), dtype=np.int64)
     saved = 0
-    for rows in by_first.values():
-        if len(rows) < 2:
-            continue
-        ref = pages[rows[0]]
-        shared = [full[rows[0]]] + [_shared_len(ref, pages[i], min(full[i], full[rows[0]])) for i in rows[1:]]
-        members, m = _best_group(rows, shared)
-        if m == 0:
-            continue
-        groups.append(CascadeGroup(members, list(ref[:m])))
-        saved += m * P * (len(members) - 1)
-        for r in members:
-            prefix_of[r] = m
+    for a, n in zip(start[size > 1].tolist(), size[size > 1].tolist()):
+        members, m = _best_group(rows[a:a + n], shared[a:a + n])
+        if m:
+            r0 = int(rows[a])
+            groups.append(CascadeGroup(members, idx[ip[r0]: ip[r0] + m].tolist()))
+            skip[members] = m
+            saved += m * P * (len(members) - 1)
     if saved < max(min_saved_tokens, 1):
         return None
-    indptr, indices, last = [0], [], []
-    for i, (p, n) in enumerate(zip(pages, kv_lens)):
-        n_pages = (n + P - 1) // P
-        indices.extend(p[prefix_of.get(i, 0): n_pages])
-        indptr.append(len(indices))
-        last.append(n - (n_pages - 1) * P)
-    return CascadePlan(P, groups, indptr, indices, last, total_tokens=sum(kv_lens), saved_tokens=saved)
+    # level 1: each row's table without its group's prefix pages
+    keep = np.arange(len(idx)) - np.repeat(ip[:-1], npages) >= np.repeat(skip, npages)
+    suffix_ptr = np.zeros(len(npages) + 1, dtype=np.int32)
+    np.cumsum(npages - skip, out=suffix_ptr[1:])
+    total = int((full * P + last).sum())
+    return CascadePlan(P, groups, suffix_ptr, idx[keep], last.copy(), total_tokens=total, saved_tokens=saved)
