@@ -140,3 +140,87 @@ def test_shared_floor_counts_each_prefix_once_per_step():
     # one seq per group: the same; two seqs of one group, both decoding 4 steps: the prefix once a step
     assert shared_floor_seconds(5, [0, 1], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0)
     assert shared_floor_seconds(5, [0, 0], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0) - 5 * 4
+
+
+class _FakeFlashInfer:
+    """flashinfer's paged wrappers and merge as torch references on HND pages (CPU), so the cascade
+    module's glue (plans, row gathers, merge, scatter) runs without a GPU."""
+
+    @staticmethod
+    def _tokens(kv, pages, n):
+        k, v = (c[torch.as_tensor(pages, dtype=torch.long)] for c in kv)          # [n_pages, Hkv, P, D]
+        return [x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, :n].float() for x in (k, v)]
+
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, ws, layout, backend=None):
+            assert layout == "HND"
+
+        def plan(self, qo, ptr, idx, last, hq, hkv, d, P, causal=True, sm_scale=None, **kw):
+            assert not causal
+            self.t = (qo.tolist(), ptr.tolist(), idx.tolist(), last.tolist(), P, sm_scale)
+
+        def run(self, q, kv, return_lse=False):
+            qo, ptr, idx, last, P, scale = self.t
+            o, lse = torch.empty(q.shape), torch.empty(q.shape[:2])
+            for r in range(len(qo) - 1):
+                n = (ptr[r + 1] - ptr[r] - 1) * P + last[r]
+                k, v = _FakeFlashInfer._tokens(kv, idx[ptr[r]: ptr[r + 1]], n)
+                a, b = attend_lse(q[None, qo[r]: qo[r + 1]], k[None], v[None], scale)
+                o[qo[r]: qo[r + 1]], lse[qo[r]: qo[r + 1]] = a[0], b[0]
+            return o.to(q.dtype), lse
+
+    class BatchDecodeWithPagedKVCacheWrapper(BatchPrefillWithPagedKVCacheWrapper):
+        def __init__(self, ws, layout, use_tensor_cores=False):
+            assert layout == "HND"
+
+        def plan(self, ptr, idx, last, hq, hkv, d, P, sm_scale=None, **kw):
+            self.t = (list(range(len(last) + 1)), ptr.tolist(), idx.tolist(), last.tolist(), P, sm_scale)
+
+    @staticmethod
+    def merge_state_in_place(v, s, v2, s2):
+        o, lse = merge_states(v.float(), s, v2.float(), s2)
+        v.copy_(o)
+        s.copy_(lse)
+
+
+def test_flashinfer_cascade_glue_with_reference_kernels(monkeypatch):
+    """FlashInferCascade (choose from a batch's page tables, plan, run) with reference kernels in place
+    of flashinfer's: the plain attention of every row."""
+    from types import SimpleNamespace
+
+    from nbgen.attention import cascade_flashinfer as cf
+    from nbgen.attention.base import KVCacheSpec
+    from nbgen.attention.page_tables import DecodeTables
+
+    monkeypatch.setattr(cf, "flashinfer", _FakeFlashInfer)
+    monkeypatch.setattr(cf, "_pinned", lambda values, dtype=np.int32: torch.from_numpy(np.asarray(values, dtype=dtype)))
+    monkeypatch.setattr(cf.FlashInferCascade, "_planned", lambda self, w: None)
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    P, D, hq, hkv, num_pages = 4, 16, 8, 2, 300
+    spec = KVCacheSpec(2, num_pages, P, hq, hkv, D, torch.float32, torch.device("cpu"))
+    kc, vc = torch.randn(num_pages, hkv, P, D), torch.randn(num_pages, hkv, P, D)
+    free = list(range(1, num_pages))
+    rng.shuffle(free)
+    prefixes = [[free.pop() for _ in range(rng.randint(2, 8))] for _ in range(3)]
+    seqs = []
+    for i in range(16):
+        head = rng.choice(prefixes + [[]])
+        n = len(head) * P + rng.randint(1, 9)
+        pages = head + [free.pop() for _ in range((n + P - 1) // P - len(head))]
+        seqs.append(SimpleNamespace(pages=pages, start_pos=n - 1, kv_len=n, q_len=1,
+                                    req=SimpleNamespace(rid=str(i), prompt_ids=[0])))
+    batch = SimpleNamespace(seqs=seqs, is_decode_only=True)
+    fc = cf.FlashInferCascade(spec, torch.zeros(1), "HND", True, D ** -0.5, DecodeTables(P))
+    monkeypatch.setattr(cf.FlashInferCascade, "min_saved_layer_bytes", None)
+    assert fc.choose(batch) is None
+    fc = cf.FlashInferCascade(spec, torch.zeros(1), "HND", True, D ** -0.5, DecodeTables(P))
+    monkeypatch.setattr(cf.FlashInferCascade, "min_saved_layer_bytes", 1)
+    plan = fc.choose(batch)
+    assert plan is not None and len(plan.groups) >= 2 and fc.choose(batch) is plan
+    assert fc.slots(batch).tolist() == [s.pages[-1] * P + (s.kv_len - 1) % P for s in seqs]
+    q = torch.randn(len(seqs), hq, D)
+    out = fc.run(fc.plan(plan), q, (kc, vc))
+    ref = _plain(q, kc.permute(1, 0, 2, 3).reshape(hkv, -1, D), vc.permute(1, 0, 2, 3).reshape(hkv, -1, D),
+                 [s.pages for s in seqs], [s.kv_len for s in seqs], P, D ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

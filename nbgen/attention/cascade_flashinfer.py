@@ -40,8 +40,9 @@ class CascadeStep:
     rows: torch.Tensor           # [R] long, level-0 query rows (group after group) in the batch
 
 
-def _pinned(values: Any) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(values, dtype=np.int32)).pin_memory()
+def _pinned(values: Any, dtype: type = np.int32) -> torch.Tensor:
+    """A pinned host tensor of ``values`` (numpy array or list)."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype)).pin_memory()
 
 
 class FlashInferCascade:
@@ -117,8 +118,7 @@ class FlashInferCascade:
                          sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size, causal=False,
                          sm_scale=self.scale, q_data_type=sp.dtype, kv_data_type=sp.dtype, non_blocking=True)
         self._planned(self.prefix)
-        rows = torch.from_numpy(np.asarray(plan.level0_rows, dtype=np.int64)).pin_memory()
-        return CascadeStep(rows.to(sp.device, non_blocking=True))
+        return CascadeStep(_pinned(plan.level0_rows, np.int64).to(sp.device, non_blocking=True))
 
     def run(self, step: CascadeStep, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
