@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nbgen.attention.base import KVCacheSpec
+from nbgen.attention.page_tables import DecodeTables
 from nbgen.attention.cascade_torch import cascade_decode
 
 import nbgen
@@ -47,7 +48,7 @@ def test_flashinfer_cascade_matches_reference(hq, hkv, page):
     plan = plan_of(pages, lens, page, min_saved_tokens=1)
     assert plan is not None and len(plan.groups) >= 4
     ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-    fc = FlashInferCascade(spec, ws, "HND", decode_tensor_cores(hq // hkv), D ** -0.5)
+    fc = FlashInferCascade(spec, ws, "HND", decode_tensor_cores(hq // hkv), D ** -0.5, DecodeTables(page))
     q = torch.randn(len(lens), hq, D, dtype=torch.bfloat16, device=dev)
     for _ in range(2):                  # a second plan of the same wrappers
         out = fc.run(fc.plan(plan), q, (kc, vc))

@@ -70,6 +70,7 @@ class FlashInferCascade:
         # asynchronously: a wrapper's next plan waits for its previous copy (one event each)
         self._done: dict[int, torch.cuda.Event] = {}
         self._memo: tuple[Optional[ScheduledBatch], Optional[CascadePlan], Any] = (None, None, None)
+        self.steps = 0                  # decode steps planned as cascade (the bench reports it)
 
     def choose(self, batch: ScheduledBatch) -> Optional[CascadePlan]:
         """The plan of a decode-only batch when cascade pays for it (``min_saved_layer_bytes``), else None;
@@ -105,6 +106,7 @@ class FlashInferCascade:
     def plan(self, plan: CascadePlan) -> CascadeStep:
         """Plan both levels of a decode step (host page tables, asynchronous copies)."""
         sp = self.spec
+        self.steps += 1
         self._planning(self.suffix)
         self.suffix.plan(_pinned(plan.suffix_kv_indptr), _pinned(plan.suffix_kv_indices),
                          _pinned(plan.suffix_last_page_len), sp.num_q_heads, sp.num_kv_heads, sp.head_dim,

@@ -121,6 +121,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
+    if hasattr(runner.backend, "cascade"):            # decode steps by shared-prefix attention, all runs
+        info["cascade_steps"] = runner.backend.cascade.steps
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prefill_flops_shared": pf_shared,
            "cached_tokens": sum(r["meta_info"].get("cached_tokens", 0) for r in res), "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
