@@ -159,15 +159,15 @@ class _FakeFlashInfer:
             assert not causal
             self.t = (qo.tolist(), ptr.tolist(), idx.tolist(), last.tolist(), P, sm_scale)
 
-        def run(self, q, kv, return_lse=False):
+        def run(self, q, kv, out=None, return_lse=False):
             qo, ptr, idx, last, P, scale = self.t
-            o, lse = torch.empty(q.shape), torch.empty(q.shape[:2])
+            o, lse = torch.empty(q.shape) if out is None else out, torch.empty(q.shape[:2])
             for r in range(len(qo) - 1):
                 n = (ptr[r + 1] - ptr[r] - 1) * P + last[r]
                 k, v = _FakeFlashInfer._tokens(kv, idx[ptr[r]: ptr[r + 1]], n)
                 a, b = attend_lse(q[None, qo[r]: qo[r + 1]], k[None], v[None], scale)
                 o[qo[r]: qo[r + 1]], lse[qo[r]: qo[r + 1]] = a[0], b[0]
-            return o.to(q.dtype), lse
+            return o, lse
 
     class BatchDecodeWithPagedKVCacheWrapper(BatchPrefillWithPagedKVCacheWrapper):
         def __init__(self, ws, layout, use_tensor_cores=False):
@@ -221,6 +221,9 @@ def test_flashinfer_cascade_glue_with_reference_kernels(monkeypatch):
     assert fc.slots(batch).tolist() == [s.pages[-1] * P + (s.kv_len - 1) % P for s in seqs]
     q = torch.randn(len(seqs), hq, D)
     out = fc.run(fc.plan(plan), q, (kc, vc))
+    into = torch.empty_like(q)
+    assert fc.run(fc.plan(plan), q, (kc, vc), into) is into
+    torch.testing.assert_close(into, out)
     ref = _plain(q, kc.permute(1, 0, 2, 3).reshape(hkv, -1, D), vc.permute(1, 0, 2, 3).reshape(hkv, -1, D),
                  [s.pages for s in seqs], [s.kv_len for s in seqs], P, D ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

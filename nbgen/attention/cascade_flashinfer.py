@@ -124,10 +124,10 @@ class FlashInferCascade:
 
     def run(self, step: CascadeStep, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Attention of the step's one-token rows q [B, Hq, D] -> [B, Hq, D] (into ``out`` when given)."""
-        o, lse = self.suffix.run(q, kv, return_lse=True)                 # [B, Hq, D], [B, Hq] fp32
+        """Attention of the step's one-token rows q [B, Hq, D] -> [B, Hq, D] (``out`` itself when given)."""
+        o, lse = self.suffix.run(q, kv, out=out, return_lse=True)        # [B, Hq, D], [B, Hq] fp32
         o0, lse0 = self.prefix.run(q.index_select(0, step.rows), kv, return_lse=True)   # [R, Hq, D], [R, Hq]
         og, lg = o.index_select(0, step.rows), lse.index_select(0, step.rows)
         flashinfer.merge_state_in_place(og, lg, o0, lse0)
         o.index_copy_(0, step.rows, og)
-        return o if out is None else out.copy_(o)
+        return o
