@@ -16,8 +16,6 @@ attention runs over the T real rows only. Every tensor that crosses from one pie
 static buffer made before capture: the inputs, the residual stream (the fused add+RMSNorm updates it
 in place), q|k|v (the qkv projection writes into it), the attention output and the final hidden
 states. The pieces' private memory pool therefore holds only temporaries, shared by all buckets.
-Decode steps the backend runs by cascade attention (attention/cascade_flashinfer.py: its plan changes
-with the step's prefix groups) take the same pieces.
 """
 from __future__ import annotations
 
@@ -158,7 +156,8 @@ class PrefillGraphRunner:
 
     # ---- replay -----------------------------------------------------------------------------------
     def can_run(self, batch: ScheduledBatch, num_tokens: int) -> bool:
-        """A step with a prefill chunk, or a decode step by shared-prefix (cascade) attention, whose
+        """A step with a prefill chunk, or a decode step by shared-prefix (cascade) attention (its
+        attention plan changes with the step's prefix groups, attention/cascade_flashinfer.py), whose
         tokens fit the largest bucket."""
         return 0 < num_tokens <= self.max_tokens and (
             not batch.is_decode_only or self.backend.cascade_plan(batch) is not None)
