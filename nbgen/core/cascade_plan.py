@@ -9,8 +9,8 @@ attention in two levels:
 the two partial results are merged with their log-sum-exps. The KV a step reads drops from
 sum(rows' tokens) to sum(distinct tokens); ``plan_cascade`` builds the plan when that saving is at
 least ``min_saved_tokens`` and returns None otherwise (the plain decode path runs). It works on the
-step's page tables as numpy arrays: ~0.3 ms for 256 rows of 130 pages in 8 groups, ~30 us when no
-two rows start with the same page.
+step's page tables as numpy arrays: 256 rows of ~150 pages in 8 groups take ~1.4 ms on a busy 2-core
+VM, ~50 us when no two rows start with the same page.
 """
 from __future__ import annotations
 
