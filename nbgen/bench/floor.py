@@ -64,6 +64,19 @@ def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: 
     return (steps * weight_bytes + kv_tokens * kv_bytes) / bw
 
 
+def shared_floor_seconds(prefix_len: int, groups: list[int], ins: list[int], outs: list[int], weight_bytes: int,
+                         kv_bytes: int, bw: float) -> float:
+    """``floor_seconds`` when each distinct KV page is read once per step (a shared-prefix / cascade
+    attention): seq i's first ``prefix_len`` tokens are its group's (``groups[i]``), read once per step
+    while any seq of the group decodes; the rest of its ``ins[i]`` tokens and its outputs are its own."""
+    steps = max(outs) - 1
+    last: dict[int, int] = {}
+    for g, o in zip(groups, outs):
+        last[g] = max(last.get(g, 0), o - 1)         # decode steps the group's prefix is read
+    own = sum((o - 1) * (i - prefix_len) + (o - 1) * o // 2 for i, o in zip(ins, outs))
+    return (steps * weight_bytes + (prefix_len * sum(last.values()) + own) * kv_bytes) / bw
+
+
 def matmul_rate(device: torch.device) -> float:
     """Dense matmul throughput in FLOP/s: bf16 8192^3 on CUDA (the tensor cores' practical peak),
     fp32 1024^3 on a CPU; median of the timed repeats after a warm-up."""

@@ -4,6 +4,9 @@ Workloads (DESIGN.md "Benchmarks"; all ignore_eos, greedy, ``random.seed(0)``, r
   nano   256 seqs, input and output lengths randint(100, 1024)
   fixed  256 seqs, input randint(100, 1024), output exactly 512 (comparable with HF generate_batch)
   bs1    1 seq, 256 in / 256 out (decode latency)
+  prefix 256 seqs = 8 shared 2,000-token prefixes + own randint(50, 300) tokens, outputs randint(100, 512);
+         also measured against the shared floor (each distinct KV token read once per step, each
+         prefix prefilled once: what a shared-prefix / cascade attention needs)
   chat32 (CPU mode) 32 chat-templated short questions x 64 new tokens
 ``--temperature 0.6`` samples instead (nano-vllm's bench does); ``--text`` sends the prompts as text
 (each prompt's ids decoded with the tokenizer, ``--tokenizer-path`` for a directory without one) and
@@ -27,10 +30,12 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.bench.floor import copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops
+from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
+                               shared_floor_seconds)
 from nbgen.bench.hf import run_hf
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
-from nbgen.bench.workloads import QUESTIONS, chat32_prompts, make_workload, text_prompts
+from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
+                                   prefix_workload, text_prompts)
 from nbgen.engine import Engine
 
 __all__ = ["QUESTIONS", "main", "make_workload", "run_nbgen"]
@@ -109,13 +114,18 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     # bytes actually read: fp8 weights 1 byte a parameter, an fp8 KV pool 1 byte a value
     wb, kvb = model_bytes(runner.model, runner.hf_config, runner.kv_spec.bytes_per_page() // runner.kv_spec.page_size)
     pf = prefill_flops(runner.model, runner.hf_config, [r["meta_info"]["prompt_tokens"] for r in res])
+    # W-prefix with a perfect prefix cache: each prefix prefilled once, every suffix after its prefix
+    pf_shared = pf - (len(res) - PREFIXES) * prefill_flops(runner.model, runner.hf_config, [PREFIX_LEN], lm_head=False)
     info = {k: info[k] for k in ("num_pages", "page_size", "attention_backend", "cuda_graph_batch_sizes",
                                 "piecewise_cuda_graph_tokens", "startup_s")}
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
+    if hasattr(runner.backend, "cascade"):            # decode steps by shared-prefix attention, all runs
+        info["cascade_steps"] = runner.backend.cascade.steps
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
-           "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
+           "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prefill_flops_shared": pf_shared,
+           "cached_tokens": sum(r["meta_info"].get("cached_tokens", 0) for r in res), "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
            "server_info": info, "gc_pauses_s": [round(t, 4) for _, t in gcs.pauses if t >= 1e-3],
            "first_ids": res[0]["output_ids"][:16], "text_chars": sum(len(r.get("text") or "") for r in res)}
     eng.shutdown()
@@ -134,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(prog="python -m nbgen.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--workload", default=None, choices=["nano", "fixed", "bs1", "chat32"])
+    ap.add_argument("--workload", default=None, choices=["nano", "fixed", "bs1", "prefix", "chat32"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--page-size", type=int, default=None, help="KV page size (default: the engine's)")
@@ -172,6 +182,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         # fp32 (padded batch, same weights); --dtype overrides nbgen's
         prompts: Any = chat32_prompts(args.model)
         outs = [64] * len(prompts)
+    elif workload == "prefix":
+        prompts, outs, groups = prefix_workload()
     else:
         prompts, outs = make_workload(workload)
         if args.text:
@@ -212,6 +224,14 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
           f"kv_cache_dtype {args.kv_cache_dtype or 'auto'})")
     print(f"prefill {rows[0]['prefill_flops'] / 1e12:.3g} TFLOP at the measured matmul rate {mm / 1e12:.3g} TFLOP/s: "
           f"floor+pf {floor_pf:.2f} s (decode floor plus prefill compute; the targets use the floor)")
+    shared = None
+    if workload == "prefix":
+        shared = shared_floor_seconds(PREFIX_LEN, groups, ins, outs, rows[0]["weight_bytes"],
+                                      rows[0]["kv_bytes_per_token"], bw * args.tp_size)
+        shared += rows[0]["prefill_flops_shared"] / (mm * args.tp_size * args.dp_size)
+        print(f"shared floor {shared:.2f} s (each distinct KV token read once per decode step, each prefix "
+              f"prefilled once); cached_tokens {rows[0]['cached_tokens']} of "
+              f"{(len(prompts) - PREFIXES) * PREFIX_LEN} shareable")
     print(f"server: {rows[0]['server_info']}")
     print(f"{'engine':<20}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'copy GB/s':>11}{'floor s':>9}"
           f"{'% floor':>9}{'% floor+pf':>12}")
@@ -225,8 +245,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         r["total_tok_s"] = (r["out_tokens"] + r["in_tokens"]) / r["seconds"]
         r["pct_floor"] = 100 * floor / r["seconds"]
         r["pct_floor_pf"] = 100 * floor_pf / r["seconds"]
+        if shared is not None:
+            r.update(shared_floor_s=shared, pct_shared_floor=100 * shared / r["seconds"])
         print(f"{r['engine']:<20}{r['seconds']:>9.2f}{r['out_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}"
-              f"{bw / 1e9:>11.0f}{floor:>9.2f}{r['pct_floor']:>8.1f}%{r['pct_floor_pf']:>11.1f}%")
+              f"{bw / 1e9:>11.0f}{floor:>9.2f}{r['pct_floor']:>8.1f}%{r['pct_floor_pf']:>11.1f}%"
+              + (f"  {r['pct_shared_floor']:.1f}% of the shared floor" if shared is not None else ""))
     if len(rows) > 1 and "error" not in rows[1]:
         print(f"nbgen / {rows[1]['engine']}: {rows[0]['out_tok_s'] / rows[1]['out_tok_s']:.1f}x output tok/s")
     if args.json:

@@ -1,4 +1,4 @@
-"""The bench's workloads: random-id prompts (nano / fixed / bs1), the same as text, and 32 chat questions (chat32).
+"""The bench's workloads: random-id prompts (nano / fixed / bs1 / prefix), the same as text, and 32 chat questions (chat32).
 
 All ignore_eos; ids are drawn with ``random.seed(0)`` below 10000 (DESIGN.md "Benchmarks").
 """
@@ -32,6 +32,21 @@ def make_workload(name: str) -> tuple[list[list[int]], list[int]]:
     ins = [random.randint(100, 1024) for _ in range(256)]
     outs = [random.randint(100, 1024) for _ in range(256)] if name == "nano" else [512] * 256
     return [[random.randint(0, 9999) for _ in range(n)] for n in ins], outs
+
+
+PREFIXES, PREFIX_LEN = 8, 2000     # W-prefix: 8 shared prompt prefixes of 2,000 tokens, 32 requests each
+
+
+def prefix_workload() -> tuple[list[list[int]], list[int], list[int]]:
+    """W-prefix: (prompt ids, output lengths, each prompt's prefix index). 256 requests, each a shared
+    prefix (a system prompt plus few-shot examples) followed by its own randint(50, 300) tokens, 32
+    requests per prefix in shuffled order, outputs randint(100, 512)."""
+    random.seed(0)
+    heads = [[random.randint(0, 9999) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)]
+    group = [g for g in range(PREFIXES) for _ in range(256 // PREFIXES)]
+    random.shuffle(group)
+    prompts = [heads[g] + [random.randint(0, 9999) for _ in range(random.randint(50, 300))] for g in group]
+    return prompts, [random.randint(100, 512) for _ in group], group
 
 
 def chat32_prompts(model: Optional[str]) -> list[str]:
