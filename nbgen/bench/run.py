@@ -225,10 +225,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     print(f"prefill {rows[0]['prefill_flops'] / 1e12:.3g} TFLOP at the measured matmul rate {mm / 1e12:.3g} TFLOP/s: "
           f"floor+pf {floor_pf:.2f} s (decode floor plus prefill compute; the targets use the floor)")
     shared = None
-    if workload == "prefix":
+    if workload == "prefix" and args.dp_size == 1:
         shared = shared_floor_seconds(PREFIX_LEN, groups, ins, outs, rows[0]["weight_bytes"],
-                                      rows[0]["kv_bytes_per_token"], bw * args.tp_size)
-        shared += rows[0]["prefill_flops_shared"] / (mm * args.tp_size * args.dp_size)
+                                      rows[0]["kv_bytes_per_token"], bw)      # rank 0's shard, one GPU's rate
+        shared += rows[0]["prefill_flops_shared"] / mm
         print(f"shared floor {shared:.2f} s (each distinct KV token read once per decode step, each prefix "
               f"prefilled once); cached_tokens {rows[0]['cached_tokens']} of "
               f"{(len(prompts) - PREFIXES) * PREFIX_LEN} shareable")
