@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.kernels import vision_ops as vo
-from nbgen.models.qwen2_vl_vision import SegmentPlan
+from nbgen.models.vision_plan import SegmentPlan
 from tests.tiny_models import run_under_triton_interpreter
 
 
