@@ -16,7 +16,7 @@ from nbgen.bench.tiny_vlm import make_tiny_vlm
 from nbgen.models.loader import iter_safetensors
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import get_model_class, prepare_config
-from nbgen.runtime.vision_graphs import chunk_images
+from nbgen.runtime.vision_graphs import TowerGraphs, chunk_images
 from tests.tiny_models import output_ids, random_images, vlm_image_run
 
 G448 = (1, 32, 32)
@@ -77,22 +77,20 @@ def test_plans_are_cached_per_grid_signature(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_graph_replays_equal_the_eager_tower(family, tmp_path):
-    from nbgen.runtime.vision_graphs import TowerGraphs
-
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     d, model = _model(family, tmp_path, "cuda")
     graphs = TowerGraphs(model, torch.device("cuda"))
     ims = random_images(8)
-    for batch in ([ims[0]] * 3, [ims[1]] * 4 + [ims[2]]):  # two grid signatures
-        pv, grids = _pixels(d, batch)
-        pv = pv.cuda()
-        with torch.inference_mode():
-            eager = model.encode_images(pv, grids)
-            runs = [graphs.encode(pv, grids).clone() for _ in range(3)]   # eager, captured, replayed
-        for got in runs:
-            torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
-    assert graphs.captures >= 4 and graphs.replays >= 8
+    batches = [_pixels(d, [ims[0]] * 3), _pixels(d, [ims[1]] * 4 + [ims[2]])]   # two grid signatures
+    keys = {(g, k) for _, grids in batches for g, k, _ in chunk_images(grids)}
+    with torch.inference_mode():
+        eager = [model.encode_images(pv.cuda(), grids) for pv, grids in batches]
+        for _ in range(3):                 # seen (eager chunks), captured, replayed; signatures interleaved
+            for (pv, grids), want in zip(batches, eager):
+                torch.testing.assert_close(graphs.encode(pv.cuda(), grids), want, atol=1e-4, rtol=1e-4)
+    assert graphs.captures == len(keys) >= 3 and graphs.replays == 2 * sum(
+        len(chunk_images(grids)) for _, grids in batches)
 
 
 @pytest.mark.gpu
