@@ -65,7 +65,7 @@ class VisionStep:
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
         reqs = [s.req for s in seqs]
-        pv = self._pixels([r.images.pixel_values for r in reqs])
+        pv = self._pixels([r.images.pixels() for r in reqs])           # waits for pending preprocessing
         grids = [g for r in reqs for g in r.images.grids]
         with torch.profiler.record_function(TOWER_RANGE):            # a profile's tower share (bench.vlm --profile)
             if self.graphs is not None:
