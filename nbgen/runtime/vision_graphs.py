@@ -85,12 +85,14 @@ class TowerGraphs:
 
     def encode(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """Token embeddings [sum tokens, H] of the images ``grids`` whose patches are ``pixels`` [N, D]."""
+        if not self.enabled:
+            return self.model.encode_images(pixels, grids)
         outs, row = [], 0
         for g, k, graphable in chunk_images(grids):
             n = k * g[0] * g[1] * g[2]
             rows = pixels[row: row + n]
             row += n
-            tg = self._graph((g, k), rows) if graphable and self.enabled else None
+            tg = self._graph((g, k), rows) if graphable else None
             if tg is None:
                 outs.append(self.model.encode_images(rows, [g] * k))
                 continue
