@@ -127,7 +127,7 @@ class TowerGraphs:
     def _capture(self, key: Key, rows: torch.Tensor) -> TowerGraph:
         t0 = time.perf_counter()
         grids = [key[0]] * key[1]
-        plan = self.model.image_plan(grids, self.device)      # built outside the capture (host copies)
+        plan = self.model.image_plan(grids, rows.device)      # built outside the capture (host copies)
         pixels = rows.clone()
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
