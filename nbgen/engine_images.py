@@ -7,6 +7,8 @@ or data URL, raw bytes or a PIL image. A prompt takes one image or a list; a bat
 one entry (None, an image or a list) per prompt. Each image needs a ``<|vision_start|><|image_pad|>
 <|vision_end|>`` placeholder in the prompt (the chat template writes it); a prompt without any gets
 them prepended, one per image.
+The processor's pixel work runs in the background (``engine_images_background.py``) where each image's
+grid is known from its size: the requests reach the engine while later images are still processed.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from nbgen.core.multimodal import ImageInputs
 from nbgen.core.request import Request
+from nbgen.engine_images_background import BackgroundPixels, grids_ahead
 from nbgen.models.mrope import mrope_positions
 from nbgen.models.registry import VISION_ARCHITECTURES
 
@@ -128,6 +131,7 @@ class ImagePrep:
         self.end_id = int(hf_config.vision_end_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self._processor: Optional[Any] = None
+        self._background = BackgroundPixels()                     # the processor's pixel work
 
     @property
     def processor(self) -> Any:
@@ -144,11 +148,14 @@ class ImagePrep:
         if any(isinstance(im, dict) for im in images):
             return _processor_output(images, where)
         pil = [load_image(im, where + (f"[{j}]" if len(images) > 1 else "")) for j, im in enumerate(images)]
-        out = self.processor(images=pil, return_tensors="pt")
-        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         # the decoded RGB pixels identify the processed image (the processor is deterministic); ~10x
         # cheaper to hash than the float patches
-        return out["pixel_values"], grids, [img.tobytes() + str(img.size).encode() for img in pil]
+        idents = [img.tobytes() + str(img.size).encode() for img in pil]
+        grids = grids_ahead(self.processor, pil)
+        if grids is not None:
+            return self._background.submit(self.processor, pil, grids), grids, idents
+        out = self.processor(images=pil, return_tensors="pt")
+        return out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()], idents
 
     def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs]:
         pv, grids, idents = self._pixels(images, idx)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.kernels import vision_ops as vo
-from nbgen.models.qwen2_vl_vision import SegmentPlan
+from nbgen.models.vision_plan import SegmentPlan
 from tests.tiny_models import run_under_triton_interpreter
 
 
@@ -209,8 +209,8 @@ def test_trace_summary_counts_union_and_tower(tmp_path: Path) -> None:
 
     from nbgen.bench.vlm_profile import summarize_trace
 
-    ev = [{"ph": "X", "cat": "kernel", "name": "sm90_gemm_bf16", "ts": 0, "dur": 10},
-          {"ph": "X", "cat": "kernel", "name": "flash_fwd", "ts": 5, "dur": 10},         # overlaps: union 15
+    ev = [{"ph": "X", "cat": "kernel", "name": "sm90_gemm_bf16", "ts": 4, "dur": 6},
+          {"ph": "X", "cat": "kernel", "name": "flash_fwd", "ts": 5, "dur": 10},         # overlaps: union 11
           {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 30, "dur": 5},
           {"ph": "X", "cat": "kernel", "name": "rope", "ts": 40, "dur": 10},
           {"ph": "X", "cat": "gpu_user_annotation", "name": "nbgen::vision_tower", "ts": 38, "dur": 7},
@@ -220,8 +220,9 @@ def test_trace_summary_counts_union_and_tower(tmp_path: Path) -> None:
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": ev}, f)
     s = summarize_trace(str(path), wall_s=100e-6)
-    assert s["gpu_busy_s"] == pytest.approx(30e-6) and s["gpu_busy_share"] == pytest.approx(0.3)
+    assert s["gpu_busy_s"] == pytest.approx(26e-6) and s["gpu_busy_share"] == pytest.approx(0.26)
+    assert s["first_gpu_work_after_s"] == pytest.approx(4e-6)           # first event at 0, first kernel at 4
     assert s["tower_gpu_s"] == pytest.approx(5e-6) and s["tower_forwards"] == 1
     assert s["tower_host_s"] == pytest.approx(3e-6)
-    assert s["gpu_s_by_class"] == pytest.approx({"matmul": 10e-6, "attention": 10e-6, "other": 10e-6})
+    assert s["gpu_s_by_class"] == pytest.approx({"matmul": 6e-6, "attention": 10e-6, "other": 10e-6})
     assert s["top_kernels"][0]["calls"] == 1

@@ -51,10 +51,11 @@ def summarize_trace(path: str, wall_s: float, top: int = 20) -> dict[str, Any]:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans, by_name, by_class = [], defaultdict(lambda: [0, 0.0]), defaultdict(float)
-    tower, tower_host = [], []
+    tower, tower_host, first_ts = [], [], None
     for e in events:
         if e.get("ph") != "X":
             continue
+        first_ts = float(e["ts"]) if first_ts is None else min(first_ts, float(e["ts"]))
         cat, dur = e.get("cat", ""), float(e.get("dur", 0.0))
         if cat in _DEVICE_CATS:
             spans.append((float(e["ts"]), float(e["ts"]) + dur))
@@ -77,6 +78,9 @@ def summarize_trace(path: str, wall_s: float, top: int = 20) -> dict[str, Any]:
         "wall_s": wall_s,
         "gpu_busy_s": busy_us / 1e6,
         "gpu_busy_share": busy_us / 1e6 / wall_s if wall_s else 0.0,
+        # the trace's first event to its first GPU work: the caller's image loading and layout before the
+        # first step (the processor's pixel work then runs in the background)
+        "first_gpu_work_after_s": (min(s for s, _ in spans) - first_ts) / 1e6 if spans else 0.0,
         "tower_gpu_s": tower_us / 1e6,
         "tower_share_of_wall": tower_us / 1e6 / wall_s if wall_s else 0.0,
         "tower_forwards": len(tower_host),

@@ -8,6 +8,7 @@ from the vision tower's embeddings, never from the token table.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,7 +17,8 @@ from typing import Any, Optional
 class ImageInputs:
     """All images of one prompt, in prompt order."""
 
-    pixel_values: Any                      # [N patches, C*tp*p*p] float tensor on the CPU (all images)
+    pixel_values: Any                      # [N patches, C*tp*p*p] float tensor on the CPU (all images),
+                                           # or a Future of it while the caller's processor still runs
     grids: list[tuple[int, int, int]]      # per image (t, h, w) in patches
     spans: list[tuple[int, int]]           # per image: its token range [start, end) in prompt_ids
     hashes: list[str]                      # per image: sha256 of its processed pixels and grid
@@ -24,6 +26,11 @@ class ImageInputs:
     positions: Optional[list[list[int]]]   # [3][len(prompt_ids)] M-RoPE positions (t, h, w); None: 1-D
     rope_delta: int                        # decode position p runs at p + rope_delta
     embeds: Optional[Any] = None           # [image tokens, H] on the device once encoded (loop thread)
+
+    def pixels(self) -> Any:
+        """The pixel patches, waiting for the background preprocessing if it is still running."""
+        pv = self.pixel_values
+        return pv.result() if isinstance(pv, Future) else pv
 
     @property
     def num_tokens(self) -> int:

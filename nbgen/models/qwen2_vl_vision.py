@@ -8,7 +8,6 @@ Output: [N / merge^2, text hidden] embeddings, images in order.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Optional, Sequence
 
 import torch
@@ -17,58 +16,8 @@ from torch import nn
 
 from nbgen.kernels.vision_ops import rope_2d_, silu_and_mul
 from nbgen.models.layers import RMSNorm, default_weight_loader
-
-Grid = tuple[int, int, int]
-
-
-class SegmentPlan:
-    """Attention within consecutive segments of ``lengths`` rows (images, frames or windows), planned once
-    per tower forward and reused by every layer: the segments of one length that lie back to back are a
-    plain view [B, n, H, D] of q, k, v (no copy; a batch of equal images or full windows is one view);
-    the segments of a length scattered among others are gathered by one precomputed index."""
-
-    def __init__(self, lengths: Sequence[int], device: torch.device) -> None:
-        self.total = sum(lengths)
-        runs: dict[int, list[tuple[int, int]]] = defaultdict(list)      # length -> [(first row, segments)]
-        pos, prev = 0, -1
-        for n in lengths:
-            if n:
-                if n == prev and runs[n][-1][0] + runs[n][-1][1] * n == pos:
-                    first, count = runs[n][-1]
-                    runs[n][-1] = (first, count + 1)
-                else:
-                    runs[n].append((pos, 1))
-            prev = n
-            pos += n
-        # (segment length n, segments B, first row of a back-to-back run or None, gather index [B * n] or None)
-        self.groups: list[tuple[int, int, Optional[int], Optional[torch.Tensor]]] = []
-        for n, rs in runs.items():
-            if len(rs) == 1:
-                self.groups.append((n, rs[0][1], rs[0][0], None))
-                continue
-            firsts = [f + j * n for f, c in rs for j in range(c)]
-            idx = (torch.tensor(firsts)[:, None] + torch.arange(n)).reshape(-1).to(device)
-            self.groups.append((n, len(firsts), None, idx))
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Non-causal attention per segment; q, k, v [N, H, D] (any row stride) -> [N, H, D]."""
-        N, H, D = q.shape
-        if len(self.groups) == 1 and self.groups[0][2] == 0 and self.groups[0][0] * self.groups[0][1] == N:
-            n, B = self.groups[0][0], self.groups[0][1]
-            o = F.scaled_dot_product_attention(*(t.view(B, n, H, D).transpose(1, 2) for t in (q, k, v)))
-            return o.transpose(1, 2).reshape(N, H, D)                            # [B, H, n, D] -> rows
-        out = q.new_empty(N, H, D)                        # every row lies in one segment of length > 0
-        for n, B, first, idx in self.groups:
-            if idx is None:
-                qs, ks, vs = (t[first: first + B * n].reshape(B, n, H, D).transpose(1, 2) for t in (q, k, v))
-            else:
-                qs, ks, vs = (t.index_select(0, idx).view(B, n, H, D).transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(B * n, H, D)
-            if idx is None:
-                out[first: first + B * n] = o
-            else:
-                out.index_copy_(0, idx, o)
-        return out
+from nbgen.models.vision_plan import (Grid, PlanCache, SegmentPlan, TowerPlan, rotary_positions, to_device_async,
+                                      window_order)
 
 
 class GateUpLinear(nn.Linear):
@@ -214,59 +163,43 @@ class VisionTower(nn.Module):
         theta = float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float) / (hd // 2)),
                              persistent=False)
+        self._plans = PlanCache(self._build_plan)
 
-    def _cos_sin(self, grids: Sequence[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, Dh / 2] fp32: each patch's (row, column) in its image, patches in merge-block order
-        (frequencies: the row's then the column's; the rotary pairs column j with j + Dh / 2)."""
-        m, pos = self.merge, []
-        for t, h, w in grids:
-            hh = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-            ww = torch.arange(w).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-            hw = torch.stack([hh.transpose(1, 2).reshape(-1), ww.transpose(1, 2).reshape(-1)], dim=-1)
-            pos.append(hw.repeat(t, 1))
-        p = torch.cat(pos).to(device)                                          # [N, 2]
+    def _build_plan(self, grids: tuple[Grid, ...], device: torch.device) -> TowerPlan:
+        """The plan of one grid signature (``PlanCache`` calls it on a miss): cos, sin [N, Dh / 2] fp32 of
+        each patch's (row, column) (frequencies: the row's then the column's; the rotary pairs column j
+        with j + Dh / 2), Qwen2.5's window order, and the blocks' attention segments."""
+        p = to_device_async(rotary_positions(grids, self.merge), device)       # [N, 2]
         f = (p[..., None].float() * self.inv_freq).flatten(1)                  # [N, Dh / 2] = (h freqs | w freqs)
-        return f.cos(), f.sin()
-
-    def _windows(self, grids: Sequence[Grid]) -> tuple[list[int], list[int]]:
-        """(merge-unit order that makes each window contiguous, window lengths in patches)."""
-        ws = self.window // self.merge // self.patch
-        unit = self.merge * self.merge
-        order, lengths, base = [], [], 0
-        for t, h, w in grids:
-            gh, gw = h // self.merge, w // self.merge
-            for ti in range(t):
-                for r0 in range(0, gh, ws):
-                    for c0 in range(0, gw, ws):
-                        ids = [base + ti * gh * gw + r * gw + c for r in range(r0, min(r0 + ws, gh))
-                               for c in range(c0, min(c0 + ws, gw))]
-                        order.extend(ids)
-                        lengths.append(len(ids) * unit)
-            base += t * gh * gw
-        return order, lengths
-
-    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        x = self.patch_embed(pixel_values)                                    # [N, E]
-        cos, sin = self._cos_sin(grids, x.device)
-        frames = SegmentPlan([h * w for t, h, w in grids for _ in range(t)], x.device)   # full attention
+        cos, sin = f.cos(), f.sin()
+        frames = SegmentPlan([h * w for t, h, w in grids for _ in range(t)], device)   # full attention
         if not self.v25 or not self.window:
-            return self.merger(self._blocks(x, cos, sin, [frames] * len(self.blocks)))
-        order, win = self._windows(grids)
-        windows = SegmentPlan(win, x.device)
-        unit = self.merge * self.merge
-        perm = torch.tensor(order, device=x.device)
-        N = x.shape[0]
+            return TowerPlan(grids, cos, sin, [frames] * len(self.blocks), None, None)
+        order, win = window_order(grids, self.merge, self.window // self.merge // self.patch)
+        windows = SegmentPlan(win, device)
+        perm = to_device_async(torch.tensor(order), device)
+        blocks = [frames if i in self.full_blocks else windows for i in range(len(self.blocks))]
+        return TowerPlan(grids, _permute(cos, perm, self.merge), _permute(sin, perm, self.merge), blocks, perm,
+                         torch.argsort(perm))
 
-        def permute(t: torch.Tensor) -> torch.Tensor:                        # merge units into window order
-            return t.reshape(N // unit, unit, *t.shape[1:])[perm].reshape(t.shape)
-        plans = [frames if i in self.full_blocks else windows for i in range(len(self.blocks))]
-        x = self._blocks(permute(x), permute(cos), permute(sin), plans)
-        return self.merger(x)[torch.argsort(perm)]
+    def plan(self, grids: Sequence[Grid], device: torch.device) -> TowerPlan:
+        """The plan of ``grids`` on ``device`` (cached by grid signature)."""
+        return self._plans.get(grids, device)
 
-    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plans: list[SegmentPlan]) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid], plan: Optional[TowerPlan] = None) -> torch.Tensor:
+        """``plan``: ``self.plan(grids, device)`` made beforehand (a CUDA graph keeps the one it captured)."""
+        if plan is None:
+            plan = self.plan(grids, pixel_values.device)
+        x = self.patch_embed(pixel_values)                                    # [N, E]
+        if plan.perm is None:
+            return self.merger(self._blocks(x, plan))
+        x = self._blocks(_permute(x, plan.perm, self.merge), plan)            # merge units in window order
+        return self.merger(x)[plan.inverse]
+
+    def _blocks(self, x: torch.Tensor, plan: TowerPlan) -> torch.Tensor:
         residual = None
-        for blk, plan in zip(self.blocks, plans):
-            x, residual = blk(x, residual, cos, sin, plan)
+        for blk, segments in zip(self.blocks, plan.blocks):
+            x, residual = blk(x, residual, plan.cos, plan.sin, segments)
         return x + residual
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -275,3 +208,9 @@ class VisionTower(nn.Module):
         for i, blk in enumerate(self.blocks):
             out.update(blk.checkpoint_tensors(f"blocks.{i}."))
         return out
+
+
+def _permute(t: torch.Tensor, perm: torch.Tensor, merge: int) -> torch.Tensor:
+    """Rows of ``t`` [N, ...] moved by merge unit (merge^2 consecutive rows) into the order ``perm``."""
+    unit = merge * merge
+    return t.reshape(t.shape[0] // unit, unit, *t.shape[1:])[perm].reshape(t.shape)

@@ -1,22 +1,27 @@
 """VisionStep: the runner's path for steps holding prompt chunks of requests with images.
 
-Per such step: the vision tower encodes, in one forward, the images of every request whose chunk reaches
+Per such step: the vision tower encodes, in one forward (or, on CUDA, replays of its graphs over chunks of
+equal images: ``runtime/vision_graphs.py``), the images of every request whose chunk reaches
 an image and whose embeddings are not cached yet (they stay on the request, ``ImageInputs.embeds``, for
 its later prefill chunks, and are dropped once its last image slot is computed; a preempted request
 encodes again); the step's token embeddings take those rows at the image slots; positions are 3-D
 (M-RoPE) for every row of the step, or 1-D for models without M-RoPE (``model.mrope`` False: LLaVA).
 Steps without image prompt chunks never come here: decode rows
 of image requests run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
+Nothing here waits for the GPU: index lists and positions go through pinned memory, so the tower's
+launches queue behind the previous step's work (overlap scheduling) instead of after it finished.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.models.mrope import step_positions
-from nbgen.runtime.step_inputs import FlatStep
+from nbgen.runtime.step_inputs import FlatStep, to_device
+from nbgen.runtime.vision_graphs import TowerGraphs
 
 TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
 
@@ -34,8 +39,16 @@ def _needs_encoding(s: SeqWork) -> bool:
 class VisionStep:
     """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions)."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, tower_graphs: bool = False) -> None:
+        """``tower_graphs``: encode through CUDA graphs (CUDA models with ``image_plan`` only)."""
         self.model, self.device, self.dtype = model, device, dtype
+        use = tower_graphs and device.type == "cuda" and hasattr(model, "image_plan")
+        self.graphs: Optional[TowerGraphs] = TowerGraphs(model, device) if use else None
+
+    def drop_graphs(self) -> None:
+        """Free the tower's graphs (the weights moved); they are captured again as chunks repeat."""
+        if self.graphs is not None:
+            self.graphs.drop()
 
     def _pixels(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The requests' pixel patches as one tensor on the device in the model dtype. On CUDA they are
@@ -52,10 +65,13 @@ class VisionStep:
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
         reqs = [s.req for s in seqs]
-        pv = self._pixels([r.images.pixel_values for r in reqs])
+        pv = self._pixels([r.images.pixels() for r in reqs])           # waits for pending preprocessing
         grids = [g for r in reqs for g in r.images.grids]
         with torch.profiler.record_function(TOWER_RANGE):            # a profile's tower share (bench.vlm --profile)
-            out = self.model.encode_images(pv, grids)                   # [sum image tokens, H]
+            if self.graphs is not None:
+                out = self.graphs.encode(pv, grids)                     # [sum image tokens, H]
+            else:
+                out = self.model.encode_images(pv, grids)
         for r, part in zip(reqs, out.split([r.images.num_tokens for r in reqs])):
             r.images.embeds = part
 
@@ -78,15 +94,14 @@ class VisionStep:
             for a, b in im.spans:
                 lo, hi = max(a, s.start_pos), min(b, s.kv_len)
                 if lo < hi:
-                    rows.append(torch.arange(first + lo - s.start_pos, first + hi - s.start_pos))
+                    rows.append(np.arange(first + lo - s.start_pos, first + hi - s.start_pos))
                     srcs.append(im.embeds[done + lo - a: done + hi - a])
                 done += b - a
         if rows:
-            x.index_copy_(0, torch.cat(rows).to(self.device), torch.cat(srcs).to(x.dtype))
+            x.index_copy_(0, to_device(np.concatenate(rows), self.device), torch.cat(srcs).to(x.dtype))
         for s in batch.seqs:                 # last image slot computed: the cached embeddings go
             im = s.req.images
             if im is not None and im.embeds is not None and s.kv_len >= im.end:
                 im.embeds = None
-        positions = torch.tensor(pos if self.model.mrope else pos[0], dtype=torch.long)   # [3, T] or [T]
-        positions = positions.to(self.device, non_blocking=True)
+        positions = to_device(pos if self.model.mrope else pos[0], self.device)   # [3, T] or [T]
         return self.model(input_ids, positions, meta, input_embeds=x)
