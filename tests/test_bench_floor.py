@@ -80,3 +80,18 @@ def test_text_workload_decodes_each_prompts_ids() -> None:
     assert len(texts) == 1 and isinstance(texts[0], str)
     assert texts[0] == tok.decode([t % len(tok) for t in ids[0]], skip_special_tokens=True)
     assert 0.5 * len(ids[0]) < len(tok(texts[0])["input_ids"]) < 2 * len(ids[0])   # re-tokenized: about as long
+
+
+def test_shared_floor_counts_each_prefix_once_per_step():
+    """W-prefix: 8 groups of 32 prompts sharing 2,000 tokens; the shared floor reads a group's prefix
+    once per step while any of its seqs decodes, and equals the naive floor without sharing."""
+    from nbgen.bench.floor import floor_seconds, shared_floor_seconds
+    from nbgen.bench.workloads import PREFIX_LEN, prefix_workload
+
+    prompts, outs, groups = prefix_workload()
+    ins = [len(p) for p in prompts]
+    assert len(prompts) == 256 and sorted(set(groups)) == list(range(8))
+    assert all(p[:PREFIX_LEN] == prompts[groups.index(g)][:PREFIX_LEN] for p, g in zip(prompts, groups))
+    assert shared_floor_seconds(0, groups, ins, outs, 10, 3, 1.0) == floor_seconds(ins, outs, 10, 3, 1.0)
+    assert shared_floor_seconds(5, [0, 1], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0)
+    assert shared_floor_seconds(5, [0, 0], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0) - 5 * 4

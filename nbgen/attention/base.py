@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from nbgen.core.batch import ScheduledBatch
-from nbgen.core.cascade_plan import CascadePlan
 from nbgen.kernels.kv_write import KVTarget
 
 
@@ -86,11 +85,6 @@ class AttentionBackend(ABC):
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V at flat cache slots ``src`` [n] to slots ``dst`` [n] (long, on the
         device; a tree verify step moves its accepted tokens' KV into place: runtime/spec_tree_step.py)."""
-
-    def cascade_plan(self, batch: ScheduledBatch) -> Optional[CascadePlan]:
-        """A decode-only batch's shared-prefix plan when this backend runs the step by cascade attention
-        (eagerly, outside the decode CUDA graphs); None: the plain decode path."""
-        return None
 
     def kv_target(self, layer_id: int, meta: AttentionMetadata) -> Optional[KVTarget]:
         """Where a fused kernel may write this step's K/V itself: (k_cache, v_cache, slots [T] long),

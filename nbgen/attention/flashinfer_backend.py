@@ -9,7 +9,6 @@ table:
     than flashinfer's decode + merge at every batch size measured), for the head sizes it supports;
     other head sizes take BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query
     attention (``decode_tensor_cores``);
-  * decode-only step whose rows share long prompt prefixes -> cascade attention (``cascade_flashinfer``);
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
     ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
     and chunked prefill need; a step verifying a draft tree plans a ``custom_mask`` instead
@@ -29,11 +28,9 @@ import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
-from nbgen.attention.cascade_flashinfer import CascadeStep, FlashInferCascade
 from nbgen.attention.page_tables import DecodeTables, page_tables
 from nbgen.attention.tree_mask import flat_masks, has_tree
 from nbgen.core.batch import ScheduledBatch, SeqWork
-from nbgen.core.cascade_plan import CascadePlan
 from nbgen.kernels import triton_decode
 from nbgen.kernels.kv_write import KVTarget, write_kv
 
@@ -61,12 +58,11 @@ class FlashInferMetadata(AttentionMetadata):
     """Per-step data: slot of each new token and the planned wrapper every layer runs."""
 
     def __init__(self, backend: "FlashInferBackend", slot_mapping: torch.Tensor, wrapper: Any,
-                 decode_rows: int = 0, cascade: Optional[CascadeStep] = None) -> None:
+                 decode_rows: int = 0) -> None:
         self.backend = backend
         self.slot_mapping = slot_mapping      # [T] long, flat cache slot of each new token
         self.wrapper = wrapper                # planned decode or prefill wrapper
         self.decode_rows = decode_rows        # mixed step: leading one-token rows on the Triton decode kernel
-        self.cascade = cascade                # decode-only step by shared prefixes (cascade_flashinfer)
 
 
 def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -94,8 +90,6 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, self.kv_layout, backend="auto")
         self.masked_wrapper: Optional[Any] = None     # tree-verify steps (made at the first one)
         self.tables = DecodeTables(spec.page_size)
-        self.cascade = FlashInferCascade(spec, self.workspace, self.kv_layout, self.use_tensor_cores, self.scale,
-                                         self.tables)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
@@ -220,10 +214,8 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
-        d, cascade, plan = 0, None, self.cascade_plan(batch)
-        if plan is not None:            # a decode step by shared prefixes
-            wrapper, cascade, slots = None, self.cascade.plan(plan), self.cascade.slots(batch)
-        elif batch.is_decode_only:
+        d = 0
+        if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
             wrapper = self.triton_wrapper if self.triton_decode else self.decode_wrapper
             self.plan_decode(wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
@@ -241,11 +233,7 @@ class FlashInferBackend(AttentionBackend):
             if slots is None:
                 slots = self.slot_mapping(batch)
             slot_mapping = _pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
-        return FlashInferMetadata(self, slot_mapping, wrapper, d, cascade)
-
-    def cascade_plan(self, batch: ScheduledBatch) -> Optional[CascadePlan]:
-        """The shared-prefix plan of a decode-only batch when cascade attention pays for it, else None."""
-        return self.cascade.choose(batch)
+        return FlashInferMetadata(self, slot_mapping, wrapper, d)
 
     def _leading_decodes(self, seqs: Sequence[SeqWork]) -> int:
         """How many leading one-token rows of a mixed step the Triton decode kernel takes (the scheduler
@@ -283,9 +271,6 @@ class FlashInferBackend(AttentionBackend):
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()
-        if meta.cascade is not None:                 # decode-only step by shared prefixes
-            o3 = None if out is None else out.view(T, sp.num_q_heads, sp.head_dim)
-            return self.cascade.run(meta.cascade, q3, (kc, vc), o3).view(T, sp.num_q_heads * sp.head_dim)
         if meta.wrapper is self.prefill_wrapper or meta.wrapper is self.masked_wrapper:
             # every row is a planned query token, so the kernels write all of `out`: without one,
             # flashinfer zero-fills a fresh buffer first (~11 us a layer at 8k tokens on an H100)

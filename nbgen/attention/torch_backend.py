@@ -4,17 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from nbgen.attention import kv_quant
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
-from nbgen.attention.cascade_torch import cascade_decode
 from nbgen.attention.tree_mask import chunk_mask
 from nbgen.kernels import cpu_ops
 from nbgen.core.batch import ScheduledBatch
-from nbgen.core.cascade_plan import CascadePlan, plan_cascade
 
 
 KEY_BUCKET = 64  # decode key lengths are padded to a multiple of this
@@ -40,7 +37,6 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_lens: Optional[torch.Tensor] = None       # [Bd] int64 cached tokens incl. the new one
     prefill: list[_PrefillSeq] = field(default_factory=list)
     kv_buf: Optional[torch.Tensor] = None            # [2, Hkv, Bd * Kmax, D] decode gather buffer
-    cascade: Optional[CascadePlan] = None            # decode-only step by shared prefixes (cascade_torch)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -51,11 +47,6 @@ class TorchAttentionBackend(AttentionBackend):
     they share one padded gather + matmul-softmax-matmul, which keeps the per-layer Python work
     constant in the batch size. Prefill chunks are long enough that a call each is cheap.
     """
-
-    # Shared-prefix (cascade) decode steps when sharing saves at least this many KV token reads;
-    # None: never. Off by default here: the C kernel reads pages in place, while the torch cascade
-    # gathers them (it is the reference of the GPU path, and what the CPU engine tests run).
-    cascade_min_saved_tokens: Optional[int] = None
 
     def __init__(self, spec: KVCacheSpec, use_cpu_kernels: Optional[bool] = None) -> None:
         super().__init__(spec)
@@ -96,10 +87,6 @@ class TorchAttentionBackend(AttentionBackend):
                     mask = torch.arange(s.kv_len, device=dev)[None, :] <= q_pos[:, None]
                 meta.prefill.append(_PrefillSeq(row, s.q_len, s.start_pos, kv_slots, mask))
             row += s.q_len
-        if self.cascade_min_saved_tokens is not None and dec_rows and not meta.prefill:
-            ptr = np.cumsum([0] + [len(p) for p in dec_pages])
-            last = [n - (len(p) - 1) * P for p, n in zip(dec_pages, dec_lens)]
-            meta.cascade = plan_cascade(ptr, np.concatenate(dec_pages), last, P, self.cascade_min_saved_tokens)
         if dec_rows and self.cpu_kernels:
             width = max(len(p) for p in dec_pages)
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long)
@@ -147,11 +134,6 @@ class TorchAttentionBackend(AttentionBackend):
         k = k.view(T, hkv, d)
         v = v.view(T, hkv, d)
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]              # [Hkv, slots, D]
-        if meta.cascade is not None:                 # decode-only step by shared prefixes
-            kv_quant.write(kc, meta.slot_mapping, k.transpose(0, 1), sp.k_scale)
-            kv_quant.write(vc, meta.slot_mapping, v.transpose(0, 1), sp.v_scale)
-            od = cascade_decode(q, kc, vc, meta.cascade, self.scale, sp.k_scale, sp.v_scale)
-            return od.reshape(T, sp.num_q_heads * d)
         if meta.decode_table is not None and not meta.prefill:
             # a decode-only step: the C kernel writes the new K / V rows into their slots and attends, one call
             od = cpu_ops.paged_decode_attention(q, kc, vc, meta.decode_table, meta.decode_lens, sp.page_size,

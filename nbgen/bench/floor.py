@@ -66,7 +66,7 @@ def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: 
 
 def shared_floor_seconds(prefix_len: int, groups: list[int], ins: list[int], outs: list[int], weight_bytes: int,
                          kv_bytes: int, bw: float) -> float:
-    """``floor_seconds`` when each distinct KV page is read once per step (a shared-prefix / cascade
+    """``floor_seconds`` when each distinct KV page is read once per step (a shared-prefix
     attention): seq i's first ``prefix_len`` tokens are its group's (``groups[i]``), read once per step
     while any seq of the group decodes; the rest of its ``ins[i]`` tokens and its outputs are its own."""
     steps = max(outs) - 1

@@ -6,7 +6,7 @@ Workloads (DESIGN.md "Benchmarks"; all ignore_eos, greedy, ``random.seed(0)``, r
   bs1    1 seq, 256 in / 256 out (decode latency)
   prefix 256 seqs = 8 shared 2,000-token prefixes + own randint(50, 300) tokens, outputs randint(100, 512);
          also measured against the shared floor (each distinct KV token read once per step, each
-         prefix prefilled once: what a shared-prefix / cascade attention needs)
+         prefix prefilled once: what a shared-prefix attention would need)
   chat32 (CPU mode) 32 chat-templated short questions x 64 new tokens
 ``--temperature 0.6`` samples instead (nano-vllm's bench does); ``--text`` sends the prompts as text
 (each prompt's ids decoded with the tokenizer, ``--tokenizer-path`` for a directory without one) and
@@ -121,8 +121,6 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
-    if hasattr(runner.backend, "cascade"):            # decode steps by shared-prefix attention, all runs
-        info["cascade_steps"] = runner.backend.cascade.steps
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prefill_flops_shared": pf_shared,
            "cached_tokens": sum(r["meta_info"].get("cached_tokens", 0) for r in res), "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],

@@ -168,11 +168,8 @@ class PrefillGraphRunner:
 
     # ---- replay -----------------------------------------------------------------------------------
     def can_run(self, batch: ScheduledBatch, num_tokens: int) -> bool:
-        """A step with a prefill chunk, or a decode step by shared-prefix (cascade) attention (its
-        attention plan changes with the step's prefix groups, attention/cascade_flashinfer.py), whose
-        tokens fit the largest bucket."""
-        return 0 < num_tokens <= self.max_tokens and (
-            not batch.is_decode_only or self.backend.cascade_plan(batch) is not None)
+        """A step with a prefill chunk whose tokens fit the largest bucket."""
+        return not batch.is_decode_only and 0 < num_tokens <= self.max_tokens
 
     def run(self, batch: ScheduledBatch, ids: list[int],
             patch: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:

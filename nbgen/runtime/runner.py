@@ -194,9 +194,7 @@ class ModelRunner:
             return False
         if n_prev is None:
             n_prev = self._last_tokens.numel() if self._last_tokens is not None else 0
-        # a step the backend runs by shared-prefix (cascade) attention leaves the decode graphs
-        return (self.graphs is not None and self.graphs.can_run(batch, n_prev)
-                and self.backend.cascade_plan(batch) is None)
+        return self.graphs is not None and self.graphs.can_run(batch, n_prev)
 
     @torch.inference_mode()
     def prepare(self, batch: ScheduledBatch, n_prev: int) -> Optional[PreparedStep]:
