@@ -7,10 +7,8 @@ Workload (``random.seed(0)``, numpy seed 0): ``--num-requests`` prompts of 20 ra
 Reported: nbgen's output tok/s; HF transformers ``generate`` on the first ``--hf-requests`` prompts
 in batches of ``--hf-batch-size`` (the prompts have equal lengths: no padding), random weights of the same
 config, its output tok/s and the ratio; the vision tower's share: the tower alone over the same
-images (batches of ``--tower-batch`` images, as prefill steps group them) ÷ nbgen's time, and on CUDA
-the same through the tower's CUDA graphs (a pass that sees each chunk shape, one that captures, the timed
-one); the preprocessing time alone. ``--disable-vision-cuda-graph``: the engine's tower runs eagerly
-(the baseline). ``--profile``: the workload once more under the profiler
+images (batches of ``--tower-batch`` images, as prefill steps group them) ÷ nbgen's time; the
+preprocessing time alone. ``--profile``: the workload once more under the profiler
 (``bench/vlm_profile.py``). ``--tiny`` builds a tiny random Qwen2.5-VL instead (CPU smoke run).
 """
 from __future__ import annotations
@@ -33,7 +31,6 @@ from nbgen.kernels import gpu_ops
 from nbgen.models.model_config import read_model_config
 from nbgen.models.qwen2_vl_vision import VisionTower
 from nbgen.models.registry import prepare_config
-from nbgen.runtime.vision_graphs import TowerGraphs
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs", "qwen2.5-vl-7b")
 _TEXT_IDS = 20
@@ -60,8 +57,7 @@ def _sync(device: str) -> None:
 
 
 def run_nbgen(args: argparse.Namespace, model_dir: str, ids: list[list[int]], images: list[Any]) -> dict[str, Any]:
-    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "random_seed": 0,
-                          "disable_vision_cuda_graph": args.disable_vision_cuda_graph}
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "random_seed": 0}
     if args.dtype:
         kw["dtype"] = args.dtype
     eng = Engine(model_dir, **kw)
@@ -114,39 +110,8 @@ def run_hf(args: argparse.Namespace, model_dir: str, ids: list[list[int]], image
             "out_tok_s": n_out / secs}
 
 
-class _TowerModel:
-    """A bare tower with the model methods TowerGraphs calls."""
-
-    def __init__(self, tower: VisionTower) -> None:
-        self.tower = tower
-
-    def encode_images(self, pixels: torch.Tensor, grids: list[Any], plan: Any = None) -> torch.Tensor:
-        return self.tower(pixels, grids, plan)
-
-    def image_plan(self, grids: list[Any], device: torch.device) -> Any:
-        return self.tower.plan(grids, device)
-
-
-def _graphed_tower(tower: VisionTower, inputs: list[tuple[torch.Tensor, list[Any]]]) -> dict[str, Any]:
-    """The tower through TowerGraphs (CUDA): a pass that sees each chunk shape, one that captures, then
-    the timed pass of replays."""
-    graphs = TowerGraphs(_TowerModel(tower), torch.device("cuda"))
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for pv, grids in inputs:
-            graphs.encode(pv, grids)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"tower_graph_seconds": times[2], "tower_first_pass_seconds": times[0],
-            "tower_capture_pass_seconds": times[1], "tower_graphs": graphs.captures,
-            "tower_capture_seconds": graphs.capture_seconds}
-
-
 def run_tower(args: argparse.Namespace, model_dir: str, images: list[Any]) -> dict[str, Any]:
-    """The vision tower alone over the images (dummy weights), eager and (CUDA) through its graphs, and
-    the preprocessing alone."""
+    """The vision tower alone over the images (dummy weights), and the preprocessing alone."""
     import transformers as tf
 
     cfg = prepare_config(read_model_config(model_dir))
@@ -172,10 +137,7 @@ def run_tower(args: argparse.Namespace, model_dir: str, images: list[Any]) -> di
         for pv, grids in inputs:
             tower(pv, grids)
         _sync(args.device)
-        res = {"tower_seconds": time.perf_counter() - t0, "preprocess_seconds": prep}
-        if args.device == "cuda":
-            res.update(_graphed_tower(tower, inputs))
-    return res
+        return {"tower_seconds": time.perf_counter() - t0, "preprocess_seconds": prep}
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -191,8 +153,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap.add_argument("--hf-requests", type=int, default=64, help="prompts HF generate runs (0: skip HF)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--tower-batch", type=int, default=32)
-    ap.add_argument("--disable-vision-cuda-graph", action="store_true",
-                    help="the engine's disable_vision_cuda_graph: the tower runs eagerly (the baseline)")
     ap.add_argument("--profile", action="store_true",
                     help="run nbgen's workload again under the profiler: GPU busy time, tower share, top kernels")
     ap.add_argument("--profile-dir", default=None, help="where --profile writes its trace (default: temp dir)")

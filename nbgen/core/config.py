@@ -68,7 +68,6 @@ class EngineConfig:
     # steps with prefill chunks as graph pieces around an eager attention (runtime/prefill_graphs.py)
     disable_piecewise_cuda_graph: bool = False
     piecewise_cuda_graph_max_tokens: Optional[int] = None   # None: the chunk budget, at most 8192
-    disable_vision_cuda_graph: bool = False    # nbgen: vision towers eager (runtime/vision_graphs.py)
     disable_overlap_schedule: bool = False
     attention_backend: Optional[str] = None
     random_seed: int = 0

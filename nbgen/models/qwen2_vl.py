@@ -22,7 +22,6 @@ from nbgen.models.model_config import ModelConfig
 from nbgen.models.mrope import MRotaryEmbedding
 from nbgen.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model
 from nbgen.models.qwen2_vl_vision import Grid, VisionTower
-from nbgen.models.vision_plan import TowerPlan
 
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -102,14 +101,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         """input_ids [T], positions [T] or [3, T], input_embeds [T, H] or None -> hidden [T, H]."""
         return self.model(input_ids, positions, meta, input_embeds)
 
-    def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid], plan: Optional[TowerPlan] = None) -> torch.Tensor:
-        """Patches of several images [N, C*tp*p*p] -> their token embeddings [N / merge^2, H];
-        ``plan``: ``image_plan(grids, device)`` made beforehand (CUDA-graph capture)."""
-        return self.visual(pixel_values, grids, plan)
-
-    def image_plan(self, grids: list[Grid], device: torch.device) -> TowerPlan:
-        """The tower's plan of a grid signature (rotary tables, windows, attention segments), cached."""
-        return self.visual.plan(grids, device)
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
+        """Patches of several images [N, C*tp*p*p] -> their token embeddings [N / merge^2, H]."""
+        return self.visual(pixel_values, grids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, H]; ids past the vocabulary (image slots' hash ids) read row 0."""

@@ -186,10 +186,9 @@ class VisionTower(nn.Module):
         """The plan of ``grids`` on ``device`` (cached by grid signature)."""
         return self._plans.get(grids, device)
 
-    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid], plan: Optional[TowerPlan] = None) -> torch.Tensor:
-        """``plan``: ``self.plan(grids, device)`` made beforehand (a CUDA graph keeps the one it captured)."""
-        if plan is None:
-            plan = self.plan(grids, pixel_values.device)
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        """Patches [N, C*tp*p*p] of ``grids``' images -> their merged token embeddings."""
+        plan = self.plan(grids, pixel_values.device)
         x = self.patch_embed(pixel_values)                                    # [N, E]
         if plan.perm is None:
             return self.merger(self._blocks(x, plan))

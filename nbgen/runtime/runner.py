@@ -84,9 +84,7 @@ class ModelRunner:
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
         self._forwards = 0                                # forward passes queued so far
         # vision-language models: steps with image prompt chunks go through the tower (runtime/vision_step.py)
-        tower_graphs = not (self.cfg.disable_cuda_graph or self.cfg.disable_vision_cuda_graph)
-        self.vision = (VisionStep(self.model, device, parts.loaded.dtype, tower_graphs)
-                       if hasattr(self.model, "encode_images") else None)
+        self.vision = VisionStep(self.model, device, parts.loaded.dtype) if hasattr(self.model, "encode_images") else None
 
     @property
     def attention_backend_name(self) -> str:
@@ -97,8 +95,6 @@ class ModelRunner:
         the weights and the KV pool); steps run eagerly until ``capture_graphs``."""
         self.graphs = self.prefill_graphs = None
         self._last_tokens = None     # may view the dropped graphs' input buffer
-        if self.vision is not None:
-            self.vision.drop_graphs()
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""

@@ -1,7 +1,6 @@
 """VisionStep: the runner's path for steps holding prompt chunks of requests with images.
 
-Per such step: the vision tower encodes, in one forward (or, on CUDA, replays of its graphs over chunks of
-equal images: ``runtime/vision_graphs.py``), the images of every request whose chunk reaches
+Per such step: the vision tower encodes, in one forward, the images of every request whose chunk reaches
 an image and whose embeddings are not cached yet (they stay on the request, ``ImageInputs.embeds``, for
 its later prefill chunks, and are dropped once its last image slot is computed; a preempted request
 encodes again); the step's token embeddings take those rows at the image slots; positions are 3-D
@@ -13,7 +12,7 @@ launches queue behind the previous step's work (overlap scheduling) instead of a
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +20,6 @@ import torch
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.models.mrope import step_positions
 from nbgen.runtime.step_inputs import FlatStep, to_device
-from nbgen.runtime.vision_graphs import TowerGraphs
 
 TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
 
@@ -39,16 +37,8 @@ def _needs_encoding(s: SeqWork) -> bool:
 class VisionStep:
     """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions)."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, tower_graphs: bool = False) -> None:
-        """``tower_graphs``: encode through CUDA graphs (CUDA models with ``image_plan`` only)."""
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.device, self.dtype = model, device, dtype
-        use = tower_graphs and device.type == "cuda" and hasattr(model, "image_plan")
-        self.graphs: Optional[TowerGraphs] = TowerGraphs(model, device) if use else None
-
-    def drop_graphs(self) -> None:
-        """Free the tower's graphs (the weights moved); they are captured again as chunks repeat."""
-        if self.graphs is not None:
-            self.graphs.drop()
 
     def _pixels(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The requests' pixel patches as one tensor on the device in the model dtype. On CUDA they are
@@ -68,10 +58,7 @@ class VisionStep:
         pv = self._pixels([r.images.pixels() for r in reqs])           # waits for pending preprocessing
         grids = [g for r in reqs for g in r.images.grids]
         with torch.profiler.record_function(TOWER_RANGE):            # a profile's tower share (bench.vlm --profile)
-            if self.graphs is not None:
-                out = self.graphs.encode(pv, grids)                     # [sum image tokens, H]
-            else:
-                out = self.model.encode_images(pv, grids)
+            out = self.model.encode_images(pv, grids)                    # [sum image tokens, H]
         for r, part in zip(reqs, out.split([r.images.num_tokens for r in reqs])):
             r.images.embeds = part
 

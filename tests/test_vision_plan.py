@@ -1,0 +1,29 @@
+"""The vision tower's plans (``models/vision_plan.py``): rotary tables, window order and attention
+segments planned once per grid signature and cached (least recently used dropped)."""
+from __future__ import annotations
+
+import torch
+
+from nbgen.bench.tiny_vlm import make_tiny_vlm
+from nbgen.models.loader import iter_safetensors
+from nbgen.models.model_config import read_model_config
+from nbgen.models.registry import get_model_class, prepare_config
+
+
+def _model(family: str, tmp_path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    d = make_tiny_vlm(str(tmp_path / family), family)
+    cfg = prepare_config(read_model_config(d))
+    model = get_model_class(cfg)(cfg)
+    model.load_weights(iter_safetensors(d))
+    return d, model.to(device, dtype).eval()
+
+
+def test_plans_are_cached_per_grid_signature(tmp_path):
+    _, model = _model("qwen2_5_vl", tmp_path)
+    tower, cpu = model.visual, torch.device("cpu")
+    a, b = [(1, 4, 6)] * 2, [(1, 8, 8)]
+    pa = tower.plan(a, cpu)
+    assert tower.plan(list(a), cpu) is pa and tower.plan(b, cpu) is not pa
+    for i in range(1, 12):                                 # the least recently used plans are dropped
+        tower.plan([(1, 2 * i, 2)], cpu)
+    assert tower.plan(a, cpu) is not pa
