@@ -1,0 +1,159 @@
+"""Chain verify steps in CUDA graphs (runtime/verify_graphs.py) and their padded layout
+(runtime/verify_layout.py).
+
+CPU: a padded verify step (rows of different draft counts, padding rows) run through the torch backend
+with the layout's page tables and write slots gives the real rows the hidden states of the unpadded
+step, and changes the KV pool only at the real tokens' slots and on the scratch page.
+GPU (``-m gpu``): NGRAM, STANDALONE and EAGLE / EAGLE3 with verify graphs against the same engine with
+``disable_cuda_graph=True`` (greedy, bf16: identical up to rare near-tie forks, logprobs close), at
+batch 1 and in a mixed batch; the graphs are replayed.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import nbgen
+from nbgen.attention.base import KVCacheSpec
+from nbgen.attention.torch_backend import TorchAttentionBackend
+from nbgen.core.batch import ScheduledBatch, SeqWork
+from nbgen.core.config import EngineConfig
+from nbgen.core.request import Request
+from nbgen.core.sampling import SamplingParams
+from nbgen.models.loader import load_model
+from nbgen.runtime.pages import SCRATCH_PAGE
+from nbgen.runtime.verify_layout import verify_layout
+from tests.tiny_models import assert_close_runs
+
+PAGE = 4
+
+
+def _seq(rid: str, ids: list[int], start: int, pages: list[int]) -> SeqWork:
+    return SeqWork(Request(rid, ids, SamplingParams()), ids[start:], start, pages, True)
+
+
+def test_padded_verify_layout_matches_unpadded(tiny_llama_dir):
+    loaded = load_model(EngineConfig(model_path=tiny_llama_dir, dtype="float32", device="cpu"), torch.device("cpu"))
+    cfg = loaded.hf_config
+    spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_pages=64, page_size=PAGE,
+                       num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                       head_dim=cfg.hidden_size // cfg.num_attention_heads, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    backend = TorchAttentionBackend(spec, use_cpu_kernels=False)
+    g = torch.Generator().manual_seed(3)
+    q, bs = 5, 6
+    # (prompt length, verify tokens): full rows, rows ending mid-page and at a page end, one with no drafts
+    shapes = [(9, 5), (6, 3), (3, 1), (12, 2), (13, 4)]
+    seqs, next_page = [], 1
+    for i, (n, k) in enumerate(shapes):
+        ids = torch.randint(0, 300, (n + k,), generator=g).tolist()
+        pages = list(range(next_page, next_page + -(-(n + k) // PAGE) + 1))   # one spare page, as a draft loan
+        next_page += len(pages)
+        seqs.append((ids, n, pages))
+
+    def run(batch: ScheduledBatch, ids: list[int], pos: list[int], slots=None) -> torch.Tensor:
+        meta = backend.prepare(batch)
+        if slots is not None:
+            meta.slot_mapping = torch.as_tensor(slots)
+        with torch.no_grad():
+            return loaded.model(torch.tensor(ids), torch.tensor(pos), meta)
+
+    prefill = ScheduledBatch([_seq(str(i), ids[:n], 0, pages) for i, (ids, n, pages) in enumerate(seqs)], PAGE)
+    run(prefill, [t for s in prefill.seqs for t in s.token_ids], [p for s in prefill.seqs for p in range(s.q_len)])
+    noise = [torch.randn_like(c) for c in backend.k_cache + backend.v_cache]
+    for c, z in zip(backend.k_cache + backend.v_cache, noise):     # stale data past every prompt
+        for ids, n, pages in seqs:
+            slots = torch.tensor([pages[p // PAGE] * PAGE + p % PAGE for p in range(n, len(pages) * PAGE)])
+            c[:, slots] = z[:, slots]
+    before = [c.clone() for c in backend.k_cache + backend.v_cache]
+
+    verify = ScheduledBatch([_seq(str(i), ids, n, pages) for i, (ids, n, pages) in enumerate(seqs)], PAGE)
+    want = run(verify, [t for s in verify.seqs for t in s.token_ids],
+               [p for s in verify.seqs for p in range(s.start_pos, s.kv_len)])
+    after_plain = [c.clone() for c in backend.k_cache + backend.v_cache]
+    for c, b in zip(backend.k_cache + backend.v_cache, before):
+        c.copy_(b)
+
+    lay = verify_layout(verify.seqs, q, bs, PAGE)
+    padded = []
+    for i in range(bs):
+        s = verify.seqs[i] if i < len(verify.seqs) else None
+        start = s.start_pos if s is not None else 0
+        toks = lay.ids[i * q: (i + 1) * q].tolist()
+        padded.append(SeqWork(s.req if s is not None else Request(f"pad{i}", toks, SamplingParams()), toks, start,
+                              lay.row_pages(i), True))
+        assert lay.kv_indptr[i + 1] - lay.kv_indptr[i] == -(-(start + q) // PAGE)
+        assert (lay.kv_indptr[i + 1] - lay.kv_indptr[i] - 1) * PAGE + lay.last_page_len[i] == start + q
+    got = run(ScheduledBatch(padded, PAGE), lay.ids.tolist(), lay.positions.tolist(), lay.slots)
+    rows = [i * q + j for i, s in enumerate(verify.seqs) for j in range(s.q_len)]
+    torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-5)
+    # the pool: written at the real tokens' slots (as the unpadded step writes them) and on the scratch page only
+    real = {pages[p // PAGE] * PAGE + p % PAGE for ids, n, pages in seqs for p in range(n, len(ids))}
+    scratch = set(range(SCRATCH_PAGE * PAGE, (SCRATCH_PAGE + 1) * PAGE))
+    for c, a, b in zip(backend.k_cache + backend.v_cache, after_plain, before):     # [Hkv, slots, D]
+        changed = set((c != b).any(-1).any(0).nonzero().flatten().tolist())
+        assert changed - scratch <= real and real <= changed
+        idx = torch.tensor(sorted(real))
+        torch.testing.assert_close(c[:, idx], a[:, idx], atol=1e-5, rtol=1e-5)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+GREEDY = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(2)
+    return [[rng.randrange(2, 512) for _ in range(rng.choice([8, 21, 40]))] * rng.choice([2, 3]) for _ in range(n)]
+
+
+def _both(model_dir: str, prompts: list[list[int]], **kw) -> tuple[list[dict], list[dict], int]:
+    """(outputs with graphs, outputs with disable_cuda_graph=True, verify steps run as graph replays)."""
+    runs, replays = [], 0
+    for off in (False, True):
+        with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", disable_cuda_graph=off, random_seed=0,
+                          cuda_graph_max_bs=16, **kw) as eng:
+            runs.append(eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, use_tqdm=False))
+            if not off:
+                replays = eng.stats().get("spec_verify_graph_steps", 0)
+    return runs[0], runs[1], replays
+
+
+def _mixed(model_dir: str, **kw) -> None:
+    """Batch 1, and a mixed batch of 12 requests of different lengths (prefill chunks share the first
+    steps with verify rows: eager; then steps of verify rows only: graph replays). bf16 through different
+    attention kernels (fa2 in the graph, the eager prefill kernel without): greedy outputs identical
+    but for a rare near-tie fork, logprobs close up to it (tests/tiny_models.assert_close_runs)."""
+    for prompts in (_prompts(1), _prompts(12)):
+        on, off, replays = _both(model_dir, prompts, **kw)
+        assert replays > 0
+        assert_close_runs(on, off)
+        same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(on, off))
+        assert same >= 0.75 * len(prompts), (same, len(prompts))
+        assert sum(o["meta_info"]["spec_proposed_drafts"] for o in on) > 0
+
+
+@gpu
+def test_verify_graphs_ngram(gpu_model_dir):
+    _mixed(gpu_model_dir, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+
+
+@gpu
+def test_verify_graphs_standalone(gpu_model_dir):
+    _mixed(gpu_model_dir, speculative_algorithm="STANDALONE", speculative_draft_model_path=gpu_model_dir,
+           speculative_num_steps=3)
+
+
+@gpu
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_verify_graphs_eagle(gpu_model_dir, tmp_path, algo, request):
+    from nbgen.models.eagle import save_random_head
+    from tests.tiny_models import make_gpu_model
+
+    if algo == "EAGLE3":
+        family = request.node.callspec.params["gpu_model_dir"]
+        gpu_model_dir = make_gpu_model(family, str(tmp_path / "deep"), layers=6)
+    head = save_random_head(gpu_model_dir, str(tmp_path / "head"), algo == "EAGLE3")
+    _mixed(gpu_model_dir, speculative_algorithm=algo, speculative_draft_model_path=head, speculative_num_steps=3)
