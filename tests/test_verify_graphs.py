@@ -24,14 +24,89 @@ from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
 from nbgen.models.loader import load_model
 from nbgen.runtime.pages import SCRATCH_PAGE
-from nbgen.runtime.verify_layout import verify_layout
+from nbgen.runtime.verify_graphs import VerifyGraphRunner
+from nbgen.runtime.verify_layout import VerifyLayout, verify_layout
 from tests.tiny_models import assert_close_runs
 
 PAGE = 4
 
 
+@pytest.fixture(scope="module")
+def deep_llama_dir(tmp_path_factory) -> str:
+    from tests.tiny_models import make_tiny_model
+
+    return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_llama6")), num_hidden_layers=6)
+
+
 def _seq(rid: str, ids: list[int], start: int, pages: list[int]) -> SeqWork:
     return SeqWork(Request(rid, ids, SamplingParams()), ids[start:], start, pages, True)
+
+
+def _padded_seqs(lay: VerifyLayout, seqs: list[SeqWork]) -> list[SeqWork]:
+    """The layout's rows as seqs for the torch backend (its page tables; write slots: ``lay.slots``)."""
+    out = []
+    for i in range(lay.bs):
+        s = seqs[i] if i < len(seqs) else None
+        toks = lay.ids[i * lay.q: (i + 1) * lay.q].tolist()
+        req = s.req if s is not None else Request(f"pad{i}", toks, SamplingParams())
+        out.append(SeqWork(req, toks, s.start_pos if s is not None else 0, lay.row_pages(i), True))
+    return out
+
+
+class EagerPaddedVerify(VerifyGraphRunner):
+    """The verify graphs' interface, with ``run`` executing the padded layout eagerly through the torch
+    backend (CPU): the speculative stepper's handling of a padded step, without CUDA."""
+
+    def __init__(self, runner, q: int) -> None:          # noqa: D107 - no capture on the CPU
+        self.runner, self.owner, self.q, self.replays = runner, runner.graphs, q, 0
+        self.model, self.backend = runner.model, runner.backend
+        self.batch_sizes = [1, 2, 4, 8, 16]
+        self.max_bs = 16
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        n, P = len(batch.seqs), batch.page_size
+        lay = verify_layout(batch.seqs, self.q, next(b for b in self.batch_sizes if b >= n), P)
+        meta = self.backend.prepare(ScheduledBatch(_padded_seqs(lay, batch.seqs), P))
+        meta.slot_mapping = torch.as_tensor(lay.slots)
+        self.replays += 1
+        return self.model(torch.as_tensor(lay.ids), torch.as_tensor(lay.positions), meta), \
+            [i * self.q for i in range(n)]
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"])
+def test_padded_verify_steps_in_engine(deep_llama_dir, tmp_path, algo):
+    """fp32 CPU: an engine whose verify-only steps run padded (EagerPaddedVerify) gives the plain engine's
+    greedy and seeded-sampling outputs and logprobs; the padded path ran."""
+    from nbgen.models.eagle import save_random_head
+    from tests.tiny_models import make_copy_head
+
+    kw: dict = {"speculative_algorithm": algo}
+    if algo == "STANDALONE":
+        kw.update(speculative_draft_model_path=deep_llama_dir, speculative_num_steps=3)
+    elif algo == "EAGLE":
+        kw.update(speculative_draft_model_path=make_copy_head(deep_llama_dir, str(tmp_path / "h")),
+                  speculative_num_steps=3)
+    elif algo == "EAGLE3":
+        kw.update(speculative_draft_model_path=save_random_head(deep_llama_dir, str(tmp_path / "h"), True, 200),
+                  speculative_num_steps=3)
+    else:
+        kw["speculative_num_draft_tokens"] = 5
+    prompts = [[7] * 12, [9, 9, 9, 3, 3, 3, 3, 9, 9, 9], [40, 41, 42, 43, 44] * 4, [100, 7, 200, 9, 150]]
+    sps = [{"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True},
+           {"temperature": 0.8, "max_new_tokens": 24, "ignore_eos": True, "sampling_seed": 11}] * 2
+    outs = []
+    for spec in (False, True):
+        with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", random_seed=0, **(kw if spec else {})) as eng:
+            if spec:
+                stepper = eng._loop._spec
+                stepper.verify_graphs = fake = EagerPaddedVerify(stepper.runner, stepper.spec.num_draft_tokens)
+            outs.append(eng.generate(input_ids=prompts, sampling_params=sps, return_logprob=True))
+    assert [o["output_ids"] for o in outs[0]] == [o["output_ids"] for o in outs[1]]
+    for a, b in zip(*outs):          # the verify rows' logits themselves, not only their argmax
+        la = [lp for lp, _t, _s in a["meta_info"]["output_token_logprobs"]]
+        lb = [lp for lp, _t, _s in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+    assert fake.replays > 0
 
 
 def test_padded_verify_layout_matches_unpadded(tiny_llama_dir):
@@ -77,15 +152,10 @@ def test_padded_verify_layout_matches_unpadded(tiny_llama_dir):
         c.copy_(b)
 
     lay = verify_layout(verify.seqs, q, bs, PAGE)
-    padded = []
-    for i in range(bs):
-        s = verify.seqs[i] if i < len(verify.seqs) else None
-        start = s.start_pos if s is not None else 0
-        toks = lay.ids[i * q: (i + 1) * q].tolist()
-        padded.append(SeqWork(s.req if s is not None else Request(f"pad{i}", toks, SamplingParams()), toks, start,
-                              lay.row_pages(i), True))
-        assert lay.kv_indptr[i + 1] - lay.kv_indptr[i] == -(-(start + q) // PAGE)
-        assert (lay.kv_indptr[i + 1] - lay.kv_indptr[i] - 1) * PAGE + lay.last_page_len[i] == start + q
+    padded = _padded_seqs(lay, verify.seqs)
+    for i, s in enumerate(padded):
+        assert lay.kv_indptr[i + 1] - lay.kv_indptr[i] == -(-(s.start_pos + q) // PAGE)
+        assert (lay.kv_indptr[i + 1] - lay.kv_indptr[i] - 1) * PAGE + lay.last_page_len[i] == s.start_pos + q
     got = run(ScheduledBatch(padded, PAGE), lay.ids.tolist(), lay.positions.tolist(), lay.slots)
     rows = [i * q + j for i, s in enumerate(verify.seqs) for j in range(s.q_len)]
     torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-5)
