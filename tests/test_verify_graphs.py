@@ -109,6 +109,40 @@ def test_padded_verify_steps_in_engine(deep_llama_dir, tmp_path, algo):
     assert fake.replays > 0
 
 
+def _reference_layout(seqs: list[SeqWork], q: int, bs: int, P: int) -> dict[str, list[int]]:
+    """verify_layout's rules spelled out row by row."""
+    ids, pos, slots, indptr, indices, last = [], [], [], [0], [], []
+    for i in range(bs):
+        s = seqs[i] if i < len(seqs) else None
+        a, toks = (s.start_pos, s.token_ids) if s is not None else (0, [])
+        ids += toks + [0] * (q - len(toks))
+        pos += list(range(a, a + len(toks))) + [0] * (q - len(toks))
+        slots += [s.pages[p // P] * P + p % P for p in range(a, a + len(toks))] + [SCRATCH_PAGE * P] * (q - len(toks))
+        real, total = -(-(a + len(toks)) // P), -(-(a + q) // P)
+        indices += (s.pages[:real] if s is not None else []) + [SCRATCH_PAGE] * (total - real)
+        indptr.append(indptr[-1] + total)
+        last.append(a + q - (total - 1) * P)
+    return {"ids": ids, "positions": pos, "slots": slots, "kv_indptr": indptr, "kv_indices": indices,
+            "last_page_len": last, "qo_indptr": [i * q for i in range(bs + 1)]}
+
+
+def test_verify_layout_rules():
+    rng = random.Random(0)
+    for P in (1, 4, 16):
+        for _ in range(40):
+            n = rng.randint(0, 8)
+            bs, q = max(n, 1) + rng.randint(0, 3), rng.randint(2, 6)
+            seqs = []
+            for i in range(n):
+                a, k = rng.randint(0, 40), rng.randint(1, q)
+                pages = [rng.randint(1, 999) for _ in range(-(-(a + k) // P) + rng.randint(0, 2))]
+                seqs.append(SeqWork(Request(str(i), [1] * (a + k), SamplingParams()),
+                                    [rng.randint(0, 99) for _ in range(k)], a, pages, True))
+            got, want = verify_layout(seqs, q, bs, P), _reference_layout(seqs, q, bs, P)
+            for name, values in want.items():
+                assert getattr(got, name).tolist() == values, name
+
+
 def test_padded_verify_layout_matches_unpadded(tiny_llama_dir):
     loaded = load_model(EngineConfig(model_path=tiny_llama_dir, dtype="float32", device="cpu"), torch.device("cpu"))
     cfg = loaded.hf_config
