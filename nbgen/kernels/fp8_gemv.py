@@ -89,9 +89,9 @@ if triton is not None:
         return w, sw
 
     @triton.jit
-    def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, G, iters_per_split,
-                         stride_xm, stride_wn, stride_swn, stride_ym,
-                         HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SPLIT_K: tl.constexpr,
+    def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, G,
+                         n_split, iters_per_split, stride_xm, stride_wn, stride_swn, stride_ym,
+                         HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SPLIT: tl.constexpr,
                          ATOMIC: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -103,38 +103,40 @@ if triton is not None:
         sw_rows = sw_ptr + rn[:, None] * stride_swn
         it_lo = pid_k * iters_per_split
         it_hi = tl.minimum(it_lo + iters_per_split, tl.cdiv(G, GROUPS))
-        w, sw = _w_tile(w_rows, sw_rows, it_lo, it_hi, K, G, n_mask, GROUPS, GROUP_K)        # before the wait
+        w, sw = _w_tile(w_rows, sw_rows, it_lo, it_hi, K, G, n_mask, GROUPS, GROUP_K)   # before the wait
         if USE_PDL:
             pdl.gdc_wait()                                   # x (and y when accumulating) come from before
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for it in range(it_lo, it_hi):
-            w_next, sw_next = _w_tile(w_rows, sw_rows, it + 1, it_hi, K, G, n_mask, GROUPS, GROUP_K)   # in flight
+            # the next step's tile is requested now and used in the next iteration
+            w_next, sw_next = _w_tile(w_rows, sw_rows, it + 1, it_hi, K, G, n_mask, GROUPS, GROUP_K)
             wf = w.to(tl.float32)
-            kk = (it * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+            # x's columns of this step as [1, GROUPS, GROUP_K]: the weight tile's layout, broadcast over rows
+            kk = ((it * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :])[None, :, :]
             for m in tl.static_range(BLOCK_M):
                 x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < tl.where(m < M, K, 0), other=0.0).to(tl.float32)
-                sx = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0                    # [GROUPS]
-                xq = tl.clamp(x / sx[:, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
-                part = tl.sum(wf * xq[None, :, :], 2)                                    # [BLOCK_N, GROUPS]
-                y_m = tl.sum(part * sw * sx[None, :], 1)                                 # [BLOCK_N]
+                sx = tl.maximum(tl.max(tl.abs(x), 2), 1e-10) / 448.0                    # [1, GROUPS]
+                xq = tl.clamp(x / sx[:, :, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+                part = tl.sum(wf * xq, 2)                                                # [BLOCK_N, GROUPS]
+                y_m = tl.sum(part * sw * sx, 1)                                          # [BLOCK_N]
                 acc += tl.where(rm[:, None] == m, y_m[None, :], 0.0)
             w, sw = w_next, sw_next
         if USE_PDL:
             pdl.gdc_launch_dependents()
         out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
         mask = (rm < M)[:, None] & n_mask[None, :]
-        if SPLIT_K > 1 and ATOMIC:                           # y is a zeroed fp32 buffer; bias added after
+        if SPLIT and ATOMIC:                           # y is a zeroed fp32 buffer; bias added after
             tl.atomic_add(out, acc, mask=mask)
         else:
             last = True
-            if SPLIT_K > 1:                                  # partials [SPLIT_K, BLOCK_M, N]; the last one sums
+            if SPLIT:                                        # partials [n_split, BLOCK_M, N]; the last one sums
                 parts = part_ptr + rm[:, None] * N + rn[None, :]
                 tl.store(parts + pid_k * BLOCK_M * N, acc, mask=mask)
                 tl.debug_barrier()                           # all stores before the release below
-                last = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+                last = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == n_split - 1
                 if last:
                     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                    for s in range(SPLIT_K):
+                    for s in range(n_split):
                         acc += tl.load(parts + s * BLOCK_M * N, mask=mask, other=0.0, cache_modifier=".cg")
                     tl.store(count_ptr + pid_n, 0)           # re-arm for the next launch
             if last:
@@ -195,10 +197,10 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional
     if dev not in _counters:
         _counters[dev] = torch.zeros(MAX_TILES, dtype=torch.int32, device=dev)
     assert n_tiles <= MAX_TILES
-    args = (x, wq, sw, bias if bias is not None else sw, y, part, _counters[dev], M, N, K, G, per_split,
+    args = (x, wq, sw, bias if bias is not None else sw, y, part, _counters[dev], M, N, K, G, split, per_split,
             x.stride(0), wq.stride(0), sw.stride(0), y.stride(0))
     pdl.launch(_fp8_gemv_kernel, (n_tiles, split), args, dev, HAS_BIAS=bias is not None and not atomic,
-               ACCUM=accumulate is not None, SPLIT_K=split, ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+               ACCUM=accumulate is not None, SPLIT=split > 1, ATOMIC=atomic, BLOCK_M=bm, BLOCK_N=cfg.block_n,
                GROUPS=cfg.groups, GROUP_K=GROUP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if atomic:
         y = y + bias.float() if bias is not None else y
