@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nbgen.bench import fp8_kernels
 from nbgen.kernels import fp8_gemv
 from nbgen.kernels.fp8_gemv import GemvConfig
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_groups, reference_matmul
@@ -18,6 +19,20 @@ def test_split_for_fills_the_sms() -> None:
     assert fp8_gemv.split_for(1792, 8, 4, 132) == 1             # gate|up's tiles alone fill the SMs
     assert fp8_gemv.split_for(256, 8, 4, 132) == 3              # 768 >= 4 * 132 programs
     assert fp8_gemv.split_for(256, 2, 4, 132) == 2              # at most one step per program
+
+
+def test_sweep_grid_and_pasteable_winners() -> None:
+    for rows in (1, 2, 4, 8, 16):
+        for quick in (False, True):
+            cfgs = fp8_kernels.gemv_variants(rows, quick)
+            assert len(set(cfgs)) == len(cfgs) and any(c.waves == 0 for c in cfgs) and any(c.waves for c in cfgs)
+            for c in cfgs:   # 16-byte vectors up to 128 bytes of e4m3 per thread and step
+                assert 16 <= c.block_n * c.groups * 128 // (32 * c.num_warps) <= 128, c
+    a, b = fp8_kernels.gemv_variants(1, True)[:2]
+    totals = {1: {str(a): [3.0, 4.0], str(b): [2.0, 4.0]}, 4: {str(a): [5.0, 5.0], str(b): [1.0]}}
+    table = fp8_kernels.winners_table(totals, {1: 12.0, 4: 20.0}, 2)
+    assert eval(table.replace("CONFIGS = ", ""), {"GemvConfig": GemvConfig}) == {1: b, 4: a}   # b ran one shape at 4
+    assert "2.00x bf16" in table
 
 
 def _grid_x(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +71,7 @@ def _kernel_check() -> None:
     no_split = GemvConfig(16, 2, 0, "last", 4, 1)
     last = GemvConfig(8, 1, 64, "last", 4, 1)           # 40 / 8 tiles, split over all 3 groups
     atomic = GemvConfig(32, 2, 64, "atomic", 4, 1)
-    for m in range(1, 17):                               # every row count, the split kernel
+    for m in (1, 2, 3, 4, 7, 8, 9, 16):                  # row counts around each BLOCK_M, the split kernel
         _check(m, 40, 300, last, torch.float32, torch.float32, m % 2 == 1, False)
     for m in (1, 5, 16):
         _check(m, 37, 200, no_split, torch.bfloat16, torch.bfloat16, True, False)

@@ -88,7 +88,8 @@ if triton is not None:
         sw = tl.load(sw_rows + g[None, :], mask=n_mask[:, None] & (g < g_end)[None, :], other=0.0)
         return w, sw
 
-    @triton.jit
+    # the split's sizes change with the shape: not specialized on (one compile per launch shape)
+    @triton.jit(do_not_specialize=["n_split", "iters_per_split"])
     def _fp8_gemv_kernel(x_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, G,
                          n_split, iters_per_split, stride_xm, stride_wn, stride_swn, stride_ym,
                          HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SPLIT: tl.constexpr,
