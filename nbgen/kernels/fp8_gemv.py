@@ -1,9 +1,9 @@
 """The fp8 GEMV: 1-16 rows of x against a group-scaled e4m3 weight, built to stream the weight at copy
 bandwidth (Triton, CUDA).
 
-Same arithmetic as ``kernels.fp8_gemm`` (and ``nbgen.models.fp8_linear.reference_matmul``): each row of x
-is rounded to e4m3 per 128-column group with sx = max(amax, 1e-10) / 448, products of e4m3 values are
-summed in fp32 per group, scaled by sx[m, g] * sw[n, g], summed over groups in fp32, rounded once.
+The arithmetic of ``nbgen.models.fp8_linear.reference_matmul``: each row of x is rounded to e4m3 per
+128-column group with sx = max(amax, 1e-10) / 448; y = sum_k (xq * sx)[m, k] * (wq * sw)[n, k] in fp32,
+rounded once (``kernels.fp8_gemm`` scales per-group sums instead: equal up to fp32 summation order).
 
 Why a second kernel: at a few rows a linear is a weight read, and the tile kernel (one 128-column group
 per loop step, rows padded to 16 for ``tl.dot``) keeps too few bytes in flight per SM to reach the copy
@@ -11,10 +11,11 @@ rate. Here a program owns BLOCK_N output features and walks its share of K in st
 - each step is one [BLOCK_N, GROUPS, 128] e4m3 load (16-byte vectors, ``evict_first``), and the next
   step's tile is requested before the current one is used (a register double buffer), so a program
   has two steps' bytes in flight;
-- products are FMAs on CUDA cores in fp32, one x row at a time (no padding to 16 rows; the fp8 -> fp32
-  conversion of the tile is shared by the rows); x (a few KB) is re-read from L1/L2 and rounded to e4m3
-  in the kernel, per row and group, as the reference rounds it;
-- per-group partial sums [BLOCK_N, GROUPS] take their two scales before the sum over groups;
+- products are FMAs on CUDA cores in fp32 (no padding to 16 rows): x's step (a few KB, re-read from
+  L1/L2) is rounded to e4m3 per row and group in the kernel as the reference rounds it (IEEE division),
+  then dequantized; the weight tile is converted and scaled per step; the products are summed in place
+  over the steps and reduced across threads once, at the end (the work per weight byte grows with the
+  rows: at 8-16 rows the tile kernel's tensor cores may win, which the table says per rows bucket);
 - split-K fills the SMs where N / BLOCK_N programs are too few: ``GemvConfig.waves`` asks for at least
   that many programs per SM, and the splits of one tile either add into an fp32 buffer with atomics
   (zeroed before, cast after: two more launches) or write partials that the tile's last program to
@@ -22,8 +23,8 @@ rate. Here a program owns BLOCK_N output features and walks its share of K in st
 - launched as a programmatic dependent launch (``kernels.pdl``): the first weight tile loads before the
   wait for x, so the launch gap of a batch-1 step overlaps the previous kernel's tail.
 ``accumulate``: the result is added into an existing [M, N] tensor (a residual add, one rounding).
-Which launch shape runs is the table ``CONFIGS`` (rows bucket -> GemvConfig), filled from
-``python -m nbgen.bench.fp8_kernels`` on a GPU.
+Which launch shape runs is the table ``CONFIGS`` (rows bucket -> GemvConfig, or None: that bucket takes
+the tile kernel), filled from ``python -m nbgen.bench.fp8_kernels`` on a GPU.
 """
 from __future__ import annotations
 
@@ -57,20 +58,21 @@ class GemvConfig:
     num_stages: int
 
 
-# rows bucket (the smallest key >= M) -> config. Starting points chosen for an H100/H200 (enough bytes in
-# flight per SM at Llama-8B's shapes); replace with the sweep's winners
+# rows bucket (the smallest key >= M) -> config, None: the tile kernel (kernels/fp8_gemm.py). Starting
+# points from the compiled code's work per weight byte (64 weight elements per thread and step, 8 KB
+# per program and step at one row), not yet timed; replace with the sweep's winners
 # (python -m nbgen.bench.fp8_kernels prints the table).
-CONFIGS: dict[int, GemvConfig] = {
+CONFIGS: dict[int, Optional[GemvConfig]] = {
     1: GemvConfig(block_n=16, groups=4, waves=4, reduce="last", num_warps=4, num_stages=1),
-    2: GemvConfig(block_n=16, groups=4, waves=4, reduce="last", num_warps=4, num_stages=1),
-    4: GemvConfig(block_n=16, groups=2, waves=4, reduce="last", num_warps=4, num_stages=1),
-    8: GemvConfig(block_n=16, groups=2, waves=4, reduce="last", num_warps=4, num_stages=1),
-    16: GemvConfig(block_n=16, groups=2, waves=4, reduce="last", num_warps=8, num_stages=1),
+    2: GemvConfig(block_n=16, groups=2, waves=4, reduce="last", num_warps=4, num_stages=1),
+    4: GemvConfig(block_n=16, groups=2, waves=4, reduce="last", num_warps=8, num_stages=1),
+    8: None,
+    16: None,
 }
 
 
-def pick_config(m: int) -> GemvConfig:
-    """The ``CONFIGS`` entry for ``m`` rows (m <= MAX_ROWS)."""
+def pick_config(m: int) -> Optional[GemvConfig]:
+    """The ``CONFIGS`` entry for ``m`` rows (m <= MAX_ROWS); None: the tile kernel serves ``m`` rows."""
     return CONFIGS[min(b for b in CONFIGS if b >= m)]
 
 
@@ -87,6 +89,18 @@ if triton is not None:
                     other=0.0, eviction_policy="evict_first")
         sw = tl.load(sw_rows + g[None, :], mask=n_mask[:, None] & (g < g_end)[None, :], other=0.0)
         return w, sw
+
+    @triton.jit
+    def _x_step(x_ptr, it, M, K, stride_xm, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr):
+        # x's rows, step it's columns, rounded to e4m3 per group as the reference rounds, then dequantized
+        # (xq * sx, the reference's operand): [BLOCK_M, 1, GROUPS, GROUP_K] fp32, zeros for rows >= M
+        rm = tl.arange(0, BLOCK_M)[:, None, None, None]
+        kk = (it * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
+        kk = kk[None, None, :, :]
+        x = tl.load(x_ptr + rm * stride_xm + kk, mask=kk < tl.where(rm < M, K, 0), other=0.0).to(tl.float32)
+        sx = (tl.maximum(tl.max(tl.abs(x), 3), 1e-10) / 448.0)[:, :, :, None]          # [BLOCK_M, 1, GROUPS, 1]
+        xq = tl.clamp(tl.div_rn(x, sx), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+        return xq * sx
 
     # the split's sizes change with the shape: not specialized on (one compile per launch shape)
     @triton.jit(do_not_specialize=["n_split", "iters_per_split"])
@@ -107,21 +121,19 @@ if triton is not None:
         w, sw = _w_tile(w_rows, sw_rows, it_lo, it_hi, K, G, n_mask, GROUPS, GROUP_K)   # before the wait
         if USE_PDL:
             pdl.gdc_wait()                                   # x (and y when accumulating) come from before
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        # products summed in place over the steps, [BLOCK_M, BLOCK_N, GROUPS, GROUP_K] fp32 (dequantized
+        # weight times dequantized x, as the reference multiplies), one reduction at the end: the loop has
+        # no cross-thread sums. Triton lays the loop out as x's tile: the e4m3 weight tile (not its fp32
+        # copy) crosses shared memory once per step, each thread then holds every weight row for its columns
+        acc4 = tl.zeros((BLOCK_M, BLOCK_N, GROUPS, GROUP_K), tl.float32)
         for it in range(it_lo, it_hi):
             # the next step's tile is requested now and used in the next iteration
             w_next, sw_next = _w_tile(w_rows, sw_rows, it + 1, it_hi, K, G, n_mask, GROUPS, GROUP_K)
-            wf = w.to(tl.float32)
-            # x's columns of this step as [1, GROUPS, GROUP_K]: the weight tile's layout, broadcast over rows
-            kk = ((it * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :])[None, :, :]
-            for m in tl.static_range(BLOCK_M):
-                x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < tl.where(m < M, K, 0), other=0.0).to(tl.float32)
-                sx = tl.maximum(tl.max(tl.abs(x), 2), 1e-10) / 448.0                    # [1, GROUPS]
-                xq = tl.clamp(x / sx[:, :, None], -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
-                part = tl.sum(wf * xq, 2)                                                # [BLOCK_N, GROUPS]
-                y_m = tl.sum(part * sw * sx, 1)                                          # [BLOCK_N]
-                acc += tl.where(rm[:, None] == m, y_m[None, :], 0.0)
+            xd = _x_step(x_ptr, it, M, K, stride_xm, BLOCK_M, GROUPS, GROUP_K)   # [BLOCK_M, 1, GROUPS, GROUP_K]
+            wd = w[None, :, :, :].to(tl.float32) * sw[None, :, :, None]          # [1, BLOCK_N, GROUPS, GROUP_K]
+            acc4 = tl.fma(wd, xd, acc4)
             w, sw = w_next, sw_next
+        acc = tl.sum(tl.sum(acc4, 3), 2)                                                # [BLOCK_M, BLOCK_N]
         if USE_PDL:
             pdl.gdc_launch_dependents()
         out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
@@ -153,9 +165,10 @@ _sm_count: dict[torch.device, int] = {}
 
 
 def usable(x: torch.Tensor) -> bool:
-    """This kernel takes ``x``: Triton, CUDA, 2-D with 1..MAX_ROWS contiguous rows."""
+    """This kernel takes ``x``: Triton, CUDA, 2-D with 1..MAX_ROWS contiguous rows, and ``CONFIGS`` has
+    a launch shape for its row count."""
     return (triton is not None and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
-            and x.stride(1) == 1)
+            and x.stride(1) == 1 and pick_config(x.shape[0]) is not None)
 
 
 def split_for(n_tiles: int, iters: int, waves: int, sms: int) -> int:
@@ -176,6 +189,7 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional
     N = wq.shape[0]
     assert 0 < M <= MAX_ROWS and wq.shape[1] == K and wq.stride(1) == 1
     cfg = config or pick_config(M)
+    assert cfg is not None, f"no GEMV launch shape for {M} rows (CONFIGS)"
     dev = x.device
     G = triton.cdiv(K, GROUP)
     iters = triton.cdiv(G, cfg.groups)
