@@ -74,7 +74,8 @@ def _kernel_check() -> None:
     torch.manual_seed(0)
     no_split = GemvConfig(16, 2, 0, "last", 4, 1)
     last = GemvConfig(8, 1, 64, "last", 4, 1)           # 40 / 8 tiles, split over all 3 groups
-    atomic = GemvConfig(32, 2, 64, "atomic", 4, 1)
+    atomic = GemvConfig(32, 1, 64, "atomic", 4, 1)      # 37 / 32 tiles, split over both groups of K 200
+    assert fp8_gemv.split_for(5, 3, 64, 132) == 3 and fp8_gemv.split_for(2, 2, 64, 132) == 2
     for m in (1, 2, 3, 4, 7, 8, 9, 16):                  # row counts around each BLOCK_M, the split kernel
         _check(m, 40, 300, last, torch.float32, torch.float32, m % 2 == 1, False)
     for m in (1, 5, 16):
@@ -82,6 +83,7 @@ def _kernel_check() -> None:
         _check(m, 37, 200, atomic, torch.float16, torch.float16, True, False)
         _check(m, 40, 300, last, torch.bfloat16, torch.bfloat16, False, True)
         _check(m, 40, 300, no_split, torch.float16, torch.float16, True, True)
+        _check(m, 37, 200, atomic, torch.bfloat16, torch.bfloat16, True, True)   # adds with "last"
     for m, cfg in fp8_gemv.CONFIGS.items():              # the table's launch shapes
         if cfg is not None:
             _check(m, 50, 520, cfg, torch.bfloat16, torch.bfloat16, True, False)

@@ -199,10 +199,10 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional
     split = split_for(n_tiles, iters, cfg.waves, _sm_count[dev])
     per_split = triton.cdiv(iters, split)
     split = triton.cdiv(iters, per_split)                # no split left without steps
-    atomic = split > 1 and cfg.reduce == "atomic"
+    atomic = split > 1 and cfg.reduce == "atomic" and accumulate is None   # (adding into y: "last")
     bm = triton.next_power_of_2(M)
     if accumulate is not None:
-        assert accumulate.shape == (M, N) and accumulate.stride(1) == 1 and not atomic
+        assert accumulate.shape == (M, N) and accumulate.stride(1) == 1
         y = accumulate
     elif atomic:
         y = torch.zeros((M, N), dtype=torch.float32, device=dev)
