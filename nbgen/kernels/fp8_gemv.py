@@ -98,7 +98,7 @@ if triton is not None:
         kk = (it * GROUPS + tl.arange(0, GROUPS))[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]
         kk = kk[None, None, :, :]
         x = tl.load(x_ptr + rm * stride_xm + kk, mask=kk < tl.where(rm < M, K, 0), other=0.0).to(tl.float32)
-        sx = (tl.maximum(tl.max(tl.abs(x), 3), 1e-10) / 448.0)[:, :, :, None]          # [BLOCK_M, 1, GROUPS, 1]
+        sx = tl.div_rn(tl.maximum(tl.max(tl.abs(x), 3), 1e-10), 448.0)[:, :, :, None]   # [BLOCK_M, 1, GROUPS, 1]
         xq = tl.clamp(tl.div_rn(x, sx), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
         return xq * sx
 
