@@ -151,3 +151,20 @@ def test_overlap_failing_step_loses_nothing(tiny_llama_dir, kind):
             assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     for a, b in zip(ref, again):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
+
+
+def test_bench_embed_score_mode_runs_on_cpu(tiny_llama_dir):
+    """``python -m nbgen.bench.embed --score``: the same texts scored on a generative engine, every
+    prompt token counted, two label probabilities per text."""
+    import json
+    import os
+
+    from nbgen.bench.embed import main, make_texts
+
+    with open(os.path.join(tiny_llama_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    argv = ["--model", tiny_llama_dir, "--device", "cpu", "--dtype", "float32", "--num-texts", "12",
+            "--min-tokens", "8", "--max-tokens", "40", "--score"]
+    r = main(argv)[0]
+    assert r["in_tokens"] == sum(map(len, make_texts(12, 8, 40, vocab)))
+    assert r["dim"] == 2 and r["steps"]["steps"] > 0 and r["tok_s"] > 0
