@@ -10,6 +10,8 @@ the same directory (Transformer + last-token Pooling + Normalize) running its fo
 token ids in ``encode``'s batches (length-sorted, ``--st-batch-size``); tokenization is left out of
 both engines. With ``--load-format dummy`` the directory has no weights: the peer gets random HF
 weights of the same shapes (saved to a temporary directory), which times the same work.
+``--score``: the same texts through ``score()`` on a generative engine instead (prefill plus one
+token's label logprobs; no peer).
 """
 from __future__ import annotations
 
