@@ -168,3 +168,28 @@ def test_bench_embed_score_mode_runs_on_cpu(tiny_llama_dir):
     r = main(argv)[0]
     assert r["in_tokens"] == sum(map(len, make_texts(12, 8, 40, vocab)))
     assert r["dim"] == 2 and r["steps"]["steps"] > 0 and r["tok_s"] > 0
+
+
+def test_overlap_row_with_nothing_allowed_aborts_as_plain_loop(tiny_llama_dir):
+    """A row whose every token is masked (-inf biases on all but EOS, EOS banned by min_new_tokens)
+    aborts its request in a pipelined step as in the plain loop; its neighbours (one with output
+    logprobs) are untouched."""
+    import json
+    import os
+
+    with open(os.path.join(tiny_llama_dir, "config.json")) as f:
+        c = json.load(f)
+    eos = c["eos_token_id"]
+    plain = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    masked = {"max_new_tokens": 5, "temperature": 0.0, "min_new_tokens": 2,
+              "logit_bias": {str(t): float("-inf") for t in range(c["vocab_size"]) if t != eos}}
+    prompts, sps = [[5, 6, 7], [8, 9], [10, 11, 12]], [plain, masked, plain]
+    outs = {}
+    for overlap in (False, True):
+        with _engine(tiny_llama_dir, overlap) as eng:
+            outs[overlap] = eng.generate(input_ids=prompts, sampling_params=sps, return_logprob=True)
+    for a, b in zip(outs[False], outs[True]):
+        assert b["output_ids"] == a["output_ids"]
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"]
+        assert len(b["meta_info"]["output_token_logprobs"]) == len(b["output_ids"])
+    assert outs[True][1]["output_ids"] == [] and "no token is allowed" in outs[True][1]["meta_info"]["finish_reason"]["message"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Protocol
 
 from nbgen.core.batch import ScheduledBatch, StepOutput
+from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
@@ -224,6 +225,12 @@ class OverlapStepper:
             at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
             if not (0 <= at < len(req.output_ids) and req.output_ids[at] == placeholder(row)):
                 continue                                 # never appended (aborted / preempted before)
+            if launched.errors and row in launched.errors:   # every token masked: abort, as the plain loop
+                del req.output_ids[at:]                  # the placeholder (the next step is not applied yet)
+                sched.finish(req, FinishReason.abort(launched.errors[row]))
+                if req not in changed:
+                    changed.append(req)
+                continue
             req.output_ids[at] = tok
             if lps is not None and lps[row] is not None and len(req.output_token_logprobs) == at:
                 req.add_output_logprob(lps[row])
