@@ -89,7 +89,8 @@ class _RunAll:
 
     def wait_all(self, timeout: float) -> list[str]:
         t_end = time.monotonic() + timeout
-        while len(self.replies) < len(self.ids) and time.monotonic() < t_end:
+        # only our cells' replies count (start_new_kernel's kernel_info reply may come in late)
+        while any(i not in self.replies for i in self.ids) and time.monotonic() < t_end:
             self._pump(0.2)
         while self._pump(0.2):  # the last outputs
             pass

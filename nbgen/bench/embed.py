@@ -10,6 +10,8 @@ the same directory (Transformer + last-token Pooling + Normalize) running its fo
 token ids in ``encode``'s batches (length-sorted, ``--st-batch-size``); tokenization is left out of
 both engines. With ``--load-format dummy`` the directory has no weights: the peer gets random HF
 weights of the same shapes (saved to a temporary directory), which times the same work.
+``--score``: the same texts through ``score()`` on a generative engine instead (prefill plus one
+token's label logprobs; no peer).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import Any, Optional
 import torch
 
 from nbgen.bench.floor import linear_rate, matmul_rate, prefill_flops
-from nbgen.bench.profiling import StepTimer, print_gpu_profile
+from nbgen.bench.gpu_spans import GpuSpans
+from nbgen.bench.profiling import GcPauses, StepTimer, print_gpu_profile
 from nbgen.engine import Engine
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import get_model_class
@@ -57,42 +60,66 @@ def bounds(model_dir: str, lens: list[int], rate: float, rows: int, device: torc
     return flops, flops / rate, linear / linear_rate(model, rows, device) + (flops - linear) / rate
 
 
+def _job(eng: Engine, texts: list[list[int]], score: bool) -> list[dict[str, Any]]:
+    """The timed call: encode the texts, or (``--score``) score each as an item after an empty query
+    against two label ids (a generative engine; its output dicts carry the meta_info)."""
+    if not score:
+        return eng.encode(input_ids=texts)
+    outs = dict(eng.score_iter(query=[], items=texts, label_token_ids=[0, 1]))
+    return [outs[i] for i in range(len(texts))]
+
+
 def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any]:
-    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "is_embedding": True}
+    kw: dict[str, Any] = {"device": args.device, "load_format": args.load_format, "is_embedding": not args.score}
     for k in ("dtype", "chunked_prefill_size", "max_running_requests", "piecewise_cuda_graph_max_tokens"):
         if getattr(args, k):
             kw[k] = getattr(args, k)
-    if args.disable_cuda_graph:
-        kw["disable_cuda_graph"] = True
+    for k in ("disable_cuda_graph", "disable_overlap_schedule"):
+        if getattr(args, k):
+            kw[k] = True
     t0 = time.perf_counter()
     eng = Engine(args.model, **kw)
     startup = time.perf_counter() - t0
-    eng.encode(input_ids=[t[:64] for t in texts[:8]])                  # warm-up (graphs, kernels)
+    _job(eng, [t[:64] for t in texts[:8]], args.score)                 # warm-up (graphs, kernels)
     eng.flush_cache()
     # the loop's time per step, and the part spent waiting for the device: pipelined embedding steps
-    # wait for the previous step's vectors (CUDA), a CPU step for its forward
-    timer = StepTimer(eng, (PendingVectors, "wait") if args.device == "cuda" else (eng._loop.runner, "hidden_states"))
+    # wait for the previous step's vectors (CUDA), score steps for their sampled ids, a CPU step for its forward
+    cuda = args.device == "cuda"
+    wait_on = (eng._loop.runner, "hidden_states") if not cuda else None if args.score else (PendingVectors, "wait")
+    timer = StepTimer(eng, wait_on)
+    spans = GpuSpans(eng) if cuda else None
+    gc_pauses = GcPauses()
     t0 = time.perf_counter()
-    outs = eng.encode(input_ids=texts)
+    outs = _job(eng, texts, args.score)
     secs = time.perf_counter() - t0
+    gc_pauses.close()
     steps = timer.summary()
     timer.close()
+    print(gc_pauses.summary(secs))
     print(f"nbgen: {steps['steps']} steps, {steps['step_ms']:.2f} ms each: host {steps['host_ms']:.2f} ms, "
           f"waiting for the device {steps['wait_ms']:.2f} ms (a wait near 0: the host is the bottleneck)")
+    if spans is not None:
+        g = spans.summary()
+        spans.close()
+        steps.update(gpu=g)
+        print(f"GPU: {g['forwards']} forwards, {g['forward_ms']:.2f} ms each ({g['forward_s']:.2f} s), "
+              f"{g['between_ms']:.3f} ms between forwards ({g['between_s']:.2f} s: the step's tail and the GPU "
+              f"idle waiting for the host)")
     info = eng.get_server_info()
-    if args.profile and args.device == "cuda":   # a second, profiled run: GPU busy time and top kernels
+    if args.profile and cuda:   # a second, profiled run: GPU busy time and top kernels
         from torch.profiler import ProfilerActivity, profile
         eng.flush_cache()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t1 = time.perf_counter()
-            eng.encode(input_ids=texts)
+            _job(eng, texts, args.score)
             wall = time.perf_counter() - t1
         print_gpu_profile(prof, wall)
     eng.shutdown()
     n_in = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+    ok = next(o for o in outs if (o.get("embedding") or o.get("scores")) is not None)
     return {"engine": "nbgen", "seconds": secs, "in_tokens": n_in, "startup_s": startup,
             "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
-            "dim": len(outs[0]["embedding"]), "steps": steps,
+            "dim": len(ok.get("embedding") or ok["scores"]), "steps": steps,
             "server_info": {k: info.get(k) for k in ("attention_backend", "piecewise_cuda_graph_tokens",
                                                      "chunked_prefill_size", "max_running_requests")}}
 
@@ -177,6 +204,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
                     help="largest piecewise prefill graph (default: the chunk, at most 8192)")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--disable-overlap-schedule", action="store_true", help="the plain loop (no pipelined steps)")
+    ap.add_argument("--score", action="store_true",
+                    help="score() each text on a generative engine (two label ids) instead of encode(); no peer")
     ap.add_argument("--st-batch-size", type=int, default=32, help="the peer's batch size (encode's default)")
     ap.add_argument("--no-peer", action="store_true", help="skip sentence-transformers")
     ap.add_argument("--profile", action="store_true", help="profile a second nbgen run (CUDA): GPU busy time, top kernels")
@@ -191,7 +221,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     rows = [run_nbgen(args, texts)]
-    if not args.no_peer:
+    if not args.no_peer and not args.score:
         try:
             rows.append(run_sentence_transformers(args, texts))
         except ImportError:

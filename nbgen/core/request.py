@@ -146,6 +146,12 @@ class Request:
             else:
                 self.hidden_states.append(row)
 
+    def add_output_logprob(self, lp: Any) -> None:
+        """Record the logprobs (a ``batch.TokenLogprobs``) of the output token just placed."""
+        self.output_token_logprobs.append((lp.logprob, lp.token_id))
+        self.output_top_logprobs.append(lp.top)
+        self.output_ids_logprobs.append(lp.ids)
+
     def trim_output(self, n: int) -> None:
         """Keep the first ``n`` output tokens (and their logprobs): a stop string matched inside a
         speculative step's accepted run, where plain decoding would have stopped."""

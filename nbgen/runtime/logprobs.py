@@ -2,11 +2,13 @@
 
 ``log_softmax`` over the rows given, as SGLang reports them: the Sampler passes a sampled token's
 processed logits divided by the temperature (see runtime/sampler.py), the runner a prompt
-position's raw logits (prompt logprobs never see sampling parameters).
+position's raw logits (prompt logprobs never see sampling parameters). Output logprobs may stay
+pending (``queue_token_logprobs``, ``RowLogprobs``): their copies to the host are queued behind the
+step, and the overlap stepper reads them when it resolves the step's tokens.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -27,10 +29,17 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, top_ns: Sequence[int],
     id_lists[i]: token ids whose logprobs row i wants (None: none).
     Returns one TokenLogprobs per row; ``top`` is best first. One host sync per call.
     """
+    return queue_token_logprobs(logits, target_ids, top_ns, id_lists).result()
+
+
+def queue_token_logprobs(logits: Tensor, target_ids: Tensor, top_ns: Sequence[int],
+                         id_lists: Sequence[Optional[Sequence[int]]]) -> "PendingLogprobs":
+    """``token_logprobs`` without waiting: the device work and the copies to the host are queued;
+    ``result()`` waits for them (the overlap stepper reads them one step later)."""
     n, vocab = logits.shape
     assert target_ids.shape == (n,) and len(top_ns) == n and len(id_lists) == n
     if n == 0:
-        return []
+        return PendingLogprobs([], [], None, None, None, top_ns, id_lists)
     lp = torch.log_softmax(logits.float(), dim=-1)                       # [N, V]
     chosen = lp.gather(1, target_ids.view(n, 1).long()).squeeze(1)       # [N]
 
@@ -46,22 +55,62 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, top_ns: Sequence[int],
         pad = [list(ids or []) + [0] * (lmax - len(ids or [])) for ids in id_lists]
         ids_t = torch.tensor(pad, dtype=torch.long).to(lp.device, non_blocking=True)  # [N, L]
         ids_v = lp.gather(1, ids_t)                                       # [N, L]
+    return PendingLogprobs(chosen, target_ids, top_v, top_i, ids_v, top_ns, id_lists)
 
-    # --- one transfer per tensor ---
-    chosen_l = chosen.tolist()
-    tgt_l = target_ids.tolist()
-    top_vl = top_v.tolist() if top_v is not None else None
-    top_il = top_i.tolist() if top_i is not None else None
-    ids_vl = ids_v.tolist() if ids_v is not None else None
 
-    out: list[TokenLogprobs] = []
-    for r in range(n):
-        k = min(top_ns[r], vocab)
-        top = list(zip(top_vl[r][:k], top_il[r][:k])) if k > 0 and top_vl is not None else []
-        ids = id_lists[r]
-        idl = list(zip(ids_vl[r][:len(ids)], ids)) if ids and ids_vl is not None else []
-        out.append(TokenLogprobs(logprob=chosen_l[r], token_id=int(tgt_l[r]), top=top, ids=idl))
-    return out
+class PendingLogprobs:
+    """N rows' logprobs on their way to the host: on CUDA each tensor is copied into pinned memory
+    behind the step's work (non-blocking, one event after the copies); ``result()`` waits for the
+    event and builds the TokenLogprobs (one transfer per tensor, never one per row)."""
+
+    def __init__(self, chosen: Any, targets: Any, top_v: Optional[Tensor], top_i: Optional[Tensor],
+                 ids_v: Optional[Tensor], top_ns: Sequence[int],
+                 id_lists: Sequence[Optional[Sequence[int]]]) -> None:
+        self.top_ns, self.id_lists = list(top_ns), list(id_lists)
+        parts = [chosen, targets, top_v, top_i, ids_v]    # [N], [N], [N, k], [N, k], [N, L]
+        self._event = None
+        if isinstance(chosen, Tensor) and chosen.is_cuda:
+            host = []
+            for t in parts:
+                if t is not None:
+                    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    h.copy_(t, non_blocking=True)
+                    t = h
+                host.append(t)
+            parts = host
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._parts = parts
+
+    def result(self) -> list[TokenLogprobs]:
+        """The rows' TokenLogprobs (waits for the copies on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+        chosen, tgt, top_v, top_i, ids_v = (t.tolist() if isinstance(t, Tensor) else t for t in self._parts)
+        vocab_k = len(top_v[0]) if top_v else 0
+        out: list[TokenLogprobs] = []
+        for r in range(len(chosen)):
+            k = min(self.top_ns[r], vocab_k)
+            top = list(zip(top_v[r][:k], top_i[r][:k])) if k > 0 else []
+            ids = self.id_lists[r]
+            idl = list(zip(ids_v[r][:len(ids)], ids)) if ids and ids_v is not None else []
+            out.append(TokenLogprobs(logprob=chosen[r], token_id=int(tgt[r]), top=top, ids=idl))
+        return out
+
+
+class RowLogprobs:
+    """A sampled batch's output logprobs per sampling row: ``rows`` (those that asked) got
+    ``pending``'s entries in order, the others None; ``lists()`` waits for them."""
+
+    def __init__(self, n: int, rows: list[int], pending: Optional[PendingLogprobs]) -> None:
+        self.n, self.rows, self.pending = n, rows, pending
+
+    def lists(self) -> list[Optional[TokenLogprobs]]:
+        out: list[Optional[TokenLogprobs]] = [None] * self.n
+        if self.pending is not None:
+            for i, r in zip(self.rows, self.pending.result()):
+                out[i] = r
+        return out
 
 
 def prompt_logprobs(logits: Tensor, target_ids: Tensor | list[int], top_n: int,

@@ -9,8 +9,10 @@ Per loop iteration (``OverlapStepper.step``):
   4. ``scheduler.update`` applies batch N+1 with placeholder ids (lengths, max_new_tokens and page
      bookkeeping only depend on counts), and N+1 becomes the pending step.
 A request that hit a stop token at step N has already been scheduled for N+1; that extra token is
-dropped because ``update`` skips requests that are no longer running. Batches that need host-side
-token values (logprobs, penalties over output ids, custom logit processors, hidden states) run
+dropped because ``update`` skips requests that are no longer running. Output logprobs (``score``'s
+label probabilities among them) ride along: computed on the GPU with the sampling, copied to the
+host behind it and recorded when the step resolves. Batches that need host-side token values
+(prompt logprobs, penalties over output ids, custom logit processors, hidden states) run
 synchronously after a flush, so greedy and seeded outputs are identical with and without overlap.
 Embedding batches pipeline too: step N's forward, pooling and the copy of its vectors to the host
 are queued, step N-1 is delivered meanwhile, step N is applied (it samples nothing, so no
@@ -29,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Protocol
 
 from nbgen.core.batch import ScheduledBatch, StepOutput
+from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
@@ -56,8 +59,8 @@ class LoopLike(Protocol):
 def overlappable(batch: ScheduledBatch) -> bool:
     """True when no seq needs real token values on the host before its next step."""
     for s in batch.seqs:
-        p, lp = s.req.params, s.req.logprobs
-        if s.prompt_logprob_start >= 0 or lp.return_logprob:
+        p = s.req.params
+        if s.prompt_logprob_start >= 0 or s.req.wants_prompt_logprobs:   # output logprobs overlap
             return False
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
             return False
@@ -212,16 +215,25 @@ class OverlapStepper:
         self.pending = None
         sched = self.scheduler
         toks = self.runner.resolve(launched)
+        lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         k = 0
         for i, s in enumerate(launched.batch.seqs):
             if not s.sample:
                 continue
-            ph, tok, k = placeholder(k), toks[i], k + 1
+            row, tok, k = k, toks[i], k + 1
             req = s.req
             at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
-            if not (0 <= at < len(req.output_ids) and req.output_ids[at] == ph):
+            if not (0 <= at < len(req.output_ids) and req.output_ids[at] == placeholder(row)):
                 continue                                 # never appended (aborted / preempted before)
+            if launched.errors and row in launched.errors:   # every token masked: abort, as the plain loop
+                del req.output_ids[at:]                  # the placeholder (the next step is not applied yet)
+                sched.finish(req, FinishReason.abort(launched.errors[row]))
+                if req not in changed:
+                    changed.append(req)
+                continue
             req.output_ids[at] = tok
+            if lps is not None and lps[row] is not None and len(req.output_token_logprobs) == at:
+                req.add_output_logprob(lps[row])
             reason = req.end_after(tok, at + 1)          # the one stop check (a length cut was made at update)
             if req.grammar is not None:
                 reason = req.grammar.on_token(tok, reason)

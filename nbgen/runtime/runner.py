@@ -21,6 +21,7 @@ from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.cuda_graphs import Staged
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
 from nbgen.runtime.lora import LoRAManager, LoRAStep
+from nbgen.runtime.logprobs import RowLogprobs
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
@@ -46,6 +47,7 @@ class Launched:
     host: Optional[torch.Tensor]          # [S] long pinned copy (valid once `event` completed)
     event: Optional[torch.cuda.Event]     # after the copy; None on CPU
     errors: dict[int, str] = field(default_factory=dict)  # sampling row -> error (custom processors)
+    logprobs: Optional[RowLogprobs] = None  # per sampling row, on their way to the host (output logprobs)
 
 
 # a decode-only batch's inputs and attention plan, queued ahead of its forward (graph path)
@@ -244,7 +246,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, fwd: Forwarded, fill: Optional[FillJob] = None) -> Launched:
-        """Queue the sampling of a forwarded step; the sampled ids stay on the device.
+        """Queue the sampling of a forwarded step; the sampled ids stay on the device (output
+        logprobs, where asked, on their way to the host: ``Launched.logprobs``).
 
         ``fill``: a grammar bitmask job started for these rows (``Constraints.fill_async``).
         """
@@ -257,19 +260,19 @@ class ModelRunner:
         if self.graphs is not None and fwd.order == self._forwards and len(seqs) <= self.graphs.prev.numel():
             out = self.graphs.prev[: len(seqs)]
         try:
-            res = self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out)
+            res = self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out, defer_logprobs=True)
         finally:
             if fill is not None:
                 fill.settle()
         tokens = res.token_ids
         self.note_sampled(tokens)
         if not self.on_gpu:
-            return Launched(batch, tokens, tokens, None, res.errors)
+            return Launched(batch, tokens, tokens, None, res.errors, res.pending_logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        return Launched(batch, tokens, host, ev, res.errors)
+        return Launched(batch, tokens, host, ev, res.errors, res.pending_logprobs)
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""

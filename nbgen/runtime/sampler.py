@@ -36,7 +36,7 @@ from torch import Tensor
 
 from nbgen.core.batch import SeqWork, TokenLogprobs
 from nbgen.runtime.constraints import Constraints
-from nbgen.runtime.logprobs import token_logprobs
+from nbgen.runtime.logprobs import RowLogprobs, queue_token_logprobs
 from nbgen.runtime.sampling_ops import greedy_argmax, mix32, noisy_argmax, row_keys
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class SamplerOutput:
     token_ids: Tensor
     logprobs: list[Optional[TokenLogprobs]]
     errors: dict[int, str] = field(default_factory=dict)   # row -> message: abort that request only
+    pending_logprobs: Optional[RowLogprobs] = None          # defer_logprobs: the rows' logprobs, not read yet
 
 
 class Sampler:
@@ -139,12 +140,14 @@ class Sampler:
                                  ^ 0x27D4EB2F)
 
     def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None,
-                 greedy_out: Optional[Tensor] = None) -> SamplerOutput:
+                 greedy_out: Optional[Tensor] = None, defer_logprobs: bool = False) -> SamplerOutput:
         """logits [B, V'] in the model dtype (V' >= vocab: padded lm_head columns are dropped).
 
         ``fill``: a grammar bitmask job already started for these rows (overlap scheduling).
         ``greedy_out``: a [B] long buffer the all-plain-greedy fast path writes its ids into (the
         decode graphs' input of the next step), instead of a new tensor.
+        ``defer_logprobs``: leave the logprobs on their way to the host (``pending_logprobs``; the
+        overlap stepper reads them when it resolves the step) instead of waiting for them.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits[:, : self.vocab_size]
@@ -168,7 +171,10 @@ class Sampler:
                 tokens = greedy_argmax(x)
                 rows_t = host_tensor(rows, torch.long, x.device)
                 tokens.index_copy_(0, rows_t, self._sample(x[rows_t], [seqs[i] for i in rows]))
-        return SamplerOutput(token_ids=tokens, logprobs=self._logprobs(x, tokens, seqs), errors=errors)
+        lps = self._logprobs(x, tokens, seqs)
+        if defer_logprobs:
+            return SamplerOutput(token_ids=tokens, logprobs=[None] * len(seqs), errors=errors, pending_logprobs=lps)
+        return SamplerOutput(token_ids=tokens, logprobs=lps.lists(), errors=errors)
 
     # ------------------------------------------------------------------ processors
     def process(self, x: Tensor, seqs: list[SeqWork]) -> Tensor:
@@ -259,13 +265,12 @@ class Sampler:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     # ------------------------------------------------------------------ logprobs
-    def _logprobs(self, x: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> list[Optional[TokenLogprobs]]:
+    def _logprobs(self, x: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> RowLogprobs:
         """Logprobs of the rows that want them, from the processed logits x [B, V'] (SGLang's rule:
-        divided by the temperature unless the row is greedy or ``original_logprobs``)."""
-        out: list[Optional[TokenLogprobs]] = [None] * len(seqs)
+        divided by the temperature unless the row is greedy or ``original_logprobs``), queued."""
         rows = [i for i, s in enumerate(seqs) if s.req.logprobs.return_logprob]
         if not rows:
-            return out
+            return RowLogprobs(len(seqs), [], None)
         rows_t = host_tensor(rows, torch.long, x.device)
         lx = x[rows_t]                                                  # [r, V'] a copy
         if lx.shape[1] < self.vocab_size:        # narrowed to the tokenizer's ids by a grammar mask
@@ -275,9 +280,7 @@ class Sampler:
                      for p in (seqs[i].req.params for i in rows)]
             if any(t != 1.0 for t in temps):
                 lx = lx / host_tensor(temps, lx.dtype, lx.device).view(-1, 1)
-        res = token_logprobs(lx, tokens[rows_t],
-                             [seqs[i].req.logprobs.top_logprobs_num for i in rows],
-                             [seqs[i].req.logprobs.token_ids_logprob for i in rows])
-        for i, r in zip(rows, res):
-            out[i] = r
-        return out
+        res = queue_token_logprobs(lx, tokens[rows_t],
+                                   [seqs[i].req.logprobs.top_logprobs_num for i in rows],
+                                   [seqs[i].req.logprobs.token_ids_logprob for i in rows])
+        return RowLogprobs(len(seqs), rows, res)

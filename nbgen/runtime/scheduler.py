@@ -233,9 +233,7 @@ class Scheduler:
                 req.output_ids.append(tok)
                 lp = out.output_logprobs[i]
                 if lp is not None:
-                    req.output_token_logprobs.append((lp.logprob, lp.token_id))
-                    req.output_top_logprobs.append(lp.top)
-                    req.output_ids_logprobs.append(lp.ids)
+                    req.add_output_logprob(lp)
                 reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
                 if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
                     reason = req.grammar.on_token(tok, reason)
