@@ -21,9 +21,7 @@ Per scheduled batch:
 
 Batches with prompt logprobs, hidden states, grammars or custom
 logit processors run as plain steps (no drafts that step); so do steps where nothing was drafted,
-which keeps the decode CUDA graphs for them. A step whose seqs are all verify rows replays a verify
-CUDA graph (runtime/verify_graphs.py: rows padded to ``speculative_num_draft_tokens`` tokens) where
-the engine has graphs; other verify steps run eagerly.
+which keeps the decode CUDA graphs for them. Verify steps run eagerly (no CUDA graph).
 """
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.spec_verify import AcceptRule, longest_agreeing, verify
 from nbgen.runtime.step_inputs import flatten
-from nbgen.runtime.verify_graphs import VerifyGraphRunner, make_verify_graphs
 
 
 class Drafter(Protocol):
@@ -68,12 +65,9 @@ class SpecStepper:
     """Runs a ScheduledBatch with drafting and verification; rewrites the batch for ``Scheduler.update``."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, spec: SpecConfig, drafter: Drafter,
-                 stats: Optional[LoopStats] = None, rule: AcceptRule = longest_agreeing,
-                 verify_graphs: Optional[VerifyGraphRunner] = None) -> None:
-        """``rule``: the acceptance rule (tests swap in wrong ones to see the statistics catch them);
-        ``verify_graphs``: CUDA graphs for steps of verify rows only (runtime/verify_graphs.py)."""
+                 stats: Optional[LoopStats] = None, rule: AcceptRule = longest_agreeing) -> None:
+        """``rule``: the acceptance rule (tests swap in wrong ones to see the statistics catch them)."""
         self.runner, self.scheduler, self.spec, self.drafter = runner, scheduler, spec, drafter
-        self.verify_graphs = verify_graphs
         self.stats = stats
         self.rule = rule
         self._steps = 0
@@ -147,28 +141,18 @@ class SpecStepper:
             if d:
                 s = batch.seqs[i]
                 batch.seqs[i] = SeqWork(s.req, s.token_ids + d, s.start_pos, s.pages, True)
-        vg = self._current_verify_graphs()
-        graphed = vg is not None and vg.can_run(batch, dec)
-        if graphed:
-            hidden, starts = vg.run(batch)                       # [bs * q, H]: seq i's rows from i * q
-        else:
-            flat = flatten(batch)
-            hidden, starts = runner.hidden_states(batch, flat), flat.starts       # [T, H]
+        flat = flatten(batch)
         rows: list[int] = []
         seqs: list[SeqWork] = []
         nd: list[int] = []
         for i, s in enumerate(batch.seqs):
             if s.sample:
-                end = starts[i] + s.q_len
+                end = flat.starts[i] + s.q_len
                 rows.extend(range(end - 1 - len(drafts[i]), end))
                 seqs.append(s)
                 nd.append(len(drafts[i]))
-        if graphed:
-            logits = vg.logits(hidden, rows)                                       # [R, V]
-            if self.stats is not None:
-                self.stats.publish({"spec_verify_graph_steps": vg.replays})
-        else:
-            logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
+        hidden = runner.hidden_states(batch, flat)                                 # [T, H]
+        logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
         res = iter(verify(runner.sampler, logits, seqs, nd, self.rule))
         n = len(batch.seqs)
         out = StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
@@ -187,17 +171,9 @@ class SpecStepper:
                 batch.seqs[i] = SeqWork(s.req, s.token_ids[: s.q_len - len(drafts[i]) + acc[i]], s.start_pos,
                                         s.pages, True)
         if getattr(self.drafter, "wants_hidden", False):      # EAGLE: the kept tokens' features
-            self.drafter.observe(batch, starts, hidden)
+            self.drafter.observe(batch, flat.starts, hidden)
         self.count(batch, dec, [len(d) for d in drafts], acc)
         return out
-
-    def _current_verify_graphs(self) -> Optional[VerifyGraphRunner]:
-        """The verify graphs, captured again when the runner recaptured its own (memory release)."""
-        vg = self.verify_graphs
-        if vg is not None and vg.stale and self.runner.graphs is not None:
-            vg.release()
-            vg = self.verify_graphs = make_verify_graphs(self.runner, vg.q)
-        return vg
 
     def count(self, batch: ScheduledBatch, dec: list[bool], proposed: list[int], accepted: list[int]) -> None:
         """Per-request counters (meta_info) and the engine's totals (stats, dashboard)."""
