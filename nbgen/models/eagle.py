@@ -6,9 +6,8 @@ draft step. EAGLE3: ``h_i`` is the concat of three target layers' hidden states,
 one ``midlayer`` whose attention reads ``cat(input_layernorm(embed), hidden_norm(h))`` [2H]; logits are
 its own ``lm_head(norm(out))`` over a reduced vocabulary mapped back to target ids by ``d2t``.
 
-Attention is eager torch over the head's KV (``HeadCache``): one request's ``DraftCache``, or many
-requests' caches padded into one batch (models/eagle_batch.py) so that a step drafts for all of them in
-one forward; the draft is one layer and its cost is small next to the target's verify forward.
+Attention is eager torch over a per-request KV cache (``DraftCache``): the draft is one layer and
+its cost is small next to the target's verify forward.
 """
 from __future__ import annotations
 
