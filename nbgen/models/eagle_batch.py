@@ -35,16 +35,16 @@ class BatchedCache:
         self.v: list[torch.Tensor] = []
         self.catch_up()
 
-    def _dev(self, values: list) -> torch.Tensor:
-        """An int64 tensor of ``values`` on the device without a host sync (pinned staging on CUDA)."""
-        t = torch.tensor(values, dtype=torch.long)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
-    def _rows(self, b: torch.Tensor, t: torch.Tensor, slot: torch.Tensor, tq: int, limit: torch.Tensor) -> None:
-        """Set the current rows (device tensors): flat row r is query t[r] of request b[r], written at
-        slot[r]; ``limit`` [B, Tq]: the last slot each query of each request sees."""
-        self.b_idx, self.t_idx, self.slot, self.tq = b, t, slot, tq                  # [T] each
-        self.mask = (torch.arange(self.cap, device=self.device) <= limit[:, :, None])[:, None]   # [B, 1, Tq, cap]
+    def _rows(self, b: list[int], t: list[int], slot: list[int], tq: int, limit: list[list[int]]) -> None:
+        """Set the current rows: flat row r is query t[r] of request b[r], written at slot[r]; ``limit[b][t]``
+        the last slot query t of request b sees."""
+        dev = self.device
+        self.b_idx = torch.tensor(b, device=dev)                          # [T]
+        self.t_idx = torch.tensor(t, device=dev)                          # [T]
+        self.slot = torch.tensor(slot, device=dev)                        # [T]
+        self.tq = tq
+        lim = torch.tensor(limit, device=dev)                             # [B, Tq]
+        self.mask = (torch.arange(self.cap, device=dev) <= lim[:, :, None])[:, None]   # [B, 1, Tq, cap]
 
     def catch_up(self) -> None:
         """Rows: every request's waiting feature rows, request by request."""
@@ -55,16 +55,13 @@ class BatchedCache:
             t += list(range(n))
             slot += range(c, c + n)
             limit.append([c + min(j, n - 1) for j in range(tq)])
-        B = len(self.base)
-        self._next = self._dev([c + m for c, m in zip(self.base, self.new)])     # [B] each one's first draft slot
-        self._all, self._zero = self._dev(list(range(B))), self._dev([0] * B)  # draft rows: one per request
-        self._rows(self._dev(b), self._dev(t), self._dev(slot), tq, self._dev(limit))
+        self._rows(b, t, slot, tq, limit)
 
     def draft_step(self, j: int) -> None:
-        """Rows: each request's j-th draft row (j = 0: the row after its last waiting row); no host work
-        beyond a few device ops."""
-        slot = self._next + j                                                    # [B]
-        self._rows(self._all, self._zero, slot, 1, slot[:, None])
+        """Rows: each request's j-th draft row (j = 0: the row after its last waiting row)."""
+        n = len(self.base)
+        slot = [c + m + j for c, m in zip(self.base, self.new)]
+        self._rows(list(range(n)), [0] * n, slot, 1, [[s] for s in slot])
 
     def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -26,7 +26,6 @@ from nbgen.core.request import Request
 from nbgen.models.eagle import DraftCache, EagleDraft, load_eagle
 from nbgen.models.eagle_batch import BatchedCache
 from nbgen.runtime.runner import ModelRunner
-from nbgen.runtime.step_inputs import to_device
 
 
 def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
@@ -132,12 +131,12 @@ class EagleDrafter:
             pos += range(p, p + len(tok))
         new = [len(w[2]) for _, _, w in picks]
         cache = BatchedCache([w[0].cache for _, _, w in picks], new, n - 1, dev)
-        o = self.head.step(to_device(ids, dev), torch.cat([w[1] for _, _, w in picks]), to_device(pos, dev),
-                           cache)                                                      # [M, H]
+        o = self.head.step(torch.tensor(ids, device=dev), torch.cat([w[1] for _, _, w in picks]),
+                           torch.tensor(pos, device=dev), cache)                       # [M, H]
         cache.commit()
-        ends = to_device(new, dev).cumsum(0) - 1
+        ends = torch.tensor(new, device=dev).cumsum(0) - 1
         h = o.index_select(0, ends)                                                    # [B, H]
-        q = to_device([w[3] + m for (_, _, w), m in zip(picks, new)], dev)             # [B] next row's position
+        q = torch.tensor([w[3] + m for (_, _, w), m in zip(picks, new)], device=dev)   # [B] next row's position
         toks = []
         for j in range(n):
             tok = self.head.logits_to_tokens(h, lm)                                    # [B] on the device
