@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +41,6 @@ class _Norm(nn.Module):
         return _rms(x, self.weight, self.eps)
 
 
-class HeadCache(Protocol):
-    """Where the head's attention keeps K/V: one request's ``DraftCache`` or a batch's padded cache
-    (models/eagle_batch.py)."""
-
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Store layer ``li``'s new rows k, v [T, Hkv, D]; attend q [T, Hq, D] -> [T, Hq, D]."""
-        ...
-
-
 @dataclass
 class DraftCache:
     """One request's draft KV: per layer K, V [n, Hkv, D] at positions ``pos`` [n]."""
@@ -66,26 +56,6 @@ class DraftCache:
         self.k = [t[:n] for t in self.k]
         self.v = [t[:n] for t in self.v]
 
-    def attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Append layer ``li``'s new rows k, v [T, Hkv, D] and attend q [T, Hq, D] over the cache -> [T, Hq, D];
-        ``mask`` [T, n] bool over the cache after the append (default causal)."""
-        if len(self.k) <= li:
-            self.k.append(k)
-            self.v.append(v)
-        else:
-            self.k[li] = torch.cat([self.k[li], k])
-            self.v[li] = torch.cat([self.v[li], v])
-        K, V = self.k[li], self.v[li]                                      # [n, Hkv, D]
-        T, n = q.shape[0], K.shape[0]
-        rep = q.shape[1] // K.shape[1]
-        K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-        # causal: query t (the last T of n) sees keys 0 .. n - T + t
-        if mask is None:
-            mask = torch.ones(T, n, dtype=torch.bool, device=q.device).tril(n - T)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1), attn_mask=mask)
-        return o.transpose(0, 1)
-
 
 class _Attn(nn.Module):
     def __init__(self, cfg: object, in_size: int, rope: nn.Module) -> None:
@@ -99,16 +69,29 @@ class _Attn(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: "HeadCache", li: int,
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: DraftCache, li: int,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [T, in] at positions pos [T], appended to ``cache`` (one request's DraftCache, or a batch of
-        requests' padded cache: models/eagle_batch.py) -> [T, H]; ``mask``: see ``DraftCache.attend``."""
+        """x [T, in] of one request at positions pos [T], appended to its cache -> [T, H]; ``mask``
+        [T, n] bool over the cache after the append (default causal)."""
         T = x.shape[0]
         q, k = self.rope(pos, self.q_proj(x).contiguous(), self.k_proj(x).contiguous())
         q, k = q.reshape(T, self.nh, self.hd), k.reshape(T, self.nkv, self.hd)
         v = self.v_proj(x).reshape(T, self.nkv, self.hd)
-        o = cache.attend(li, q, k, v, mask)                                # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.nh * self.hd))
+        if len(cache.k) <= li:
+            cache.k.append(k)
+            cache.v.append(v)
+        else:
+            cache.k[li] = torch.cat([cache.k[li], k])
+            cache.v[li] = torch.cat([cache.v[li], v])
+        K, V = cache.k[li], cache.v[li]                                    # [n, Hkv, D]
+        n = K.shape[0]
+        rep = self.nh // self.nkv
+        K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
+        # causal: query t (the last T of n) sees keys 0 .. n - T + t
+        if mask is None:
+            mask = torch.ones(T, n, dtype=torch.bool, device=x.device).tril(n - T)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1), attn_mask=mask)
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
 
 
 class _MLP(nn.Module):
@@ -158,7 +141,7 @@ class EagleDraft(nn.Module):
             self.fc = nn.Linear(2 * H, H, bias=True)
             self.layers = nn.ModuleList(_Layer(cfg, H, rope, i > 0, False) for i in range(cfg.num_hidden_layers))
 
-    def step(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, cache: HeadCache,
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, cache: DraftCache,
              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids [T], hidden [T, Hin] (target features or the draft's own outputs), pos [T] -> out [T, H];
         ``mask`` [T, cache rows after the step] bool: which rows each new row attends to (tree drafts;

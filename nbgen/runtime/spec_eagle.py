@@ -5,10 +5,9 @@ The target hands its features over after every forward (``observe``): the last l
 (EAGLE) or the residual stream at three layers' inputs (EAGLE3: SGLang's default ``[2, L // 2, L - 3]``)
 for each token whose KV stays valid — a prefill chunk's tokens, a verify seq's ``[last, accepted..]``.
 Draft row j reads (feature of token j, token j + 1) at position j; the features wait until token
-j + 1 is known. At the next draft, every drafting request's waiting rows run through the head in one forward (each
-request's own KV cache of committed rows, padded into one batch: models/eagle_batch.py), the last row's
-output gives d1, and ``speculative_num_steps - 1`` more steps of one row per request (the head's own
-output as the feature; argmax on the device) give d2 .. dk, read to the host once; their KV is dropped.
+j + 1 is known. At the next draft, each drafting request's waiting rows run through the head (its own
+KV cache of committed rows), the last row's output gives d1, and ``speculative_num_steps - 1`` more
+one-row steps (the head's own output as the feature) give d2 .. dk; their KV is dropped afterwards.
 Drafts are the head's argmax (point masses): verification (runtime/spec_verify.py) keeps any draft
 lossless. A request whose features have a gap (a plain step, a prefix-cache hit) restarts its draft
 cache at the first row it has.
@@ -24,7 +23,6 @@ from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.models.eagle import DraftCache, EagleDraft, load_eagle
-from nbgen.models.eagle_batch import BatchedCache
 from nbgen.runtime.runner import ModelRunner
 
 
@@ -82,9 +80,10 @@ class EagleDrafter:
                 st.first = s.start_pos
             st.rows.append(hidden[r0: r0 + s.q_len].clone())    # a copy: graph outputs are reused buffers
 
-    def waiting(self, s: SeqWork) -> Optional[tuple[_State, torch.Tensor, list[int], int]]:
-        """``s``'s request's waiting rows: (its state, features [m, Hin], the tokens after them [m],
-        the first row's position); None when the request cannot draft now."""
+    def catch_up(self, s: SeqWork) -> Optional[tuple[DraftCache, torch.Tensor, int]]:
+        """Run the waiting feature rows of ``s``'s request through the head: its draft cache (the
+        committed rows), the last row's output [1, H] (it predicts the token after the last sampled
+        one) and the position of the next draft row; None when the request cannot draft now."""
         st = self._st.get(s.req.rid)
         if st is None or st.req is not s.req or not st.rows:
             return None
@@ -93,60 +92,32 @@ class EagleDrafter:
         m, p = feats.shape[0], st.first
         if p + m >= len(ids):
             return None                      # the token after the last row is not known yet
-        return st, feats, ids[p + 1: p + m + 1], p
-
-    def catch_up(self, s: SeqWork) -> Optional[tuple[DraftCache, torch.Tensor, int]]:
-        """Run the waiting feature rows of ``s``'s request through the head: its draft cache (the
-        committed rows), the last row's output [1, H] (it predicts the token after the last sampled
-        one) and the position of the next draft row; None when the request cannot draft now."""
-        got = self.waiting(s)
-        if got is None:
-            return None
-        st, feats, ids, p = got
-        m, dev = feats.shape[0], self.target.device
+        dev = self.target.device
         st.cache.truncate(p - st.base)
         pos = torch.arange(p, p + m, device=dev)
-        o = self.head.step(torch.tensor(ids, device=dev), feats, pos, st.cache)
+        o = self.head.step(torch.tensor(ids[p + 1: p + m + 1], device=dev), feats, pos, st.cache)
         st.rows = []
         return st.cache, o[-1:], p + m
 
     @torch.inference_mode()
     def draft(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
-        """Per seq, up to ``limits[i]`` draft tokens (the head's greedy chain), all requests batched: one
-        head forward over every request's waiting rows, then one row per request per further draft; the
-        drafts are read to the host once."""
+        """Per seq, up to ``limits[i]`` draft tokens (the head's greedy chain)."""
         out: list[list[int]] = [[] for _ in batch.seqs]
-        picks = [(i, k, w) for i, (s, k) in enumerate(zip(batch.seqs, limits))
-                 if k and (w := self.waiting(s)) is not None]
-        if not picks:
-            return out
-        dev, lm = self.target.device, self.target.model.compute_logits
-        n = min(self.steps, max(k for _, k, _ in picks))
-        ids: list[int] = []
-        pos: list[int] = []
-        for _, _, (st, feats, tok, p) in picks:
-            st.cache.truncate(p - st.base)
-            st.rows = []
-            ids += tok
-            pos += range(p, p + len(tok))
-        new = [len(w[2]) for _, _, w in picks]
-        cache = BatchedCache([w[0].cache for _, _, w in picks], new, n - 1, dev)
-        o = self.head.step(torch.tensor(ids, device=dev), torch.cat([w[1] for _, _, w in picks]),
-                           torch.tensor(pos, device=dev), cache)                       # [M, H]
-        cache.commit()
-        ends = torch.tensor(new, device=dev).cumsum(0) - 1
-        h = o.index_select(0, ends)                                                    # [B, H]
-        q = torch.tensor([w[3] + m for (_, _, w), m in zip(picks, new)], device=dev)   # [B] next row's position
-        toks = []
-        for j in range(n):
-            tok = self.head.logits_to_tokens(h, lm)                                    # [B] on the device
-            toks.append(tok)
-            if j + 1 < n:
-                cache.draft_step(j)
-                h = self.head.step(tok, h, q + j, cache)
-        drafted = torch.stack(toks, 1).tolist()                                        # [B, n]: one host read
-        for (i, k, _), d in zip(picks, drafted):
-            out[i] = d[:k]
+        dev = self.target.device
+        for i, (s, k) in enumerate(zip(batch.seqs, limits)):
+            got = self.catch_up(s) if k else None
+            if got is None:
+                continue
+            cache, h, q = got
+            committed = cache.length
+            for _ in range(min(k, self.steps)):
+                tok = int(self.head.logits_to_tokens(h, self.target.model.compute_logits)[0])
+                out[i].append(tok)
+                if len(out[i]) == min(k, self.steps):
+                    break
+                h = self.head.step(torch.tensor([tok], device=dev), h, torch.tensor([q], device=dev), cache)
+                q += 1
+            cache.truncate(committed)        # draft rows are recomputed from the target's features
         return out
 
     def prune(self) -> None:
