@@ -7,11 +7,10 @@ products of e4m3 values summed in fp32 per 128-column group, scaled, summed over
 rounding to the output dtype. ``nbgen.models.fp8_linear.reference_matmul`` computes the same in torch
 (the reference the GPU tests compare with).
 
-One kernel serves every row count (fp8 linears run ``kernels.fp8_gemv`` at the rows its table covers).
-A program owns a BLOCK_M x BLOCK_N tile of y and walks its share of the K groups (SPLIT_K programs share
-one tile's K range and add their partial sums atomically into an fp32 buffer). Each step loads one
-128-column group: BLOCK_N weight rows of 128 bytes (eight 16-byte vectors a row), the matching
-activation columns, and the two scale vectors.
+One kernel serves every row count. A program owns a BLOCK_M x BLOCK_N tile of y and walks its share of
+the K groups (SPLIT_K programs share one tile's K range and add their partial sums atomically into an
+fp32 buffer). Each step loads one 128-column group: BLOCK_N weight rows of 128 bytes (eight 16-byte
+vectors a row), the matching activation columns, and the two scale vectors.
 - QUANT_X: the activation arrives in the model dtype and each program rounds its own group to e4m3
   (at decode sizes x is a few KB against MBs of weight: re-reading it beats a separate launch).
 - USE_DOT: the group product on tensor cores (``tl.dot``, fp8 x fp8 -> fp32; BLOCK_M >= 16) or as

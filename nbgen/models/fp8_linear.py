@@ -20,9 +20,7 @@ squared error. On the embedded SmolLM2 this takes the perplexity change from +3.
 sx[m, g] = max(amax(|x[m, g*128:(g+1)*128]|), 1e-10) / 448 and xq = round_e4m3(x / sx). Then y = sum_g (xq_g @ wq_g.T) * sx_g * sw_g
 (+ bias) in fp32, rounded once to the output dtype. On CUDA ``kernels.fp8_gemm`` computes it; on the
 CPU ``reference_matmul`` does in fp32 torch (the reference the GPU kernels are tested against), so
-tests and notebooks run fp8 models anywhere. Decode-size steps (1-16 rows) take ``kernels.fp8_gemv``,
-a GEMV built to stream the weight at copy bandwidth, which can also add its result into the residual
-stream (``accumulate``).
+tests and notebooks run fp8 models anywhere.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from nbgen.kernels import fp8_gemm, fp8_gemv
+from nbgen.kernels import fp8_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_gemm.FP8_MAX
@@ -100,14 +98,8 @@ def reference_matmul(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight,
     return y.to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None,
-               accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
-    ``accumulate``: a contiguous [M, N] tensor the result is added into (and returned)."""
-    if fp8_gemv.usable(x) and (accumulate is None or accumulate.is_contiguous()):
-        return fp8_gemv.fp8_gemv(x, w.q, w.scale, bias, x.dtype, accumulate=accumulate)
-    if accumulate is not None:
-        return accumulate.add_(fp8_linear(x, w, bias))
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring)."""
     if fp8_gemm.usable(x):
         return fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
     xq, sx = quantize_groups(x)
