@@ -29,7 +29,7 @@ from nbgen.kernels.envs import cache_dir, cpu_kernels_enabled
 
 logger = logging.getLogger("nbgen")
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.c", "cpu_q8.c")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.c", "cpu_q8.c", "cpu_q4.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -47,8 +47,10 @@ _SIGNATURES = {
     "apply_token_bitmask": [_ptr, _i64, _int, _ptr, _i64, _ptr, _i64, _i64],
     "q8_grid": [_ptr, _i64, _i64, _ptr, _ptr, _f32],
     "q8_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _int],
+    "q4_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _int],
+    "q4_vnni": [],
 }
-_RESTYPES = {"q4_grid": _int, "q8_grid": _int}                     # the others return nothing
+_RESTYPES = {"q4_grid": _int, "q8_grid": _int, "q4_vnni": _int}                     # the others return nothing
 _DTYPES = (torch.bfloat16, torch.float32)
 _checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
 
@@ -257,6 +259,25 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     n = q.shape[0]
     y = torch.empty((T, n), dtype=x.dtype)
     _lib.q8_gemv(x.data_ptr(), xs, q.data_ptr(), d.data_ptr(), y.data_ptr(), n, T, n, q.shape[1],
+                 int(x.dtype == torch.bfloat16))
+    return y
+
+
+def q4_vnni() -> bool:
+    """The 4-bit GEMV was built with AVX512-VNNI (its fast path; a plain C loop otherwise). Needs ``available()``."""
+    return bool(_lib.q4_vnni())
+
+
+def q4_gemv(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (T <= 8, bf16 / fp32, contiguous last dim) @ W.T -> [T, N] in x's dtype, W = d * q + m per
+    group of 32 along K, K a multiple of 64 (``csrc/cpu_q4.c``: qw [N, K/2] uint8 nibbles, d and m [N, K/32] fp16); x is
+    quantized to int8 per group of 32, as llama.cpp does."""
+    xs, T = _rows(x)
+    n, k = qw.shape[0], x.shape[1]
+    assert T <= 8 and k % 64 == 0 and k <= 16384 and qw.shape[1] * 2 == k and qw.dtype == torch.uint8 \
+        and d.dtype == m.dtype == torch.float16 and qw.is_contiguous() and d.is_contiguous() and m.is_contiguous()
+    y = torch.empty((T, n), dtype=x.dtype)
+    _lib.q4_gemv(x.data_ptr(), xs, qw.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n, T, n, k,
                  int(x.dtype == torch.bfloat16))
     return y
 
