@@ -1,0 +1,84 @@
+"""All decoder layers of a CPU decode step of a few rows in one C call (``csrc/cpu_layers.c``): bf16 Llama-shaped
+layers whose four linears are 4-bit (``cpu_ops.q4_gemv``'s layout), the same kernels in the same order as one
+call each, without a ctypes transition, allocation and views per kernel."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nbgen.kernels import cpu_ops
+
+MAX_ROWS = 8          # q4_gemv's row limit
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The decoder's geometry: layers, hidden and intermediate width, heads, head dim, RMSNorm eps."""
+    layers: int
+    hidden: int
+    inter: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One layer's tensors: norm weights [H] bf16, per linear (nibbles [N, K/2] uint8, d [N, K/32] fp16,
+    m [N, K/32] fp16) for qkv, o, gate|up and down, and its K / V caches [Hkv, S, D] bf16."""
+    in_norm: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    o: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    post_norm: torch.Tensor
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def addresses(self) -> list[int]:
+        """The data pointers in the C driver's order (its LAYER_PTRS)."""
+        ts = [self.in_norm, *self.qkv, *self.o, self.post_norm, *self.gate_up, *self.down, self.k_cache, self.v_cache]
+        assert all(t.is_contiguous() for t in ts)
+        return [t.data_ptr() for t in ts]
+
+
+class Q4DecodeLayers:
+    """The pointer table of all layers (kept with the tensors it points into) and bf16 scratch rows per row
+    count, reused across steps."""
+
+    def __init__(self, shape: LayerShape, layers: list[LayerTensors]) -> None:
+        assert len(layers) == shape.layers and cpu_ops.available()
+        self.shape, self.layers = shape, layers
+        self.table = torch.tensor([a for lt in layers for a in lt.addresses()], dtype=torch.int64)
+        assert self.table.numel() == shape.layers * cpu_ops.load().decode_layer_ptrs()
+        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _rows(self, t: int) -> tuple[torch.Tensor, ...]:
+        s = self._scratch.get(t)
+        if s is None:
+            sh = self.shape
+            widths = ((sh.q_heads + 2 * sh.kv_heads) * sh.head_dim, sh.q_heads * sh.head_dim, sh.hidden,
+                      2 * sh.inter, sh.inter)                                  # qkv, attention out, h, gate|up, act
+            s = self._scratch[t] = tuple(torch.empty(t, w, dtype=torch.bfloat16) for w in widths)
+        return s
+
+    def run(self, x_in: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, table: torch.Tensor,
+            lens: torch.Tensor, page_size: int, slots: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_in [T, H] bf16 embeddings -> (last layer's output [T, H], residual stream [T, H]); positions,
+        slots [T] int64; table [T, max_pages], lens [T] int64 as ``cpu_ops.paged_decode_attention`` takes them."""
+        sh = self.shape
+        T = x_in.shape[0]
+        assert T <= MAX_ROWS and x_in.dtype == torch.bfloat16 and x_in.is_contiguous() and cos_sin.dtype == torch.float32
+        assert positions.dtype == slots.dtype == lens.dtype == table.dtype == torch.int64 and table.is_contiguous() \
+            and positions.is_contiguous() and slots.is_contiguous() and lens.is_contiguous()
+        cpu_ops.check_positions(positions, cos_sin.shape[0])
+        x, r = torch.empty_like(x_in), torch.empty_like(x_in)
+        qkv, a, h, gu, act = self._rows(T)
+        cpu_ops.load().q4_decode_layers(
+            sh.layers, self.table.data_ptr(), x_in.data_ptr(), x.data_ptr(), r.data_ptr(), qkv.data_ptr(),
+            a.data_ptr(), h.data_ptr(), gu.data_ptr(), act.data_ptr(), T, sh.hidden, sh.inter, sh.q_heads,
+            sh.kv_heads, sh.head_dim, sh.eps, positions.data_ptr(), cos_sin.data_ptr(), table.data_ptr(),
+            lens.data_ptr(), page_size, table.shape[1], self.layers[0].k_cache.shape[1], scale, slots.data_ptr())
+        return x, r
