@@ -158,9 +158,6 @@ void q4_gemv(const void *x, int64_t x_stride, const uint8_t *qw, const uint16_t 
     int8_t xq[Q4_MAX_ROWS * K] __attribute__((aligned(64)));
     float dx[Q4_MAX_ROWS * G], sx[Q4_MAX_ROWS * G];
     const size_t esz = is_bf16 ? 2 : 4;
-    memset(xq, 0, sizeof xq);                      /* rows past T (the 8-row variant) read zeros */
-    memset(dx, 0, sizeof dx);
-    memset(sx, 0, sizeof sx);
     for (int t = 0; t < T; t++)
         quantize_row((const char *)x + t * x_stride * esz, is_bf16, K, xq + t * K, dx + t * G, sx + t * G);
 #pragma omp parallel for schedule(static) if (N * K >= 32768)
@@ -172,6 +169,9 @@ void q4_gemv(const void *x, int64_t x_stride, const uint8_t *qw, const uint16_t 
             case 2: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, 2, res); break;
             case 3: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, 3, res); break;
             case 4: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, 4, res); break;
+            case 5: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, 5, res); break;
+            case 6: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, 6, res); break;
+            case 7: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, 7, res); break;
             default: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, Q4_MAX_ROWS, res); break;
         }
         for (int t = 0; t < T; t++) {
