@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import nbgen
-from nbgen.kernels import cpu_ops
 from nbgen.models import cpu_int4
 from tests.tiny_models import gguf_round_trip, make_tiny_model, quantized_cpu_run_follows_fp32
 
