@@ -24,7 +24,7 @@ def test_q4_1_weight_is_found_and_multiplied() -> None:
     deq = _q4_1(torch.randn(96, 128) * 0.05)                     # [N, K], on the Q4_1 grid
     q = cpu_int4.from_grid(deq.bfloat16())
     assert q is not None
-    if q.nib is not None:                                         # nbgen's nibble layout (cpu_ops.q4_gemv)
+    if q.nib is not None:                                         # nbgen's nibble layout (cpu_q4.q4_gemv)
         assert q.nib.shape == (96, 64) and q.d.shape == q.m.shape == (96, 128 // 32) and q.packed is None
     else:
         assert q.scale_zeros.shape == (128 // 32, 96, 2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbgen.kernels import cpu_ops
+from nbgen.kernels import cpu_ops, cpu_q4
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 
@@ -157,7 +157,7 @@ def test_q4_gemv_matches_its_reference(rows):
         x = torch.randn(rows, K, generator=g).to(dtype)
         x[0, 32:64] = 0                                   # an all-zero group
         ref = _q4_reference(x.float(), qt, d.float(), m.float())
-        y = cpu_ops.q4_gemv(x, nib, d, m)
+        y = cpu_q4.q4_gemv(x, nib, d, m)
         assert y.dtype == dtype and y.shape == (rows, N)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -8
         assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-5).all()
@@ -166,7 +166,7 @@ def test_q4_gemv_matches_its_reference(rows):
         exact = x.float() @ w.t()
         assert (y.float() - exact).abs().max() <= 0.02 * exact.abs().max()
     strided = torch.randn(rows, 2 * K, generator=g)[:, :K]       # rows with a stride (a view of a wider output)
-    assert torch.equal(cpu_ops.q4_gemv(strided, nib, d, m), cpu_ops.q4_gemv(strided.contiguous(), nib, d, m))
+    assert torch.equal(cpu_q4.q4_gemv(strided, nib, d, m), cpu_q4.q4_gemv(strided.contiguous(), nib, d, m))
 
 
 def test_softmax_is_stable_for_large_scores():

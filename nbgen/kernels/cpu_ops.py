@@ -272,25 +272,6 @@ def q8_gemv(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def q4_vnni() -> bool:
-    """The 4-bit GEMV was built with AVX512-VNNI (its fast path; a plain C loop otherwise). Needs ``available()``."""
-    return bool(_lib.q4_vnni())
-
-
-def q4_gemv(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (T <= 8, bf16 / fp32, contiguous last dim) @ W.T -> [T, N] in x's dtype, W = d * q + m per
-    group of 32 along K, K a multiple of 64 (``csrc/cpu_q4.c``: qw [N, K/2] uint8 nibbles, d and m [N, K/32] fp16); x is
-    quantized to int8 per group of 32, as llama.cpp does."""
-    xs, T = _rows(x)
-    n, k = qw.shape[0], x.shape[1]
-    assert T <= 8 and k % 64 == 0 and k <= 16384 and qw.shape[1] * 2 == k and qw.dtype == torch.uint8 \
-        and d.dtype == m.dtype == torch.float16 and qw.is_contiguous() and d.is_contiguous() and m.is_contiguous()
-    y = torch.empty((T, n), dtype=x.dtype)
-    _lib.q4_gemv(x.data_ptr(), xs, qw.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n, T, n, k,
-                 int(x.dtype == torch.bfloat16))
-    return y
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, width: int, rows: Optional[list[int]]) -> bool:
     """logits [B, V] (CPU, fp32 / bf16, unit stride along V) of ``rows`` (None: all) get -inf at the
     ids in [0, width) that the int32 ``bitmask`` [>= B, ceil(V / 32)] (xgrammar's layout) does not

@@ -11,7 +11,7 @@ step's rows are decodes through the C attention kernel, and no LoRA adapter, q/k
 offloaded layer, fp8 weight or tensor parallelism is involved; otherwise the model runs its modules.
 
 At steps of up to ``cpu_int4.MAX_ROWS`` rows, when every linear is 4-bit in nbgen's layout (``q4_gemv``), none
-has a bias and the KV cache is bf16, the whole stack runs in one C call (``kernels/cpu_layers.py``: the same
+has a bias and the KV cache is bf16, the whole stack runs in one C call (``kernels/cpu_q4.py``: the same
 kernels in the same order, so again the same bits) instead of ~10 Python-side kernel calls a layer.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nbgen.kernels import cpu_ops
-from nbgen.kernels.cpu_layers import LayerShape, LayerTensors, Q4DecodeLayers
+from nbgen.kernels.cpu_q4 import LayerShape, LayerTensors, Q4DecodeLayers
 from nbgen.models import cpu_int4
 from nbgen.models.layers import RotaryEmbedding
 from nbgen.models.linear import get_tp, packed_linear

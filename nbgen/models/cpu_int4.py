@@ -1,6 +1,6 @@
 """4-bit weights on the CPU for decode steps of a few rows: weights that lie on a 4-bit grid (groups
 of 32 along the input, each with a scale and a minimum, as GGUF Q4_1 / Q4_0 store them) keep a
-packed int4 copy, read by nbgen's VNNI kernel (``cpu_ops.q4_gemv``: activations quantized to int8 per
+packed int4 copy, read by nbgen's VNNI kernel (``cpu_q4.q4_gemv``: activations quantized to int8 per
 group of 32, integer dot products, as llama.cpp computes Q4 x Q8) where the CPU has AVX512-VNNI, else by
 torch's ``_weight_int4pack_mm_for_cpu`` (which widens every nibble to fp32: compute-bound at one row,
 and ~10-20 % slower than the VNNI kernel on one core of a Zen 4 VM).
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.kernels import cpu_ops
+from nbgen.kernels import cpu_ops, cpu_q4
 
 GROUP = 32
 MAX_ROWS = 4          # steps of more rows use the bf16 matmul (see the module docstring)
@@ -37,7 +37,7 @@ class Int4Weight:
     """A packed int4 copy of a [N, K] weight: nbgen's nibble layout (``nib``, ``d``, ``m``) or torch's int4
     layout (``packed``, ``scale_zeros``); the other pair is None."""
     dtype: torch.dtype                          # the activations' dtype it serves
-    nib: Optional[torch.Tensor] = None          # [N, K / 2] uint8 (cpu_ops.q4_gemv's layout)
+    nib: Optional[torch.Tensor] = None          # [N, K / 2] uint8 (cpu_q4.q4_gemv's layout)
     d: Optional[torch.Tensor] = None            # [N, K / GROUP] fp16 scale per group
     m: Optional[torch.Tensor] = None            # [N, K / GROUP] fp16 minimum per group
     packed: Optional[torch.Tensor] = None       # _convert_weight_to_int4pack_for_cpu output
@@ -66,7 +66,7 @@ def from_grid(w: torch.Tensor) -> Optional[Int4Weight]:
     if found is None:
         return None
     q, sz = found                                               # w = (q - 8) * s + z per group
-    if cpu_ops.q4_vnni() and w.shape[1] % (2 * GROUP) == 0:
+    if cpu_q4.q4_vnni() and w.shape[1] % (2 * GROUP) == 0:
         s, z = sz[..., 0].t(), sz[..., 1].t()                   # [N, K / GROUP]
         return Int4Weight(w.dtype, nib=_nibbles(q), d=s.half().contiguous(), m=(z - 8 * s).half().contiguous())
     return Int4Weight(w.dtype, packed=torch._convert_weight_to_int4pack_for_cpu(q, 2), scale_zeros=sz.to(w.dtype))
@@ -81,7 +81,7 @@ def int4_linear(x: torch.Tensor, q: Int4Weight, bias: Optional[torch.Tensor]) ->
     """x [M, K] @ W.T (+ b) from the int4 copy -> [M, N]."""
     if q.nib is not None:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        rows = [cpu_ops.q4_gemv(x[i:i + 8], q.nib, q.d, q.m) for i in range(0, x.shape[0], 8)]   # 8 rows a call
+        rows = [cpu_q4.q4_gemv(x[i:i + 8], q.nib, q.d, q.m) for i in range(0, x.shape[0], 8)]   # 8 rows a call
         y = rows[0] if len(rows) == 1 else torch.cat(rows)
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), q.packed, GROUP, q.scale_zeros)

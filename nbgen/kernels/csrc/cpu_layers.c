@@ -1,5 +1,5 @@
 /* nbgen CPU decode step through all decoder layers in one call (built with cpu_ops.c into one library, see
- * nbgen/kernels/cpu_layers.py).
+ * nbgen/kernels/cpu_q4.py).
  *
  * A batch-1 decode step of a small model runs ~10 kernels per layer; called one by one from Python each costs a
  * ctypes transition, tensor allocations and views (~25 us a layer on a 2-core VM, as much as the layer's 4-bit

@@ -1,6 +1,7 @@
-"""All decoder layers of a CPU decode step of a few rows in one C call (``csrc/cpu_layers.c``): bf16 Llama-shaped
-layers whose four linears are 4-bit (``cpu_ops.q4_gemv``'s layout), the same kernels in the same order as one
-call each, without a ctypes transition, allocation and views per kernel."""
+"""nbgen's 4-bit CPU kernels from Python (``csrc/cpu_q4.c``, ``csrc/cpu_layers.c``, in ``cpu_ops``' library):
+the Q4 GEMV for a few rows, and all decoder layers of a CPU decode step of a few rows in one C call (bf16
+Llama-shaped layers whose four linears are 4-bit in the GEMV's layout: the same kernels in the same order as
+one call each, without a ctypes transition, allocation and views per kernel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,27 @@ import torch
 from nbgen.kernels import cpu_ops
 
 MAX_ROWS = 8          # q4_gemv's row limit
+
+
+def q4_vnni() -> bool:
+    """The 4-bit GEMV was built with AVX512-VNNI (its fast path; a plain C loop otherwise); False without the
+    C kernels."""
+    return cpu_ops.available() and bool(cpu_ops.load().q4_vnni())
+
+
+def q4_gemv(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (T <= 8, bf16 / fp32, contiguous last dim) @ W.T -> [T, N] in x's dtype, W = d * q + m per
+    group of 32 along K, K a multiple of 64 (``csrc/cpu_q4.c``: qw [N, K/2] uint8 nibbles, d and m [N, K/32]
+    fp16); x is quantized to int8 per group of 32, as llama.cpp does. Needs ``cpu_ops.available()``."""
+    assert x.dim() == 2 and x.stride(1) == 1, "expected x [T, K] with a contiguous last dim"
+    xs, T = x.stride(0), x.shape[0]
+    n, k = qw.shape[0], x.shape[1]
+    assert T <= MAX_ROWS and k % 64 == 0 and k <= 16384 and qw.shape[1] * 2 == k and qw.dtype == torch.uint8 \
+        and d.dtype == m.dtype == torch.float16 and qw.is_contiguous() and d.is_contiguous() and m.is_contiguous()
+    y = torch.empty((T, n), dtype=x.dtype)
+    cpu_ops.load().q4_gemv(x.data_ptr(), xs, qw.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n, T, n, k,
+                           int(x.dtype == torch.bfloat16))
+    return y
 
 
 @dataclass(frozen=True)
