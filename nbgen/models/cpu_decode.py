@@ -47,7 +47,8 @@ class CpuDecodePlan:
         self.layers = list(layers)
         self.linears = [lin for layer in self.layers for lin in _linears(layer)]
         self._fused: Optional[Q4DecodeLayers] = None
-        self._fused_key: list[Any] = []         # the int4 copies and KV caches the fused call was built from
+        self._fused_key: list[Any] = []         # the int4 copies the fused call was built from
+        self._fused_kv: list[int] = []          # and the KV caches' addresses
 
     @staticmethod
     def build(layers: nn.ModuleList) -> Optional["CpuDecodePlan"]:
@@ -86,9 +87,12 @@ class CpuDecodePlan:
     def _fused_for(self, backend: Any) -> Optional[Q4DecodeLayers]:
         """The one-call driver for the current int4 copies and KV caches (rebuilt when a weight update
         replaced them), or None when some layer does not qualify."""
-        key = [lin.int4 for lin in self.linears] + [backend.k_cache, backend.v_cache]
-        if len(key) != len(self._fused_key) or any(a is not b for a, b in zip(key, self._fused_key)):
-            self._fused, self._fused_key = self._build_fused(backend), key
+        # the KV pool's addresses: resume_memory_occupation reallocates its storage (same tensor objects)
+        kv = [t.data_ptr() for t in backend.k_cache + backend.v_cache] if hasattr(backend, "k_cache") else []
+        int4 = [lin.int4 for lin in self.linears]
+        if kv != self._fused_kv or len(int4) != len(self._fused_key) \
+                or any(a is not b for a, b in zip(int4, self._fused_key)):
+            self._fused, self._fused_key, self._fused_kv = self._build_fused(backend), int4, kv
         return self._fused
 
     def _build_fused(self, backend: Any) -> Optional[Q4DecodeLayers]:
