@@ -128,17 +128,17 @@ def test_q8_grid_and_gemv_match_the_dequantized_weight(rows):
 
 
 def _q4_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """q4_gemv's arithmetic: x quantized to int8 per group of 32 as the kernel does it in fp32 (x * (127 / max|x|),
-    round half to even), then in fp64 the integer dot products with the nibbles, scaled by d * max|x| / 127,
+    """q4_gemv's arithmetic: x quantized to int16 per group of 32 as the kernel does it in fp32 (x * (32767 / max|x|),
+    round half to even), then in fp64 the integer dot products with the nibbles, scaled by d * max|x| / 32767,
     plus m times the group's exact sum of x."""
     T, K = x.shape
     xf = x.float().view(T, K // 32, 32)
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)     # a division, as the kernel's (127 / t is 127 * 1/t)
+    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)   # a division, as the kernel's (c / t is c * 1/t)
     xq = torch.where(amax > 0, torch.round(xf * inv), torch.zeros_like(xf)).double()
     xg = xf.double()
     isum = torch.einsum("tgi,ngi->tng", xq, q.double().view(q.shape[0], K // 32, 32))
-    return (isum * d.double()[None] * (amax.squeeze(-1) / 127)[:, None]
+    return (isum * d.double()[None] * (amax.squeeze(-1) / 32767)[:, None]
             + m.double()[None] * xg.sum(-1)[:, None]).sum(-1)
 
 
@@ -161,10 +161,10 @@ def test_q4_gemv_matches_its_reference(rows):
         assert y.dtype == dtype and y.shape == (rows, N)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -8
         assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-5).all()
-        # against the dequantized weight in fp32: int8 activations cost ~1 % of the output's scale
+        # against the dequantized weight in fp32: int16 activations lose nothing beyond the output's rounding
         w = (qt.float().view(N, -1, 32) * d.float()[:, :, None] + m.float()[:, :, None]).view(N, K)
         exact = x.float() @ w.t()
-        assert (y.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+        assert ((y.float() - exact).abs() <= tol * exact.abs() + 1e-4 * exact.abs().max()).all()
     strided = torch.randn(rows, 2 * K, generator=g)[:, :K]       # rows with a stride (a view of a wider output)
     assert torch.equal(cpu_q4.q4_gemv(strided, nib, d, m), cpu_q4.q4_gemv(strided.contiguous(), nib, d, m))
 

@@ -22,7 +22,7 @@ def q4_vnni() -> bool:
 def q4_gemv(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x [T, K] (T <= 8, bf16 / fp32, contiguous last dim) @ W.T -> [T, N] in x's dtype, W = d * q + m per
     group of 32 along K, K a multiple of 64 (``csrc/cpu_q4.c``: qw [N, K/2] uint8 nibbles, d and m [N, K/32]
-    fp16); x is quantized to int8 per group of 32, as llama.cpp does. Needs ``cpu_ops.available()``."""
+    fp16); x is quantized to int16 per group of 32 (no precision lost against x's bf16). Needs ``cpu_ops.available()``."""
     assert x.dim() == 2 and x.stride(1) == 1, "expected x [T, K] with a contiguous last dim"
     xs, T = x.stride(0), x.shape[0]
     n, k = qw.shape[0], x.shape[1]

@@ -1,7 +1,7 @@
 """4-bit weights on the CPU for decode steps of a few rows: weights that lie on a 4-bit grid (groups
 of 32 along the input, each with a scale and a minimum, as GGUF Q4_1 / Q4_0 store them) keep a
-packed int4 copy, read by nbgen's VNNI kernel (``cpu_q4.q4_gemv``: activations quantized to int8 per
-group of 32, integer dot products, as llama.cpp computes Q4 x Q8) where the CPU has AVX512-VNNI, else by
+packed int4 copy, read by nbgen's VNNI kernel (``cpu_q4.q4_gemv``: activations quantized to int16 per
+group of 32, integer dot products) where the CPU has AVX512-VNNI, else by
 torch's ``_weight_int4pack_mm_for_cpu`` (which widens every nibble to fp32: compute-bound at one row,
 and ~10-20 % slower than the VNNI kernel on one core of a Zen 4 VM).
 
