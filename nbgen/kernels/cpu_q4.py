@@ -11,6 +11,7 @@ import torch
 from nbgen.kernels import cpu_ops
 
 MAX_ROWS = 8          # q4_gemv's row limit
+MAX_K = 16384         # and its input width limit (the quantized rows live on the C stack)
 
 
 def q4_vnni() -> bool:
@@ -26,7 +27,7 @@ def q4_gemv(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor)
     assert x.dim() == 2 and x.stride(1) == 1, "expected x [T, K] with a contiguous last dim"
     xs, T = x.stride(0), x.shape[0]
     n, k = qw.shape[0], x.shape[1]
-    assert T <= MAX_ROWS and k % 64 == 0 and k <= 16384 and qw.shape[1] * 2 == k and qw.dtype == torch.uint8 \
+    assert T <= MAX_ROWS and k % 64 == 0 and k <= MAX_K and qw.shape[1] * 2 == k and qw.dtype == torch.uint8 \
         and d.dtype == m.dtype == torch.float16 and qw.is_contiguous() and d.is_contiguous() and m.is_contiguous()
     y = torch.empty((T, n), dtype=x.dtype)
     cpu_ops.load().q4_gemv(x.data_ptr(), xs, qw.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n, T, n, k,

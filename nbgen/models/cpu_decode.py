@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nbgen.kernels import cpu_ops
-from nbgen.kernels.cpu_q4 import LayerShape, LayerTensors, Q4DecodeLayers
+from nbgen.kernels.cpu_q4 import MAX_K, LayerShape, LayerTensors, Q4DecodeLayers
 from nbgen.models import cpu_int4
 from nbgen.models.layers import RotaryEmbedding
 from nbgen.models.linear import get_tp, packed_linear
@@ -100,13 +100,14 @@ class CpuDecodePlan:
         if not hasattr(backend, "k_cache") or backend.k_cache[0].dtype != torch.bfloat16 \
                 or attn0.rotary_emb.cos_sin_cache.dtype != torch.float32:
             return None
-        tensors = []
+        tensors, eps = [], self.layers[0].input_layernorm.eps
         for layer in self.layers:
             attn, lins = layer.self_attn, _linears(layer)
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(lin.int4 is None or lin.int4.nib is None or lin.bias is not None for lin in lins) \
                     or attn.rotary_emb.cos_sin_cache is not attn0.rotary_emb.cos_sin_cache \
-                    or any(n.weight.dtype != torch.bfloat16 or n.eps != norms[0].eps for n in norms):
+                    or any(n.weight.dtype != torch.bfloat16 or n.eps != eps for n in norms) \
+                    or max(lin.int4.nib.shape[1] * 2 for lin in lins) > MAX_K:
                 return None
             qs = [(lin.int4.nib, lin.int4.d, lin.int4.m) for lin in lins]
             lid = attn.attn.layer_id
@@ -115,7 +116,7 @@ class CpuDecodePlan:
         m = self.layers[0].mlp
         shape = LayerShape(len(self.layers), self.layers[0].input_layernorm.weight.shape[0],
                            m.down_proj.int4.nib.shape[1] * 2, attn0.q_size // attn0.head_dim,
-                           attn0.kv_size // attn0.head_dim, attn0.head_dim, self.layers[0].input_layernorm.eps)
+                           attn0.kv_size // attn0.head_dim, attn0.head_dim, eps)
         return Q4DecodeLayers(shape, tensors)
 
     def layer(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],

@@ -66,7 +66,7 @@ def from_grid(w: torch.Tensor) -> Optional[Int4Weight]:
     if found is None:
         return None
     q, sz = found                                               # w = (q - 8) * s + z per group
-    if cpu_q4.q4_vnni() and w.shape[1] % (2 * GROUP) == 0:
+    if cpu_q4.q4_vnni() and w.shape[1] % (2 * GROUP) == 0 and w.shape[1] <= cpu_q4.MAX_K:
         s, z = sz[..., 0].t(), sz[..., 1].t()                   # [N, K / GROUP]
         return Int4Weight(w.dtype, nib=_nibbles(q), d=s.half().contiguous(), m=(z - 8 * s).half().contiguous())
     return Int4Weight(w.dtype, packed=torch._convert_weight_to_int4pack_for_cpu(q, 2), scale_zeros=sz.to(w.dtype))

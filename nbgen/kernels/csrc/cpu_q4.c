@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void q4_dot(const uint8_t *qn, cons
 }
 
 /* y [T, N] (row stride y_stride) = x [T, K] (row stride x_stride) @ W.T for W = d * q + m as in the header;
- * x and y bf16 when is_bf16 else fp32; T <= Q4_MAX_ROWS, K a multiple of 64 and at most 16384. */
+ * x and y bf16 when is_bf16 else fp32; T <= Q4_MAX_ROWS, K a multiple of 64 and at most 16384 (cpu_q4.MAX_K). */
 void q4_gemv(const void *x, int64_t x_stride, const uint8_t *qw, const uint16_t *d, const uint16_t *m, void *y,
              int64_t y_stride, int T, int64_t N, int64_t K, int is_bf16) {
     const int64_t G = K / Q4_GROUP;
