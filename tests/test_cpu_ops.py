@@ -157,6 +157,7 @@ def test_q4_gemv_matches_its_reference(rows):
         x = torch.randn(rows, K, generator=g).to(dtype)
         x[0, 32:64] = 0                                   # an all-zero group
         ref = _q4_reference(x.float(), qt, d.float(), m.float())
+        cpu_q4.check_weight(nib, d, m)
         y = cpu_q4.q4_gemv(x, nib, d, m)
         assert y.dtype == dtype and y.shape == (rows, N)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -8

@@ -5,6 +5,7 @@ one call each, without a ctypes transition, allocation and views per kernel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -12,6 +13,7 @@ from nbgen.kernels import cpu_ops
 
 MAX_ROWS = 8          # q4_gemv's row limit
 MAX_K = 16384         # and its input width limit (the quantized rows live on the C stack)
+_LIB: Optional[Any] = None
 
 
 def q4_vnni() -> bool:
@@ -20,19 +22,32 @@ def q4_vnni() -> bool:
     return cpu_ops.available() and bool(cpu_ops.load().q4_vnni())
 
 
+def check_weight(qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+    """Asserts a weight's layout for ``q4_gemv`` (once, where it is made: the GEMV itself checks only x)."""
+    n, k = qw.shape[0], qw.shape[1] * 2
+    assert k % 64 == 0 and k <= MAX_K and qw.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16 \
+        and d.shape == m.shape == (n, k // 32) and qw.is_contiguous() and d.is_contiguous() and m.is_contiguous()
+
+
 def q4_gemv(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x [T, K] (T <= 8, bf16 / fp32, contiguous last dim) @ W.T -> [T, N] in x's dtype, W = d * q + m per
-    group of 32 along K, K a multiple of 64 (``csrc/cpu_q4.c``: qw [N, K/2] uint8 nibbles, d and m [N, K/32]
-    fp16); x is quantized to int16 per group of 32 (no precision lost against x's bf16). Needs ``cpu_ops.available()``."""
-    assert x.dim() == 2 and x.stride(1) == 1, "expected x [T, K] with a contiguous last dim"
-    xs, T = x.stride(0), x.shape[0]
-    n, k = qw.shape[0], x.shape[1]
-    assert T <= MAX_ROWS and k % 64 == 0 and k <= MAX_K and qw.shape[1] * 2 == k and qw.dtype == torch.uint8 \
-        and d.dtype == m.dtype == torch.float16 and qw.is_contiguous() and d.is_contiguous() and m.is_contiguous()
+    group of 32 along K (``csrc/cpu_q4.c``: qw [N, K/2] uint8 nibbles, d and m [N, K/32] fp16, as
+    ``check_weight`` asserts); x is quantized to int16 per group of 32 (no precision lost against x's bf16).
+    Needs ``cpu_ops.available()``."""
+    T, k = x.shape
+    assert T <= MAX_ROWS and x.stride(1) == 1 and qw.shape[1] * 2 == k, "expected x [T <= 8, K] with unit stride"
+    n = qw.shape[0]
     y = torch.empty((T, n), dtype=x.dtype)
-    cpu_ops.load().q4_gemv(x.data_ptr(), xs, qw.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n, T, n, k,
-                           int(x.dtype == torch.bfloat16))
+    _lib().q4_gemv(x.data_ptr(), x.stride(0), qw.data_ptr(), d.data_ptr(), m.data_ptr(), y.data_ptr(), n, T, n, k,
+                   int(x.dtype == torch.bfloat16))
     return y
+
+
+def _lib() -> Any:
+    global _LIB
+    if _LIB is None:
+        _LIB = cpu_ops.load()     # per call it would take the build lock
+    return _LIB
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,9 @@ def from_grid(w: torch.Tensor) -> Optional[Int4Weight]:
     q, sz = found                                               # w = (q - 8) * s + z per group
     if cpu_q4.q4_vnni() and w.shape[1] % (2 * GROUP) == 0 and w.shape[1] <= cpu_q4.MAX_K:
         s, z = sz[..., 0].t(), sz[..., 1].t()                   # [N, K / GROUP]
-        return Int4Weight(w.dtype, nib=_nibbles(q), d=s.half().contiguous(), m=(z - 8 * s).half().contiguous())
+        nib, d, m = _nibbles(q), s.half().contiguous(), (z - 8 * s).half().contiguous()
+        cpu_q4.check_weight(nib, d, m)
+        return Int4Weight(w.dtype, nib=nib, d=d, m=m)
     return Int4Weight(w.dtype, packed=torch._convert_weight_to_int4pack_for_cpu(q, 2), scale_zeros=sz.to(w.dtype))
 
 
@@ -81,8 +83,11 @@ def int4_linear(x: torch.Tensor, q: Int4Weight, bias: Optional[torch.Tensor]) ->
     """x [M, K] @ W.T (+ b) from the int4 copy -> [M, N]."""
     if q.nib is not None:
         x = x if x.stride(-1) == 1 else x.contiguous()
-        rows = [cpu_q4.q4_gemv(x[i:i + 8], q.nib, q.d, q.m) for i in range(0, x.shape[0], 8)]   # 8 rows a call
-        y = rows[0] if len(rows) == 1 else torch.cat(rows)
+        if x.shape[0] <= cpu_q4.MAX_ROWS:
+            y = cpu_q4.q4_gemv(x, q.nib, q.d, q.m)
+        else:                                                   # MAX_ROWS rows a call
+            y = torch.cat([cpu_q4.q4_gemv(x[i:i + cpu_q4.MAX_ROWS], q.nib, q.d, q.m)
+                           for i in range(0, x.shape[0], cpu_q4.MAX_ROWS)])
     else:
         y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), q.packed, GROUP, q.scale_zeros)
     return y + bias if bias is not None else y
