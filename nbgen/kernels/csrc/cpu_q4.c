@@ -16,7 +16,7 @@
  * K is a multiple of 64 (groups go in pairs). Without AVX512-VNNI (and BW, VL) the same sums are taken in plain C
  * (same integer products, so the results agree up to the fp32 summation order).
  */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <math.h>
