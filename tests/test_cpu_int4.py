@@ -1,5 +1,5 @@
 """4-bit CPU weights (nbgen.models.cpu_int4): GGUF Q4_1 weights are found on their grid and read by
-torch's int4 kernel at decode steps of a few rows; other weights stay bf16 only."""
+nbgen's VNNI kernel (or torch's int4 kernel) at decode steps of a few rows; other weights stay bf16 only."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,7 +23,11 @@ def test_q4_1_weight_is_found_and_multiplied() -> None:
     torch.manual_seed(0)
     deq = _q4_1(torch.randn(96, 128) * 0.05)                     # [N, K], on the Q4_1 grid
     q = cpu_int4.from_grid(deq.bfloat16())
-    assert q is not None and q.scale_zeros.shape == (128 // 32, 96, 2)
+    assert q is not None
+    if q.nib is not None:                                         # nbgen's nibble layout (cpu_q4.q4_gemv)
+        assert q.nib.shape == (96, 64) and q.d.shape == q.m.shape == (96, 128 // 32) and q.packed is None
+    else:
+        assert q.scale_zeros.shape == (128 // 32, 96, 2)
     # the int4 copy holds the GGUF values (up to bf16 rounding of scale and zero)
     w_back = cpu_int4.int4_linear(torch.eye(128, dtype=torch.bfloat16), q, None).float().t()
     span = deq.abs().amax()

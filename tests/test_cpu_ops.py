@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbgen.kernels import cpu_ops
+from nbgen.kernels import cpu_ops, cpu_q4
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 
@@ -125,6 +125,49 @@ def test_q8_grid_and_gemv_match_the_dequantized_weight(rows):
     w_off = w.clone()
     w_off[3, 40] = d[3, 1] * 2.4              # between two grid points (a small value: bf16 keeps it exact enough)
     assert cpu_ops.q8_grid(w_off, 2 ** -7) is None
+
+
+def _q4_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q4_gemv's arithmetic: x quantized to int16 per group of 32 as the kernel does it in fp32 (x * (32767 / max|x|),
+    round half to even), then in fp64 the integer dot products with the nibbles, scaled by d * max|x| / 32767,
+    plus m times the group's exact sum of x."""
+    T, K = x.shape
+    xf = x.float().view(T, K // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)   # a division, as the kernel's (c / t is c * 1/t)
+    xq = torch.where(amax > 0, torch.round(xf * inv), torch.zeros_like(xf)).double()
+    xg = xf.double()
+    isum = torch.einsum("tgi,ngi->tng", xq, q.double().view(q.shape[0], K // 32, 32))
+    return (isum * d.double()[None] * (amax.squeeze(-1) / 32767)[:, None]
+            + m.double()[None] * xg.sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8])
+def test_q4_gemv_matches_its_reference(rows):
+    """The 4-bit GEMV (nibbles, fp16 d and m per group of 32) equals its int8-activation arithmetic in fp64,
+    up to fp32 summation and the output's rounding, for every row count it takes, fp32 and bf16 x."""
+    g = torch.Generator().manual_seed(rows)
+    N, K = 70, 192
+    qt = torch.randint(0, 16, (N, K), generator=g)
+    d = (torch.rand(N, K // 32, generator=g) * 0.01 + 1e-3).half()
+    m = (-torch.rand(N, K // 32, generator=g) * 0.08).half()
+    q4 = qt.view(N, K // 32, 2, 16).to(torch.uint8)
+    nib = (q4[:, :, 0] | (q4[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, K, generator=g).to(dtype)
+        x[0, 32:64] = 0                                   # an all-zero group
+        ref = _q4_reference(x.float(), qt, d.float(), m.float())
+        cpu_q4.check_weight(nib, d, m)
+        y = cpu_q4.q4_gemv(x, nib, d, m)
+        assert y.dtype == dtype and y.shape == (rows, N)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        assert ((y.double() - ref).abs() <= tol * ref.abs() + 1e-5).all()
+        # against the dequantized weight in fp32: int16 activations lose nothing beyond the output's rounding
+        w = (qt.float().view(N, -1, 32) * d.float()[:, :, None] + m.float()[:, :, None]).view(N, K)
+        exact = x.float() @ w.t()
+        assert ((y.float() - exact).abs() <= tol * exact.abs() + 1e-4 * exact.abs().max()).all()
+    strided = torch.randn(rows, 2 * K, generator=g)[:, :K]       # rows with a stride (a view of a wider output)
+    assert torch.equal(cpu_q4.q4_gemv(strided, nib, d, m), cpu_q4.q4_gemv(strided.contiguous(), nib, d, m))
 
 
 def test_softmax_is_stable_for_large_scores():

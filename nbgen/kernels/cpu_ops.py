@@ -29,7 +29,7 @@ from nbgen.kernels.envs import cache_dir, cpu_kernels_enabled
 
 logger = logging.getLogger("nbgen")
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.c", "cpu_q8.c")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.c", "cpu_q8.c", "cpu_q4.c", "cpu_layers.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -47,8 +47,13 @@ _SIGNATURES = {
     "apply_token_bitmask": [_ptr, _i64, _int, _ptr, _i64, _ptr, _i64, _i64],
     "q8_grid": [_ptr, _i64, _i64, _ptr, _ptr, _f32],
     "q8_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _int],
+    "q4_gemv": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _int],
+    "q4_vnni": [],
+    "q4_decode_layers": [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int,
+                         _int, _f32, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _ptr],
+    "decode_layer_ptrs": [],
 }
-_RESTYPES = {"q4_grid": _int, "q8_grid": _int}                     # the others return nothing
+_RESTYPES = {"q4_grid": _int, "q8_grid": _int, "q4_vnni": _int, "decode_layer_ptrs": _int}                     # the others return nothing
 _DTYPES = (torch.bfloat16, torch.float32)
 _checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
 
@@ -193,18 +198,24 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return x, residual
 
 
+def check_positions(positions: torch.Tensor, max_pos: int) -> None:
+    """ValueError unless every position is in [0, max_pos) (the RoPE table's rows); once per positions
+    tensor (all layers of a step share one)."""
+    global _checked_positions
+    if _checked_positions is not positions:
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < max_pos:
+            raise ValueError(f"positions must be in [0, {max_pos}) (the model's max_position_embeddings)")
+        _checked_positions = positions
+
+
 def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE in place on q [T, Hq*D] and k [T, Hkv*D] (rows may be strided views of the
     qkv projection); cos_sin_cache [max_pos, D] fp32 (cos | sin); positions [T] int64 in range."""
-    global _checked_positions
     qs, T = _rows(q)
     ks, _ = _rows(k)
     assert positions.dtype == torch.int64 and positions.is_contiguous() and cos_sin_cache.dtype == torch.float32
-    if _checked_positions is not positions:   # all layers of a step share one positions tensor
-        if T and not 0 <= int(positions.min()) <= int(positions.max()) < cos_sin_cache.shape[0]:
-            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}) (the model's max_position_embeddings)")
-        _checked_positions = positions
+    check_positions(positions, cos_sin_cache.shape[0])
     load().rope(q.data_ptr(), qs, q.shape[1] // head_dim, k.data_ptr(), ks, k.shape[1] // head_dim,
                 positions.data_ptr(), cos_sin_cache.data_ptr(), head_dim, T, int(q.dtype == torch.bfloat16))
     return q, k

@@ -9,6 +9,10 @@ its outputs equal the module path's bit for bit; it only skips the dispatch. It 
 layer is a plain Llama-shaped layer on the CPU whose linears are all packed (``prepack_cpu``), all the
 step's rows are decodes through the C attention kernel, and no LoRA adapter, q/k norm, folded norm,
 offloaded layer, fp8 weight or tensor parallelism is involved; otherwise the model runs its modules.
+
+At steps of up to ``cpu_int4.MAX_ROWS`` rows, when every linear is 4-bit in nbgen's layout (``q4_gemv``), none
+has a bias and the KV cache is bf16, the whole stack runs in one C call (``kernels/cpu_q4.py``: the same
+kernels in the same order, so again the same bits) instead of ~10 Python-side kernel calls a layer.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 from torch import nn
 
 from nbgen.kernels import cpu_ops
+from nbgen.kernels.cpu_q4 import MAX_K, LayerShape, LayerTensors, Q4DecodeLayers
 from nbgen.models import cpu_int4
 from nbgen.models.layers import RotaryEmbedding
 from nbgen.models.linear import get_tp, packed_linear
@@ -41,6 +46,9 @@ class CpuDecodePlan:
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = list(layers)
         self.linears = [lin for layer in self.layers for lin in _linears(layer)]
+        self._fused: Optional[Q4DecodeLayers] = None
+        self._fused_key: list[Any] = []         # the int4 copies the fused call was built from
+        self._fused_kv: list[int] = []          # and the KV caches' addresses
 
     @staticmethod
     def build(layers: nn.ModuleList) -> Optional["CpuDecodePlan"]:
@@ -63,6 +71,53 @@ class CpuDecodePlan:
         return x.dtype == torch.bfloat16 and x.device.type == "cpu" \
             and getattr(meta, "decode_table", None) is not None and not meta.prefill \
             and all(lin.packed is not None and lin.lora is None for lin in self.linears)
+
+    def run(self, positions: torch.Tensor, x: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers of a step the plan applies to: x [T, H] embeddings -> (last output, residual)."""
+        fused = self._fused_for(meta.backend) if x.shape[0] <= cpu_int4.MAX_ROWS else None
+        if fused is not None:
+            layer0 = self.layers[0].self_attn
+            return fused.run(x.contiguous(), positions, layer0.rotary_emb.cos_sin_cache, meta.decode_table,
+                             meta.decode_lens, meta.backend.spec.page_size, meta.slot_mapping, meta.backend.scale)
+        residual = None
+        for i in range(len(self.layers)):
+            x, residual = self.layer(i, positions, x, residual, meta)
+        return x, residual
+
+    def _fused_for(self, backend: Any) -> Optional[Q4DecodeLayers]:
+        """The one-call driver for the current int4 copies and KV caches (rebuilt when a weight update
+        replaced them), or None when some layer does not qualify."""
+        # the KV pool's addresses: resume_memory_occupation reallocates its storage (same tensor objects)
+        kv = [t.data_ptr() for t in backend.k_cache + backend.v_cache] if hasattr(backend, "k_cache") else []
+        int4 = [lin.int4 for lin in self.linears]
+        if kv != self._fused_kv or len(int4) != len(self._fused_key) \
+                or any(a is not b for a, b in zip(int4, self._fused_key)):
+            self._fused, self._fused_key, self._fused_kv = self._build_fused(backend), int4, kv
+        return self._fused
+
+    def _build_fused(self, backend: Any) -> Optional[Q4DecodeLayers]:
+        attn0 = self.layers[0].self_attn
+        if not hasattr(backend, "k_cache") or backend.k_cache[0].dtype != torch.bfloat16 \
+                or attn0.rotary_emb.cos_sin_cache.dtype != torch.float32:
+            return None
+        tensors, eps = [], self.layers[0].input_layernorm.eps
+        for layer in self.layers:
+            attn, lins = layer.self_attn, _linears(layer)
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(lin.int4 is None or lin.int4.nib is None or lin.bias is not None for lin in lins) \
+                    or attn.rotary_emb.cos_sin_cache is not attn0.rotary_emb.cos_sin_cache \
+                    or any(n.weight.dtype != torch.bfloat16 or n.eps != eps for n in norms) \
+                    or max(lin.int4.nib.shape[1] * 2 for lin in lins) > MAX_K:
+                return None
+            qs = [(lin.int4.nib, lin.int4.d, lin.int4.m) for lin in lins]
+            lid = attn.attn.layer_id
+            tensors.append(LayerTensors(norms[0].weight.data, qs[0], qs[1], norms[1].weight.data, qs[2], qs[3],
+                                        backend.k_cache[lid], backend.v_cache[lid]))
+        m = self.layers[0].mlp
+        shape = LayerShape(len(self.layers), self.layers[0].input_layernorm.weight.shape[0],
+                           m.down_proj.int4.nib.shape[1] * 2, attn0.q_size // attn0.head_dim,
+                           attn0.kv_size // attn0.head_dim, attn0.head_dim, eps)
+        return Q4DecodeLayers(shape, tensors)
 
     def layer(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
               meta: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -198,9 +198,7 @@ class LlamaModel(nn.Module):
             self.captured = []
         plan = self.cpu_decode
         if plan is not None and not self.capture_layers and plan.applies(x, meta):
-            for i in range(len(self.layers)):
-                x, residual = plan.layer(i, positions, x, residual, meta)
-            return self.final_norm(x, residual)
+            return self.final_norm(*plan.run(positions, x, meta))
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:      # a copy: the next add+norm updates the stream in place
                 h = x.clone() if residual is None else (residual.clone() if x is None else x + residual)

@@ -19,6 +19,9 @@
  * ops. They reproduce HF's rounding steps in bf16 (each op HF runs in the model dtype is rounded
  * where HF rounds it), so they give the torch path's numbers up to fp32 summation order.
  */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -83,6 +86,25 @@ static inline float exp_clamped(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__)
+/* r[k] = the sum of a[k]'s 16 lanes, for 16 vectors at once: pairs, then quads inside each 128-bit lane, then
+ * the four 128-bit lanes (a transposing add tree: ~45 instructions instead of 16 horizontal sums) */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 p[8], q[4];
+    for (int k = 0; k < 8; k++)                /* lane L of p[k]: key 2k's, 2k+1's, 2k's, 2k+1's pair sums */
+        p[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++)                /* lane L of q[k]: keys 4k .. 4k+3, each summed over lane L */
+        q[k] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * k], p[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(p[2 * k], p[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 /* one (sequence, kv head): G query rows qf [G, D] against n cached tokens; acc [G, D] gets the output */
 static void attend_one(const float *qf, const char *kh, const char *vh, const int64_t *pages, int64_t n,
                        int G, int D, int P, size_t esize, int is_bf16, float scale,
@@ -94,6 +116,19 @@ static void attend_one(const float *qf, const char *kh, const char *vh, const in
             const float *qg = qf + g * D;
             float *sg = s + g * s_stride + t0;
             int64_t j = 0;
+#if defined(__AVX512F__)
+            if (D % 16 == 0)
+                for (; j + 16 <= m; j += 16) {   /* sixteen keys: one accumulator each, one add tree for all */
+                    __m512 a[16];
+                    for (int kk = 0; kk < 16; kk++) a[kk] = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d += 16) {
+                        const __m512 qv = _mm512_loadu_ps(qg + d);
+                        for (int kk = 0; kk < 16; kk++)
+                            a[kk] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(blk + (j + kk) * D + d), a[kk]);
+                    }
+                    _mm512_storeu_ps(sg + j, _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+                }
+#endif
             for (; j + 4 <= m; j += 4) {   /* four keys at once: independent sums hide the FMA latency */
                 const float *k0 = blk + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
                 float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
