@@ -154,3 +154,14 @@ def test_invalid_configs_name_the_parameter(make: Callable, name: str) -> None:
 
     with pytest.raises(ValueError, match=name):
         make(k)
+
+
+def test_bench_lora_cases_put_the_main_engine_first():
+    """``bench.lora --cases``: the --lora x --lora-rank engine first, then each listed one once."""
+    import argparse
+
+    from nbgen.bench.lora import _cases
+
+    args = argparse.Namespace(lora=8, lora_rank=16, cases="8x8,8X64,8x16,1x16")
+    assert _cases(args) == [(8, 16), (8, 8), (8, 64), (1, 16)]
+    assert _cases(argparse.Namespace(lora=2, lora_rank=4, cases=None)) == [(2, 4)]

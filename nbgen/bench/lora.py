@@ -9,7 +9,8 @@ of every run and lora / plain, lora / base (best of each). Workloads: ``fixed`` 
 x 64 new tokens, the CPU workload); greedy, ``ignore_eos``. ``--profile`` (CUDA): one more run of each kind
 under torch.profiler and the loop's step timer: GPU busy time against wall time, the top kernels (the
 LoRA kernels' total among them), and per step the device wait and the host's own time, to tell the
-adapters' kernel cost from host cost. ``--kernels``: only the LoRA kernels' time per call at Llama-8B's
+adapters' kernel cost from host cost. ``--cases 8x8,8x64,1x16,32x16``: one more LoRA engine per
+(adapters x rank) after the first, the workload over its adapters (no base run). ``--kernels``: only the LoRA kernels' time per call at Llama-8B's
 shapes (CUDA; ``--sweep``: their config sweep, ``bench/lora_kernels.py``).
 """
 from __future__ import annotations
@@ -105,6 +106,46 @@ def _profiled(eng: Engine, prompts: Any, sp: Any, names: Optional[list], label: 
     return {**run, **st, "gpu_busy_s": busy, "gpu_idle_ms_per_step": idle}
 
 
+def _cases(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(adapters, rank) per LoRA engine: ``--lora`` x ``--lora-rank`` first, then ``--cases``."""
+    out = [(args.lora, args.lora_rank)]
+    for c in (args.cases or "").split(","):
+        if c:
+            n, r = (int(v) for v in c.lower().split("x"))
+            if (n, r) not in out:
+                out.append((n, r))
+    return out
+
+
+def _lora_engine_runs(kw: dict[str, Any], hf_config: Any, prompts: list, sp: Any, warm: list, warm_sp: dict,
+                      n: int, rank: int, targets: tuple[str, ...], repeats: int, with_base: bool, profile: bool,
+                      profiles: dict[str, dict]) -> dict[str, list[dict]]:
+    """One ``enable_lora`` engine with ``n`` random rank-``rank`` adapters: the workload round-robin over
+    them ("lora"), and without adapters ("base") when ``with_base``."""
+    rows: dict[str, list[dict]] = {"base": [], "lora": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [write_random_adapter(os.path.join(tmp, f"a{i}"), hf_config, rank, seed=i, targets=targets)
+                 for i in range(n)]
+        lora_kw = {**kw, "lora_paths": [f"a{i}={p}" for i, p in enumerate(paths)],
+                   "max_loras_per_batch": max(n, 1), "max_lora_rank": rank}
+        with Engine(**lora_kw) as eng:
+            names = [f"a{i % n}" for i in range(len(prompts))]
+            key = "input_ids" if isinstance(warm[0], list) else "prompt"
+            eng.generate(**{key: warm}, sampling_params=warm_sp, lora_path=names[:len(warm)], use_tqdm=False)
+            kinds = (("base", None), ("lora", names)) if with_base else (("lora", names),)
+            for _ in range(repeats):
+                for kind, nm in kinds:
+                    rows[kind].append(_timed(eng, prompts, sp, nm))
+                    print(f"{kind:5s} {rows[kind][-1]}", flush=True)
+            if profile:
+                for kind, nm in kinds:
+                    profiles[kind] = _profiled(eng, prompts, sp, nm, kind)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
@@ -115,6 +156,9 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=8, help="distinct adapters, requests round-robin over them")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--targets", default=",".join(ALL_TARGETS))
+    ap.add_argument("--cases", default=None,
+                    help="more LoRA engines after the first, as ADAPTERSxRANK,... (e.g. 8x8,8x64,1x16,32x16): "
+                         "each runs the workload over its adapters once per repeat")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", action="store_true", help="one more profiled run of each kind (CUDA)")
@@ -151,28 +195,25 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     targets = tuple(t for t in args.targets.split(",") if t)
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = [write_random_adapter(os.path.join(tmp, f"a{i}"), hf_config, args.lora_rank, seed=i, targets=targets)
-                 for i in range(args.lora)]
-        lora_kw = {**kw, "lora_paths": [f"a{i}={p}" for i, p in enumerate(paths)],
-                   "max_loras_per_batch": max(args.lora, 1), "max_lora_rank": args.lora_rank}
-        with Engine(**lora_kw) as eng:
-            names = [f"a{i % args.lora}" for i in range(len(prompts))]
-            eng.generate(**{"input_ids" if isinstance(warm[0], list) else "prompt": warm}, sampling_params=warm_sp,
-                         lora_path=names[:len(warm)], use_tqdm=False)
-            for _ in range(args.repeats):
-                for kind, nm in (("base", None), ("lora", names)):
-                    rows[kind].append(_timed(eng, prompts, sp, nm))
-                    print(f"{kind:5s} {rows[kind][-1]}", flush=True)
-            if args.profile:
-                for kind, nm in (("base", None), ("lora", names)):
-                    profiles[kind] = _profiled(eng, prompts, sp, nm, kind)
+    for n, rank in _cases(args):
+        first = (n, rank) == (args.lora, args.lora_rank)
+        got = _lora_engine_runs(kw, hf_config, prompts, sp, warm, warm_sp, n, rank, targets, args.repeats,
+                                with_base=first, profile=args.profile and first, profiles=profiles)
+        if first:
+            rows["base"], rows["lora"] = got["base"], got["lora"]
+        else:
+            case = f"lora {n} x rank {rank}"
+            rows[case] = got["lora"]
+            best_case = max(r["out_tok_s"] for r in got["lora"])
+            print(f"{case}: {best_case:.1f} out tok/s", flush=True)
     best = {k: max(r["out_tok_s"] for r in v) for k, v in rows.items()}
     result = {"args": vars(args), "runs": rows, "best_out_tok_s": best, "profiles": profiles,
               "lora_vs_plain": best["lora"] / best["plain"], "lora_vs_base": best["lora"] / best["base"]}
     print(f"best out tok/s: plain {best['plain']:.1f}  base (LoRA engine) {best['base']:.1f}  "
           f"lora ({args.lora} x rank {args.lora_rank}) {best['lora']:.1f}  ->  lora / plain "
           f"{result['lora_vs_plain']:.3f}, lora / base {result['lora_vs_base']:.3f}")
+    for case in (k for k in best if k.startswith("lora ")):
+        print(f"{case}: {best[case]:.1f} out tok/s  ->  / plain {best[case] / best['plain']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
