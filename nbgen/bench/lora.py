@@ -106,7 +106,7 @@ def _profiled(eng: Engine, prompts: Any, sp: Any, names: Optional[list], label: 
     return {**run, **st, "gpu_busy_s": busy, "gpu_idle_ms_per_step": idle}
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[int, int]]:
+def lora_cases(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(adapters, rank) per LoRA engine: ``--lora`` x ``--lora-rank`` first, then ``--cases``."""
     out = [(args.lora, args.lora_rank)]
     for c in (args.cases or "").split(","):
@@ -195,7 +195,7 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     targets = tuple(t for t in args.targets.split(",") if t)
-    for n, rank in _cases(args):
+    for n, rank in lora_cases(args):
         first = (n, rank) == (args.lora, args.lora_rank)
         got = _lora_engine_runs(kw, hf_config, prompts, sp, warm, warm_sp, n, rank, targets, args.repeats,
                                 with_base=first, profile=args.profile and first, profiles=profiles)
