@@ -26,7 +26,7 @@ def _segments(slot: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, t
     return (perm if perm.numel() else torch.zeros(1, dtype=torch.int32)), (torch.cumsum(counts, 0) - counts).int(), counts
 
 
-def lora_cases(device: str = "cpu", dtypes: tuple = ((torch.float32, 1e-4), (torch.float16, 1e-2)),
+def _cases(device: str = "cpu", dtypes: tuple = ((torch.float32, 1e-4), (torch.float16, 1e-2)),
            expand_cfgs: Optional[list] = None) -> None:
     from nbgen.kernels.lora_sgmv import lora_reference, lora_sgmv
     from nbgen.kernels.lora_sgmv_configs import ExpandConfig, ShrinkConfig
@@ -70,7 +70,7 @@ def lora_cases(device: str = "cpu", dtypes: tuple = ((torch.float32, 1e-4), (tor
 
 def test_sgmv_configs_under_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    res = run_under_triton_interpreter("import tests.test_lora_sgmv_configs as t; t.lora_cases()")
+    res = run_under_triton_interpreter("import tests.test_lora_sgmv_configs as t; t._cases()")
     assert "SGMV_CONFIGS_OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
@@ -142,7 +142,7 @@ def test_gpu_sgmv_configs_bf16() -> None:
         pytest.skip("needs CUDA")
     cfgs = [ExpandConfig(bm=bm, bn=bn, niter=it) for bm, bn, it in itertools.product(*EXPAND_GRID.values())]
     cfgs += list(EXPAND_TABLE.values()) + [ExpandConfig(all_shards=True)]
-    lora_cases("cuda", ((torch.bfloat16, 3e-2),), cfgs)
+    _cases("cuda", ((torch.bfloat16, 3e-2),), cfgs)
 
 
 @pytest.mark.parametrize("make, name", [
