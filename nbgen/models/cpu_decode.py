@@ -4,7 +4,7 @@ At batch 1 the embedded model's arithmetic per layer is ~120 us of int4 matmuls;
 (a dozen ``nn.Module`` calls, the GPU / CPU / LoRA / fp8 / tensor-parallel checks of each linear and norm)
 cost about as much again in Python. ``CpuDecodePlan`` runs the same kernels in the same order (nbgen's C
 add+RMSNorm, RoPE, SiLU-and-mul and paged attention with the K/V write; each linear's int4 copy at steps of
-up to ``cpu_int4.MAX_ROWS`` rows and its oneDNN-packed bf16 weight otherwise, as ``_Linear`` picks them), so
+up to ``cpu_int4.MAX_ROWS`` rows and its oneDNN-packed bf16 weight otherwise, as ``LinearBase`` picks them), so
 its outputs equal the module path's bit for bit; it only skips the dispatch. It applies to a step when every
 layer is a plain Llama-shaped layer on the CPU whose linears are all packed (``prepack_cpu``), all the
 step's rows are decodes through the C attention kernel, and no LoRA adapter, q/k norm, folded norm,
@@ -34,7 +34,7 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def _mm(x: torch.Tensor, lin: nn.Module, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``lin``'s CPU matmul as ``_Linear._mm`` chooses it: the int4 copy at a few rows, else the packed weight."""
+    """``lin``'s CPU matmul as ``LinearBase._mm`` chooses it: the int4 copy at a few rows, else the packed weight."""
     if cpu_int4.use_int4(x, lin.int4):
         return cpu_int4.int4_linear(x, lin.int4, bias)
     return packed_linear(x, lin.packed, bias)

@@ -18,12 +18,11 @@ from nbgen.kernels import gpu_ops  # fused flashinfer kernels on CUDA (switched 
 from nbgen.models.linear import (  # noqa: F401  (re-exported: one import site for model files)
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
     default_weight_loader,
 )
+from nbgen.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding  # noqa: F401  (re-exported)
 
 
 def fused_ops(x: torch.Tensor) -> Any:

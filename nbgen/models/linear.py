@@ -1,4 +1,5 @@
-"""Tensor-parallel-ready linears and embeddings: plain layers at tp_size=1.
+"""Tensor-parallel-ready linears (column / row parallel): plain layers at tp_size=1; the vocabulary-parallel
+embedding and LM head are in ``models/vocab_parallel.py``.
 
 Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies an HF
 checkpoint tensor into (its shard of) the parameter, so fused q/k/v and gate/up parameters load
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbgen.kernels import small_gemm
-from nbgen.models import cpu_int4, cpu_int8
+from nbgen.models import cpu_int4
 from nbgen.models.cpu_int4 import Int4Weight
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
 
@@ -34,7 +35,7 @@ def get_tp() -> tuple[int, int]:
     return _TP
 
 
-def _all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     # the layer's own tp_size (fixed when it was built), not the process-wide setting
     if tp_size > 1:
         torch.distributed.all_reduce(x)
@@ -75,21 +76,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _param(*shape: int) -> nn.Parameter:
+def new_param(*shape: int) -> nn.Parameter:
     # uninitialised: weights come from a checkpoint or the dummy initialiser
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class _Linear(nn.Module):
+class LinearBase(nn.Module):
     """y = x @ W.T (+ b) with W [out_local, in_local]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features)
+        self.weight = new_param(out_features, in_features)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
-            self.bias = _param(out_features)
+            self.bias = new_param(out_features)
             self.bias.weight_loader = self.weight_loader
 
     packed: Optional[torch.Tensor] = None  # set by prepack_cpu(): the weight in oneDNN's layout
@@ -175,7 +176,7 @@ class _Linear(nn.Module):
         return into.add_(self._mm(x, self.bias))
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(LinearBase):
     """Output features split over tp ranks (each rank computes a slice of y)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -234,7 +235,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, size), self._shard(loaded, size, index))
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(LinearBase):
     """Input features split over tp ranks; partial outputs are summed (all-reduce) across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -252,81 +253,6 @@ class RowParallelLinear(_Linear):
         y = self._mm(x, None)
         if self.lora is not None and self.lora.active:
             self.lora(x, y)
-        y = _all_reduce(y, self.tp_size)
+        y = tp_all_reduce(y, self.tp_size)
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary split over tp ranks (rows outside a rank's range are zero)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.tp_size, self.tp_rank = get_tp()
-        self.num_embeddings = num_embeddings
-        self.per_rank = -(-num_embeddings // self.tp_size)            # ceil: last rank may be padded
-        self.start = self.tp_rank * self.per_rank
-        self.weight = _param(self.per_rank, embedding_dim)
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))
-        if rows < self.per_rank:
-            param.data[rows:].zero_()
-        default_weight_loader(param.data[:rows], loaded.narrow(0, self.start, rows))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return _all_reduce(out.masked_fill(outside[:, None], 0), self.tp_size)
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection hidden -> vocab logits; may share its weight with the input embedding."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int,
-                 tied_to: Optional[VocabParallelEmbedding] = None) -> None:
-        super().__init__(num_embeddings, embedding_dim)
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        self.packed: Optional[torch.Tensor] = None
-        self.int8: Optional[cpu_int8.Int8Weight] = None   # a weight on GGUF's Q8_0 grid: decode steps read it
-
-    def prepack_cpu(self) -> None:
-        """Keep a oneDNN-packed copy for the logits matmul (the weight may be tied to the embedding), and
-        an int8 one for steps of a few rows when the weight is on a Q8_0 grid (models/cpu_int8.py)."""
-        self.packed = pack_linear_weight(self.weight.data)
-        self.int8 = cpu_int8.from_grid(self.weight.data)
-
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """hidden [N, H] -> logits [N, vocab] in the model dtype."""
-        if cpu_int8.use_int8(hidden, self.int8):
-            logits = cpu_int8.int8_linear(hidden, self.int8)
-        elif self.packed is not None:
-            logits = packed_linear(hidden, self.packed, None)
-        elif small_gemm.usable(hidden, self.weight):
-            logits = small_gemm.small_gemm(hidden, self.weight)
-        else:
-            logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
-        return logits[:, : self.num_embeddings]
-
-
-def prepack_cpu_linears(model: nn.Module) -> int:
-    """Pre-pack every bf16 linear of a CPU model for oneDNN; returns how many were packed."""
-    if not cpu_packed_matmul_available():
-        return 0
-    n = 0
-    for m in model.modules():
-        if isinstance(m, (_Linear, ParallelLMHead)) and m.weight.device.type == "cpu" \
-                and m.weight.dtype == torch.bfloat16 and m.weight.dim() == 2:
-            m.prepack_cpu()
-            n += 1
-    return n

@@ -24,7 +24,7 @@ from nbgen.models.embedded import default_model_path
 from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format, module_scales
 from nbgen.models.gguf_convert import gguf_to_hf_dir
 from nbgen.models import cpu_decode
-from nbgen.models.linear import prepack_cpu_linears
+from nbgen.models.vocab_parallel import prepack_cpu_linears
 from nbgen.models.fp8_linear import quantize_linears
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.pooling_config import PoolingConfig, read_pooling_config
