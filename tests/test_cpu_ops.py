@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nbgen.kernels import cpu_ops, cpu_q4
+from nbgen.models import layers
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 
@@ -286,8 +287,6 @@ def test_apply_token_bitmask_matches_xgrammar(dtype, rows):
 def test_elementwise_ops_split_over_threads_give_the_same_bits(dtype):
     """A batch-32 decode step's rmsnorm / RoPE / SiLU rows (above the kernels' thread-split size) give the
     same bits on one thread and on two, and match the references."""
-    from nbgen.models.layers import RotaryEmbedding
-
     g = torch.Generator().manual_seed(3)
     T, H, inter = 32, 576, 1536
     x = (torch.randn(T, H, generator=g) * 3).to(dtype)
@@ -296,7 +295,7 @@ def test_elementwise_ops_split_over_threads_give_the_same_bits(dtype):
     gu = (torch.randn(T, 2 * inter, generator=g) * 4).to(dtype)
     qkv = torch.randn(T, (9 + 3 + 3) * 64, generator=g).to(dtype)
     pos = torch.randint(0, 512, (T,), generator=g)
-    rope = RotaryEmbedding(64, 512, 10000.0, None)
+    rope = layers.RotaryEmbedding(64, 512, 10000.0, None)
 
     def run() -> list[torch.Tensor]:
         y, s = cpu_ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5)
