@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nbgen.kernels import cpu_ops, cpu_q4
+from nbgen.models import layers
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: the kernels are not built")
 
@@ -280,3 +281,39 @@ def test_apply_token_bitmask_matches_xgrammar(dtype, rows):
     assert got.isinf().any() and not torch.equal(got, x)
     # layouts the kernel does not take are left to xgrammar
     assert not cpu_ops.apply_token_bitmask(x.t(), bm, width, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_elementwise_ops_split_over_threads_give_the_same_bits(dtype):
+    """A batch-32 decode step's rmsnorm / RoPE / SiLU rows (above the kernels' thread-split size) give the
+    same bits on one thread and on two, and match the references."""
+    g = torch.Generator().manual_seed(3)
+    T, H, inter = 32, 576, 1536
+    x = (torch.randn(T, H, generator=g) * 3).to(dtype)
+    r = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    gu = (torch.randn(T, 2 * inter, generator=g) * 4).to(dtype)
+    qkv = torch.randn(T, (9 + 3 + 3) * 64, generator=g).to(dtype)
+    pos = torch.randint(0, 512, (T,), generator=g)
+    rope = layers.RotaryEmbedding(64, 512, 10000.0, None)
+
+    def run() -> list[torch.Tensor]:
+        y, s = cpu_ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5)
+        q = qkv.clone()
+        cpu_ops.rope_inplace(pos, q[:, :576], q[:, 576:768], 64, rope.cos_sin_cache)
+        return [cpu_ops.rmsnorm(x, w, 1e-5), y, s, q, cpu_ops.silu_and_mul(gu)]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert _close(one[0], _hf_rmsnorm(x, w, 1e-5), dtype) and _close(one[1], _hf_rmsnorm(x + r, w, 1e-5), dtype)
+    cos, sin = rope._cos_sin(pos, dtype)
+    assert _close(one[3][:, :576], rope._rotate(qkv[:, :576], cos, sin), dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    assert _close(one[4], torch.nn.functional.silu(gate) * up, dtype)
