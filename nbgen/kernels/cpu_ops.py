@@ -30,6 +30,7 @@ from nbgen.kernels.envs import cache_dir, cpu_kernels_enabled
 logger = logging.getLogger("nbgen")
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("cpu_ops.c", "cpu_q8.c", "cpu_q4.c", "cpu_layers.c")]
+HEADERS = [Path(__file__).resolve().parent / "csrc" / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
@@ -69,7 +70,7 @@ def _cpu_key() -> str:
 
 
 def _build(cc: str) -> Path:
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])   # a header change rebuilds too
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_key().encode()).hexdigest()[:16]
     out_dir = cache_dir() / "kernels"

@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define Q4_GROUP 32
 #define Q4_MAX_ROWS 8
 
@@ -31,19 +33,6 @@
 #define Q4_VNNI 1
 #endif
 
-static inline float q4_bf16_to_f32(uint16_t h) {
-    const uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-
-static inline uint16_t q4_f32_to_bf16(float f) {      /* round to nearest even, NaN kept quiet */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
-                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline float q4_f16_to_f32(uint16_t h) {
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -79,7 +68,7 @@ static void quantize_row(const void *x, int is_bf16, int64_t K, int16_t *xq, flo
         float v[Q4_GROUP], amax = 0.f, s = 0.f;
         for (int i = 0; i < Q4_GROUP; i++) {
             const int64_t k = g * Q4_GROUP + i;
-            v[i] = is_bf16 ? q4_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            v[i] = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
             amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
             s += v[i];
         }
@@ -176,7 +165,7 @@ void q4_gemv(const void *x, int64_t x_stride, const uint8_t *qw, const uint16_t 
             default: q4_dot(qn, d + n * G, m + n * G, xq, dx, sx, K, Q4_MAX_ROWS, res); break;
         }
         for (int t = 0; t < T; t++) {
-            if (is_bf16) ((uint16_t *)y)[t * y_stride + n] = q4_f32_to_bf16(res[t]);
+            if (is_bf16) ((uint16_t *)y)[t * y_stride + n] = f32_to_bf16(res[t]);
             else ((float *)y)[t * y_stride + n] = res[t];
         }
     }

@@ -16,21 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define GROUP 32
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, NaN kept quiet */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40u)
-                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Per group of 32 along K of w [N, K] (bf16): d = max|w| / 127, q = round(w / d). Returns 1 when every value
  * is within tol * |w| (+ 2^-12 * max|w|) of q * d: each value on the grid up to its own bf16 rounding, which a
