@@ -34,9 +34,7 @@ def accept_drafts(req: Request, toks: list[int], lps: list[Any], context_length:
     for tok, lp in zip(toks, lps):
         req.output_ids.append(tok)
         if lp is not None:
-            req.output_token_logprobs.append((lp.logprob, lp.token_id))
-            req.output_top_logprobs.append(lp.top)
-            req.output_ids_logprobs.append(lp.ids)
+            req.add_output_logprob(lp)
         reason = req.end_after(tok, len(req.output_ids), context_length)
         if reason is not None:
             req.num_computed = min(req.num_computed, req.num_tokens)
