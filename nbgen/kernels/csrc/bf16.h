@@ -1,7 +1,6 @@
 /* bf16 <-> fp32 scalar conversions shared by nbgen's CPU kernels (each .c file includes it; static inline,
  * so every translation unit gets its own copy and no symbol is exported). */
-#ifndef NBGEN_BF16_H
-#define NBGEN_BF16_H
+#pragma once
 
 #include <stdint.h>
 #include <string.h>
@@ -20,4 +19,3 @@ static inline uint16_t f32_to_bf16(float f) {      /* round to nearest even, NaN
                                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-#endif
