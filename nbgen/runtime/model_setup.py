@@ -212,11 +212,10 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     t2 = time.perf_counter()
     if graphs_enabled(cfg, backend):
         report("capturing CUDA graphs")
-    graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length,
-                                lora.graph_variant() if lora is not None else None)
+    variant = lora.graph_variant() if lora is not None else None     # LoRA's graphs beside the plain ones
+    graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length, variant)
     t3 = time.perf_counter()
-    prefill = make_prefill_graphs(cfg, loaded.model, backend, lora.graph_variant() if lora is not None else None) \
-        if graphs is not None else None
+    prefill = make_prefill_graphs(cfg, loaded.model, backend, variant) if graphs is not None else None
     t4 = time.perf_counter()
     if graphs is not None:
         report("warming up")

@@ -100,11 +100,9 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
-        self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length,
-                                         self.lora.graph_variant() if self.lora is not None else None)
-        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend,
-                                                  self.lora.graph_variant() if self.lora is not None else None) \
-            if self.graphs else None
+        variant = self.lora.graph_variant() if self.lora is not None else None
+        self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length, variant)
+        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend, variant) if self.graphs else None
         self._last_tokens = None
 
     # ---- inputs -------------------------------------------------------------------------------
