@@ -140,10 +140,15 @@ def _lora_engine_runs(kw: dict[str, Any], hf_config: Any, prompts: list, sp: Any
             if profile:
                 for kind, nm in kinds:
                     profiles[kind] = _profiled(eng, prompts, sp, nm, kind)
+    _release_memory()
+    return rows
+
+
+def _release_memory() -> None:
+    """Return a shut-down engine's memory before the next engine sizes its KV pool from what is free."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return rows
 
 
 def main() -> None:
@@ -191,9 +196,7 @@ def main() -> None:
             profiles["plain"] = _profiled(eng, prompts, sp, None, "plain")
         hf_config = eng.hf_config
     del eng                        # the plain engine's weights and KV pool go before the LoRA engine sizes its own
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _release_memory()
     targets = tuple(t for t in args.targets.split(",") if t)
     for n, rank in lora_cases(args):
         first = (n, rank) == (args.lora, args.lora_rank)
