@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--random-checkpoint", default=None,
                     help="write a random checkpoint of the config here and load it (tp-independent weights)")
-    ap.add_argument("--tp-sizes", type=int, nargs="+", default=[2])
+    ap.add_argument("--tp-sizes", type=int, nargs="*", default=[2])
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -112,7 +112,11 @@ def main() -> None:
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     outs1, forced1 = _run(args.model, 1, prompts, None, args.new_tokens, kw)
     reference = [p + o for p, o in zip(prompts, outs1)]
-    print(f"tp 1: {len(prompts)} prompts x {args.new_tokens} tokens; after shutdown: workers {_children()} "
+    # tp 1 against itself: its teacher-forced top-1 (one prefill) against its own greedy tokens (decode steps):
+    # the disagreement that bf16 kernels of other shapes cause without any parallelism
+    own = [t == g for (_, tops), o in zip(forced1, outs1) for t, g in zip(tops[args.prompt_len - 1:], o)]
+    print(f"tp 1: {len(prompts)} prompts x {args.new_tokens} tokens; teacher-forced top-1 = own greedy token "
+          f"{sum(own) / len(own):.4f}; after shutdown: workers {_children()} "
           f"GPU memory {_gpu_memory_used()}", flush=True)
     for tp in args.tp_sizes:
         outs, forced = _run(args.model, tp, prompts, reference, args.new_tokens, kw)
