@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbgen.bench.floor import floor_seconds, linear_rate, matmul_rate, prefill_flops
+from nbgen.bench.floor import floor_seconds, linear_rate, matmul_rate, prefill_flops, roofline_seconds
 
 
 def _tiny_llama():
@@ -95,3 +95,18 @@ def test_shared_floor_counts_each_prefix_once_per_step():
     assert shared_floor_seconds(0, groups, ins, outs, 10, 3, 1.0) == floor_seconds(ins, outs, 10, 3, 1.0)
     assert shared_floor_seconds(5, [0, 1], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0)
     assert shared_floor_seconds(5, [0, 0], [7, 9], [5, 5], 0, 1, 1.0) == floor_seconds([7, 9], [5, 5], 0, 1, 1.0) - 5 * 4
+
+
+def test_roofline_takes_the_longer_of_weight_read_and_gemm_work_per_step() -> None:
+    ins, outs = [10, 20, 30], [3, 5, 2]            # decode steps 1..4; live rows 3, 2, 1, 1
+    wb, kvb, bw = 1000, 10, 100.0
+    # compute free: exactly the floor
+    assert roofline_seconds(ins, outs, wb, kvb, bw, row_flops=1.0, rate=1e30) == \
+        pytest.approx(floor_seconds(ins, outs, wb, kvb, bw))
+    # a row's GEMMs take 4 s, the weight read 10 s: steps of 3 rows (12 s) are compute-bound
+    kv_only = floor_seconds(ins, outs, 0, kvb, bw)
+    assert roofline_seconds(ins, outs, wb, kvb, bw, row_flops=4.0, rate=1.0) == \
+        pytest.approx(12 + 10 + 10 + 10 + kv_only)
+    # two replicas split the rows (and the KV): every step's 1.5 rows or fewer take at most 6 s
+    assert roofline_seconds(ins, outs, wb, kvb, bw, row_flops=4.0, rate=1.0, replicas=2) == \
+        pytest.approx(4 * 10 + floor_seconds(ins, outs, 0, kvb, 2 * bw))

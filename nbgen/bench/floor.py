@@ -7,6 +7,9 @@ each prompt token through every decoder linear, each prompt's last token through
 causal attention (q.K^T and P.V over the tokens before each one). Added to the floor at the
 measured matmul rate it gives a second, prefill-inclusive bound ("floor+pf"), which matters for a
 large model, whose prompts are compute-bound work a decode-only floor does not count.
+``roofline_seconds`` also bounds each decode step by its GEMM work: a large model's step at a few
+hundred rows is compute-bound (Llama-3.1-8B at 256 rows: 3.6 TFLOP, more than its 15 GB of weights
+take to read on an H100 or H200), which the floor, reading the weights once per step, does not see.
 """
 from __future__ import annotations
 
@@ -62,6 +65,22 @@ def floor_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: 
     steps = max(outs) - 1                            # the first token of each seq comes from prefill
     kv_tokens = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(ins, outs))  # sum_j (i + j), j=1..o-1
     return (steps * weight_bytes + kv_tokens * kv_bytes) / bw
+
+
+def roofline_seconds(ins: list[int], outs: list[int], weight_bytes: int, kv_bytes: int, bw: float,
+                     row_flops: float, rate: float, replicas: int = 1) -> float:
+    """``floor_seconds`` with each decode step taking the longer of its weight read and its GEMM work
+    (``row_flops`` per decoding row at ``rate`` FLOP/s), its rows and KV split over ``replicas``."""
+    steps = max(outs) - 1
+    live = [0] * (steps + 2)
+    for o in outs:                                   # seq decodes at steps 1..o-1
+        live[1] += 1
+        live[o] -= 1
+    t, rows = 0.0, 0
+    for j in range(1, steps + 1):
+        rows += live[j]
+        t += max(weight_bytes / bw, rows / replicas * row_flops / rate)
+    return t + floor_seconds(ins, outs, 0, kv_bytes, bw * replicas)
 
 
 def shared_floor_seconds(prefix_len: int, groups: list[int], ins: list[int], outs: list[int], weight_bytes: int,

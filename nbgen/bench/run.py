@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
+from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops, roofline_seconds,
                                shared_floor_seconds)
 from nbgen.bench.hf import run_hf
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
@@ -123,6 +123,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
             info[k] = getattr(runner.backend, k)
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prefill_flops_shared": pf_shared,
+           "row_flops": prefill_flops(runner.model, runner.hf_config, [1]),
            "cached_tokens": sum(r["meta_info"].get("cached_tokens", 0) for r in res), "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
            "server_info": info, "gc_pauses_s": [round(t, 4) for _, t in gcs.pauses if t >= 1e-3],
            "first_ids": res[0]["output_ids"][:16], "text_chars": sum(len(r.get("text") or "") for r in res)}
@@ -213,6 +214,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     wb, kvb = rows[0]["weight_bytes"], rows[0]["kv_bytes_per_token"]
     floor = floor_seconds(ins, outs, wb, 0, bw) + floor_seconds(ins, outs, 0, kvb, bw * args.dp_size)
     floor_pf = floor + rows[0]["prefill_flops"] / (mm * args.dp_size)
+    # on a CPU the measured rate is fp32's while bf16 models run oneDNN's bf16 kernels: no roofline there
+    roof = roofline_seconds(ins, outs, wb, kvb, bw, rows[0]["row_flops"], mm, args.dp_size) + \
+        rows[0]["prefill_flops"] / (mm * args.dp_size) if dev.type == "cuda" else float("nan")
     mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "")
     print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  tp {args.tp_size} dp {args.dp_size}  floor {floor:.2f} s  "
@@ -222,6 +226,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
           f"kv_cache_dtype {args.kv_cache_dtype or 'auto'})")
     print(f"prefill {rows[0]['prefill_flops'] / 1e12:.3g} TFLOP at the measured matmul rate {mm / 1e12:.3g} TFLOP/s: "
           f"floor+pf {floor_pf:.2f} s (decode floor plus prefill compute; the targets use the floor)")
+    if dev.type == "cuda":
+        print(f"roofline {roof:.2f} s (floor+pf with each decode step the longer of its weight read and its "
+              f"{rows[0]['row_flops'] / 1e9:.3g} GFLOP per row at the matmul rate)")
     shared = None
     if workload == "prefix" and args.dp_size == 1:
         shared = shared_floor_seconds(PREFIX_LEN, groups, ins, outs, rows[0]["weight_bytes"],
@@ -232,10 +239,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
               f"{(len(prompts) - PREFIXES) * PREFIX_LEN} shareable")
     print(f"server: {rows[0]['server_info']}")
     print(f"{'engine':<20}{'seconds':>9}{'out tok/s':>11}{'total tok/s':>13}{'copy GB/s':>11}{'floor s':>9}"
-          f"{'% floor':>9}{'% floor+pf':>12}")
+          f"{'% floor':>9}{'% floor+pf':>12}{'% roofline':>12}")
     for r in rows:
         r.update(workload=workload, copy_bw=bw, copy_bw_before=bw0, copy_bw_after=bw_after, floor_s=floor,
-                 matmul_flops=mm, floor_pf_s=floor_pf)
+                 matmul_flops=mm, floor_pf_s=floor_pf, roofline_s=roof)
         if "error" in r:
             print(f"{r['engine']:<20} error: {r['error']}")
             continue
@@ -243,10 +250,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
         r["total_tok_s"] = (r["out_tokens"] + r["in_tokens"]) / r["seconds"]
         r["pct_floor"] = 100 * floor / r["seconds"]
         r["pct_floor_pf"] = 100 * floor_pf / r["seconds"]
+        r["pct_roofline"] = 100 * roof / r["seconds"]
         if shared is not None:
             r.update(shared_floor_s=shared, pct_shared_floor=100 * shared / r["seconds"])
         print(f"{r['engine']:<20}{r['seconds']:>9.2f}{r['out_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}"
               f"{bw / 1e9:>11.0f}{floor:>9.2f}{r['pct_floor']:>8.1f}%{r['pct_floor_pf']:>11.1f}%"
+              + (f"{r['pct_roofline']:>11.1f}%" if dev.type == "cuda" else f"{'-':>12}")
               + (f"  {r['pct_shared_floor']:.1f}% of the shared floor" if shared is not None else ""))
     if len(rows) > 1 and "error" not in rows[1]:
         print(f"nbgen / {rows[1]['engine']}: {rows[0]['out_tok_s'] / rows[1]['out_tok_s']:.1f}x output tok/s")
