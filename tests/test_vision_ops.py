@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.kernels import vision_ops as vo
+from nbgen.models.qwen2_vl_vision import padded_width
 from nbgen.models.vision_plan import SegmentPlan
 from tests.tiny_models import run_under_triton_interpreter
 
@@ -140,11 +141,20 @@ def test_gate_up_names_resolve_to_row_halves(tmp_path: Path) -> None:
         for kind in ("weight", "bias"):
             slot = names.resolve(f"visual.blocks.1.mlp.{hf}.{kind}")
             assert slot is not None and slot.param == f"visual.blocks.1.mlp.gate_up_proj.{kind}"
-            assert slot.rows == (shard * I, I)
+            assert slot.rows == (shard * padded_width(I), I)
     gu = model.visual.blocks[1].mlp["gate_up_proj"]
+    Ip = padded_width(I)
     up = torch.randn(I, gu.in_features)
     gu.weight_loader(gu.weight, up, 1)
-    assert torch.equal(gu.weight.data[I:], up)
+    assert torch.equal(gu.weight.data[Ip: Ip + I], up)
+    # the padding rows of gate and up, and the down projection's padding columns, are zeros
+    assert Ip > I and not gu.weight.data[I:Ip].any() and not gu.weight.data[Ip + I:].any()
+    down = names.resolve("visual.blocks.1.mlp.down_proj.weight")
+    assert down is not None and down.shape == (gu.in_features, I) and down.cols == (0, I)
+    w = torch.randn(gu.in_features, I)
+    model.visual.blocks[1].mlp["down_proj"].weight.weight_loader(model.visual.blocks[1].mlp["down_proj"].weight, w)
+    assert torch.equal(names.read(down), w)
+    assert not model.visual.blocks[1].mlp["down_proj"].weight.data[:, I:].any()
 
 
 @pytest.mark.gpu

@@ -33,6 +33,7 @@ class Slot:
     rows: Optional[tuple[int, int]]       # (first row, rows) of the shard in the parameter
     shape: tuple[int, ...]                # the shape a tensor for it must have
     tied: bool = False                    # lm_head.weight of a tied model: the embedding (updates skip it)
+    cols: Optional[tuple[int, int]] = None   # (first column, columns) of a parameter padded wider
 
 
 class WeightNames:
@@ -53,8 +54,10 @@ class WeightNames:
                 hf = pname.replace(f".{fused}.", f".{part}.")
                 first, n = owner.shard_rows(shard)
                 self.table[hf] = Slot(hf, pname, shard, (first, n), (n,) + tuple(p.shape[1:]))
-            if not parts:
-                self.table[pname] = Slot(pname, pname, None, None, tuple(p.shape))
+            if not parts:   # a parameter padded wider than its checkpoint tensor names its columns
+                cols = getattr(p, "checkpoint_cols", None)
+                shape = tuple(p.shape) if cols is None else (p.shape[0], cols[1], *p.shape[2:])
+                self.table[pname] = Slot(pname, pname, None, None, shape, cols=cols)
         emb = "model.embed_tokens.weight"
         if getattr(model, "tie_word_embeddings", False) and emb in self.params:
             self.table["lm_head.weight"] = Slot("lm_head.weight", emb, None, None, tuple(self.params[emb].shape),
@@ -102,6 +105,8 @@ class WeightNames:
         w = self.dense(slot.param)
         if slot.rows is not None:
             w = w.narrow(0, *slot.rows)
+        if slot.cols is not None:
+            w = w.narrow(1, *slot.cols)
         norm = norm_fold.fold_map(self.model).get(slot.param)
         if norm is not None:
             w = norm_fold.unfolded(w, self.params[norm].data)
