@@ -120,10 +120,11 @@ def _plan_logger(backend: Any, log: list[str]) -> None:
             wrap(name)
 
 
-def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool) -> list[str]:
+def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool) -> tuple[list[str], Optional[str]]:
     """Per tensor: max |a - b|, relative to max |a|; marks the first that differs (beyond bf16 noise unless
-    ``exact``)."""
-    lines, first = [], None
+    ``exact``) -> (lines, the first differing tensor's name or None)."""
+    lines: list[str] = []
+    first = None
     for k in a:
         if k not in b:
             continue
@@ -134,7 +135,7 @@ def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool
             first = k
         lines.append(f"    {k:<22} max|d| {d:.3e}  rel {d / ref:.2e}{'   <-- first difference' if first == k else ''}")
     lines.insert(0, f"  first differing tensor: {first}")
-    return lines
+    return lines, first
 
 
 def _pages(c: torch.Tensor, backend: Any) -> torch.Tensor:
@@ -182,6 +183,7 @@ def step_check(args: argparse.Namespace) -> None:
         nxt += k
     probe = Probe(model, max(sum(lens), 16 * q))
     log: list[str] = []
+    summary: list[str] = []
     _plan_logger(backend, log)
     with torch.inference_mode():
         pre = ScheduledBatch([SeqWork(r, r.prompt_ids, 0, p, True) for r, p in zip(reqs, pages)], P)
@@ -257,14 +259,21 @@ def step_check(args: argparse.Namespace) -> None:
                 la, lb = res[a]["logits"], res[b]["logits"]
                 agree = (la.argmax(-1) == lb.argmax(-1)).float().mean().item()
                 top2 = la.topk(2, dim=-1).values
-                print(f"\n  {a} vs {b} ({'must be bit-identical' if exact else 'bf16 kernels differ'}): "
-                      f"argmax agreement {agree:.3f}; {a}'s top-2 gaps at disagreements "
-                      f"{[round(g, 3) for g in (top2[:, 0] - top2[:, 1])[la.argmax(-1) != lb.argmax(-1)].tolist()]}")
-                print("\n".join(_compare(res[a], res[b], exact)))
+                gaps = [round(g, 3) for g in (top2[:, 0] - top2[:, 1])[la.argmax(-1) != lb.argmax(-1)].tolist()]
+                lines, first = _compare(res[a], res[b], exact)
+                line = (f"{title[:28]:<28} {a:>2} vs {b:<2}: first differing {first}; logits max|d| "
+                        f"{(la - lb).abs().max().item():.3e}, argmax agreement {agree:.3f}, {a}'s top-2 gaps "
+                        f"where they disagree {gaps}")
+                summary.append(line)
+                print(f"\n  {line}")
+                if args.verbose or (exact and first is not None):
+                    print("\n".join(lines))
         restore()
     print("\n==== flashinfer plan calls (inputs; plan_info = flashinfer's plan vector)")
-    for line in log:
+    for line in log if args.verbose else [x for x in log if "plan_verify" in x][:8]:
         print("  " + line[:1500])
+    print("\n==== summary (P vs G must show 'first differing None')")
+    print("\n".join(summary))
     del vg, runner, model, probe
     gc.collect()
     if cuda:
@@ -317,6 +326,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--engine", action="store_true", help="also compare whole engines (graphs on / off)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the eager paths (no graphs)")
+    ap.add_argument("--verbose", action="store_true", help="every tensor of every pair, every plan call")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     step_check(args)

@@ -10,7 +10,8 @@ final norm. Before a replay the host copies the step's token ids, positions, wri
 table into the graph's static buffers (one pinned staging set) and re-plans the bs wrapper.
 
 Graphs exist for the decode graphs' batch sizes up to ``cuda_graph_max_bs`` whose bs * q tokens stay
-within ``MAX_TOKENS``; larger steps, steps with prefill chunks and tree verifies run eagerly. EAGLE3's
+within ``MAX_TOKENS`` and whose flashinfer plan fits its workspace; larger steps, steps with prefill
+chunks and tree verifies run eagerly. EAGLE3's
 three feature layers are captured inside the graph (the tensors the forward leaves in
 ``model.model.captured``) and handed back after each replay. The graphs bake in the addresses of the
 weights and the KV pool: ``stale`` tells when the runner recaptured its own graphs (memory release),
@@ -74,8 +75,14 @@ class VerifyGraphRunner:
         stream = torch.cuda.Stream(dev)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
-        for bs in reversed(self.batch_sizes):
-            self._capture(bs, stream)
+        skipped = [bs for bs in reversed(self.batch_sizes) if not self._capture(bs, stream)]
+        if skipped:
+            logger.info("verify graphs: no graph for bs %s (flashinfer's plan of that size does not fit its "
+                        "workspace); those steps verify eagerly", skipped)
+        self.batch_sizes = sorted(self.graphs)
+        if not self.batch_sizes:
+            raise RuntimeError("no verify graph size fits flashinfer's workspace")
+        self.max_bs = self.batch_sizes[-1]
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
         self.memory_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
@@ -105,10 +112,18 @@ class VerifyGraphRunner:
         v = self.io[: 3 * bs * self.q].view(3, bs * self.q)
         return self.model(v[0], v[1], self.metas[bs])
 
-    def _capture(self, bs: int, stream: torch.cuda.Stream) -> None:
+    def _capture(self, bs: int, stream: torch.cuda.Stream) -> bool:
+        """Capture the bs graph; False when flashinfer cannot plan that size: in graph mode its plan keeps
+        split-KV scratch for every possible tile (bs * q query rows in tiles of up to 128), which for large
+        bs outgrows the workspace it shares with the other wrappers."""
         self.wrappers[bs] = self.backend.make_verify_wrapper(self.qo[: bs + 1], self.kv_indptr[: bs + 1],
                                                              self.indices, self.last[:bs])
-        self.stage(verify_layout([], self.q, bs, self.backend.spec.page_size))   # all padding: the scratch page
+        try:
+            self.stage(verify_layout([], self.q, bs, self.backend.spec.page_size))   # all padding: scratch page
+        except RuntimeError as e:
+            logger.debug("verify graph bs %d: %s", bs, e)
+            del self.wrappers[bs]
+            return False
         self.metas[bs] = FlashInferMetadata(self.backend, self.io[2 * bs * self.q: 3 * bs * self.q],
                                             self.wrappers[bs])
         with torch.inference_mode():
@@ -123,6 +138,7 @@ class VerifyGraphRunner:
         self.graphs[bs], self.outputs[bs] = g, out
         # EAGLE3's feature layers: tensors the captured forward left (graph outputs, rewritten by each replay)
         self.captured[bs] = list(self.inner.captured) if getattr(self.inner, "capture_layers", ()) else []
+        return True
 
     @property
     def stale(self) -> bool:
