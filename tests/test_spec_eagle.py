@@ -68,6 +68,24 @@ def test_eagle_config_errors(deep_llama_dir, tiny_llama_dir, tmp_path):
                       speculative_draft_model_path=tiny_llama_dir)
 
 
+def test_eagle3_d2t_inside_target_vocab(deep_llama_dir, tmp_path):
+    """The random EAGLE3 head's d2t stays inside the target's vocabulary even with a full-size draft
+    vocabulary; a head mapping a draft id past it is refused at load (a draft id past the vocabulary
+    would index the embedding out of range on the GPU)."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_random_head(deep_llama_dir, str(tmp_path / "h3"), True)      # draft vocab = target vocab
+    emb = torch.nn.Embedding(384, 64)
+    head = load_eagle(path, 64, emb, torch.float32, torch.device("cpu"))
+    assert int((torch.arange(head.draft_vocab) + head.d2t).max()) == head.draft_vocab - 1
+    f = str(tmp_path / "h3" / "model.safetensors")
+    state = load_file(f)
+    state["d2t"] = torch.arange(len(state["d2t"])) % 3
+    save_file(state, f)
+    with pytest.raises(ValueError, match="d2t"):
+        load_eagle(path, 64, emb, torch.float32, torch.device("cpu"))
+
+
 def _expected_copy_counts(out: list[int], steps: int) -> tuple[int, int, int]:
     """(verify steps, proposed, accepted) of a head that always drafts the last token ``steps`` times."""
     n, verifies, proposed, accepted = 1, 0, 0, 0

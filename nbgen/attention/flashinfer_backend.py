@@ -204,6 +204,26 @@ class FlashInferBackend(AttentionBackend):
         self._after_plan()
         return wrapper
 
+    def make_verify_wrapper(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                            last_page_len: torch.Tensor) -> Any:
+        """A fixed-batch-size prefill wrapper over these GPU buffers for CUDA-graph verify steps
+        (runtime/verify_graphs.py), on flashinfer's fa2 kernels (its graph-mode path with the most use)."""
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, self.kv_layout, use_cuda_graph=True, qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
+            paged_kv_last_page_len_buf=last_page_len, backend="fa2")
+
+    def plan_verify(self, wrapper: Any, qo: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                    last: torch.Tensor) -> None:
+        """Plan a verify wrapper (causal rows): pinned CPU ``qo`` / ``kv_indptr`` / ``last``; ``kv_indices``
+        already on the device (the wrapper's own buffer: flashinfer copies host indices blocking)."""
+        sp = self.spec
+        self._before_plan()
+        wrapper.plan(qo, kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
+                     causal=True, sm_scale=self.scale, q_data_type=sp.dtype, kv_data_type=sp.dtype,
+                     non_blocking=True)
+        self._after_plan()
+
     def _masked(self) -> Any:
         """The prefill wrapper of tree-verify steps: flashinfer's fa2 kernels, since its SM90 (fa3)
         prefill kernels, which ``backend="auto"`` picks on Hopper, take no custom mask."""

@@ -16,8 +16,9 @@ head (``--eagle-head DIR`` or ``random`` [``--eagle3``]: the head's cost per ste
 --eagle-steps S``: trees of ``--num-draft-tokens`` tokens instead of chains). Reported per batch
 size (``--batch-sizes``, 1 and 32): ms per decode step without and with speculation (the step of a
 speculative request verifies ``--num-draft-tokens`` tokens), the acceptance length reached, the
-verify step's cost in plain decode steps, and the speed-up that cost implies at acceptance lengths
-2, 3 and 4 (acceptance length x plain step ms / speculative step ms).
+verify step's cost in plain decode steps, the speed-up that cost implies at acceptance lengths
+2, 3 and 4 (acceptance length x plain step ms / speculative step ms), and how many engine steps
+replayed a verify CUDA graph.
 """
 from __future__ import annotations
 
@@ -133,8 +134,11 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [[rng.randint(2, top) for _ in range(args.block)] * args.repeats for _ in range(bs)]
             for name, eng in engines.items():
                 _timed(eng, prompts, {**sp, "max_new_tokens": 4}, bs, True)              # warm-up
+                graphed = eng.stats().get("spec_verify_graph_steps", 0)
                 secs, outs = _timed(eng, prompts, sp, bs, True)
                 s = _summary(secs, outs)
+                if name == "spec":    # engine steps whose verify forward replayed a CUDA graph
+                    s["verify_graph_steps"] = eng.stats().get("spec_verify_graph_steps", 0) - graphed
                 steps = s.get("verify_steps", sum(o["meta_info"]["completion_tokens"] for o in outs)) / bs
                 s["ms_per_step"] = round(1000 * secs / steps, 3)
                 res.setdefault(f"bs{bs}", {})[name] = s

@@ -215,6 +215,12 @@ def load_eagle(path: str, target_hidden: int, embed: nn.Module, dtype: torch.dty
     missing = [m for m in missing if not m.endswith("inv_freq") and "rope" not in m]
     if missing or unexpected:
         raise ValueError(f"speculative_draft_model_path: EAGLE weights do not match ({missing=}, {unexpected=})")
+    vocab = getattr(embed, "num_embeddings", embed.weight.shape[0])
+    if model.eagle3:          # draft id i stands for target id i + d2t[i]: it must exist in the target
+        top = int((torch.arange(model.draft_vocab) + model.d2t).max())
+        if top >= vocab:
+            raise ValueError(f"speculative_draft_model_path: the head's d2t maps a draft token to id {top}, "
+                             f"outside the target's vocabulary of {vocab}")
     model.to(device=device)
     for p in model.parameters():          # weights in the model dtype; the RoPE cache stays fp32 (flashinfer's rope
         p.data = p.data.to(dtype)         # kernel takes only an fp32 cos/sin cache)
@@ -224,7 +230,8 @@ def load_eagle(path: str, target_hidden: int, embed: nn.Module, dtype: torch.dty
 def save_random_head(target_dir: str, path: str, eagle3: bool = False, draft_vocab: int = 0, seed: int = 7) -> str:
     """Save a random one-layer EAGLE / EAGLE3 head for the model in ``target_dir`` at ``path`` in the
     published checkpoint format (no ``embed_tokens``: shared with the target; EAGLE3: ``d2t`` maps
-    draft id i to target id i + i % 3). For tests and the speed machinery (acceptance is meaningless)."""
+    draft id i to target id i + i % 3, at most the last target id). For tests and the speed machinery
+    (acceptance is meaningless)."""
     import transformers as tf
     from safetensors.torch import save_file
 
@@ -241,8 +248,9 @@ def save_random_head(target_dir: str, path: str, eagle3: bool = False, draft_voc
                       raw["hidden_size"])
     state = {k: v.contiguous() for k, v in head.state_dict().items() if "cos_sin" not in k}
     state.pop("embed_tokens.weight")
-    if eagle3:
-        state["d2t"] = torch.arange(len(state["d2t"])) % 3
+    if eagle3:                 # i + i % 3, kept inside the target's vocabulary
+        i = torch.arange(len(state["d2t"]))
+        state["d2t"] = torch.minimum(i % 3, raw["vocab_size"] - 1 - i)
     os.makedirs(path, exist_ok=True)
     save_file(state, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -14,6 +14,7 @@ from nbgen.runtime.spec_draft_model import DraftModelDrafter, make_draft_runner
 from nbgen.runtime.spec_ngram import NgramProposer
 from nbgen.runtime.spec_step import Drafter, SpecStepper
 from nbgen.runtime.spec_tree_step import TreeSpecStepper
+from nbgen.runtime.verify_graphs import make_verify_graphs
 
 
 def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConfig,
@@ -33,4 +34,5 @@ def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConf
             return TreeSpecStepper(runner, scheduler, spec, trees, stats)
     else:
         drafter = NgramProposer(spec.ngram_max_match)
-    return SpecStepper(runner, scheduler, spec, drafter, stats)
+    return SpecStepper(runner, scheduler, spec, drafter, stats,
+                       verify_graphs=make_verify_graphs(runner, spec.num_draft_tokens))

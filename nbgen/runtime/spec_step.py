@@ -20,8 +20,12 @@ Per scheduled batch:
    stop check (a stop inside the run cuts it there) and frees the pages of the rejected tail.
 
 Batches with prompt logprobs, hidden states, grammars or custom
-logit processors run as plain steps (no drafts that step); so do steps where nothing was drafted,
-which keeps the decode CUDA graphs for them. Verify steps run eagerly (no CUDA graph).
+logit processors run as plain steps (no drafts that step). Where the engine has verify CUDA graphs
+(runtime/verify_graphs.py), every step whose seqs are all decodes is a verify step of one shape, as
+SGLang's: each row padded to ``speculative_num_draft_tokens`` tokens (a row with fewer drafts, or none,
+carries padding whose results are ignored), one graph replay. Steps with prefill chunks verify
+eagerly; without verify graphs (CPU, graphs off), steps where nothing was drafted run as plain steps on
+the decode path.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.spec_verify import AcceptRule, longest_agreeing, verify
 from nbgen.runtime.step_inputs import flatten
+from nbgen.runtime.verify_graphs import VerifyGraphRunner, make_verify_graphs
 
 
 class Drafter(Protocol):
@@ -65,9 +70,12 @@ class SpecStepper:
     """Runs a ScheduledBatch with drafting and verification; rewrites the batch for ``Scheduler.update``."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, spec: SpecConfig, drafter: Drafter,
-                 stats: Optional[LoopStats] = None, rule: AcceptRule = longest_agreeing) -> None:
-        """``rule``: the acceptance rule (tests swap in wrong ones to see the statistics catch them)."""
+                 stats: Optional[LoopStats] = None, rule: AcceptRule = longest_agreeing,
+                 verify_graphs: Optional[VerifyGraphRunner] = None) -> None:
+        """``rule``: the acceptance rule (tests swap in wrong ones to see the statistics catch them);
+        ``verify_graphs``: CUDA graphs for steps of verify rows only (runtime/verify_graphs.py)."""
         self.runner, self.scheduler, self.spec, self.drafter = runner, scheduler, spec, drafter
+        self.verify_graphs = verify_graphs
         self.stats = stats
         self.rule = rule
         self._steps = 0
@@ -121,6 +129,9 @@ class SpecStepper:
         if not self.drafter.pages_first:
             cut = self.reserve_drafts(batch, [len(d) for d in drafts])
             drafts = [d[:k] for d, k in zip(drafts, cut)]
+        vg = self._current_verify_graphs()
+        if vg is not None and vg.can_run(batch, dec):
+            return self._verify(batch, drafts, dec, vg)   # a uniform verify step (rows without drafts padded)
         if not any(drafts) and not getattr(self.drafter, "wants_hidden", False):
             return self.plain(batch, dec)
         return self._verify(batch, drafts, dec)
@@ -135,24 +146,35 @@ class SpecStepper:
         self.count(batch, dec, [0] * n, [0] * n)
         return out
 
-    def _verify(self, batch: ScheduledBatch, drafts: list[list[int]], dec: list[bool]) -> StepOutput:
+    def _verify(self, batch: ScheduledBatch, drafts: list[list[int]], dec: list[bool],
+                vg: Optional[VerifyGraphRunner] = None) -> StepOutput:
+        """One target forward over the batch with its drafts: the verify graph ``vg`` (every seq a decode row)
+        or eagerly."""
         runner = self.runner
         for i, d in enumerate(drafts):
             if d:
                 s = batch.seqs[i]
                 batch.seqs[i] = SeqWork(s.req, s.token_ids + d, s.start_pos, s.pages, True)
-        flat = flatten(batch)
+        if vg is not None:
+            hidden, starts = vg.run(batch)                       # [bs * q, H]: seq i's rows from i * q
+        else:
+            flat = flatten(batch)
+            hidden, starts = runner.hidden_states(batch, flat), flat.starts       # [T, H]
         rows: list[int] = []
         seqs: list[SeqWork] = []
         nd: list[int] = []
         for i, s in enumerate(batch.seqs):
             if s.sample:
-                end = flat.starts[i] + s.q_len
+                end = starts[i] + s.q_len
                 rows.extend(range(end - 1 - len(drafts[i]), end))
                 seqs.append(s)
                 nd.append(len(drafts[i]))
-        hidden = runner.hidden_states(batch, flat)                                 # [T, H]
-        logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
+        if vg is not None:
+            logits = vg.logits(hidden, rows)                                       # [R, V]
+            if self.stats is not None:
+                self.stats.publish({"spec_verify_graph_steps": vg.replays})
+        else:
+            logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
         res = iter(verify(runner.sampler, logits, seqs, nd, self.rule))
         n = len(batch.seqs)
         out = StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,
@@ -171,9 +193,17 @@ class SpecStepper:
                 batch.seqs[i] = SeqWork(s.req, s.token_ids[: s.q_len - len(drafts[i]) + acc[i]], s.start_pos,
                                         s.pages, True)
         if getattr(self.drafter, "wants_hidden", False):      # EAGLE: the kept tokens' features
-            self.drafter.observe(batch, flat.starts, hidden)
+            self.drafter.observe(batch, starts, hidden)
         self.count(batch, dec, [len(d) for d in drafts], acc)
         return out
+
+    def _current_verify_graphs(self) -> Optional[VerifyGraphRunner]:
+        """The verify graphs, captured again when the runner recaptured its own (memory release)."""
+        vg = self.verify_graphs
+        if vg is not None and vg.stale and self.runner.graphs is not None:
+            vg.release()
+            vg = self.verify_graphs = make_verify_graphs(self.runner, vg.q)
+        return vg
 
     def count(self, batch: ScheduledBatch, dec: list[bool], proposed: list[int], accepted: list[int]) -> None:
         """Per-request counters (meta_info) and the engine's totals (stats, dashboard)."""
