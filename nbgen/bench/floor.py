@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nbgen.models.fp8_linear import scale_bytes
+
 
 def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Median time of ``reps`` calls of ``fn`` after 2 warm-up calls (CUDA events on a GPU)."""
@@ -44,7 +46,7 @@ def model_bytes(model: torch.nn.Module, hf: Any, kv_bytes_per_token: Optional[in
     weights 1 byte each, plus their fp32 group scales); the KV from ``kv_bytes_per_token`` when given
     (the pool's own), else at the embedding's dtype."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(m.fp8.scale.numel() * m.fp8.scale.element_size()        # fp8 linears' group scales
+    total += sum(scale_bytes(m.fp8)                                       # fp8 linears' scales
                  for m in model.modules() if getattr(m, "fp8", None) is not None)
     emb = model.model.embed_tokens.weight
     if not getattr(hf, "tie_word_embeddings", False):

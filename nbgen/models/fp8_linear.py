@@ -1,11 +1,14 @@
-"""FP8 linears: e4m3 weights with one fp32 scale per output row and 128 input columns (1x128 groups),
-activations quantized per token and 128 columns at run time.
+"""FP8 linears: the two weight forms and ``quantize_linears``, which turns every projection of a loaded
+model (q|k|v, o, gate|up, down; not the embedding or the LM head) into one of them:
+- one scale per output feature (``models/fp8_scaled.py``, cuBLAS's fp8 GEMM): ``quantization="fp8"``
+  on a bf16 checkpoint (searched per-feature scales), and fp8 checkpoints scaled per tensor or per
+  channel (fused q|k|v and gate|up parts stack their scales row by row).
+- 1x128 groups (this module, ``kernels/fp8_gemm.py``): checkpoints with ``weight_block_size`` blocks,
+  whose scales vary along the input columns (a per-feature GEMM scale cannot apply them).
+Either way a checkpoint's scales (expanded onto 1x128 groups by ``fp8_checkpoint``) round its
+dequantized values back to the stored e4m3 bytes: they are kept as they are, not requantized.
 
-``quantize_linears`` turns every projection of a loaded model (q|k|v, o, gate|up, down; not the
-embedding or the LM head) into this form: ``quantization="fp8"`` on a bf16 checkpoint, and fp8
-checkpoints. A checkpoint's own scales (per tensor, per channel, or ``weight_block_size`` blocks whose
-columns are 128 or a multiple of it) expand exactly onto 1x128 groups (``fp8_checkpoint``), so its
-stored e4m3 values are kept as they are, not requantized.
+The group form follows.
 
 Why 1x128: fused projections (q|k|v, gate|up) stack checkpoints' rows at any offset and tensor
 parallelism splits rows anywhere, which row-wise groups survive and 128x128 blocks do not; SGLang's
@@ -25,12 +28,13 @@ tests and notebooks run fp8 models anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from nbgen.kernels import fp8_gemm
+from nbgen.models.fp8_scaled import Fp8ScaledWeight, quantize_weight, scaled_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_gemm.FP8_MAX
@@ -98,12 +102,21 @@ def reference_matmul(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight,
     return y.to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring)."""
+def fp8_linear(x: torch.Tensor, w: Union[Fp8Weight, Fp8ScaledWeight],
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight (either form) -> [M, N] in x's dtype."""
+    if isinstance(w, Fp8ScaledWeight):
+        return scaled_linear(x, w, bias)
     if fp8_gemm.usable(x):
         return fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
     xq, sx = quantize_groups(x)
     return reference_matmul(xq, sx, w, bias, x.dtype)
+
+
+def scale_bytes(w: Union[Fp8Weight, Fp8ScaledWeight]) -> int:
+    """Bytes of a weight's scales a GEMM reads (the bandwidth floor counts them)."""
+    s = w.scale_row if isinstance(w, Fp8ScaledWeight) else w.scale
+    return s.numel() * s.element_size()
 
 
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -113,7 +126,8 @@ def quantize_linears(model: nn.Module, scales: Optional[dict[str, torch.Tensor]]
     """Quantize every decoder projection (``QUANTIZED_PROJECTIONS``) of a loaded model in place: each
     linear's weight parameter becomes its e4m3 copy (1 byte per value) and the linear gets ``fp8``,
     which its forward takes. ``scales``: module name -> [N, G] group scales an fp8 checkpoint gave
-    (its weights, loaded as values, are rounded back with them: the checkpoint's own e4m3 values).
+    (its weights, loaded as values, are rounded back with them: the checkpoint's own e4m3 values);
+    the same scale on every group of a row gives the per-feature form, else the group form.
     Returns how many linears were quantized."""
     n = 0
     for name, m in model.named_modules():
@@ -121,8 +135,11 @@ def quantize_linears(model: nn.Module, scales: Optional[dict[str, torch.Tensor]]
             continue
         w = m.weight.data
         given = (scales or {}).get(name)
-        q, scale = quantize_groups(w, given.to(w.device) if given is not None else search_scales(w))
-        m.weight.data = q            # the bf16 copy is released; the parameter now reads as e4m3
-        m.fp8 = Fp8Weight(q, scale)
+        if given is None or bool((given == given[:, :1]).all()):
+            fp8 = quantize_weight(w, given[:, 0] if given is not None else None)
+        else:
+            fp8 = Fp8Weight(*quantize_groups(w, given.to(w.device)))
+        m.weight.data = fp8.q        # the bf16 copy is released; the parameter now reads as e4m3
+        m.fp8 = fp8
         n += 1
     return n
