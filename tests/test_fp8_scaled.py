@@ -14,7 +14,7 @@ from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_linears
 from nbgen.models.loader import load_model
 from nbgen.models.fp8_scaled import (TENSORWISE_MAX_ROWS, Fp8ScaledWeight, quantize_activation, quantize_weight,
                                      reference_matmul, scaled_linear, search_channel_scales)
-from tests.tiny_models import run_under_triton_interpreter
+from tests.tiny_models import make_tiny_model, run_under_triton_interpreter
 
 F8 = torch.float8_e4m3fn
 
@@ -81,26 +81,27 @@ def test_activation_scale_rule() -> None:
     assert torch.equal(scaled_linear(x, chan), reference_matmul(xq, sa, chan, None, torch.float32))
 
 
-def test_quantize_linears_forms(tiny_llama_dir: str) -> None:
+def test_quantize_linears_forms(tmp_path) -> None:
     # bf16 weights: the per-feature form; checkpoint scales constant along a row: per feature (one
     # value: tensorwise); scales varying along the columns (block-wise): the 1x128 group form
-    model = load_model(EngineConfig(model_path=tiny_llama_dir, dtype="float32"), torch.device("cpu")).model
-    down = model.model.layers[0].mlp.down_proj
+    path = make_tiny_model("llama", str(tmp_path / "m"), intermediate_size=384)      # down_proj: 3 groups
+    model = load_model(EngineConfig(model_path=path, dtype="float32"), torch.device("cpu")).model
+    layer = model.model.layers[0]
+    down, o_proj, qkv = layer.mlp.down_proj, layer.self_attn.o_proj, layer.self_attn.qkv_proj
     n, k = down.weight.shape
-    g = -(-k // 128)
-    o_proj = model.model.layers[0].self_attn.o_proj
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    scales = {"model.layers.0.mlp.down_proj": torch.full((n, g), 0.01),
-              "model.layers.0.self_attn.o_proj": torch.rand(o_proj.weight.shape[0], 1).expand(-1, g) + 0.01}
-    if g > 1:
-        scales["model.layers.0.self_attn.qkv_proj"] = torch.rand(qkv.weight.shape[0], g) + 0.01
+    w_down = down.weight.data.clone()
+    scales = {"model.layers.0.self_attn.qkv_proj": torch.full((qkv.weight.shape[0], 1), 0.01),
+              "model.layers.0.self_attn.o_proj": torch.rand(o_proj.weight.shape[0], 1) + 0.01,
+              "model.layers.0.mlp.down_proj": torch.rand(n, 3) * 0.01 + 0.001}
     assert quantize_linears(model, scales) == 4 * len(model.model.layers)
-    assert isinstance(down.fp8, Fp8ScaledWeight) and down.fp8.scale is not None
+    assert isinstance(qkv.fp8, Fp8ScaledWeight) and float(qkv.fp8.scale) == pytest.approx(0.01)
     assert isinstance(o_proj.fp8, Fp8ScaledWeight) and o_proj.fp8.scale is None
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj.fp8, Fp8ScaledWeight)
-    assert isinstance(qkv.fp8, Fp8Weight if g > 1 else Fp8ScaledWeight)
+    assert isinstance(layer.mlp.gate_up_proj.fp8, Fp8ScaledWeight) and layer.mlp.gate_up_proj.fp8.scale is None
+    assert isinstance(down.fp8, Fp8Weight) and down.fp8.scale.shape == (n, 3)
+    assert torch.equal(down.fp8.scale, scales["model.layers.0.mlp.down_proj"])
     x = torch.randn(3, k)
-    assert fp8_linear(x, down.fp8).shape == (3, n)
+    y = fp8_linear(x, down.fp8)
+    assert y.shape == (3, n) and (y - x @ w_down.t()).norm() < 0.1 * (x @ w_down.t()).norm()
 
 
 def test_engine_fp8_weights_serve_and_batch(tiny_llama_dir: str) -> None:
