@@ -10,7 +10,7 @@ weight has one scale and the step has at most ``TENSORWISE_MAX_ROWS`` rows; at b
 thing), xq = e4m3(clamp(x / sa, ±448)). Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one
 rounding to the output dtype.
 
-On CUDA (``fp8_gemm_usable``), per step size and weight form:
+On CUDA with bf16 activations (``fp8_gemm_usable``), per step size and weight form:
 - one weight scale, few rows: ``kernels.fp8_quant.quant_tensorwise`` then the tensorwise GEMM with
   both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
 - per-channel weight, few rows: ``quant_rowwise``, the tensorwise GEMM with unit scales into fp32,
@@ -108,9 +108,9 @@ def _fp8_capable(index: int) -> bool:
 
 
 def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
-    """cuBLAS's fp8 GEMM takes this product: the Triton quantizers run, compute capability 8.9+, K and
-    N multiples of 16."""
-    return (fp8_quant.usable(x) and _fp8_capable(x.device.index or 0)
+    """cuBLAS's fp8 GEMM takes this product: the Triton quantizers run, compute capability 8.9+, a bf16
+    activation (the row-wise GEMM writes bf16 only), K and N multiples of 16."""
+    return (fp8_quant.usable(x) and x.dtype == torch.bfloat16 and _fp8_capable(x.device.index or 0)
             and x.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
 
 
