@@ -13,7 +13,8 @@ one launch each:
   the epilogue of a unit-scale tensorwise GEMM (fp32 out) when the weight has one scale per output
   feature (cuBLAS's row-wise fp8 GEMM is slower than bf16 at a few rows; this pair is not).
 
-The quantizers round as ``nbgen.models.fp8_tensorwise``'s torch reference does: q = e4m3(clamp(x / s, ±448)).
+The quantizers round as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
+with IEEE divisions (``tl.div_rn``; Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly.
 """
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 v = tl.load(x_ptr + m * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0)
                 amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        s = tl.maximum(tl.max(amax, 0), 1e-10) / 448.0
+        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
         kk = kb * BLOCK_K + rk
         x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x / s, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        q = tl.clamp(tl.div_rn(x, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
         tl.store(q_ptr + row.to(tl.int64) * stride_qm + kk, q, mask=kk < K)
         if (row == 0) & (kb == 0):
             tl.store(s_ptr, s)
@@ -60,10 +61,10 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        s = tl.maximum(tl.max(amax, 0), 1e-10) / 448.0
+        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
         for k0 in range(0, K, BLOCK_K):
             v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-            tl.store(q_row + k0 + rk, tl.clamp(v / s, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=k0 + rk < K)
+            tl.store(q_row + k0 + rk, tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=k0 + rk < K)
         tl.store(s_ptr + row, s)
 
     @triton.jit
