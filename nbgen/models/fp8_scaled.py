@@ -118,6 +118,8 @@ def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tens
     """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
     Graph-capturable: every scale stays on the device."""
     m = x.shape[0]
+    if m == 0:
+        return x.new_empty((0, w.q.shape[0]))
     if not fp8_gemm_usable(x, w):
         xq, sa = quantize_activation(x, tensorwise_rows(m, w))
         return reference_matmul(xq, sa, w, bias, x.dtype)
