@@ -6,8 +6,8 @@ one launch each:
   program reduces the whole of x (a decode step's few rows: KBs, from L2) and then rounds its own
   block, so no second launch waits for a global maximum. Meant for a few rows (``quant_tensorwise``'s
   callers keep M small); at batch 1 it is the per-token scale.
-- ``quant_rowwise(x)``: one scale per row, s [M, 1] fp32 (the row-wise GEMM's ``scale_a``), one program
-  a row.
+- ``quant_rowwise(x)``: one scale per row, s [M, 1] fp32 (the row-wise GEMM's ``scale_a``); the
+  programs of a row each reduce the whole row and round their own block.
 
 - ``scale_output(acc, sa, sw, bias, dtype)``: y = acc * sa[m] * sw[n] (+ bias[n]) rounded to ``dtype``:
   the epilogue of a unit-scale tensorwise GEMM (fp32 out) when the weight has one scale per output
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 
 FP8_MAX = 448.0      # largest finite e4m3fn value
 MIN_AMAX = 1e-10     # an all-zero activation keeps a finite scale
-BLOCK = 1024         # columns a program rounds per step
+BLOCK = 2048         # columns a program rounds (and reduces per step of its amax loop)
 
 if triton is not None:
     @triton.jit
@@ -53,19 +53,22 @@ if triton is not None:
 
     @triton.jit
     def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+        # program (row, kb): the row's amax (its programs alike), then its own block of the row
         row = tl.program_id(0)
+        kb = tl.program_id(1)
         rk = tl.arange(0, BLOCK_K)
         x_row = x_ptr + row.to(tl.int64) * stride_xm
-        q_row = q_ptr + row.to(tl.int64) * stride_qm
         amax = tl.zeros((BLOCK_K,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
         s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
-        for k0 in range(0, K, BLOCK_K):
-            v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-            tl.store(q_row + k0 + rk, tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=k0 + rk < K)
-        tl.store(s_ptr + row, s)
+        kk = kb * BLOCK_K + rk
+        v = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row.to(tl.int64) * stride_qm + kk, q, mask=kk < K)
+        if kb == 0:
+            tl.store(s_ptr + row, s)
 
     @triton.jit
     def _scale_output_kernel(acc_ptr, sa_ptr, sw_ptr, b_ptr, y_ptr, N, stride_am, stride_ym,
@@ -104,7 +107,7 @@ def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M:
-        _quant_rowwise_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=BLOCK)
+        _quant_rowwise_kernel[(M, triton.cdiv(K, BLOCK))](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=BLOCK)
     return q, s
 
 
