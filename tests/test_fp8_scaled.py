@@ -14,7 +14,8 @@ from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_linears
 from nbgen.models.loader import load_model
 from nbgen.models.fp8_scaled import (TENSORWISE_MAX_ROWS, Fp8ScaledWeight, quantize_activation, quantize_weight,
                                      reference_matmul, scaled_linear, search_channel_scales)
-from tests.tiny_models import make_tiny_model, run_under_triton_interpreter
+from tests.tiny_models import (assert_close_runs, gpu_generate, gpu_prompts, make_tiny_model,
+                               run_under_triton_interpreter)
 
 F8 = torch.float8_e4m3fn
 
@@ -171,12 +172,11 @@ def test_gpu_scaled_linear_equals_the_reference(m: int, per_tensor: bool, n: int
 
 
 @pytest.mark.gpu
-def test_gpu_engine_fp8_graphs_equal_no_graphs(tiny_llama_dir: str) -> None:
-    prompts = [[5, 17, 42, 99, 3, 250], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    outs = []
-    for graphs in (True, False):
-        with nbgen.Engine(tiny_llama_dir, device="cuda", dtype="bfloat16", quantization="fp8",
-                          disable_cuda_graph=not graphs) as eng:
-            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=sp)])
-    assert outs[0] == outs[1]
+def test_gpu_engine_fp8_graphs_match_eager(gpu_model_dir: str) -> None:
+    # decode CUDA graphs and piecewise prefill graphs replay the fp8 linears (scales on the device)
+    prompts = gpu_prompts()
+    base = gpu_generate(gpu_model_dir, prompts, logprobs=True, quantization="fp8")
+    assert_close_runs(gpu_generate(gpu_model_dir, prompts, logprobs=True, quantization="fp8",
+                                   disable_cuda_graph=True), base)
+    assert_close_runs(gpu_generate(gpu_model_dir, prompts, logprobs=True, quantization="fp8",
+                                   disable_piecewise_cuda_graph=True), base)
