@@ -43,7 +43,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 def model_bytes(model: torch.nn.Module, hf: Any, kv_bytes_per_token: Optional[int] = None) -> tuple[int, int]:
     """(weight bytes read per decode step, KV bytes per token): parameters at their stored size (fp8
-    weights 1 byte each, plus their fp32 group scales); the KV from ``kv_bytes_per_token`` when given
+    weights 1 byte each, plus their fp32 scales); the KV from ``kv_bytes_per_token`` when given
     (the pool's own), else at the embedding's dtype."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(scale_bytes(m.fp8)                                       # fp8 linears' scales

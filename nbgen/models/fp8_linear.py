@@ -15,15 +15,11 @@ parallelism splits rows anywhere, which row-wise groups survive and 128x128 bloc
 block-fp8 activations and DeepSeek-style 128x128 checkpoints share its 128-column groups; the scales
 add 1/32 of a byte per weight byte read; and ``torch._scaled_mm`` knows the recipe ("1x128 x 1x128").
 
-Weight scales are searched, not just amax / 448 (``search_scales``): e4m3 is a floating-point grid, so a
-finer group barely changes a value's relative rounding error, but where the grid points fall does; of
-16 scales spanning one octave above amax / 448 (none clips) each group keeps the one with the least
-squared error. On the embedded SmolLM2 this takes the perplexity change from +3.5 % to +1.8 %
-(``nbgen.bench.fp8_accuracy``). Activations, quantized at run time by the kernels, use amax:
-sx[m, g] = max(amax(|x[m, g*128:(g+1)*128]|), 1e-10) / 448 and xq = round_e4m3(x / sx). Then y = sum_g (xq_g @ wq_g.T) * sx_g * sw_g
-(+ bias) in fp32, rounded once to the output dtype. On CUDA ``kernels.fp8_gemm`` computes it; on the
-CPU ``reference_matmul`` does in fp32 torch (the reference the GPU kernels are tested against), so
-tests and notebooks run fp8 models anywhere.
+The weight scales are the checkpoint's, expanded per 128 columns. Activations, quantized at run time by
+the kernels, use amax: sx[m, g] = max(amax(|x[m, g*128:(g+1)*128]|), 1e-10) / 448 and xq = round_e4m3(x / sx).
+Then y = sum_g (xq_g @ wq_g.T) * sx_g * sw_g (+ bias) in fp32, rounded once to the output dtype. On CUDA
+``kernels.fp8_gemm`` computes it; on the CPU ``reference_matmul`` does in fp32 torch (the reference the
+GPU kernels are tested against), so tests and notebooks run fp8 models anywhere.
 """
 from __future__ import annotations
 
@@ -65,27 +61,6 @@ def quantize_groups(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> tu
         scale = groups.abs().amax(dim=-1).clamp(min=fp8_gemm.MIN_AMAX) / FP8_MAX
     q = (xf / expand_groups(scale, xf.shape[1])).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale.float().contiguous()
-
-
-SCALE_STEPS = 16   # candidate weight scales per octave (search_scales)
-
-
-def search_scales(w: torch.Tensor) -> torch.Tensor:
-    """Per 1x128 group of w [R, K], the scale among amax / 448 * 2^(i / SCALE_STEPS), i < SCALE_STEPS,
-    whose e4m3 rounding has the least squared error -> [R, G] fp32 (see the module docstring)."""
-    wf = w.float()
-    groups = nn.functional.pad(wf, (0, (-wf.shape[1]) % GROUP)).view(wf.shape[0], -1, GROUP)   # [R, G, 128]
-    base = groups.abs().amax(dim=-1).clamp(min=fp8_gemm.MIN_AMAX) / FP8_MAX                   # [R, G]
-    best, best_err = base, None
-    for i in range(SCALE_STEPS):
-        s = base * 2 ** (i / SCALE_STEPS)
-        err = ((groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s[..., None] - groups).square().sum(-1)
-        if best_err is None:
-            best_err = err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
-    return best
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
