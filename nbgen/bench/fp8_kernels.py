@@ -87,7 +87,7 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
         "cuBLAS _scaled_mm row-wise (x pre-quantized)":
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16),
         "scaled_linear per-feature (quantize + GEMM + scale)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
-        "scaled_linear per-tensor (quantize + GEMM)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
+        "scaled_linear one weight scale (quantize + GEMM; + scale above 1 row)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
     }
     out = []
     for label, fn in cases.items():

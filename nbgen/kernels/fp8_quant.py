@@ -1,19 +1,13 @@
 """Activation quantization to e4m3 and the output scaling for cuBLAS's fp8 GEMM (``torch._scaled_mm``),
 one launch each:
-
-- ``quant_tensorwise(x)``: one scale for the whole [M, K] activation, s = max(amax(|x|), 1e-10) / 448,
-  returned as a 0-dim fp32 device tensor (the tensorwise GEMM's ``scale_a``; no host sync). Every
-  program reduces the whole of x (a decode step's few rows: KBs, from L2) and then rounds its own
-  block, so no second launch waits for a global maximum. Meant for a few rows (``quant_tensorwise``'s
-  callers keep M small); at batch 1 it is the per-token scale.
-- ``quant_rowwise(x)``: one scale per row, s [M, 1] fp32 (the row-wise GEMM's ``scale_a``); the
-  programs of a row each reduce the whole row and round their own block.
-
+- ``quant_rowwise(x)``: one scale per row, s = max(amax(|x[m]|), 1e-10) / 448, [M, 1] fp32 (the row-wise
+  GEMM's ``scale_a``; at one row, viewed as 0-dim, the tensorwise GEMM's); the programs of a row each
+  reduce the whole row and round their own block.
 - ``scale_output(acc, sa, sw, bias, dtype)``: y = acc * sa[m] * sw[n] (+ bias[n]) rounded to ``dtype``:
   the epilogue of a unit-scale tensorwise GEMM (fp32 out) when the weight has one scale per output
   feature (cuBLAS's row-wise fp8 GEMM is slower than bf16 at a few rows; this pair is not).
 
-The quantizers round as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
+The quantizer rounds as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
 with IEEE divisions (``tl.div_rn``; Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly.
 """
 from __future__ import annotations
@@ -33,24 +27,6 @@ MIN_AMAX = 1e-10     # an all-zero activation keeps a finite scale
 BLOCK = 2048         # columns a program rounds (and reduces per step of its amax loop)
 
 if triton is not None:
-    @triton.jit
-    def _quant_tensorwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
-        row = tl.program_id(0)
-        kb = tl.program_id(1)
-        rk = tl.arange(0, BLOCK_K)
-        amax = tl.zeros((BLOCK_K,), tl.float32)
-        for m in range(M):                     # the whole activation's amax (each program alike)
-            for k0 in range(0, K, BLOCK_K):
-                v = tl.load(x_ptr + m * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0)
-                amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
-        kk = kb * BLOCK_K + rk
-        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(x, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row.to(tl.int64) * stride_qm + kk, q, mask=kk < K)
-        if (row == 0) & (kb == 0):
-            tl.store(s_ptr, s)
-
     @triton.jit
     def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
         # program (row, kb): the row's amax (its programs alike), then its own block of the row
@@ -87,18 +63,6 @@ if triton is not None:
 def usable(x: torch.Tensor) -> bool:
     """These kernels take ``x`` (Triton present, CUDA, 2-D with contiguous rows)."""
     return triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
-
-
-def quant_tensorwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, s 0-dim fp32), x ~ q * s. One launch; graph-capturable."""
-    M, K = x.shape
-    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.full((), MIN_AMAX / FP8_MAX, dtype=torch.float32, device=x.device) if M == 0 else \
-        torch.empty((), dtype=torch.float32, device=x.device)
-    if M:
-        _quant_tensorwise_kernel[(M, triton.cdiv(K, BLOCK))](x, q, s, M, K, x.stride(0), q.stride(0),
-                                                             BLOCK_K=BLOCK)
-    return q, s
 
 
 def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

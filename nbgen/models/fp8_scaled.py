@@ -5,15 +5,13 @@ output feature (``quantization="fp8"`` on a bf16 checkpoint; per-channel fp8 che
 Weight: w ~ wq * sw[n]. Searched scales (``search_channel_scales``): e4m3 is a floating-point grid, so
 where its points fall matters more than amax; of SCALE_STEPS scales spanning one octave above
 amax / 448 (none clips), each output feature keeps the one with the least squared rounding error.
-Activation: sa = max(amax(|x|), 1e-10) / 448 per token (one scale for the whole step's rows when the
-weight has one scale and the step has at most ``TENSORWISE_MAX_ROWS`` rows; at batch 1 the same
-thing), xq = e4m3(clamp(x / sa, ±448)). Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one
-rounding to the output dtype.
+Activation: sa = max(amax(|x|), 1e-10) / 448 per token (IEEE divisions), xq = e4m3(clamp(x / sa, ±448)).
+Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the output dtype.
 
 On CUDA with bf16 activations (``fp8_gemm_usable``), per step size and weight form:
-- one weight scale, few rows: ``kernels.fp8_quant.quant_tensorwise`` then the tensorwise GEMM with
-  both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
-- per-channel weight, few rows: ``quant_rowwise``, the tensorwise GEMM with unit scales into fp32,
+- one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
+  GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
+- otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales into fp32,
   then ``scale_output`` (sa[m] * sw[n] + bias): three launches. cuBLAS's row-wise GEMM would take
   the scales itself but is slower than bf16 at a few rows (``nbgen.bench.fp8_kernels`` measures both).
 - more rows (prefill): ``quant_rowwise`` then the row-wise GEMM (scale_a [M, 1], scale_b [1, N]).
@@ -33,7 +31,7 @@ from nbgen.kernels import fp8_quant
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_quant.FP8_MAX
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
-TENSORWISE_MAX_ROWS = 16    # steps up to this many rows take the tensorwise GEMM
+TENSORWISE_MAX_ROWS = 16    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
 
 
 @dataclass
@@ -77,25 +75,18 @@ def quantize_weight(w: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Fp
                            torch.ones((), dtype=torch.float32, device=w.device))
 
 
-def tensorwise_rows(m: int, w: Fp8ScaledWeight) -> bool:
-    """A step of ``m`` rows takes one activation scale for all its rows (else one per row)."""
-    return w.scale is not None and m <= TENSORWISE_MAX_ROWS
-
-
-def quantize_activation(x: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq [M, K] e4m3, sa 0-dim when ``per_tensor`` else [M, 1] fp32), in torch."""
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3, sa [M, 1] fp32), in torch. Both divisions are tensor by tensor: torch
+    divides by a Python number as a multiplication by its reciprocal, which the kernels do not."""
     xf = x.float()
-    if per_tensor:
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-    else:
-        amax = xf.abs().amax(dim=1, keepdim=True)
-    sa = amax.clamp(min=fp8_quant.MIN_AMAX) / FP8_MAX
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=fp8_quant.MIN_AMAX)
+    sa = amax / torch.full_like(amax, FP8_MAX)
     return (xf / sa).clamp(-FP8_MAX, FP8_MAX).to(FP8), sa
 
 
 def reference_matmul(xq: torch.Tensor, sa: torch.Tensor, w: Fp8ScaledWeight,
                      bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
-    """The module docstring's y in fp32 torch (sa 0-dim or [M, 1]), rounded once to ``out_dtype``."""
+    """The module docstring's y in fp32 torch (sa [M, 1]), rounded once to ``out_dtype``."""
     y = (xq.float() @ w.q.float().t()) * sa * w.scale_row
     if bias is not None:
         y = y + bias.float()
@@ -121,13 +112,12 @@ def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tens
     if m == 0:
         return x.new_empty((0, w.q.shape[0]))
     if not fp8_gemm_usable(x, w):
-        xq, sa = quantize_activation(x, tensorwise_rows(m, w))
+        xq, sa = quantize_activation(x)
         return reference_matmul(xq, sa, w, bias, x.dtype)
     b = bias.to(x.dtype) if bias is not None else None
-    if tensorwise_rows(m, w):
-        xq, sa = fp8_quant.quant_tensorwise(x)
-        return torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale, bias=b, out_dtype=x.dtype)
     xq, sa = fp8_quant.quant_rowwise(x)
+    if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
+        return torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=b, out_dtype=x.dtype)
     if m <= TENSORWISE_MAX_ROWS:
         acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
         return fp8_quant.scale_output(acc, sa, w.scale_row, b, x.dtype)
