@@ -31,7 +31,7 @@ from nbgen.kernels import fp8_quant
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_quant.FP8_MAX
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
-TENSORWISE_MAX_ROWS = 16    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
+TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one; bench.fp8_kernels)
 
 
 @dataclass
