@@ -139,7 +139,7 @@ def test_fp8_quant_kernels_under_triton_interpreter() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 16, 300])
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
 @pytest.mark.parametrize("per_tensor", [True, False])
 @pytest.mark.parametrize("n,k", [(1536, 4096), (208, 576)])
 def test_gpu_scaled_linear_equals_the_reference(m: int, per_tensor: bool, n: int, k: int) -> None:
