@@ -11,9 +11,10 @@ Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the outpu
 On CUDA with bf16 activations (``fp8_gemm_usable``), per step size and weight form:
 - one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
   GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
-- otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales into fp32,
-  then ``scale_output`` (sa[m] * sw[n] + bias): three launches. cuBLAS's row-wise GEMM would take
-  the scales itself but is slower than bf16 at a few rows (``nbgen.bench.fp8_kernels`` measures both).
+- otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales
+  into fp32, then ``scale_output`` (sa[m] * sw[n] + bias): three launches. cuBLAS's row-wise GEMM would
+  take the scales itself but is slower than bf16 at a few rows and than this trio up to 64 rows
+  (``nbgen.bench.fp8_kernels`` measures both).
 - more rows (prefill): ``quant_rowwise`` then the row-wise GEMM (scale_a [M, 1], scale_b [1, N]).
 Elsewhere ``reference_matmul`` computes the same in fp32 torch (the reference the GPU tests compare
 with), so tests and notebooks run these models anywhere.
@@ -31,7 +32,7 @@ from nbgen.kernels import fp8_quant
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_quant.FP8_MAX
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
-TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one; bench.fp8_kernels)
+TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
 
 
 @dataclass
