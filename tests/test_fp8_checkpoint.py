@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 import nbgen
 from nbgen.core.config import EngineConfig
 from nbgen.models.loader import load_model
+from nbgen.models.fp8_scaled import Fp8ScaledWeight
 from nbgen.models.fp8_checkpoint import Fp8Format, dequantize, dequantize_stream, fp8_format
 from tests.tiny_models import make_tiny_model
 
@@ -125,6 +126,11 @@ def test_fp8_checkpoint_loads_its_own_e4m3_bytes(tmp_path, method) -> None:
             assert torch.equal(fused.fp8.q[off:off + size].view(torch.uint8), stored.view(torch.uint8))
             checked += 1
     assert checked == 6
+    # scales constant along each row (per tensor, per channel, blocks as wide as these K): the
+    # per-feature form for cuBLAS; per tensor, the fused q|k|v parts keep their three scales per row
+    assert all(isinstance(m.fp8, Fp8ScaledWeight) for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    if method == "fp8-tensor":
+        assert layer.mlp.down_proj.fp8.scale is not None and layer.self_attn.qkv_proj.fp8.scale is None
     if method != "compressed-tensors":   # per channel, the stored values already sit on amax / 448's grid
         mine = requant.model.layers[0].mlp.down_proj.fp8.q.view(torch.uint8)
         assert not torch.equal(mine, layer.mlp.down_proj.fp8.q.view(torch.uint8))

@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nbgen.models.fp8_linear import scale_bytes
+
 
 def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Median time of ``reps`` calls of ``fn`` after 2 warm-up calls (CUDA events on a GPU)."""
@@ -44,10 +46,10 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 def model_bytes(model: torch.nn.Module, hf: Any, kv_bytes_per_token: Optional[int] = None) -> tuple[int, int]:
     """(weight bytes read per decode step, KV bytes per token): parameters at their stored size (fp8
-    weights 1 byte each, plus their fp32 group scales); the KV from ``kv_bytes_per_token`` when given
+    weights 1 byte each, plus their fp32 scales); the KV from ``kv_bytes_per_token`` when given
     (the pool's own), else at the embedding's dtype."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(m.fp8.scale.numel() * m.fp8.scale.element_size()        # fp8 linears' group scales
+    total += sum(scale_bytes(m.fp8)                                       # fp8 linears' scales
                  for m in model.modules() if getattr(m, "fp8", None) is not None)
     emb = model.model.embed_tokens.weight
     if not getattr(hf, "tie_word_embeddings", False):

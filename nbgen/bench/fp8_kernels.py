@@ -1,5 +1,6 @@
-"""FP8 kernel sweep: every ``kernels.fp8_gemm`` launch variant against the bf16 matmul at Llama-3.1-8B's
-linear shapes, on CUDA. Prints one line per (shape, rows, variant) with µs, GB/s of the bytes the
+"""FP8 kernel sweep: cuBLAS's fp8 GEMM (``torch._scaled_mm``: tensorwise, row-wise, and the per-feature
+linear of ``models/fp8_scaled.py`` with its quantize and output-scaling launches) and every
+``kernels.fp8_gemm`` launch variant against the bf16 matmul at Llama-3.1-8B's linear shapes, on CUDA. Prints one line per (shape, rows, variant) with µs, GB/s of the bytes the
 call must read (weights, their scales, activations) and the speed-up over bf16, then the fastest
 variant per rows bucket over all shapes, ready to paste into ``kernels/fp8_gemm.py``'s ``CONFIGS``.
 
@@ -7,8 +8,10 @@ Timing: each candidate runs ``--calls`` times inside one CUDA graph over rotatin
 bytes than the L2 cache), so launch gaps and cache hits do not flatter small shapes; the median of
 ``--reps`` graph replays divided by the call count. Also timed: ``torch._scaled_mm`` with 1x128 x 1x128
 block scales (x quantized beforehand, where this torch and GPU support it), and the table's pick.
+``--cublas``: the cuBLAS rows only (no group-kernel sweep), then the four linears summed per rows
+count (one decoder layer's GEMM time) for bf16 and each fp8 path.
 
-    python -m nbgen.bench.fp8_kernels [--rows 1 4 16 64 256] [--quick]
+    python -m nbgen.bench.fp8_kernels [--rows 1 4 16 64 256] [--quick] [--cublas]
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from nbgen.kernels import fp8_gemm
 from nbgen.kernels.fp8_gemm import GemmConfig
+from nbgen.models.fp8_scaled import quantize_weight, scaled_linear
 
 # (name, N, K) of Llama-3.1-8B's decoder linears
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -64,7 +68,46 @@ def _graph_time(fn: Callable[[int], object], copies: int, calls: int, reps: int)
     return sorted(times)[reps // 2] / calls
 
 
-def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, reps: int) -> list[tuple[str, float, float]]:
+def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.Tensor], calls: int,
+                    reps: int) -> list[tuple[str, float, float]]:
+    """cuBLAS's fp8 GEMM at one shape: tensorwise and row-wise ``_scaled_mm`` on a pre-quantized x, and
+    ``scaled_linear`` end to end (its quantize launch included) with one scale per feature and per tensor."""
+    dev = x.device
+    nbytes = n * k + n * 4 + rows * k * 2 + rows * n * 2
+    sa0, sw0 = torch.full((), 0.01, device=dev), torch.full((), 0.002, device=dev)
+    sa1, sw1 = torch.full((rows, 1), 0.01, device=dev), torch.full((1, n), 0.002, device=dev)
+    xq = (x.float() / 0.01).to(torch.float8_e4m3fn)
+    per_feature = [quantize_weight(w.float()) for w in wq[:2]]          # searched scales: differ per row
+    per_tensor = [quantize_weight(w.float(), sw0) for w in wq[:2]]
+    for fw in per_feature + per_tensor:                                  # rotate the big copies through them
+        fw.q = wq[0]
+    cases = {
+        "cuBLAS _scaled_mm tensorwise (x pre-quantized)":
+            lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa0, scale_b=sw0, out_dtype=torch.bfloat16),
+        "cuBLAS _scaled_mm row-wise (x pre-quantized)":
+            lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16),
+        "scaled_linear per-feature (quantize + GEMM + scale)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
+        "scaled_linear one weight scale (quantize + GEMM; + scale above 1 row)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
+    }
+    out = []
+    for label, fn in cases.items():
+        try:
+            t = _graph_time(fn, len(wq), calls, reps)
+        except (RuntimeError, ValueError) as e:
+            print(f"  N={n} K={k} rows={rows}: {label} unsupported here ({str(e).splitlines()[0][:90]})")
+            continue
+        out.append((label, t, nbytes / t / 1e9))
+    return out
+
+
+def _with(fw: object, q: torch.Tensor) -> object:
+    """``fw`` reading the weight copy ``q`` (the rotation; the scales stay)."""
+    fw.q = q
+    return fw
+
+
+def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, reps: int,
+              cublas_only: bool = False) -> list[tuple[str, float, float]]:
     """(variant, seconds per call, read GB/s) for one shape and row count, bf16 first."""
     dev = torch.device("cuda")
     g = -(-k // fp8_gemm.GROUP)
@@ -77,6 +120,9 @@ def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, rep
     out = []
     t = _graph_time(lambda i: F.linear(x, w16[i % len(w16)]), len(w16), calls, reps)
     out.append(("bf16 F.linear", t, (2 * n * k + rows * k * 2 + rows * n * 2) / t / 1e9))
+    out += cublas_variants(n, k, rows, x, wq, calls, reps)
+    if cublas_only:
+        return out
     xq, sx = fp8_gemm.per_token_group_quant_fp8(x)
     sx_t = sx.t().contiguous().t()                          # cuBLASLt wants outer-dim-major block scales
     try:
@@ -107,20 +153,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--quick", action="store_true", help="a few variants per row count")
     ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cublas", action="store_true", help="cuBLAS fp8 paths only, and the per-layer sums")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the fp8 kernel sweep needs a CUDA GPU")
     print(f"device: {torch.cuda.get_device_name()}")
     totals: dict[int, dict[str, list[float]]] = {}     # rows -> variant -> µs per shape
+    layer: dict[int, dict[str, float]] = {}             # rows -> bf16 / cuBLAS path -> µs over the shapes
     for rows in args.rows:
         for name, n, k in [s for s in SHAPES if s[0] in args.shapes]:
-            res = run_shape(name, n, k, rows, args.quick, args.calls, args.reps)
+            res = run_shape(name, n, k, rows, args.quick, args.calls, args.reps, args.cublas)
+            for variant, t, _ in res:
+                if not variant.startswith(("GemmConfig", "table", "torch._scaled_mm 1x128")):
+                    layer.setdefault(rows, {}).setdefault(variant, 0.0)
+                    layer[rows][variant] += t * 1e6
             bf16 = res[0][1]
             for variant, t, gbs in sorted(res, key=lambda r: r[1]):
                 print(f"{name:<8} N={n:<6} K={k:<6} rows={rows:<4} {t * 1e6:9.1f} µs {gbs:8.0f} GB/s "
                       f"{bf16 / t:5.2f}x bf16  {variant}")
                 if variant.startswith("GemmConfig"):
                     totals.setdefault(rows, {}).setdefault(variant, []).append(t * 1e6)
+    print("\none layer's linears (sum over the shapes, µs):")
+    for rows, by in layer.items():
+        bf16 = by.get("bf16 F.linear", float("nan"))
+        for variant, us in by.items():
+            print(f"  rows={rows:<4} {us:8.1f} µs {bf16 / us:5.2f}x bf16  {variant}")
+    if args.cublas:
+        return
     print("\nfastest variant per rows over the shapes (sum of µs):")
     for rows, by in totals.items():
         full = {v: sum(ts) for v, ts in by.items() if len(ts) == max(len(t) for t in by.values())}

@@ -17,7 +17,7 @@ IMPLEMENTED: dict[str, str] = {
     "dtype": "auto, float32, bfloat16, float16",
     "device": "auto, cpu, cuda",
     "load_format": "auto, safetensors, gguf, dummy",
-    "quantization": "None or fp8 (e4m3 weights per row and 128 columns, activations per token and 128 columns); fp8 and compressed-tensors float8 checkpoints are detected",
+    "quantization": "None or fp8 (e4m3 weights with a scale per output feature, activations per token, cuBLAS fp8 GEMM); fp8 and compressed-tensors float8 checkpoints are detected",
     "kv_cache_dtype": "auto (the model dtype) or fp8_e4m3 (K and V scale 1.0; a checkpoint's k_scale / v_scale are not read); the torch attention backend",
     "context_length": "",
     "mem_fraction_static": "",

@@ -1,36 +1,36 @@
-"""FP8 linears: e4m3 weights with one fp32 scale per output row and 128 input columns (1x128 groups),
-activations quantized per token and 128 columns at run time.
+"""FP8 linears: the two weight forms and ``quantize_linears``, which turns every projection of a loaded
+model (q|k|v, o, gate|up, down; not the embedding or the LM head) into one of them:
+- one scale per output feature (``models/fp8_scaled.py``, cuBLAS's fp8 GEMM): ``quantization="fp8"``
+  on a bf16 checkpoint (searched per-feature scales), and fp8 checkpoints scaled per tensor or per
+  channel (fused q|k|v and gate|up parts stack their scales row by row).
+- 1x128 groups (this module, ``kernels/fp8_gemm.py``): checkpoints with ``weight_block_size`` blocks,
+  whose scales vary along the input columns (a per-feature GEMM scale cannot apply them).
+Either way a checkpoint's scales (expanded onto 1x128 groups by ``fp8_checkpoint``) round its
+dequantized values back to the stored e4m3 bytes: they are kept as they are, not requantized.
 
-``quantize_linears`` turns every projection of a loaded model (q|k|v, o, gate|up, down; not the
-embedding or the LM head) into this form: ``quantization="fp8"`` on a bf16 checkpoint, and fp8
-checkpoints. A checkpoint's own scales (per tensor, per channel, or ``weight_block_size`` blocks whose
-columns are 128 or a multiple of it) expand exactly onto 1x128 groups (``fp8_checkpoint``), so its
-stored e4m3 values are kept as they are, not requantized.
+The group form follows.
 
 Why 1x128: fused projections (q|k|v, gate|up) stack checkpoints' rows at any offset and tensor
 parallelism splits rows anywhere, which row-wise groups survive and 128x128 blocks do not; SGLang's
 block-fp8 activations and DeepSeek-style 128x128 checkpoints share its 128-column groups; the scales
 add 1/32 of a byte per weight byte read; and ``torch._scaled_mm`` knows the recipe ("1x128 x 1x128").
 
-Weight scales are searched, not just amax / 448 (``search_scales``): e4m3 is a floating-point grid, so a
-finer group barely changes a value's relative rounding error, but where the grid points fall does; of
-16 scales spanning one octave above amax / 448 (none clips) each group keeps the one with the least
-squared error. On the embedded SmolLM2 this takes the perplexity change from +3.5 % to +1.8 %
-(``nbgen.bench.fp8_accuracy``). Activations, quantized at run time by the kernels, use amax:
-sx[m, g] = max(amax(|x[m, g*128:(g+1)*128]|), 1e-10) / 448 and xq = round_e4m3(x / sx). Then y = sum_g (xq_g @ wq_g.T) * sx_g * sw_g
-(+ bias) in fp32, rounded once to the output dtype. On CUDA ``kernels.fp8_gemm`` computes it; on the
-CPU ``reference_matmul`` does in fp32 torch (the reference the GPU kernels are tested against), so
-tests and notebooks run fp8 models anywhere.
+The weight scales are the checkpoint's, expanded per 128 columns. Activations, quantized at run time by
+the kernels, use amax: sx[m, g] = max(amax(|x[m, g*128:(g+1)*128]|), 1e-10) / 448 and xq = round_e4m3(x / sx).
+Then y = sum_g (xq_g @ wq_g.T) * sx_g * sw_g (+ bias) in fp32, rounded once to the output dtype. On CUDA
+``kernels.fp8_gemm`` computes it; on the CPU ``reference_matmul`` does in fp32 torch (the reference the
+GPU kernels are tested against), so tests and notebooks run fp8 models anywhere.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from nbgen.kernels import fp8_gemm
+from nbgen.models.fp8_scaled import Fp8ScaledWeight, quantize_weight, scaled_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_gemm.FP8_MAX
@@ -63,27 +63,6 @@ def quantize_groups(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> tu
     return q, scale.float().contiguous()
 
 
-SCALE_STEPS = 16   # candidate weight scales per octave (search_scales)
-
-
-def search_scales(w: torch.Tensor) -> torch.Tensor:
-    """Per 1x128 group of w [R, K], the scale among amax / 448 * 2^(i / SCALE_STEPS), i < SCALE_STEPS,
-    whose e4m3 rounding has the least squared error -> [R, G] fp32 (see the module docstring)."""
-    wf = w.float()
-    groups = nn.functional.pad(wf, (0, (-wf.shape[1]) % GROUP)).view(wf.shape[0], -1, GROUP)   # [R, G, 128]
-    base = groups.abs().amax(dim=-1).clamp(min=fp8_gemm.MIN_AMAX) / FP8_MAX                   # [R, G]
-    best, best_err = base, None
-    for i in range(SCALE_STEPS):
-        s = base * 2 ** (i / SCALE_STEPS)
-        err = ((groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s[..., None] - groups).square().sum(-1)
-        if best_err is None:
-            best_err = err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
-    return best
-
-
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 values of group-quantized q [R, K] (scale [R, G])."""
     return q.float() * expand_groups(scale, q.shape[1])
@@ -98,12 +77,21 @@ def reference_matmul(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight,
     return y.to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring)."""
+def fp8_linear(x: torch.Tensor, w: Union[Fp8Weight, Fp8ScaledWeight],
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight (either form) -> [M, N] in x's dtype."""
+    if isinstance(w, Fp8ScaledWeight):
+        return scaled_linear(x, w, bias)
     if fp8_gemm.usable(x):
         return fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
     xq, sx = quantize_groups(x)
     return reference_matmul(xq, sx, w, bias, x.dtype)
+
+
+def scale_bytes(w: Union[Fp8Weight, Fp8ScaledWeight]) -> int:
+    """Bytes of a weight's scales a GEMM reads (the bandwidth floor counts them)."""
+    s = w.scale_row if isinstance(w, Fp8ScaledWeight) else w.scale
+    return s.numel() * s.element_size()
 
 
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -113,7 +101,8 @@ def quantize_linears(model: nn.Module, scales: Optional[dict[str, torch.Tensor]]
     """Quantize every decoder projection (``QUANTIZED_PROJECTIONS``) of a loaded model in place: each
     linear's weight parameter becomes its e4m3 copy (1 byte per value) and the linear gets ``fp8``,
     which its forward takes. ``scales``: module name -> [N, G] group scales an fp8 checkpoint gave
-    (its weights, loaded as values, are rounded back with them: the checkpoint's own e4m3 values).
+    (its weights, loaded as values, are rounded back with them: the checkpoint's own e4m3 values);
+    the same scale on every group of a row gives the per-feature form, else the group form.
     Returns how many linears were quantized."""
     n = 0
     for name, m in model.named_modules():
@@ -121,8 +110,11 @@ def quantize_linears(model: nn.Module, scales: Optional[dict[str, torch.Tensor]]
             continue
         w = m.weight.data
         given = (scales or {}).get(name)
-        q, scale = quantize_groups(w, given.to(w.device) if given is not None else search_scales(w))
-        m.weight.data = q            # the bf16 copy is released; the parameter now reads as e4m3
-        m.fp8 = Fp8Weight(q, scale)
+        if given is None or bool((given == given[:, :1]).all()):
+            fp8 = quantize_weight(w, given[:, 0] if given is not None else None)
+        else:
+            fp8 = Fp8Weight(*quantize_groups(w, given.to(w.device)))
+        m.weight.data = fp8.q        # the bf16 copy is released; the parameter now reads as e4m3
+        m.fp8 = fp8
         n += 1
     return n

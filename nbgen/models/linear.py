@@ -9,7 +9,7 @@ forward passes communicate through torch.distributed (set up by the caller via `
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from nbgen.kernels import small_gemm
 from nbgen.models import cpu_int4
 from nbgen.models.cpu_int4 import Int4Weight
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
+from nbgen.models.fp8_scaled import Fp8ScaledWeight
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 
@@ -98,9 +99,9 @@ class LinearBase(nn.Module):
     # LoRA serving (runtime/lora.py): a hook adding the step's adapters' low-rank products into the
     # output, ``lora(x [T, in], y [T, out])`` in place; ``lora.active`` is False on steps without adapters
     lora: Optional[Any] = None
-    # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its group scales;
-    # the parameter then holds the same e4m3 tensor
-    fp8: Optional[Fp8Weight] = None
+    # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its scales (per
+    # feature or 1x128 groups); the parameter then holds the same e4m3 tensor
+    fp8: Optional[Union[Fp8Weight, Fp8ScaledWeight]] = None
 
     @property
     def lora_active(self) -> bool:

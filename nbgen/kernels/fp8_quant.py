@@ -1,0 +1,88 @@
+"""Activation quantization to e4m3 and the output scaling for cuBLAS's fp8 GEMM (``torch._scaled_mm``),
+one launch each:
+- ``quant_rowwise(x)``: one scale per row, s = max(amax(|x[m]|), 1e-10) / 448, [M, 1] fp32 (the row-wise
+  GEMM's ``scale_a``; at one row, viewed as 0-dim, the tensorwise GEMM's); the programs of a row each
+  reduce the whole row and round their own block.
+- ``scale_output(acc, sa, sw, bias, dtype)``: y = acc * sa[m] * sw[n] (+ bias[n]) rounded to ``dtype``:
+  the epilogue of a unit-scale tensorwise GEMM (fp32 out) when the weight has one scale per output
+  feature (cuBLAS's row-wise fp8 GEMM is slower than bf16 at a few rows; this pair is not).
+
+The quantizer rounds as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
+with IEEE divisions (``tl.div_rn``; Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+FP8_MAX = 448.0      # largest finite e4m3fn value
+MIN_AMAX = 1e-10     # an all-zero activation keeps a finite scale
+BLOCK = 2048         # columns a program rounds (and reduces per step of its amax loop)
+
+if triton is not None:
+    @triton.jit
+    def _quant_rowwise_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl.constexpr):
+        # program (row, kb): the row's amax (its programs alike), then its own block of the row
+        row = tl.program_id(0)
+        kb = tl.program_id(1)
+        rk = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + row.to(tl.int64) * stride_xm
+        amax = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
+        kk = kb * BLOCK_K + rk
+        v = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row.to(tl.int64) * stride_qm + kk, q, mask=kk < K)
+        if kb == 0:
+            tl.store(s_ptr + row, s)
+
+    @triton.jit
+    def _scale_output_kernel(acc_ptr, sa_ptr, sw_ptr, b_ptr, y_ptr, N, stride_am, stride_ym,
+                             SA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = rn < N
+        acc = tl.load(acc_ptr + row.to(tl.int64) * stride_am + rn, mask=mask, other=0.0)
+        sa = tl.load(sa_ptr + row) if SA_PER_ROW else tl.load(sa_ptr)
+        y = acc * sa * tl.load(sw_ptr + rn, mask=mask, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """These kernels take ``x`` (Triton present, CUDA, 2-D with contiguous rows)."""
+    return triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+
+
+def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, s [M, 1] fp32), x[m] ~ q[m] * s[m]. One launch; graph-capturable."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        _quant_rowwise_kernel[(M, triton.cdiv(K, BLOCK))](x, q, s, K, x.stride(0), q.stride(0), BLOCK_K=BLOCK)
+    return q, s
+
+
+def scale_output(acc: torch.Tensor, sa: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """acc [M, N] fp32 (a unit-scale GEMM's output), sa 0-dim or [M, 1], sw [1, N] fp32 ->
+    acc * sa * sw (+ bias) in ``dtype``, one launch (fp32 products in this order, one rounding)."""
+    M, N = acc.shape
+    y = torch.empty((M, N), dtype=dtype, device=acc.device)
+    if M:
+        grid = (M, triton.cdiv(N, BLOCK))
+        _scale_output_kernel[grid](acc, sa, sw, bias if bias is not None else sw, y, N, acc.stride(0), y.stride(0),
+                                   SA_PER_ROW=sa.dim() > 0, HAS_BIAS=bias is not None, BLOCK_N=BLOCK)
+    return y

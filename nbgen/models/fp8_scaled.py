@@ -1,0 +1,126 @@
+"""FP8 linears through cuBLAS's fp8 GEMM (``torch._scaled_mm``): an e4m3 weight with one fp32 scale per
+output feature (``quantization="fp8"`` on a bf16 checkpoint; per-channel fp8 checkpoints) or per tensor
+(per-tensor fp8 checkpoints whose fused parts share one scale), activations quantized at run time.
+
+Weight: w ~ wq * sw[n]. Searched scales (``search_channel_scales``): e4m3 is a floating-point grid, so
+where its points fall matters more than amax; of SCALE_STEPS scales spanning one octave above
+amax / 448 (none clips), each output feature keeps the one with the least squared rounding error.
+Activation: sa = max(amax(|x|), 1e-10) / 448 per token (IEEE divisions), xq = e4m3(clamp(x / sa, ±448)).
+Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the output dtype.
+
+On CUDA with bf16 activations (``fp8_gemm_usable``), per step size and weight form:
+- one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
+  GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
+- otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales
+  into fp32, then ``scale_output`` (sa[m] * sw[n] + bias): three launches. cuBLAS's row-wise GEMM would
+  take the scales itself but is slower than bf16 at a few rows and than this trio up to 64 rows
+  (``nbgen.bench.fp8_kernels`` measures both).
+- more rows (prefill): ``quant_rowwise`` then the row-wise GEMM (scale_a [M, 1], scale_b [1, N]).
+Elsewhere ``reference_matmul`` computes the same in fp32 torch (the reference the GPU tests compare
+with), so tests and notebooks run these models anywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from nbgen.kernels import fp8_quant
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = fp8_quant.FP8_MAX
+SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
+TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
+
+
+@dataclass
+class Fp8ScaledWeight:
+    """A linear's fp8 weight for cuBLAS: ``q`` [N, K] e4m3; ``scale_row`` [1, N] fp32 (W[n] ~ q[n] *
+    scale_row[0, n]); ``scale`` the 0-dim scale when every feature has the same one, else None;
+    ``unit`` a 0-dim 1.0 on the weight's device (the unit-scale GEMM's scales)."""
+
+    q: torch.Tensor
+    scale_row: torch.Tensor
+    scale: Optional[torch.Tensor]
+    unit: torch.Tensor
+
+
+def search_channel_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per output feature of w [N, K], the scale among amax / 448 * 2^(i / SCALE_STEPS), i < SCALE_STEPS,
+    whose e4m3 rounding has the least squared error -> [N] fp32 (see the module docstring)."""
+    wf = w.float()
+    base = wf.abs().amax(dim=1).clamp(min=fp8_quant.MIN_AMAX) / FP8_MAX
+    best, best_err = base, None
+    for i in range(SCALE_STEPS):
+        s = base * 2 ** (i / SCALE_STEPS)
+        err = ((wf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s[:, None] - wf).square().sum(1)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, s, best), torch.where(better, err, best_err)
+    return best
+
+
+def quantize_weight(w: torch.Tensor, scale: Optional[torch.Tensor] = None) -> Fp8ScaledWeight:
+    """w [N, K] -> its fp8 form. ``scale``: a checkpoint's (one value, or one per feature [N] / [N, 1]),
+    with which its dequantized values round back to the stored e4m3 bytes; else searched per feature."""
+    n = w.shape[0]
+    s = search_channel_scales(w) if scale is None else scale.to(device=w.device, dtype=torch.float32)
+    s = s.reshape(-1).expand(n).contiguous() if s.numel() == 1 else s.reshape(n).contiguous()
+    q = (w.float() / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    uniform = bool((s == s[0]).all()) if n else True
+    return Fp8ScaledWeight(q, s.reshape(1, n), s[0].clone() if uniform and n else None,
+                           torch.ones((), dtype=torch.float32, device=w.device))
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3, sa [M, 1] fp32), in torch. Both divisions are tensor by tensor: torch
+    divides by a Python number as a multiplication by its reciprocal, which the kernels do not."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=fp8_quant.MIN_AMAX)
+    sa = amax / torch.full_like(amax, FP8_MAX)
+    return (xf / sa).clamp(-FP8_MAX, FP8_MAX).to(FP8), sa
+
+
+def reference_matmul(xq: torch.Tensor, sa: torch.Tensor, w: Fp8ScaledWeight,
+                     bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """The module docstring's y in fp32 torch (sa [M, 1]), rounded once to ``out_dtype``."""
+    y = (xq.float() @ w.q.float().t()) * sa * w.scale_row
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+@lru_cache(maxsize=None)
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
+    """cuBLAS's fp8 GEMM takes this product: the Triton quantizers run, compute capability 8.9+, a bf16
+    activation (the row-wise GEMM writes bf16 only), K and N multiples of 16."""
+    return (fp8_quant.usable(x) and x.dtype == torch.bfloat16 and _fp8_capable(x.device.index or 0)
+            and x.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
+
+
+def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
+    Graph-capturable: every scale stays on the device."""
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty((0, w.q.shape[0]))
+    if not fp8_gemm_usable(x, w):
+        xq, sa = quantize_activation(x)
+        return reference_matmul(xq, sa, w, bias, x.dtype)
+    b = bias.to(x.dtype) if bias is not None else None
+    xq, sa = fp8_quant.quant_rowwise(x)
+    if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
+        return torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=b, out_dtype=x.dtype)
+    if m <= TENSORWISE_MAX_ROWS:
+        acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
+        return fp8_quant.scale_output(acc, sa, w.scale_row, b, x.dtype)
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=x.dtype)
+    return y if b is None else y.add_(b)
