@@ -237,7 +237,7 @@ class ModelRunner:
         else:
             flat = flatten(batch)
             rows, seqs = flat.sample_rows, flat.sample_seqs
-            hidden = self._hidden(batch, flat)
+            hidden = self.hidden_states(batch, flat)
         if not seqs:
             return Forwarded(batch, seqs, None)
         n = len(seqs)

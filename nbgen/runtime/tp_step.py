@@ -130,6 +130,7 @@ class StepSender:
         self._send = send
         self._abandon = abandon
         self._enc = StepEncoder()
+        self._forwarding = False    # inside a forward: its hidden states are the forward message's
 
     def _local(self, run: Callable[[], T]) -> T:
         try:
@@ -145,10 +146,16 @@ class StepSender:
     def forward(self, batch: ScheduledBatch, run: Callable[[], T]) -> T:
         """A step's forward and its sampling rows' logits (``ModelRunner.forward``)."""
         self._send(self._batch_step("forward", batch))
-        return self._local(run)
+        self._forwarding = True
+        try:
+            return self._local(run)
+        finally:
+            self._forwarding = False
 
     def hidden(self, batch: ScheduledBatch, run: Callable[[], T]) -> T:
-        """A synchronous step's hidden states (``ModelRunner.hidden_states``)."""
+        """A synchronous step's hidden states (``ModelRunner.hidden_states``; within a forward, part of it)."""
+        if self._forwarding:
+            return run()
         self._send(self._batch_step("hidden", batch))
         return self._local(run)
 
