@@ -176,3 +176,18 @@ def test_tp2_embeddings_match_tp1(tiny_llama_dir):
             vecs.append([o["embedding"] for o in eng.encode(PROMPTS)])
     assert len(vecs[1]) == len(PROMPTS) and len(vecs[1][0]) == 64
     assert max(abs(a - b) for x, y in zip(*vecs) for a, b in zip(x, y)) <= 1e-5
+
+
+def test_a_dead_worker_fails_steps_not_the_engine(tiny_llama_dir):
+    """A worker killed between steps: the next requests end as aborts naming the lost workers (no hang),
+    and shutdown leaves no process behind."""
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", tp_size=2) as eng:
+        assert eng.generate(PROMPTS[0], GREEDY, use_tqdm=False)["meta_info"]["completion_tokens"] == 14
+        (worker,) = tp_workers()
+        worker.kill()
+        worker.wait(30)
+        for _ in range(2):
+            out = eng.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            assert "tensor-parallel" in out["meta_info"]["finish_reason"]["message"]
+    assert tp_workers() == []
