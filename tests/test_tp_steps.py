@@ -165,6 +165,7 @@ def test_lite_batches_carry_the_page_lists():
                 assert a.pages is obj[a.req.rid]
             obj[a.req.rid] = a.pages
     assert tails > 100 and forgotten > 0
+    assert rep.tracked() == enc.tracked()      # the replica keeps what rank 0 tracks, no more (no leak)
 
 
 def test_tp2_embeddings_match_tp1(tiny_llama_dir):

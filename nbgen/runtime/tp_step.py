@@ -94,6 +94,10 @@ class StepEncoder:
     def __init__(self) -> None:
         self._known: dict[str, list] = {}     # rid -> [pages list object, pages the workers have]
 
+    def tracked(self) -> set[str]:
+        """The request ids whose page lists the workers keep."""
+        return set(self._known)
+
     def seqs(self, batch: ScheduledBatch) -> tuple[list[SeqWire], list[str]]:
         """The batch's seqs on the wire, and the request ids the workers may forget."""
         out = [self._seq(s) for s in batch.seqs]
@@ -177,21 +181,34 @@ class StepReplica:
     def __init__(self, runner: Any) -> None:
         self.runner = runner            # this rank's ModelRunner (peers None)
         self._pages: dict[str, list[int]] = {}
+        self._reqs: dict[str, LiteRequest] = {}      # one per request id (not rebuilt each step)
         self._hidden: Optional[torch.Tensor] = None   # [T, H] of the last "hidden" message
+
+    def tracked(self) -> set[str]:
+        """The request ids whose page lists this rank keeps (rank 0's ``StepEncoder.tracked``)."""
+        return set(self._pages)
 
     def _batch(self, cmd: TPStep) -> ScheduledBatch:
         for rid in cmd.forget:
             self._pages.pop(rid, None)
+            self._reqs.pop(rid, None)
         seqs = []
         for rid, plen, delta, toks, start, sample, pages, tail, parents in cmd.seqs:
             if tail:
                 have = self._pages[rid]
                 have.extend(pages)
                 pages = have
+            elif len(toks) > 1 or start < plen:    # a prompt step: rank 0 keeps no entry either
+                self._pages.pop(rid, None)
+                self._reqs.pop(rid, None)
             else:
                 self._pages[rid] = pages
-            seqs.append(SeqWork(LiteRequest(rid, range(plen), delta), toks, start, pages,  # type: ignore[arg-type]
-                                sample, tree_parents=parents))
+            req = self._reqs.get(rid)
+            if req is None or len(req.prompt_ids) != plen or req.rope_delta != delta:
+                req = LiteRequest(rid, range(plen), delta)
+                if rid in self._pages:
+                    self._reqs[rid] = req
+            seqs.append(SeqWork(req, toks, start, pages, sample, tree_parents=parents))  # type: ignore[arg-type]
         return ScheduledBatch(seqs, cmd.page_size)
 
     @torch.inference_mode()
