@@ -123,14 +123,16 @@ def _two_gpus() -> bool:
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
 @pytest.mark.parametrize("gpu_model_dir", ["llama", "qwen2", "qwen3"], indirect=True)
 def test_tp2_gpu_graphs_match_tp1(gpu_model_dir):
-    """tp_size=2 on two GPUs (NCCL; the decode graphs capture the all-reduces) against one GPU, bf16
-    greedy: the same tokens up to near-ties, close logprobs; graphs were captured on both."""
+    """tp_size=2 on two GPUs (NCCL; the decode graphs and the piecewise prefill graphs capture the
+    all-reduces; overlap scheduling on) against one GPU, bf16 greedy: the same tokens up to near-ties,
+    close logprobs; graphs were captured on both."""
     from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts
 
     prompts = gpu_prompts()
     one = gpu_generate(gpu_model_dir, prompts, logprobs=True)
     with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, tp_size=2) as eng:
-        assert eng.get_server_info()["cuda_graph_batch_sizes"]
+        info = eng.get_server_info()
+        assert info["cuda_graph_batch_sizes"] and info["piecewise_cuda_graph_tokens"]
         two = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 32,
                                                                "ignore_eos": True},
                            return_logprob=True, use_tqdm=False)

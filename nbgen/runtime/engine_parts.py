@@ -5,7 +5,6 @@ the loop keeps the parts, the Engine facade gets ``EngineParts.info()``.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -55,10 +54,6 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
     if rcfg.enable_torch_compile:
         logger.info("enable_torch_compile: nbgen runs its own fused kernels and CUDA graphs in the place of "
                     "torch.compile; the model is not compiled and outputs are unchanged")
-    if rcfg.tp_size > 1:
-        # workers mirror rank 0's calls one by one: no overlap, no piecewise prefill graphs
-        rcfg = copy.copy(rcfg)        # (resolved values need no new validation)
-        rcfg.disable_overlap_schedule = rcfg.disable_piecewise_cuda_graph = True
     tp = start_tp(rcfg, device)
     try:
         with tp_scope(rcfg.tp_size, 0):

@@ -26,6 +26,8 @@ class StepRunner(Protocol):
 
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor: ...
 
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor: ...
+
     def to_device(self, values: list[int]) -> torch.Tensor: ...
 
     def note_sampled(self, tokens: torch.Tensor) -> None: ...
@@ -96,9 +98,7 @@ def step_with_logprobs(runner: StepRunner, batch: ScheduledBatch) -> StepOutput:
     hidden = runner.hidden_states(batch, flat)                              # [T, H]
     where = hidden_positions(batch, starts)
     hs = gather_hidden(hidden, batch, where, runner.to_device) if where else None
-    rows = runner.to_device(sample_rows + prompt_rows)
-    hidden = hidden.index_select(0, rows)                                   # [S + Np, H]
-    logits = runner.model.compute_logits(hidden).float()                    # [S + Np, V] fp32
+    logits = runner.logits(hidden, sample_rows + prompt_rows).float()       # [S + Np, V] fp32
 
     n = len(batch.seqs)
     next_ids = [-1] * n

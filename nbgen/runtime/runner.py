@@ -24,6 +24,7 @@ from nbgen.runtime.lora import LoRAManager, LoRAStep
 from nbgen.runtime.logprobs import RowLogprobs
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
+from nbgen.runtime.tp_step import StepSender
 from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
 from nbgen.runtime.vision_step import VisionStep, has_image_prefill
 
@@ -87,6 +88,7 @@ class ModelRunner:
         self._forwards = 0                                # forward passes queued so far
         # vision-language models: steps with image prompt chunks go through the tower (runtime/vision_step.py)
         self.vision = VisionStep(self.model, device, parts.loaded.dtype) if hasattr(self.model, "encode_images") else None
+        self.peers: Optional[StepSender] = None   # tensor parallelism, rank 0: the workers (runtime/tp_step.py)
 
     @property
     def attention_backend_name(self) -> str:
@@ -111,8 +113,11 @@ class ModelRunner:
         return to_device(values, self.device)
 
     def note_sampled(self, tokens: torch.Tensor) -> None:
-        """Record a step's sampled ids [S] (on the device): the next batch's placeholders name them."""
+        """Record a step's sampled ids [S] (on the device): the next batch's placeholders name them
+        (and, under tensor parallelism, the workers' ones: broadcast to them)."""
         self._last_tokens = tokens
+        if self.peers is not None:
+            self.peers.sampled(tokens, self.graphs is not None and tokens.data_ptr() == self.graphs.prev.data_ptr())
 
     def _placeholder_patch(self, ids: list[int]) -> Optional[Callable[[torch.Tensor], None]]:
         """A function filling placeholder ids from the previous launch's GPU tokens, or None
@@ -142,7 +147,16 @@ class ModelRunner:
         return input_ids
 
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor:
-        """Hidden states [T, H] of the batch's tokens (graph replay for decode-only steps)."""
+        """Hidden states [T, H] of the batch's tokens (logprob, embedding and verify steps' forward)."""
+        run = lambda: self._hidden(batch, flat)  # noqa: E731
+        return self.peers.hidden(batch, run) if self.peers is not None else run()
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits [R, V] of rows ``rows`` of ``hidden`` (the synchronous steps' LM head)."""
+        run = lambda: self.model.compute_logits(hidden.index_select(0, self.to_device(rows)))  # noqa: E731
+        return self.peers.logits(rows, run) if self.peers is not None else run()
+
+    def _hidden(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor:
         ids, pos = flat.ids, flat.positions
         if self.vision is not None and has_image_prefill(batch):
             return self.vision.hidden_states(batch, flat, self._input_ids(ids), self.backend.prepare(batch))
@@ -204,7 +218,8 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, staged: Optional[PreparedStep] = None) -> Forwarded:
         """Queue the forward pass and the logits of the sampling rows (nothing is sampled yet).
         ``staged``: this batch's ``prepare`` result (made before the previous step was sampled)."""
-        fwd = self._queue_forward(batch, staged)
+        run = lambda: self._queue_forward(batch, staged)  # noqa: E731
+        fwd = self.peers.forward(batch, run) if self.peers is not None else run()
         self._forwards += 1
         fwd.order = self._forwards
         return fwd

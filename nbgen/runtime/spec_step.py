@@ -174,7 +174,7 @@ class SpecStepper:
             if self.stats is not None:
                 self.stats.publish({"spec_verify_graph_steps": vg.replays})
         else:
-            logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
+            logits = runner.logits(hidden, rows)                                   # [R, V]
         res = iter(verify(runner.sampler, logits, seqs, nd, self.rule))
         n = len(batch.seqs)
         out = StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,

@@ -74,7 +74,7 @@ class TreeSpecStepper(SpecStepper):
                 seqs.append(s)
                 sampled.append(trees[i])
         hidden = runner.hidden_states(batch, flat)                                 # [T, H]
-        logits = runner.model.compute_logits(hidden.index_select(0, runner.to_device(rows)))  # [R, V]
+        logits = runner.logits(hidden, rows)                                       # [R, V]
         res = iter(verify_trees(runner.sampler, logits, seqs, sampled))
         n = len(batch.seqs)
         out = StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,

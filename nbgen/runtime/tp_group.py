@@ -1,6 +1,6 @@
 """Tensor parallelism on rank 0: start one worker process per extra rank (a fresh interpreter), join the
-torch.distributed group (gloo on CPU, NCCL on CUDA), mirror the runner's model calls to the
-workers, and stop every worker on shutdown, at interpreter exit, or when a worker dies.
+torch.distributed group (gloo on CPU, NCCL on CUDA), tell the workers each step of the runner
+(``runtime/tp_step.py``), and stop every worker on shutdown, at interpreter exit, or when a worker dies.
 
 One tensor-parallel engine per process at a time: it uses torch.distributed's default group.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nbgen.core.config import EngineConfig
-from nbgen.runtime.tp_mirror import TPCommand, mirror_runner
+from nbgen.runtime.tp_step import StepSender, TPStep
 from nbgen.models.embedded import default_model_path
 from nbgen.models.loader import checkpoint_dir
 from nbgen.models.model_config import read_model_config
@@ -111,8 +111,11 @@ class TPGroup:
                 raise RuntimeError(detail)
 
     def attach(self, runner: Any) -> None:
-        """Mirror the runner's model calls on the workers from now on."""
-        mirror_runner(runner, self.send, self.abandon)
+        """Run the runner's steps on the workers too from now on (``runner.peers``)."""
+        if runner.vision is not None:
+            raise ValueError("tp_size > 1 runs text models only: the vision tower of "
+                             f"{type(runner.model).__name__} is not split over ranks")
+        runner.peers = StepSender(self.send, self.abandon)
 
     def abandon(self) -> None:
         """Give the group up after a failed step: the workers are killed at once (they may wait in a
@@ -123,8 +126,8 @@ class TPGroup:
                 p.kill()
             self.shutdown()
 
-    def send(self, cmd: TPCommand) -> None:
-        """One command to every worker (before rank 0 runs the same call)."""
+    def send(self, cmd: TPStep) -> None:
+        """One message to every worker (before rank 0 runs the same call)."""
         if self.broken:
             raise RuntimeError("the tensor-parallel workers stopped after a failed step; shut this engine "
                                "down and start a new one")
@@ -148,7 +151,7 @@ class TPGroup:
         atexit.unregister(self.shutdown)
         for conn in self.conns:
             try:
-                conn.send(TPCommand("stop"))
+                conn.send(TPStep("stop"))
             except (OSError, ValueError):
                 pass
         for p in self.procs:

@@ -1,5 +1,6 @@
 """A tensor-parallel worker process (rank > 0): joins the process group, builds its shard of the
-model with the same setup as rank 0, then executes rank 0's mirrored calls until told to stop.
+model with the same setup as rank 0 (a ModelRunner), then runs rank 0's steps on it
+(``runtime/tp_step.StepReplica``) until told to stop.
 
 Started by ``runtime/tp_group.py`` as a fresh interpreter (``run_from_fd`` via ``python -c``:
 spawned, never forked, and without importing the user's main module, so neither a notebook nor a
@@ -25,8 +26,8 @@ import torch.distributed as dist
 
 from nbgen.core.config import EngineConfig
 from nbgen.models.parallel_state import tp_scope
-from nbgen.runtime.model_setup import setup_model
-from nbgen.runtime.tp_mirror import execute
+from nbgen.runtime.runner import ModelRunner
+from nbgen.runtime.tp_step import StepReplica
 
 PARENT_POLL_S = 0.5   # how often a worker checks that its parent still lives
 
@@ -66,12 +67,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank,
                                 world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s))
         with tp_scope(spec.world_size, spec.rank):
-            parts = setup_model(spec.cfg, device)
+            runner = ModelRunner(spec.cfg, device)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it in the Engine's caller
         conn.send(("error", f"tensor-parallel rank {spec.rank}: {type(e).__name__}: {e}"))
         os._exit(1)
     conn.send(("ready", spec.rank))
-    model, backend, graphs = parts.loaded.model, parts.backend, parts.graphs
+    replica = StepReplica(runner)
     code = 0
     try:
         while True:
@@ -81,7 +82,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
                 break
             if cmd.kind == "stop":
                 break
-            execute(cmd, model, backend, graphs, device)
+            replica.run(cmd)
     except Exception:  # noqa: BLE001 - the group cannot go on; rank 0's collective fails with our exit
         traceback.print_exc()
         code = 1
