@@ -8,8 +8,9 @@
   ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
   other requests meanwhile.
 - ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
-  sampling, accepts each sampled token, ends the request when the grammar terminates, and (with
-  ``enable_jump_forward``) appends the text the grammar forces next (runtime/jump_forward.py).
+  sampling, accepts each sampled token (a step's rows together: runtime/grammar_batch.py), ends
+  the request when the grammar terminates, and (with ``enable_jump_forward``) appends the text the
+  grammar forces next (runtime/jump_forward.py).
 """
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ class GrammarState:
         # the tokenizer (a model EOS the tokenizer lacks) can never be sampled under a mask: dropped.
         stops = sorted(t for t in stop_ids if 0 <= t < vocab) or list(compiled.tokenizer_info.stop_token_ids)
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
-        # the matcher terminates exactly when it accepts one of these: tracked here, so a step costs
-        # one call into xgrammar per row (accept_token) instead of three (+ is_terminated twice)
+        # the matcher terminates exactly when it accepts one of these: tracked here, so a step needs
+        # only the accept from xgrammar (not is_terminated as well)
         self.stops = frozenset(stops)
         self.done = False
         # the matcher's FFI object: a step's tokens are accepted by one batched call over these

@@ -32,18 +32,28 @@ def _binding() -> Optional[Any]:
 def accept_tokens(states: list[Any], toks: list[int]) -> list[bool]:
     """Each GrammarState's matcher accepts its token (one call into xgrammar); whether it took it.
     A refused token leaves its matcher unchanged."""
+    refused = _accept(states, [s.handle for s in states], toks)
+    return [True] * len(states) if refused is None else [k not in refused for k in range(len(states))]
+
+
+def _accept(states: list[Any], handles: list[Any], toks: list[int]) -> Optional[set[int]]:
+    """Accept toks[k] in states[k] (``handles``: their matchers' FFI objects); None when every token
+    was taken, else the refused positions."""
     n = len(states)
-    if n < BATCH_ACCEPT_MIN or any(s.handle is None for s in states):
-        return [s.accept(t) for s, t in zip(states, toks)]
+    if n < BATCH_ACCEPT_MIN or any(h is None for h in handles):
+        refused = {k for k in range(n) if not states[k].accept(toks[k])}
+        return refused or None
     binding = _binding()
     if binding is None:
         import xgrammar as xgr
 
-        return xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], toks)
-    res = binding.batch_accept_token([s.handle for s in states], toks, False)   # int flags [n]
-    if 0 not in res:
-        return [True] * n
-    return [bool(x) for x in res]
+        flags = xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], toks)
+    else:
+        flags = binding.batch_accept_token(handles, toks, False)   # int flags [n], an FFI array
+        if 0 not in flags:                                         # one native search
+            return None
+    refused = {k for k in range(n) if not flags[k]}
+    return refused or None
 
 
 @dataclass
@@ -53,31 +63,40 @@ class StepGrammar:
     reqs: list[Any] = field(default_factory=list)                    # Request per row
     toks: list[int] = field(default_factory=list)                    # its sampled token
     reasons: list[Optional[FinishReason]] = field(default_factory=list)   # its reason before the grammar
+    states: list[Any] = field(default_factory=list)                  # its GrammarState
+    handles: list[Any] = field(default_factory=list)                 # its matcher's FFI object
+    ended: list[tuple[Any, FinishReason]] = field(default_factory=list)   # rows whose grammar completed earlier
 
     def add(self, req: Any, tok: int, reason: Optional[FinishReason]) -> None:
         """Gather one row (req.grammar set, tok >= 0)."""
+        g = req.grammar
+        if g.done:                  # completed at an earlier token (overlap: one step behind)
+            if reason is not None:
+                self.ended.append((req, reason))
+            return
         self.reqs.append(req)
         self.toks.append(tok)
         self.reasons.append(reason)
+        self.states.append(g)
+        self.handles.append(g.handle)
 
     def settle(self, context_length: Optional[int]) -> list[tuple[Any, FinishReason]]:
         """Accept every gathered token, jump forward where the request goes on; the requests that
         finish, with their reasons (stop: the grammar completed; abort: a refused token)."""
-        live = [k for k, r in enumerate(self.reqs) if not r.grammar.done]   # done: completed earlier
-        ok = accept_tokens([self.reqs[k].grammar for k in live], [self.toks[k] for k in live])
-        out: list[tuple[Any, FinishReason]] = []
-        if len(live) < len(self.reqs):
-            for k in set(range(len(self.reqs))).difference(live):
-                if self.reasons[k] is not None:
-                    out.append((self.reqs[k], self.reasons[k]))
-        for k, took in zip(live, ok):
-            req = self.reqs[k]
-            state = req.grammar
-            reason = state.settle(self.toks[k], took, self.reasons[k])
-            if reason is not None:
-                out.append((req, reason))
-            elif state.jumper is not None:
-                state.jump(req, context_length)          # runtime/jump_forward.py
+        out = self.ended
+        if not self.reqs:
+            return out
+        toks, reasons, states = self.toks, self.reasons, self.states
+        refused = _accept(states, self.handles, toks) or ()
+        for k, state in enumerate(states):
+            tok, reason = toks[k], reasons[k]
+            if k in refused or tok in state.stops or reason is not None:
+                reason = state.settle(tok, k not in refused, reason)
+                if reason is not None:
+                    out.append((self.reqs[k], reason))
+                    continue
+            if state.jumper is not None:
+                state.jump(self.reqs[k], context_length)          # runtime/jump_forward.py
         return out
 
 
