@@ -163,3 +163,18 @@ def test_jump_not_searched_without_room(compiled):
         asked.clear()
         jf.jump(req, state, None)
         assert len(asked) == (room >= MIN_JUMP), room
+
+
+def test_rows_of_completed_grammars_keep_their_reason(compiled):
+    """A row whose grammar completed at an earlier token (overlap: one step behind) is not accepted
+    again; its own reason (a length cut) still ends it, also in a step without live rows."""
+    from nbgen.core.finish import FinishReason
+
+    done = SimpleNamespace(grammar=_state(compiled))
+    done.grammar.done = True
+    quiet = SimpleNamespace(grammar=_state(compiled))
+    quiet.grammar.done = True
+    step = StepGrammar()
+    step.add(done, EOS, FinishReason.length())
+    step.add(quiet, EOS, None)
+    assert [(r, x.to_dict()["type"]) for r, x in step.settle(None)] == [(done, "length")]

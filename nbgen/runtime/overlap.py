@@ -241,7 +241,7 @@ class OverlapStepper:
                 grammar.add(req, tok, reason)            # accepted below, all rows in one call
             elif reason is not None:
                 self._end(req, reason, changed)
-        for req, reason in grammar.settle(sched.cfg.context_length) if grammar.reqs else ():
+        for req, reason in grammar.settle(sched.cfg.context_length):
             self._end(req, reason, changed)
         self._undelivered = (changed, n_in)
 

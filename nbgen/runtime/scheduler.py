@@ -249,7 +249,7 @@ class Scheduler:
                 done = True
             elif out.accepted is not None:
                 release_tail(self.pool, req)
-        for req, reason in grammar.settle(self.cfg.context_length) if grammar.reqs else ():
+        for req, reason in grammar.settle(self.cfg.context_length):
             self._finish(req, reason, unlist=False)
             done = True
         if done:
