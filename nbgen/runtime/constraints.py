@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
+from nbgen.runtime.grammar_batch import fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops
 
@@ -127,20 +128,18 @@ class Constraints:
             self._host = t.pin_memory() if self.device.type == "cuda" else t
         return self._host
 
-    def _fill(self, seqs: list[SeqWork], rows: list[int], bm: Tensor, matchers: Optional[list] = None) -> None:
-        """Fill the bitmask rows of seqs[rows] (xgrammar's thread pool for large batches;
-        ``matchers``: those rows' matchers, when the caller collected them already)."""
+    def _fill(self, rows: list[int], states: list, bm: Tensor) -> None:
+        """Fill the bitmask rows ``rows`` from their GrammarStates (xgrammar's thread pool for large
+        batches)."""
         import xgrammar as xgr
 
         if len(rows) >= BATCH_FILL_MIN:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher(grammar_threads())
-            if matchers is None:
-                matchers = [seqs[i].req.grammar.matcher for i in rows]
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bm, indices=rows)
+            fill_bitmask(self._batch_matcher, states, bm, rows)
         else:
-            for i in rows:
-                seqs[i].req.grammar.fill(bm, i)
+            for i, g in zip(rows, states):
+                g.fill(bm, i)
 
     def fill_async(self, seqs: list[SeqWork]) -> Optional[FillJob]:
         """Start filling the bitmask rows of seqs' live grammar requests in the worker thread.
@@ -148,22 +147,21 @@ class Constraints:
         Call after the matchers accepted every earlier token; the matchers must not be touched
         until the job is waited for (the sampler does).
         """
-        rows = [i for i, s in enumerate(seqs) if _live_grammar(s.req)]
+        # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
+        rows, states = live_rows(seqs)
         if not rows:
             return None
-        bm = self._bitmask(len(seqs), seqs[rows[0]].req.grammar.vocab)
+        bm = self._bitmask(len(seqs), states[0].vocab)
         if len(rows) < BATCH_FILL_MIN:      # small: a thread hand-off costs more than it hides
-            self._fill(seqs, rows, bm)
+            self._fill(rows, states, bm)
             return FillJob(rows, bm, None)
         if self._worker is None:
             self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
         started = threading.Event()
-        # collected here, so the worker goes straight into xgrammar (which drops the GIL)
-        matchers = [seqs[i].req.grammar.matcher for i in rows]
 
         def work() -> None:
             started.set()
-            self._fill(seqs, rows, bm, matchers)
+            self._fill(rows, states, bm)
 
         fut = self._worker.submit(work)
         # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
@@ -183,7 +181,7 @@ class Constraints:
             bm = fill.bitmask
         else:
             bm = self._bitmask(x.shape[0], vocab)
-            self._fill(seqs, rows, bm)
+            self._fill(rows, [seqs[i].req.grammar for i in rows], bm)
         # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
         # (synchronise) before the next one is built
         dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)

@@ -8,8 +8,9 @@
   ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
   other requests meanwhile.
 - ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
-  sampling, accepts each sampled token, ends the request when the grammar terminates, and (with
-  ``enable_jump_forward``) appends the text the grammar forces next (runtime/jump_forward.py).
+  sampling, accepts each sampled token (a step's rows together: runtime/grammar_batch.py), ends
+  the request when the grammar terminates, and (with ``enable_jump_forward``) appends the text the
+  grammar forces next (runtime/jump_forward.py).
 """
 from __future__ import annotations
 
@@ -127,14 +128,15 @@ class GrammarState:
         # the tokenizer (a model EOS the tokenizer lacks) can never be sampled under a mask: dropped.
         stops = sorted(t for t in stop_ids if 0 <= t < vocab) or list(compiled.tokenizer_info.stop_token_ids)
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
-        # the matcher terminates exactly when it accepts one of these: tracked here, so a step costs
-        # one call into xgrammar per row (accept_token) instead of three (+ is_terminated twice)
+        # the matcher terminates exactly when it accepts one of these: tracked here, so a step needs
+        # only the accept from xgrammar (not is_terminated as well)
         self.stops = frozenset(stops)
         self.done = False
-        # the matcher's FFI method, called as (token, debug_print): skips xgrammar's Python wrapper,
-        # a third of the cost of the per-row accept every step (matcher.accept_token if it moves)
-        handle = getattr(self.matcher, "_handle", None)
-        self._accept = getattr(handle, "accept_token", None) or (lambda t, _d: self.matcher.accept_token(t))
+        # the matcher's FFI object: a step's tokens are accepted by one batched call over these
+        # (runtime/grammar_batch.py); its accept_token, called as (token, debug_print), skips
+        # xgrammar's Python wrapper for single tokens (matcher.accept_token if it moves)
+        self.handle = getattr(self.matcher, "_handle", None)
+        self._accept = getattr(self.handle, "accept_token", None) or (lambda t, _d: self.matcher.accept_token(t))
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of an int32 [B, ceil(vocab/32)] bitmask."""
@@ -144,7 +146,15 @@ class GrammarState:
         """Accept a sampled token; returns the request's finish reason after it (or None)."""
         if self.done:
             return reason
-        if not self._accept(tok, False):
+        return self.settle(tok, self._accept(tok, False), reason)
+
+    def accept(self, tok: int) -> bool:
+        """The matcher accepts tok (False: refused, the matcher unchanged)."""
+        return bool(self._accept(tok, False))
+
+    def settle(self, tok: int, accepted: bool, reason: Optional[FinishReason]) -> Optional[FinishReason]:
+        """The request's finish reason after the matcher took (``accepted``) or refused ``tok``."""
+        if not accepted:
             return FinishReason.abort(f"sampled token {tok} is not allowed by the grammar")
         if tok in self.stops:
             # the grammar accepted a stop token: it is complete; a length cut in the same step loses

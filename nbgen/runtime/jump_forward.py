@@ -83,6 +83,13 @@ class JumpForward:
         out = req.output_ids
         if not out or out[-1] < 0 or req.num_computed != len(req.prompt_ids) + len(out) - 1:
             return False                          # the last token is not the one just accepted
+        # room: at least one sampled token must follow (max_new_tokens / the context end it); a jump
+        # adds at most room tokens, so without room for MIN_JUMP the grammar is not even asked
+        room = (req.params.max_new_tokens if req.params.max_new_tokens is not None else 1 << 62) - len(out) - 1
+        if context_length is not None:
+            room = min(room, context_length - req.num_tokens - 1)
+        if room < MIN_JUMP:
+            return False
         forced = state.matcher.find_jump_forward_string()
         if not forced:
             return False
@@ -90,10 +97,6 @@ class JumpForward:
         if planned is None:
             return False
         replace, ids = planned
-        # room: at least one sampled token must follow (max_new_tokens / the context end it)
-        room = (req.params.max_new_tokens if req.params.max_new_tokens is not None else 1 << 62) - len(out) - 1
-        if context_length is not None:
-            room = min(room, context_length - req.num_tokens - 1)
         keep = len(out) - (1 if replace else 0)
         ids = ids[: max(0, room + (1 if replace else 0))]
         for k, t in enumerate(ids):

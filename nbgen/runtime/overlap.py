@@ -34,6 +34,7 @@ from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
+from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.step_inputs import is_placeholder, placeholder
@@ -216,6 +217,7 @@ class OverlapStepper:
         sched = self.scheduler
         toks = self.runner.resolve(launched)
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
+        grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
         k = 0
         for i, s in enumerate(launched.batch.seqs):
             if not s.sample:
@@ -236,17 +238,21 @@ class OverlapStepper:
                 req.add_output_logprob(lps[row])
             reason = req.end_after(tok, at + 1)          # the one stop check (a length cut was made at update)
             if req.grammar is not None:
-                reason = req.grammar.on_token(tok, reason)
-                if reason is None and req.grammar.jumper is not None:
-                    req.grammar.jump(req, sched.cfg.context_length)   # runtime/jump_forward.py
-            if reason is not None:
-                if req.status is Status.FINISHED:
-                    req.finish_reason = reason           # length and stop in the same step: stop wins
-                else:
-                    sched.finish(req, reason)
-                if req not in changed:
-                    changed.append(req)
+                grammar.add(req, tok, reason)            # accepted below, all rows in one call
+            elif reason is not None:
+                self._end(req, reason, changed)
+        for req, reason in grammar.settle(sched.cfg.context_length):
+            self._end(req, reason, changed)
         self._undelivered = (changed, n_in)
+
+    def _end(self, req: Request, reason: FinishReason, changed: list[Request]) -> None:
+        """Finish req at a resolved step (it is delivered with the step)."""
+        if req.status is Status.FINISHED:
+            req.finish_reason = reason                   # length and stop in the same step: stop wins
+        else:
+            self.scheduler.finish(req, reason)
+        if req not in changed:
+            changed.append(req)
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         self._deliver_fn(changed, n_in)

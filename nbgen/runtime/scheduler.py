@@ -36,6 +36,7 @@ from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
 from nbgen.runtime.forced_rows import forced_rows
+from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
@@ -191,6 +192,7 @@ class Scheduler:
         """Apply a step's results; returns requests that got a new token or finished this step."""
         changed: list[Request] = []
         done, errors = False, out.errors
+        grammar = StepGrammar()          # constrained rows' tokens (runtime/grammar_batch.py)
         for i, seq in enumerate(batch.seqs):
             req = seq.req
             if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
@@ -235,11 +237,10 @@ class Scheduler:
                 if lp is not None:
                     req.add_output_logprob(lp)
                 reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
-                if req.grammar is not None and tok >= 0:     # accept the token (overlap: in its flush)
-                    reason = req.grammar.on_token(tok, reason)
-                    if reason is None and req.grammar.jumper is not None:
-                        req.grammar.jump(req, self.cfg.context_length)
                 changed.append(req)
+                if req.grammar is not None and tok >= 0:     # accepted after the walk, all in one call
+                    grammar.add(req, tok, reason)
+                    continue
             elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
                 reason = FinishReason.length()
                 changed.append(req)
@@ -248,6 +249,9 @@ class Scheduler:
                 done = True
             elif out.accepted is not None:
                 release_tail(self.pool, req)
+        for req, reason in grammar.settle(self.cfg.context_length):
+            self._finish(req, reason, unlist=False)
+            done = True
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return changed

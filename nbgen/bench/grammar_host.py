@@ -1,0 +1,155 @@
+"""Host cost of a constrained step's grammar work, without a model: ``python -m nbgen.bench.grammar_host``.
+
+``--rows`` requests (default 256) with the JSON schema of ``bench.grammar`` (or ``--extract``: the
+nested schema of ``bench.grammar_extract``) are driven through valid outputs of their schema,
+tokenized by the real tokenizer (default: the embedded model's), one token per row per step; a row
+that completes its output starts a new one. Each step times, in microseconds:
+
+- ``fill``: the step's bitmask filled (``Constraints.fill_async`` + wait, xgrammar's threads);
+- ``mask``: the bitmask applied to [rows, vocab] float32 logits (``Constraints.apply``);
+- ``accept_per_row``: every row's matcher accepts its token by one call each (``GrammarState.on_token``);
+- ``accept_batched``: the same tokens gathered and accepted by one call (``StepGrammar.settle``,
+  runtime/grammar_batch.py), on a second set of matchers in the same states;
+- ``jump_search``: ``find_jump_forward_string`` on every row (what jump-forward asks each step).
+
+Medians and minima over ``--steps`` steps are printed (and written with ``--json``); the minima are
+the steady numbers on a busy host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from nbgen.bench import grammar_extract
+from nbgen.bench.grammar import SCHEMA
+from nbgen.core.batch import SeqWork
+from nbgen.models.embedded import default_model_path
+from nbgen.runtime.constraints import Constraints
+from nbgen.runtime.grammar import GrammarState
+from nbgen.runtime.grammar_batch import StepGrammar
+from nbgen.runtime.grammar_rewrite import fast_json_grammar
+
+WORDS = ("the capital of france is paris and it has many museums rivers bridges people live there "
+         "since an old town with about two million inhabitants").split()
+
+
+def answer_record(i: int) -> dict[str, Any]:
+    """A valid output of ``bench.grammar``'s SCHEMA (deterministic per i)."""
+    r = random.Random(i)
+    return {"answer": " ".join(r.choice(WORDS) for _ in range(r.randint(5, 40))),
+            "confidence": round(r.random(), 2), "keywords": [r.choice(WORDS) for _ in range(r.randint(0, 5))]}
+
+
+def extract_record(i: int) -> dict[str, Any]:
+    """A valid output of ``bench.grammar_extract``'s SCHEMA for its i-th profile."""
+    ge = grammar_extract
+    city, country = ge.CITIES[(i * 3) % len(ge.CITIES)]
+    return {"name": ge.NAMES[i % len(ge.NAMES)], "age": 20 + (i * 7) % 50,
+            "address": {"city": city, "country": country},
+            "job": {"employer": ge.EMPLOYERS[i % len(ge.EMPLOYERS)], "role": ge.ROLES[i % 5], "since": 1990 + i % 30},
+            "skills": [ge.SKILLS[(i + k) % len(ge.SKILLS)] for k in range(1 + i % 3)],
+            "status": ge.STATUS[i % 3], "rating": (i % 10) / 2}
+
+
+class Rows:
+    """``n`` requests' GrammarStates walking through token sequences (a finished one restarts)."""
+
+    def __init__(self, compiled: Any, seqs: list[list[int]], eos: int, vocab: int, n: int) -> None:
+        self.compiled, self.seqs, self.eos, self.vocab = compiled, seqs, eos, vocab
+        self.pos = [(7 * i) % len(seqs[i % len(seqs)]) for i in range(n)]   # staggered starts
+        self.reqs = [SimpleNamespace(grammar=self._state()) for _ in range(n)]
+        for i, req in enumerate(self.reqs):     # catch up with the staggered position
+            for t in self.seqs[i % len(seqs)][: self.pos[i]]:
+                assert req.grammar.accept(t)
+
+    def _state(self) -> GrammarState:
+        return GrammarState(self.compiled, frozenset([self.eos]), self.vocab)
+
+    def tokens(self) -> list[int]:
+        """Each row's next token (the end of its output: the stop id)."""
+        out = []
+        for i, p in enumerate(self.pos):
+            seq = self.seqs[i % len(self.seqs)]
+            out.append(seq[p] if p < len(seq) else self.eos)
+        return out
+
+    def advance(self) -> None:
+        for i, req in enumerate(self.reqs):
+            self.pos[i] += 1
+            if req.grammar.done:
+                req.grammar, self.pos[i] = self._state(), 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the embedded model)")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--extract", action="store_true", help="the nested schema of bench.grammar_extract")
+    ap.add_argument("--json", default=None, help="write the medians to this file")
+    args = ap.parse_args()
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or default_model_path())
+    vocab = len(tok)
+    comp = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab))
+    schema, record = (grammar_extract.SCHEMA, extract_record) if args.extract else (SCHEMA, answer_record)
+    fast = fast_json_grammar(json.dumps(schema), any_whitespace=False)
+    compiled = (comp.compile_json_schema(json.dumps(schema), any_whitespace=False) if fast is None
+                else comp.compile_grammar(fast))
+    texts = [json.dumps(record(i), separators=(", ", ": ")) for i in range(64)]
+    seqs = [tok.encode(t, add_special_tokens=False) for t in texts]
+    eos = tok.eos_token_id
+    per_row = Rows(compiled, seqs, eos, vocab, args.rows)
+    batched = Rows(compiled, seqs, eos, vocab, args.rows)
+    cons = Constraints(vocab, torch.device("cpu"))
+    logits = torch.randn(args.rows, vocab)
+    keys = ("fill", "mask", "accept_per_row", "accept_batched", "jump_search")
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for _ in range(args.steps):
+        seqw = [SeqWork(req, [0], 0, [], True) for req in batched.reqs]
+        t0 = time.perf_counter()
+        job = cons.fill_async(seqw)                  # the mask the step samples under
+        job.wait()
+        t1 = time.perf_counter()
+        cons.apply(logits, seqw, job)                # in place; its cost does not depend on the values
+        t2 = time.perf_counter()
+        toks = per_row.tokens()
+        assert toks == batched.tokens()
+        for req, t in zip(per_row.reqs, toks):
+            assert req.grammar.on_token(t, None) is None or t == eos
+        t3 = time.perf_counter()
+        step = StepGrammar()
+        for req, t in zip(batched.reqs, toks):
+            step.add(req, t, None)
+        ended = step.settle(None)
+        t4 = time.perf_counter()
+        assert all(r.type == "stop" for _, r in ended), ended
+        for req in batched.reqs:                     # what jump-forward asked every row
+            if not req.grammar.done:
+                req.grammar.matcher.find_jump_forward_string()
+        t5 = time.perf_counter()
+        for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            times[k].append(1e6 * v)
+        per_row.advance()
+        batched.advance()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    low = {k: min(v) for k, v in times.items()}
+    print(f"grammar host work per step, {args.rows} rows, {'extract' if args.extract else 'answer'} schema, "
+          f"{args.steps} steps, median / min (us): " + ", ".join(f"{k} {med[k]:.0f} / {low[k]:.0f}" for k in keys))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": args.rows, "extract": args.extract, "median_us": med, "min_us": low}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""A step's constrained tokens accepted by one call into xgrammar, then each row's outcome (torch-free).
+
+The loop walks a step's sampling rows (``Scheduler.update``, ``OverlapStepper``'s resolve) and
+gathers the rows of requests with a live grammar in a ``StepGrammar``; ``settle`` then has every
+matcher accept its token in one batched call (xgrammar's ``BatchGrammarMatcher.batch_accept_token``,
+a C++ loop) instead of one Python call per row, and gives the finish reasons: a stop token completes
+the grammar, a refused token aborts its request; requests that go on may jump forward
+(runtime/jump_forward.py).
+
+xgrammar's Python wrapper of the batched accept turns its result into a list with one FFI call per
+row (more than the accepts cost); the binding is called directly and the result is read with one
+``0 in result`` (a native search): only a step with a refused token reads it row by row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from nbgen.core.finish import FinishReason
+
+BATCH_ACCEPT_MIN = 4   # fewer rows: one accept_token call each (the batched call's fixed cost)
+
+
+def _binding() -> Optional[Any]:
+    """xgrammar's FFI class of the batched matcher calls, or None (then its Python API is used)."""
+    import xgrammar as xgr
+
+    core = getattr(getattr(xgr, "base", None), "_core", None)
+    return getattr(core, "BatchGrammarMatcher", None)
+
+
+def accept_tokens(states: list[Any], toks: list[int]) -> list[bool]:
+    """Each GrammarState's matcher accepts its token (one call into xgrammar); whether it took it.
+    A refused token leaves its matcher unchanged."""
+    refused = _accept(states, [s.handle for s in states], toks)
+    return [True] * len(states) if refused is None else [k not in refused for k in range(len(states))]
+
+
+def _accept(states: list[Any], handles: list[Any], toks: list[int]) -> Optional[set[int]]:
+    """Accept toks[k] in states[k] (``handles``: their matchers' FFI objects); None when every token
+    was taken, else the refused positions."""
+    n = len(states)
+    if n < BATCH_ACCEPT_MIN or any(h is None for h in handles):
+        refused = {k for k in range(n) if not states[k].accept(toks[k])}
+        return refused or None
+    binding = _binding()
+    if binding is None:
+        import xgrammar as xgr
+
+        flags = xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], toks)
+    else:
+        flags = binding.batch_accept_token(handles, toks, False)   # int flags [n], an FFI array
+        if 0 not in flags:                                         # one native search
+            return None
+    refused = {k for k in range(n) if not flags[k]}
+    return refused or None
+
+
+@dataclass
+class StepGrammar:
+    """A step's sampled tokens of requests with a live grammar, in row order."""
+
+    reqs: list[Any] = field(default_factory=list)                    # Request per row
+    toks: list[int] = field(default_factory=list)                    # its sampled token
+    reasons: list[Optional[FinishReason]] = field(default_factory=list)   # its reason before the grammar
+    states: list[Any] = field(default_factory=list)                  # its GrammarState
+    handles: list[Any] = field(default_factory=list)                 # its matcher's FFI object
+    ended: list[tuple[Any, FinishReason]] = field(default_factory=list)   # rows whose grammar completed earlier
+
+    def add(self, req: Any, tok: int, reason: Optional[FinishReason]) -> None:
+        """Gather one row (req.grammar set, tok >= 0)."""
+        g = req.grammar
+        if g.done:                  # completed at an earlier token (overlap: one step behind)
+            if reason is not None:
+                self.ended.append((req, reason))
+            return
+        self.reqs.append(req)
+        self.toks.append(tok)
+        self.reasons.append(reason)
+        self.states.append(g)
+        self.handles.append(g.handle)
+
+    def settle(self, context_length: Optional[int]) -> list[tuple[Any, FinishReason]]:
+        """Accept every gathered token, jump forward where the request goes on; the requests that
+        finish, with their reasons (stop: the grammar completed; abort: a refused token)."""
+        out = self.ended
+        if not self.reqs:
+            return out
+        toks, reasons, states = self.toks, self.reasons, self.states
+        refused = _accept(states, self.handles, toks) or ()
+        for k, state in enumerate(states):
+            tok, reason = toks[k], reasons[k]
+            if k in refused or tok in state.stops or reason is not None:
+                reason = state.settle(tok, k not in refused, reason)
+                if reason is not None:
+                    out.append((self.reqs[k], reason))
+                    continue
+            if state.jumper is not None:
+                state.jump(self.reqs[k], context_length)          # runtime/jump_forward.py
+        return out
+
+
+def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any]]:
+    """(rows, their GrammarStates) of the seqs whose request has a grammar not completed yet (one pass)."""
+    rows: list[int] = []
+    states: list[Any] = []
+    for i, s in enumerate(seqs):
+        g = s.req.grammar
+        if g is not None and not g.done:
+            rows.append(i)
+            states.append(g)
+    return rows, states
+
+
+def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> None:
+    """Fill ``rows`` of an int32 [>= B, ceil(vocab/32)] host bitmask from the states' matchers with
+    xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills)."""
+    handle = getattr(batch_matcher, "_handle", None)
+    if handle is None or any(s.handle is None for s in states):
+        batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
+    else:       # the wrapper would build the handle list again
+        handle.batch_fill_next_token_bitmask([s.handle for s in states], bitmask, rows, False)

@@ -1,0 +1,180 @@
+"""A step's grammar tokens accepted in one call (runtime/grammar_batch.py), on a small synthetic
+vocabulary (no model): the batched accept agrees with one accept per row along random walks with
+refused tokens and rows finishing mid-batch; the scheduler finishes and aborts constrained rows as
+before; jump-forward is not asked where max_new_tokens leaves no room for a jump."""
+from __future__ import annotations
+
+import json
+import random
+import string
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nbgen.core.batch import StepOutput
+from nbgen.core.request import Request, Status
+from nbgen.core.sampling import SamplingParams
+from nbgen.core.scheduler_config import SchedulerConfig
+from nbgen.runtime.grammar import GrammarState
+from nbgen.runtime.grammar_batch import BATCH_ACCEPT_MIN, StepGrammar, accept_tokens
+from nbgen.runtime.scheduler import Scheduler
+
+xgr = pytest.importorskip("xgrammar")
+
+CHARS = list(string.ascii_lowercase + '0123 .,:"{}[]')
+PIECES = ['ab', 'abc', 'abd', 'ab"', 'ab ', 'a,', 'ba', 'bad', 'ca', 'ca"', '",', '"}', '"]', ', "', '":',
+          '{"', '12', '1.', '"name": "', '"tags": ["', '"n": ', 'ok', 'ok"', 'true', 'false']
+VOCAB = CHARS + PIECES + ["</s>"]
+EOS = len(VOCAB) - 1
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "n"],
+          "properties": {"name": {"type": "string"},
+                         "tags": {"type": "array", "items": {"type": "string", "enum": ["ok", "bad", "abc"]}},
+                         "n": {"type": "integer"}}}
+
+
+@pytest.fixture(scope="module")
+def info():
+    return xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+
+
+@pytest.fixture(scope="module")
+def compiled(info):
+    return xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+
+
+def _state(compiled) -> GrammarState:
+    return GrammarState(compiled, frozenset([EOS]), len(VOCAB))
+
+
+def _allowed(state: GrammarState) -> list[int]:
+    bm = xgr.allocate_token_bitmask(1, len(VOCAB))
+    state.fill(bm, 0)
+    return [t for t in range(len(VOCAB)) if (bm[0, t // 32] >> (t % 32)) & 1]
+
+
+def _mask(state: GrammarState) -> torch.Tensor:
+    bm = xgr.allocate_token_bitmask(1, len(VOCAB))
+    state.fill(bm, 0)
+    return bm
+
+
+@pytest.mark.parametrize("rows", [2, 24])   # below BATCH_ACCEPT_MIN: per row; above: one call
+def test_batched_accept_equals_per_row_accept(compiled, rows):
+    assert (rows >= BATCH_ACCEPT_MIN) == (rows == 24)
+    rng = random.Random(rows)
+    ref = [SimpleNamespace(grammar=_state(compiled)) for _ in range(rows)]
+    bat = [SimpleNamespace(grammar=_state(compiled)) for _ in range(rows)]
+    refused = finished = 0
+    for _step in range(80):
+        toks = []
+        for r in ref:
+            allowed = _allowed(r.grammar)
+            # mostly an allowed token (the stop id where the grammar may end); now and then any token
+            toks.append(rng.randrange(len(VOCAB)) if rng.random() < 0.15 else
+                        (EOS if EOS in allowed and rng.random() < 0.5 else rng.choice(allowed)))
+        want = [r.grammar.on_token(t, None) for r, t in zip(ref, toks)]
+        step = StepGrammar()
+        for r, t in zip(bat, toks):
+            step.add(r, t, None)
+        got = dict((id(req), reason) for req, reason in step.settle(None))
+        for k, (r, b) in enumerate(zip(ref, bat)):
+            w, g = want[k], got.get(id(b))
+            assert (w is None) == (g is None) and (w is None or w.to_dict() == g.to_dict()), (k, toks[k], w, g)
+            assert r.grammar.done == b.grammar.done
+            if w is not None and w.type == "abort":
+                refused += 1          # a refused token leaves the matcher as it was: same masks below
+            if w is not None:         # the row finished mid-batch: a new request takes its place
+                finished += w.type == "stop"
+                r.grammar, b.grammar = _state(compiled), _state(compiled)
+            assert torch.equal(_mask(r.grammar), _mask(b.grammar))
+    assert refused > 0 and finished > 0
+
+
+def test_accept_tokens_reports_each_refused_row(compiled):
+    states = [_state(compiled) for _ in range(8)]
+    toks = [VOCAB.index('{"')] * 8
+    toks[3] = VOCAB.index("a")          # not JSON's first character
+    toks[6] = EOS                        # the grammar cannot end yet
+    before = _mask(states[3])
+    assert accept_tokens(states, toks) == [True, True, True, False, True, True, False, True]
+    assert torch.equal(_mask(states[3]), before)
+    assert accept_tokens(states[:2], [VOCAB.index("n"), VOCAB.index("x")]) == [True, False]   # per row
+
+
+def _scheduler_with(compiled, n: int) -> tuple[Scheduler, list[Request]]:
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4))
+    reqs = []
+    for i in range(n):
+        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=50, json_schema=json.dumps(SCHEMA)))
+        req.stop_ids = frozenset([EOS])
+        req.grammar = _state(compiled)
+        sched.add(req)
+        reqs.append(req)
+    return sched, reqs
+
+
+def test_scheduler_update_finishes_and_aborts_constrained_rows(compiled):
+    """One update: rows go on, one completes its grammar mid-batch, one samples a refused token
+    (aborted, the others unaffected); the next step schedules only the rows that went on."""
+    sched, reqs = _scheduler_with(compiled, 6)
+    start = VOCAB.index('{"')
+    batch = sched.schedule()                                   # the prompts: each samples '{"'
+    sched.update(batch, StepOutput([start] * 6, [None] * 6, [None] * 6))
+    # drive r1 to where the grammar can end
+    for piece in ['name": "', 'ab"', ', "', 'tags": ["', 'ok"', '], "', 'n": ', '1', '}']:
+        assert reqs[1].grammar.force([VOCAB.index(c) for c in piece] if piece not in VOCAB else [VOCAB.index(piece)])
+    batch = sched.schedule()
+    rows = {s.req.rid: i for i, s in enumerate(batch.seqs)}
+    toks = [VOCAB.index("n")] * len(batch.seqs)               # '{"n' is a valid prefix ("n" key)
+    toks[rows["r1"]] = EOS
+    toks[rows["r4"]] = VOCAB.index("}")                        # refused: '{"}' is not JSON
+    changed = sched.update(batch, StepOutput(toks, [None] * len(toks), [None] * len(toks)))
+    assert {r.rid for r in changed} == {r.rid for r in reqs}
+    assert reqs[1].status is Status.FINISHED and reqs[1].finish_reason.to_dict()["type"] == "stop"
+    assert reqs[4].status is Status.FINISHED and reqs[4].finish_reason.to_dict()["type"] == "abort"
+    assert "not allowed by the grammar" in reqs[4].finish_reason.to_dict()["message"]
+    for i in (0, 2, 3, 5):
+        assert reqs[i].status is Status.RUNNING and reqs[i].output_ids[-1] == VOCAB.index("n")
+    assert {s.req.rid for s in sched.schedule().seqs} == {"r0", "r2", "r3", "r5"}
+
+
+def test_jump_not_searched_without_room(compiled):
+    """JumpForward.jump returns before asking the grammar when max_new_tokens leaves room for fewer
+    than MIN_JUMP tokens (such a jump would be cut to nothing anyway)."""
+    from nbgen.runtime.jump_forward import MIN_JUMP, JumpForward
+
+    jf = JumpForward(tokenizer=None)
+    state = _state(compiled)
+    assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
+    asked = []
+    real = state.matcher
+
+    class Spy:                            # the matcher, counting the searches
+        def find_jump_forward_string(self):
+            asked.append(1)
+            return real.find_jump_forward_string()
+
+    state.matcher = Spy()
+    for room in (MIN_JUMP - 1, MIN_JUMP):
+        req = Request("r", [1, 2], SamplingParams(max_new_tokens=4 + room))   # room = max_new - len(out) - 1
+        req.output_ids = [VOCAB.index(c) for c in "ab"] + [VOCAB.index('"')]
+        req.num_computed = len(req.prompt_ids) + len(req.output_ids) - 1
+        asked.clear()
+        jf.jump(req, state, None)
+        assert len(asked) == (room >= MIN_JUMP), room
+
+
+def test_rows_of_completed_grammars_keep_their_reason(compiled):
+    """A row whose grammar completed at an earlier token (overlap: one step behind) is not accepted
+    again; its own reason (a length cut) still ends it, also in a step without live rows."""
+    from nbgen.core.finish import FinishReason
+
+    done = SimpleNamespace(grammar=_state(compiled))
+    done.grammar.done = True
+    quiet = SimpleNamespace(grammar=_state(compiled))
+    quiet.grammar.done = True
+    step = StepGrammar()
+    step.add(done, EOS, FinishReason.length())
+    step.add(quiet, EOS, None)
+    assert [(r, x.to_dict()["type"]) for r, x in step.settle(None)] == [(done, "length")]
