@@ -11,6 +11,8 @@ import threading
 import weakref
 from typing import Any, Iterator, Optional
 
+import torch
+
 from nbgen.core.config import EngineConfig
 from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
@@ -216,7 +218,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render one conversation with the tokenizer's chat template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
@@ -263,13 +265,8 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         # the model, KV pool and graphs are only reachable through cycles once the loop let go of them:
         # collect them now, so their GPU memory is back before the next Engine sizes its KV cache
         gc.collect()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover
-            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> "Engine":
         return self

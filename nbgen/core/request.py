@@ -152,6 +152,23 @@ class Request:
         self.output_top_logprobs.append(lp.top)
         self.output_ids_logprobs.append(lp.ids)
 
+    def add_prompt_logprobs(self, lps: Optional[list[Any]], prompt_done: bool) -> None:
+        """Record a prompt chunk's logprobs (``batch.TokenLogprobs`` per position; None for a chunk
+        before ``logprob_start_len``); ``prompt_done``: the chunk completed the prompt."""
+        for lp in lps or ():
+            self.input_token_logprobs.append((lp.logprob, lp.token_id))
+            self.input_top_logprobs.append(lp.top)
+            self.input_ids_logprobs.append(lp.ids)
+        if prompt_done:
+            self.prompt_logprobs_done = True
+
+    def set_pooled(self, state: Any, embedding: Any = None) -> None:
+        """An embedding request's pooling state after a prompt chunk, or its vector once complete."""
+        if embedding is not None:
+            self.embedding, self.pool_state = embedding, None
+        else:
+            self.pool_state = state
+
     def trim_output(self, n: int) -> None:
         """Keep the first ``n`` output tokens (and their logprobs): a stop string matched inside a
         speculative step's accepted run, where plain decoding would have stopped."""

@@ -207,7 +207,7 @@ class OverlapStepper:
             self.embedded = None
             for s, v in zip(batch.seqs, vectors.lists()):
                 if v is not None:
-                    s.req.embedding, s.req.pool_state = v, None
+                    s.req.set_pooled(None, v)
             self._undelivered = (changed, n_in)
             return
         if self.pending is None:

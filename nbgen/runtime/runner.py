@@ -25,7 +25,7 @@ from nbgen.runtime.logprobs import RowLogprobs
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.tp_step import StepSender
-from nbgen.runtime.step_inputs import FlatStep, flatten, is_placeholder, placeholder_row, to_device
+from nbgen.runtime.step_inputs import FlatStep, flatten, placeholder_patch, to_device
 from nbgen.runtime.vision_step import VisionStep, has_image_prefill
 
 
@@ -120,23 +120,8 @@ class ModelRunner:
             self.peers.sampled(tokens, self.graphs is not None and tokens.data_ptr() == self.graphs.prev.data_ptr())
 
     def _placeholder_patch(self, ids: list[int]) -> Optional[Callable[[torch.Tensor], None]]:
-        """A function filling placeholder ids from the previous launch's GPU tokens, or None
-        (the placeholders in ``ids`` become 0 on the host)."""
-        if not ids or min(ids) >= 0:         # min() runs at C speed on an 8k-id prefill step
-            return None
-        rows = [i for i, t in enumerate(ids) if is_placeholder(t)]
-        if not rows:
-            return None
-        assert self._last_tokens is not None, "placeholder token without a previous launch"
-        src = [placeholder_row(ids[i]) for i in rows]
-        rows_t, src_t = self.to_device(rows), self.to_device(src)
-        for i in rows:
-            ids[i] = 0
-        prev = self._last_tokens
-
-        def patch(input_ids: torch.Tensor) -> None:
-            input_ids.index_copy_(0, rows_t, prev.index_select(0, src_t))
-        return patch
+        """``step_inputs.placeholder_patch`` over the previous launch's sampled ids."""
+        return placeholder_patch(ids, self._last_tokens, self.device)
 
     def _input_ids(self, ids: list[int]) -> torch.Tensor:
         """``ids`` on the device with their placeholders filled from the previous launch's sampled ids."""

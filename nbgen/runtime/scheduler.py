@@ -40,7 +40,7 @@ from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.spec_pages import accept_drafts, release_tail, reserve_pages
+from nbgen.runtime.spec_pages import accept_drafts, release_tail
 from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats, queue_full_victim
 from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue
@@ -206,17 +206,10 @@ class Scheduler:
                 continue
             n_prompt, kv = len(req.prompt_ids), seq.start_pos + len(seq.token_ids)
             if out.pool_states is not None:                  # embedding requests (runtime/embed_step.py)
-                req.pool_state = out.pool_states[i]
-                if out.embeddings is not None and out.embeddings[i] is not None:
-                    req.embedding, req.pool_state = out.embeddings[i], None
+                req.set_pooled(out.pool_states[i], out.embeddings[i] if out.embeddings is not None else None)
             if seq.start_pos < n_prompt and req.wants_prompt_logprobs:
-                if seq.prompt_logprob_start >= 0 and out.prompt_logprobs[i]:
-                    for lp in out.prompt_logprobs[i]:
-                        req.input_token_logprobs.append((lp.logprob, lp.token_id))
-                        req.input_top_logprobs.append(lp.top)
-                        req.input_ids_logprobs.append(lp.ids)
-                if kv >= n_prompt:
-                    req.prompt_logprobs_done = True
+                req.add_prompt_logprobs(out.prompt_logprobs[i] if seq.prompt_logprob_start >= 0 else None,
+                                        kv >= n_prompt)
             req.num_computed = kv
             if out.hidden_states is not None and out.hidden_states[i] is not None:
                 hs = out.hidden_states[i]                    # prompt positions of a chunk, a sampled position's
@@ -255,12 +248,6 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return changed
-
-    # ---- speculative decoding (runtime/spec_step.py) ------------------------------------------------
-    def reserve(self, req: Request, kv_len: int) -> int:
-        """Pages for up to ``kv_len`` tokens of a running request (its draft tokens) from free or
-        evictable pages, never preempting: the number of tokens its pages cover now."""
-        return reserve_pages(self.pool, req, kv_len)
 
     # ---- internals --------------------------------------------------------------------------------
     def _grow(self, req: Request, kv_len: int) -> bool:

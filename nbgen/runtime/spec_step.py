@@ -39,6 +39,7 @@ from nbgen.runtime.embed_step import is_embedding_batch
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.spec_pages import reserve_pages
 from nbgen.runtime.spec_verify import AcceptRule, longest_agreeing, verify
 from nbgen.runtime.step_inputs import flatten
 from nbgen.runtime.verify_graphs import VerifyGraphRunner, make_verify_graphs
@@ -103,7 +104,7 @@ class SpecStepper:
         out = []
         for s, k in zip(batch.seqs, want):
             if k:
-                k = min(k, self.scheduler.reserve(s.req, s.kv_len + k) - s.kv_len)
+                k = min(k, reserve_pages(self.scheduler.pool, s.req, s.kv_len + k) - s.kv_len)
             out.append(max(k, 0))
         return out
 
