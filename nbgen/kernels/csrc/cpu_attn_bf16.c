@@ -148,6 +148,10 @@ static inline __attribute__((always_inline)) void attend_pass(const uint16_t *q,
 void attend_bf16(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *pages, int64_t n, int G,
                  int D, int P, float scale, uint16_t *out) {
 #ifdef ATTN_BF16
+    if (n <= 0) {                                           /* no keys: zeros, as the portable kernel */
+        memset(out, 0, sizeof(uint16_t) * (size_t)G * (size_t)D);
+        return;
+    }
     const int C = D / 16, per = MAX_ACC / C;                /* query heads a pass */
     for (int g0 = 0; g0 < G; g0 += per) {
         const int ng = G - g0 < per ? G - g0 : per;
