@@ -317,3 +317,25 @@ def test_elementwise_ops_split_over_threads_give_the_same_bits(dtype):
     assert _close(one[3][:, :576], rope._rotate(qkv[:, :576], cos, sin), dtype)
     gate, up = gu.chunk(2, dim=-1)
     assert _close(one[4], torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (8, 1, 128), (4, 4, 32), (6, 2, 96)])
+def test_bf16_decode_attention_within_one_rounding_of_fp32(hq, hkv, d):
+    """The bf16 path (csrc/cpu_attn_bf16.c where the CPU has AVX512-BF16): each output within one bf16 rounding of
+    the fp32 reference, with scores that grow along the context (the online softmax rescales its sums) and
+    lengths on and off its 16-key blocks."""
+    g = torch.Generator().manual_seed(hq + d)
+    P, num_pages = 16, 40
+    ramp = torch.linspace(0.2, 3.0, num_pages * P)[None, :, None]          # later slots score higher
+    kc = (torch.randn(hkv, num_pages * P, d, generator=g) * ramp).bfloat16()
+    vc = torch.randn(hkv, num_pages * P, d, generator=g).bfloat16()
+    lens = torch.tensor([1, 15, 16, 17, 33, 200, 511])
+    table = torch.zeros(len(lens), num_pages, dtype=torch.long)
+    for b, n in enumerate(lens.tolist()):
+        pages = -(-n // P)
+        table[b, :pages] = torch.arange(pages) if b % 2 else torch.randperm(num_pages, generator=g)[:pages]
+    q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
+    out = cpu_ops.paged_decode_attention(q, kc, vc, table, lens, P, d ** -0.5)
+    ref = _reference(q, kc, vc, table, lens, P, d ** -0.5)
+    ulp = ref.abs().clamp_min(2.0 ** -20) * 2.0 ** -7                       # one bf16 step at the value
+    assert ((out.float() - ref).abs() <= ulp).all(), (out.float() - ref).abs().max()

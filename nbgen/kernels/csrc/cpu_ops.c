@@ -191,6 +191,10 @@ static void attend_one(const float *qf, const char *kh, const char *vh, const in
     }
 }
 
+int attn_bf16_fits(int G, int D);
+void attend_bf16(const uint16_t *q, const uint16_t *kh, const uint16_t *vh, const int64_t *pages, int64_t n, int G,
+                 int D, int P, float scale, uint16_t *out);
+
 /* k_new / v_new (NULL: already in the cache): the step's new K / V rows [B, Hkv, D] (row strides k_stride / v_stride, in
  * the cache's dtype), written at slots[b] of their head before that (sequence, kv head) attends: the KV
  * write of a decode-only step in the same call (each item writes only its own rows). */
@@ -200,6 +204,7 @@ void paged_decode_attention(const void *q, int64_t q_stride, void *k, void *v, v
                    const void *k_new, const void *v_new, int64_t k_stride, int64_t v_stride, const int64_t *slots) {
     const int G = Hq / Hkv;
     const size_t esize = is_bf16 ? 2 : 4;
+    const int fast = is_bf16 && attn_bf16_fits(G, D);      /* cpu_attn_bf16.c: one pass, bf16 dot products */
     int64_t max_len = 1;
     for (int b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     /* scratch per thread, allocated here (malloc inside the parallel region is slow on worker
@@ -225,6 +230,12 @@ void paged_decode_attention(const void *q, int64_t q_stride, void *k, void *v, v
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < (int64_t)B * Hkv; item++) {
             const int64_t b = item / Hkv, h = item % Hkv;
+            if (fast) {
+                attend_bf16((const uint16_t *)q + b * q_stride + h * G * D, (const uint16_t *)k + h * S * D,
+                            (const uint16_t *)v + h * S * D, table + b * max_pages, lens[b], G, D, P, scale,
+                            (uint16_t *)out + (b * Hq + h * G) * D);
+                continue;
+            }
             widen((const char *)q + (size_t)(b * q_stride + h * G * D) * esize, is_bf16, qf, (int64_t)G * D);
             attend_one(qf, (const char *)k + (size_t)(h * S * D) * esize, (const char *)v + (size_t)(h * S * D) * esize,
                        table + b * max_pages, lens[b], G, D, P, esize, is_bf16, scale, s, max_len, blk, acc);
