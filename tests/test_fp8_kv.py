@@ -214,3 +214,93 @@ def test_engine_reads_checkpoint_kv_scales(tiny_llama_dir: str, tmp_path) -> Non
         plain = eng.generate("hello there", sp)
     assert info["kv_scales"][:2] == [[0.5, 1.0], [1.0, 2.0]]
     assert scaled["meta_info"]["completion_tokens"] == plain["meta_info"]["completion_tokens"] == 8
+
+
+# ---- GPU -------------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_gpu_fp8_kv_write_kernels_store_the_reference_bytes() -> None:
+    """kv_write and the fused RoPE kernel's write: kv_quant.store's bytes exactly (bf16 rows)."""
+    check_kv_write("cuda", torch.bfloat16)
+    check_fused_rope_write("cuda", torch.bfloat16)
+
+
+@gpu
+def test_gpu_triton_decode_reads_fp8_pages() -> None:
+    """nbgen's decode kernel over e4m3 pages within bf16 rounding of the dequantized fp32 attention."""
+    check_decode("cuda", torch.bfloat16)
+
+
+def _steps(P: int):
+    """Three steps over a page pool: two fresh prompts (one chunked), then a mixed step (a decode row
+    first, the second prompt's last chunk), then a decode-only step; page tables scattered."""
+    from types import SimpleNamespace
+
+    from nbgen.core.batch import ScheduledBatch, SeqWork
+
+    a, b = SimpleNamespace(rid="a", prompt_ids=[0] * 33), SimpleNamespace(rid="b", prompt_ids=[0] * 111)
+    pages_a = [7, 3, 12, 5, 9]                      # up to 80 tokens
+    pages_b = [2, 14, 8, 11, 4, 6, 13, 10]          # up to 128 tokens
+    s1 = ScheduledBatch([SeqWork(a, [0] * 33, 0, pages_a, True), SeqWork(b, [0] * 70, 0, pages_b, False)], P)
+    s2 = ScheduledBatch([SeqWork(a, [0], 33, pages_a, True), SeqWork(b, [0] * 41, 70, pages_b, True)], P)
+    s3 = ScheduledBatch([SeqWork(a, [0], 34, pages_a, True), SeqWork(b, [0], 111, pages_b, True)], P)
+    return [s1, s2, s3]
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_gpu_flashinfer_backend_fp8_matches_the_torch_backend(hq: int, hkv: int) -> None:
+    """Layer by layer, the flashinfer backend on an fp8 pool (its K/V write, flashinfer's prefill over
+    e4m3 pages with the layer's scales, nbgen's decode kernel for the decode rows) against the torch
+    backend on the same fp8 pool (kv_quant's arithmetic): close outputs, equal stored bytes."""
+    from nbgen.attention.base import KVCacheSpec
+    from nbgen.attention.flashinfer_backend import FlashInferBackend
+    from nbgen.attention.torch_backend import TorchAttentionBackend
+
+    pytest.importorskip("flashinfer")
+    D, P = 128, 16
+    scales = ((1.0, 1.0), (0.25, 4.0))
+    spec = KVCacheSpec(2, 16, P, hq, hkv, D, torch.bfloat16, torch.device("cuda"), kv_dtype=FP8, layer_scales=scales)
+    fi, ref = FlashInferBackend(spec), TorchAttentionBackend(spec)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step, batch in enumerate(_steps(P)):
+        T = batch.num_tokens
+        mf, mr = fi.prepare(batch), ref.prepare(batch)
+        for layer in range(2):
+            q = torch.randn(T, hq * D, device="cuda", generator=g).bfloat16()
+            k = (torch.randn(T, hkv * D, device="cuda", generator=g) * 2).bfloat16()
+            v = torch.randn(T, hkv * D, device="cuda", generator=g).bfloat16()
+            got = fi.forward(layer, q, k, v, mf).float()
+            want = ref.forward(layer, q, k, v, mr).float()
+            err = (got - want).abs()
+            assert err.max().item() < 3e-2 * scales[layer][1] and err.mean().item() < 3e-3 * scales[layer][1], \
+                (step, layer, err.max().item(), err.mean().item())
+            # the same bytes in both pools (HND pages vs head-major slots)
+            kf = fi.k_cache[layer].view(torch.uint8).transpose(1, 2).reshape(-1, hkv, D).transpose(0, 1)
+            assert torch.equal(kf, ref.k_cache[layer].view(torch.uint8))
+
+
+@gpu
+def test_gpu_engine_fp8_kv_fast_path(gpu_model_dir: str) -> None:
+    """kv_cache_dtype='fp8_e4m3' on CUDA runs the flashinfer backend with decode graphs: greedy outputs
+    close to the torch backend with the same fp8 arithmetic, graphs equal to eager, twice the pages of
+    a bf16 pool in the same memory, and close to bf16 KV."""
+    from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts
+
+    prompts = gpu_prompts(12)
+    fast = gpu_generate(gpu_model_dir, prompts, logprobs=True, kv_cache_dtype="fp8_e4m3")
+    eager = gpu_generate(gpu_model_dir, prompts, logprobs=True, kv_cache_dtype="fp8_e4m3", disable_cuda_graph=True)
+    torch_ref = gpu_generate(gpu_model_dir, prompts, logprobs=True, kv_cache_dtype="fp8_e4m3",
+                             attention_backend="torch")
+    assert_close_runs(fast, torch_ref)
+    assert_close_runs(fast, eager)
+    pages = {}
+    for kv in ("auto", "fp8_e4m3"):
+        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", kv_cache_dtype=kv,
+                          mem_fraction_static=0.05, max_running_requests=4096) as eng:   # KV bound by memory
+            info = eng.get_server_info()
+            pages[kv] = info["num_pages"]
+            assert info["attention_backend"] == "FlashInferBackend" and info["cuda_graph_batch_sizes"]
+    assert 1.9 < pages["fp8_e4m3"] / pages["auto"] < 2.1, pages
