@@ -275,8 +275,9 @@ def test_gpu_flashinfer_backend_fp8_matches_the_torch_backend(hq: int, hkv: int)
             got = fi.forward(layer, q, k, v, mf).float()
             want = ref.forward(layer, q, k, v, mr).float()
             err = (got - want).abs()
-            assert err.max().item() < 3e-2 * scales[layer][1] and err.mean().item() < 3e-3 * scales[layer][1], \
-                (step, layer, err.max().item(), err.mean().item())
+            # both read the same e4m3 values (times the scales); they differ in roundings only
+            assert err.max().item() < 3e-2 and err.mean().item() < 3e-3, (step, layer, err.max().item(),
+                                                                           err.mean().item())
             # the same bytes in both pools (HND pages vs head-major slots)
             kf = fi.k_cache[layer].view(torch.uint8).transpose(1, 2).reshape(-1, hkv, D).transpose(0, 1)
             assert torch.equal(kf, ref.k_cache[layer].view(torch.uint8))
