@@ -295,7 +295,10 @@ def test_gpu_engine_fp8_kv_fast_path(gpu_model_dir: str) -> None:
     eager = gpu_generate(gpu_model_dir, prompts, logprobs=True, kv_cache_dtype="fp8_e4m3", disable_cuda_graph=True)
     torch_ref = gpu_generate(gpu_model_dir, prompts, logprobs=True, kv_cache_dtype="fp8_e4m3",
                              attention_backend="torch")
-    assert_close_runs(fast, torch_ref)
+    # the two backends round the K/V rows differently upstream (fused RoPE and folded norms against
+    # torch ops); e4m3's coarse steps turn a one-ulp bf16 difference into a one-step e4m3 one now and
+    # then, so their logprobs sit a little further apart than bf16 runs' (H200: median 0.053, max 0.23)
+    assert_close_runs(fast, torch_ref, median=0.08)
     assert_close_runs(fast, eager)
     pages = {}
     for kv in ("auto", "fp8_e4m3"):

@@ -70,9 +70,11 @@ def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device,
     hq, hkv = local_heads(hq, hkv, get_tp()[0])
     cache = kv_quant.storage_dtype(kv_cache_dtype, loaded.dtype)
     fp8 = kv_quant.is_fp8(cache)
+    scales = read_kv_scales(loaded.model_dir, layers) if fp8 and checkpoint_scales else ()
+    if fp8 and not scales:
+        logger.info("fp8 KV cache: the checkpoint has no k_scale / v_scale; K and V are stored with scale 1.0")
     return KVCacheSpec(layers, 0, page_size, hq, hkv, hd, loaded.dtype, device,
-                       kv_dtype=cache if cache != loaded.dtype else None,
-                       layer_scales=read_kv_scales(loaded.model_dir, layers) if fp8 and checkpoint_scales else ())
+                       kv_dtype=cache if cache != loaded.dtype else None, layer_scales=scales)
 
 
 def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int, draft: DraftShare = DraftShare()) -> int:
