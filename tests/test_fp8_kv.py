@@ -94,9 +94,10 @@ def check_kv_write(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(mc.cpu()[page, :, off], k.cpu().reshape(T, H, D))
 
 
-def check_decode(device: str, dtype: torch.dtype) -> None:
+def check_decode(device: str, dtype: torch.dtype, widen: int = 0) -> None:
     """The Triton decode kernel over e4m3 pages against the fp32 reference of the dequantized pages:
-    one split and several, group sizes 1 / 4 / 3 (padded), unit and non-unit scales."""
+    one split and several, group sizes 1 / 4 / 3 (padded), unit and non-unit scales; ``widen``: the
+    kernel's way of widening the tiles (``triton_decode.FP8_WIDEN``)."""
     from nbgen.kernels.triton_decode import TritonDecodeWrapper
 
     cases = [(4, 1, 32, 4, [5, 9, 40]), (8, 2, 16, 4, [1, 17, 64]), (6, 2, 32, 8, [3, 100])]
@@ -108,6 +109,7 @@ def check_decode(device: str, dtype: torch.dtype) -> None:
             k8, v8 = kv_quant.store(kc, ks, FP8), kv_quant.store(vc, vs, FP8)
             q = torch.randn(len(lens), hq, D).to(dtype).to(device)
             w = TritonDecodeWrapper(hq, hkv, D, P, torch.device(device))
+            w.widen = widen
             for _ in range(2):                # the second launch reuses the re-armed split counters
                 pin = device == "cuda"
                 w.plan(*(t.pin_memory() if pin else t for t in (indptr, indices, last)))
@@ -146,7 +148,8 @@ def check_fused_rope_write(device: str, dtype: torch.dtype) -> None:
 
 def _interpreted() -> None:
     check_kv_write("cpu", torch.float16)
-    check_decode("cpu", torch.float16)
+    for widen in (0, 1, 2):
+        check_decode("cpu", torch.float16, widen)
     check_fused_rope_write("cpu", torch.float16)
 
 
@@ -229,8 +232,10 @@ def test_gpu_fp8_kv_write_kernels_store_the_reference_bytes() -> None:
 
 @gpu
 def test_gpu_triton_decode_reads_fp8_pages() -> None:
-    """nbgen's decode kernel over e4m3 pages within bf16 rounding of the dequantized fp32 attention."""
-    check_decode("cuda", torch.bfloat16)
+    """nbgen's decode kernel over e4m3 pages within bf16 rounding of the dequantized fp32 attention,
+    each way of widening the tiles."""
+    for widen in (0, 1, 2):
+        check_decode("cuda", torch.bfloat16, widen)
 
 
 def _steps(P: int):

@@ -40,6 +40,10 @@ LOG2E = 1.4426950408889634
 SMALL_BATCH_PPS, LARGE_BATCH_PPS = 4, 8
 STAGES = 2          # K/V tiles in flight per program
 MAX_SPLITS = 16
+# how e4m3 tiles widen for the tensor-core products: 0 each tile to q's dtype after its load, 1 the K
+# tile transposed while 8-bit, 2 both to fp16 with q rounded to fp16 (one conversion instruction per
+# two e4m3 values); ``python -m nbgen.bench.kv_decode`` times them
+FP8_WIDEN = 0
 
 
 def supported(head_dim: int) -> bool:
@@ -81,7 +85,7 @@ if triton is not None:
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale, v_scale,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       WIDEN: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -102,6 +106,8 @@ if triton is not None:
             pdl.gdc_launch_dependents()
         q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
                     mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
+        if WIDEN == 2:      # fp8 pages, fp16 products: e4m3 -> fp16 is one conversion (bf16 q rounds to fp16)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -110,10 +116,15 @@ if triton is not None:
             tm = t < hi
             page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
             off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
-            # fp8 pages widen to q's dtype here (a no-op for model-dtype pages)
-            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
+            # fp8 pages widen to q's dtype in registers (a no-op for model-dtype pages); WIDEN 1
+            # transposes the 8-bit K tile before widening it
+            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
             v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-            sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [GP, BLOCK_N], log2 units
+            if WIDEN == 1:
+                kt = tl.trans(k).to(q.dtype)
+            else:
+                kt = tl.trans(k.to(q.dtype))
+            sc = tl.dot(q, kt) * qk_scale                                              # [GP, BLOCK_N], log2 units
             sc = tl.where(tm[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             alpha = tl.exp2(m - m_new)
@@ -184,6 +195,7 @@ class TritonDecodeWrapper:
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(cells, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
+        self.widen = FP8_WIDEN          # the fp8 pages' variant (see FP8_WIDEN)
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device.
@@ -219,5 +231,6 @@ class TritonDecodeWrapper:
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok,
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
         pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=STAGES, num_warps=4)
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=STAGES,
+                   WIDEN=self.widen if kc.element_size() == 1 else 0, num_warps=4)
         return o
