@@ -94,10 +94,10 @@ def check_kv_write(device: str, dtype: torch.dtype) -> None:
         assert torch.equal(mc.cpu()[page, :, off], k.cpu().reshape(T, H, D))
 
 
-def check_decode(device: str, dtype: torch.dtype, widen: int = 0) -> None:
+def check_decode(device: str, dtype: torch.dtype, widen: int = 0, stages: int = 2) -> None:
     """The Triton decode kernel over e4m3 pages against the fp32 reference of the dequantized pages:
     one split and several, group sizes 1 / 4 / 3 (padded), unit and non-unit scales; ``widen``: the
-    kernel's way of widening the tiles (``triton_decode.FP8_WIDEN``)."""
+    kernel's way of widening the tiles (``triton_decode.FP8_WIDEN``), ``stages`` its tiles in flight."""
     from nbgen.kernels.triton_decode import TritonDecodeWrapper
 
     cases = [(4, 1, 32, 4, [5, 9, 40]), (8, 2, 16, 4, [1, 17, 64]), (6, 2, 32, 8, [3, 100])]
@@ -109,7 +109,7 @@ def check_decode(device: str, dtype: torch.dtype, widen: int = 0) -> None:
             k8, v8 = kv_quant.store(kc, ks, FP8), kv_quant.store(vc, vs, FP8)
             q = torch.randn(len(lens), hq, D).to(dtype).to(device)
             w = TritonDecodeWrapper(hq, hkv, D, P, torch.device(device))
-            w.widen = widen
+            w.widen, w.fp8_stages = widen, stages
             for _ in range(2):                # the second launch reuses the re-armed split counters
                 pin = device == "cuda"
                 w.plan(*(t.pin_memory() if pin else t for t in (indptr, indices, last)))
@@ -236,6 +236,7 @@ def test_gpu_triton_decode_reads_fp8_pages() -> None:
     each way of widening the tiles."""
     for widen in (0, 1, 2):
         check_decode("cuda", torch.bfloat16, widen)
+    check_decode("cuda", torch.bfloat16, 0, stages=4)
 
 
 def _steps(P: int):

@@ -3,10 +3,10 @@
 One layer's decode attention (nbgen's Triton kernel, ``kernels/triton_decode.py``) at the heads of
 Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths: µs per launch and the KV read
 rate (GB/s) for bf16 pages and for e4m3 pages under each of the kernel's ways of widening them
-(``triton_decode.FP8_WIDEN``), each checked against the fp32 attention of the dequantized pages;
+(``triton_decode.FP8_WIDEN``) and tiles in flight (``FP8_STAGES``), each checked against the fp32 attention of the dequantized pages;
 then flashinfer's paged prefill (one layer, causal chunks after a cached prefix) planned for bf16
 and for e4m3 pages (bf16 queries over e4m3 pages take flashinfer's fa2 kernels; bf16 pages its SM90
-ones on Hopper). The fastest e4m3 variant belongs in ``FP8_WIDEN``.
+ones on Hopper). The fastest e4m3 variant belongs in ``FP8_WIDEN`` / ``FP8_STAGES``.
 """
 from __future__ import annotations
 
@@ -73,13 +73,14 @@ def decode_rows(model: str) -> list[dict]:
         q = torch.randn(bs, hq, D, device="cuda").bfloat16()
         w = td.TritonDecodeWrapper(hq, hkv, D, P, torch.device("cuda"))
         w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
-        for pages, widen in (("bf16", 0), ("e4m3", 0), ("e4m3", 1), ("e4m3", 2)):
+        variants = [("bf16", 0, td.STAGES)] + [("e4m3", wd, st) for wd in (0, 1, 2) for st in (2, 4)]
+        for pages, widen, stages in variants:
             caches = (kc, vc) if pages == "bf16" else (k8, v8)
-            w.widen = widen
+            w.widen, w.fp8_stages = widen, stages
             err = (w.run(q, caches)[:2].float() - _reference(q, *caches, indptr, indices, n)).abs().max().item()
             secs = _seconds(lambda: w.run(q, caches))
             kv_bytes = 2 * bs * n * hkv * D * caches[0].element_size()
-            rows.append({"model": model, "batch": bs, "kv_len": n, "pages": pages, "widen": widen,
+            rows.append({"model": model, "batch": bs, "kv_len": n, "pages": pages, "widen": widen, "stages": stages,
                          "us": secs * 1e6, "GB/s": kv_bytes / secs / 1e9, "max_err": err})
         del kc, vc, k8, v8
     return rows
@@ -115,9 +116,9 @@ def main() -> None:
     args = ap.parse_args()
     for model in args.model or sorted(HEADS):
         print(f"decode attention, one layer, {model} heads {HEADS[model]}")
-        print(f"{'batch':>5} {'kv_len':>6} {'pages':>5} {'widen':>5} {'us':>8} {'GB/s':>7} {'max_err':>8}")
+        print(f"{'batch':>5} {'kv_len':>6} {'pages':>5} {'widen':>5} {'stages':>6} {'us':>8} {'GB/s':>7} {'max_err':>8}")
         for r in decode_rows(model):
-            print(f"{r['batch']:>5} {r['kv_len']:>6} {r['pages']:>5} {r['widen']:>5} {r['us']:>8.1f} "
+            print(f"{r['batch']:>5} {r['kv_len']:>6} {r['pages']:>5} {r['widen']:>5} {r['stages']:>6} {r['us']:>8.1f} "
                   f"{r['GB/s']:>7.0f} {r['max_err']:>8.4f}")
         for r in prefill_rows(model):
             print(f"prefill {r['pages']:>5}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s")

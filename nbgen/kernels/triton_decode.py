@@ -44,6 +44,9 @@ MAX_SPLITS = 16
 # tile transposed while 8-bit, 2 both to fp16 with q rounded to fp16 (one conversion instruction per
 # two e4m3 values); ``python -m nbgen.bench.kv_decode`` times them
 FP8_WIDEN = 0
+# K/V tiles in flight per program over e4m3 pages: a tile holds half the bytes of a bf16 one, so
+# STAGES tiles keep half the bytes in flight (``bench.kv_decode`` times 2 against 4)
+FP8_STAGES = STAGES
 
 
 def supported(head_dim: int) -> bool:
@@ -195,7 +198,7 @@ class TritonDecodeWrapper:
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(cells, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
-        self.widen = FP8_WIDEN          # the fp8 pages' variant (see FP8_WIDEN)
+        self.widen, self.fp8_stages = FP8_WIDEN, FP8_STAGES       # the fp8 pages' variant
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device.
@@ -230,7 +233,8 @@ class TritonDecodeWrapper:
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.order, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok,
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
+        fp8 = kc.element_size() == 1
         pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb, STAGES=STAGES,
-                   WIDEN=self.widen if kc.element_size() == 1 else 0, num_warps=4)
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb,
+                   STAGES=self.fp8_stages if fp8 else STAGES, WIDEN=self.widen if fp8 else 0, num_warps=4)
         return o
