@@ -148,7 +148,7 @@ def check_fused_rope_write(device: str, dtype: torch.dtype) -> None:
 
 def _interpreted() -> None:
     check_kv_write("cpu", torch.float16)
-    for widen in (0, 1, 2):
+    for widen in (0, 1, 2, 3):
         check_decode("cpu", torch.float16, widen)
     check_fused_rope_write("cpu", torch.float16)
 
@@ -234,9 +234,9 @@ def test_gpu_fp8_kv_write_kernels_store_the_reference_bytes() -> None:
 def test_gpu_triton_decode_reads_fp8_pages() -> None:
     """nbgen's decode kernel over e4m3 pages within bf16 rounding of the dequantized fp32 attention,
     each way of widening the tiles."""
-    for widen in (0, 1, 2):
-        check_decode("cuda", torch.bfloat16, widen)
-    check_decode("cuda", torch.bfloat16, 0, stages=4)
+    for widen in (0, 1, 2, 3):
+        for stages in (2, 4):
+            check_decode("cuda", torch.bfloat16, widen, stages)
 
 
 def _steps(P: int):

@@ -73,7 +73,7 @@ def decode_rows(model: str) -> list[dict]:
         q = torch.randn(bs, hq, D, device="cuda").bfloat16()
         w = td.TritonDecodeWrapper(hq, hkv, D, P, torch.device("cuda"))
         w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
-        variants = [("bf16", 0, td.STAGES)] + [("e4m3", wd, st) for wd in (0, 1, 2) for st in (2, 4)]
+        variants = [("bf16", 0, td.STAGES)] + [("e4m3", wd, st) for wd in (0, 1, 2, 3) for st in (2, 4)]
         for pages, widen, stages in variants:
             caches = (kc, vc) if pages == "bf16" else (k8, v8)
             w.widen, w.fp8_stages = widen, stages

@@ -42,7 +42,8 @@ STAGES = 2          # K/V tiles in flight per program
 MAX_SPLITS = 16
 # how e4m3 tiles widen for the tensor-core products: 0 each tile to q's dtype after its load, 1 the K
 # tile transposed while 8-bit, 2 both to fp16 with q rounded to fp16 (one conversion instruction per
-# two e4m3 values; exact for the pages, q keeps its value inside fp16's range). ``python -m
+# two e4m3 values; exact for the pages, q keeps its value inside fp16's range), 3 as 2 with the
+# e4m3 bits moved into fp16 bits by integer ops (value * 2^-8; the scales take the 2^8). ``python -m
 # nbgen.bench.kv_decode`` times them; H200, Llama-3.1-8B heads, one layer (bf16 pages | e4m3 with
 # 0 / 2 tiles in flight -> 2 with 4): batch 1 x 1024 tokens 51.0 | 80.0 -> 47.4 us, 1 x 8192 57.2 |
 # 58.6 -> 54.3, 32 x 1024 100.1 | 80.2 -> 74.8, 256 x 1024 293.1 | 314.9 -> 265.9. The e4m3 kernel
@@ -87,6 +88,13 @@ def longest_first(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: i
 
 if triton is not None:
     @triton.jit
+    def _e4m3_bits_as_f16(x):
+        """e4m3 values as fp16 values times 2^-8 by bit placement alone (sign to bit 15, exponent and
+        mantissa shifted up 7: fp16's exponent bias is 8 above e4m3's; subnormals map exactly too)."""
+        b = x.to(tl.uint8, bitcast=True).to(tl.int32)
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr, order_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale, v_scale,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
@@ -112,7 +120,7 @@ if triton is not None:
             pdl.gdc_launch_dependents()
         q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
                     mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
-        if WIDEN == 2:      # fp8 pages, fp16 products: e4m3 -> fp16 is one conversion (bf16 q rounds to fp16)
+        if WIDEN >= 2:      # fp8 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m = tl.full([GP], float("-inf"), tl.float32)
         l = tl.zeros([GP], tl.float32)
@@ -125,7 +133,11 @@ if triton is not None:
             # fp8 pages widen to q's dtype in registers (a no-op for model-dtype pages); WIDEN 1
             # transposes the 8-bit K tile before widening it
             k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
-            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
+            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+            if WIDEN == 3:    # integer ops: e4m3 bits placed as fp16 bits = the value * 2^-8, exactly
+                k = _e4m3_bits_as_f16(k)
+                v = _e4m3_bits_as_f16(v)
+            v = v.to(q.dtype)
             if WIDEN == 1:
                 kt = tl.trans(k).to(q.dtype)
             else:
@@ -233,11 +245,13 @@ class TritonDecodeWrapper:
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
         sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load
+        fp8 = kc.element_size() == 1
+        widen = self.widen if fp8 else 0
+        unit = 256.0 if widen == 3 else 1.0         # WIDEN 3 reads the pages as value * 2^-8
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.order, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok,
-                self.scale * float(k_scale) * LOG2E, float(v_scale))
-        fp8 = kc.element_size() == 1
+                self.scale * float(k_scale) * unit * LOG2E, float(v_scale) * unit)
         pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb,
-                   STAGES=self.fp8_stages if fp8 else STAGES, WIDEN=self.widen if fp8 else 0, num_warps=4)
+                   STAGES=self.fp8_stages if fp8 else STAGES, WIDEN=widen, num_warps=4)
         return o
