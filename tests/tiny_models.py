@@ -152,11 +152,11 @@ def output_ids(outs: list[dict]) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
 
-def assert_close_runs(a: list[dict], b: list[dict]) -> None:
+def assert_close_runs(a: list[dict], b: list[dict], median: float = 0.05) -> None:
     """Two bf16 greedy runs through differently tiled kernels. On random models the top-2 logits are
     often within bf16 noise, so free-running sequences may fork at a near-tie; up to the fork the
-    chosen tokens are the same and their logprobs (decode path) must agree closely. A broken kernel
-    forks at once on most sequences and shows large logprob errors."""
+    chosen tokens are the same and their logprobs (decode path) must agree closely (median |Δ| at most
+    ``median``). A broken kernel forks at once on most sequences and shows large logprob errors."""
     diffs, forks = [], []
     for x, y in zip(a, b):
         lx = [lp for lp, _t, _s in x["meta_info"]["output_token_logprobs"]]
@@ -166,7 +166,7 @@ def assert_close_runs(a: list[dict], b: list[dict]) -> None:
         diffs += [abs(p - q) for p, q in zip(lx[:n], ly[:n])]
     assert sum(f >= 1 for f in forks) >= 0.9 * len(forks), forks      # the prefill token matches
     assert len(diffs) >= 4 * len(forks), forks                          # decode steps were compared
-    assert statistics.median(diffs) <= 0.05 and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
+    assert statistics.median(diffs) <= median and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
 
 
 def teacher_forced_vs_hf(model_dir: str, chunk: Optional[int] = None) -> dict[str, float]:

@@ -31,6 +31,15 @@ class KVCacheSpec:
     kv_dtype: Optional[torch.dtype] = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # per layer (k_scale, v_scale) of an fp8 pool, from the checkpoint (models/kv_scales.py); empty:
+    # k_scale / v_scale above for every layer
+    layer_scales: tuple[tuple[float, float], ...] = ()
+
+    def scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of layer ``layer_id``'s fp8 pages (1.0 and unused for a model-dtype pool)."""
+        if self.kv_dtype is None:
+            return 1.0, 1.0
+        return self.layer_scales[layer_id] if self.layer_scales else (self.k_scale, self.v_scale)
 
     @property
     def cache_dtype(self) -> torch.dtype:

@@ -15,6 +15,9 @@ table:
     (attention/tree_mask.py: each tree token sees the prefix and its ancestors). The step's leading one-token rows (the running decodes) go through
     the Triton decode kernel instead (flashinfer's prefill kernel reads a one-query row's KV at about
     half the bandwidth).
+An fp8 pool (``kv_cache_dtype="fp8_e4m3"``) holds e4m3 pages: the K/V writes quantize (each layer's
+k_scale / v_scale), the Triton decode kernel widens the tiles in registers, and flashinfer's kernels
+are planned with ``kv_data_type`` e4m3 (bf16 / fp16 queries) and run with the layer's scales.
 ``plan()`` runs once per step in ``prepare``; all layers reuse it. Page tables (``page_tables``) go to
 the GPU from pinned host memory without a host sync. The module imports without flashinfer; the
 backend raises ImportError when it is missing.
@@ -96,6 +99,12 @@ class FlashInferBackend(AttentionBackend):
         self._qo_indptr: dict[int, torch.Tensor] = {}   # bs -> arange(bs + 1) on the host (graph re-plan)
         # the direct re-plan mirrors flashinfer 0.6's plan(); other versions take the public plan()
         self._direct_replan = flashinfer.__version__.startswith("0.6.")
+        # per layer: (k_scale, v_scale) for the K/V writes and the Triton decode kernel, and the scale
+        # arguments of flashinfer's run() (none for model-dtype pages or unit scales: no extra work)
+        self.kv_scales = [spec.scales(i) for i in range(spec.num_layers)]
+        fp8 = spec.cache_dtype != spec.dtype
+        self._fi_scales = [{k: x for k, x in (("k_scale", ks), ("v_scale", vs)) if fp8 and x != 1.0}
+                           for ks, vs in self.kv_scales]
 
     def cache_shape(self) -> tuple[int, ...]:
         """Per-layer K (and V) shape: HND pages [num_pages, Hkv, page_size, D]."""
@@ -144,7 +153,7 @@ class FlashInferBackend(AttentionBackend):
         if not self._replan_direct(wrapper, kv_indptr, last):
             wrapper.plan(kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads,
                          sp.head_dim, sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype,
-                         kv_data_type=sp.dtype, sm_scale=self.scale, non_blocking=True)
+                         kv_data_type=sp.cache_dtype, sm_scale=self.scale, non_blocking=True)
         self._after_plan()
 
     def _replan_direct(self, wrapper: Any, kv_indptr: torch.Tensor, last: torch.Tensor) -> bool:
@@ -200,7 +209,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper.plan(_pinned(qo), _pinned(kv_indptr), _pinned(kv_indices), _pinned(last),
                                   sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
                                   causal=custom_mask is None, sm_scale=self.scale, q_data_type=sp.dtype,
-                                  kv_data_type=sp.dtype, non_blocking=True, **mask)
+                                  kv_data_type=sp.cache_dtype, non_blocking=True, **mask)
         self._after_plan()
         return wrapper
 
@@ -276,7 +285,7 @@ class FlashInferBackend(AttentionBackend):
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
         """The layer's caches and slots: the fused RoPE kernel writes the step's K/V there."""
-        return self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping
+        return KVTarget(self.k_cache[layer_id], self.v_cache[layer_id], meta.slot_mapping, *self.kv_scales[layer_id])
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: FlashInferMetadata, kv_written: bool = False,
@@ -284,10 +293,11 @@ class FlashInferBackend(AttentionBackend):
         sp = self.spec
         T = q.shape[0]
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]
+        ks, vs = self.kv_scales[layer_id]
         # write the new tokens' K/V into their slots, K and V in one kernel, unless the model's
         # fused RoPE kernel did (padding rows of a graph batch hit slot 0 of the scratch page)
         if not kv_written:
-            write_kv(k, v, kc, vc, meta.slot_mapping)
+            write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()
@@ -298,8 +308,12 @@ class FlashInferBackend(AttentionBackend):
                 if out is None else out.view(T, sp.num_q_heads, sp.head_dim)
             d = meta.decode_rows
             if d:
-                self.triton_wrapper.run(q3[:d], (kc, vc), out=o[:d])
-            meta.wrapper.run(q3[d:], (kc, vc), out=o[d:])
+                self.triton_wrapper.run(q3[:d], (kc, vc), out=o[:d], k_scale=ks, v_scale=vs)
+            meta.wrapper.run(q3[d:], (kc, vc), out=o[d:], **self._fi_scales[layer_id])
             return o.view(T, sp.num_q_heads * sp.head_dim)
-        o = meta.wrapper.run(q3, (kc, vc)).view(T, sp.num_q_heads * sp.head_dim)
+        if isinstance(meta.wrapper, triton_decode.TritonDecodeWrapper):
+            o = meta.wrapper.run(q3, (kc, vc), k_scale=ks, v_scale=vs)
+        else:
+            o = meta.wrapper.run(q3, (kc, vc), **self._fi_scales[layer_id])
+        o = o.view(T, sp.num_q_heads * sp.head_dim)
         return o if out is None else out.copy_(o)

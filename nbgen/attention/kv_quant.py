@@ -1,16 +1,20 @@
 """The fp8 KV cache's arithmetic: e4m3 pages with one fp32 scale per tensor (K and V each).
 
 ``kv_cache_dtype="fp8_e4m3"`` stores k / k_scale rounded to e4m3 (saturating at +-448) and reads
-back e4m3 * k_scale in the model dtype; the same for V. Scales are 1.0 unless given: attention K/V of
-the supported models sit well inside e4m3's range (the accuracy study, ``nbgen.bench.fp8_accuracy``,
-measures the effect). Half the bytes of a bf16 page, so the pool holds twice the tokens.
+back e4m3 * k_scale in the model dtype; the same for V. Scales are the checkpoint's per layer where it
+has them (``models/kv_scales.py``), else 1.0: attention K/V of the supported models sit well inside
+e4m3's range (the accuracy study, ``nbgen.bench.fp8_accuracy``, measures the effect). Half the bytes
+of a bf16 page, so the pool holds twice the tokens. This is the reference the CUDA kernels are tested
+against: the K/V writes (``kernels/kv_write.py``, ``kernels/qk_norm_rope.py``) store exactly these
+bytes, and the attention kernels read e4m3 * scale.
 """
 from __future__ import annotations
 
 import torch
 
+from nbgen.kernels.kv_write import quantize_torch
+
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -29,9 +33,7 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 def store(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """x (model dtype) as the pool's ``dtype``: divided by ``scale`` and rounded to e4m3 when fp8."""
-    if not is_fp8(dtype):
-        return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantize_torch(x, scale, dtype)     # the GPU K/V write kernels' arithmetic (kernels/kv_write.py)
 
 
 def load(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -140,8 +140,9 @@ class TorchAttentionBackend(AttentionBackend):
                                                 self.scale, new_kv=(k.view(T, hkv * d), v.view(T, hkv * d),
                                                                     meta.slot_mapping))
             return od.view(T, sp.num_q_heads * d)
-        kv_quant.write(kc, meta.slot_mapping, k.transpose(0, 1), sp.k_scale)
-        kv_quant.write(vc, meta.slot_mapping, v.transpose(0, 1), sp.v_scale)
+        ks, vs = sp.scales(layer_id)                                           # an fp8 pool's scales
+        kv_quant.write(kc, meta.slot_mapping, k.transpose(0, 1), ks)
+        kv_quant.write(vc, meta.slot_mapping, v.transpose(0, 1), vs)
         out = torch.empty_like(q)
         if meta.decode_table is not None:
             bd = meta.decode_rows.shape[0]
@@ -166,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.kv_buf = torch.empty((2, hkv, flat.numel(), d), dtype=kc.dtype, device=kc.device)
             kd = torch.index_select(kc, 1, flat, out=meta.kv_buf[0]).view(hkv * bd, kmax, d)  # [Hkv*Bd, Kmax, D]
             vd = torch.index_select(vc, 1, flat, out=meta.kv_buf[1]).view(hkv * bd, kmax, d)
-            kd, vd = kv_quant.load(kd, sp.k_scale, qd.dtype), kv_quant.load(vd, sp.v_scale, qd.dtype)
+            kd, vd = kv_quant.load(kd, ks, qd.dtype), kv_quant.load(vd, vs, qd.dtype)
             scores = torch.bmm(qd, kd.transpose(1, 2)).float().mul_(self.scale)
             scores = scores.view(hkv, bd, g, kmax).masked_fill_(meta.decode_pad, float("-inf"))
             probs = torch.softmax(scores, -1, dtype=torch.float32).to(vd.dtype).view(hkv * bd, g, kmax)
@@ -178,13 +179,13 @@ class TorchAttentionBackend(AttentionBackend):
         for p in meta.prefill:
             qs = q[p.tok_start:p.tok_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
             if p.kv_slots is None and kc.dtype == q.dtype:  # fresh prompt chunk: its own k/v are the context
-                ks = k[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
-                vs = v[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
+                kp = k[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
+                vp = v[p.tok_start:p.tok_start + p.q_len].transpose(0, 1)
             else:   # from the pool (an fp8 pool: the chunk's own k/v as stored, as the paged kernels read them)
                 slots = p.kv_slots if p.kv_slots is not None else meta.slot_mapping[p.tok_start:p.tok_start + p.q_len]
-                ks = kv_quant.load(kc.index_select(1, slots), sp.k_scale, q.dtype)       # [Hkv, K, D]
-                vs = kv_quant.load(vc.index_select(1, slots), sp.v_scale, q.dtype)
-            os_ = F.scaled_dot_product_attention(qs, ks.unsqueeze(0).to(qs.dtype), vs.unsqueeze(0).to(qs.dtype),
+                kp = kv_quant.load(kc.index_select(1, slots), ks, q.dtype)       # [Hkv, K, D]
+                vp = kv_quant.load(vc.index_select(1, slots), vs, q.dtype)
+            os_ = F.scaled_dot_product_attention(qs, kp.unsqueeze(0).to(qs.dtype), vp.unsqueeze(0).to(qs.dtype),
                                                  attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
                                                  enable_gqa=self.gqa > 1)
             out[p.tok_start:p.tok_start + p.q_len] = os_.squeeze(0).transpose(0, 1)

@@ -18,7 +18,7 @@ IMPLEMENTED: dict[str, str] = {
     "device": "auto, cpu, cuda",
     "load_format": "auto, safetensors, gguf, dummy",
     "quantization": "None or fp8 (e4m3 weights with a scale per output feature, activations per token, cuBLAS fp8 GEMM); fp8 and compressed-tensors float8 checkpoints are detected",
-    "kv_cache_dtype": "auto (the model dtype) or fp8_e4m3 (K and V scale 1.0; a checkpoint's k_scale / v_scale are not read); the torch attention backend",
+    "kv_cache_dtype": "auto (the model dtype) or fp8_e4m3 (e4m3 pages, twice the tokens; the checkpoint's per-layer k_scale / v_scale, else 1.0; flashinfer prefill and nbgen's Triton decode in CUDA graphs on a GPU)",
     "context_length": "",
     "mem_fraction_static": "",
     "cpu_offload_gb": "whole decoder layers (the last ones) in pinned host memory, copied in before each runs (CUDA; no effect on the CPU)",

@@ -4,13 +4,30 @@ Replaces two ``index_copy_`` launches per layer (one for K, one for V). The page
 cache [num_pages, Hkv, page_size, D], each head's tokens of a page contiguous (the layout the decode
 kernels read fastest). Slots are flat token slots ``page * page_size + offset`` (the backend's slot
 mapping).
+
+An fp8 cache (``kv_cache_dtype="fp8_e4m3"``) is written as e4m3: each value divided by the layer's
+K (or V) scale in fp32 (correctly rounded division), clamped to +-448 and rounded to nearest even,
+which is ``attention/kv_quant.store`` bit for bit.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-# (k_cache, v_cache, slots [T] long): where a fused kernel writes a layer's new K/V (HND pages)
-KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+FP8_MAX = 448.0      # the largest finite e4m3 value; stores saturate there
+
+
+class KVTarget(NamedTuple):
+    """Where a fused kernel writes a layer's new K/V: HND page caches, slots [T] long, and the
+    per-tensor scales the values are divided by when the caches are fp8 (ignored otherwise)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
 
 try:
     import triton
@@ -26,8 +43,18 @@ if triton is not None:
         return (slot // P) * (HD * P) + h * (P * D) + (slot % P) * D
 
     @triton.jit
-    def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_row, v_row,
-                         HD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    def to_cache(x, scale, FP8: tl.constexpr, dt: tl.constexpr):
+        """Values as the cache's element type ``dt``: an fp8 cache stores x / scale (fp32, correctly
+        rounded) clamped to +-448 and rounded to nearest even (``kv_quant.store``); else a plain cast."""
+        if FP8:
+            y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+            return y.to(dt, fp_downcast_rounding="rtne")
+        return x.to(dt)
+
+    @triton.jit
+    def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_row, v_row, k_scale, v_scale,
+                         HD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
+                         FP8: tl.constexpr):
         t = tl.program_id(0)                               # one program per new token
         slot = tl.load(slot_ptr + t).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -36,27 +63,43 @@ if triton is not None:
         row = t.to(tl.int64)
         k = tl.load(k_ptr + row * k_row + offs, mask=mask)
         v = tl.load(v_ptr + row * v_row + offs, mask=mask)
-        tl.store(kc_ptr + dst, k, mask=mask)
-        tl.store(vc_ptr + dst, v, mask=mask)
+        tl.store(kc_ptr + dst, to_cache(k, k_scale, FP8, kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + dst, to_cache(v, v_scale, FP8, vc_ptr.dtype.element_ty), mask=mask)
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    """The cache stores e4m3 (writes quantize with a scale)."""
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def quantize_torch(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' store in torch: x / scale clamped and rounded to e4m3 for an fp8 ``dtype``, else a cast."""
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """k, v: [T, Hkv*D] (rows may be strided, each row contiguous); HND caches; slots [T] long."""
+             slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v: [T, Hkv*D] (rows may be strided, each row contiguous); HND caches; slots [T] long;
+    ``k_scale`` / ``v_scale``: an fp8 cache's per-tensor scales."""
     T = k.shape[0]
     if T == 0:
         return
     _, H, P, D = k_cache.shape
     if triton is None:    # a CUDA install without triton: the same write in torch
         page, off = slots // P, slots % P
-        k_cache[page, :, off] = k.reshape(T, H, D)
-        v_cache[page, :, off] = v.reshape(T, H, D)
+        kc, vc = (c.view(torch.uint8) if is_fp8_cache(c) else c for c in (k_cache, v_cache))
+        kq = quantize_torch(k.reshape(T, H, D), k_scale, k_cache.dtype)
+        vq = quantize_torch(v.reshape(T, H, D), v_scale, v_cache.dtype)
+        kc[page, :, off] = kq.view(kc.dtype)      # fp8 rows through byte views (no fp8 index_put on every build)
+        vc[page, :, off] = vq.view(vc.dtype)
         return
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
     HD = H * D
-    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
-                           HD=HD, D=D, P=P, BLOCK=triton.next_power_of_2(HD),
+    _kv_write_kernel[(T,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), float(k_scale), float(v_scale),
+                           HD=HD, D=D, P=P, BLOCK=triton.next_power_of_2(HD), FP8=is_fp8_cache(k_cache),
                            num_warps=4 if HD >= 512 else 2)

@@ -10,7 +10,7 @@ until its scale arrives (safetensors lists ``x.weight`` before ``x.weight_scale*
 float32 and handed on under the weight's name, so the model's weight loaders see an ordinary checkpoint
 and cast to the engine's dtype. Activation scales (``input_scale``, static fp8 activations) are dropped
 here (activations are quantized per token), and so are KV-cache scales (``k_scale`` / ``v_scale``,
-compressed-tensors ``output_scale``): the fp8 KV cache uses one scale of 1.0.
+compressed-tensors ``output_scale``): the fp8 KV cache reads those itself (``models/kv_scales.py``).
 """
 from __future__ import annotations
 

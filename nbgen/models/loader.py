@@ -23,6 +23,7 @@ from nbgen.core.config import EngineConfig
 from nbgen.models.embedded import default_model_path
 from nbgen.models.fp8_checkpoint import dequantize_stream, fp8_format, module_scales
 from nbgen.models.gguf_convert import gguf_to_hf_dir
+from nbgen.models.kv_scales import scale_kind
 from nbgen.models import cpu_decode
 from nbgen.models.vocab_parallel import prepack_cpu_linears
 from nbgen.models.fp8_linear import quantize_linears
@@ -218,7 +219,8 @@ def load_model(cfg: EngineConfig, device: torch.device, prepack: bool = True) ->
         _dummy_init(model, cfg.random_seed)
     else:
         # an embedding engine never computes logits: a checkpoint without lm_head (saved as the base model) loads
-        weights = iter_safetensors(model_dir)
+        # KV-cache scales are not weights: the fp8 KV cache reads them (models/kv_scales.py)
+        weights = iter_safetensors(model_dir, keep=lambda n: scale_kind(n) is None)
         fp8 = fp8_format(config)
         if fp8 is not None:   # fp8 checkpoint: weights dequantized as they stream, their scales kept
             weights = dequantize_stream(weights, fp8, ckpt_scales)

@@ -88,7 +88,10 @@ def runner_info(runner: Optional[ModelRunner]) -> dict[str, Any]:
             "int4_linears": sum(getattr(m, "int4", None) is not None for m in runner.model.modules()) if runner else 0,
             # the LM head's int8 copy for steps of a few rows (models/cpu_int8.py: a GGUF Q8_0 output matrix)
             "int8_linears": sum(getattr(m, "int8", None) is not None for m in runner.model.modules()) if runner else 0,
-            "memory_usage": memory_usage(runner) if runner else {}}
+            "memory_usage": memory_usage(runner) if runner else {},
+            # an fp8 KV pool's per-layer [k_scale, v_scale] (the checkpoint's, else 1.0; models/kv_scales.py)
+            "kv_scales": [list(runner.kv_spec.scales(i)) for i in range(runner.kv_spec.num_layers)]
+            if runner and runner.kv_spec.kv_dtype is not None else []}
 
 
 def offload_info(plan: Optional[OffloadPlan]) -> dict[str, Any]:

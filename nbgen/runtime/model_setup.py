@@ -22,6 +22,7 @@ from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
 from nbgen.models.cpu_offload import OffloadPlan, offload_layers
+from nbgen.models.kv_scales import read_kv_scales
 from nbgen.models.loader import LoadedModel, load_model
 from nbgen.models.model_config import model_dims
 from nbgen.models.parallel_state import agree_min, local_heads
@@ -61,14 +62,19 @@ class ModelParts:
 
 
 def kv_spec_of(loaded: LoadedModel, page_size: int, device: torch.device,
-               kv_cache_dtype: str = "auto") -> KVCacheSpec:
+               kv_cache_dtype: str = "auto", checkpoint_scales: bool = True) -> KVCacheSpec:
     """The KV cache's per-layer geometry (num_pages 0: sized by ``num_pages``); with tensor
-    parallelism this rank's heads (``local_heads``); an fp8 pool for ``kv_cache_dtype="fp8_e4m3"``."""
+    parallelism this rank's heads (``local_heads``); an fp8 pool for ``kv_cache_dtype="fp8_e4m3"``,
+    with the checkpoint's per-layer K / V scales where it has them and ``checkpoint_scales`` (else 1.0)."""
     layers, hq, hkv, hd = model_dims(loaded.hf_config)
     hq, hkv = local_heads(hq, hkv, get_tp()[0])
     cache = kv_quant.storage_dtype(kv_cache_dtype, loaded.dtype)
+    fp8 = kv_quant.is_fp8(cache)
+    scales = read_kv_scales(loaded.model_dir, layers) if fp8 and checkpoint_scales else ()
+    if fp8 and not scales:
+        logger.info("fp8 KV cache: the checkpoint has no k_scale / v_scale; K and V are stored with scale 1.0")
     return KVCacheSpec(layers, 0, page_size, hq, hkv, hd, loaded.dtype, device,
-                       kv_dtype=cache if cache != loaded.dtype else None)
+                       kv_dtype=cache if cache != loaded.dtype else None, layer_scales=scales)
 
 
 def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int, draft: DraftShare = DraftShare()) -> int:
@@ -104,13 +110,6 @@ def make_backend(cfg: EngineConfig, spec: KVCacheSpec) -> AttentionBackend:
     # flashinfer's kernels are half-precision only: fp32 on a GPU (parity runs) uses the torch backend
     half = spec.dtype in (torch.bfloat16, torch.float16)
     name = cfg.attention_backend or ("flashinfer" if on_gpu and half else "torch")
-    if name == "flashinfer" and spec.cache_dtype != spec.dtype:
-        # the flashinfer backend's kernels (Triton decode, fused K/V write) read and write model-dtype pages
-        if cfg.attention_backend == "flashinfer":
-            raise ValueError("kv_cache_dtype='fp8_e4m3' runs on attention_backend='torch'; "
-                             "the flashinfer backend keeps KV in the model dtype")
-        logger.warning("kv_cache_dtype='fp8_e4m3': attention runs on the torch backend (no CUDA graphs)")
-        name = "torch"
     if name == "flashinfer" and not half:
         raise ValueError(f"attention_backend='flashinfer' needs dtype bfloat16 or float16, got {spec.dtype}")
     if name == "flashinfer":
@@ -196,7 +195,7 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     lora = make_lora_manager(cfg, loaded.model, loaded.dtype, device,
                              graph_rows=graph_rows if device.type == "cuda" else 0)
     report("sizing the KV cache")
-    spec = kv_spec_of(loaded, cfg.page_size, device, cfg.kv_cache_dtype)
+    spec = kv_spec_of(loaded, cfg.page_size, device, cfg.kv_cache_dtype, checkpoint_scales=cfg.load_format != "dummy")
     # tensor parallelism: every rank's pool the same size (one page table for all)
     draft = draft_share(cfg, loaded.dtype) if device.type == "cuda" else DraftShare()
     spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length, draft), device))

@@ -31,5 +31,6 @@ def draft_share(cfg: EngineConfig, dtype: torch.dtype) -> DraftShare:
     with torch.device("meta"):
         n = sum(p.numel() for p in get_model_class(hf)(hf).parameters())
     itemsize = torch.empty((), dtype=dtype).element_size()
+    kv_item = 1 if cfg.kv_cache_dtype == "fp8_e4m3" else itemsize      # the draft's pool follows the target's
     layers, _, kv, head_dim = model_dims(hf)
-    return DraftShare(n * itemsize, 2 * layers * cfg.page_size * kv * head_dim * itemsize)
+    return DraftShare(n * itemsize, 2 * layers * cfg.page_size * kv * head_dim * kv_item)

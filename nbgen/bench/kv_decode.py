@@ -1,0 +1,125 @@
+"""``python -m nbgen.bench.kv_decode`` — attention over model-dtype against e4m3 KV pages (CUDA).
+
+One layer's decode attention (nbgen's Triton kernel, ``kernels/triton_decode.py``) at the heads of
+Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths: µs per launch and the KV read
+rate (GB/s) for bf16 pages and for e4m3 pages, each checked against the fp32 attention of the
+dequantized pages; then flashinfer's paged prefill (one layer, causal chunks after a cached prefix)
+planned for bf16 and for e4m3 pages (bf16 queries over e4m3 pages take flashinfer's fa2 kernels;
+bf16 pages its SM90 ones on Hopper).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nbgen.attention import kv_quant
+from nbgen.kernels import triton_decode as td
+
+HEADS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
+CASES = [(1, 1024), (1, 8192), (32, 1024), (256, 600), (256, 1024)]     # (batch, KV tokens a sequence)
+P = 16
+
+
+def _seconds(fn, reps: int = 30) -> float:
+    """Median seconds of ``fn`` over ``reps`` launches (CUDA events) after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return sorted(times)[reps // 2]
+
+
+def _pages(bs: int, n: int, hkv: int, D: int) -> tuple[torch.Tensor, ...]:
+    """bf16 HND caches holding ``bs`` sequences of ``n`` tokens on shuffled pages, and the page tables."""
+    per = -(-n // P)
+    total = bs * per
+    kc = torch.randn(total + 1, hkv, P, D, device="cuda").bfloat16()
+    vc = torch.randn_like(kc)
+    indices = (torch.randperm(total) + 1).to(torch.int32)
+    indptr = torch.arange(bs + 1, dtype=torch.int32) * per
+    last = torch.full((bs,), n - (per - 1) * P, dtype=torch.int32)
+    return kc, vc, indptr, indices, last
+
+
+def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+               n: int) -> torch.Tensor:
+    """fp32 attention of the first two sequences (enough to catch a wrong variant)."""
+    hq, hkv, D = q.shape[1], kc.shape[1], kc.shape[3]
+    out = []
+    for b in range(min(2, q.shape[0])):
+        pg = indices[indptr[b]: indptr[b + 1]].long().cuda()
+        k = kc[pg].float().transpose(1, 2).reshape(-1, hkv, D)[:n].repeat_interleave(hq // hkv, 1)
+        v = vc[pg].float().transpose(1, 2).reshape(-1, hkv, D)[:n].repeat_interleave(hq // hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * D ** -0.5
+        out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v))
+    return torch.stack(out)
+
+
+def decode_rows(model: str) -> list[dict]:
+    """The decode kernel per case: bf16 pages, then e4m3 pages."""
+    hq, hkv, D = HEADS[model]
+    rows = []
+    for bs, n in CASES:
+        kc, vc, indptr, indices, last = _pages(bs, n, hkv, D)
+        k8, v8 = kv_quant.store(kc, 1.0, kv_quant.FP8), kv_quant.store(vc, 1.0, kv_quant.FP8)
+        q = torch.randn(bs, hq, D, device="cuda").bfloat16()
+        w = td.TritonDecodeWrapper(hq, hkv, D, P, torch.device("cuda"))
+        w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
+        for pages in ("bf16", "e4m3"):
+            caches = (kc, vc) if pages == "bf16" else (k8, v8)
+            err = (w.run(q, caches)[:2].float() - _reference(q, *caches, indptr, indices, n)).abs().max().item()
+            secs = _seconds(lambda: w.run(q, caches))
+            kv_bytes = 2 * bs * n * hkv * D * caches[0].element_size()
+            rows.append({"model": model, "batch": bs, "kv_len": n, "pages": pages,
+                         "us": secs * 1e6, "GB/s": kv_bytes / secs / 1e9, "max_err": err})
+        del kc, vc, k8, v8
+    return rows
+
+
+def prefill_rows(model: str) -> list[dict]:
+    """flashinfer's paged prefill: 8 chunks of 512 tokens after 1536 cached ones, bf16 and e4m3 pages."""
+    import flashinfer
+
+    hq, hkv, D = HEADS[model]
+    bs, cached, chunk = 8, 1536, 512
+    n = cached + chunk
+    kc, vc, indptr, indices, last = _pages(bs, n, hkv, D)
+    q = torch.randn(bs * chunk, hq, D, device="cuda").bfloat16()
+    qo = torch.arange(bs + 1, dtype=torch.int32) * chunk
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for pages in ("bf16", "e4m3"):
+        caches = (kc, vc) if pages == "bf16" else (kv_quant.store(kc, 1.0, kv_quant.FP8),
+                                                   kv_quant.store(vc, 1.0, kv_quant.FP8))
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
+        w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
+               q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype)
+        secs = _seconds(lambda: w.run(q, caches))
+        rows.append({"model": model, "pages": pages, "us": secs * 1e6,
+                     "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(HEADS), action="append", help="head shapes (default: both)")
+    args = ap.parse_args()
+    for model in args.model or sorted(HEADS):
+        print(f"decode attention, one layer, {model} heads {HEADS[model]}")
+        print(f"{'batch':>5} {'kv_len':>6} {'pages':>5} {'us':>8} {'GB/s':>7} {'max_err':>8}")
+        for r in decode_rows(model):
+            print(f"{r['batch']:>5} {r['kv_len']:>6} {r['pages']:>5} {r['us']:>8.1f} "
+                  f"{r['GB/s']:>7.0f} {r['max_err']:>8.4f}")
+        for r in prefill_rows(model):
+            print(f"prefill {r['pages']:>5}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
