@@ -224,7 +224,7 @@ def test_direct_replan_matches_public_plan(heads):
             if step == 0:       # first plan of a wrapper: always the public one
                 be.plan_decode(w, indptr, b[1][: idx.numel()], last)
             elif w is ws[1]:
-                assert be._replan_direct(w, indptr, last)
+                assert be.direct_replan(w, indptr, last)
             else:
                 w.plan(indptr, b[1][: idx.numel()], last, hq, hkv, 128, P, pos_encoding_mode="NONE",
                            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=be.scale,

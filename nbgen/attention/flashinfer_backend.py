@@ -24,13 +24,13 @@ backend raises ImportError when it is missing.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
+from nbgen.attention.flashinfer_replan import DirectReplan
 from nbgen.attention.page_tables import DecodeTables, page_tables
 from nbgen.attention.tree_mask import flat_masks, has_tree
 from nbgen.core.batch import ScheduledBatch, SeqWork
@@ -41,8 +41,6 @@ try:
     import flashinfer
 except ImportError:  # pragma: no cover - CPU installs: the runner falls back to the torch backend
     flashinfer = None
-
-logger = logging.getLogger("nbgen")
 
 WORKSPACE_BYTES = 256 << 20
 
@@ -96,9 +94,8 @@ class FlashInferBackend(AttentionBackend):
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
         self._plan_done: Optional[torch.cuda.Event] = None
-        self._qo_indptr: dict[int, torch.Tensor] = {}   # bs -> arange(bs + 1) on the host (graph re-plan)
-        # the direct re-plan mirrors flashinfer 0.6's plan(); other versions take the public plan()
-        self._direct_replan = flashinfer.__version__.startswith("0.6.")
+        # a graph wrapper's re-plan straight through flashinfer 0.6's C++ planner (public plan() otherwise)
+        self.direct_replan = DirectReplan(spec, flashinfer.__version__)
         # per layer: (k_scale, v_scale) for the K/V writes and the Triton decode kernel, and the scale
         # arguments of flashinfer's run() (none for model-dtype pages or unit scales: no extra work)
         self.kv_scales = [spec.scales(i) for i in range(spec.num_layers)]
@@ -150,53 +147,11 @@ class FlashInferBackend(AttentionBackend):
             return
         sp = self.spec
         self._before_plan()
-        if not self._replan_direct(wrapper, kv_indptr, last):
+        if not self.direct_replan(wrapper, kv_indptr, last):
             wrapper.plan(kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads,
                          sp.head_dim, sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype,
                          kv_data_type=sp.cache_dtype, sm_scale=self.scale, non_blocking=True)
         self._after_plan()
-
-    def _replan_direct(self, wrapper: Any, kv_indptr: torch.Tensor, last: torch.Tensor) -> bool:
-        """Re-plan a CUDA-graph tensor-core wrapper planned before, straight through flashinfer's
-        C++ planner; False when this wrapper / flashinfer version needs the public plan().
-
-        This reads and writes flashinfer's wrapper internals (``_plan_info``, ``_cached_module``, its
-        buffers), so it is tied to flashinfer 0.6 and falls back to plan() on any other version or
-        an unknown planner signature. Why: plan() spends ~0.4 ms of Python per call at batch 256 (it takes Python's max() over a
-        tensor, element by element, and re-derives dtypes and buffers) in a decode step whose host
-        budget is ~4 ms. For a graph wrapper only the device copies of indptr / last_page_len and
-        the planner's output change between steps; the same C++ call with the same arguments as
-        plan() makes (flashinfer 0.6's fa2 tensor-core path) does that. tests/test_gpu.py checks
-        the two give identical plans and outputs.
-        """
-        if not (self._direct_replan and getattr(wrapper, "_plan_info", None) is not None
-                and getattr(wrapper, "is_cuda_graph_enabled", False) and wrapper.use_tensor_cores
-                and getattr(wrapper, "_backend", None) == "fa2"
-                and getattr(wrapper, "_cached_module", None) is not None):
-            return False
-        sp = self.spec
-        bs = len(last)
-        ip = kv_indptr.numpy()
-        kv_lens = (ip[1:] - ip[:-1] - 1) * sp.page_size + last.numpy()      # [bs] tokens per seq
-        wrapper._paged_kv_indptr_buf.copy_(kv_indptr, non_blocking=True)
-        wrapper._paged_kv_last_page_len_buf.copy_(last, non_blocking=True)
-        qo = self._qo_indptr.get(bs)
-        if qo is None:
-            qo = self._qo_indptr[bs] = torch.arange(bs + 1, dtype=torch.int32)
-        try:
-            info = wrapper._cached_module.plan(
-                wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
-                wrapper._pin_memory_int_workspace_buffer, qo, kv_indptr,
-                torch.from_numpy(kv_lens.astype(np.int32)),
-                bs, bs, sp.num_q_heads, sp.num_kv_heads, sp.page_size, True, sp.head_dim, sp.head_dim,
-                False, -1,          # causal, window_left
-                -1, False, 0, 0)    # fixed_split_size, disable_split_kv, num_colocated_ctas, uniform_q_len
-        except (TypeError, RuntimeError) as e:   # a planner signature we do not know: public plan()
-            logger.warning("direct decode re-plan unavailable (%s); using flashinfer's plan()", e)
-            self._direct_replan = False
-            return False
-        wrapper._plan_info, wrapper._max_kv_len = info, int(kv_lens.max()) if bs else 0
-        return True
 
     def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int],
                      custom_mask: Optional[torch.Tensor] = None) -> Any:
