@@ -31,7 +31,7 @@ logger = logging.getLogger("nbgen")
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
            for name in ("cpu_ops.c", "cpu_q8.c", "cpu_q4.c", "cpu_layers.c", "cpu_attn_bf16.c")]
-HEADERS = [Path(__file__).resolve().parent / "csrc" / "bf16.h"]
+HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("bf16.h", "sum16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None

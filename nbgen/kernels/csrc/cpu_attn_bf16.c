@@ -39,21 +39,7 @@ int attn_bf16_fits(int G, int D) {
 }
 
 #ifdef ATTN_BF16
-/* r[k] = the sum of a[k]'s 16 lanes, for 16 vectors at once (a transposing add tree) */
-static inline __m512 hsum16(const __m512 *a) {
-    __m512 p[8], q[4];
-    for (int k = 0; k < 8; k++)
-        p[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        q[k] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * k], p[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(p[2 * k], p[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(q[2], q[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#include "sum16.h"
 
 /* e^x for 16 lanes, x clamped to [-87, 88]: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n in the exponent bits */
 static inline __m512 exp16(__m512 x) {
@@ -113,7 +99,7 @@ static inline __attribute__((always_inline)) void attend_pass(const uint16_t *q,
                 a[kk] = s;
             }
             const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                                 _mm512_mul_ps(hsum16(a), _mm512_set1_ps(scale)));
+                                                 _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
             const float bmax = _mm512_reduce_max_ps(sc), nmax = bmax > mx[g] ? bmax : mx[g];
             const float corr = mx[g] == -INFINITY ? 0.f : expf(mx[g] - nmax);
             p[g] = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(nmax))));
