@@ -110,3 +110,16 @@ def test_roofline_takes_the_longer_of_weight_read_and_gemm_work_per_step() -> No
     # two replicas split the rows (and the KV): every step's 1.5 rows or fewer take at most 6 s
     assert roofline_seconds(ins, outs, wb, kvb, bw, row_flops=4.0, rate=1.0, replicas=2) == \
         pytest.approx(4 * 10 + floor_seconds(ins, outs, 0, kvb, 2 * bw))
+
+
+def test_cpu_quality_bench_compares_the_quantized_modes_with_fp32() -> None:
+    """The quantized CPU arithmetic (4-bit GEMV, int8 head at steps of <= 4 rows) follows the fp32
+    dequantized model closely; fp32 against itself agrees exactly."""
+    from nbgen.bench.cpu_quality import run
+
+    rows = {r["mode"]: r for r in run(answer_tokens=8, text_tokens=96, num_prompts=3)}
+    assert rows["fp32"]["top1_agreement"] == 1.0 and rows["fp32"]["ppl_change"] == 0.0
+    for mode in ("bf16", "quantized"):
+        assert rows[mode]["positions"] == 3 * 8
+        assert rows[mode]["top1_agreement"] >= 0.75, rows[mode]
+        assert abs(rows[mode]["ppl_change"]) < 0.05, rows[mode]
