@@ -93,10 +93,23 @@ def test_jump_forward_equals_token_by_token_where_tokenization_is_unique(eng):
         assert o["text"][1:8] == "-12345-"
 
 
+@pytest.fixture(scope="module")
+def eng32():
+    """The engine in fp32: forced rows run the decode attention kernel and a chunk the prefill one, which
+    agree to the last bits only roughly in bf16 (a near-tie can then flip a greedy token)."""
+    kw = {"device": DEVICE, "enable_jump_forward": True, "dtype": "float32"}
+    if DEVICE != "cpu":
+        kw["mem_fraction_static"] = 0.3
+    e = grammar_engine(**kw)
+    yield e
+    e.shutdown()
+
+
 @pytest.mark.slow
-def test_forced_rows_and_chunks_give_the_same_outputs(eng):
+def test_forced_rows_and_chunks_give_the_same_outputs(eng32):
     """Forced tokens as one-token rows of a decode step (runtime/forced_rows.py) compute what one
     chunk does: outputs equal with the rows on and off, and the rows were used."""
+    eng = eng32
     prompts = _prompts(eng, "Write a code like 2-12345-5", 4)
     sp = {"temperature": 0.0, "max_new_tokens": 40, "regex": DIGITS}
     loop, sched = eng._loop, eng._loop.scheduler
