@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 
 from nbgen.bench.fp8_accuracy import teacher_forced
 from nbgen.engine import Engine
+from nbgen.models.loader import fill_dummy_
 
 
 def _gpu_memory_used() -> str:
@@ -40,9 +42,8 @@ def _gpu_memory_used() -> str:
 
 def write_random_checkpoint(model_dir: str, out_dir: str, seed: int = 0, shard_bytes: int = 4 << 30) -> str:
     """A random bf16 HF checkpoint of ``model_dir``'s config in ``out_dir``: N(0, 0.02) matrices, unit
-    norms, zero biases (as dummy weights), safetensors shards of ~``shard_bytes``. Returns ``out_dir``."""
-    import shutil
-
+    norms, zero biases (``loader.fill_dummy_``, as dummy weights), safetensors shards of ~``shard_bytes``.
+    Returns ``out_dir``."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -59,12 +60,7 @@ def write_random_checkpoint(model_dir: str, out_dir: str, seed: int = 0, shard_b
     shard: dict[str, torch.Tensor] = {}
     size, index = 0, 0
     for name, shape in names.items():
-        if "norm" in name:
-            t = torch.ones(shape, dtype=torch.bfloat16)
-        elif name.endswith(".bias"):
-            t = torch.zeros(shape, dtype=torch.bfloat16)
-        else:
-            t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=gen).cpu()
+        t = fill_dummy_(name, torch.empty(shape, dtype=torch.bfloat16, device=device), gen).cpu()
         shard[name] = t
         size += t.numel() * t.element_size()
         if size >= shard_bytes:

@@ -150,19 +150,25 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def fill_dummy_(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``t`` (named ``name``) filled in place as dummy weights are: unit norms, zero biases, N(0, 0.02)
+    anything else, drawn from ``gen`` (a generator on ``t``'s device)."""
+    if "norm" in name:
+        return t.fill_(1.0)
+    if name.endswith(".bias"):
+        return t.zero_()
+    return t.normal_(0.0, 0.02, generator=gen)
+
+
 def _dummy_init(model: nn.Module, seed: int) -> None:
-    """Deterministic small random weights: N(0, 0.02) matrices, unit norms, zero biases."""
+    """Deterministic small random weights (``fill_dummy_``), drawn on each parameter's device: fast for
+    GPU-sized models."""
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:   # drawn on the parameter's device: fast for GPU-sized models
-                if p.device not in gens:
-                    gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-                p.normal_(0.0, 0.02, generator=gens[p.device])
+            if p.device not in gens:
+                gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            fill_dummy_(name, p, gens[p.device])
 
 
 def _eos_ids(model_dir: str, config: Any, tokenizer: Any) -> tuple[list[int], dict]:
