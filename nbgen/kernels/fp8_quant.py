@@ -22,8 +22,6 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-FP8_MAX = 448.0      # largest finite e4m3fn value
-MIN_AMAX = 1e-10     # an all-zero activation keeps a finite scale
 BLOCK = 2048         # columns a program rounds (and reduces per step of its amax loop)
 
 if triton is not None:
@@ -58,11 +56,6 @@ if triton is not None:
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def usable(x: torch.Tensor) -> bool:
-    """These kernels take ``x`` (Triton present, CUDA, 2-D with contiguous rows)."""
-    return triton is not None and x.is_cuda and x.dim() == 2 and x.stride(1) == 1
 
 
 def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

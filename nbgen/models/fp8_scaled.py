@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 
 from nbgen.kernels import fp8_quant
+from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = fp8_quant.FP8_MAX
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
 TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
 
@@ -51,7 +51,7 @@ def search_channel_scales(w: torch.Tensor) -> torch.Tensor:
     """Per output feature of w [N, K], the scale among amax / 448 * 2^(i / SCALE_STEPS), i < SCALE_STEPS,
     whose e4m3 rounding has the least squared error -> [N] fp32 (see the module docstring)."""
     wf = w.float()
-    base = wf.abs().amax(dim=1).clamp(min=fp8_quant.MIN_AMAX) / FP8_MAX
+    base = wf.abs().amax(dim=1).clamp(min=MIN_AMAX) / FP8_MAX
     best, best_err = base, None
     for i in range(SCALE_STEPS):
         s = base * 2 ** (i / SCALE_STEPS)
@@ -80,7 +80,7 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq [M, K] e4m3, sa [M, 1] fp32), in torch. Both divisions are tensor by tensor: torch
     divides by a Python number as a multiplication by its reciprocal, which the kernels do not."""
     xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=fp8_quant.MIN_AMAX)
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp(min=MIN_AMAX)
     sa = amax / torch.full_like(amax, FP8_MAX)
     return (xf / sa).clamp(-FP8_MAX, FP8_MAX).to(FP8), sa
 
@@ -102,7 +102,7 @@ def _fp8_capable(index: int) -> bool:
 def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
     """cuBLAS's fp8 GEMM takes this product: the Triton quantizers run, compute capability 8.9+, a bf16
     activation (the row-wise GEMM writes bf16 only), K and N multiples of 16."""
-    return (fp8_quant.usable(x) and x.dtype == torch.bfloat16 and _fp8_capable(x.device.index or 0)
+    return (kernels_usable(x) and x.dtype == torch.bfloat16 and _fp8_capable(x.device.index or 0)
             and x.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
 
 
