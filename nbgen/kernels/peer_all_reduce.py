@@ -42,7 +42,8 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems,
     epoch = tl.load(counter_ptr + pid) + 1
     tl.store(counter_ptr + pid, epoch)
     slot_off = (epoch % 2) * slot_elems
-    own = tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)) + slot_off
+    # slots start 16-byte aligned (allocation + 4 KiB + slot size): vector loads and stores
+    own = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)) + slot_off, 16)
     # 1. this rank's share into its own slot
     for start in range(pid * BLOCK, n, NPROG * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -67,7 +68,7 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems,
         m = offs < n
         acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):
-            src = tl.load(data_ptrs + q).to(tl.pointer_type(dtype)) + slot_off
+            src = tl.multiple_of(tl.load(data_ptrs + q).to(tl.pointer_type(dtype)) + slot_off, 16)
             acc += tl.load(src + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
         tl.store(x_ptr + offs, acc.to(dtype), mask=m)
 
