@@ -98,6 +98,7 @@ class Request:
     # the sampler's per-request "argmax of the raw logits" flag, set at its first step (params,
     # logprobs, processor and grammar are fixed by then); min_new_tokens is checked per step
     raw_argmax: Optional[bool] = None
+    raw_draw: Optional[bool] = None          # likewise: a draw from the raw logits / temperature
     # embedding requests: the pooling state of the prompt computed so far (runtime/pooling.py; a
     # device tensor, e.g. mean pooling's running sum), then the finished vector
     pool_state: Optional[Any] = None

@@ -12,7 +12,9 @@ as torch orders them: a row with NaN has no meaningful greedy token either way).
 ``noisy_argmax`` adds each (row, token)'s Gumbel noise inside the kernel: the 32-bit mix hash of
 the row key and the token's hashed id in native uint32 arithmetic, then -log(-log(u)) with
 libdevice's log (the CUDA logf torch uses), the same values as ``runtime/sampling_ops`` computes
-with int64 tensor ops, without a [B, V] temporary.
+with int64 tensor ops, without a [B, V] temporary. ``tempered_argmax`` also divides each row by its
+temperature first (IEEE division, as torch's ``x / t``; temperature 0: that row's plain argmax), so a
+batch of temperature-only rows reads the raw bf16 logits once and writes no fp32 copies.
 """
 from __future__ import annotations
 
@@ -53,8 +55,9 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, V, sx, S,
-                       SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, USE_PDL: tl.constexpr):
+    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, temp_ptr, V, sx, S,
+                       SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, TEMPERED: tl.constexpr,
+                       USE_PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1)
         cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -67,7 +70,12 @@ if triton is not None:
             vh = tl.load(vhash_ptr + cols, mask=cols < V, other=0).to(tl.uint32)
             h = _mix32(key ^ vh)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)   # in [2**-24, 1 - 2**-24]
-            x = x - _log(-_log(u))
+            if TEMPERED:                                    # temperature 0: the row's plain argmax
+                t = tl.load(temp_ptr + r)
+                if t > 0.0:
+                    x = tl.math.div_rn(x, t) - _log(-_log(u))
+            else:
+                x = x - _log(-_log(u))
         cell = r * SP + c
         tl.store(pmax_ptr + cell, tl.max(x, 0))
         tl.store(pidx_ptr + cell, c * BLOCK + tl.argmax(x, 0, tie_break_left=True))
@@ -117,8 +125,15 @@ def noisy_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor, 
     return _launch(x, ws, None, keys, vocab_hash)
 
 
+def tempered_argmax(x: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor,
+                    ws: ArgmaxWorkspace) -> torch.Tensor:
+    """Per row: argmax over V of x / temps[row] plus the row's Gumbel noise, or of x itself where
+    temps[row] is 0 -> [B] long. temps [B] float32; keys and vocab_hash as ``noisy_argmax``."""
+    return _launch(x, ws, None, keys, vocab_hash, temps)
+
+
 def _launch(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor], keys: Optional[torch.Tensor],
-            vocab_hash: Optional[torch.Tensor]) -> torch.Tensor:
+            vocab_hash: Optional[torch.Tensor], temps: Optional[torch.Tensor] = None) -> torch.Tensor:
     B, V = x.shape
     S = triton.cdiv(V, BLOCK)
     sp = triton.next_power_of_2(S)
@@ -127,6 +142,7 @@ def _launch(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor], k
         out = torch.empty(B, dtype=torch.long, device=x.device)
     noisy = keys is not None
     pdl.launch(_argmax_kernel, (B, S), (x, out, pmax, pidx, count, keys if noisy else out,
-                                        vocab_hash if noisy else out, V, x.stride(0), S), x.device,
-               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, num_warps=4)
+                                        vocab_hash if noisy else out, out if temps is None else temps,
+                                        V, x.stride(0), S), x.device,
+               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, TEMPERED=temps is not None, num_warps=4)
     return out

@@ -100,3 +100,15 @@ def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
     if gpu_argmax.usable(x):
         return gpu_argmax.noisy_argmax(x, keys, vocab_hash, _argmax_ws(x.device))
     return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
+
+
+def tempered_draw(x: Tensor, temps: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
+    """Per row of x [b, V] (any float dtype): the Gumbel-max draw from x / temps[row] (float32 [b]),
+    or the argmax of x where temps[row] is 0 -> [b] long. The same tokens as widening to float32,
+    dividing, then ``noisy_argmax`` / ``greedy_argmax``; on CUDA one kernel over the raw logits."""
+    if gpu_argmax.usable(x):
+        return gpu_argmax.tempered_argmax(x, temps, keys, vocab_hash, _argmax_ws(x.device))
+    xf = x.float()
+    sampled = temps > 0
+    noisy = (xf / torch.where(sampled, temps, 1.0).view(-1, 1) + gumbel_noise(keys, vocab_hash)).argmax(-1)
+    return torch.where(sampled, noisy, xf.argmax(-1))
