@@ -46,7 +46,7 @@ IMPLEMENTED: dict[str, str] = {
     "log_level": "the nbgen logger; nbgen's default is warning",
     "skip_tokenizer_init": "outputs carry output_ids and no text",
     "tp_size": "tensor parallelism over torch.distributed: NCCL on GPUs, gloo on CPUs; one worker process per extra rank",
-    "dp_size": "replicas behind one Engine (with tp_size 1): least-loaded routing, a prompt prefix back to its replica",
+    "dp_size": "replicas behind one Engine (with tp_size 1): least-loaded routing by tokens, a prompt prefix back to its replica",
     "base_gpu_id": "the first GPU of the engine; data-parallel replica i uses base_gpu_id + i",
     "enable_custom_logit_processor": "",
     "trust_remote_code": "",
