@@ -18,7 +18,7 @@ size (``--batch-sizes``, 1 and 32): ms per decode step without and with speculat
 speculative request verifies ``--num-draft-tokens`` tokens), the acceptance length reached, the
 verify step's cost in plain decode steps, the speed-up that cost implies at acceptance lengths
 2, 3 and 4 (acceptance length x plain step ms / speculative step ms), and how many engine steps
-replayed a verify CUDA graph.
+replayed a verify CUDA graph (and, STANDALONE, drafted through the draft model's graphs).
 """
 from __future__ import annotations
 
@@ -134,11 +134,13 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [[rng.randint(2, top) for _ in range(args.block)] * args.repeats for _ in range(bs)]
             for name, eng in engines.items():
                 _timed(eng, prompts, {**sp, "max_new_tokens": 4}, bs, True)              # warm-up
-                graphed = eng.stats().get("spec_verify_graph_steps", 0)
+                before = eng.stats()
                 secs, outs = _timed(eng, prompts, sp, bs, True)
                 s = _summary(secs, outs)
-                if name == "spec":    # engine steps whose verify forward replayed a CUDA graph
-                    s["verify_graph_steps"] = eng.stats().get("spec_verify_graph_steps", 0) - graphed
+                if name == "spec":    # engine steps whose verify forward / STANDALONE drafts replayed CUDA graphs
+                    after = eng.stats()
+                    for key in ("verify_graph_steps", "draft_graph_steps"):
+                        s[key] = after.get(f"spec_{key}", 0) - before.get(f"spec_{key}", 0)
                 steps = s.get("verify_steps", sum(o["meta_info"]["completion_tokens"] for o in outs)) / bs
                 s["ms_per_step"] = round(1000 * secs / steps, 3)
                 res.setdefault(f"bs{bs}", {})[name] = s
