@@ -108,14 +108,20 @@ class DraftGraphs:
             logits = self.runner.model.compute_logits(padded)[: len(seqs)]     # padded rows: see ModelRunner
             toks = self._sample(logits, seqs)
             cols.append((live, toks))
-        out = torch.zeros(n, K, dtype=torch.long, device=toks.device)
-        for j, (rows, t) in enumerate(cols):
-            if len(rows) == n:
-                out[:, j].copy_(t)
-            else:
-                out[:, j].index_copy_(0, to_device(rows, out.device), t)
         self.steps += 1
-        return pending_drafts(out, limits, self.steps)
+        return pending_drafts(stack_drafts(cols, n, K), limits, self.steps)
+
+
+def stack_drafts(cols: list[tuple[list[int], torch.Tensor]], n: int, K: int) -> torch.Tensor:
+    """Draft step j's ids ``cols[j] = (seqs, ids [len(seqs)])`` as one [n, K] tensor on the device (0 where a
+    seq drafted fewer)."""
+    out = torch.zeros(n, K, dtype=torch.long, device=cols[0][1].device)
+    for j, (rows, t) in enumerate(cols):
+        if len(rows) == n:
+            out[:, j].copy_(t)
+        else:
+            out[:, j].index_copy_(0, to_device(rows, out.device), t)
+    return out
 
 
 def pending_drafts(tokens: torch.Tensor, counts: list[int], graph_steps: int = 0) -> PendingDrafts:
