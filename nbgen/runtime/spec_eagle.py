@@ -1,5 +1,7 @@
-"""EAGLE / EAGLE3 drafts: a draft head reading the target's hidden states (nbgen/models/eagle.py);
-chains here (``speculative_eagle_topk=1``), trees in runtime/spec_eagle_tree.py.
+"""EAGLE / EAGLE3 drafts: a draft head reading the target's hidden states (nbgen/models/eagle.py), per
+request over its own KV cache. Engines run chains (``speculative_eagle_topk=1``) batched across requests
+(runtime/spec_eagle_batch.py, which takes the features from here and whose drafts the tests check against
+``EagleDrafter.draft``) and trees per request (runtime/spec_eagle_tree.py, built on this class).
 
 The target hands its features over after every forward (``observe``): the last layer's hidden state
 (EAGLE) or the residual stream at three layers' inputs (EAGLE3: SGLang's default ``[2, L // 2, L - 3]``)

@@ -24,6 +24,7 @@ the rows it has; the head's KV at the missing positions is stale, which costs ac
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -39,6 +40,8 @@ from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.spec_draft_graphs import PendingDrafts, pending_drafts, stack_drafts
 from nbgen.runtime.spec_eagle import EagleDrafter
 from nbgen.runtime.step_inputs import flatten, placeholder, placeholder_row
+
+logger = logging.getLogger("nbgen")
 
 
 class HeadRows(nn.Module):
@@ -73,7 +76,12 @@ class EagleChainDrafter(EagleDrafter):
         self.rows: Optional[HeadRows] = None
         if target.graphs is not None and graphs_enabled(cfg, self.backend):
             self.rows = HeadRows(head, target.graphs.max_bs)
-            self.graphs = CudaGraphRunner(self.rows, self.backend, cfg.cuda_graph_max_bs, target.loaded.context_length)
+            try:
+                self.graphs = CudaGraphRunner(self.rows, self.backend, cfg.cuda_graph_max_bs,
+                                              target.loaded.context_length)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                logger.warning("EAGLE head CUDA graphs unavailable (%s); its draft steps run eagerly", e)
+                torch.cuda.empty_cache()
         self.graph_steps = 0     # engine steps whose draft steps replayed the head's graphs
         self._replays = 0
 
