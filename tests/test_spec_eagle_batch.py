@@ -5,11 +5,44 @@ outputs stay identical to the plain engine's."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import nbgen
+from nbgen.core.batch import ScheduledBatch
 from nbgen.models.eagle import save_random_head
 from nbgen.runtime.spec_eagle import EagleDrafter
-from nbgen.runtime.spec_eagle_batch import EagleChainDrafter
+from nbgen.runtime.spec_eagle_batch import EagleChainDrafter, HeadRows
+from nbgen.runtime.step_inputs import placeholder_patch
+
+
+class EagerHeadGraphs:
+    """The head's decode graphs' interface (stage / replay / padded_output, runtime/cuda_graphs.py) run
+    eagerly on the CPU: ``HeadRows`` over its static feature buffer, placeholder ids resolved from ``prev``
+    as the graph resolves them, outputs padded to a graph batch size."""
+
+    max_bs = 16
+
+    def __init__(self, rows: HeadRows, backend) -> None:
+        self.rows, self.backend, self.replays = rows, backend, 0
+
+    def stage(self, batch: ScheduledBatch, ids: list[int]):
+        return batch, list(ids)
+
+    def replay(self, staged, prev: torch.Tensor) -> torch.Tensor:
+        batch, ids = staged
+        patch = placeholder_patch(ids, prev, prev.device)
+        assert patch is not None
+        input_ids = torch.as_tensor(ids)
+        patch(input_ids)
+        pos = torch.as_tensor([s.start_pos for s in batch.seqs])
+        out = self.rows(input_ids, pos, self.backend.prepare(batch))
+        bs = next(b for b in (1, 2, 4, 8, 16) if b >= len(ids))
+        self.out = torch.cat([out, torch.full((bs - len(ids), out.shape[1]), float("nan"))])   # padding rows
+        self.replays += 1
+        return self.out[: len(ids)]
+
+    def padded_output(self, staged) -> torch.Tensor:
+        return self.out
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7], [100, 7, 200, 9, 150, 3, 99, 17, 250, 31],
            [40, 41, 42, 43, 44] * 4, [9, 9, 9, 3, 3, 3, 3, 9, 9, 9]]
@@ -24,8 +57,9 @@ def deep_llama_dir(tmp_path_factory) -> str:
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_llama6e")), num_hidden_layers=6)
 
 
-@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
-def test_batched_chain_drafts_match_per_request_head(deep_llama_dir, tmp_path, algo):
+@pytest.mark.parametrize("algo, graphs", [("EAGLE", False), ("EAGLE3", False), ("EAGLE", True), ("EAGLE3", True)])
+def test_batched_chain_drafts_match_per_request_head(deep_llama_dir, tmp_path, algo, graphs):
+    """``graphs``: the one-row draft steps through the decode graphs' interface (EagerHeadGraphs)."""
     head = save_random_head(deep_llama_dir, str(tmp_path / "head"), algo == "EAGLE3", 200 if algo == "EAGLE3" else 0)
     with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", random_seed=0) as eng:
         plain = eng.generate(input_ids=PROMPTS, sampling_params=SP)
@@ -33,6 +67,9 @@ def test_batched_chain_drafts_match_per_request_head(deep_llama_dir, tmp_path, a
                       speculative_draft_model_path=head, speculative_num_steps=3) as eng:
         new = eng._loop._spec.drafter
         assert isinstance(new, EagleChainDrafter)
+        if graphs:
+            new.rows = HeadRows(new.head, 16)
+            new.graphs = fake = EagerHeadGraphs(new.rows, new.backend)
         ref = EagleDrafter(new.target, new.head, new.steps)       # the per-request head, fed the same features
         seen: list[tuple[list[list[int]], list[list[int]]]] = []
         observe, draft = new.observe, new.draft_on_device
@@ -51,9 +88,12 @@ def test_batched_chain_drafts_match_per_request_head(deep_llama_dir, tmp_path, a
 
         new.observe, new.draft_on_device = both_observe, both_draft
         spec = eng.generate(input_ids=PROMPTS, sampling_params=SP)
+        stats = eng.stats()
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert sum(len(d) for want, _ in seen for d in want) > 20
     assert all(want == got for want, got in seen), next((w, g) for w, g in seen if w != g)
+    if graphs:
+        assert fake.replays > 10 and stats["spec_draft_graph_steps"] > 5, (fake.replays, stats)
 
 
 @pytest.mark.gpu
