@@ -25,7 +25,9 @@ logit processors run as plain steps (no drafts that step). Where the engine has 
 SGLang's: each row padded to ``speculative_num_draft_tokens`` tokens (a row with fewer drafts, or none,
 carries padding whose results are ignored), one graph replay. Steps with prefill chunks verify
 eagerly; without verify graphs (CPU, graphs off), steps where nothing was drafted run as plain steps on
-the decode path.
+the decode path. Drafters with ``draft_on_device`` (STANDALONE, EAGLE chains) leave their drafts on the
+device (runtime/spec_draft_graphs.py ``PendingDrafts``): a verify graph reads them there, and the host
+reads them once, after the verify forward and its logits are queued.
 """
 from __future__ import annotations
 
@@ -128,7 +130,7 @@ class SpecStepper:
         if self.drafter.pages_first:
             limits = self.reserve_drafts(batch, limits)
         vg = self._current_verify_graphs()
-        on_device = getattr(self.drafter, "draft_on_device", None)     # STANDALONE's graph steps
+        on_device = getattr(self.drafter, "draft_on_device", None)     # STANDALONE, EAGLE chains
         pending = on_device(batch, limits) if on_device is not None and any(limits) else None
         if pending is not None:
             if self.stats is not None:
