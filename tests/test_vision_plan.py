@@ -27,3 +27,17 @@ def test_plans_are_cached_per_grid_signature(tmp_path):
     for i in range(1, 12):                                 # the least recently used plans are dropped
         tower.plan([(1, 2 * i, 2)], cpu)
     assert tower.plan(a, cpu) is not pa
+
+
+def test_vision_sdpa_leaves_cudnn_out_on_cuda_only() -> None:
+    """cuDNN's attention builds a plan per new shape (each tower batch size): towers run flash on CUDA."""
+    from nbgen.models.vision_plan import vision_sdpa
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with vision_sdpa(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with vision_sdpa(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

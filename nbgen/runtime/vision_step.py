@@ -22,6 +22,8 @@ from nbgen.models.mrope import step_positions
 from nbgen.runtime.step_inputs import FlatStep, to_device
 
 TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
+PIXELS_RANGE = "nbgen::vision_pixels"    # ... around waiting for a tower batch's pixels and staging them
+IMAGE_STEP_RANGE = "nbgen::image_step"   # ... around a step with image prompt chunks (tower + LLM forward)
 
 
 def has_image_prefill(batch: ScheduledBatch) -> bool:
@@ -55,7 +57,8 @@ class VisionStep:
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
         reqs = [s.req for s in seqs]
-        pv = self._pixels([r.images.pixels() for r in reqs])           # waits for pending preprocessing
+        with torch.profiler.record_function(PIXELS_RANGE):
+            pv = self._pixels([r.images.pixels() for r in reqs])       # waits for pending preprocessing
         grids = [g for r in reqs for g in r.images.grids]
         with torch.profiler.record_function(TOWER_RANGE):            # a profile's tower share (bench.vlm --profile)
             out = self.model.encode_images(pv, grids)                    # [sum image tokens, H]
@@ -64,6 +67,10 @@ class VisionStep:
 
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """Hidden states [T, H] of a step with image prompt chunks (``input_ids`` [T] on the device)."""
+        with torch.profiler.record_function(IMAGE_STEP_RANGE):
+            return self._hidden_states(batch, flat, input_ids, meta)
+
+    def _hidden_states(self, batch: ScheduledBatch, flat: FlatStep, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         todo = [s for s in batch.seqs if _needs_encoding(s)]
         if todo:
             self._encode(todo)
