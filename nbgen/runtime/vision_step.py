@@ -5,8 +5,8 @@ an image and whose embeddings are not cached yet (they stay on the request, ``Im
 its later prefill chunks, and are dropped once its last image slot is computed; a preempted request
 encodes again); the step's token embeddings take those rows at the image slots; positions are 3-D
 (M-RoPE) for every row of the step, or 1-D for models without M-RoPE (``model.mrope`` False: LLaVA).
-Steps without image prompt chunks never come here: decode rows
-of image requests run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
+Steps without such chunks never come here: decode rows and text after a prompt's last image
+run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
 Nothing here waits for the GPU: index lists and positions go through pinned memory, so the tower's
 launches queue behind the previous step's work (overlap scheduling) instead of after it finished.
 """
@@ -27,8 +27,10 @@ IMAGE_STEP_RANGE = "nbgen::image_step"   # ... around a step with image prompt c
 
 
 def has_image_prefill(batch: ScheduledBatch) -> bool:
-    """True when a seq of the batch computes prompt tokens of a request with images."""
-    return any(s.req.images is not None and s.start_pos < len(s.req.prompt_ids) for s in batch.seqs)
+    """True when a seq of the batch computes prompt tokens up to an image's last slot. A chunk starting
+    after the last image (a prompt's text tail) is plain text at positions p + rope_delta: the ordinary
+    path (piecewise prefill graphs) runs it, as decode steps (``step_inputs.flatten``)."""
+    return any(s.req.images is not None and s.start_pos < s.req.images.end for s in batch.seqs)
 
 
 def _needs_encoding(s: SeqWork) -> bool:
