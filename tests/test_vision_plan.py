@@ -41,3 +41,25 @@ def test_vision_sdpa_leaves_cudnn_out_on_cuda_only() -> None:
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     with vision_sdpa(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_pixels_per_token_matches_the_processor(tmp_path):
+    """The pixel staging's reservation unit: pixel values behind one image token, as the processor lays them out."""
+    import transformers as tf
+
+    from nbgen.runtime.vision_step import vision_step_for
+
+    d, model = _model("qwen2_5_vl", tmp_path)
+    x = tf.AutoImageProcessor.from_pretrained(d)(images=[_noise(56, 84)], return_tensors="pt")
+    per_token = x["pixel_values"].numel() // (int(x["image_grid_thw"].prod()) // model.merge ** 2)
+    assert model.pixels_per_token == per_token
+    step = vision_step_for(model, torch.device("cpu"), torch.float32, 64)
+    assert step is not None and step.staging is None                    # CPU: no pinned staging
+    assert vision_step_for(torch.nn.Linear(2, 2), torch.device("cpu"), torch.float32, 64) is None
+
+
+def _noise(h: int, w: int):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))

@@ -12,7 +12,8 @@ launches queue behind the previous step's work (overlap scheduling) instead of a
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -38,23 +39,58 @@ def _needs_encoding(s: SeqWork) -> bool:
     return im is not None and im.embeds is None and s.start_pos < im.end and s.kv_len > im.spans[0][0]
 
 
-class VisionStep:
-    """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions)."""
+class PixelStaging:
+    """Pinned host buffers that a step's pixel patches are gathered into and copied to the GPU from, two
+    used in turn and kept: a step's staging then never waits for the host allocator (pinning a new
+    ~256 MB block costs tens of milliseconds on the loop thread, and blocks of a new size class would
+    be pinned during the first large batch). A buffer is reused two steps later, when the GPU has run
+    the copy that read it (the overlap stepper resolved the step behind it); its event guards that."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+    SLOTS = 2
+    MAX_RESERVE_BYTES = 256 << 20        # per buffer reserved up front; larger steps grow it
+
+    def __init__(self, device: torch.device, reserve_elements: int = 0) -> None:
+        self.device = device
+        n = min(reserve_elements, self.MAX_RESERVE_BYTES // 4)
+        self.bufs = [torch.empty(n, dtype=torch.float32, pin_memory=True) if n else None for _ in range(self.SLOTS)]
+        self.events: list[Optional[torch.cuda.Event]] = [None] * self.SLOTS
+        self.turn = 0
+
+    def to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """``parts`` concatenated on the device (their dtype), queued without a host sync."""
+        i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
+        rows = sum(p.shape[0] for p in parts)
+        shape, dtype = (rows, *parts[0].shape[1:]), parts[0].dtype
+        numel = rows * math.prod(shape[1:])
+        if self.events[i] is not None:
+            self.events[i].synchronize()           # the copy two steps back: done long ago
+        buf = self.bufs[i]
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self.bufs[i] = torch.empty(numel + numel // 4, dtype=dtype, pin_memory=True)
+        host = buf[:numel].view(shape)
+        torch.cat(parts, out=host)
+        out = host.to(self.device, non_blocking=True)
+        ev = self.events[i] = torch.cuda.Event()
+        ev.record()
+        return out
+
+
+class VisionStep:
+    """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions).
+    ``reserve_pixels``: pixel values a step may stage (CUDA: pinned up front, see ``PixelStaging``)."""
+
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, reserve_pixels: int = 0) -> None:
         self.model, self.device, self.dtype = model, device, dtype
+        self.staging = PixelStaging(device, reserve_pixels) if device.type == "cuda" else None
 
     def _pixels(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The requests' pixel patches as one tensor on the device in the model dtype. On CUDA they are
         gathered into pinned memory and copied asynchronously, then cast on the GPU: a copy from pageable
         memory (~100 MB for a step of 28 448x448 images) would wait for the GPU's queued work and leave
         it idle during the transfer."""
-        if self.device.type != "cuda":
+        if self.staging is None:
             return torch.cat(parts).to(self.device, self.dtype)
-        host = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
-                           pin_memory=True)
-        torch.cat(parts, out=host)
-        return host.to(self.device, non_blocking=True).to(self.dtype)
+        return self.staging.to_device(parts).to(self.dtype)
 
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
@@ -101,3 +137,11 @@ class VisionStep:
                 im.embeds = None
         positions = to_device(pos if self.model.mrope else pos[0], self.device)   # [3, T] or [T]
         return self.model(input_ids, positions, meta, input_embeds=x)
+
+
+def vision_step_for(model: Any, device: torch.device, dtype: torch.dtype, step_tokens: int) -> Optional[VisionStep]:
+    """The VisionStep of a vision-language model (None for a text model); its pixel staging reserves a
+    step of ``step_tokens`` image tokens (the model's ``pixels_per_token``, where it has one)."""
+    if not hasattr(model, "encode_images"):
+        return None
+    return VisionStep(model, device, dtype, step_tokens * int(getattr(model, "pixels_per_token", 0)))
