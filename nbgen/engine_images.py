@@ -186,12 +186,13 @@ class ImagePrep:
         """Prompts with their placeholders expanded (image token ids, still in the vocabulary for the
         usual checks) and each prompt's ImageInputs (None for prompts without images)."""
         todo = [i for i, ims in enumerate(images) if ims]
-        if len(todo) >= _PARALLEL_FROM:
-            _ = self.processor                # loaded once, before the workers share it   # decoding and resizing release the GIL for most of their time
-            with ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1)) as ex:
-                done = list(ex.map(lambda i: self._inputs(ids_list[i], images[i], i), todo))
-        else:
-            done = [self._inputs(ids_list[i], images[i], i) for i in todo]
+        with self._background.held():         # pixel work starts once every prompt is laid out
+            if len(todo) >= _PARALLEL_FROM:
+                _ = self.processor            # loaded once, before the workers share it   # decoding and resizing release the GIL for most of their time
+                with ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1)) as ex:
+                    done = list(ex.map(lambda i: self._inputs(ids_list[i], images[i], i), todo))
+            else:
+                done = [self._inputs(ids_list[i], images[i], i) for i in todo]
         out_ids, inputs = list(ids_list), [None] * len(ids_list)
         for i, (new, inp) in zip(todo, done):
             out_ids[i], inputs[i] = new, inp
