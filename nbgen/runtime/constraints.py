@@ -48,6 +48,19 @@ class FillJob:
     future: Optional[cf.Future]     # None: filled inline already
     vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
     greedy: bool = False            # every row is constrained and greedy with nothing else to apply
+    # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
+    device_copy: Optional[tuple[Tensor, Any]] = None
+
+    def on_device(self, n: int, device: torch.device) -> Tensor:
+        """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
+        current stream then waits for on the GPU, else a copy queued now."""
+        if self.device_copy is None:
+            return self.bitmask[:n].to(device, non_blocking=True)
+        dev, event = self.device_copy
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        dev.record_stream(stream)       # allocated on the side stream, read on this one
+        return dev[:n]
 
     def wait(self) -> None:
         """Wait for the fill; re-raises its error."""
@@ -70,6 +83,7 @@ class Constraints:
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker: Optional[cf.ThreadPoolExecutor] = None   # fill_async's thread
+        self._copy_stream: Optional[Any] = None    # CUDA: the worker's bitmask copies
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -165,17 +179,33 @@ class Constraints:
         if self._worker is None:
             self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
         started = threading.Event()
+        job = FillJob(rows, bm, None, vocab, greedy)
+        n = len(seqs)
 
         def work() -> None:
             started.set()
             self._fill(rows, states, bm)
+            if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
+                job.device_copy = self._copy_out(bm[:n])
 
-        fut = self._worker.submit(work)
+        job.future = self._worker.submit(work)
         # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
         # interpreter's switch interval (5 ms) while this thread runs Python; the fill itself
         # releases the GIL inside xgrammar, so both threads then proceed in parallel
         started.wait()
-        return FillJob(rows, bm, fut, vocab, greedy)
+        return job
+
+    def _copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
+        """Queue a copy of pinned bitmask rows to the device on a side stream (worker thread): it
+        runs beside the queued forward pass instead of before the sampling. -> (copy, its event)."""
+        with torch.cuda.device(self.device):
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream()
+            with torch.cuda.stream(self._copy_stream):
+                dev = rows.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        return dev, event
 
     def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:
         """Greedy tokens [B] of a step whose rows are all constrained and greedy (``fill.greedy``):
@@ -184,27 +214,26 @@ class Constraints:
         width = min(fill.vocab, logits.shape[1])   # ids past the tokenizer are never allowed
         x = logits[:, :width]
         fill.wait()
-        bm = fill.bitmask[: logits.shape[0]]
+        bm = fill.on_device(logits.shape[0], logits.device)
         if gpu_argmax.usable(x):
-            # the previous step's copy out of this pinned buffer is complete (see _mask)
-            return masked_greedy_argmax(x, bm.to(x.device, non_blocking=True), out)
+            return masked_greedy_argmax(x, bm, out)
         x = x.float()                                  # fp32 logits: masked in place, as _mask does
-        self._apply_bits(x, bm.to(x.device), width, None)
+        self._apply_bits(x, bm, width, None)
         return greedy_argmax(x, out)
 
     def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int], fill: Optional[FillJob] = None) -> Tensor:
         if not rows:
             return x
         vocab = seqs[rows[0]].req.grammar.vocab          # the tokenizer's size (same for all grammars)
+        # the previous step's copy out of the pinned bitmask buffer is complete: constrained steps
+        # resolve (synchronise) before the next one is built
         if fill is not None:
             fill.wait()
-            bm = fill.bitmask
+            dev_bm = fill.on_device(x.shape[0], x.device)
         else:
             bm = self._bitmask(x.shape[0], vocab)
             self._fill(rows, [seqs[i].req.grammar for i in rows], bm)
-        # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
-        # (synchronise) before the next one is built
-        dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
+            dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
         every = len(rows) == x.shape[0]
         if x.shape[1] > vocab:  # logits of ids the tokenizer does not have (padded embedding rows)
             if every:           # no row can pick them: sample over the tokenizer's ids only (a view)
