@@ -55,9 +55,9 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, temp_ptr, V, sx, S,
-                       SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, TEMPERED: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, temp_ptr, m_ptr, V, sx, sm,
+                       S, SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, TEMPERED: tl.constexpr,
+                       MASKED: tl.constexpr, USE_PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1)
         cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -65,6 +65,9 @@ if triton is not None:
             pdl.gdc_wait()                                  # the logits are the previous kernel's output
             pdl.gdc_launch_dependents()
         x = tl.load(x_ptr + r.to(tl.int64) * sx + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if MASKED:                                          # a grammar's token bitmask: bit v of word v // 32
+            w = tl.load(m_ptr + r.to(tl.int64) * sm + cols // 32, mask=cols < V, other=0)
+            x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
         if NOISY:                                           # Gumbel(0, 1) noise of (row key, token)
             key = tl.load(key_ptr + r).to(tl.uint32)
             vh = tl.load(vhash_ptr + cols, mask=cols < V, other=0).to(tl.uint32)
@@ -119,6 +122,15 @@ def argmax(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor] = N
     return _launch(x, ws, out, None, None)
 
 
+def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, ws: ArgmaxWorkspace,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [B, V] -> [B] long: each row's argmax over the ids its row of ``bitmask`` allows (int32
+    [>= B, >= ceil(V / 32)] on x's device, xgrammar's layout: bit v % 32 of word v // 32), in one
+    pass over x (no masked copy of the logits). A row allowing nothing gets index 0."""
+    assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[1] * 32 >= x.shape[1]
+    return _launch(x, ws, out, None, None, bitmask=bitmask)
+
+
 def noisy_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor, ws: ArgmaxWorkspace) -> torch.Tensor:
     """Gumbel-max draw: argmax over V of x [B, V] plus each row's noise -> [B] long. keys [B] int64
     row keys, vocab_hash [>= V] int64 hashed token ids, both in [0, 2**32) (``sampling_ops``)."""
@@ -133,16 +145,18 @@ def tempered_argmax(x: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, vo
 
 
 def _launch(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor], keys: Optional[torch.Tensor],
-            vocab_hash: Optional[torch.Tensor], temps: Optional[torch.Tensor] = None) -> torch.Tensor:
+            vocab_hash: Optional[torch.Tensor], temps: Optional[torch.Tensor] = None,
+            bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
     B, V = x.shape
     S = triton.cdiv(V, BLOCK)
     sp = triton.next_power_of_2(S)
     pmax, pidx, count = ws.get(B, sp, x.device)
     if out is None:
         out = torch.empty(B, dtype=torch.long, device=x.device)
-    noisy = keys is not None
+    noisy, masked = keys is not None, bitmask is not None
     pdl.launch(_argmax_kernel, (B, S), (x, out, pmax, pidx, count, keys if noisy else out,
                                         vocab_hash if noisy else out, out if temps is None else temps,
-                                        V, x.stride(0), S), x.device,
-               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, TEMPERED=temps is not None, num_warps=4)
+                                        bitmask if masked else out, V, x.stride(0),
+                                        bitmask.stride(0) if masked else 0, S), x.device,
+               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, TEMPERED=temps is not None, MASKED=masked, num_warps=4)
     return out

@@ -105,6 +105,9 @@ class Sampler:
             # argmax of bf16 logits == argmax of their exact fp32 widening (ties too: first index),
             # so the [B, V] fp32 copy is skipped (~0.1 s of a 6 s GPU run, ~1 ms a step on a CPU)
             return SamplerOutput(token_ids=greedy_argmax(raw, greedy_out), logprobs=[None] * len(seqs), errors={})
+        if fill is not None and fill.greedy:     # every row constrained greedy: the masked argmax alone
+            return SamplerOutput(token_ids=self.constraints.masked_argmax(raw, fill, greedy_out),
+                                 logprobs=[None] * len(seqs), errors={})
         if raw.is_cuda and all(plain_greedy(s) or plain_draw(s) for s in seqs):
             # temperature-only rows (nano-vllm's sampling): one kernel over the raw logits, no
             # [B, V] float32 copy and no division pass (the same tokens as the path below)
