@@ -97,9 +97,10 @@ if triton is not None:
 class SharedScratch:
     """The level-0 partials every batch size's cascade wrapper writes (graphs replay one at a time)."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, max_chunks: int, device: torch.device) -> None:
-        cells = max_chunks * num_kv_heads * SPLITS
-        self.max_chunks = max_chunks
+    def __init__(self, num_kv_heads: int, head_dim: int, max_chunks: int, device: torch.device,
+                 splits: int = SPLITS) -> None:
+        cells = max_chunks * num_kv_heads * splits
+        self.max_chunks, self.splits = max_chunks, splits
         self.part = torch.empty(cells * TILE_ROWS * head_dim, dtype=torch.float32, device=device)
         self.ml = torch.empty(cells * 2 * TILE_ROWS, dtype=torch.float32, device=device)
 
@@ -130,9 +131,9 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         bn = 64 if self.d <= 128 else 32
         args = (q, kc, vc, self.indices, cstart, cpages, clen, crows, sc.part, sc.ml, q.stride(0), q.stride(1),
                 kc.stride(0), kc.stride(1), kc.stride(2), self.scale * float(k_scale) * LOG2E)
-        pdl.launch(_shared_kernel, (self.hkv, SPLITS, sc.max_chunks), args, q.device, G=self.group, R=self.r,
-                   BM=TILE_ROWS, D=self.d, P=self.P, S0=SPLITS, MIN_SPLIT=MIN_SPLIT, BLOCK_N=bn,
+        pdl.launch(_shared_kernel, (self.hkv, sc.splits, sc.max_chunks), args, q.device, G=self.group, R=self.r,
+                   BM=TILE_ROWS, D=self.d, P=self.P, S0=sc.splits, MIN_SPLIT=MIN_SPLIT, BLOCK_N=bn,
                    STAGES=FP8_STAGES if fp8 else STAGES, FP8=fp8, num_warps=4)
         skip, chunk, slot = self.rows
         return super().run(q, kv_cache, out, k_scale, v_scale,
-                           Cascade(skip, chunk, slot, sc.part, sc.ml, SPLITS, TILE_ROWS))
+                           Cascade(skip, chunk, slot, sc.part, sc.ml, sc.splits, TILE_ROWS))

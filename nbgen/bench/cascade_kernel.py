@@ -1,0 +1,104 @@
+"""``python -m nbgen.bench.cascade_kernel`` — one layer's decode attention over shared prefixes (CUDA).
+
+W-prefix's shape (8 prefixes of 2,000 tokens, 32 rows each with 50-800 tokens of their own; fewer
+rows a prefix as requests finish) at Qwen3-0.6B's and Llama-3.1-8B's heads, bf16 pages: nbgen's plain
+decode kernel against the shared-prefix path (kernels/triton_cascade.py: level 0 + level 1), each
+split count of level 0 in ``--splits``, through the tables exactly as a graph replay reads them.
+Prints µs per layer, the distinct KV bytes per µs (the shared floor's rate), the max |Δ| between the two.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from nbgen.attention.base import KVCacheSpec
+from nbgen.attention.cascade_plan import plan_shared
+from nbgen.bench.kv_decode import HEADS, P
+from nbgen.kernels import triton_cascade as tc
+from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
+from nbgen.runtime.cascade_graphs import MAX_CHUNKS, CascadeTables
+
+
+def _seconds(fn, reps: int = 30) -> float:
+    """Median seconds of ``fn`` over ``reps`` launches (CUDA events) after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return sorted(times)[reps // 2]
+
+
+def _tables(prefixes: int, rows: int, prefix_len: int, seed: int = 0):
+    """Page tables: row i takes prefix i % prefixes, then 50-800 tokens of its own (pages shuffled)."""
+    rng = random.Random(seed)
+    own = [rng.randint(50, 800) for _ in range(rows)]
+    npref = prefix_len // P
+    counts = [-(-(prefix_len + o) // P) - npref for o in own]
+    total = prefixes * npref + sum(counts)
+    perm = iter((np.random.default_rng(seed).permutation(total) + 1).tolist())
+    pref = [[next(perm) for _ in range(npref)] for _ in range(prefixes)]
+    tabs = [pref[i % prefixes] + [next(perm) for _ in range(counts[i])] for i in range(rows)]
+    ip = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum([len(t) for t in tabs], out=ip[1:])
+    last = np.array([prefix_len + o - (len(t) - 1) * P for o, t in zip(own, tabs)], dtype=np.int32)
+    return ip, np.asarray([p for t in tabs for p in t], dtype=np.int32), last, total + 1
+
+
+def measure(model: str, rows: int, splits: list[int], prefixes: int = 8, prefix_len: int = 2000) -> None:
+    hq, hkv, D = HEADS[model]
+    dev = torch.device("cuda")
+    ip, idx, last, pages = _tables(prefixes, rows, prefix_len)
+    kc = torch.randn(pages, hkv, P, D, device=dev).bfloat16()
+    vc = torch.randn_like(kc)
+    q = torch.randn(rows, hq, D, device=dev).bfloat16()
+    plain = TritonDecodeWrapper(hq, hkv, D, P, dev)
+    plain.plan(*(torch.from_numpy(a).pin_memory() for a in (ip, idx, last)))
+    ref = plain.run(q, (kc, vc))
+    t_plain = _seconds(lambda: plain.run(q, (kc, vc)))
+    distinct = (prefixes * (prefix_len // P) + len(idx) - int(plan_rows(ip, idx, rows, hq // hkv).sum())) * P
+    kv_bytes = distinct * hkv * D * 2 * 2
+    print(f"{model} {rows} rows x {prefixes} prefixes of {prefix_len}: plain {t_plain * 1e6:.1f} us "
+          f"({kv_bytes / t_plain / 1e9:.0f} GB/s of distinct KV)")
+    spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
+    tables = CascadeTables(SimpleNamespace(spec=spec), rows)
+    plan = plan_shared(ip, idx, rows, tables.R, MAX_CHUNKS)
+    region = np.zeros(tables.size, dtype=np.int32)
+    tables.fill(region, plan, rows, rows)
+    on = [torch.from_numpy(a).to(dev) for a in (ip, idx, last, longest_first(ip, last, P, plan.skip))]
+    for s in splits:
+        tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, s)
+        w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
+        err = (w.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
+        t = _seconds(lambda: w.run(q, (kc, vc)))
+        print(f"  shared-prefix, level-0 splits {s:2d}: {t * 1e6:.1f} us ({kv_bytes / t / 1e9:.0f} GB/s), "
+              f"{t_plain / t:.2f}x, max |d| vs plain {err:.4f}")
+
+
+def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndarray:
+    """Pages each row's level 1 skips (the shared pages it does not read itself)."""
+    plan = plan_shared(ip, idx, rows, tc.rows_per_chunk(group), MAX_CHUNKS)
+    return plan.skip if plan is not None else np.zeros(rows, dtype=np.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--splits", default="4,8,16", help="level-0 split counts to time")
+    args = ap.parse_args()
+    splits = [int(x) for x in args.splits.split(",")]
+    for model in HEADS:
+        for rows in (256, 128, 32):
+            measure(model, rows, splits)
+
+
+if __name__ == "__main__":
+    main()
