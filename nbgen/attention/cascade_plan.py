@@ -99,8 +99,7 @@ def plan_shared(kv_indptr: np.ndarray, kv_indices: np.ndarray, n: int, rows_per_
     # within each run: members by shared length, longest first; keeping the k longest shares m_k pages
     o = np.lexsort((-m, run))
     cand, run, m = cand[o], run[o], m[o]
-    rstart = rs
-    rlen = _lengths(rstart, len(cand))
+    rstart, rlen = rs, _lengths(rs, len(cand))          # the runs keep their places
     rank = np.arange(len(cand)) - np.repeat(rstart, rlen)
     gain = m * rank                                      # pages saved keeping ranks 0..rank
     best = np.maximum.reduceat(gain, rstart)
