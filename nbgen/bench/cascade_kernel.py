@@ -3,8 +3,9 @@
 W-prefix's shape (8 prefixes of 2,000 tokens, 32 rows each with 50-800 tokens of their own; fewer
 rows a prefix as requests finish) at Qwen3-0.6B's and Llama-3.1-8B's heads, bf16 pages: nbgen's plain
 decode kernel against the shared-prefix path (kernels/triton_cascade.py: level 0 + level 1), each
-split count of level 0 in ``--splits``, through the tables exactly as a graph replay reads them.
-Prints µs per layer, the distinct KV bytes per µs (the shared floor's rate), the max |Δ| between the two.
+level-0 launch shape in ``--splits`` x ``--tiles`` (the default shape first), through the tables
+exactly as a graph replay reads them. Prints µs per layer (and each level alone), the distinct KV
+bytes per µs (the shared floor's rate), the max |Δ| between the two paths.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _tables(prefixes: int, rows: int, prefix_len: int, seed: int = 0):
     return ip, np.asarray([p for t in tabs for p in t], dtype=np.int32), last, total + 1
 
 
-def measure(model: str, rows: int, splits: list[int], prefixes: int = 8, prefix_len: int = 2000) -> None:
+def measure(model: str, rows: int, shapes: list[tc.Level0], prefixes: int = 8, prefix_len: int = 2000) -> None:
     hq, hkv, D = HEADS[model]
     dev = torch.device("cuda")
     ip, idx, last, pages = _tables(prefixes, rows, prefix_len)
@@ -75,12 +76,19 @@ def measure(model: str, rows: int, splits: list[int], prefixes: int = 8, prefix_
     region = np.zeros(tables.size, dtype=np.int32)
     tables.fill(region, plan, rows, rows)
     on = [torch.from_numpy(a).to(dev) for a in (ip, idx, last, longest_first(ip, last, P, plan.skip))]
-    for s in splits:
-        tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, s)
-        w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
+    tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, max(lv.splits for lv in shapes))
+    dev_region = torch.from_numpy(region).to(dev)
+    default = tables.wrapper(dev_region, rows, *on).level0
+    for lv in [default] + [x for x in shapes if x != default]:
+        w = tables.wrapper(dev_region, rows, *on)
+        w.level0 = lv
         err = (w.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
         t = _seconds(lambda: w.run(q, (kc, vc)))
-        print(f"  shared-prefix, level-0 splits {s:2d}: {t * 1e6:.1f} us ({kv_bytes / t / 1e9:.0f} GB/s), "
+        t0 = _seconds(lambda: w.run_level0(q, (kc, vc)))
+        t1 = _seconds(lambda: w.run_level1(q, (kc, vc)))
+        tag = "default " if lv == default else ""
+        print(f"  {tag}level 0 splits {lv.splits:2d} x {lv.block_n:3d}-token tiles, {lv.warps} warps: {t * 1e6:.1f} us "
+              f"(level 0 {t0 * 1e6:.1f}, level 1 {t1 * 1e6:.1f}; {kv_bytes / t / 1e9:.0f} GB/s), "
               f"{t_plain / t:.2f}x, max |d| vs plain {err:.4f}")
 
 
@@ -93,11 +101,14 @@ def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndar
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--splits", default="4,8,16", help="level-0 split counts to time")
+    ap.add_argument("--tiles", default="32x4,64x4,32x8,64x8", help="level-0 tokens per tile x warps to time")
+    ap.add_argument("--rows", default="256,128,32")
     args = ap.parse_args()
-    splits = [int(x) for x in args.splits.split(",")]
+    shapes = [tc.Level0(int(s), int(t.split("x")[0]), int(t.split("x")[1]))
+              for s in args.splits.split(",") for t in args.tiles.split(",")]
     for model in HEADS:
-        for rows in (256, 128, 32):
-            measure(model, rows, splits)
+        for rows in [int(r) for r in args.rows.split(",")]:
+            measure(model, rows, shapes)
 
 
 if __name__ == "__main__":

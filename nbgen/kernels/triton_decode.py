@@ -90,25 +90,27 @@ def longest_first(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: i
 if triton is not None:
     @triton.jit
     def _fold_shared(m, l, acc, b, kh, HKV, rows, G: tl.constexpr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
-                     S0: tl.constexpr, BM0: tl.constexpr, D: tl.constexpr):
+                     S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr, D: tl.constexpr):
         """Merge a row's level-0 partials (its chunk's S0 splits over the shared pages, written by
-        kernels/triton_cascade.py) into its softmax state (m, l, acc) of q rows ``rows`` (m finite:
-        level 1 holds >= 1 token). Rows in no chunk (chunk -1) load nothing and keep their state."""
+        kernels/triton_cascade.py; SB0 splits per load) into its softmax state (m, l, acc) of q rows
+        ``rows`` (m finite: level 1 holds >= 1 token). Rows in no chunk (chunk -1) load nothing and
+        keep their state exactly."""
         c = tl.load(chunk_ptr + b)
         i = tl.load(slot_ptr + b) * G + rows                  # the row's q heads in the level-0 tile
         ok = (rows < G) & ((rows * 0 + c) >= 0)
         d = tl.arange(0, D)
-        for s0 in tl.static_range(S0):
-            cell = (c * HKV + kh) * S0 + s0
-            m0 = tl.load(ml0_ptr + cell * (2 * BM0) + i, mask=ok, other=float("-inf"))
-            l0 = tl.load(ml0_ptr + cell * (2 * BM0) + BM0 + i, mask=ok, other=0.0)
-            a0 = tl.load(part0_ptr + cell.to(tl.int64) * (BM0 * D) + i[:, None] * D + d[None, :],
-                         mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m, m0)
+        for j0 in tl.static_range(0, S0, SB0):
+            cell = (c * HKV + kh) * S0 + j0 + tl.arange(0, SB0)                        # [SB0]
+            mls = ml0_ptr + cell[:, None] * (2 * BM0) + i[None, :]
+            m0 = tl.load(mls, mask=ok[None, :], other=float("-inf"))                    # [SB0, rows]
+            l0 = tl.load(mls + BM0, mask=ok[None, :], other=0.0)
+            a0 = tl.load(part0_ptr + cell.to(tl.int64)[:, None, None] * (BM0 * D) + i[None, :, None] * D
+                         + d[None, None, :], mask=ok[None, :, None], other=0.0)         # [SB0, rows, D]
+            m_new = tl.maximum(m, tl.max(m0, 0))
             alpha = tl.exp2(m - m_new)
-            beta = tl.exp2(m0 - m_new)                        # empty or absent split: 0
-            l = l * alpha + l0 * beta
-            acc = acc * alpha[:, None] + a0 * beta[:, None]
+            w = tl.exp2(m0 - m_new[None, :])                  # empty or absent split: 0
+            l = l * alpha + tl.sum(w * l0, 0)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a0, 0)
             m = m_new
         return m, l, acc
 
@@ -118,7 +120,7 @@ if triton is not None:
                        skip_ptr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
-                       FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, BM0: tl.constexpr,
+                       FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
                        USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
@@ -168,7 +170,7 @@ if triton is not None:
         if NSPLIT == 1:
             if CASCADE:
                 m, l, acc = _fold_shared(m, l, acc, b, kh, HKV, g, G, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
-                                         S0, BM0, D)
+                                         S0, SB0, BM0, D)
             tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
                      (acc * v_scale / l[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
         else:
@@ -201,7 +203,7 @@ if triton is not None:
                     out += tl.sum(wj[:, :, None] * pj, 0)
                 if CASCADE:
                     mx, den, out = _fold_shared(mx, den, out, b, kh, HKV, g2, G, chunk_ptr, slot_ptr, part0_ptr,
-                                                ml0_ptr, S0, BM0, D)
+                                                ml0_ptr, S0, SB0, BM0, D)
                 tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :],
                          (out * v_scale / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g2 < G)[:, None])
                 tl.store(count_ptr + pair, 0)                                          # re-arm
@@ -291,5 +293,5 @@ class TritonDecodeWrapper:
                    q.device, G=self.group, G2=self.g2, GP=self.gp,
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb,
                    STAGES=FP8_STAGES if fp8 else STAGES, FP8=fp8, CASCADE=cascade is not None, S0=c.splits,
-                   BM0=c.tile_rows, num_warps=4)
+                   SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows, num_warps=4)
         return o
