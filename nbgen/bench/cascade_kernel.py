@@ -4,8 +4,9 @@ W-prefix's shape (8 prefixes of 2,000 tokens, 32 rows each with 50-800 tokens of
 rows a prefix as requests finish) at Qwen3-0.6B's and Llama-3.1-8B's heads, bf16 pages: nbgen's plain
 decode kernel against the shared-prefix path (kernels/triton_cascade.py: level 0 + level 1), each
 level-0 launch shape in ``--splits`` x ``--tiles`` (the default shape first), through the tables
-exactly as a graph replay reads them. Prints µs per layer (and each level alone), the distinct KV
-bytes per µs (the shared floor's rate), the max |Δ| between the two paths.
+exactly as a graph replay reads them, then level 1 alone on each tile size of ``--level1-tiles``.
+Prints µs per layer (and each level alone), the distinct KV bytes per µs (the shared floor's rate),
+the max |Δ| between the two paths.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def _tables(prefixes: int, rows: int, prefix_len: int, seed: int = 0):
     return ip, np.asarray([p for t in tabs for p in t], dtype=np.int32), last, total + 1
 
 
-def measure(model: str, rows: int, shapes: list[tc.Level0], prefixes: int = 8, prefix_len: int = 2000) -> None:
+def measure(model: str, rows: int, shapes: list[tc.Level0], level1_tiles: list[int], prefixes: int = 8,
+            prefix_len: int = 2000) -> None:
     hq, hkv, D = HEADS[model]
     dev = torch.device("cuda")
     ip, idx, last, pages = _tables(prefixes, rows, prefix_len)
@@ -66,8 +68,9 @@ def measure(model: str, rows: int, shapes: list[tc.Level0], prefixes: int = 8, p
     plain.plan(*(torch.from_numpy(a).pin_memory() for a in (ip, idx, last)))
     ref = plain.run(q, (kc, vc))
     t_plain = _seconds(lambda: plain.run(q, (kc, vc)))
-    distinct = (prefixes * (prefix_len // P) + len(idx) - int(plan_rows(ip, idx, rows, hq // hkv).sum())) * P
-    kv_bytes = distinct * hkv * D * 2 * 2
+    own = (len(idx) - int(plan_rows(ip, idx, rows, hq // hkv).sum())) * P          # level 1's tokens
+    kv_bytes = (prefixes * (prefix_len // P) * P + own) * hkv * D * 2 * 2           # distinct K and V bytes
+    own_bytes = own * hkv * D * 2 * 2
     print(f"{model} {rows} rows x {prefixes} prefixes of {prefix_len}: plain {t_plain * 1e6:.1f} us "
           f"({kv_bytes / t_plain / 1e9:.0f} GB/s of distinct KV)")
     spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
@@ -88,8 +91,16 @@ def measure(model: str, rows: int, shapes: list[tc.Level0], prefixes: int = 8, p
         t1 = _seconds(lambda: w.run_level1(q, (kc, vc)))
         tag = "default " if lv == default else ""
         print(f"  {tag}level 0 splits {lv.splits:2d} x {lv.block_n:3d}-token tiles, {lv.warps} warps: {t * 1e6:.1f} us "
-              f"(level 0 {t0 * 1e6:.1f}, level 1 {t1 * 1e6:.1f}; {kv_bytes / t / 1e9:.0f} GB/s), "
+              f"(level 0 {t0 * 1e6:.1f}, level 1 {t1 * 1e6:.1f} = {own_bytes / t1 / 1e9:.0f} GB/s of own KV; "
+              f"{kv_bytes / t / 1e9:.0f} GB/s), "
               f"{t_plain / t:.2f}x, max |d| vs plain {err:.4f}")
+    w = tables.wrapper(dev_region, rows, *on)
+    for bn in level1_tiles:
+        w.level1_block_n = bn
+        err = (w.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
+        t1 = _seconds(lambda: w.run_level1(q, (kc, vc)))
+        print(f"  default level 0, level 1 on {bn}-token tiles: level 1 {t1 * 1e6:.1f} us "
+              f"({own_bytes / t1 / 1e9:.0f} GB/s), max |d| vs plain {err:.4f}")
 
 
 def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndarray:
@@ -103,12 +114,13 @@ def main() -> None:
     ap.add_argument("--splits", default="4,8,16", help="level-0 split counts to time")
     ap.add_argument("--tiles", default="32x4,64x4,32x8,64x8", help="level-0 tokens per tile x warps to time")
     ap.add_argument("--rows", default="256,128,32")
+    ap.add_argument("--level1-tiles", default="32,64,128", help="level 1's tokens per tile to time")
     args = ap.parse_args()
     shapes = [tc.Level0(int(s), int(t.split("x")[0]), int(t.split("x")[1]))
               for s in args.splits.split(",") for t in args.tiles.split(",")]
     for model in HEADS:
         for rows in [int(r) for r in args.rows.split(",")]:
-            measure(model, rows, shapes)
+            measure(model, rows, shapes, [int(x) for x in args.level1_tiles.split(",")])
 
 
 if __name__ == "__main__":

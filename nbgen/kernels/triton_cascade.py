@@ -144,6 +144,7 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         self.scratch = scratch
         self.r = rows_per_chunk(self.group)
         self.level0 = level0 or level0_for(self.pad(last.numel()), head_dim)
+        self.level1_block_n: Optional[int] = None       # level 1's tile (None: the decode kernel's)
         sp = self.level0.splits
         assert sp <= scratch.splits and sp & (sp - 1) == 0, "level-0 splits: a power of 2 the scratch holds"
 
@@ -173,4 +174,5 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         skip, chunk, slot = self.rows
         sc = self.scratch
         return super().run(q, kv_cache, out, k_scale, v_scale,
-                           Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS))
+                           Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
+                                   self.level1_block_n))

@@ -223,6 +223,7 @@ class Cascade:
     ml0: torch.Tensor
     splits: int
     tile_rows: int
+    block_n: Optional[int] = None      # level 1's KV tokens per tile (None: ``block_n`` of the batch)
 
 
 class TritonDecodeWrapper:
@@ -291,7 +292,7 @@ class TritonDecodeWrapper:
         c = cascade or Cascade(self.last, self.last, self.last, self.part, self.ml, 1, 1)    # unread when off
         pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args + (c.skip, c.chunk, c.slot, c.part0, c.ml0),
                    q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb,
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
                    STAGES=FP8_STAGES if fp8 else STAGES, FP8=fp8, CASCADE=cascade is not None, S0=c.splits,
                    SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows, num_warps=4)
         return o
