@@ -124,6 +124,10 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
+    # decode steps replayed on the shared-prefix (cascade) graphs, over all runs
+    info["cascade_steps"] = runner.graphs.cascade_steps if runner.graphs is not None else 0
+    if info["cascade_steps"]:
+        print(f"shared-prefix decode steps: {info['cascade_steps']}")
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prefill_flops_shared": pf_shared,
            "row_flops": prefill_flops(runner.model, runner.hf_config, [1]),
