@@ -132,9 +132,7 @@ class GrammarState:
         # only the accept from xgrammar (not is_terminated as well)
         self.stops = frozenset(stops)
         self.done = False
-        # the request's token is the argmax under the mask alone (greedy, nothing else to process or
-        # report): set on the first step by ``plain_greedy`` (runtime/grammar_batch.live_rows)
-        self.plain: Optional[bool] = None
+        self.plain: Optional[bool] = None   # ``plain_greedy``'s answer, set on the first step
         # the matcher's FFI object: a step's tokens are accepted by one batched call over these
         # (runtime/grammar_batch.py); its accept_token, called as (token, debug_print), skips
         # xgrammar's Python wrapper for single tokens (matcher.accept_token if it moves)
@@ -142,8 +140,8 @@ class GrammarState:
         self._accept = getattr(self.handle, "accept_token", None) or (lambda t, _d: self.matcher.accept_token(t))
 
     def plain_greedy(self, req: Any) -> bool:
-        """req (this state's request) samples the argmax of its masked logits: greedy, no bias,
-        penalties, min_new_tokens, logprobs or custom processor (computed once)."""
+        """req (this state's request) samples the argmax of its masked logits: greedy, no bias, penalties,
+        min_new_tokens, logprobs or custom processor (computed once; runtime/grammar_batch.live_rows)."""
         if self.plain is None:
             p = req.params
             self.plain = bool(p.plain_greedy and not p.min_new_tokens and not req.logprobs.return_logprob
