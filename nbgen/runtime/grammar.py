@@ -1,12 +1,10 @@
 """Structured output with xgrammar: grammar checks, off-thread compilation, per-request matchers.
 
 - ``check_grammar`` (caller thread): parses a request's json_schema / regex / ebnf / structural_tag
-  with xgrammar (no tokenizer needed, cached) so a bad one raises ValueError before anything is
-  submitted.
+  with xgrammar (no tokenizer needed, cached): a bad one raises ValueError before it is submitted.
 - ``GrammarService`` (loop thread): compiles grammars against the model's tokenizer in a worker
   thread (xgrammar's GrammarCompiler caches per grammar), holds a request until its grammar is
-  ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
-  other requests meanwhile.
+  ready (the loop decodes others meanwhile), then hands it to the scheduler with a ``GrammarState``.
 - ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
   sampling, accepts each sampled token (a step's rows together: runtime/grammar_batch.py), ends
   the request when the grammar terminates, and (with ``enable_jump_forward``) appends the text the
