@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.kernels import pdl
+from nbgen.kernels import pdl, triton_decode
 from nbgen.kernels.triton_decode import FP8_STAGES, LOG2E, STAGES, Cascade, TritonDecodeWrapper
 
 try:
@@ -92,24 +92,8 @@ if triton is not None:
                         mask=valid[:, None], other=0.0)                                # [BM, D]
             if FP8:
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            m = tl.full([BM], float("-inf"), tl.float32)
-            l = tl.zeros([BM], tl.float32)
-            acc = tl.zeros([BM, D], tl.float32)
-            for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-                t = t0 + tl.arange(0, BLOCK_N)
-                tm = t < hi
-                page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
-                off = page * s_page + kh * s_head + (t % P) * s_tok                   # [BLOCK_N]
-                k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-                v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-                sc = tl.dot(q, tl.trans(k)) * qk_scale                                 # [BM, BLOCK_N], log2 units
-                sc = tl.where(tm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m, tl.max(sc, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(sc - m_new[:, None])
-                l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
+            m, l, acc = triton_decode.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
+                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES)
             # an empty split (lo >= hi) stores m = -inf, l = 0, acc = 0: level 1 weighs it 0
             cell = (c * HKV + kh) * S0 + s
             tl.store(part_ptr + cell.to(tl.int64) * (BM * D) + i[:, None] * D + d[None, :], acc)

@@ -115,6 +115,35 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
+    def attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok, qk_scale,
+                     M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STAGES: tl.constexpr):
+        """Online softmax of q [M, D] against one kv head's tokens [lo, hi) of the pages listed from
+        ``indices_ptr + start`` (scores in log2 units through ``qk_scale``) -> (m [M], l [M], acc [M, D]),
+        not normalised. Shared by the decode kernel and the shared-prefix level 0 (kernels/triton_cascade)."""
+        d = tl.arange(0, D)
+        m = tl.full([M], float("-inf"), tl.float32)
+        l = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tm = t < hi
+            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
+            off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
+            # e4m3 pages widen to q's dtype in registers (a no-op for model-dtype pages)
+            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
+            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
+            sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [M, BLOCK_N], log2 units
+            sc = tl.where(tm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [M, D]
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr, order_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale, v_scale,
                        skip_ptr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
@@ -148,25 +177,8 @@ if triton is not None:
                     mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        l = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            t = t0 + tl.arange(0, BLOCK_N)
-            tm = t < hi
-            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
-            off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
-            # e4m3 pages widen to q's dtype in registers (a no-op for model-dtype pages)
-            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-            sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [GP, BLOCK_N], log2 units
-            sc = tl.where(tm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [GP, D]
-            m = m_new
+        m, l, acc = attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok,
+                                 qk_scale, GP, D, P, BLOCK_N, STAGES)
         if NSPLIT == 1:
             if CASCADE:
                 m, l, acc = _fold_shared(m, l, acc, b, kh, HKV, g, G, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
