@@ -94,20 +94,11 @@ def test_draft_graphs_gpu(gpu_model_dir, batch):
     """bf16 CUDA, STANDALONE with the target as its own draft: draft steps and verify steps replayed in
     graphs against the same engine with ``disable_cuda_graph=True`` (eager drafts and verifies): greedy
     outputs identical up to forks at bf16 near-ties, logprobs close; nearly every draft accepted."""
-    from tests.test_verify_graphs import GREEDY, NEAR_TIE, _prompts, fork_gaps
+    from tests.test_verify_graphs import NEAR_TIE, _prompts, fork_gaps, graphs_on_off
     from tests.tiny_models import assert_close_runs
 
-    prompts = _prompts(batch)
-    runs, stats = [], {}
-    for off in (False, True):
-        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", disable_cuda_graph=off, random_seed=0,
-                          cuda_graph_max_bs=16, speculative_algorithm="STANDALONE",
-                          speculative_draft_model_path=gpu_model_dir, speculative_num_steps=3) as eng:
-            runs.append(eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
-                                     top_logprobs_num=2, use_tqdm=False))
-            if not off:
-                stats = eng.stats()
-    on, off = runs
+    on, off, stats = graphs_on_off(gpu_model_dir, _prompts(batch), speculative_algorithm="STANDALONE",
+                                   speculative_draft_model_path=gpu_model_dir, speculative_num_steps=3)
     assert stats.get("spec_draft_graph_steps", 0) > 0 and stats.get("spec_verify_graph_steps", 0) > 0, stats
     assert_close_runs(on, off)
     gaps = fork_gaps(on, off)

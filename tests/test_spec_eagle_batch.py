@@ -102,7 +102,7 @@ def test_eagle_chain_graphs_gpu(gpu_model_dir, tmp_path, algo, request):
     """bf16 CUDA, a random head: the head's draft steps and the verify steps replayed in graphs against
     the same engine with ``disable_cuda_graph=True`` (eager head steps, eager verifies), batch 1 and 12:
     greedy outputs identical up to forks at bf16 near-ties, logprobs close."""
-    from tests.test_verify_graphs import GREEDY, NEAR_TIE, _prompts, fork_gaps
+    from tests.test_verify_graphs import NEAR_TIE, _prompts, fork_gaps, graphs_on_off
     from tests.tiny_models import assert_close_runs, make_gpu_model
 
     if algo == "EAGLE3":               # three feature layers: a 6-layer target of the family
@@ -110,16 +110,8 @@ def test_eagle_chain_graphs_gpu(gpu_model_dir, tmp_path, algo, request):
         gpu_model_dir = make_gpu_model(family, str(tmp_path / "deep"), layers=6)
     head = save_random_head(gpu_model_dir, str(tmp_path / "head"), algo == "EAGLE3")
     for prompts in (_prompts(1), _prompts(12)):
-        runs, stats = [], {}
-        for off in (False, True):
-            with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", disable_cuda_graph=off,
-                              random_seed=0, cuda_graph_max_bs=16, speculative_algorithm=algo,
-                              speculative_draft_model_path=head, speculative_num_steps=3) as eng:
-                runs.append(eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
-                                         top_logprobs_num=2, use_tqdm=False))
-                if not off:
-                    stats = eng.stats()
-        on, off = runs
+        on, off, stats = graphs_on_off(gpu_model_dir, prompts, speculative_algorithm=algo,
+                                       speculative_draft_model_path=head, speculative_num_steps=3)
         assert stats.get("spec_draft_graph_steps", 0) > 0 and stats.get("spec_verify_graph_steps", 0) > 0, stats
         assert_close_runs(on, off)
         gaps = fork_gaps(on, off)

@@ -218,17 +218,18 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(2, 512) for _ in range(rng.choice([8, 21, 40]))] * rng.choice([2, 3]) for _ in range(n)]
 
 
-def _both(model_dir: str, prompts: list[list[int]], **kw) -> tuple[list[dict], list[dict], int]:
-    """(outputs with graphs, outputs with disable_cuda_graph=True, verify steps run as graph replays)."""
-    runs, replays = [], 0
+def graphs_on_off(model_dir: str, prompts: list[list[int]], **kw) -> tuple[list[dict], list[dict], dict]:
+    """(outputs with graphs, outputs with disable_cuda_graph=True, the graph run's stats()) of a bf16 CUDA
+    engine with ``kw`` (the speculative settings), greedy with the top-2 logprobs."""
+    runs, stats = [], {}
     for off in (False, True):
         with nbgen.Engine(model_dir, device="cuda", dtype="bfloat16", disable_cuda_graph=off, random_seed=0,
                           cuda_graph_max_bs=16, **kw) as eng:
             runs.append(eng.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
                                      top_logprobs_num=2, use_tqdm=False))
             if not off:
-                replays = eng.stats().get("spec_verify_graph_steps", 0)
-    return runs[0], runs[1], replays
+                stats = eng.stats()
+    return runs[0], runs[1], stats
 
 
 NEAR_TIE = 0.25   # top-2 logprob gap below which bf16 kernels of different tilings may pick either token
@@ -252,8 +253,8 @@ def _mixed(model_dir: str, **kw) -> None:
     different attention kernels (the graph's padded rows against the eager ragged ones): greedy outputs
     identical but for forks at near-ties, logprobs close up to them (tests/tiny_models.assert_close_runs)."""
     for prompts in (_prompts(1), _prompts(12)):
-        on, off, replays = _both(model_dir, prompts, **kw)
-        assert replays > 0
+        on, off, stats = graphs_on_off(model_dir, prompts, **kw)
+        assert stats.get("spec_verify_graph_steps", 0) > 0, stats
         assert_close_runs(on, off)
         gaps = fork_gaps(on, off)
         assert all(g < NEAR_TIE for g in gaps), gaps

@@ -19,25 +19,10 @@ import torch
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.cascade_plan import plan_shared
-from nbgen.bench.kv_decode import HEADS, P
+from nbgen.bench.kv_decode import HEADS, P, median_seconds
 from nbgen.kernels import triton_cascade as tc
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.runtime.cascade_graphs import MAX_CHUNKS, CascadeTables
-
-
-def _seconds(fn, reps: int = 30) -> float:
-    """Median seconds of ``fn`` over ``reps`` launches (CUDA events) after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return sorted(times)[reps // 2]
 
 
 def _tables(prefixes: int, rows: int, prefix_len: int, seed: int = 0):
@@ -67,7 +52,7 @@ def measure(model: str, rows: int, shapes: list[tc.Level0], level1_tiles: list[i
     plain = TritonDecodeWrapper(hq, hkv, D, P, dev)
     plain.plan(*(torch.from_numpy(a).pin_memory() for a in (ip, idx, last)))
     ref = plain.run(q, (kc, vc))
-    t_plain = _seconds(lambda: plain.run(q, (kc, vc)))
+    t_plain = median_seconds(lambda: plain.run(q, (kc, vc)))
     own = (len(idx) - int(plan_rows(ip, idx, rows, hq // hkv).sum())) * P          # level 1's tokens
     kv_bytes = (prefixes * (prefix_len // P) * P + own) * hkv * D * 2 * 2           # distinct K and V bytes
     own_bytes = own * hkv * D * 2 * 2
@@ -86,9 +71,9 @@ def measure(model: str, rows: int, shapes: list[tc.Level0], level1_tiles: list[i
         w = tables.wrapper(dev_region, rows, *on)
         w.level0 = lv
         err = (w.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
-        t = _seconds(lambda: w.run(q, (kc, vc)))
-        t0 = _seconds(lambda: w.run_level0(q, (kc, vc)))
-        t1 = _seconds(lambda: w.run_level1(q, (kc, vc)))
+        t = median_seconds(lambda: w.run(q, (kc, vc)))
+        t0 = median_seconds(lambda: w.run_level0(q, (kc, vc)))
+        t1 = median_seconds(lambda: w.run_level1(q, (kc, vc)))
         tag = "default " if lv == default else ""
         print(f"  {tag}level 0 splits {lv.splits:2d} x {lv.block_n:3d}-token tiles, {lv.warps} warps: {t * 1e6:.1f} us "
               f"(level 0 {t0 * 1e6:.1f}, level 1 {t1 * 1e6:.1f} = {own_bytes / t1 / 1e9:.0f} GB/s of own KV; "
@@ -98,7 +83,7 @@ def measure(model: str, rows: int, shapes: list[tc.Level0], level1_tiles: list[i
     for bn in level1_tiles:
         w.level1_block_n = bn
         err = (w.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
-        t1 = _seconds(lambda: w.run_level1(q, (kc, vc)))
+        t1 = median_seconds(lambda: w.run_level1(q, (kc, vc)))
         print(f"  default level 0, level 1 on {bn}-token tiles: level 1 {t1 * 1e6:.1f} us "
               f"({own_bytes / t1 / 1e9:.0f} GB/s), max |d| vs plain {err:.4f}")
 

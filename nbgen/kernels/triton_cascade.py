@@ -8,7 +8,7 @@ Two launches per layer, both inside the decode graph of the step's batch size:
     prefix), writing a partial softmax state (m, l, acc) per q row;
   * level 1: nbgen's split-KV decode kernel (kernels/triton_decode.py) over each row's pages after its
     chunk's shared ones, which folds the row's ``SPLITS`` level-0 partials into its own state before
-    the one normalisation and rounding (``_fold_shared``).
+    the one normalisation and rounding (``paged_softmax.fold_shared``).
 Why this shape: the plain kernel reads a 2,000-token prefix once per row (256 rows: 256 times a step);
 here it is read once per chunk, and the merge costs no launch and no second rounding. Everything is
 fixed-size for the graphs: ``max_chunks`` chunks of up to ``rows_per_chunk`` rows (TILE_ROWS // group),
@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.kernels import pdl, triton_decode
+from nbgen.kernels import paged_softmax, pdl
 from nbgen.kernels.triton_decode import FP8_STAGES, LOG2E, STAGES, Cascade, TritonDecodeWrapper
 
 try:
@@ -92,7 +92,7 @@ if triton is not None:
                         mask=valid[:, None], other=0.0)                                # [BM, D]
             if FP8:
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-            m, l, acc = triton_decode.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
+            m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
                                                    s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES)
             # an empty split (lo >= hi) stores m = -inf, l = 0, acc = 0: level 1 weighs it 0
             cell = (c * HKV + kh) * S0 + s

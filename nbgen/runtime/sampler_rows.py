@@ -21,26 +21,27 @@ def host_tensor(data: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
     return t.to(device, non_blocking=True)
 
 
-def plain_greedy(s: SeqWork) -> bool:
-    """The row's token is the argmax of its raw logits: nothing to process, constrain or report.
-    (Runs for every row every step: the static part is computed once per request.)"""
+def raw_kind(s: SeqWork) -> str:
+    """"argmax" where the row's token is the argmax of its raw logits, "draw" where it is a Gumbel-max
+    draw from its raw logits / temperature (nothing to process, cut, constrain or report), else "".
+    Runs for every row every step: the static part is computed once per request."""
     req = s.req
-    flag = req.raw_argmax
-    if flag is None:
-        flag = req.raw_argmax = (req.params.plain_greedy and not req.logprobs.return_logprob
-                                 and req.grammar is None and req.logit_processor is None)
-    return flag and not stop_ids_banned(s)
+    kind = req.raw_kind
+    if kind is None:
+        p = req.params
+        plain = not req.logprobs.return_logprob and req.grammar is None and req.logit_processor is None
+        kind = req.raw_kind = "argmax" if plain and p.plain_greedy else "draw" if plain and p.plain_temperature else ""
+    return kind if kind and not stop_ids_banned(s) else ""
+
+
+def plain_greedy(s: SeqWork) -> bool:
+    """The row's token is the argmax of its raw logits."""
+    return raw_kind(s) == "argmax"
 
 
 def plain_draw(s: SeqWork) -> bool:
-    """The row's token is a Gumbel-max draw from its raw logits / temperature: nothing to process,
-    cut, constrain or report (the static part is computed once per request, as ``plain_greedy``)."""
-    req = s.req
-    flag = req.raw_draw
-    if flag is None:
-        flag = req.raw_draw = (req.params.plain_temperature and not req.logprobs.return_logprob
-                               and req.grammar is None and req.logit_processor is None)
-    return flag and not stop_ids_banned(s)
+    """The row's token is a draw from its raw logits / temperature."""
+    return raw_kind(s) == "draw"
 
 
 def stop_ids_banned(s: SeqWork) -> bool:
