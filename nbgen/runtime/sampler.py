@@ -213,9 +213,7 @@ class Sampler:
                                   for p in params], x.dtype, dev)
             thr = x.max(dim=-1).values + logmin                         # [b]
             x = x.masked_fill(x < thr.view(-1, 1), float("-inf"))
-        keys = host_tensor(torch.from_numpy(row_keys([s.req.seed for s in seqs], [s.out_index for s in seqs])),
-                           torch.int64, dev)
-        vhash = self.vocab_hash[:vocab].to(dev)
+        keys, vhash = self._noise_keys(seqs, vocab, dev)
         # the torch path's int64 temporaries are [block, V]: bounded; the CUDA kernel has none
         block = b if x.is_cuda else max(1, _NOISE_BLOCK_ELEMS // max(vocab, 1))
         out = [noisy_argmax(x[s:s + block], keys[s:s + block], vhash) for s in range(0, b, block)]
@@ -225,9 +223,14 @@ class Sampler:
         """Rows that are plain greedy (temperature 0 here) or plain draws, from raw [B, V] -> [B] long."""
         temps = host_tensor([0.0 if s.req.params.greedy else min(s.req.params.temperature, MAX_TEMPERATURE)
                              for s in seqs], torch.float32, raw.device)
+        return tempered_draw(raw, temps, *self._noise_keys(seqs, raw.shape[1], raw.device))
+
+    def _noise_keys(self, seqs: list[SeqWork], vocab: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+        """The draw's noise inputs on ``dev``: each row's key (its request seed and output index) [b]
+        int64, and the hashed ids of the first ``vocab`` tokens [vocab] int64."""
         keys = host_tensor(torch.from_numpy(row_keys([s.req.seed for s in seqs], [s.out_index for s in seqs])),
-                           torch.int64, raw.device)
-        return tempered_draw(raw, temps, keys, self.vocab_hash[: raw.shape[1]].to(raw.device))
+                           torch.int64, dev)
+        return keys, self.vocab_hash[:vocab].to(dev)
 
     # ------------------------------------------------------------------ logprobs
     def _logprobs(self, x: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> RowLogprobs:
