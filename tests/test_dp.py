@@ -125,6 +125,17 @@ def test_dp_routes_by_prompt_and_output_tokens(engines, monkeypatch):
     assert router.loads() == [0, 0]
 
 
+def test_router_prefix_slack_is_at_least_two_requests_of_this_size():
+    """In tokens, an idle replica must not win over the prefix's replica holding one request like this
+    one: the slack's floor is two requests of the routed request's cost, then a quarter of the load."""
+    r = Router(2)
+    shared = list(range(PREFIX_TOKENS))
+    assert Router.slack(0, 300) == 600 and Router.slack(4000, 300) == 1000
+    assert [r.route(f"p{i}", shared + [i], cost=300) for i in range(3)] == [0, 0, 0]   # 0, 300, 600 ahead
+    assert r.route("p3", shared + [3], cost=300) == 1  # 900 ahead of an idle replica: more than 600
+    assert r.loads() == [900, 300]
+
+
 def test_merge_stats_sums_counts_and_nested_priorities():
     a = {"running": 1, "page_size": 16, "output_tok_s": 2.5, "priorities": {0: {"running": 1, "waiting": 0}},
          "uptime_s": 3.0}

@@ -3,9 +3,10 @@
 Least-loaded by default, the load of a replica being the tokens its unfinished requests hold or will
 (prompt + max_new_tokens each; SGLang's ``minimum_tokens`` balancing): requests of mixed lengths split
 by their work, not their count (by count, W-nano's outputs split 52.7 / 47.3 over two replicas, and
-the run lasts as long as the busier one). Prefix-aware where it wins: a prompt whose first ``PREFIX_TOKENS`` tokens were routed before goes back to that replica,
-whose prefix cache probably holds them, unless that replica is busier than the least-loaded one by
-more than ``slack`` (then the cache hit would cost more waiting than it saves). Samples of one
+the run lasts as long as the busier one). Prefix-aware where it wins: a prompt whose first
+``PREFIX_TOKENS`` tokens were routed before goes back to that replica, whose prefix cache probably
+holds them, unless that replica is busier than the least-loaded one by more than ``slack`` (then the
+cache hit would cost more waiting than it saves). Samples of one
 prompt (``group``) and requests of one session stay together.
 """
 from __future__ import annotations
@@ -32,9 +33,10 @@ class Router:
         self.prefix_routed = 0                    # requests sent to their prefix's replica
 
     @staticmethod
-    def slack(least: int) -> int:
-        """How much busier (tokens) than the least-loaded replica a prefix's replica may be and still win."""
-        return max(2, least // 4)
+    def slack(least: int, cost: int = 1) -> int:
+        """How much busier (tokens) than the least-loaded replica a prefix's replica may be and still win:
+        a quarter of the least load, and at least two requests of this one's ``cost``."""
+        return max(2 * cost, least // 4)
 
     def least_loaded(self) -> int:
         """The replica with the fewest tokens of unfinished requests (the lowest index on ties)."""
@@ -54,20 +56,20 @@ class Router:
             elif groups is not None and group is not None and group in groups:
                 i = groups[group]
             else:
-                i = self._pick(prompt_ids)
+                i = self._pick(prompt_ids, cost)
             if groups is not None and group is not None:
                 groups[group] = i
             self._where[rid] = (i, cost)
             self._load[i] += cost
             return i
 
-    def _pick(self, prompt_ids: list[int]) -> int:
+    def _pick(self, prompt_ids: list[int], cost: int) -> int:
         least = min(range(self.n), key=self._load.__getitem__)
         if len(prompt_ids) < PREFIX_TOKENS:
             return least
         key = tuple(prompt_ids[:PREFIX_TOKENS])
         owner = self._prefix.get(key)
-        if owner is not None and self._load[owner] <= self._load[least] + self.slack(self._load[least]):
+        if owner is not None and self._load[owner] <= self._load[least] + self.slack(self._load[least], cost):
             self._prefix.move_to_end(key)
             self.prefix_routed += owner != least
             return owner
