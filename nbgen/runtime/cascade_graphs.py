@@ -24,8 +24,9 @@ MAX_CHUNKS = 16           # level-0 chunks a step keeps (those saving the most)
 MIN_SAVED_TOKENS = 4096   # KV tokens (per layer, kv head) a step must save to run the cascade graph
 
 
-def _blocks128(n: int) -> int:
-    """n int32 values rounded up to whole 128-byte blocks (32 values): views stay 16-byte aligned."""
+def blocks128(n: int) -> int:
+    """n int32 values rounded up to whole 128-byte blocks (32 values): views of the graph runner's flat
+    input buffer (runtime/cuda_graphs.py, these tables among them) stay 16-byte aligned."""
     return -(-n // 32) * 32
 
 
@@ -44,9 +45,9 @@ class CascadeTables:
         self.P = sp.page_size
         self.R = tc.rows_per_chunk(sp.num_q_heads // sp.num_kv_heads)
         self.mb = max_bs
-        a, b = _blocks128(max_bs), _blocks128(MAX_CHUNKS)
+        a, b = blocks128(max_bs), blocks128(MAX_CHUNKS)
         self._cuts = [0, a, 2 * a, 3 * a, 3 * a + b, 3 * a + 2 * b, 3 * a + 3 * b]
-        self.size = self._cuts[-1] + _blocks128(MAX_CHUNKS * self.R)
+        self.size = self._cuts[-1] + blocks128(MAX_CHUNKS * self.R)
         self.scratch = tc.SharedScratch(sp.num_kv_heads, sp.head_dim, MAX_CHUNKS, sp.device)
 
     def views(self, region: Any) -> tuple[Any, ...]:

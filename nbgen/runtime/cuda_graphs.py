@@ -39,6 +39,7 @@ from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.runtime import cascade_graphs
+from nbgen.runtime.cascade_graphs import blocks128
 from nbgen.runtime.pages import SCRATCH_PAGE
 from nbgen.runtime.step_inputs import is_placeholder, placeholder_row, rope_deltas
 
@@ -93,11 +94,6 @@ class StagingRing:
         self._events[self._i] = ev
 
 
-def _blocks128(n: int) -> int:
-    """n int32 values rounded up to whole 128-byte blocks (32 values)."""
-    return -(-n // 32) * 32
-
-
 class CudaGraphRunner:
     """Captures and replays decode graphs; ``run`` returns the last hidden states [n, H]."""
 
@@ -123,9 +119,9 @@ class CudaGraphRunner:
         # then the shared-prefix tables (``cascade_graphs.CascadeTables``) where those graphs exist
         self.cascade = cascade_graphs.CascadeTables(backend, mb) \
             if cascade_graphs.supported(backend, variant) else None
-        a, b = _blocks128(8 * mb), _blocks128(mb + 1)
-        c = a + b + _blocks128(mb)
-        d = c + _blocks128(mb)
+        a, b = blocks128(8 * mb), blocks128(mb + 1)
+        c = a + b + blocks128(mb)
+        d = c + blocks128(mb)
         self._cut = (a, a + b, c, d, d + (self.cascade.size if self.cascade else 0))
         self._buf = torch.zeros(self._cut[4] + mb * pages_per_seq, dtype=torch.int32, device=dev)
         self.io, self.indptr, self.last, self.order, self.indices = self._views(self._buf)
