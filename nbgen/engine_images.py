@@ -191,8 +191,8 @@ class ImagePrep:
         todo = [i for i, ims in enumerate(images) if ims]
         bg = self._background
         with bg.held() if bg is not None else contextlib.nullcontext():   # pixels once every prompt is laid out
-            if len(todo) >= _PARALLEL_FROM:
-                _ = self.processor            # loaded once, before the workers share it   # decoding and resizing release the GIL for most of their time
+            if len(todo) >= _PARALLEL_FROM:   # decoding and resizing release the GIL for most of their time
+                _ = self.processor            # loaded once, before the workers share it
                 with ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1)) as ex:
                     done = list(ex.map(lambda i: self._inputs(ids_list[i], images[i], i), todo))
             else:

@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops, roofline_seconds,
-                               shared_floor_seconds)
+from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
+                               roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
@@ -243,7 +243,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     # on a CPU the measured rate is fp32's while bf16 models run oneDNN's bf16 kernels: no roofline there
     roof = roofline_seconds(ins, outs, wb, kvb, bw, rows[0]["row_flops"], mm, args.dp_size) + \
         rows[0]["prefill_flops"] / (mm * args.dp_size) if dev.type == "cuda" else float("nan")
-    mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "") + (", streamed" if args.stream else "")
+    mode = ((f"temperature {args.temperature}" if args.temperature else "greedy")
+            + (", text in/out" if args.text else "") + (", streamed" if args.stream else ""))
     print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  tp {args.tp_size} dp {args.dp_size}  floor {floor:.2f} s  "
           f"startup {rows[0]['startup_s']:.1f} s")
