@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -123,6 +124,8 @@ def per_prompt_images(image_data: Any, n: int, single: bool) -> list[list[Any]]:
 class ImagePrep:
     """The model's image facts and processor (loaded on first use) for ``image_data``."""
 
+    _background: Optional[BackgroundPixels] = None          # the pixel work's pool (None: all on the caller)
+
     def __init__(self, hf_config: Any, model_dir: str) -> None:
         self.model_dir = model_dir
         self.vocab_size = int(hf_config.vocab_size)
@@ -186,12 +189,14 @@ class ImagePrep:
         """Prompts with their placeholders expanded (image token ids, still in the vocabulary for the
         usual checks) and each prompt's ImageInputs (None for prompts without images)."""
         todo = [i for i, ims in enumerate(images) if ims]
-        if len(todo) >= _PARALLEL_FROM:
-            _ = self.processor                # loaded once, before the workers share it   # decoding and resizing release the GIL for most of their time
-            with ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1)) as ex:
-                done = list(ex.map(lambda i: self._inputs(ids_list[i], images[i], i), todo))
-        else:
-            done = [self._inputs(ids_list[i], images[i], i) for i in todo]
+        bg = self._background
+        with bg.held() if bg is not None else contextlib.nullcontext():   # pixels once every prompt is laid out
+            if len(todo) >= _PARALLEL_FROM:   # decoding and resizing release the GIL for most of their time
+                _ = self.processor            # loaded once, before the workers share it
+                with ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1)) as ex:
+                    done = list(ex.map(lambda i: self._inputs(ids_list[i], images[i], i), todo))
+            else:
+                done = [self._inputs(ids_list[i], images[i], i) for i in todo]
         out_ids, inputs = list(ids_list), [None] * len(ids_list)
         for i, (new, inp) in zip(todo, done):
             out_ids[i], inputs[i] = new, inp

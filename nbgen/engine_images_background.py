@@ -6,19 +6,29 @@ lays out the prompts at once and hands the requests to the engine while a thread
 the pixels, in prompt order; the loop thread waits for a request's pixels only when its first prompt
 chunk reaches an image (``ImageInputs.pixels``): the first prefill steps overlap the rest of a batch's
 preprocessing instead of following it. Processors whose rule is not known run on the caller's thread.
+The pixel jobs of a batch start once its layout is done (``BackgroundPixels.held``): the workers' Python
+holds the GIL a good part of their time, and run beside the layout they would slow it down several
+times, holding back the first step, which needs the layout of every prompt but the pixels of a few.
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 
 Grid = tuple[int, int, int]
-_MAX_WORKERS = 8
+# Two workers: the processor's Python holds the GIL between its numpy calls, and every torch call of the
+# loop thread releases and re-takes the GIL; with eight GIL-hungry workers the loop thread waited up to a
+# switch interval (5 ms) for it at op after op, and the GPU sat idle inside the first steps' tower forwards
+# (H200 profile, 256 448x448 images: gaps of 5-7 ms between tower kernels). Two keep well ahead of the
+# tower (one 448x448 image takes ~2 ms of processor time, the GPU ~9 ms of step time per image).
+_MAX_WORKERS = 2
 
 
 def grids_ahead(proc: Any, pil: list[Any]) -> Optional[list[Grid]]:
@@ -57,10 +67,52 @@ class BackgroundPixels:
 
     def __init__(self) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+        self._holds = 0                                  # layouts in progress (``held``)
+        self._queued: list[tuple[Future, Any, list[Any], list[Grid]]] = []
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Jobs submitted meanwhile (from any thread) start when it ends, in submission order (when
+        layouts of several callers overlap: when the last one ends)."""
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                jobs, self._queued = (self._queued, []) if self._holds == 0 else ([], self._queued)
+            for job in jobs:
+                self._start(*job)
+
+    @property
+    def held_jobs(self) -> int:
+        """Jobs waiting for the layouts in progress to end."""
+        return len(self._queued)
 
     def submit(self, proc: Any, pil: list[Any], grids: list[Grid]) -> Future:
         """A Future of the pixel patches [N, D] of ``pil`` (whose grids are ``grids``)."""
+        fut: Future = Future()
+        with self._lock:
+            if self._holds:
+                self._queued.append((fut, proc, pil, grids))
+                return fut
+        self._start(fut, proc, pil, grids)
+        return fut
+
+    def _start(self, fut: Future, proc: Any, pil: list[Any], grids: list[Grid]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1), thread_name_prefix="nbgen-images")
             weakref.finalize(self, self._pool.shutdown, wait=False)
-        return self._pool.submit(_process, proc, pil, grids)
+        self._pool.submit(_fill, fut, proc, pil, grids)
+
+
+def _fill(fut: Future, proc: Any, pil: list[Any], grids: list[Grid]) -> None:
+    """Run one pixel job into its Future."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        fut.set_result(_process(proc, pil, grids))
+    except BaseException as e:   # noqa: BLE001 - the waiting step re-raises it
+        fut.set_exception(e)

@@ -123,3 +123,17 @@ def test_cpu_quality_bench_compares_the_quantized_modes_with_fp32() -> None:
         assert rows[mode]["positions"] == 3 * 8
         assert rows[mode]["top1_agreement"] >= 0.75, rows[mode]
         assert abs(rows[mode]["ppl_change"]) < 0.05, rows[mode]
+
+
+def test_bench_stream_mode_returns_what_generate_returns(tiny_engine) -> None:
+    """``--stream``: every prompt its own stream=True request, all at once; the joined chunks' text and
+    the last chunk's output equal a plain batch generate's (greedy)."""
+    from nbgen.bench.run import _stream_all
+
+    prompts = [[1, 5, 9, 2], [3, 3], [7, 8, 9, 10, 11, 12]]
+    sps = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (5, 9, 3)]
+    got = _stream_all(tiny_engine, prompts, sps)
+    ref = tiny_engine.generate(input_ids=prompts, sampling_params=sps)
+    assert [g["text"] for g in got] == [r["text"] for r in ref]
+    assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
+    assert [g["meta_info"]["completion_tokens"] for g in got] == [5, 9, 3]

@@ -91,6 +91,51 @@ def test_router_prefix_affinity_within_slack():
     assert r.loads() == [3, 3]
 
 
+def test_router_balances_tokens_not_request_counts():
+    """A replica given one long request takes the short ones after it until the tokens even out (by
+    count the two would alternate); a finish gives back exactly the tokens the request held."""
+    r = Router(2)
+    assert r.route("long", [1], cost=1000) == 0
+    assert [r.route(f"s{i}", [2], cost=100) for i in range(10)] == [1] * 10
+    assert r.loads() == [1000, 1000]
+    assert r.route("tie", [3], cost=50) == 0            # equal loads: the lowest index
+    r.done("long")
+    assert r.loads() == [50, 1000] and r.where("long") is None and r.where("s3") == 1
+    assert r.route("next", [4], cost=10) == 0
+
+
+def test_dp_routes_by_prompt_and_output_tokens(engines, monkeypatch):
+    """The engine counts prompt + max_new_tokens: one long request, then the short ones go to the other
+    replica; every token is given back when they finish."""
+    _, two = engines
+    router = two._loop.router
+    assert router.loads() == [0, 0]
+    calls = []
+    route = router.route
+
+    def spy(*args, **kw):
+        i = route(*args, **kw)
+        calls.append((kw["cost"], i))
+        return i
+    monkeypatch.setattr(router, "route", spy)
+    outs = two.generate(input_ids=[[5] * 60, [6] * 4, [7] * 4],
+                        sampling_params=[{"max_new_tokens": 40, "ignore_eos": True}, {"max_new_tokens": 4},
+                                         {"max_new_tokens": 4}])
+    assert calls == [(100, 0), (8, 1), (8, 1)] and len(outs[0]["output_ids"]) == 40
+    assert router.loads() == [0, 0]
+
+
+def test_router_prefix_slack_is_at_least_two_requests_of_this_size():
+    """In tokens, an idle replica must not win over the prefix's replica holding one request like this
+    one: the slack's floor is two requests of the routed request's cost, then a quarter of the load."""
+    r = Router(2)
+    shared = list(range(PREFIX_TOKENS))
+    assert Router.slack(0, 300) == 600 and Router.slack(4000, 300) == 1000
+    assert [r.route(f"p{i}", shared + [i], cost=300) for i in range(3)] == [0, 0, 0]   # 0, 300, 600 ahead
+    assert r.route("p3", shared + [3], cost=300) == 1  # 900 ahead of an idle replica: more than 600
+    assert r.loads() == [900, 300]
+
+
 def test_merge_stats_sums_counts_and_nested_priorities():
     a = {"running": 1, "page_size": 16, "output_tok_s": 2.5, "priorities": {0: {"running": 1, "waiting": 0}},
          "uptime_s": 3.0}

@@ -338,6 +338,34 @@ def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
     assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
 
 
+def test_greedy_constrained_batch_takes_the_masked_argmax(eng):
+    """Every row constrained and greedy (>= BATCH_FILL_MIN rows): under overlap the sampler takes
+    the tokens from ``Constraints.masked_argmax`` (the argmax reading the bitmask, no per-row
+    processing); outputs equal the plain loop's (masked float32 logits, then the argmax)."""
+    from nbgen.runtime.constraints import BATCH_FILL_MIN
+
+    n = BATCH_FILL_MIN + 8
+    prompts = _prompts(eng, "Give me a JSON record", n)
+    sps = [{"temperature": 0.0, "max_new_tokens": 18 + i % 5,
+            **({"json_schema": json.dumps(PERSON)} if i % 2 else {"regex": REGEXES[i % 4]})} for i in range(n)]
+    calls = []
+    constraints = eng._loop.runner.sampler.constraints
+    original = constraints.masked_argmax
+
+    def spy(*a, **k):
+        calls.append(1)
+        return original(*a, **k)
+
+    constraints.masked_argmax = spy
+    try:
+        plain, over = _forced_overlap(eng, lambda: eng.generate(prompts, sps, use_tqdm=False))
+    finally:
+        del constraints.masked_argmax
+    assert calls, "the masked argmax never ran"
+    assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
+    assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
+
+
 def test_grammar_pipeline_beside_logprob_requests(eng):
     """Requests that need host-side values (logprobs) arriving among pipelined grammar steps: the
     stepper drops its staged forward and runs those steps synchronously; outputs stay the same."""

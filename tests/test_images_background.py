@@ -62,3 +62,22 @@ def test_prompt_inputs_carry_pending_pixels(tmp_path):
     assert isinstance(inp.pixel_values, Future)
     want = prep.processor(images=[_image(60, 90)], return_tensors="pt")["pixel_values"]
     assert torch.equal(inp.pixels(), want) and inp.num_tokens == inp.grids[0][1] * inp.grids[0][2] // 4
+
+
+def test_held_pixel_jobs_start_when_the_layout_ends(tmp_path):
+    """Jobs submitted while a layout holds the pool wait (nested holds: until the outer one ends), then run
+    in order with the same results as unheld ones."""
+    import transformers as tf
+
+    d = make_tiny_vlm(str(tmp_path), "qwen2_vl")
+    proc = tf.AutoImageProcessor.from_pretrained(d)
+    ims = [[_image(60, 90, i)] for i in range(3)]
+    bg = BackgroundPixels()
+    with bg.held():
+        with bg.held():
+            futs = [bg.submit(proc, im, grids_ahead(proc, im)) for im in ims]
+        assert bg.held_jobs == 3 and not any(f.running() or f.done() for f in futs)
+    assert bg.held_jobs == 0
+    for f, im in zip(futs, ims):
+        assert torch.equal(f.result(), proc(images=im, return_tensors="pt")["pixel_values"])
+    assert isinstance(bg.submit(proc, ims[0], grids_ahead(proc, ims[0])), Future)

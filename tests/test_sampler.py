@@ -358,6 +358,70 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+_TEMPERED_CHECK = """
+import torch
+from nbgen.runtime.sampling_ops import gumbel_noise, mix32, row_key, tempered_draw
+dev = "{dev}"
+V = {V}
+x = (torch.randn(8, V, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16).to(dev)
+x[1, :] = float("-inf"); x[1, 17] = 0.0
+temps = torch.tensor([0.6, 0.6, 0.0, 1.0, 1e30, 0.05, 0.0, 2.5], dtype=torch.float32, device=dev)
+keys = torch.tensor([row_key(s, 3) for s in range(8)], dtype=torch.int64, device=dev)
+vh = mix32(torch.arange(V, dtype=torch.int64, device=dev) ^ 0x27D4EB2F)
+xf = x.float()
+ref = [int((xf[i:i + 1] / temps[i] + gumbel_noise(keys[i:i + 1], vh)).argmax(-1)) if temps[i] > 0
+       else int(xf[i].argmax()) for i in range(8)]
+got = tempered_draw(x, temps, keys, vh).tolist()
+assert got == ref, (got, ref)
+assert got[1] == 17 and got[2] == int(xf[2].argmax()) and got[6] == int(xf[6].argmax())
+print("ok")
+"""
+
+
+def test_tempered_draw_equals_widen_divide_then_draw() -> None:
+    """The temperature-only fast path's draw (torch fallback on the CPU) equals the sampler's long path:
+    float32 widening, IEEE division by the row's temperature, the Gumbel noise; temperature 0 rows are
+    the plain argmax; a row with one allowed token draws it at any temperature."""
+    exec(_TEMPERED_CHECK.format(dev="cpu", V=5000), {})
+
+
+def test_tempered_draw_kernel_on_the_interpreter() -> None:
+    """The same check through the Triton kernel under its CPU interpreter, in a fresh process."""
+    pytest.importorskip("triton")
+    r = run_under_triton_interpreter(_TEMPERED_CHECK.format(dev="cpu", V=9000).replace(
+        "from nbgen.runtime.sampling_ops import", "from nbgen.kernels import gpu_argmax\n"
+        "from nbgen.runtime.sampling_ops import _argmax_ws,").replace(
+        "got = tempered_draw(x, temps, keys, vh)", "got = gpu_argmax.tempered_argmax(x, temps, keys, vh, _argmax_ws(x.device))"),
+        timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tempered_draw_kernel_on_cuda() -> None:
+    """The kernel on the GPU, bf16 logits of Qwen3's vocabulary width."""
+    exec(_TEMPERED_CHECK.format(dev="cuda", V=151936), {})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_temperature_fast_path_draws_the_long_paths_tokens() -> None:
+    """A batch of temperature-only rows (and plain greedy rows) takes the one-kernel path; the same rows
+    asking for logprobs (which forces the long path: float32 copy, division, then the draw) draw the same
+    tokens."""
+    V = 151936
+    logits = (torch.randn(64, V, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) * 4
+              ).to(torch.bfloat16)
+    fast, slow = [], []
+    for i in range(64):
+        t = 0.0 if i % 5 == 0 else 0.3 + 0.1 * (i % 7)
+        fast.append(seq({"temperature": t}, seed=i, output=[1] * (i % 4)))
+        slow.append(seq({"temperature": t}, seed=i, output=[1] * (i % 4), lp=LogprobRequest(return_logprob=True)))
+    sampler = Sampler(V, torch.device("cuda"))
+    a = sampler(logits, fast).token_ids
+    b = sampler(logits, slow).token_ids
+    assert torch.equal(a, b)
+    assert {s.req.raw_kind for s in fast} == {"argmax", "draw"} and {s.req.raw_kind for s in slow} == {""}
+
+
 def test_argmax_workspace_grows_for_more_rows_and_wider_vocabularies() -> None:
     """The partials hold rows x chunk slots: a later call with a wider vocabulary (more chunks per row)
     at a row count seen before must grow them too, and the slots per row never shrink."""

@@ -182,3 +182,76 @@ def test_huge_temperatures_keep_masked_tokens_out(temperature: float) -> None:
     counts = torch.bincount(toks, minlength=V)
     assert counts[5] == 0 and counts[6] == 0
     assert counts[[0, 1, 2, 3, 4, 7]].min() > n / 6 * 0.8           # about uniform over the rest
+
+
+def _random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """int32 [rows + 2, ceil(vocab / 32)] random bitmask; row 1 allows only id 31 (the sign bit of
+    word 0), row 2 allows nothing."""
+    g = torch.Generator().manual_seed(seed)
+    bm = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows + 2, -(-vocab // 32)), dtype=torch.int32, generator=g)
+    bm[1] = 0
+    bm[1, 0] = -(1 << 31)
+    bm[2] = 0
+    return bm
+
+
+def test_masked_greedy_argmax_reference_on_cpu() -> None:
+    """The bitmask argmax (grammar steps whose rows are all greedy) picks the argmax of the logits
+    masked to -inf, bf16 and fp32; the sign bit of a word is an allowed id like any other."""
+    from nbgen.runtime.sampling_ops import allowed_ids, masked_greedy_argmax
+
+    V = 1000
+    bm = _random_bitmask(5, V, 0)
+    ok = allowed_ids(bm[:5], V)
+    assert bool(ok[1, 31]) and int(ok[1].sum()) == 1 and int(ok[2].sum()) == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, V, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+        ref = x.float().masked_fill(~ok, float("-inf")).argmax(-1)
+        out = torch.full((5,), -1, dtype=torch.long)
+        got = masked_greedy_argmax(x, bm, out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(got, ref) and int(got[1]) == 31
+
+
+def test_masked_argmax_kernel_on_the_interpreter() -> None:
+    """The argmax kernel's bitmask variant under Triton's CPU interpreter, in a fresh process: each
+    row's argmax among its allowed ids, widths that are and are not a multiple of 32 and of its chunk."""
+    pytest.importorskip("triton")
+    from tests.tiny_models import run_under_triton_interpreter
+
+    code = """
+import torch
+from nbgen.kernels import gpu_argmax
+from nbgen.runtime.sampling_ops import allowed_ids
+from tests.test_sampler_masks import _random_bitmask
+for B, V in [(5, 9000), (3, 4097), (4, 200)]:
+    x = torch.randn(B, V, generator=torch.Generator().manual_seed(V)) * 3
+    bm = _random_bitmask(B, V, V)
+    ref = x.masked_fill(~allowed_ids(bm[:B], V), float("-inf")).argmax(-1)
+    ref[2] = 0                                  # nothing allowed: index 0
+    got = gpu_argmax.masked_argmax(x, bm, gpu_argmax.ArgmaxWorkspace())
+    assert torch.equal(got, ref), (B, V, got, ref)
+print("ok")
+"""
+    r = run_under_triton_interpreter(code, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_masked_argmax_kernel_on_cuda() -> None:
+    """256 bf16 rows x Qwen3's vocabulary under a bitmask of SmolLM2's 49 152 ids (the bench's shape)
+    and of the whole width: the kernel equals masking and torch's argmax."""
+    from nbgen.kernels import gpu_argmax
+    from nbgen.runtime.sampling_ops import allowed_ids
+
+    ws = gpu_argmax.ArgmaxWorkspace()
+    x = (torch.randn(256, 151936, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)) * 3)
+    x = x.to(torch.bfloat16)
+    for width in (49152, 151936):
+        bm = _random_bitmask(256, width, width).cuda()
+        xv = x[:, :width]
+        ok = allowed_ids(bm[:256], width)
+        ref = xv.float().masked_fill(~ok, float("-inf")).argmax(-1)
+        ref[2] = 0
+        assert torch.equal(gpu_argmax.masked_argmax(xv, bm, ws), ref), width
+        assert int(ws.count.sum()) == 0

@@ -27,3 +27,39 @@ def test_plans_are_cached_per_grid_signature(tmp_path):
     for i in range(1, 12):                                 # the least recently used plans are dropped
         tower.plan([(1, 2 * i, 2)], cpu)
     assert tower.plan(a, cpu) is not pa
+
+
+def test_vision_sdpa_leaves_cudnn_out_on_cuda_only() -> None:
+    """cuDNN's attention builds a plan per new shape (each tower batch size): towers run flash on CUDA."""
+    from nbgen.models.vision_plan import vision_sdpa
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with vision_sdpa(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with vision_sdpa(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_pixels_per_token_matches_the_processor(tmp_path):
+    """The pixel staging's reservation unit: pixel values behind one image token, as the processor lays them out."""
+    import transformers as tf
+
+    from nbgen.runtime.vision_step import vision_step_for
+
+    d, model = _model("qwen2_5_vl", tmp_path)
+    x = tf.AutoImageProcessor.from_pretrained(d)(images=[_noise(56, 84)], return_tensors="pt")
+    per_token = x["pixel_values"].numel() // (int(x["image_grid_thw"].prod()) // model.merge ** 2)
+    assert model.pixels_per_token == per_token
+    step = vision_step_for(model, torch.device("cpu"), torch.float32, 64)
+    assert step is not None and step.staging is None                    # CPU: no pinned staging
+    assert vision_step_for(torch.nn.Linear(2, 2), torch.device("cpu"), torch.float32, 64) is None
+
+
+def _noise(h: int, w: int):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))

@@ -110,6 +110,16 @@ def test_batch_mixing_text_and_images_matches_hf(vlm, hf_model):
         assert ("image_tokens" in o["meta_info"]) == (ims is not None)
 
 
+def test_text_tail_after_the_image_matches_hf(vlm, hf_model):
+    """A long text after the image (chunks of 16): the chunks starting past the last image slot run as
+    plain text on the ordinary path at positions p + rope_delta."""
+    _, eng = vlm
+    img = _image(*SIZES[0], seed=7)
+    prompt = _prompt(eng, 1, "Describe the colours, the shapes and the texture of this picture. " * 4)
+    out = eng.generate(prompt, SP, image_data=img)
+    assert out["output_ids"] == _hf_generate(hf_model, eng.tokenizer, prompt, [img])
+
+
 def test_prefix_cache_shares_by_image_hash(vlm):
     _, eng = vlm
     prompt = _prompt(eng, 1, "Tell me about this picture in a few words.")

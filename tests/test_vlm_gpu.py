@@ -48,3 +48,23 @@ def test_vision_tower_bf16_cuda_close_to_hf(gpu_vlm):
         got = ours.encode_images(x["pixel_values"].cuda(), [tuple(g) for g in x["image_grid_thw"].tolist()])
     err = (got.float().cpu() - ref).abs().max().item()
     assert err <= 3e-2 * ref.abs().max().item(), err
+
+
+def test_pixel_staging_reuses_pinned_buffers():
+    """A step's pixels through the two reserved pinned buffers: the values the GPU cast gives, the buffers
+    kept across steps (grown only for a larger step), any row shape."""
+    from nbgen.runtime.vision_step import PixelStaging
+
+    for dtype in (torch.bfloat16, torch.float32):
+        st = PixelStaging(torch.device("cuda"), dtype, reserve_elements=6 * 10)
+        first = list(st.bufs)
+        for rows in ([2, 3], [1], [4, 1], [3, 3]):               # the last one (60 elements) still fits
+            parts = [torch.randn(r, 10) for r in rows]
+            got = st.to_device(parts, dtype)
+            assert got.dtype == dtype and torch.equal(got, torch.cat(parts).cuda().to(dtype))
+        assert st.bufs[0] is first[0] and st.bufs[1] is first[1]
+        big = [torch.randn(9, 10), torch.randn(2, 10)]
+        assert torch.equal(st.to_device(big, dtype), torch.cat(big).cuda().to(dtype))
+        assert st.bufs[0] is not first[0] or st.bufs[1] is not first[1]
+        llava = [torch.randn(2, 3, 4, 4)]                        # [N, C, S, S] images
+        assert torch.equal(st.to_device(llava, dtype), llava[0].cuda().to(dtype))

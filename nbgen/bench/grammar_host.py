@@ -30,6 +30,7 @@ import torch
 from nbgen.bench import grammar_extract
 from nbgen.bench.grammar import SCHEMA
 from nbgen.core.batch import SeqWork
+from nbgen.core.sampling import SamplingParams
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime.constraints import Constraints
 from nbgen.runtime.grammar import GrammarState
@@ -64,7 +65,10 @@ class Rows:
     def __init__(self, compiled: Any, seqs: list[list[int]], eos: int, vocab: int, n: int) -> None:
         self.compiled, self.seqs, self.eos, self.vocab = compiled, seqs, eos, vocab
         self.pos = [(7 * i) % len(seqs[i % len(seqs)]) for i in range(n)]   # staggered starts
-        self.reqs = [SimpleNamespace(grammar=self._state()) for _ in range(n)]
+        # greedy requests with nothing else to apply (what the sampler's checks read)
+        self.reqs = [SimpleNamespace(grammar=self._state(), params=SamplingParams(temperature=0.0),
+                                     logprobs=SimpleNamespace(return_logprob=False), logit_processor=None)
+                     for _ in range(n)]
         for i, req in enumerate(self.reqs):     # catch up with the staggered position
             for t in self.seqs[i % len(seqs)][: self.pos[i]]:
                 assert req.grammar.accept(t)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from typing import Callable
+
 import torch
 
 from nbgen.attention import kv_quant
@@ -21,7 +23,7 @@ CASES = [(1, 1024), (1, 8192), (32, 1024), (256, 600), (256, 1024)]     # (batch
 P = 16
 
 
-def _seconds(fn, reps: int = 30) -> float:
+def median_seconds(fn: Callable[[], object], reps: int = 30) -> float:
     """Median seconds of ``fn`` over ``reps`` launches (CUDA events) after 3 warm-ups."""
     for _ in range(3):
         fn()
@@ -75,7 +77,7 @@ def decode_rows(model: str) -> list[dict]:
         for pages in ("bf16", "e4m3"):
             caches = (kc, vc) if pages == "bf16" else (k8, v8)
             err = (w.run(q, caches)[:2].float() - _reference(q, *caches, indptr, indices, n)).abs().max().item()
-            secs = _seconds(lambda: w.run(q, caches))
+            secs = median_seconds(lambda: w.run(q, caches))
             kv_bytes = 2 * bs * n * hkv * D * caches[0].element_size()
             rows.append({"model": model, "batch": bs, "kv_len": n, "pages": pages,
                          "us": secs * 1e6, "GB/s": kv_bytes / secs / 1e9, "max_err": err})
@@ -101,7 +103,7 @@ def prefill_rows(model: str) -> list[dict]:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
         w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
                q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype)
-        secs = _seconds(lambda: w.run(q, caches))
+        secs = median_seconds(lambda: w.run(q, caches))
         rows.append({"model": model, "pages": pages, "us": secs * 1e6,
                      "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
     return rows

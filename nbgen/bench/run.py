@@ -11,7 +11,8 @@ Workloads (DESIGN.md "Benchmarks"; all ignore_eos, greedy, ``random.seed(0)``, r
 ``--temperature 0.6`` samples instead (nano-vllm's bench does); ``--text`` sends the prompts as text
 (each prompt's ids decoded with the tokenizer, ``--tokenizer-path`` for a directory without one) and
 the outputs come back as text (incremental detokenization of every token): the path a notebook
-user's prompts take, against the ids-only run.
+user's prompts take, against the ids-only run; ``--stream`` sends every prompt as its own
+``stream=True`` request, all at once.
 The floor is the bytes a perfect engine must read in its decode steps (weights once per step plus
 every live sequence's KV), divided by the device copy bandwidth measured in the same run (on CUDA the
 faster of one copy test before and one after the engines; on a CPU after them only). Decode
@@ -22,6 +23,7 @@ bf16 matmul rate measured in the same run ("floor+pf"; see ``nbgen.bench.floor``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import statistics
@@ -30,8 +32,8 @@ from typing import Any, Optional
 
 import torch
 
-from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops, roofline_seconds,
-                               shared_floor_seconds)
+from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
+                               roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
@@ -94,7 +96,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         if i:
             eng.flush_cache()        # each repeat prefills its prompts again (no prefix-cache hits)
         t0 = time.perf_counter()
-        res = eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False)
+        res = (_stream_all(eng, prompts, sps) if args.stream
+               else eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False))
         runs.append(time.perf_counter() - t0)
     gcs.close()
     secs = statistics.median(runs)
@@ -123,6 +126,10 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     for k in ("kv_layout", "use_tensor_cores"):        # flashinfer backend's kernel choices
         if hasattr(runner.backend, k):
             info[k] = getattr(runner.backend, k)
+    # decode steps replayed on the shared-prefix (cascade) graphs, over all runs
+    info["cascade_steps"] = runner.graphs.cascade_steps if runner.graphs is not None else 0
+    if info["cascade_steps"]:
+        print(f"shared-prefix decode steps: {info['cascade_steps']}")
     out = {"engine": "nbgen", "seconds": secs, "runs_s": runs, "in_tokens": n_in, "out_tokens": n_out, "startup_s": startup,
            "weight_bytes": wb, "kv_bytes_per_token": kvb, "prefill_flops": pf, "prefill_flops_shared": pf_shared,
            "row_flops": prefill_flops(runner.model, runner.hf_config, [1]),
@@ -142,6 +149,23 @@ def _inputs(prompts: Any) -> dict[str, Any]:
     return {"prompt": prompts} if isinstance(prompts[0], str) else {"input_ids": prompts}
 
 
+def _stream_all(eng: Engine, prompts: Any, sps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every prompt as its own ``stream=True`` request, all at once (asyncio, the way a notebook
+    streams many cells or a UI many chats); each result holds its chunks' text joined and the
+    last chunk's output."""
+    async def one(i: int) -> dict[str, Any]:
+        parts: list[str] = []
+        last: dict[str, Any] = {}
+        async for chunk in await eng.async_generate(**_inputs(prompts[i:i + 1]), sampling_params=sps[i], stream=True):
+            parts.append(chunk.get("text") or "")
+            last = chunk
+        return {**last, "text": "".join(parts)}
+
+    async def every() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    return asyncio.run(every())
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(prog="python -m nbgen.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir (config.json); default: the embedded model")
@@ -157,6 +181,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--peer", default=None, choices=["hf"])
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); nano-vllm samples at 0.6")
     ap.add_argument("--text", action="store_true", help="text prompts (the workload's ids decoded) and text outputs")
+    ap.add_argument("--stream", action="store_true",
+                    help="each prompt as its own stream=True request, all at once (with --text: W-text streamed)")
     ap.add_argument("--tokenizer-path", default=None, help="tokenizer for --text when the model dir has none")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8 weights (default: the checkpoint's)")
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
@@ -222,7 +248,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     # on a CPU the measured rate is fp32's while bf16 models run oneDNN's bf16 kernels: no roofline there
     roof = roofline_seconds(ins, outs, wb, kvb, bw, rows[0]["row_flops"], mm, args.dp_size) + \
         rows[0]["prefill_flops"] / (mm * args.dp_size) if dev.type == "cuda" else float("nan")
-    mode = (f"temperature {args.temperature}" if args.temperature else "greedy") + (", text in/out" if args.text else "")
+    mode = ((f"temperature {args.temperature}" if args.temperature else "greedy")
+            + (", text in/out" if args.text else "") + (", streamed" if args.stream else ""))
     print(f"\nworkload {workload} ({mode})  model {args.model or 'embedded'}  device {args.device}  "
           f"copy bandwidth {bw / 1e9:.0f} GB/s  tp {args.tp_size} dp {args.dp_size}  floor {floor:.2f} s  "
           f"startup {rows[0]['startup_s']:.1f} s")

@@ -18,7 +18,7 @@ size (``--batch-sizes``, 1 and 32): ms per decode step without and with speculat
 speculative request verifies ``--num-draft-tokens`` tokens), the acceptance length reached, the
 verify step's cost in plain decode steps, the speed-up that cost implies at acceptance lengths
 2, 3 and 4 (acceptance length x plain step ms / speculative step ms), and how many engine steps
-replayed a verify CUDA graph.
+replayed a verify CUDA graph (and, STANDALONE, drafted through the draft model's graphs).
 """
 from __future__ import annotations
 
@@ -119,6 +119,18 @@ def extractive(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _profile(eng: Engine, prompts: list[Any], sp: dict[str, Any], batch: int, steps: int) -> list[str]:
+    """The top ops of ``steps`` engine steps (torch.profiler through ``Engine.start_profile``), per step:
+    host syncs show as cudaStreamSynchronize / cudaEventSynchronize / aten::_local_scalar_dense calls."""
+    eng.start_profile(num_steps=steps, activities=["CPU", "GPU"] if torch.cuda.is_available() else ["CPU"])
+    _timed(eng, prompts, sp, batch, True)
+    prof = eng.stop_profile()
+    n = max(prof.steps, 1)
+    ops = sorted(prof.ops, key=lambda o: -o.get("self_cpu_us", o["cpu_us"]))[:25]
+    return [f"{o['name']}: {o['calls'] / n:.2f} calls, self cpu {o.get('self_cpu_us', 0) / n:.1f} us, "
+            f"device {o.get('device_us', 0) / n:.1f} us" for o in ops]
+
+
 def machinery(args: argparse.Namespace) -> dict[str, Any]:
     """A speculative step's cost against a plain decode step, with drafts that agree as far as possible."""
     rng = random.Random(0)
@@ -134,13 +146,17 @@ def machinery(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [[rng.randint(2, top) for _ in range(args.block)] * args.repeats for _ in range(bs)]
             for name, eng in engines.items():
                 _timed(eng, prompts, {**sp, "max_new_tokens": 4}, bs, True)              # warm-up
-                graphed = eng.stats().get("spec_verify_graph_steps", 0)
+                before = eng.stats()
                 secs, outs = _timed(eng, prompts, sp, bs, True)
                 s = _summary(secs, outs)
-                if name == "spec":    # engine steps whose verify forward replayed a CUDA graph
-                    s["verify_graph_steps"] = eng.stats().get("spec_verify_graph_steps", 0) - graphed
+                if name == "spec":    # engine steps whose verify forward / STANDALONE drafts replayed CUDA graphs
+                    after = eng.stats()
+                    for key in ("verify_graph_steps", "draft_graph_steps"):
+                        s[key] = after.get(f"spec_{key}", 0) - before.get(f"spec_{key}", 0)
                 steps = s.get("verify_steps", sum(o["meta_info"]["completion_tokens"] for o in outs)) / bs
                 s["ms_per_step"] = round(1000 * secs / steps, 3)
+                if args.profile_steps:
+                    s["profile"] = _profile(eng, prompts, sp, bs, args.profile_steps)
                 res.setdefault(f"bs{bs}", {})[name] = s
     finally:
         for eng in engines.values():
@@ -175,6 +191,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--mem-fraction-static", type=float, default=0.4,
                     help="GPU memory share of the plain engine (cuda)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="machinery: also profile this many engine steps of each engine (top ops per step)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.threads:

@@ -8,7 +8,8 @@ Reported: nbgen's output tok/s; HF transformers ``generate`` on the first ``--hf
 in batches of ``--hf-batch-size`` (the prompts have equal lengths: no padding), random weights of the same
 config, its output tok/s and the ratio; the vision tower's share: the tower alone over the same
 images (batches of ``--tower-batch`` images, as prefill steps group them) ÷ nbgen's time; the
-preprocessing time alone. ``--profile``: the workload once more under the profiler
+preprocessing time alone; generate()'s image layout alone, and when the first ``--tower-batch`` and all
+images' background pixels are ready. ``--profile``: the workload once more under the profiler
 (``bench/vlm_profile.py``). ``--tiny`` builds a tiny random Qwen2.5-VL instead (CPU smoke run).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from nbgen.bench.tiny_vlm import make_tiny_vlm
 from nbgen.bench.vlm_profile import profile_generate
 from nbgen.engine import Engine
+from nbgen.engine_images_llava import vision_prep_for
 from nbgen.kernels import gpu_ops
 from nbgen.models.model_config import read_model_config
 from nbgen.models.qwen2_vl_vision import VisionTower
@@ -140,6 +142,23 @@ def run_tower(args: argparse.Namespace, model_dir: str, images: list[Any]) -> di
         return {"tower_seconds": time.perf_counter() - t0, "preprocess_seconds": prep}
 
 
+def run_layout(model_dir: str, ids: list[list[int]], images: list[Any], first: int) -> dict[str, Any]:
+    """generate()'s image layout alone on the caller's thread (``ImagePrep.expand``: placeholders, hashes,
+    positions; the pixel work then starts in the background) and when the first ``first`` and all
+    prompts' pixels are ready, from the call."""
+    prep = vision_prep_for(prepare_config(read_model_config(model_dir)), model_dir)
+    _ = prep.processor
+    t0 = time.perf_counter()
+    _, inputs = prep.expand([list(p) for p in ids], [[im] for im in images])
+    laid = time.perf_counter() - t0
+    for inp in inputs[:first]:
+        inp.pixels()
+    head = time.perf_counter() - t0
+    for inp in inputs:
+        inp.pixels()
+    return {"layout_seconds": laid, f"first_{first}_pixels_after_s": head, "all_pixels_after_s": time.perf_counter() - t0}
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m nbgen.bench.vlm", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=CONFIG_DIR, help="HF dir (config.json + preprocessor_config.json)")
@@ -170,6 +189,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if args.device == "cuda":
             torch.cuda.empty_cache()
         res["vision"] = run_tower(args, model_dir, images)
+        res["vision"].update(run_layout(model_dir, ids, images, args.tower_batch))
         res["vision"]["share_of_nbgen_time"] = res["vision"]["tower_seconds"] / res["nbgen"]["seconds"]
         if args.hf_requests > 0:
             if args.device == "cuda":

@@ -5,6 +5,10 @@ prefill) under the engine's profiler (``Engine.start_profile`` / ``stop_profile`
 From the trace: wall time, GPU busy time (the union of kernel and copy intervals; the rest is the GPU
 waiting for the host), the vision tower's GPU time (kernels under the runner's ``nbgen::vision_tower``
 range) and share, the loop thread's time in tower forwards, GPU time by kernel class (matmul, attention, other), and the top kernels.
+Where the GPU waited (``bench/gpu_gaps.py``): its idle time before the first GPU work, during the image
+prefill steps (up to the end of the last ``nbgen::image_step`` range on the GPU) and after them, the
+largest gaps with the loop thread's host events beside them, and the first step's timeline (the loop
+thread's first wait for pixels, its first tower launch).
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from nbgen.runtime.vision_step import TOWER_RANGE
+from nbgen.bench.gpu_gaps import gap_report, loop_tid, merge
+from nbgen.runtime.vision_step import IMAGE_STEP_RANGE, PIXELS_RANGE, TOWER_RANGE
 
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _MATMUL = re.compile(r"gemm|matmul|cutlass|nvjet|sm90_xmma|cublas|ampere_bf16|splitk", re.I)
@@ -24,17 +29,7 @@ _ATTENTION = re.compile(r"flash|fmha|attention|attn|prefill|decode|sdpa", re.I)
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+    return sum(e - s for s, e in merge(spans))
 
 
 def _kernel_class(name: str) -> str:
@@ -52,6 +47,7 @@ def summarize_trace(path: str, wall_s: float, top: int = 20) -> dict[str, Any]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans, by_name, by_class = [], defaultdict(lambda: [0, 0.0]), defaultdict(float)
     tower, tower_host, first_ts = [], [], None
+    image_steps, pixels, tower_starts = [], [], []
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -66,14 +62,34 @@ def summarize_trace(path: str, wall_s: float, top: int = 20) -> dict[str, Any]:
                 by_class[_kernel_class(e.get("name", ""))] += dur
         elif cat == "gpu_user_annotation" and e.get("name") == TOWER_RANGE:
             tower.append((float(e["ts"]), float(e["ts"]) + dur))
+        elif cat == "gpu_user_annotation" and e.get("name") == IMAGE_STEP_RANGE:
+            image_steps.append(float(e["ts"]) + dur)
         elif cat == "user_annotation" and e.get("name") == TOWER_RANGE:
             tower_host.append(dur)
+            tower_starts.append(float(e["ts"]))
+        elif cat == "user_annotation" and e.get("name") == PIXELS_RANGE:
+            pixels.append((float(e["ts"]), dur))
     busy_us = _union_us(spans)
     # kernel time inside the tower's GPU ranges
     tower_us = 0.0
     if tower:
         tower_us = _union_us([(max(s, a), min(t, b)) for s, t in spans for a, b in tower if s < b and t > a])
     kernels = sorted(by_name.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    t0 = first_ts or 0.0
+    first_gpu = min((s for s, _ in spans), default=t0)
+    last_gpu = max((t for _, t in spans), default=t0)
+    windows = {"before_first_gpu_work": (t0, first_gpu)}
+    if image_steps:
+        windows["image_steps"] = (first_gpu, max(image_steps))
+        windows["after_image_steps"] = (max(image_steps), last_gpu)
+    else:
+        windows["steps"] = (first_gpu, last_gpu)
+    first_pixels = min(pixels, default=None)
+    first_step = {"pixels_wait_starts_s": (first_pixels[0] - t0) / 1e6 if first_pixels else None,
+                  "pixels_wait_s": first_pixels[1] / 1e6 if first_pixels else None,
+                  "pixels_wait_total_s": sum(d for _, d in pixels) / 1e6,
+                  "tower_launch_starts_s": (min(tower_starts) - t0) / 1e6 if tower_starts else None,
+                  "first_gpu_work_s": (first_gpu - t0) / 1e6}
     return {
         "wall_s": wall_s,
         "gpu_busy_s": busy_us / 1e6,
@@ -87,6 +103,8 @@ def summarize_trace(path: str, wall_s: float, top: int = 20) -> dict[str, Any]:
         "tower_host_s": sum(tower_host) / 1e6,       # the loop thread inside tower forwards (CPU: all of it)
         "gpu_s_by_class": {k: v / 1e6 for k, v in sorted(by_class.items())},
         "top_kernels": [{"name": n[:120], "calls": c, "gpu_s": t / 1e6} for n, (c, t) in kernels],
+        "first_step": first_step,
+        "gpu_idle": gap_report(events, windows, loop_tid(events, TOWER_RANGE), t0),
     }
 
 

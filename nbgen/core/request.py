@@ -95,9 +95,10 @@ class Request:
     # SGLang's meta_info["hidden_states"]: [0] the prompt's states [prompt_len][hidden] (filled chunk
     # by chunk), then [k] the state [hidden] of the position that produced output token k
     hidden_states: list[Any] = field(default_factory=list)
-    # the sampler's per-request "argmax of the raw logits" flag, set at its first step (params,
-    # logprobs, processor and grammar are fixed by then); min_new_tokens is checked per step
-    raw_argmax: Optional[bool] = None
+    # the sampler's per-request "token from the raw logits alone" kind ("argmax", "draw" from the logits /
+    # temperature, "" neither), set at its first step (params, logprobs, processor and grammar are fixed
+    # by then); min_new_tokens is checked per step
+    raw_kind: Optional[str] = None
     # embedding requests: the pooling state of the prompt computed so far (runtime/pooling.py; a
     # device tensor, e.g. mean pooling's running sum), then the finished vector
     pool_state: Optional[Any] = None

@@ -178,6 +178,14 @@ class SamplingParams:
         return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
                 and not self.frequency_penalty and not self.presence_penalty)
 
+    @property
+    def plain_temperature(self) -> bool:
+        """A draw from the raw logits / temperature: no top-k / top-p / min-p cut, no logit processing.
+        (min_new_tokens and grammars depend on the request's state; the sampler checks those.)"""
+        return (not self.greedy and self.top_k == -1 and self.top_p == 1.0 and self.min_p == 0.0
+                and not self.logit_bias and self.repetition_penalty == 1.0
+                and not self.frequency_penalty and not self.presence_penalty)
+
     @classmethod
     def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
         """Build from a user dict; an unknown key raises naming it, with a close match."""

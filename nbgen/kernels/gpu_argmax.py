@@ -12,7 +12,9 @@ as torch orders them: a row with NaN has no meaningful greedy token either way).
 ``noisy_argmax`` adds each (row, token)'s Gumbel noise inside the kernel: the 32-bit mix hash of
 the row key and the token's hashed id in native uint32 arithmetic, then -log(-log(u)) with
 libdevice's log (the CUDA logf torch uses), the same values as ``runtime/sampling_ops`` computes
-with int64 tensor ops, without a [B, V] temporary.
+with int64 tensor ops, without a [B, V] temporary. ``tempered_argmax`` also divides each row by its
+temperature first (IEEE division, as torch's ``x / t``; temperature 0: that row's plain argmax), so a
+batch of temperature-only rows reads the raw bf16 logits once and writes no fp32 copies.
 """
 from __future__ import annotations
 
@@ -53,8 +55,9 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, V, sx, S,
-                       SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, USE_PDL: tl.constexpr):
+    def _argmax_kernel(x_ptr, out_ptr, pmax_ptr, pidx_ptr, count_ptr, key_ptr, vhash_ptr, temp_ptr, m_ptr, V, sx, sm,
+                       S, SP: tl.constexpr, BLOCK: tl.constexpr, NOISY: tl.constexpr, TEMPERED: tl.constexpr,
+                       MASKED: tl.constexpr, USE_PDL: tl.constexpr):
         r = tl.program_id(0)
         c = tl.program_id(1)
         cols = c * BLOCK + tl.arange(0, BLOCK)
@@ -62,12 +65,20 @@ if triton is not None:
             pdl.gdc_wait()                                  # the logits are the previous kernel's output
             pdl.gdc_launch_dependents()
         x = tl.load(x_ptr + r.to(tl.int64) * sx + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        if MASKED:                                          # a grammar's token bitmask: bit v of word v // 32
+            w = tl.load(m_ptr + r.to(tl.int64) * sm + cols // 32, mask=cols < V, other=0)
+            x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
         if NOISY:                                           # Gumbel(0, 1) noise of (row key, token)
             key = tl.load(key_ptr + r).to(tl.uint32)
             vh = tl.load(vhash_ptr + cols, mask=cols < V, other=0).to(tl.uint32)
             h = _mix32(key ^ vh)
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)   # in [2**-24, 1 - 2**-24]
-            x = x - _log(-_log(u))
+            if TEMPERED:                                    # temperature 0: the row's plain argmax
+                t = tl.load(temp_ptr + r)
+                if t > 0.0:
+                    x = tl.math.div_rn(x, t) - _log(-_log(u))
+            else:
+                x = x - _log(-_log(u))
         cell = r * SP + c
         tl.store(pmax_ptr + cell, tl.max(x, 0))
         tl.store(pidx_ptr + cell, c * BLOCK + tl.argmax(x, 0, tie_break_left=True))
@@ -111,22 +122,41 @@ def argmax(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor] = N
     return _launch(x, ws, out, None, None)
 
 
+def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, ws: ArgmaxWorkspace,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [B, V] -> [B] long: each row's argmax over the ids its row of ``bitmask`` allows (int32
+    [>= B, >= ceil(V / 32)] on x's device, xgrammar's layout: bit v % 32 of word v // 32), in one
+    pass over x (no masked copy of the logits). A row allowing nothing gets index 0."""
+    assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[1] * 32 >= x.shape[1]
+    return _launch(x, ws, out, None, None, bitmask=bitmask)
+
+
 def noisy_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor, ws: ArgmaxWorkspace) -> torch.Tensor:
     """Gumbel-max draw: argmax over V of x [B, V] plus each row's noise -> [B] long. keys [B] int64
     row keys, vocab_hash [>= V] int64 hashed token ids, both in [0, 2**32) (``sampling_ops``)."""
     return _launch(x, ws, None, keys, vocab_hash)
 
 
+def tempered_argmax(x: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor,
+                    ws: ArgmaxWorkspace) -> torch.Tensor:
+    """Per row: argmax over V of x / temps[row] plus the row's Gumbel noise, or of x itself where
+    temps[row] is 0 -> [B] long. temps [B] float32; keys and vocab_hash as ``noisy_argmax``."""
+    return _launch(x, ws, None, keys, vocab_hash, temps)
+
+
 def _launch(x: torch.Tensor, ws: ArgmaxWorkspace, out: Optional[torch.Tensor], keys: Optional[torch.Tensor],
-            vocab_hash: Optional[torch.Tensor]) -> torch.Tensor:
+            vocab_hash: Optional[torch.Tensor], temps: Optional[torch.Tensor] = None,
+            bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
     B, V = x.shape
     S = triton.cdiv(V, BLOCK)
     sp = triton.next_power_of_2(S)
     pmax, pidx, count = ws.get(B, sp, x.device)
     if out is None:
         out = torch.empty(B, dtype=torch.long, device=x.device)
-    noisy = keys is not None
+    noisy, masked = keys is not None, bitmask is not None
     pdl.launch(_argmax_kernel, (B, S), (x, out, pmax, pidx, count, keys if noisy else out,
-                                        vocab_hash if noisy else out, V, x.stride(0), S), x.device,
-               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, num_warps=4)
+                                        vocab_hash if noisy else out, out if temps is None else temps,
+                                        bitmask if masked else out, V, x.stride(0),
+                                        bitmask.stride(0) if masked else 0, S), x.device,
+               SP=ws.sp, BLOCK=BLOCK, NOISY=noisy, TEMPERED=temps is not None, MASKED=masked, num_warps=4)
     return out

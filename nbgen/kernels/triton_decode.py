@@ -21,12 +21,13 @@ P.V rounds the probabilities to q's dtype.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from nbgen.kernels import pdl
+from nbgen.kernels import paged_softmax, pdl
 from nbgen.kernels.batch_sizes import padded_batch_size
 
 try:
@@ -75,10 +76,14 @@ def block_n(bs: int, head_dim: int) -> int:
     return n if head_dim <= 128 else n // 2
 
 
-def longest_first(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
-    """Rows by KV length, longest first (ties in row order) as int32 [B]."""
+def longest_first(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int,
+                  skip: Optional[np.ndarray] = None) -> np.ndarray:
+    """Rows by KV length (less ``skip`` [B] leading pages where given), longest first (ties in row
+    order) as int32 [B]."""
     n = len(last_page_len)
     kv_len = (np.diff(kv_indptr[: n + 1]).astype(np.int64) - 1) * page_size + last_page_len[:n]
+    if skip is not None:
+        kv_len -= skip[:n].astype(np.int64) * page_size
     return np.argsort(-kv_len, kind="stable").astype(np.int32)
 
 
@@ -86,9 +91,11 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, indptr_ptr, indices_ptr, last_ptr, order_ptr,
                        part_ptr, ml_ptr, count_ptr, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale, v_scale,
+                       skip_ptr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
-                       FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                       FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
+                       USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -99,6 +106,10 @@ if triton is not None:
         b = tl.load(order_ptr + tl.program_id(2))
         start = tl.load(indptr_ptr + b)
         kv_len = (tl.load(indptr_ptr + b + 1) - start - 1) * P + tl.load(last_ptr + b)
+        if CASCADE:         # level 1 of a shared-prefix step: the row's pages after its chunk's shared ones
+            sk = tl.load(skip_ptr + b)
+            start += sk
+            kv_len -= sk * P
         chunk = tl.cdiv(tl.cdiv(kv_len, NSPLIT), BLOCK_N) * BLOCK_N        # tokens per split
         lo = s * chunk
         hi = tl.minimum(lo + chunk, kv_len)
@@ -111,26 +122,12 @@ if triton is not None:
                     mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        l = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
-            t = t0 + tl.arange(0, BLOCK_N)
-            tm = t < hi
-            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
-            off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
-            # e4m3 pages widen to q's dtype in registers (a no-op for model-dtype pages)
-            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-            sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [GP, BLOCK_N], log2 units
-            sc = tl.where(tm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [GP, D]
-            m = m_new
+        m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
+                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES)
         if NSPLIT == 1:
+            if CASCADE:
+                m, l, acc = paged_softmax.fold_shared(m, l, acc, b, kh, HKV, g, G, chunk_ptr, slot_ptr, part0_ptr,
+                                                      ml0_ptr, S0, SB0, BM0, D)
             tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
                      (acc * v_scale / l[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
         else:
@@ -161,9 +158,29 @@ if triton is not None:
                     pj = tl.load(part_ptr + cj.to(tl.int64)[:, None, None] * (G2 * D)
                                  + g2[None, :, None] * D + d[None, None, :], cache_modifier=".cg")
                     out += tl.sum(wj[:, :, None] * pj, 0)
+                if CASCADE:
+                    mx, den, out = paged_softmax.fold_shared(mx, den, out, b, kh, HKV, g2, G, chunk_ptr, slot_ptr,
+                                                             part0_ptr, ml0_ptr, S0, SB0, BM0, D)
                 tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :],
                          (out * v_scale / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g2 < G)[:, None])
                 tl.store(count_ptr + pair, 0)                                          # re-arm
+
+
+@dataclass
+class Cascade:
+    """Level 1 of a shared-prefix decode (kernels/triton_cascade.py): per row, ``skip`` [B] leading pages
+    to skip, ``chunk`` [B] its level-0 chunk or -1, ``slot`` [B] its place in the chunk (int32); the
+    level-0 partials ``part0`` [C, Hkv, splits, tile_rows, D] and ``ml0`` [C, Hkv, splits, 2, tile_rows]
+    (fp32) to fold in."""
+
+    skip: torch.Tensor
+    chunk: torch.Tensor
+    slot: torch.Tensor
+    part0: torch.Tensor
+    ml0: torch.Tensor
+    splits: int
+    tile_rows: int
+    block_n: Optional[int] = None      # level 1's KV tokens per tile (None: ``block_n`` of the batch)
 
 
 class TritonDecodeWrapper:
@@ -213,7 +230,8 @@ class TritonDecodeWrapper:
         self.order[: bs].copy_(order.pin_memory() if self.device.type == "cuda" else order, non_blocking=True)
 
     def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-            out: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+            cascade: Optional[Cascade] = None) -> torch.Tensor:
         """q [B, Hq, D] (strided rows allowed) -> o [B, Hq, D] over the planned page tables (into ``out``,
         [B, Hq, D] with unit stride over D, when given). Pages of q's dtype or e4m3 (fp8 pages hold
         K / k_scale and V / v_scale: the scales multiply back in, as flashinfer's run() takes them)."""
@@ -228,7 +246,10 @@ class TritonDecodeWrapper:
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.order, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok,
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
-        pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args, q.device, G=self.group, G2=self.g2, GP=self.gp,
-                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=block_n(bs, self.d), SB=sb,
-                   STAGES=FP8_STAGES if fp8 else STAGES, FP8=fp8, num_warps=4)
+        c = cascade or Cascade(self.last, self.last, self.last, self.part, self.ml, 1, 1)    # unread when off
+        pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args + (c.skip, c.chunk, c.slot, c.part0, c.ml0),
+                   q.device, G=self.group, G2=self.g2, GP=self.gp,
+                   D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
+                   STAGES=FP8_STAGES if fp8 else STAGES, FP8=fp8, CASCADE=cascade is not None, S0=c.splits,
+                   SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows, num_warps=4)
         return o

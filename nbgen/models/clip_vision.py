@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nbgen.models.vision_plan import vision_sdpa
+
 
 def activation(name: str) -> Any:
     """An HF activation name (CLIP: ``quick_gelu``; projector: ``gelu``) -> a tensor function."""
@@ -106,6 +108,7 @@ class CLIPVisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, C, S, S] -> hidden states [N, 1 + P, D] of the feature layer."""
         x = self.pre_layrnorm(self.embeddings(pixel_values))
-        for layer in self.encoder.layers:
-            x = layer(x)
+        with vision_sdpa(x.device):                    # no per-batch-size cuDNN plans
+            for layer in self.encoder.layers:
+                x = layer(x)
         return x

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,13 @@ class _Attn(nn.Module):
         o = F.scaled_dot_product_attention(q.transpose(0, 1), K.transpose(0, 1), V.transpose(0, 1), attn_mask=mask)
         return self.o_proj(o.transpose(0, 1).reshape(T, self.nh * self.hd))
 
+    def paged(self, x: torch.Tensor, pos: torch.Tensor, meta: Any, li: int) -> torch.Tensor:
+        """x [T, in] of many requests' rows (a flat step) at positions pos [T] -> [T, H], K/V written to and
+        read from the paged pool of ``meta``'s backend (its layer ``li``)."""
+        q, k = self.rope(pos, self.q_proj(x).contiguous(), self.k_proj(x).contiguous())    # [T, Hq*D], [T, Hkv*D]
+        o = meta.backend.forward(li, q, k, self.v_proj(x).contiguous(), meta)               # [T, Hq*D]
+        return self.o_proj(o)
+
 
 class _MLP(nn.Module):
     def __init__(self, H: int, inter: int) -> None:
@@ -146,18 +153,27 @@ class EagleDraft(nn.Module):
         """ids [T], hidden [T, Hin] (target features or the draft's own outputs), pos [T] -> out [T, H];
         ``mask`` [T, cache rows after the step] bool: which rows each new row attends to (tree drafts;
         default causal)."""
+        return self._body(ids, hidden, lambda attn, x, li: attn(x, pos, cache, li, mask))
+
+    def step_paged(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
+        """``step`` over a flat step of many requests' rows with a paged KV cache (``meta``: the head's own
+        attention backend's metadata of the step) -> out [T, H]."""
+        return self._body(ids, hidden, lambda attn, x, li: attn.paged(x, pos, meta, li))
+
+    def _body(self, ids: torch.Tensor, hidden: torch.Tensor,
+              attend: Callable[["_Attn", torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        """The head over rows (ids [T], features [T, Hin]); ``attend(attention module, x, layer)`` -> [T, H]."""
         e = self.embed_tokens(ids)
         eps = self.cfg.rms_norm_eps
         if self.eagle3:
             h = self.fc(hidden) if hidden.shape[-1] != e.shape[-1] else hidden
             L = self.midlayer
             x = torch.cat([L.input_layernorm(e), L.hidden_norm(h)], dim=-1)
-            res = h + L.self_attn(x, pos, cache, 0, mask)
+            res = h + attend(L.self_attn, x, 0)
             return res + L.mlp(L.post_attention_layernorm(res))
         x = self.fc(torch.cat([e, hidden], dim=-1))
         for i, L in enumerate(self.layers):
-            a = L.self_attn(L.input_layernorm(x) if L.input_layernorm is not None else x, pos, cache, i, mask)
-            x = x + a
+            x = x + attend(L.self_attn, L.input_layernorm(x) if L.input_layernorm is not None else x, i)
             x = x + L.mlp(_rms(x, L.post_attention_layernorm.weight, eps))
         return x
 

@@ -101,6 +101,11 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         """input_ids [T], positions [T] or [3, T], input_embeds [T, H] or None -> hidden [T, H]."""
         return self.model(input_ids, positions, meta, input_embeds)
 
+    @property
+    def pixels_per_token(self) -> int:
+        """Pixel values (``pixel_values`` elements) behind one image token: merge^2 patches of C*tp*p*p."""
+        return self.merge * self.merge * self.visual.patch_embed.proj.weight[0].numel()
+
     def encode_images(self, pixel_values: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         """Patches of several images [N, C*tp*p*p] -> their token embeddings [N / merge^2, H]."""
         return self.visual(pixel_values, grids)

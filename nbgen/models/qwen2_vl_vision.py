@@ -17,7 +17,7 @@ from torch import nn
 from nbgen.kernels.vision_ops import rope_2d_, silu_and_mul
 from nbgen.models.layers import RMSNorm, default_weight_loader
 from nbgen.models.vision_plan import (Grid, PlanCache, SegmentPlan, TowerPlan, rotary_positions, to_device_async,
-                                      window_order)
+                                      vision_sdpa, window_order)
 
 
 MLP_ALIGN = 64   # the MLP width is padded to a multiple of this (see VisionBlock)
@@ -215,9 +215,10 @@ class VisionTower(nn.Module):
         """Patches [N, C*tp*p*p] of ``grids``' images -> their merged token embeddings."""
         plan = self.plan(grids, pixel_values.device)
         x = self.patch_embed(pixel_values)                                    # [N, E]
-        if plan.perm is None:
-            return self.merger(self._blocks(x, plan))
-        x = self._blocks(_permute(x, plan.perm, self.merge), plan)            # merge units in window order
+        with vision_sdpa(x.device):
+            if plan.perm is None:
+                return self.merger(self._blocks(x, plan))
+            x = self._blocks(_permute(x, plan.perm, self.merge), plan)        # merge units in window order
         return self.merger(x)[plan.inverse]
 
     def _blocks(self, x: torch.Tensor, plan: TowerPlan) -> torch.Tensor:

@@ -7,15 +7,18 @@ equal images, or a folder of photos the processor resizes to a few sizes, repeat
 table reaches the device through pinned memory without a host sync: a plain copy would wait for the
 LLM steps queued before the tower and leave the GPU idle while the tower's kernels are launched.
 A CUDA graph of the tower holds its plan (``VisionTower.plan``), whatever the cache evicts later.
+``vision_sdpa`` picks the attention kernels a vision tower's forward may use.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Grid = tuple[int, int, int]
 PLAN_CACHE_SIZE = 8          # grid signatures whose plans stay on the device
@@ -27,6 +30,18 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+# cuDNN's fused attention is left out: it builds an execution plan for every new (batch, length, stride)
+# shape, tens to hundreds of milliseconds each on the loop thread, and a tower's batch changes with each
+# prefill step (25, 26, 27, 28 images ... -> new shapes for the windows and the full-attention blocks)
+_VISION_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def vision_sdpa(device: torch.device) -> ContextManager:
+    """Around a vision tower's forward: on CUDA, scaled_dot_product_attention runs flash attention
+    (memory-efficient or math where flash cannot), never cuDNN (see ``_VISION_SDPA``); elsewhere as is."""
+    return sdpa_kernel(_VISION_SDPA) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class SegmentPlan:

@@ -12,7 +12,10 @@ the tokenizer's columns.
 
 Under overlap scheduling the fill starts earlier, in a worker thread (``fill_async``): xgrammar's
 fill releases the GIL, so it runs while the loop thread delivers the previous step and schedules
-the next; the sampler then only waits for it (``FillJob``).
+the next; the sampler then only waits for it (``FillJob``). When every row of such a step is a greedy
+constrained row with nothing else to apply (the common extraction batch), the sampler takes the
+tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask beside the model-dtype
+logits (no float32 copy, no separate mask launch, no per-row Python).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from torch import Tensor
 from nbgen.core.batch import SeqWork
 from nbgen.runtime.grammar_batch import fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
-from nbgen.kernels import cpu_ops
+from nbgen.kernels import cpu_ops, gpu_argmax
+from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
 
 logger = logging.getLogger("nbgen")
 
@@ -42,6 +46,21 @@ class FillJob:
     rows: list[int]
     bitmask: Tensor                 # int32 [>= B, ceil(vocab/32)] host buffer
     future: Optional[cf.Future]     # None: filled inline already
+    vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
+    greedy: bool = False            # every row is constrained and greedy with nothing else to apply
+    # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
+    device_copy: Optional[tuple[Tensor, Any]] = None
+
+    def on_device(self, n: int, device: torch.device) -> Tensor:
+        """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
+        current stream then waits for on the GPU, else a copy queued now."""
+        if self.device_copy is None:
+            return self.bitmask[:n].to(device, non_blocking=True)
+        dev, event = self.device_copy
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        dev.record_stream(stream)       # allocated on the side stream, read on this one
+        return dev[:n]
 
     def wait(self) -> None:
         """Wait for the fill; re-raises its error."""
@@ -64,6 +83,7 @@ class Constraints:
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker: Optional[cf.ThreadPoolExecutor] = None   # fill_async's thread
+        self._copy_stream: Optional[Any] = None    # CUDA: the worker's bitmask copies
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -148,43 +168,72 @@ class Constraints:
         until the job is waited for (the sampler does).
         """
         # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
-        rows, states = live_rows(seqs)
+        rows, states, greedy = live_rows(seqs)
         if not rows:
             return None
-        bm = self._bitmask(len(seqs), states[0].vocab)
+        vocab = states[0].vocab
+        bm = self._bitmask(len(seqs), vocab)
         if len(rows) < BATCH_FILL_MIN:      # small: a thread hand-off costs more than it hides
             self._fill(rows, states, bm)
-            return FillJob(rows, bm, None)
+            return FillJob(rows, bm, None, vocab, greedy)
         if self._worker is None:
             self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
         started = threading.Event()
+        job = FillJob(rows, bm, None, vocab, greedy)
+        n = len(seqs)
 
         def work() -> None:
             started.set()
             self._fill(rows, states, bm)
+            if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
+                job.device_copy = self._copy_out(bm[:n])
 
-        fut = self._worker.submit(work)
+        job.future = self._worker.submit(work)
         # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
         # interpreter's switch interval (5 ms) while this thread runs Python; the fill itself
         # releases the GIL inside xgrammar, so both threads then proceed in parallel
         started.wait()
-        return FillJob(rows, bm, fut)
+        return job
+
+    def _copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
+        """Queue a copy of pinned bitmask rows to the device on a side stream (worker thread): it
+        runs beside the queued forward pass instead of before the sampling. -> (copy, its event)."""
+        with torch.cuda.device(self.device):
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream()
+            with torch.cuda.stream(self._copy_stream):
+                dev = rows.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        return dev, event
+
+    def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:
+        """Greedy tokens [B] of a step whose rows are all constrained and greedy (``fill.greedy``):
+        each row's argmax over the ids its grammar allows, from logits [B, V'] in the model dtype
+        (into ``out`` when given). Equal to masking then ``greedy_argmax``."""
+        width = min(fill.vocab, logits.shape[1])   # ids past the tokenizer are never allowed
+        x = logits[:, :width]
+        fill.wait()
+        bm = fill.on_device(logits.shape[0], logits.device)
+        if gpu_argmax.usable(x):
+            return masked_greedy_argmax(x, bm, out)
+        x = x.float()                                  # fp32 logits: masked in place, as _mask does
+        self._apply_bits(x, bm, width, None)
+        return greedy_argmax(x, out)
 
     def _mask(self, x: Tensor, seqs: list[SeqWork], rows: list[int], fill: Optional[FillJob] = None) -> Tensor:
         if not rows:
             return x
-        import xgrammar as xgr
-
         vocab = seqs[rows[0]].req.grammar.vocab          # the tokenizer's size (same for all grammars)
+        # the previous step's copy out of the pinned bitmask buffer is complete: constrained steps
+        # resolve (synchronise) before the next one is built
         if fill is not None:
             fill.wait()
-            bm = fill.bitmask
+            dev_bm = fill.on_device(x.shape[0], x.device)
         else:
             bm = self._bitmask(x.shape[0], vocab)
             self._fill(rows, [seqs[i].req.grammar for i in rows], bm)
-        # the previous step's copy out of this pinned buffer is complete: constrained steps resolve
-        # (synchronise) before the next one is built
-        dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
+            dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
         every = len(rows) == x.shape[0]
         if x.shape[1] > vocab:  # logits of ids the tokenizer does not have (padded embedding rows)
             if every:           # no row can pick them: sample over the tokenizer's ids only (a view)
@@ -193,9 +242,15 @@ class Constraints:
                 rows_t = torch.tensor(rows, dtype=torch.long).to(x.device, non_blocking=True)
                 x[:, vocab:].index_fill_(0, rows_t, float("-inf"))
         width = min(vocab, x.shape[1])
-        idx = None if every else rows   # indices cost the kernel an extra host->device copy
+        self._apply_bits(x, dev_bm, width, None if every else rows)   # indices cost the kernel a copy
+        return x
+
+    def _apply_bits(self, x: Tensor, dev_bm: Tensor, width: int, idx: Optional[list[int]]) -> None:
+        """-inf into x's ids in [0, width) that dev_bm's rows (all rows, or ``idx``) do not allow."""
+        import xgrammar as xgr
+
         if x.device.type == "cpu" and cpu_ops.apply_token_bitmask(x, dev_bm, width, idx):
-            return x            # nbgen's C kernel: threaded, whole allowed words skipped
+            return              # nbgen's C kernel: threaded, whole allowed words skipped
         try:
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
         except Exception as e:  # noqa: BLE001 - e.g. no triton on this GPU host: torch fallback
@@ -204,7 +259,6 @@ class Constraints:
             logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
             self._backend = "torch_native"
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
-        return x
 
 
 def _live_grammar(req: Any) -> bool:

@@ -16,6 +16,10 @@ for them.
 Staging buffers alternate between two slots, each guarded by an event, because a step's copies
 may still be queued on the GPU while the host prepares the next step.
 
+Where rows share leading KV pages (a cached prompt prefix), a second graph per batch size >= 8 runs the
+shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
+tables, writes its tables into the same input buffer, and the step replays that graph.
+
 A ``GraphVariant`` (LoRA: the adapters' kernels) adds a second graph per batch size, captured with
 its context active into the same pool; a step replays it only when the variant says the batch
 needs it, so steps that do not (no adapter row) run the plain graphs.
@@ -34,6 +38,8 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
+from nbgen.runtime import cascade_graphs
+from nbgen.runtime.cascade_graphs import blocks128
 from nbgen.runtime.pages import SCRATCH_PAGE
 from nbgen.runtime.step_inputs import is_placeholder, placeholder_row, rope_deltas
 
@@ -51,6 +57,7 @@ class Staged:
     bs: int                # graph batch size (rows n..bs-1 are padding)
     placeholders: bool     # some token ids come from the previous step's sampled ids
     variant: bool = False  # replay the variant's graph (GraphVariant)
+    cascade: bool = False  # replay the shared-prefix graph (runtime/cascade_graphs.py)
 
 
 @dataclass
@@ -87,11 +94,6 @@ class StagingRing:
         self._events[self._i] = ev
 
 
-def _blocks128(n: int) -> int:
-    """n int32 values rounded up to whole 128-byte blocks (32 values)."""
-    return -(-n // 32) * 32
-
-
 class CudaGraphRunner:
     """Captures and replays decode graphs; ``run`` returns the last hidden states [n, H]."""
 
@@ -114,10 +116,14 @@ class CudaGraphRunner:
         pages_per_seq = (max_context + P - 1) // P + 1
         # each view starts on a 128-byte boundary, as a separate allocation would: Triton specialises its
         # kernels on 16-byte pointer alignment, so the graphs compile the variants eager steps use
-        a, b = _blocks128(8 * mb), _blocks128(mb + 1)
-        c = a + b + _blocks128(mb)
-        self._cut = (a, a + b, c, c + _blocks128(mb))
-        self._buf = torch.zeros(self._cut[3] + mb * pages_per_seq, dtype=torch.int32, device=dev)
+        # then the shared-prefix tables (``cascade_graphs.CascadeTables``) where those graphs exist
+        self.cascade = cascade_graphs.CascadeTables(backend, mb) \
+            if cascade_graphs.supported(backend, variant) else None
+        a, b = blocks128(8 * mb), blocks128(mb + 1)
+        c = a + b + blocks128(mb)
+        d = c + blocks128(mb)
+        self._cut = (a, a + b, c, d, d + (self.cascade.size if self.cascade else 0))
+        self._buf = torch.zeros(self._cut[4] + mb * pages_per_seq, dtype=torch.int32, device=dev)
         self.io, self.indptr, self.last, self.order, self.indices = self._views(self._buf)
         self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
         self._ring = StagingRing(lambda: [torch.zeros(self._buf.numel(), dtype=torch.int32)])
@@ -125,6 +131,9 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.variant_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.variant_outputs: dict[int, torch.Tensor] = {}
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.cascade_outputs: dict[int, torch.Tensor] = {}
+        self.cascade_steps = 0           # decode steps replayed on the shared-prefix graphs
         self.wrappers: dict[int, Any] = {}
         self.pool = None
         # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
@@ -142,9 +151,13 @@ class CudaGraphRunner:
 
     def _views(self, buf: Any) -> tuple[Any, Any, Any, Any, Any]:
         """(io int64, indptr, last, order, indices) views of the flat int32 input buffer (torch or numpy)."""
-        a, b, c, d = self._cut
+        a, b, c, d, e = self._cut
         io = buf[:a].view(torch.long) if isinstance(buf, torch.Tensor) else buf[:a].view(np.int64)
-        return io, buf[a:b], buf[b:c], buf[c:d], buf[d:]
+        return io, buf[a:b], buf[b:c], buf[c:d], buf[e:]
+
+    def _cascade_region(self, buf: Any) -> Any:
+        """The shared-prefix tables' region of the flat input buffer (torch or numpy)."""
+        return buf[self._cut[3]: self._cut[4]]
 
     def _forward_static(self, bs: int, meta: FlashInferMetadata) -> torch.Tensor:
         """What a graph runs: resolve placeholders from ``prev``, then the model over the static rows."""
@@ -153,18 +166,18 @@ class CudaGraphRunner:
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), v[0])
         return self.model(ids, v[1], meta)
 
-    def _send(self, bs: int, st: list, npv: list, n: int, nnz: int) -> None:
+    def _send(self, bs: int, st: list, npv: list, n: int, nnz: int, skip: Optional[np.ndarray] = None) -> None:
         """Pad the staged page tables (n seqs, nnz pages) to bs rows, copy all staged inputs to the GPU
         in one transfer and plan the bs wrapper; padding rows get one page each (the scratch page)
-        holding one token."""
+        holding one token. ``skip``: a shared-prefix step's pages each row's level 1 skips [bs]."""
         pad = bs - n
         _io, ip, last, order, idx = self._views(npv[0])
         ip[n + 1: bs + 1] = ip[n] + np.arange(1, pad + 1, dtype=np.int32)
         last[n:bs] = 1
-        order[:bs] = longest_first(ip[: bs + 1], last[:bs], self.backend.spec.page_size)
+        order[:bs] = longest_first(ip[: bs + 1], last[:bs], self.backend.spec.page_size, skip)
         idx[nnz: nnz + pad] = SCRATCH_PAGE
         total = nnz + pad
-        end = self._cut[3] + total
+        end = self._cut[4] + total
         self._buf[:end].copy_(st[0][:end], non_blocking=True)
         w = self.wrappers[bs]
         if not isinstance(w, TritonDecodeWrapper):   # nbgen's decode kernel reads the copied tables as they are
@@ -180,10 +193,17 @@ class CudaGraphRunner:
         ip[0] = 0
         io[: 4 * bs] = 0
         io[3 * bs: 4 * bs] = -1
+        if self.cascade is not None:         # no chunks: the cascade graph's capture runs level 1 plainly
+            self.cascade.fill(self._cascade_region(npv[0]), None, 0, bs)
         self._send(bs, st, npv, 0, 0)
         self._ring.done()
         meta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], w)
         self.graphs[bs], self.outputs[bs] = self._capture_one(bs, meta, warmup)
+        if self.cascade is not None and bs >= cascade_graphs.MIN_BS:
+            cw = self.cascade.wrapper(self._cascade_region(self._buf), bs, self.indptr[: bs + 1], self.indices,
+                                      self.last[:bs], self.order[:bs])
+            cmeta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], cw)
+            self.cascade_graphs[bs], self.cascade_outputs[bs] = self._capture_one(bs, cmeta, warmup)
         if self.variant is not None:
             with self.variant.capturing():
                 self.variant_graphs[bs], self.variant_outputs[bs] = self._capture_one(bs, meta, warmup)
@@ -226,9 +246,15 @@ class CudaGraphRunner:
         hip[: n + 1] = kv_ptr
         hlast[:n] = last
         hidx[:nnz] = idx
-        self._send(bs, st, npv, n, nnz)
+        plan = self.cascade.plan(kv_ptr, idx, n) if bs in self.cascade_graphs else None
+        if plan is not None:
+            self.cascade.fill(self._cascade_region(npv[0]), plan, n, bs)
+            self.cascade_steps += 1
+        skip = None if plan is None else self.cascade.views(self._cascade_region(npv[0]))[0][:bs]
+        self._send(bs, st, npv, n, nnz, skip)
         self._ring.done()
-        return Staged(n, bs, bool(ph.any()), self.variant is not None and self.variant.wanted(batch))
+        return Staged(n, bs, bool(ph.any()), self.variant is not None and self.variant.wanted(batch),
+                      plan is not None)
 
     def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay a staged step; ``prev``: the previous step's sampled ids (GPU) its placeholders
@@ -237,12 +263,18 @@ class CudaGraphRunner:
             assert prev is not None and prev.numel() <= PREV_CAPACITY, "placeholder without previous ids"
             if prev.data_ptr() != self.prev.data_ptr():     # else sampled into place (runner.sample)
                 self.prev[: prev.numel()].copy_(prev)
-        (self.variant_graphs if staged.variant else self.graphs)[staged.bs].replay()
+        self._graphs_of(staged)[0][staged.bs].replay()
         return self.padded_output(staged)[: staged.n]
 
     def padded_output(self, staged: Staged) -> torch.Tensor:
         """The replayed step's hidden states with its padding rows: [bs, H] (rows n.. are padding)."""
-        return (self.variant_outputs if staged.variant else self.outputs)[staged.bs]
+        return self._graphs_of(staged)[1][staged.bs]
+
+    def _graphs_of(self, staged: Staged) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+        """The graphs (and outputs) a staged step replays: the variant's, the shared-prefix ones or the plain."""
+        if staged.variant:
+            return self.variant_graphs, self.variant_outputs
+        return (self.cascade_graphs, self.cascade_outputs) if staged.cascade else (self.graphs, self.outputs)
 
     def run(self, batch: ScheduledBatch, ids: list[int], prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Stage and replay a decode-only batch (see ``stage`` / ``replay``)."""

@@ -92,7 +92,8 @@ class DPLoop:
         try:
             for r in reqs:
                 i = self.router.route(r.rid, r.prompt_ids, r.group,
-                                      r.session.id if r.session is not None else None, groups)
+                                      r.session.id if r.session is not None else None, groups,
+                                      cost=len(r.prompt_ids) + max(r.params.max_new_tokens or 0, 1))
                 routed.append(r.rid)
                 parts.setdefault(i, []).append(r)
         except ValueError:

@@ -1,12 +1,10 @@
 """Structured output with xgrammar: grammar checks, off-thread compilation, per-request matchers.
 
 - ``check_grammar`` (caller thread): parses a request's json_schema / regex / ebnf / structural_tag
-  with xgrammar (no tokenizer needed, cached) so a bad one raises ValueError before anything is
-  submitted.
+  with xgrammar (no tokenizer needed, cached): a bad one raises ValueError before it is submitted.
 - ``GrammarService`` (loop thread): compiles grammars against the model's tokenizer in a worker
   thread (xgrammar's GrammarCompiler caches per grammar), holds a request until its grammar is
-  ready, then gives it a ``GrammarState`` and hands it to the scheduler. The loop keeps decoding
-  other requests meanwhile.
+  ready (the loop decodes others meanwhile), then hands it to the scheduler with a ``GrammarState``.
 - ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
   sampling, accepts each sampled token (a step's rows together: runtime/grammar_batch.py), ends
   the request when the grammar terminates, and (with ``enable_jump_forward``) appends the text the
@@ -132,11 +130,21 @@ class GrammarState:
         # only the accept from xgrammar (not is_terminated as well)
         self.stops = frozenset(stops)
         self.done = False
+        self.plain: Optional[bool] = None   # ``plain_greedy``'s answer, set on the first step
         # the matcher's FFI object: a step's tokens are accepted by one batched call over these
         # (runtime/grammar_batch.py); its accept_token, called as (token, debug_print), skips
         # xgrammar's Python wrapper for single tokens (matcher.accept_token if it moves)
         self.handle = getattr(self.matcher, "_handle", None)
         self._accept = getattr(self.handle, "accept_token", None) or (lambda t, _d: self.matcher.accept_token(t))
+
+    def plain_greedy(self, req: Any) -> bool:
+        """req (this state's request) samples the argmax of its masked logits: greedy, no bias, penalties,
+        min_new_tokens, logprobs or custom processor (computed once; runtime/grammar_batch.live_rows)."""
+        if self.plain is None:
+            p = req.params
+            self.plain = bool(p.plain_greedy and not p.min_new_tokens and not req.logprobs.return_logprob
+                              and req.logit_processor is None)
+        return self.plain
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row ``row`` of an int32 [B, ceil(vocab/32)] bitmask."""

@@ -100,16 +100,23 @@ class StepGrammar:
         return out
 
 
-def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any]]:
-    """(rows, their GrammarStates) of the seqs whose request has a grammar not completed yet (one pass)."""
+def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
+    """(rows, their GrammarStates, greedy) of the seqs whose request has a grammar not completed yet
+    (one pass); ``greedy``: every seq is such a row and samples the argmax of its masked logits."""
     rows: list[int] = []
     states: list[Any] = []
+    greedy = True
     for i, s in enumerate(seqs):
-        g = s.req.grammar
+        req = s.req
+        g = req.grammar
         if g is not None and not g.done:
             rows.append(i)
             states.append(g)
-    return rows, states
+            if greedy and not (g.plain if g.plain is not None else g.plain_greedy(req)):
+                greedy = False
+        else:
+            greedy = False
+    return rows, states, greedy
 
 
 def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> None:

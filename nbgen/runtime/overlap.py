@@ -218,6 +218,7 @@ class OverlapStepper:
         toks = self.runner.resolve(launched)
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
+        listed: set[int] = set()                         # ids of changed's requests, made at the first finish
         k = 0
         for i, s in enumerate(launched.batch.seqs):
             if not s.sample:
@@ -230,8 +231,7 @@ class OverlapStepper:
             if launched.errors and row in launched.errors:   # every token masked: abort, as the plain loop
                 del req.output_ids[at:]                  # the placeholder (the next step is not applied yet)
                 sched.finish(req, FinishReason.abort(launched.errors[row]))
-                if req not in changed:
-                    changed.append(req)
+                _add_once(changed, req, listed)
                 continue
             req.output_ids[at] = tok
             if lps is not None and lps[row] is not None and len(req.output_token_logprobs) == at:
@@ -240,22 +240,31 @@ class OverlapStepper:
             if req.grammar is not None:
                 grammar.add(req, tok, reason)            # accepted below, all rows in one call
             elif reason is not None:
-                self._end(req, reason, changed)
+                self._end(req, reason, changed, listed)
         for req, reason in grammar.settle(sched.cfg.context_length):
-            self._end(req, reason, changed)
+            self._end(req, reason, changed, listed)
         self._undelivered = (changed, n_in)
 
-    def _end(self, req: Request, reason: FinishReason, changed: list[Request]) -> None:
+    def _end(self, req: Request, reason: FinishReason, changed: list[Request], listed: set[int]) -> None:
         """Finish req at a resolved step (it is delivered with the step)."""
         if req.status is Status.FINISHED:
             req.finish_reason = reason                   # length and stop in the same step: stop wins
         else:
             self.scheduler.finish(req, reason)
-        if req not in changed:
-            changed.append(req)
+        _add_once(changed, req, listed)
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         self._deliver_fn(changed, n_in)
+
+
+def _add_once(changed: list[Request], req: Request, listed: set[int]) -> None:
+    """Append req to changed unless it is there. By identity through ``listed`` (filled on first use):
+    ``req in changed`` compares dataclasses field by field, O(n) each, when a whole batch finishes."""
+    if not listed:
+        listed.update(map(id, changed))
+    if id(req) not in listed:
+        listed.add(id(req))
+        changed.append(req)
 
 
 def _drop_placeholders(batch: ScheduledBatch) -> None:

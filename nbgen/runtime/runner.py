@@ -26,7 +26,7 @@ from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.tp_step import StepSender
 from nbgen.runtime.step_inputs import FlatStep, flatten, placeholder_patch, to_device
-from nbgen.runtime.vision_step import VisionStep, has_image_prefill
+from nbgen.runtime.vision_step import has_image_prefill, vision_step_for
 
 
 @dataclass
@@ -87,7 +87,7 @@ class ModelRunner:
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
         self._forwards = 0                                # forward passes queued so far
         # vision-language models: steps with image prompt chunks go through the tower (runtime/vision_step.py)
-        self.vision = VisionStep(self.model, device, parts.loaded.dtype) if hasattr(self.model, "encode_images") else None
+        self.vision = vision_step_for(self.model, device, parts.loaded.dtype, self.cfg.step_token_budget)
         self.peers: Optional[StepSender] = None   # tensor parallelism, rank 0: the workers (runtime/tp_step.py)
 
     @property

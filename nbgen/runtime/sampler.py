@@ -37,22 +37,13 @@ from torch import Tensor
 from nbgen.core.batch import SeqWork, TokenLogprobs
 from nbgen.runtime.constraints import Constraints
 from nbgen.runtime.logprobs import RowLogprobs, queue_token_logprobs
-from nbgen.runtime.sampling_ops import greedy_argmax, mix32, noisy_argmax, row_keys
+from nbgen.runtime.sampler_rows import (MAX_TEMPERATURE, fully_masked, host_tensor, plain_draw, plain_greedy,
+                                        stop_ids_banned)
+from nbgen.runtime.sampling_ops import greedy_argmax, mix32, noisy_argmax, row_keys, tempered_draw
 
 logger = logging.getLogger(__name__)
 # noise is generated in row blocks so the int64 [rows, V] temporaries stay ~<= 128 MB each
 _NOISE_BLOCK_ELEMS = 1 << 24
-def host_tensor(data, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host-built tensor on `device` without a stream sync.
-
-    torch.tensor(..., device=cuda) is a blocking copy that waits for the GPU (it would stall
-    behind the queued forward pass). A non_blocking copy from pageable memory is staged by the
-    driver at once and does not wait for the device, and the source may be freed right after.
-    """
-    t = data if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
-    return t.to(device, non_blocking=True)
-
-
 def _flat_index(ids_by_row: dict[int, list[int]], vocab: int, device: torch.device) -> Tensor:
     """Flat indices row * vocab + id into a [B, V] tensor, built without per-element Python work.
 
@@ -69,47 +60,6 @@ def _flat_index(ids_by_row: dict[int, list[int]], vocab: int, device: torch.devi
     lens_t = host_tensor(lens, torch.int64, device)
     # on the device: no host sync thanks to output_size
     return torch.repeat_interleave(offs, lens_t, output_size=total) + cols
-
-
-def _plain_greedy(s: SeqWork) -> bool:
-    """The row's token is the argmax of its raw logits: nothing to process, constrain or report.
-    (Runs for every row every step: the static part is computed once per request.)"""
-    req = s.req
-    flag = req.raw_argmax
-    if flag is None:
-        flag = req.raw_argmax = (req.params.plain_greedy and not req.logprobs.return_logprob
-                                 and req.grammar is None and req.logit_processor is None)
-    return flag and not _stop_ids_banned(s)
-
-
-def _stop_ids_banned(s: SeqWork) -> bool:
-    """min_new_tokens not reached yet: the request's EOS / stop ids are masked this step."""
-    n = s.req.params.min_new_tokens
-    return bool(n) and s.out_index < n and bool(s.req.stop_ids)
-
-
-# above this, every allowed token is equally likely in float32 anyway (logits are ~1e2 at most)
-MAX_TEMPERATURE = 1e30
-NOTHING_ALLOWED = ("no token is allowed at this step: logit_bias, min_new_tokens, the grammar or a custom "
-                   "logit processor mask the whole vocabulary")
-
-
-def _may_mask_all(s: SeqWork) -> bool:
-    """Rows whose processing can leave no token: -inf biases, banned stop ids, caller code."""
-    p = s.req.params
-    return (s.req.logit_processor is not None or _stop_ids_banned(s)
-            or bool(p.logit_bias) and float("-inf") in p.logit_bias.values())
-
-
-def _fully_masked(x: Tensor, seqs: list[SeqWork]) -> dict[int, str]:
-    """Rows of x [B, V] where every token is -inf: they get an error (their request is aborted)
-    instead of an arbitrary token. Checked (one host sync) only for rows that can get there."""
-    rows = [i for i, s in enumerate(seqs) if _may_mask_all(s)]
-    if not rows:
-        return {}
-    rows_t = host_tensor(rows, torch.long, x.device)
-    dead = torch.isneginf(x[rows_t].amax(dim=-1)).tolist()
-    return {i: NOTHING_ALLOWED for i, d in zip(rows, dead) if d}
 
 
 @dataclass
@@ -151,15 +101,22 @@ class Sampler:
         """
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         raw = logits[:, : self.vocab_size]
-        if all(_plain_greedy(s) for s in seqs):
+        if all(plain_greedy(s) for s in seqs):
             # argmax of bf16 logits == argmax of their exact fp32 widening (ties too: first index),
             # so the [B, V] fp32 copy is skipped (~0.1 s of a 6 s GPU run, ~1 ms a step on a CPU)
             return SamplerOutput(token_ids=greedy_argmax(raw, greedy_out), logprobs=[None] * len(seqs), errors={})
+        if fill is not None and fill.greedy:     # every row constrained greedy: the masked argmax alone
+            return SamplerOutput(token_ids=self.constraints.masked_argmax(raw, fill, greedy_out),
+                                 logprobs=[None] * len(seqs), errors={})
+        if raw.is_cuda and all(plain_greedy(s) or plain_draw(s) for s in seqs):
+            # temperature-only rows (nano-vllm's sampling): one kernel over the raw logits, no
+            # [B, V] float32 copy and no division pass (the same tokens as the path below)
+            return SamplerOutput(token_ids=self._draw_raw(raw, seqs), logprobs=[None] * len(seqs), errors={})
         x = self.process(raw.float(), seqs)   # .float(): a no-op on fp32
         errors: dict[int, str] = {}
         if self.constraints.wanted(seqs):
             x, errors = self.constraints.apply(x, seqs, fill)
-        errors.update(_fully_masked(x, seqs))
+        errors.update(fully_masked(x, seqs))
         greedy = [s.req.params.greedy for s in seqs]
         if all(greedy):
             tokens = greedy_argmax(x)
@@ -195,7 +152,7 @@ class Sampler:
             if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
                 cnt[i] = req.output_ids
                 freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
-            if _stop_ids_banned(s):
+            if stop_ids_banned(s):
                 ban[i] = sorted(req.stop_ids)
         if not (bias or rep or cnt or ban):
             return x
@@ -256,13 +213,24 @@ class Sampler:
                                   for p in params], x.dtype, dev)
             thr = x.max(dim=-1).values + logmin                         # [b]
             x = x.masked_fill(x < thr.view(-1, 1), float("-inf"))
-        keys = host_tensor(torch.from_numpy(row_keys([s.req.seed for s in seqs], [s.out_index for s in seqs])),
-                           torch.int64, dev)
-        vhash = self.vocab_hash[:vocab].to(dev)
+        keys, vhash = self._noise_keys(seqs, vocab, dev)
         # the torch path's int64 temporaries are [block, V]: bounded; the CUDA kernel has none
         block = b if x.is_cuda else max(1, _NOISE_BLOCK_ELEMS // max(vocab, 1))
         out = [noisy_argmax(x[s:s + block], keys[s:s + block], vhash) for s in range(0, b, block)]
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _draw_raw(self, raw: Tensor, seqs: list[SeqWork]) -> Tensor:
+        """Rows that are plain greedy (temperature 0 here) or plain draws, from raw [B, V] -> [B] long."""
+        temps = host_tensor([0.0 if s.req.params.greedy else min(s.req.params.temperature, MAX_TEMPERATURE)
+                             for s in seqs], torch.float32, raw.device)
+        return tempered_draw(raw, temps, *self._noise_keys(seqs, raw.shape[1], raw.device))
+
+    def _noise_keys(self, seqs: list[SeqWork], vocab: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+        """The draw's noise inputs on ``dev``: each row's key (its request seed and output index) [b]
+        int64, and the hashed ids of the first ``vocab`` tokens [vocab] int64."""
+        keys = host_tensor(torch.from_numpy(row_keys([s.req.seed for s in seqs], [s.out_index for s in seqs])),
+                           torch.int64, dev)
+        return keys, self.vocab_hash[:vocab].to(dev)
 
     # ------------------------------------------------------------------ logprobs
     def _logprobs(self, x: Tensor, tokens: Tensor, seqs: list[SeqWork]) -> RowLogprobs:

@@ -93,6 +93,25 @@ def greedy_argmax(x: Tensor, out: Optional[Tensor] = None) -> Tensor:
     return x.argmax(dim=-1) if out is None else torch.argmax(x, dim=-1, out=out)
 
 
+def allowed_ids(bitmask: Tensor, vocab: int) -> Tensor:
+    """int32 [B, W] token bitmask (xgrammar's layout: bit v % 32 of word v // 32) -> bool [B, vocab]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1                      # [B, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def masked_greedy_argmax(x: Tensor, bitmask: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """Greedy tokens under a grammar: argmax over each row's allowed ids of x [B, V] (``bitmask``:
+    int32 [>= B, >= ceil(V / 32)] on x's device) -> [B] long (into ``out`` when given). On CUDA one
+    pass of the argmax kernel reading the bitmask beside the logits (no masked copy); elsewhere a
+    torch reference."""
+    if gpu_argmax.usable(x):
+        return gpu_argmax.masked_argmax(x, bitmask, _argmax_ws(x.device), out)
+    ok = allowed_ids(bitmask[: x.shape[0]], x.shape[1])
+    ids = x.float().masked_fill(~ok, float("-inf")).argmax(dim=-1)
+    return ids if out is None else out.copy_(ids)
+
+
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
     """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long; on CUDA one
     Triton kernel that hashes the noise in place (kernels/gpu_argmax), elsewhere int64 tensor ops
@@ -100,3 +119,15 @@ def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
     if gpu_argmax.usable(x):
         return gpu_argmax.noisy_argmax(x, keys, vocab_hash, _argmax_ws(x.device))
     return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
+
+
+def tempered_draw(x: Tensor, temps: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
+    """Per row of x [b, V] (any float dtype): the Gumbel-max draw from x / temps[row] (float32 [b]),
+    or the argmax of x where temps[row] is 0 -> [b] long. The same tokens as widening to float32,
+    dividing, then ``noisy_argmax`` / ``greedy_argmax``; on CUDA one kernel over the raw logits."""
+    if gpu_argmax.usable(x):
+        return gpu_argmax.tempered_argmax(x, temps, keys, vocab_hash, _argmax_ws(x.device))
+    xf = x.float()
+    sampled = temps > 0
+    noisy = (xf / torch.where(sampled, temps, 1.0).view(-1, 1) + gumbel_noise(keys, vocab_hash)).argmax(-1)
+    return torch.where(sampled, noisy, xf.argmax(-1))

@@ -1,5 +1,7 @@
-"""EAGLE / EAGLE3 drafts: a draft head reading the target's hidden states (nbgen/models/eagle.py);
-chains here (``speculative_eagle_topk=1``), trees in runtime/spec_eagle_tree.py.
+"""EAGLE / EAGLE3 drafts: a draft head reading the target's hidden states (nbgen/models/eagle.py), per
+request over its own KV cache. Engines run chains (``speculative_eagle_topk=1``) batched across requests
+(runtime/spec_eagle_batch.py, which takes the features from here and whose drafts the tests check against
+``EagleDrafter.draft``) and trees per request (runtime/spec_eagle_tree.py, built on this class).
 
 The target hands its features over after every forward (``observe``): the last layer's hidden state
 (EAGLE) or the residual stream at three layers' inputs (EAGLE3: SGLang's default ``[2, L // 2, L - 3]``)
@@ -95,14 +97,16 @@ class EagleDrafter:
         dev = self.target.device
         st.cache.truncate(p - st.base)
         pos = torch.arange(p, p + m, device=dev)
-        o = self.head.step(torch.tensor(ids[p + 1: p + m + 1], device=dev), feats, pos, st.cache)
+        o = self.head.step(self.target.to_device(ids[p + 1: p + m + 1]), feats, pos, st.cache)
         st.rows = []
         return st.cache, o[-1:], p + m
 
     @torch.inference_mode()
     def draft(self, batch: ScheduledBatch, limits: list[int]) -> list[list[int]]:
-        """Per seq, up to ``limits[i]`` draft tokens (the head's greedy chain)."""
+        """Per seq, up to ``limits[i]`` draft tokens (the head's greedy chain). The draft tokens stay on
+        the device from one head step to the next; the step's drafts are read on the host once, at the end."""
         out: list[list[int]] = [[] for _ in batch.seqs]
+        made: list[tuple[int, list[torch.Tensor]]] = []      # (seq, its drafts [1] each, on the device)
         dev = self.target.device
         for i, (s, k) in enumerate(zip(batch.seqs, limits)):
             got = self.catch_up(s) if k else None
@@ -110,14 +114,19 @@ class EagleDrafter:
                 continue
             cache, h, q = got
             committed = cache.length
-            for _ in range(min(k, self.steps)):
-                tok = int(self.head.logits_to_tokens(h, self.target.model.compute_logits)[0])
-                out[i].append(tok)
-                if len(out[i]) == min(k, self.steps):
-                    break
-                h = self.head.step(torch.tensor([tok], device=dev), h, torch.tensor([q], device=dev), cache)
-                q += 1
+            n = min(k, self.steps)
+            pos = torch.arange(q, q + n, device=dev)          # the draft rows' positions
+            toks: list[torch.Tensor] = []
+            for j in range(n):
+                toks.append(self.head.logits_to_tokens(h, self.target.model.compute_logits))     # [1]
+                if j + 1 < n:
+                    h = self.head.step(toks[-1], h, pos[j: j + 1], cache)
             cache.truncate(committed)        # draft rows are recomputed from the target's features
+            made.append((i, toks))
+        if made:
+            flat = iter(torch.cat([t for _, toks in made for t in toks]).tolist())
+            for i, toks in made:
+                out[i] = [next(flat) for _ in toks]
         return out
 
     def prune(self) -> None:

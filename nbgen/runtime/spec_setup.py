@@ -9,8 +9,9 @@ from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.spec_eagle import make_eagle_drafter
+from nbgen.runtime.spec_eagle_batch import EagleChainDrafter
 from nbgen.runtime.spec_eagle_tree import EagleTreeDrafter
-from nbgen.runtime.spec_draft_model import DraftModelDrafter, make_draft_runner
+from nbgen.runtime.spec_draft_model import DraftModelDrafter, make_draft_graphs, make_draft_runner
 from nbgen.runtime.spec_ngram import NgramProposer
 from nbgen.runtime.spec_step import Drafter, SpecStepper
 from nbgen.runtime.spec_tree_step import TreeSpecStepper
@@ -26,12 +27,14 @@ def make_spec_stepper(runner: ModelRunner, scheduler: Scheduler, cfg: EngineConf
     drafter: Drafter
     if spec.algorithm == "STANDALONE":
         draft = make_draft_runner(cfg, runner.device, runner.num_pages)
-        drafter = DraftModelDrafter(draft, runner.vocab_size, spec.num_steps)
+        drafter = DraftModelDrafter(draft, runner.vocab_size, spec.num_steps,
+                                    make_draft_graphs(draft, spec.num_draft_tokens))
     elif spec.algorithm in ("EAGLE", "EAGLE3"):
-        drafter = make_eagle_drafter(cfg, runner, spec.num_steps, spec.algorithm == "EAGLE3")
+        eagle = make_eagle_drafter(cfg, runner, spec.num_steps, spec.algorithm == "EAGLE3")
         if spec.topk > 1:          # tree drafts
-            trees = EagleTreeDrafter(runner, drafter.head, spec.num_steps, spec.topk, spec.max_drafts)
+            trees = EagleTreeDrafter(runner, eagle.head, spec.num_steps, spec.topk, spec.max_drafts)
             return TreeSpecStepper(runner, scheduler, spec, trees, stats)
+        drafter = EagleChainDrafter(runner, eagle.head, spec.num_steps)     # chains batched across requests
     else:
         drafter = NgramProposer(spec.ngram_max_match)
     return SpecStepper(runner, scheduler, spec, drafter, stats,

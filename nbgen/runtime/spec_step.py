@@ -25,7 +25,9 @@ logit processors run as plain steps (no drafts that step). Where the engine has 
 SGLang's: each row padded to ``speculative_num_draft_tokens`` tokens (a row with fewer drafts, or none,
 carries padding whose results are ignored), one graph replay. Steps with prefill chunks verify
 eagerly; without verify graphs (CPU, graphs off), steps where nothing was drafted run as plain steps on
-the decode path.
+the decode path. Drafters with ``draft_on_device`` (STANDALONE, EAGLE chains) leave their drafts on the
+device (runtime/spec_draft_graphs.py ``PendingDrafts``): a verify graph reads them there, and the host
+reads them once, after the verify forward and its logits are queued.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from nbgen.runtime.embed_step import is_embedding_batch
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.spec_draft_graphs import PendingDrafts
 from nbgen.runtime.spec_pages import reserve_pages
 from nbgen.runtime.spec_verify import AcceptRule, longest_agreeing, verify
 from nbgen.runtime.step_inputs import flatten
@@ -126,11 +129,20 @@ class SpecStepper:
         limits = self.limits(batch, dec)
         if self.drafter.pages_first:
             limits = self.reserve_drafts(batch, limits)
-        drafts = self.drafter.draft(batch, limits) if any(limits) else [[] for _ in batch.seqs]
+        vg = self._current_verify_graphs()
+        on_device = getattr(self.drafter, "draft_on_device", None)     # STANDALONE, EAGLE chains
+        pending = on_device(batch, limits) if on_device is not None and any(limits) else None
+        if pending is not None:
+            if self.stats is not None:
+                self.stats.publish({"spec_draft_graph_steps": pending.graph_steps})
+            if vg is not None and vg.can_run(batch, dec):
+                return self._verify(batch, [], dec, vg, pending)     # drafts reach the graph on the device
+            drafts = pending.lists()
+        else:
+            drafts = self.drafter.draft(batch, limits) if any(limits) else [[] for _ in batch.seqs]
         if not self.drafter.pages_first:
             cut = self.reserve_drafts(batch, [len(d) for d in drafts])
             drafts = [d[:k] for d, k in zip(drafts, cut)]
-        vg = self._current_verify_graphs()
         if vg is not None and vg.can_run(batch, dec):
             return self._verify(batch, drafts, dec, vg)   # a uniform verify step (rows without drafts padded)
         if not any(drafts) and not getattr(self.drafter, "wants_hidden", False):
@@ -148,16 +160,19 @@ class SpecStepper:
         return out
 
     def _verify(self, batch: ScheduledBatch, drafts: list[list[int]], dec: list[bool],
-                vg: Optional[VerifyGraphRunner] = None) -> StepOutput:
+                vg: Optional[VerifyGraphRunner] = None, pending: Optional[PendingDrafts] = None) -> StepOutput:
         """One target forward over the batch with its drafts: the verify graph ``vg`` (every seq a decode row)
-        or eagerly."""
+        or eagerly. ``pending``: drafts still on the device (with ``vg``), written into its input ids there
+        and read on the host once the verify forward is queued."""
         runner = self.runner
+        if pending is not None:
+            drafts = [[0] * k for k in pending.counts]            # stand-ins until the drafts are read
         for i, d in enumerate(drafts):
             if d:
                 s = batch.seqs[i]
                 batch.seqs[i] = SeqWork(s.req, s.token_ids + d, s.start_pos, s.pages, True)
         if vg is not None:
-            hidden, starts = vg.run(batch)                       # [bs * q, H]: seq i's rows from i * q
+            hidden, starts = vg.run(batch, pending.patch(vg.q) if pending is not None else None)  # [bs * q, H]
         else:
             flat = flatten(batch)
             hidden, starts = runner.hidden_states(batch, flat), flat.starts       # [T, H]
@@ -176,6 +191,13 @@ class SpecStepper:
                 self.stats.publish({"spec_verify_graph_steps": vg.replays})
         else:
             logits = runner.logits(hidden, rows)                                   # [R, V]
+        if pending is not None:             # the one host read of the drafts, behind the queued verify
+            drafts = pending.lists()
+            for i, d in enumerate(drafts):
+                if d:
+                    s = batch.seqs[i]
+                    batch.seqs[i] = SeqWork(s.req, s.token_ids[: s.q_len - len(d)] + d, s.start_pos, s.pages, True)
+            seqs = [s for s in batch.seqs if s.sample]
         res = iter(verify(runner.sampler, logits, seqs, nd, self.rule))
         n = len(batch.seqs)
         out = StepOutput(next_token_ids=[-1] * n, output_logprobs=[None] * n, prompt_logprobs=[None] * n,

@@ -54,7 +54,7 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
     for s in batch.seqs:
         starts.append(len(ids))
         ids.extend(s.token_ids)
-        d = s.req.rope_delta if s.start_pos >= len(s.req.prompt_ids) else 0    # M-RoPE decode offset
+        d = s.req.rope_delta     # M-RoPE offset of text after the last image (chunks reaching one: vision_step)
         if s.tree_parents is None:
             pos.extend(range(s.start_pos + d, s.kv_len + d))
         else:                                   # a tree verify chunk: position = depth below its first token
@@ -71,7 +71,7 @@ def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
     o = 0
     for s in batch.seqs:
         a, b = s.start_pos, s.kv_len
-        d = s.req.rope_delta if a >= len(s.req.prompt_ids) else 0              # M-RoPE decode offset
+        d = s.req.rope_delta                    # M-RoPE offset of text after the last image, as flatten
         if b - a == 1:
             out[o] = a + d
         elif s.tree_parents is not None:        # a tree verify chunk: position = depth below its first token

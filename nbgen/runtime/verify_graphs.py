@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -168,12 +168,17 @@ class VerifyGraphRunner:
         idx = rows + [rows[-1]] * (padded_batch_size(R) - R)
         return self.model.compute_logits(hidden.index_select(0, to_device(idx, hidden.device)))[:R]
 
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def run(self, batch: ScheduledBatch, patch: Optional[Callable[[torch.Tensor], None]] = None
+            ) -> tuple[torch.Tensor, list[int]]:
         """Replay the step -> (hidden states [bs * q, H], a view of the graph's output valid until the next
-        replay; each seq's first row, i * q). EAGLE3: ``model.model.captured`` holds the graph's features."""
+        replay; each seq's first row, i * q). EAGLE3: ``model.model.captured`` holds the graph's features.
+        ``patch``: applied to the staged input ids [bs * q] on the device before the replay (drafts still
+        on the device: runtime/spec_draft_graphs.py)."""
         n = len(batch.seqs)
         bs = self.graph_size(n)
         self.stage(verify_layout(batch.seqs, self.q, bs, self.backend.spec.page_size))
+        if patch is not None:
+            patch(self.io[: bs * self.q])
         self.graphs[bs].replay()
         self.replays += 1
         if self.captured[bs]:

@@ -5,14 +5,15 @@ an image and whose embeddings are not cached yet (they stay on the request, ``Im
 its later prefill chunks, and are dropped once its last image slot is computed; a preempted request
 encodes again); the step's token embeddings take those rows at the image slots; positions are 3-D
 (M-RoPE) for every row of the step, or 1-D for models without M-RoPE (``model.mrope`` False: LLaVA).
-Steps without image prompt chunks never come here: decode rows
-of image requests run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
+Steps without such chunks never come here: decode rows and text after a prompt's last image
+run at ``p + rope_delta`` on the ordinary path (``step_inputs.flatten``).
 Nothing here waits for the GPU: index lists and positions go through pinned memory, so the tower's
 launches queue behind the previous step's work (overlap scheduling) instead of after it finished.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -22,11 +23,15 @@ from nbgen.models.mrope import step_positions
 from nbgen.runtime.step_inputs import FlatStep, to_device
 
 TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
+PIXELS_RANGE = "nbgen::vision_pixels"    # ... around waiting for a tower batch's pixels and staging them
+IMAGE_STEP_RANGE = "nbgen::image_step"   # ... around a step with image prompt chunks (tower + LLM forward)
 
 
 def has_image_prefill(batch: ScheduledBatch) -> bool:
-    """True when a seq of the batch computes prompt tokens of a request with images."""
-    return any(s.req.images is not None and s.start_pos < len(s.req.prompt_ids) for s in batch.seqs)
+    """True when a seq of the batch computes prompt tokens up to an image's last slot. A chunk starting
+    after the last image (a prompt's text tail) is plain text at positions p + rope_delta: the ordinary
+    path (piecewise prefill graphs) runs it, as decode steps (``step_inputs.flatten``)."""
+    return any(s.req.images is not None and s.start_pos < s.req.images.end for s in batch.seqs)
 
 
 def _needs_encoding(s: SeqWork) -> bool:
@@ -34,28 +39,66 @@ def _needs_encoding(s: SeqWork) -> bool:
     return im is not None and im.embeds is None and s.start_pos < im.end and s.kv_len > im.spans[0][0]
 
 
-class VisionStep:
-    """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions)."""
+class PixelStaging:
+    """Pinned host buffers that a step's pixel patches are gathered into and copied to the GPU from, two
+    used in turn and kept: a step's staging then never waits for the host allocator (pinning a new
+    ~256 MB block costs tens of milliseconds on the loop thread, and blocks of a new size class would
+    be pinned during the first large batch). A buffer is reused two steps later, when the GPU has run
+    the copy that read it (the overlap stepper resolved the step behind it); its event guards that.
+    The patches are cast to the model dtype while they are gathered: bf16 halves the bytes copied to
+    the GPU (~135 MB of fp32 for 28 448x448 images, in the stream before the tower) and rounds exactly
+    as the cast on the GPU did."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+    SLOTS = 2
+    MAX_RESERVE_BYTES = 256 << 20        # per buffer reserved up front; larger steps grow it
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, reserve_elements: int = 0) -> None:
+        self.device = device
+        n = min(reserve_elements, self.MAX_RESERVE_BYTES // dtype.itemsize)
+        self.bufs = [torch.empty(n, dtype=dtype, pin_memory=True) if n else None for _ in range(self.SLOTS)]
+        self.events: list[Optional[torch.cuda.Event]] = [None] * self.SLOTS
+        self.turn = 0
+
+    def to_device(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """``parts`` concatenated on the device in ``dtype``, queued without a host sync."""
+        i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
+        rows = sum(p.shape[0] for p in parts)
+        shape = (rows, *parts[0].shape[1:])
+        numel = rows * math.prod(shape[1:])
+        if self.events[i] is not None:
+            self.events[i].synchronize()           # the copy two steps back: done long ago
+        buf = self.bufs[i]
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self.bufs[i] = torch.empty(numel + numel // 4, dtype=dtype, pin_memory=True)
+        host = buf[:numel].view(shape)
+        torch.cat(parts, out=host)                 # cast while gathered (all cores)
+        out = host.to(self.device, non_blocking=True)
+        ev = self.events[i] = torch.cuda.Event()
+        ev.record()
+        return out
+
+
+class VisionStep:
+    """Image encoding and embedding merge for one model (``encode_images``, ``embed``, 3-D positions).
+    ``reserve_pixels``: pixel values a step may stage (CUDA: pinned up front, see ``PixelStaging``)."""
+
+    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, reserve_pixels: int = 0) -> None:
         self.model, self.device, self.dtype = model, device, dtype
+        self.staging = PixelStaging(device, dtype, reserve_pixels) if device.type == "cuda" else None
 
     def _pixels(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The requests' pixel patches as one tensor on the device in the model dtype. On CUDA they are
-        gathered into pinned memory and copied asynchronously, then cast on the GPU: a copy from pageable
-        memory (~100 MB for a step of 28 448x448 images) would wait for the GPU's queued work and leave
-        it idle during the transfer."""
-        if self.device.type != "cuda":
+        gathered into pinned memory in that dtype and copied asynchronously: a copy from pageable memory
+        would wait for the GPU's queued work and leave it idle during the transfer."""
+        if self.staging is None:
             return torch.cat(parts).to(self.device, self.dtype)
-        host = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
-                           pin_memory=True)
-        torch.cat(parts, out=host)
-        return host.to(self.device, non_blocking=True).to(self.dtype)
+        return self.staging.to_device(parts, self.dtype)
 
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
         reqs = [s.req for s in seqs]
-        pv = self._pixels([r.images.pixels() for r in reqs])           # waits for pending preprocessing
+        with torch.profiler.record_function(PIXELS_RANGE):
+            pv = self._pixels([r.images.pixels() for r in reqs])       # waits for pending preprocessing
         grids = [g for r in reqs for g in r.images.grids]
         with torch.profiler.record_function(TOWER_RANGE):            # a profile's tower share (bench.vlm --profile)
             out = self.model.encode_images(pv, grids)                    # [sum image tokens, H]
@@ -64,6 +107,10 @@ class VisionStep:
 
     def hidden_states(self, batch: ScheduledBatch, flat: FlatStep, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """Hidden states [T, H] of a step with image prompt chunks (``input_ids`` [T] on the device)."""
+        with torch.profiler.record_function(IMAGE_STEP_RANGE):
+            return self._hidden_states(batch, flat, input_ids, meta)
+
+    def _hidden_states(self, batch: ScheduledBatch, flat: FlatStep, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         todo = [s for s in batch.seqs if _needs_encoding(s)]
         if todo:
             self._encode(todo)
@@ -92,3 +139,11 @@ class VisionStep:
                 im.embeds = None
         positions = to_device(pos if self.model.mrope else pos[0], self.device)   # [3, T] or [T]
         return self.model(input_ids, positions, meta, input_embeds=x)
+
+
+def vision_step_for(model: Any, device: torch.device, dtype: torch.dtype, step_tokens: int) -> Optional[VisionStep]:
+    """The VisionStep of a vision-language model (None for a text model); its pixel staging reserves a
+    step of ``step_tokens`` image tokens (the model's ``pixels_per_token``, where it has one)."""
+    if not hasattr(model, "encode_images"):
+        return None
+    return VisionStep(model, device, dtype, step_tokens * int(getattr(model, "pixels_per_token", 0)))

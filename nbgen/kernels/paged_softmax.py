@@ -1,0 +1,70 @@
+"""Online-softmax pieces over paged KV, inlined by Triton into the kernels that call them.
+
+``attend_pages``: q rows against one kv head's tokens of a span of pages, the loop of the split-KV
+decode kernel (kernels/triton_decode.py) and of the shared-prefix level 0 (kernels/triton_cascade.py).
+``fold_shared``: the decode kernel's level-1 merge of a row's level-0 partials (a shared-prefix step).
+"""
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton never build these kernels
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def fold_shared(m, l, acc, b, kh, HKV, rows, G: tl.constexpr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
+                    S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr, D: tl.constexpr):
+        """Merge a row's level-0 partials (its chunk's S0 splits over the shared pages, written by
+        kernels/triton_cascade.py; SB0 splits per load) into its softmax state (m, l, acc) of q rows
+        ``rows`` (m finite: level 1 holds >= 1 token). Rows in no chunk (chunk -1) load nothing and
+        keep their state exactly."""
+        c = tl.load(chunk_ptr + b)
+        i = tl.load(slot_ptr + b) * G + rows                  # the row's q heads in the level-0 tile
+        ok = (rows < G) & ((rows * 0 + c) >= 0)
+        d = tl.arange(0, D)
+        for j0 in tl.static_range(0, S0, SB0):
+            cell = (c * HKV + kh) * S0 + j0 + tl.arange(0, SB0)                        # [SB0]
+            mls = ml0_ptr + cell[:, None] * (2 * BM0) + i[None, :]
+            m0 = tl.load(mls, mask=ok[None, :], other=float("-inf"))                    # [SB0, rows]
+            l0 = tl.load(mls + BM0, mask=ok[None, :], other=0.0)
+            a0 = tl.load(part0_ptr + cell.to(tl.int64)[:, None, None] * (BM0 * D) + i[None, :, None] * D
+                         + d[None, None, :], mask=ok[None, :, None], other=0.0)         # [SB0, rows, D]
+            m_new = tl.maximum(m, tl.max(m0, 0))
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(m0 - m_new[None, :])                  # empty or absent split: 0
+            l = l * alpha + tl.sum(w * l0, 0)
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a0, 0)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
+    def attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok, qk_scale,
+                     M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STAGES: tl.constexpr):
+        """Online softmax of q [M, D] against one kv head's tokens [lo, hi) of the pages listed from
+        ``indices_ptr + start`` (scores in log2 units through ``qk_scale``) -> (m [M], l [M], acc [M, D]),
+        not normalised."""
+        d = tl.arange(0, D)
+        m = tl.full([M], float("-inf"), tl.float32)
+        l = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tm = t < hi
+            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
+            off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
+            # e4m3 pages widen to q's dtype in registers (a no-op for model-dtype pages)
+            k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
+            v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
+            sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [M, BLOCK_N], log2 units
+            sc = tl.where(tm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [M, D]
+            m = m_new
+        return m, l, acc
+
