@@ -78,3 +78,16 @@ def test_peer_all_reduce_matches_nccl_two_gpus():
             # two ranks: both sum a + b once, rounded once (fp32 exact); a wrong or stale slot is off by O(1)
             bad = {k: v for k, v in rep["check"].items() if v > (0.07 if "bfloat16" in k else 1e-6)}
             assert not bad, (rank, bad)
+
+
+def test_ipc_handle_bytes_keep_zero_bytes():
+    """A CUDA IPC handle is 64 raw bytes with zeros inside: every rank's exchanged handle must keep all
+    of them (a C-string read cuts it at the first zero, and the ranks' gathers then disagree in size)."""
+    from nbgen.kernels import cuda_ipc
+
+    raw = bytes([7, 0, 0, 9] + [0] * 30 + [255] * 30)
+    h = cuda_ipc.handle_from_bytes(raw)
+    assert cuda_ipc.handle_bytes(h) == raw
+    assert cuda_ipc.handle_bytes(cuda_ipc.handle_from_bytes(bytes(64))) == bytes(64)
+    with pytest.raises(ValueError, match="64 bytes"):
+        cuda_ipc.handle_from_bytes(raw[:10])

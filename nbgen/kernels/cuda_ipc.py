@@ -21,7 +21,20 @@ _LAZY_PEER_ACCESS = 1             # cudaIpcMemLazyEnablePeerAccess
 
 
 class _Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
+    # unsigned bytes, not c_char: ctypes reads a c_char array as a C string, cut at its first zero byte
+    _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
+
+
+def handle_bytes(h: _Handle) -> bytes:
+    """All HANDLE_BYTES bytes of a handle, zeros included."""
+    return bytes(h.reserved)
+
+
+def handle_from_bytes(raw: bytes) -> _Handle:
+    """The handle whose bytes are ``raw`` (from a peer's ``handle``)."""
+    if len(raw) != HANDLE_BYTES:
+        raise ValueError(f"an IPC handle has {HANDLE_BYTES} bytes, got {len(raw)}")
+    return _Handle((ctypes.c_ubyte * HANDLE_BYTES).from_buffer_copy(raw))
 
 
 def _loaded_cudart() -> Optional[str]:
@@ -98,15 +111,14 @@ def handle(ptr: int) -> bytes:
     """The IPC handle of an allocation from ``malloc`` (64 bytes, for the peers)."""
     h = _Handle()
     _check(cudart().cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
-    return bytes(h.reserved)
+    return handle_bytes(h)
 
 
 def open_handle(device: int, raw: bytes) -> int:
     """Map a peer's allocation into this process (accessed from GPU ``device``); its address here."""
     lib = cudart()
     _check(lib.cudaSetDevice(device), "cudaSetDevice")
-    h = _Handle()
-    ctypes.memmove(ctypes.byref(h), raw, HANDLE_BYTES)
+    h = handle_from_bytes(raw)
     ptr = ctypes.c_void_p()
     _check(lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _LAZY_PEER_ACCESS), "cudaIpcOpenMemHandle")
     return int(ptr.value)
