@@ -55,12 +55,13 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems,
     wm = w < WORLD
     bases = tl.load(flag_ptrs + w, mask=wm, other=0).to(tl.pointer_type(tl.int64))
     tl.atomic_xchg(bases + pid * WPOW + RANK, tl.zeros([WPOW], tl.int64) + epoch, mask=wm, sem="release", scope="sys")
-    # 3. wait until every rank's flag [pid][*] here reached this epoch
-    mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64)) + pid * WPOW + w
-    zero = tl.zeros([WPOW], tl.int64)
-    seen = tl.atomic_add(mine, zero, mask=wm, sem="acquire", scope="sys")
-    while tl.min(tl.where(wm, seen - epoch, 0), axis=0) < 0:
-        seen = tl.atomic_add(mine, zero, mask=wm, sem="acquire", scope="sys")
+    # 3. wait until every rank's flag [pid][q] here reached this epoch (one scalar spin per rank: a
+    #    loop carrying a [WPOW] tensor through a reduction does not compile with every Triton release)
+    mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64)) + pid * WPOW
+    for q in tl.static_range(WORLD):
+        seen = tl.atomic_add(mine + q, 0, sem="acquire", scope="sys")
+        while seen < epoch:
+            seen = tl.atomic_add(mine + q, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     # 4. the sum over ranks, in rank order on every rank
     for start in range(pid * BLOCK, n, NPROG * BLOCK):
