@@ -75,6 +75,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     tp_size: int = 1       # tensor parallelism: ranks sharding the model (runtime/tp_group.py)
     dp_size: int = 1       # data parallelism: replicas behind one Engine (runtime/dp_loop.py)
+    disable_custom_all_reduce: bool = False   # tensor parallelism: NCCL for every size (models/all_reduce.py)
     base_gpu_id: int = 0   # the first GPU this engine uses (rank 0 of replica 0)
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context

@@ -124,6 +124,8 @@ class LoopThread(LoopControl):
         if self._loop is not None and self._thread.is_alive():
             self._post(self._stop)
             self._thread.join(timeout)
+            if self._thread.is_alive():    # still freeing (a process group's teardown): say so, not silently
+                logger.warning("the engine loop thread did not stop within %.0f s of shutdown()", timeout)
 
     @property
     def alive(self) -> bool:
