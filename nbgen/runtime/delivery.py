@@ -16,6 +16,7 @@ from nbgen.core.request import Request, Status
 from nbgen.runtime.grammar import GrammarService
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.stream_buffer import StreamBuffer, wake_all
 from nbgen.runtime.tracker import Tracked, Update
 
 logger = logging.getLogger("nbgen")
@@ -69,8 +70,10 @@ class Delivery:
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        # a stream's consumer that makes its text from ids (runtime/stream_buffer.py) gets only the ids
+        buffer = sink if stream and isinstance(sink, StreamBuffer) and sink.deferred else None
         for r in reqs:
-            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer, self._stream_interval)
+            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer, self._stream_interval, buffer)
             if not r.params.constrained:
                 self.scheduler.add(r)
                 if r.finished:   # can never run (e.g. longer than the whole KV cache): answer now
@@ -117,6 +120,7 @@ class Delivery:
         """Send the step's changed requests to their callers, then count the step's tokens."""
         n_out = 0
         tracked = self._tracked
+        wake: list[StreamBuffer] = []     # pushed streams whose consumers are woken once, after the step
         for req in changed:
             t = tracked.get(req.rid)
             if t is None:
@@ -126,7 +130,12 @@ class Delivery:
             if (t.quiet or (t.lazy and t.within_interval(m))) and not req.finished:   # nothing to send yet
                 t.n_ids = m
                 continue
+            if t.buffer is not None and not req.finished:     # only the new ids, to its consumer
+                if t.push_new():
+                    wake.append(t.buffer)
+                continue
             self._emit(t)
+        wake_all(wake)
         self.reap_outside()
         self._stats.account(n_in, n_out, self.snapshot())
 
