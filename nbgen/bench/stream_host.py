@@ -42,18 +42,23 @@ TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hi
                "torch_dtype": "float32"}
 
 
+CONSUMER_CPU: list[float] = []   # CPU seconds of the consuming threads in the last streamed run
+
+
 class FakeDevice:
     """Stands in for ``ModelRunner.step``: ``launch_s`` of host Python, then the tokens, while the
     previous step's ``step_s`` of device time is waited for (one step ahead, as overlap scheduling)."""
 
-    def __init__(self, step_s: float, launch_s: float, vocab: int) -> None:
+    def __init__(self, step_s: float, launch_s: float, vocab: int, prefill_s: float = 0.0) -> None:
         self.step_s = step_s
+        self.prefill_s = prefill_s    # device seconds per prompt token of a step
         self.launch_s = launch_s
         rng = random.Random(0)
         self.table = [rng.randrange(100, min(vocab, 10000)) for _ in range(1 << 16)]   # W-nano's id range
         self.busy_until = 0.0
         self.steps = 0
         self.waited = 0.0      # seconds the loop thread slept on the fake device
+        self.device_s = 0.0    # fake device seconds of all steps
 
     def token(self, rid: str, pos: int) -> int:
         """The id a request samples at output position ``pos`` (the same in every mode)."""
@@ -67,7 +72,9 @@ class FakeDevice:
         if self.busy_until > now:           # the previous step is still on the device
             time.sleep(self.busy_until - now)
             self.waited += time.perf_counter() - now
-        self.busy_until = max(now, self.busy_until) + self.step_s
+        dev = self.step_s + self.prefill_s * batch.num_prefill_tokens
+        self.busy_until = max(now, self.busy_until) + dev
+        self.device_s += dev
         self.steps += 1
         n = len(batch.seqs)
         ids = [self.token(s.req.rid, s.out_index) if s.sample else -1 for s in batch.seqs]
@@ -93,7 +100,9 @@ def _stream_async(eng: Engine, prompts: list[str], sps: list[dict[str, Any]], ri
 
     async def every() -> list[tuple[str, int]]:
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    cpu = time.thread_time()
     res = asyncio.run(every())
+    CONSUMER_CPU.append(time.thread_time() - cpu)
     return [t for t, _ in res], sum(c for _, c in res)
 
 
@@ -104,6 +113,7 @@ def _stream_threads(eng: Engine, prompts: list[str], sps: list[dict[str, Any]], 
     counts = [0] * len(prompts)
 
     def worker(k: int) -> None:
+        cpu = time.thread_time()
         its = {i: eng.generate(prompts[i], sps[i], stream=True, rid=rids[i])
                for i in range(k, len(prompts), threads)}
         parts: dict[int, list[str]] = {i: [] for i in its}
@@ -116,12 +126,26 @@ def _stream_threads(eng: Engine, prompts: list[str], sps: list[dict[str, Any]], 
                     continue
                 parts[i].append(chunk["text"])
                 counts[i] += 1
+        CONSUMER_CPU.append(time.thread_time() - cpu)
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     return texts, sum(counts)
+
+
+def _medians(rows: list[dict[str, Any]], modes: list[str]) -> list[dict[str, Any]]:
+    """One row per mode: the run of median seconds (all runs' seconds kept in ``runs_s``)."""
+    out = []
+    for m in modes:
+        runs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["seconds"])
+        mid = dict(runs[len(runs) // 2])
+        mid["runs_s"] = [round(r["seconds"], 3) for r in rows if r["mode"] == m]
+        mid["texts_equal"] = all(r.get("texts_equal", True) for r in runs)
+        out.append(mid)
+        print(f"{m}: runs " + ", ".join(f"{t:.2f}" for t in mid["runs_s"]) + " s")
+    return out
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -133,7 +157,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      max_running_requests=args.requests, max_total_tokens=args.requests * 2100,
                      disable_radix_cache=True, log_level="warning")
     try:
-        fake = FakeDevice(args.step_ms / 1e3, args.launch_ms / 1e3, len(eng.tokenizer))
+        fake = FakeDevice(args.step_ms / 1e3, args.launch_ms / 1e3, len(eng.tokenizer), args.prefill_us / 1e6)
         runner = eng._loop.runner          # the bench swaps the model's step for the fake device
         eng._loop.call(lambda: setattr(runner, "step", fake.step))
         ids, outs = workload(args.requests, args.scale)
@@ -142,9 +166,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         sps = [{"max_new_tokens": o, "temperature": 0, "ignore_eos": True} for o in outs]
         rows: list[dict[str, Any]] = []
         ref: Optional[list[str]] = None
-        for mode in args.modes:
+        for mode in [m for _ in range(args.repeat) for m in args.modes]:   # interleaved repeats
             rids = [f"r{i}" for i in range(len(ids))]   # the same in every mode: so are the fake's tokens
-            steps0, wait0 = fake.steps, fake.waited
+            steps0, wait0, dev0 = fake.steps, fake.waited, fake.device_s
+            CONSUMER_CPU.clear()
+            loop_cpu0 = eng._loop.call(time.thread_time)
             prof = cProfile.Profile() if args.host_profile else None
             if prof is not None:
                 eng._loop.call(prof.enable)
@@ -167,25 +193,32 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 eng._loop.call(prof.disable)
                 print(f"loop thread profile, mode {mode}:")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            loop_cpu = eng._loop.call(time.thread_time) - loop_cpu0
             steps, waited = fake.steps - steps0, fake.waited - wait0
             row = {"mode": mode, "seconds": wall, "steps": steps,
                    "host_ms_per_step": 1e3 * (wall - waited) / max(steps, 1),
-                   "device_s": steps * fake.step_s, "chunks": chunks, "chunks_per_s": chunks / wall,
+                   "loop_cpu_ms_per_step": 1e3 * loop_cpu / max(steps, 1),
+                   "consumer_cpu_s": sum(CONSUMER_CPU),
+                   "device_s": fake.device_s - dev0, "chunks": chunks, "chunks_per_s": chunks / wall,
                    "out_tokens": sum(outs)}
             if got is not None and ref is not None:
                 row["texts_equal"] = got == ref
             rows.append(row)
     finally:
         eng.shutdown()
+    rows = _medians(rows, args.modes) if args.repeat > 1 else rows
     base = next((r["seconds"] for r in rows if r["mode"] == "ids"), None)
-    print(f"{args.requests} requests, {sum(outs)} output tokens, fake step {args.step_ms} ms device + "
-          f"{args.launch_ms} ms host launch, tokenizer {tok_dir}")
-    print(f"{'mode':<13}{'seconds':>9}{'% ids':>8}{'steps':>7}{'host ms/step':>14}{'chunks':>9}{'chunks/s':>10}  texts")
+    print(f"{args.requests} requests, {sum(outs)} output tokens, fake step {args.step_ms} ms device "
+          f"(+ {args.prefill_us} us per prompt token) + {args.launch_ms} ms host launch, tokenizer {tok_dir}")
+    print(f"{'mode':<13}{'seconds':>9}{'% ids':>8}{'steps':>7}{'host ms/step':>14}{'loop CPU ms/step':>18}"
+          f"{'chunks':>9}{'chunks/s':>10}{'consumer CPU us/chunk':>23}  texts")
     for r in rows:
         pct = f"{100 * base / r['seconds']:.1f}" if base else "-"
         r["pct_of_ids"] = 100 * base / r["seconds"] if base else None
+        per = f"{1e6 * r['consumer_cpu_s'] / r['chunks']:.1f}" if r["consumer_cpu_s"] else "-"
         print(f"{r['mode']:<13}{r['seconds']:>9.2f}{pct:>8}{r['steps']:>7}{r['host_ms_per_step']:>14.2f}"
-              f"{r['chunks']:>9}{r['chunks_per_s']:>10.0f}  {r.get('texts_equal', '')}")
+              f"{r['loop_cpu_ms_per_step']:>18.2f}{r['chunks']:>9}{r['chunks_per_s']:>10.0f}{per:>23}"
+              f"  {r.get('texts_equal', '')}")
     return rows
 
 
@@ -195,9 +228,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--scale", type=float, default=1.0, help="prompt and output lengths times this")
     ap.add_argument("--step-ms", type=float, default=6.0, help="fake device time per step")
     ap.add_argument("--launch-ms", type=float, default=1.0, help="fake host launch work per step (holds the GIL)")
+    ap.add_argument("--prefill-us", type=float, default=2.0,
+                    help="fake device time per prompt token (Qwen3-0.6B on an H100: ~2 us)")
     ap.add_argument("--modes", nargs="+", default=["ids", "text", "stream"],
                     choices=["ids", "text", "stream", "sync-stream"])
     ap.add_argument("--tokenizer-path", default=None, help="default: the embedded model's tokenizer")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median is reported")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of the loop thread per mode")
     ap.add_argument("--json", default=None, help="write the rows to this file")
     args = ap.parse_args(argv)
