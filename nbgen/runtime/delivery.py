@@ -67,6 +67,7 @@ class Delivery:
         self._tracked: dict[str, Tracked] = {}
         self.grammar: Optional[GrammarService] = None   # made at the first constrained request
         self._jump_forward = jump_forward  # EngineConfig.enable_jump_forward (runtime/jump_forward.py)
+        self._wakes: list[StreamBuffer] = []   # streams with new ids whose consumers are not woken yet
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
@@ -120,7 +121,8 @@ class Delivery:
         """Send the step's changed requests to their callers, then count the step's tokens."""
         n_out = 0
         tracked = self._tracked
-        wake: list[StreamBuffer] = []     # pushed streams whose consumers are woken once, after the step
+        self.release_wakes()              # the previous step's, if no wait for the device came between
+        wake = self._wakes
         for req in changed:
             t = tracked.get(req.rid)
             if t is None:
@@ -135,9 +137,15 @@ class Delivery:
                     wake.append(t.buffer)
                 continue
             self._emit(t)
-        wake_all(wake)
         self.reap_outside()
         self._stats.account(n_in, n_out, self.snapshot())
+
+    def release_wakes(self) -> None:
+        """Wake the consumers of the streams the last step pushed ids to (the loop calls it right
+        before it waits for the device, so they run then rather than during its host work)."""
+        if self._wakes:
+            wakes, self._wakes = self._wakes, []
+            wake_all(wakes)
 
     def reap_outside(self) -> None:
         """Answer the requests the scheduler finished outside a step (refused, aborted, never fitting):

@@ -15,7 +15,7 @@ final chunk is the finished output with the text not yet handed out, as before.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from nbgen.core.request import Request
 from nbgen.runtime.detokenizer import IncrementalDetokenizer
@@ -96,6 +96,8 @@ class StreamBuffer:
         self._chunk: Optional[dict[str, Any]] = None   # loop-built chunk(s) not taken yet, merged
         self._final: Optional[dict[str, Any]] = None   # the finished output
         self._signaled = False               # a wake-up is due or done since the last take
+        self._pushed = False                 # the loop thread sends ids (else it sends built chunks)
+        self.finish_hooks: list[Callable[[str], None]] = []   # called with the rid at the finish (loop thread)
         p = req.params
         self._detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
                                               p.spaces_between_special_tokens)
@@ -106,6 +108,7 @@ class StreamBuffer:
     def push(self, ids: list[int], n_out: int) -> bool:
         """Append new output ids (``n_out`` generated so far); True when the consumer must be woken."""
         with self._lock:
+            self._pushed = True
             self._ids.extend(ids)
             self._n_out = n_out
             if self._signaled:
@@ -115,6 +118,9 @@ class StreamBuffer:
 
     def __call__(self, upd: Update) -> None:
         """The sink: a loop-built chunk (merged into one not taken yet) or the finished output."""
+        if upd.finished:
+            for hook in self.finish_hooks:
+                hook(upd.rid)
         with self._lock:
             if upd.finished:
                 self._final = upd.output
@@ -139,10 +145,11 @@ class StreamBuffer:
             chunk, self._chunk = self._chunk, None
             final, self._final = self._final, None
             n_out = self._n_out
+            pushed = self._pushed
             self._signaled = False
         if final is not None:
             self.done = True
-            return self._final_chunk(final, ids)
+            return self._final_chunk(final, ids, pushed)
         if chunk is not None:
             self._sent_chars += len(chunk.get("text") or "")
             return chunk
@@ -153,12 +160,12 @@ class StreamBuffer:
         out["meta_info"]["completion_tokens"] = n_out
         return out
 
-    def _final_chunk(self, final: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    def _final_chunk(self, final: dict[str, Any], ids: list[int], pushed: bool) -> dict[str, Any]:
         """The finished output with only the text no earlier chunk carried."""
         if "text" not in final:              # no tokenizer: no text key
             return final
         out = dict(final)
-        if self._detok is not None:          # the last ids (a matched stop token left out) and the held tail
+        if pushed and self._detok is not None:   # the last ids (a matched stop token left out), the held tail
             out["text"] = (self._detok.add(ids) if ids else "") + self._detok.flush()
         else:
             out["text"] = final["text"][self._sent_chars:]
