@@ -15,6 +15,7 @@ from nbgen.runtime.delivery import Sink
 from nbgen.runtime.dp_router import Router
 from nbgen.runtime.loop import LoopThread
 from nbgen.runtime.profiler import ProfileOptions, ProfileResult
+from nbgen.runtime.stream_buffer import StreamBuffer
 from nbgen.runtime.tracker import Update
 
 # stats keys that are not summed over replicas: the same everywhere, or the newest / longest
@@ -106,9 +107,13 @@ class DPLoop:
                 self.router.done(update.rid)
             sink(update)
 
+        target: Sink = tracked
+        if isinstance(sink, StreamBuffer):   # passed on as itself: the replica hands it ids only
+            sink.finish_hooks.append(self.router.done)
+            target = sink
         for n, (i, part) in enumerate(sorted(parts.items())):
             try:
-                self.replicas[i].submit(part, tracked, stream)
+                self.replicas[i].submit(part, target, stream)
             except (RuntimeError, ValueError):
                 for _j, rest in sorted(parts.items())[n:]:
                     for r in rest:

@@ -208,7 +208,7 @@ class LoopThread(LoopControl):
         self._spec = make_spec_stepper(parts.runner, parts.scheduler, parts.cfg, self._stats)
         if getattr(parts.runner, "overlap", False):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
-                                           self.run_step)
+                                           self.run_step, self._delivery.release_wakes)
         self._intake = Intake(self._delivery, self._exclusive, self.weights, self.memory, self.sessions,
                               self.flush_overlap)
         self._delivery.publish()
@@ -229,6 +229,7 @@ class LoopThread(LoopControl):
                 if self._stepped:
                     self._stepped = False
                     freeze_new_code()
+                self._delivery.release_wakes()
                 self._wake.clear()
                 await self._wake.wait()
 
@@ -243,6 +244,7 @@ class LoopThread(LoopControl):
 
     def run_step(self, batch: ScheduledBatch) -> None:
         """Run one batch synchronously and deliver its results."""
+        self._delivery.release_wakes()   # stream consumers run while this step computes
         try:
             out = self._spec.step(batch) if self._spec is not None else self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - handed to fail_batch
