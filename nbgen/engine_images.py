@@ -28,9 +28,10 @@ import torch
 
 from nbgen.core.multimodal import ImageInputs
 from nbgen.core.request import Request
-from nbgen.engine_images_background import BackgroundPixels, grids_ahead
+from nbgen.engine_images_background import BackgroundPixels, pixel_recipe, pixels_ahead
 from nbgen.models.mrope import mrope_positions
 from nbgen.models.registry import VISION_ARCHITECTURES
+from nbgen.models.vision_pixels import PixelRecipe
 
 _FETCH_TIMEOUT_S = 10.0
 _HASH_SPACE = 1 << 30
@@ -134,6 +135,7 @@ class ImagePrep:
         self.end_id = int(hf_config.vision_end_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self._processor: Optional[Any] = None
+        self._recipe: Optional[PixelRecipe] = None               # the processor's, for images kept at their size
         self._background = BackgroundPixels()                     # the processor's pixel work
 
     @property
@@ -141,22 +143,25 @@ class ImagePrep:
         """The HF image processor of the model directory (the PIL one when torchvision is missing)."""
         if self._processor is None:
             # Qwen2-VL's defaults (min/max pixels) where the directory has no processor config
-            self._processor = checkpoint_image_processor(self.model_dir, "Qwen2VLImageProcessorPil", {})
+            proc = checkpoint_image_processor(self.model_dir, "Qwen2VLImageProcessorPil", {})
+            self._recipe, self._processor = pixel_recipe(proc), proc
         return self._processor
 
-    def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:
-        """(pixel patches [N, D], grids, one identity per image) of a prompt's images: loaded and run
-        through the processor, or SGLang's ``{"format": "processor_output", ...}`` dicts as given."""
+    def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[tuple[bytes, ...]]]:
+        """(pixel patches [N, D] or RawImages, grids, one identity per image) of a prompt's images: loaded
+        and run through the processor (images it keeps at their size: their RGB bytes, made patches on the
+        device), or SGLang's ``{"format": "processor_output", ...}`` dicts as given."""
         where = f"image_data[{idx}]"
         if any(isinstance(im, dict) for im in images):
             return _processor_output(images, where)
         pil = [load_image(im, where + (f"[{j}]" if len(images) > 1 else "")) for j, im in enumerate(images)]
-        # the decoded RGB pixels identify the processed image (the processor is deterministic); ~10x
-        # cheaper to hash than the float patches
-        idents = [img.tobytes() + str(img.size).encode() for img in pil]
-        grids = grids_ahead(self.processor, pil)
-        if grids is not None:
-            return self._background.submit(self.processor, pil, grids), grids, idents
+        # the decoded RGB bytes and the size identify the processed image (the processor is
+        # deterministic); ~10x cheaper to hash than the float patches
+        rgb = [img.tobytes() for img in pil]
+        idents = [(b, str(img.size).encode()) for b, img in zip(rgb, pil)]
+        ahead = pixels_ahead(self._background, self.processor, self._recipe, pil, rgb)
+        if ahead is not None:
+            return ahead[0], ahead[1], idents
         out = self.processor(images=pil, return_tensors="pt")
         return out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()], idents
 
@@ -176,7 +181,9 @@ class ImagePrep:
             spans.append((len(new), len(new) + n))
             new.extend([self.image_token_id] * n)
             first = b
-            digest = hashlib.sha256(ident)
+            digest = hashlib.sha256()
+            for part in ident:
+                digest.update(part)
             digest.update(f"{t},{h},{w}".encode())
             hashes.append(digest.hexdigest())
         new.extend(ids[first:])
@@ -203,7 +210,7 @@ class ImagePrep:
         return out_ids, inputs
 
 
-def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:
+def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int, int, int]], list[tuple[bytes, ...]]]:
     """SGLang's ``dict(processor_output, format="processor_output")``: the HF processor's
     ``pixel_values`` and ``image_grid_thw`` used as they are (prompts then come as ``input_ids`` with
     the placeholders already expanded)."""
@@ -225,7 +232,7 @@ def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int
         rows.append(rows[-1] + t * h * w)
     if rows[-1] != pv.shape[0]:
         raise ValueError(f"{where}: pixel_values has {pv.shape[0]} patches, image_grid_thw says {rows[-1]}")
-    return pv, grids, [pv[a:b].numpy().tobytes() for a, b in zip(rows[:-1], rows[1:])]
+    return pv, grids, [(pv[a:b].numpy().tobytes(),) for a, b in zip(rows[:-1], rows[1:])]
 
 
 def _runs(ids: list[int], tok: int) -> list[tuple[int, int]]:

@@ -20,7 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
+import numpy as np
 import torch
+
+from nbgen.models.vision_pixels import PixelRecipe, RawImages, patch_layout
 
 Grid = tuple[int, int, int]
 # Two workers: the processor's Python holds the GIL between its numpy calls, and every torch call of the
@@ -51,6 +54,51 @@ def grids_ahead(proc: Any, pil: list[Any]) -> Optional[list[Grid]]:
             return None
         grids.append((1, rh // p, rw // p))
     return grids
+
+
+def pixel_recipe(proc: Any) -> Optional[PixelRecipe]:
+    """``proc``'s value map and patch layout for images it does not resize (``models/vision_pixels.py``),
+    read from its own output for an image holding each byte value in each channel; None where that
+    output is not an elementwise map of the bytes laid out as ``patch_layout`` lays them out."""
+    try:
+        p, m, tp = int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    from PIL import Image
+
+    side = p * m
+    h = side * -(-256 // (side * side))                     # at least 256 pixels, a multiple of the merge side
+    v = np.arange(h * side).reshape(h, side, 1) + np.array([0, 85, 170])     # each channel sees all 256 values
+    rgb = (v % 256).astype(np.uint8)
+    try:
+        out = proc(images=[Image.fromarray(rgb)], do_resize=False, return_tensors="pt")
+        theirs = out["pixel_values"].float()
+    except Exception:   # noqa: BLE001 - a processor that cannot run this probe keeps its own path
+        return None
+    mine = patch_layout(torch.from_numpy(rgb)[None], p, tp, m).long()         # [N, D] byte values
+    if tuple(theirs.shape) != tuple(mine.shape) or mine.shape[1] % 3:
+        return None
+    chan = torch.arange(mine.shape[1]) // (mine.shape[1] // 3)                 # columns: channel-major
+    key = (chan * 256 + mine).reshape(-1)
+    lut = torch.full((3 * 256,), float("nan"))
+    lut[key] = theirs.reshape(-1)
+    if lut.isnan().any() or not torch.equal(lut[key], theirs.reshape(-1)):
+        return None
+    return PixelRecipe(lut.view(3, 256), p, tp, m)
+
+
+def pixels_ahead(bg: "BackgroundPixels", proc: Any, recipe: Optional[PixelRecipe], pil: list[Any],
+                 rgb: list[bytes]) -> Optional[tuple[Any, list[Grid]]]:
+    """(pixels, grids) of a prompt's images (``rgb``: their RGB bytes) where the grids are known ahead,
+    else None. Pixels: RawImages when ``proc`` keeps every image at its size (patches made on the
+    device), else a Future of ``proc``'s patches from ``bg``."""
+    grids = grids_ahead(proc, pil)
+    if grids is None:
+        return None
+    if recipe is not None and all(img.size == (w * recipe.patch, h * recipe.patch) for img, (_, h, w) in zip(pil, grids)):
+        return RawImages([torch.frombuffer(bytearray(b), dtype=torch.uint8).view(img.height, img.width, 3)
+                          for b, img in zip(rgb, pil)], recipe), grids
+    return bg.submit(proc, pil, grids), grids
 
 
 def _process(proc: Any, pil: list[Any], grids: list[Grid]) -> torch.Tensor:

@@ -110,6 +110,19 @@ def test_batch_mixing_text_and_images_matches_hf(vlm, hf_model):
         assert ("image_tokens" in o["meta_info"]) == (ims is not None)
 
 
+def test_images_at_the_processor_size_match_hf(vlm, hf_model):
+    """Images the processor keeps at their size (patches made on the device from their RGB bytes), alone,
+    two per prompt of different sizes, and in one step with resized ones: token-identical to HF."""
+    _, eng = vlm
+    prompts = [_prompt(eng, 1, "What is this?"), _prompt(eng, 2, "Compare them."), _prompt(eng, 1, "Colours?"),
+               _prompt(eng, 1, "Shapes?")]
+    images = [_image(56, 56, seed=21), [_image(28, 84, seed=22), _image(56, 56, seed=23)], _image(60, 90, seed=24),
+              _image(84, 56, seed=25)]
+    outs = eng.generate(prompts, SP, image_data=images)
+    for p, ims, o in zip(prompts, images, outs):
+        assert o["output_ids"] == _hf_generate(hf_model, eng.tokenizer, p, ims if isinstance(ims, list) else [ims])
+
+
 def test_text_tail_after_the_image_matches_hf(vlm, hf_model):
     """A long text after the image (chunks of 16): the chunks starting past the last image slot run as
     plain text on the ordinary path at positions p + rope_delta."""

@@ -56,7 +56,7 @@ def test_pixel_staging_reuses_pinned_buffers():
     from nbgen.runtime.vision_step import PixelStaging
 
     for dtype in (torch.bfloat16, torch.float32):
-        st = PixelStaging(torch.device("cuda"), dtype, reserve_elements=6 * 10)
+        st = PixelStaging(torch.device("cuda"), reserve_bytes=6 * 10 * dtype.itemsize)
         first = list(st.bufs)
         for rows in ([2, 3], [1], [4, 1], [3, 3]):               # the last one (60 elements) still fits
             parts = [torch.randn(r, 10) for r in rows]
@@ -68,3 +68,5 @@ def test_pixel_staging_reuses_pinned_buffers():
         assert st.bufs[0] is not first[0] or st.bufs[1] is not first[1]
         llava = [torch.randn(2, 3, 4, 4)]                        # [N, C, S, S] images
         assert torch.equal(st.to_device(llava, dtype), llava[0].cuda().to(dtype))
+        rgb = [torch.randint(0, 256, (1, 8, 6, 3), dtype=torch.uint8) for _ in range(3)]   # RawImages' bytes
+        assert torch.equal(st.to_device(rgb, torch.uint8), torch.cat(rgb).cuda())

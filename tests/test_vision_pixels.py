@@ -1,0 +1,99 @@
+"""Pixel patches from RGB bytes on the device (``models/vision_pixels.py``): the recipe read from the
+processor reproduces its patches bit for bit for images it keeps at their size (tiny and real
+Qwen2.5-VL-7B processors); prompts of such images carry RawImages, others the processor's patches;
+a step's pixels in request order whatever the mix of kinds and sizes."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from nbgen.bench.tiny_vlm import make_tiny_vlm
+from nbgen.engine_images import ImagePrep
+from nbgen.engine_images_background import pixel_recipe
+from nbgen.models.model_config import read_model_config
+from nbgen.models.registry import prepare_config
+from nbgen.models.vision_pixels import RawImages, patch_layout, rgb_patches
+from nbgen.runtime.vision_step import VisionStep
+
+CONFIG_7B = os.path.join(os.path.dirname(__file__), "..", "nbgen", "bench", "configs", "qwen2.5-vl-7b")
+
+
+def _image(h: int, w: int, seed: int = 0):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.mark.parametrize("where", ["tiny", "7b"])
+def test_recipe_reproduces_the_processor(where, tmp_path):
+    import transformers as tf
+
+    d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl") if where == "tiny" else CONFIG_7B
+    proc = tf.AutoImageProcessor.from_pretrained(d)
+    recipe = pixel_recipe(proc)
+    assert recipe is not None and recipe.lut.shape == (3, 256)
+    sizes = [(56, 56), (28, 84), (84, 56)] if where == "tiny" else [(448, 448), (224, 336)]
+    for i, (h, w) in enumerate(sizes):
+        img = _image(h, w, i)
+        want = proc(images=[img], return_tensors="pt")["pixel_values"]
+        got = rgb_patches(torch.from_numpy(np.array(img))[None], recipe.lut, recipe, torch.float32)
+        assert torch.equal(got, want), (h, w)
+        bf16 = rgb_patches(torch.from_numpy(np.array(img))[None], recipe.lut, recipe, torch.bfloat16)
+        assert torch.equal(bf16, want.to(torch.bfloat16))                 # one rounding, as the cast
+
+
+def test_patch_layout_is_the_processors(tmp_path):
+    """Distinct values through ``patch_layout`` and through the processor's own patchify: the same places."""
+    import transformers as tf
+
+    proc = tf.AutoImageProcessor.from_pretrained(make_tiny_vlm(str(tmp_path), "qwen2_vl"))
+    if not hasattr(proc, "patchify"):
+        pytest.skip("this processor backend has no patchify method")
+    x = torch.arange(56 * 84 * 3, dtype=torch.float32).view(1, 56, 84, 3)            # [B, H, W, C]
+    want, gh, gw = proc.patchify(x[0].permute(2, 0, 1).numpy(), patch_size=14, merge_size=2, temporal_patch_size=2)
+    assert (gh, gw) == (4, 6)
+    assert torch.equal(patch_layout(x, 14, 2, 2), torch.from_numpy(np.ascontiguousarray(want)))
+
+
+def test_recipe_refuses_a_processor_it_cannot_read():
+    class NotAProcessor:
+        patch_size, merge_size, temporal_patch_size = 14, 2, 2
+
+        def __call__(self, **kw):
+            return {"pixel_values": torch.randn(4, 3 * 2 * 14 * 14)}           # not a map of the bytes
+
+    assert pixel_recipe(NotAProcessor()) is None
+    assert pixel_recipe(object()) is None
+
+
+def test_prompts_carry_raw_images_where_the_processor_keeps_the_size(tmp_path):
+    d = make_tiny_vlm(str(tmp_path), "qwen2_vl")
+    prep = ImagePrep(prepare_config(read_model_config(d)), d)
+    _, inputs = prep.expand([[5, 6], [7], [8]], [[_image(56, 56)], [_image(60, 90)], [_image(28, 84), _image(60, 90)]])
+    assert isinstance(inputs[0].pixel_values, RawImages)
+    assert isinstance(inputs[1].pixel_values, Future) and isinstance(inputs[2].pixel_values, Future)
+    same, other = prep.expand([[1], [1]], [[_image(56, 56)], [_image(56, 56, 1)]])[1]
+    assert same.hashes == inputs[0].hashes and other.hashes != same.hashes
+    assert torch.equal(same.pixels().rgb[0], torch.from_numpy(np.array(_image(56, 56))))
+
+
+def test_step_pixels_keep_request_order_across_kinds(tmp_path):
+    """A step's pixels: runs of raw images of one size, processor patches, raw images of another size
+    -> the processor's patches of all of them, in order."""
+    import transformers as tf
+
+    d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl")
+    proc = tf.AutoImageProcessor.from_pretrained(d)
+    recipe = pixel_recipe(proc)
+    ims = [_image(56, 56, 0), _image(56, 56, 1), _image(60, 90, 2), _image(28, 84, 3), _image(56, 56, 4)]
+    raw = [torch.from_numpy(np.asarray(im).copy()) for im in ims]
+    parts = [RawImages(raw[:2], recipe), proc(images=[ims[2]], return_tensors="pt")["pixel_values"],
+             RawImages(raw[3:], recipe)]
+    step = VisionStep(torch.nn.Identity(), torch.device("cpu"), torch.float32)
+    got = step._pixels(parts)
+    want = torch.cat([proc(images=[im], return_tensors="pt")["pixel_values"] for im in ims])
+    assert torch.equal(got, want)
