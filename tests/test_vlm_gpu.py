@@ -70,3 +70,21 @@ def test_pixel_staging_reuses_pinned_buffers():
         assert torch.equal(st.to_device(llava, dtype), llava[0].cuda().to(dtype))
         rgb = [torch.randint(0, 256, (1, 8, 6, 3), dtype=torch.uint8) for _ in range(3)]   # RawImages' bytes
         assert torch.equal(st.to_device(rgb, torch.uint8), torch.cat(rgb).cuda())
+
+
+def test_rgb_patches_on_cuda_equal_the_processors(gpu_vlm):
+    """RGB bytes staged through pinned memory and made patches on the GPU: the processor's patches in bf16."""
+    import numpy as np
+    import transformers as tf
+
+    from nbgen.engine_images_background import pixel_recipe
+    from nbgen.models.vision_pixels import RawImages
+    from nbgen.runtime.vision_step import VisionStep
+
+    proc = tf.AutoImageProcessor.from_pretrained(gpu_vlm)
+    recipe = pixel_recipe(proc)
+    ims = [im for im in random_images(8) if im.size in ((56, 56), (112, 112))]
+    step = VisionStep(torch.nn.Identity(), torch.device("cuda"), torch.bfloat16, reserve_pixels=1 << 16)
+    got = step._pixels([RawImages([torch.from_numpy(np.array(im))], recipe) for im in ims])
+    want = torch.cat([proc(images=[im], return_tensors="pt")["pixel_values"] for im in ims])
+    assert torch.equal(got.cpu(), want.to(torch.bfloat16))

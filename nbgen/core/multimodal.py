@@ -18,7 +18,8 @@ class ImageInputs:
     """All images of one prompt, in prompt order."""
 
     pixel_values: Any                      # [N patches, C*tp*p*p] float tensor on the CPU (all images),
-                                           # or a Future of it while the caller's processor still runs
+                                           # or a Future of it while the caller's processor still runs,
+                                           # or RawImages (RGB bytes the device makes patches of)
     grids: list[tuple[int, int, int]]      # per image (t, h, w) in patches
     spans: list[tuple[int, int]]           # per image: its token range [start, end) in prompt_ids
     hashes: list[str]                      # per image: sha256 of its processed pixels and grid

@@ -48,9 +48,8 @@ def patch_layout(rgb: torch.Tensor, patch: int, temporal: int, merge: int) -> to
 
 def rgb_patches(rgb: torch.Tensor, lut: torch.Tensor, recipe: PixelRecipe, dtype: torch.dtype) -> torch.Tensor:
     """Images of one size, [B, H, W, 3] uint8 -> their patches [B * gh * gw, D] in ``dtype`` (the
-    processor's fp32 values, rounded once); ``lut``: ``recipe.lut`` on ``rgb``'s device."""
-    idx = rgb.long()
-    idx[..., 1] += 256                                                        # channel c reads row c
-    idx[..., 2] += 512
-    vals = lut.view(-1)[idx].to(dtype)                                        # [B, H, W, 3]
+    processor's fp32 values, rounded once: the table is rounded, then read); ``lut``: ``recipe.lut``
+    on ``rgb``'s device."""
+    rows = torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=rgb.device)   # channel c reads row c
+    vals = lut.to(dtype).view(-1)[rgb.int() + rows]                           # [B, H, W, 3]; int32: half the bytes
     return patch_layout(vals, recipe.patch, recipe.temporal, recipe.merge)
