@@ -96,8 +96,8 @@ def pixels_ahead(bg: "BackgroundPixels", proc: Any, recipe: Optional[PixelRecipe
     if grids is None:
         return None
     if recipe is not None and all(img.size == (w * recipe.patch, h * recipe.patch) for img, (_, h, w) in zip(pil, grids)):
-        return RawImages([torch.frombuffer(bytearray(b), dtype=torch.uint8).view(img.height, img.width, 3)
-                          for b, img in zip(rgb, pil)], recipe), grids
+        return RawImages([np.frombuffer(b, np.uint8).reshape(img.height, img.width, 3) for b, img in zip(rgb, pil)],
+                         recipe), grids
     return bg.submit(proc, pil, grids), grids
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,7 +30,8 @@ class PixelRecipe:
 class RawImages:
     """A prompt's images as RGB bytes, for ``rgb_patches`` on the device."""
 
-    rgb: list[torch.Tensor]    # per image [H, W, 3] uint8 (CPU), H and W multiples of patch * merge
+    rgb: list[np.ndarray]      # per image [H, W, 3] uint8 (a read-only view of its bytes), H and W
+                               # multiples of patch * merge
     recipe: PixelRecipe
 
 

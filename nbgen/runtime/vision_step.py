@@ -60,8 +60,9 @@ class PixelStaging:
         self.events: list[Optional[torch.cuda.Event]] = [None] * self.SLOTS
         self.turn = 0
 
-    def to_device(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """``parts`` concatenated on the device in ``dtype``, queued without a host sync."""
+    def to_device(self, parts: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        """``parts`` (tensors, or numpy arrays of ``dtype``) concatenated on the device in ``dtype``,
+        queued without a host sync."""
         i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
         rows = sum(p.shape[0] for p in parts)
         shape = (rows, *parts[0].shape[1:])
@@ -72,7 +73,10 @@ class PixelStaging:
         if buf is None or buf.numel() < nbytes:
             buf = self.bufs[i] = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
         host = buf[:nbytes].view(dtype).view(shape)
-        torch.cat(parts, out=host)                 # cast while gathered (all cores)
+        if isinstance(parts[0], np.ndarray):
+            np.concatenate(parts, out=host.numpy())    # RGB bytes (read-only views of the image bytes)
+        else:
+            torch.cat(parts, out=host)                 # cast while gathered (all cores)
         out = host.to(self.device, non_blocking=True)
         ev = self.events[i] = torch.cuda.Event()
         ev.record()
@@ -88,12 +92,13 @@ class VisionStep:
         self.staging = PixelStaging(device, reserve_pixels * dtype.itemsize) if device.type == "cuda" else None
         self.luts: dict[PixelRecipe, torch.Tensor] = {}                  # each recipe's table on the device
 
-    def _stage(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """``parts`` as one tensor on the device in ``dtype``. On CUDA they are gathered into pinned memory
+    def _stage(self, parts: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        """``parts`` (tensors, or numpy arrays of ``dtype``) as one tensor on the device in ``dtype``. On CUDA they are gathered into pinned memory
         in that dtype and copied asynchronously: a copy from pageable memory would wait for the GPU's
         queued work and leave it idle during the transfer."""
         if self.staging is None:
-            return torch.cat(parts).to(self.device, dtype)
+            both = torch.from_numpy(np.concatenate(parts)) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
+            return both.to(self.device, dtype)
         return self.staging.to_device(parts, dtype)
 
     def _lut(self, recipe: PixelRecipe) -> torch.Tensor:
@@ -106,7 +111,7 @@ class VisionStep:
         """The requests' pixel patches [N, D] on the device in the model dtype, in request order: patch
         tensors staged as they are, RGB bytes (``RawImages``) staged and made patches there, one run
         of consecutive parts of a kind (and image size) at a time."""
-        runs: list[tuple[Any, list[torch.Tensor]]] = []           # (recipe and size, or None: patches; parts)
+        runs: list[tuple[Any, list[Any]]] = []           # (recipe and size, or None: patches; parts)
         for part in parts:
             for key, t in (((part.recipe, tuple(im.shape)), im[None]) for im in part.rgb) \
                     if isinstance(part, RawImages) else ((None, part),):
