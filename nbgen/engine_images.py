@@ -28,7 +28,8 @@ import torch
 
 from nbgen.core.multimodal import ImageInputs
 from nbgen.core.request import Request
-from nbgen.engine_images_background import BackgroundPixels, pixel_recipe, pixels_ahead
+from nbgen.engine_images_background import BackgroundPixels, pixels_ahead
+from nbgen.engine_images_device import pixel_recipe
 from nbgen.models.mrope import mrope_positions
 from nbgen.models.registry import VISION_ARCHITECTURES
 from nbgen.models.vision_pixels import PixelRecipe
@@ -155,8 +156,7 @@ class ImagePrep:
         if any(isinstance(im, dict) for im in images):
             return _processor_output(images, where)
         pil = [load_image(im, where + (f"[{j}]" if len(images) > 1 else "")) for j, im in enumerate(images)]
-        # the decoded RGB bytes and the size identify the processed image (the processor is
-        # deterministic); ~10x cheaper to hash than the float patches
+        # the RGB bytes and the size identify the processed image (~10x cheaper to hash than patches)
         rgb = [img.tobytes() for img in pil]
         idents = [(b, str(img.size).encode()) for b, img in zip(rgb, pil)]
         ahead = pixels_ahead(self._background, self.processor, self._recipe, pil, rgb)

@@ -1,4 +1,5 @@
-"""The image processor's pixel work (resizing, normalising, patches) in the background for ``image_data``.
+"""The image processor's pixel work in the background for ``image_data``: the processor's resize where the
+device makes the patches (``engine_images_device.py``), else its whole output (resizing, normalising, patches).
 
 An image's grid — and with it the prompt's slots, hashes and M-RoPE positions — follows from its size by
 the processor's own resize rule (its module's ``smart_resize`` with its min / max pixels). So generate()
@@ -21,9 +22,9 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import numpy as np
-import torch
 
-from nbgen.models.vision_pixels import PixelRecipe, RawImages, patch_layout
+from nbgen.engine_images_device import resized_rgb
+from nbgen.models.vision_pixels import PixelRecipe, RawImages
 
 Grid = tuple[int, int, int]
 # Two workers: the processor's Python holds the GIL between its numpy calls, and every torch call of the
@@ -56,53 +57,26 @@ def grids_ahead(proc: Any, pil: list[Any]) -> Optional[list[Grid]]:
     return grids
 
 
-def pixel_recipe(proc: Any) -> Optional[PixelRecipe]:
-    """``proc``'s value map and patch layout for images it does not resize (``models/vision_pixels.py``),
-    read from its own output for an image holding each byte value in each channel; None where that
-    output is not an elementwise map of the bytes laid out as ``patch_layout`` lays them out."""
-    try:
-        p, m, tp = int(proc.patch_size), int(proc.merge_size), int(proc.temporal_patch_size)
-    except (AttributeError, TypeError, ValueError):
-        return None
-    from PIL import Image
-
-    side = p * m
-    h = side * -(-256 // (side * side))                     # at least 256 pixels, a multiple of the merge side
-    v = np.arange(h * side).reshape(h, side, 1) + np.array([0, 85, 170])     # each channel sees all 256 values
-    rgb = (v % 256).astype(np.uint8)
-    try:
-        out = proc(images=[Image.fromarray(rgb)], do_resize=False, return_tensors="pt")
-        theirs = out["pixel_values"].float()
-    except Exception:   # noqa: BLE001 - a processor that cannot run this probe keeps its own path
-        return None
-    mine = patch_layout(torch.from_numpy(rgb)[None], p, tp, m).long()         # [N, D] byte values
-    if tuple(theirs.shape) != tuple(mine.shape) or mine.shape[1] % 3:
-        return None
-    chan = torch.arange(mine.shape[1]) // (mine.shape[1] // 3)                 # columns: channel-major
-    key = (chan * 256 + mine).reshape(-1)
-    lut = torch.full((3 * 256,), float("nan"))
-    lut[key] = theirs.reshape(-1)
-    if lut.isnan().any() or not torch.equal(lut[key], theirs.reshape(-1)):
-        return None
-    return PixelRecipe(lut.view(3, 256), p, tp, m)
-
-
 def pixels_ahead(bg: "BackgroundPixels", proc: Any, recipe: Optional[PixelRecipe], pil: list[Any],
                  rgb: list[bytes]) -> Optional[tuple[Any, list[Grid]]]:
     """(pixels, grids) of a prompt's images (``rgb``: their RGB bytes) where the grids are known ahead,
     else None. Pixels: RawImages when ``proc`` keeps every image at its size (patches made on the
-    device), else a Future of ``proc``'s patches from ``bg``."""
+    device), else a Future from ``bg`` of RawImages resized by ``proc`` (where ``recipe.resize``) or of
+    ``proc``'s patches."""
     grids = grids_ahead(proc, pil)
     if grids is None:
         return None
     if recipe is not None and all(img.size == (w * recipe.patch, h * recipe.patch) for img, (_, h, w) in zip(pil, grids)):
         return RawImages([np.frombuffer(b, np.uint8).reshape(img.height, img.width, 3) for b, img in zip(rgb, pil)],
                          recipe), grids
-    return bg.submit(proc, pil, grids), grids
+    return bg.submit(proc, pil, grids, recipe if recipe is not None and recipe.resize else None), grids
 
 
-def _process(proc: Any, pil: list[Any], grids: list[Grid]) -> torch.Tensor:
-    """``proc``'s pixel patches [N, D] of ``pil``, checked against the grids the prompt was laid out for."""
+def _process(proc: Any, pil: list[Any], grids: list[Grid], recipe: Optional[PixelRecipe]) -> Any:
+    """``proc``'s pixel patches [N, D] of ``pil`` (with ``recipe``: RawImages of ``proc``'s resized RGB
+    bytes), checked against the grids the prompt was laid out for."""
+    if recipe is not None:
+        return RawImages([resized_rgb(proc, img, g) for img, g in zip(pil, grids)], recipe)
     out = proc(images=pil, return_tensors="pt")
     got = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
     if got != grids:
@@ -117,7 +91,7 @@ class BackgroundPixels:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self._holds = 0                                  # layouts in progress (``held``)
-        self._queued: list[tuple[Future, Any, list[Any], list[Grid]]] = []
+        self._queued: list[tuple[Future, Any, list[Any], list[Grid], Optional[PixelRecipe]]] = []
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -139,28 +113,29 @@ class BackgroundPixels:
         """Jobs waiting for the layouts in progress to end."""
         return len(self._queued)
 
-    def submit(self, proc: Any, pil: list[Any], grids: list[Grid]) -> Future:
-        """A Future of the pixel patches [N, D] of ``pil`` (whose grids are ``grids``)."""
+    def submit(self, proc: Any, pil: list[Any], grids: list[Grid], recipe: Optional[PixelRecipe] = None) -> Future:
+        """A Future of the pixel patches [N, D] of ``pil`` (whose grids are ``grids``); with ``recipe``, of
+        their RawImages (resized by ``proc``)."""
         fut: Future = Future()
         with self._lock:
             if self._holds:
-                self._queued.append((fut, proc, pil, grids))
+                self._queued.append((fut, proc, pil, grids, recipe))
                 return fut
-        self._start(fut, proc, pil, grids)
+        self._start(fut, proc, pil, grids, recipe)
         return fut
 
-    def _start(self, fut: Future, proc: Any, pil: list[Any], grids: list[Grid]) -> None:
+    def _start(self, fut: Future, proc: Any, pil: list[Any], grids: list[Grid], recipe: Optional[PixelRecipe]) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(min(_MAX_WORKERS, os.cpu_count() or 1), thread_name_prefix="nbgen-images")
             weakref.finalize(self, self._pool.shutdown, wait=False)
-        self._pool.submit(_fill, fut, proc, pil, grids)
+        self._pool.submit(_fill, fut, proc, pil, grids, recipe)
 
 
-def _fill(fut: Future, proc: Any, pil: list[Any], grids: list[Grid]) -> None:
+def _fill(fut: Future, proc: Any, pil: list[Any], grids: list[Grid], recipe: Optional[PixelRecipe]) -> None:
     """Run one pixel job into its Future."""
     if not fut.set_running_or_notify_cancel():
         return
     try:
-        fut.set_result(_process(proc, pil, grids))
+        fut.set_result(_process(proc, pil, grids, recipe))
     except BaseException as e:   # noqa: BLE001 - the waiting step re-raises it
         fut.set_exception(e)

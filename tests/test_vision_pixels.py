@@ -13,7 +13,8 @@ import torch
 
 from nbgen.bench.tiny_vlm import make_tiny_vlm
 from nbgen.engine_images import ImagePrep
-from nbgen.engine_images_background import pixel_recipe
+from nbgen.engine_images_background import BackgroundPixels
+from nbgen.engine_images_device import pixel_recipe, resized_rgb
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import prepare_config
 from nbgen.models.vision_pixels import RawImages, patch_layout, rgb_patches
@@ -68,6 +69,50 @@ def test_recipe_refuses_a_processor_it_cannot_read():
 
     assert pixel_recipe(NotAProcessor()) is None
     assert pixel_recipe(object()) is None
+
+
+@pytest.mark.parametrize("where", ["tiny", "7b"])
+def test_resized_images_reproduce_the_processor(where, tmp_path):
+    """The processor's own resize on the CPU, then the table on the device: its patches bit for bit, for
+    sizes it scales up, down and to other aspect ratios."""
+    import transformers as tf
+
+    d = make_tiny_vlm(str(tmp_path), "qwen2_vl") if where == "tiny" else CONFIG_7B
+    proc = tf.AutoImageProcessor.from_pretrained(d)
+    recipe = pixel_recipe(proc)
+    assert recipe is not None and recipe.resize
+    sizes = [(60, 90), (120, 40), (1000, 37), (29, 29), (333, 517)] if where == "tiny" else [(333, 517), (60, 90)]
+    for i, (h, w) in enumerate(sizes):
+        img = _image(h, w, i)
+        out = proc(images=[img], return_tensors="pt")
+        grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
+        rgb = torch.from_numpy(resized_rgb(proc, img, grid))[None]
+        assert torch.equal(rgb_patches(rgb, recipe.lut, recipe, torch.float32), out["pixel_values"]), (h, w)
+
+
+def test_a_resize_that_differs_keeps_the_processor(tmp_path):
+    """A processor whose resize the check cannot reproduce: the table is kept, resized images go through
+    the processor."""
+    import transformers as tf
+
+    class OtherResize:                     # the processor, but its resize method unlike its own pipeline's
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def __call__(self, **kw):
+            return self.real(**kw)
+
+        def resize(self, x, size, resample, factor):
+            return self.real.resize(x, size=size, resample=0, factor=factor)          # nearest
+
+    proc = OtherResize(tf.AutoImageProcessor.from_pretrained(make_tiny_vlm(str(tmp_path), "qwen2_vl")))
+    recipe = pixel_recipe(proc)
+    assert recipe is not None and not recipe.resize
+    prep_pixels = BackgroundPixels().submit(proc, [_image(60, 90)], [(1, 4, 6)], None).result()
+    assert isinstance(prep_pixels, torch.Tensor)
 
 
 def test_prompts_carry_raw_images_where_the_processor_keeps_the_size(tmp_path):

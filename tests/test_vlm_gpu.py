@@ -79,7 +79,7 @@ def test_rgb_patches_on_cuda_equal_the_processors(gpu_vlm):
     import numpy as np
     import transformers as tf
 
-    from nbgen.engine_images_background import pixel_recipe
+    from nbgen.engine_images_device import pixel_recipe
     from nbgen.models.vision_pixels import RawImages
     from nbgen.runtime.vision_step import VisionStep
 

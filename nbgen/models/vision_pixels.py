@@ -24,6 +24,7 @@ class PixelRecipe:
     patch: int                 # patch side in pixels
     temporal: int              # frames per patch (a still image is repeated)
     merge: int                 # merge side in patches
+    resize: bool = False       # the processor's own resize, then this table, gives its output (checked)
 
 
 @dataclass
