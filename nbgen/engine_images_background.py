@@ -21,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-import numpy as np
 
 from nbgen.engine_images_device import resized_rgb
 from nbgen.models.vision_pixels import PixelRecipe, RawImages
@@ -57,18 +56,16 @@ def grids_ahead(proc: Any, pil: list[Any]) -> Optional[list[Grid]]:
     return grids
 
 
-def pixels_ahead(bg: "BackgroundPixels", proc: Any, recipe: Optional[PixelRecipe], pil: list[Any],
-                 rgb: list[bytes]) -> Optional[tuple[Any, list[Grid]]]:
-    """(pixels, grids) of a prompt's images (``rgb``: their RGB bytes) where the grids are known ahead,
-    else None. Pixels: RawImages when ``proc`` keeps every image at its size (patches made on the
-    device), else a Future from ``bg`` of RawImages resized by ``proc`` (where ``recipe.resize``) or of
-    ``proc``'s patches."""
+def pixels_ahead(bg: "BackgroundPixels", proc: Any, recipe: Optional[PixelRecipe], pil: list[Any]
+                 ) -> Optional[tuple[Any, list[Grid]]]:
+    """(pixels, grids) of a prompt's images where the grids are known ahead, else None. Pixels: None when
+    ``proc`` keeps every image at its size (their RGB bytes go to the device as they are), else a Future
+    from ``bg`` of RawImages resized by ``proc`` (where ``recipe.resize``) or of ``proc``'s patches."""
     grids = grids_ahead(proc, pil)
     if grids is None:
         return None
     if recipe is not None and all(img.size == (w * recipe.patch, h * recipe.patch) for img, (_, h, w) in zip(pil, grids)):
-        return RawImages([np.frombuffer(b, np.uint8).reshape(img.height, img.width, 3) for b, img in zip(rgb, pil)],
-                         recipe), grids
+        return None, grids
     return bg.submit(proc, pil, grids, recipe if recipe is not None and recipe.resize else None), grids
 
 

@@ -142,3 +142,43 @@ def test_step_pixels_keep_request_order_across_kinds(tmp_path):
     got = step._pixels(parts)
     want = torch.cat([proc(images=[im], return_tensors="pt")["pixel_values"] for im in ims])
     assert torch.equal(got, want)
+
+
+def test_submit_in_order_chunks_at_pending_ids():
+    """Requests go in order; a chunk of at least SUBMIT_CHUNK goes when the next request's ids are still
+    computed; each request's slots get its ids before it goes; a failure aborts what went."""
+    import threading
+    from concurrent.futures import Future
+
+    from nbgen.core.multimodal import SUBMIT_CHUNK, ImageInputs, submit_in_order
+
+    class Req:
+        def __init__(self, i: int, fut):
+            self.rid, self.prompt_ids = f"r{i}", [1, 7, 7, 2]
+            self.images = ImageInputs(None, [(1, 2, 2)], [(1, 3)], [], [], None, 0, pending=fut)
+
+    n = 2 * SUBMIT_CHUNK + 5
+    futs = [Future() for _ in range(n)]
+    reqs = [Req(i, f) for i, f in enumerate(futs)]
+    for f in futs[:SUBMIT_CHUNK + 1]:
+        f.set_result((["h"], [900]))
+    sent: list[list[str]] = []
+
+    def submit(chunk):
+        sent.append([r.rid for r in chunk])
+        assert all(r.prompt_ids == [1, 900, 900, 2] and r.images.pending is None for r in chunk)
+        if len(sent) == 1:                               # the rest become ready after the first chunk went
+            threading.Timer(0.01, lambda: [f.set_result((["h"], [900])) for f in futs[SUBMIT_CHUNK + 1:]]).start()
+
+    submit_in_order(reqs, submit, lambda rids: None)
+    assert sent[0] == [f"r{i}" for i in range(SUBMIT_CHUNK + 1)]
+    assert sum(sent, []) == [r.rid for r in reqs]
+
+    bad = [Req(i, Future()) for i in range(SUBMIT_CHUNK + 2)]
+    for r in bad[:SUBMIT_CHUNK]:
+        r.images.pending.set_result((["h"], [900]))
+    late = bad[SUBMIT_CHUNK].images.pending
+    aborted: list[str] = []
+    with pytest.raises(RuntimeError, match="hash failed"):               # fails after the first chunk went
+        submit_in_order(bad, lambda chunk: late.set_exception(RuntimeError("hash failed")), aborted.extend)
+    assert aborted == [r.rid for r in bad[:SUBMIT_CHUNK]]

@@ -150,6 +150,32 @@ def test_prefix_cache_shares_by_image_hash(vlm):
     assert other["meta_info"]["cached_tokens"] <= start
 
 
+def test_batch_image_ids_come_in_order_and_key_the_cache(vlm):
+    """A batch's image ids are hashed on a pool while its first requests already run: the same images
+    share KV across calls, a different one shares nothing past the text before it, and the outputs
+    equal those of the same prompts sent one by one (ids computed at once); the async path waits for
+    the ids before the loop reads them."""
+    import asyncio
+
+    _, eng = vlm
+    eng.flush_cache()
+    prompt = _prompt(eng, 1, "What do you see here?")
+    ims = [_image(56, 56, seed=70 + i) for i in range(5)]
+    first = eng.generate([prompt] * 5, SP, image_data=ims)
+    again = eng.generate([prompt] * 5, SP, image_data=ims[:4] + [_image(56, 56, seed=99)])
+    start = eng.tokenizer(prompt).input_ids.index(eng.hf_config.image_token_id)
+    for f, g in zip(first[:4], again[:4]):
+        assert g["output_ids"] == f["output_ids"]
+        assert g["meta_info"]["cached_tokens"] > f["meta_info"]["prompt_tokens"] // 2
+    assert again[4]["meta_info"]["cached_tokens"] <= start
+    eng.flush_cache()
+    alone = [eng.generate(prompt, SP, image_data=im)["output_ids"] for im in ims]
+    assert [o["output_ids"] for o in first] == alone
+    eng.flush_cache()
+    got = asyncio.run(eng.async_generate([prompt] * 5, SP, image_data=ims))
+    assert [o["output_ids"] for o in got] == alone
+
+
 def test_image_data_forms_agree(vlm, tmp_path):
     _, eng = vlm
     img = _image(60, 90, seed=5)
