@@ -7,8 +7,8 @@ or data URL, raw bytes or a PIL image. A prompt takes one image or a list; a bat
 one entry (None, an image or a list) per prompt. Each image needs a ``<|vision_start|><|image_pad|>
 <|vision_end|>`` placeholder in the prompt (the chat template writes it); a prompt without any gets
 them prepended, one per image.
-The processor's pixel work runs in the background (``engine_images_background.py``) where each image's
-grid is known from its size: the requests reach the engine while later images are still processed.
+Where grids follow from image sizes, pixel work runs in the background (``engine_images_background.py``,
+``engine_images_device.py``) and a batch's hashes on a pool (``engine_images_ids.py``) while it runs.
 """
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 The HF image processor rescales and normalises every pixel value on its own (an elementwise map of the
 256 values of each channel), then cuts the image into patches (merge blocks of patch x patch squares,
-each repeated over ``temporal_patch_size`` frames). For an image the processor does not resize, the same
-patches follow from the uint8 RGB bytes on the device: a per-channel table of the 256 values (``lut``,
-taken from the processor's own output, see ``engine_images_device.py``) and a permutation. The host
-then copies a quarter of the bytes the bf16 patches take and runs none of the processor's Python.
+each repeated over ``temporal_patch_size`` frames). So from an image's uint8 RGB bytes at the processor's
+size (as given, or after the processor's own resize on the host) the same patches follow on the device:
+a per-channel table of the 256 values (``lut``, taken from the processor's own output, see
+``engine_images_device.py``) and a permutation. The host copies a quarter of the bytes the bf16 patches
+take and runs none of the processor's per-pixel Python.
 """
 from __future__ import annotations
 
