@@ -21,6 +21,7 @@ import torch
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.models.mrope import step_positions
 from nbgen.models.vision_pixels import PixelRecipe, RawImages, rgb_patches
+from nbgen.models.vision_plan import to_device_async
 from nbgen.runtime.step_inputs import FlatStep, to_device
 
 TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
@@ -104,7 +105,7 @@ class VisionStep:
     def _lut(self, recipe: PixelRecipe) -> torch.Tensor:
         lut = self.luts.get(recipe)
         if lut is None:
-            lut = self.luts[recipe] = recipe.lut.to(self.device)          # once per processor
+            lut = self.luts[recipe] = to_device_async(recipe.lut, self.device)   # once per processor, no sync
         return lut
 
     def _pixels(self, parts: list[Any]) -> torch.Tensor:
