@@ -182,3 +182,25 @@ def test_submit_in_order_chunks_at_pending_ids():
     with pytest.raises(RuntimeError, match="hash failed"):               # fails after the first chunk went
         submit_in_order(bad, lambda chunk: late.set_exception(RuntimeError("hash failed")), aborted.extend)
     assert aborted == [r.rid for r in bad[:SUBMIT_CHUNK]]
+
+
+def test_pixel_bytes_view_pillow_memory_or_copy(monkeypatch):
+    """An image's pixels without a copy where Pillow exports its memory, through ``tobytes`` otherwise: the
+    same [H, W, 3] values either way, and images of equal content hash equal."""
+    import pyarrow as pa
+
+    from nbgen.engine_images_ids import image_ids, pixel_bytes
+
+    img = _image(60, 90, 5).convert("RGB")
+    buf, view = pixel_bytes(img)
+    assert np.array_equal(view, np.asarray(img)) and view.shape == (60, 90, 3)
+    twin = _image(60, 90, 5).convert("RGB")
+    assert image_ids([img], [(1, 4, 6)], 1000, None)[0] == image_ids([twin], [(1, 4, 6)], 1000, None)[0]
+    assert image_ids([img], [(1, 4, 6)], 1000, None)[0] != image_ids([_image(60, 90, 6)], [(1, 4, 6)], 1000, None)[0]
+
+    def refuse(*a, **kw):
+        raise pa.ArrowInvalid("no export")
+
+    monkeypatch.setattr(pa, "array", refuse)
+    buf2, view2 = pixel_bytes(img)
+    assert isinstance(buf2, bytes) and np.array_equal(view2, view)

@@ -32,8 +32,8 @@ class PixelRecipe:
 class RawImages:
     """A prompt's images as RGB bytes, for ``rgb_patches`` on the device."""
 
-    rgb: list[np.ndarray]      # per image [H, W, 3] uint8 (a read-only view of its bytes), H and W
-                               # multiples of patch * merge
+    rgb: list[np.ndarray]      # per image [H, W, 3] uint8 (any strides: a view of its bytes or of
+                               # Pillow's RGBX memory), H and W multiples of patch * merge
     recipe: PixelRecipe
 
 
