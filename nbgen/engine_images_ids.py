@@ -53,17 +53,20 @@ def pixel_bytes(img: Any) -> tuple[Any, np.ndarray]:
     """(a buffer of an RGB PIL image's pixels to hash, its [H, W, 3] uint8 view): Pillow's own memory through
     its Arrow export (RGBX rows, no copy, ~30 us holding the GIL) where it gives one, else ``tobytes`` (a
     copy, ~0.2-0.5 ms of a 448x448 image holding the GIL, which the loop thread then waits for)."""
-    import pyarrow as pa
-
     h, w = img.height, img.width
     try:
-        arr = pa.array(img)                                                    # Pillow >= 11.2, one memory block
-        if pa.types.is_fixed_size_list(arr.type) and arr.type.list_size == 4 and len(arr) == h * w:
-            flat = arr.values.to_numpy(zero_copy_only=True)                    # [H * W * 4] RGBX
-            if flat.size == h * w * 4:
-                return flat, flat.reshape(h, w, 4)[..., :3]
-    except (AttributeError, TypeError, ValueError, NotImplementedError, pa.ArrowException):
-        pass
+        import pyarrow as pa
+    except ImportError:
+        pa = None
+    if pa is not None:
+        try:
+            arr = pa.array(img)                                                # Pillow >= 11.2, one memory block
+            if pa.types.is_fixed_size_list(arr.type) and arr.type.list_size == 4 and len(arr) == h * w:
+                flat = arr.values.to_numpy(zero_copy_only=True)                # [H * W * 4] RGBX
+                if flat.size == h * w * 4:
+                    return flat, flat.reshape(h, w, 4)[..., :3]
+        except (pa.ArrowException, AttributeError, TypeError, ValueError, NotImplementedError):
+            pass
     b = img.tobytes()
     return b, np.frombuffer(b, np.uint8).reshape(h, w, 3)
 
