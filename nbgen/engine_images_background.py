@@ -13,6 +13,7 @@ times, holding back the first step, which needs the layout of every prompt but t
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -37,6 +38,20 @@ _MAX_WORKERS = 2
 def grids_ahead(proc: Any, pil: list[Any]) -> Optional[list[Grid]]:
     """The grids [(1, h, w)] ``proc`` gives these PIL images, from their sizes; None where its resize
     rule is not known (the count of patches is checked against the processor's own)."""
+    grids = [_grid(proc, img.size[1], img.size[0]) for img in pil]
+    return None if None in grids else grids
+
+
+def _grid(proc: Any, h: int, w: int) -> Optional[Grid]:
+    try:
+        return _grid_of(proc, h, w)                     # cached: a batch has few sizes
+    except TypeError:                                   # (an unhashable processor)
+        return _grid_of.__wrapped__(proc, h, w)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_of(proc: Any, h: int, w: int) -> Optional[Grid]:
+    """``grids_ahead`` of one image size (ValueError for extreme shapes)."""
     resize = getattr(sys.modules.get(type(proc).__module__), "smart_resize", None)
     count = getattr(proc, "get_number_of_image_patches", None)
     if resize is None or count is None or not getattr(proc, "do_resize", False):
@@ -46,14 +61,8 @@ def grids_ahead(proc: Any, pil: list[Any]) -> Optional[list[Grid]]:
         p, m = int(proc.patch_size), int(proc.merge_size)
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
-    grids = []
-    for img in pil:
-        w, h = img.size
-        rh, rw = resize(h, w, factor=p * m, min_pixels=lo, max_pixels=hi)   # ValueError for extreme shapes
-        if (rh // p) * (rw // p) != count(h, w):
-            return None
-        grids.append((1, rh // p, rw // p))
-    return grids
+    rh, rw = resize(h, w, factor=p * m, min_pixels=lo, max_pixels=hi)
+    return (1, rh // p, rw // p) if (rh // p) * (rw // p) == count(h, w) else None
 
 
 def pixels_ahead(bg: "BackgroundPixels", proc: Any, recipe: Optional[PixelRecipe], pil: list[Any]
