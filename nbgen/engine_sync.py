@@ -11,6 +11,7 @@ import threading
 from typing import Any, Iterator
 
 from nbgen.core.interrupt import GenerationInterrupted
+from nbgen.core.multimodal import submit_in_order
 from nbgen.core.request import Request
 from nbgen.progress import BatchProgress
 from nbgen.runtime.stream_buffer import DIRECT, StreamBuffer
@@ -23,7 +24,8 @@ class SyncBridgeMixin:
     def _run_sync(self, reqs: list[Request], progress: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         q: queue.Queue = queue.Queue()
         pending = {r.rid for r in reqs}
-        self._loop.submit(reqs, q.put, stream=False)   # may refuse (duplicate rid): before the bar exists
+        # may refuse (duplicate rid): before the bar exists; image requests go as their image ids are ready
+        submit_in_order(reqs, lambda rs: self._loop.submit(rs, q.put, stream=False), self._abort_quietly)
         bar = BatchProgress(len(reqs), enabled=progress)
         try:
             while pending:

@@ -16,6 +16,7 @@ from nbgen.engine_images import ImagePrep
 from nbgen.engine_images_background import BackgroundPixels, grids_ahead
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import prepare_config
+from nbgen.models.vision_pixels import rgb_patches
 
 CONFIG_7B = os.path.join(os.path.dirname(__file__), "..", "nbgen", "bench", "configs", "qwen2.5-vl-7b")
 SIZES = [(448, 448), (60, 90), (120, 40), (1000, 37), (29, 29), (333, 517), (3000, 2000)]
@@ -61,7 +62,9 @@ def test_prompt_inputs_carry_pending_pixels(tmp_path):
     inp = inputs[0]
     assert isinstance(inp.pixel_values, Future)
     want = prep.processor(images=[_image(60, 90)], return_tensors="pt")["pixel_values"]
-    assert torch.equal(inp.pixels(), want) and inp.num_tokens == inp.grids[0][1] * inp.grids[0][2] // 4
+    raw = inp.pixels()                                                   # resized RGB bytes (RawImages)
+    got = rgb_patches(torch.from_numpy(raw.rgb[0])[None], raw.recipe.lut, raw.recipe, torch.float32)
+    assert torch.equal(got, want) and inp.num_tokens == inp.grids[0][1] * inp.grids[0][2] // 4
 
 
 def test_held_pixel_jobs_start_when_the_layout_ends(tmp_path):

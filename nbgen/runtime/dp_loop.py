@@ -10,6 +10,7 @@ import copy
 from typing import Any, Callable, Optional, Union
 
 from nbgen.core.config import EngineConfig
+from nbgen.core.multimodal import settle_all
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Sink
 from nbgen.runtime.dp_router import Router
@@ -87,6 +88,7 @@ class DPLoop:
 
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         """Route each request (a sample group or session together) and submit per replica."""
+        settle_all(reqs)     # image ids still hashed on the caller's pool: routing reads the prompt
         groups: dict[str, int] = {}
         parts: dict[int, list[Request]] = {}
         routed: list[str] = []

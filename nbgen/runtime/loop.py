@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.config import EngineConfig
+from nbgen.core.multimodal import settle_all
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Delivery, RidRegistry, Sink
 from nbgen.runtime.engine_parts import build_engine_parts
@@ -77,6 +78,7 @@ class LoopThread(LoopControl):
         refusal = self.memory.refusal() if self.memory is not None else None
         if refusal is not None:
             raise RuntimeError(refusal)
+        settle_all(reqs)     # image ids still hashed on the caller's pool: in the slots before the loop reads them
         rids = [r.rid for r in reqs]
         self._rids.claim(rids)
         try:
