@@ -95,27 +95,30 @@ class StepGrammar:
                 if reason is not None:
                     out.append((self.reqs[k], reason))
                     continue
-            if state.jumper is not None:
-                state.jump(self.reqs[k], context_length)          # runtime/jump_forward.py
+            if state.jumper is not None:                          # runtime/jump_forward.py
+                state.jumper.jump(self.reqs[k], state, context_length)
         return out
 
 
 def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
     """(rows, their GrammarStates, greedy) of the seqs whose request has a grammar not completed yet
-    (one pass); ``greedy``: every seq is such a row and samples the argmax of its masked logits."""
+    (one pass); ``greedy``: every other seq's grammar completed and every such row samples the argmax
+    of its masked logits. A completed grammar's request finished when it accepted its stop token
+    (overlap: its row was scheduled before): its row's token is never read, whatever its mask row
+    holds, so such rows keep a step on the masked-argmax path."""
     rows: list[int] = []
     states: list[Any] = []
     greedy = True
     for i, s in enumerate(seqs):
         req = s.req
         g = req.grammar
-        if g is not None and not g.done:
+        if g is None:
+            greedy = False
+        elif not g.done:
             rows.append(i)
             states.append(g)
             if greedy and not (g.plain if g.plain is not None else g.plain_greedy(req)):
                 greedy = False
-        else:
-            greedy = False
     return rows, states, greedy
 
 
