@@ -140,7 +140,8 @@ def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list
     """Fill ``rows`` of an int32 [>= B, ceil(vocab/32)] host bitmask from the states' matchers with
     xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills)."""
     handle = getattr(batch_matcher, "_handle", None)
-    if handle is None or any(s.handle is None for s in states):
+    handles = [s.handle for s in states]   # built while the worker holds the GIL: one comprehension
+    if handle is None or None in handles:
         batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
     else:       # the wrapper would build the handle list again
-        handle.batch_fill_next_token_bitmask([s.handle for s in states], bitmask, rows, False)
+        handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)
