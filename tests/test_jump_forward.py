@@ -311,3 +311,22 @@ def test_forced_token_rows_follow_the_config():
     gpu = EngineConfig(enable_jump_forward=True).resolved("cuda", 80 << 30)
     assert gpu.cuda_graph_max_bs == 768 and forced_token_rows(gpu) == 768
     assert EngineConfig().resolved("cuda", 80 << 30).cuda_graph_max_bs == 256
+
+
+@pytest.mark.slow
+def test_grammar_replay_counts_its_steps(tmp_path, monkeypatch, capsys):
+    """bench.grammar_replay on 8 requests: every output valid both ways, every constrained step on the
+    masked argmax, forced rows only with jump-forward, and (cap 4) some forced tokens as chunks."""
+    import sys
+
+    from nbgen.bench import grammar_replay
+
+    out = tmp_path / "replay.json"
+    monkeypatch.setattr(sys, "argv", ["grammar_replay", "--num", "8", "--forced-rows", "4", "--json", str(out)])
+    grammar_replay.main()
+    tbt, jf = json.loads(out.read_text())["runs"]
+    assert tbt["valid"] == jf["valid"] == 8
+    assert tbt["masked"] == tbt["fills"] > 0 and jf["masked"] == jf["fills"] > 0
+    assert tbt["forced_rows"] == 0 and jf["forced_rows"] > 0 and jf["chunked"] > 0
+    assert jf["steps"] < tbt["steps"]
+    assert "jump_forward" in capsys.readouterr().out
