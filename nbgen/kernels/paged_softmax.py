@@ -14,14 +14,13 @@ except ImportError:  # pragma: no cover - CPU installs without triton never buil
 
 if triton is not None:
     @triton.jit
-    def fold_shared(m, l, acc, b, kh, HKV, rows, G: tl.constexpr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
+    def fold_shared(m, l, acc, c, slot, kh, HKV, rows, G: tl.constexpr, part0_ptr, ml0_ptr,
                     S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr, D: tl.constexpr):
-        """Merge a row's level-0 partials (its chunk's S0 splits over the shared pages, written by
-        kernels/triton_cascade.py; SB0 splits per load) into its softmax state (m, l, acc) of q rows
-        ``rows`` (m finite: level 1 holds >= 1 token). Rows in no chunk (chunk -1) load nothing and
-        keep their state exactly."""
-        c = tl.load(chunk_ptr + b)
-        i = tl.load(slot_ptr + b) * G + rows                  # the row's q heads in the level-0 tile
+        """Merge a row's level-0 partials (its chunk ``c``'s S0 splits over the shared pages, written by
+        kernels/triton_cascade.py; SB0 splits per load; the row's place ``slot`` in the chunk) into its
+        softmax state (m, l, acc) of q rows ``rows`` (m finite: level 1 holds >= 1 token). Rows in no
+        chunk (c = -1) load nothing and keep their state exactly."""
+        i = slot * G + rows                                   # the row's q heads in the level-0 tile
         ok = (rows < G) & ((rows * 0 + c) >= 0)
         d = tl.arange(0, D)
         for j0 in tl.static_range(0, S0, SB0):

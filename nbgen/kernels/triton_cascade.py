@@ -63,6 +63,25 @@ def level0_for(bs: int, head_dim: int) -> Level0:
     return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16)
 
 
+@dataclass(frozen=True)
+class Level1:
+    """Level 1's launch shape over the rows' own pages (None: the decode kernel's choice for the batch):
+    KV tokens per tile, warps, tiles in flight, splits per (row, kv head), registers per thread;
+    ``early``: under PDL, start while level 0 runs and wait for it only before the fold."""
+
+    block_n: Optional[int] = None
+    warps: int = 4
+    stages: Optional[int] = None
+    splits: Optional[int] = None
+    maxnreg: Optional[int] = None   # registers a thread may hold (fewer: more programs per SM)
+    early: bool = False
+
+
+def level1_for(bs: int, head_dim: int) -> Level1:
+    """Level 1's launch shape at graph batch size ``bs``: the decode kernel's."""
+    return Level1()
+
+
 if triton is not None:
     @triton.jit
     def _shared_kernel(q_ptr, kc_ptr, vc_ptr, indices_ptr, cstart_ptr, cpages_ptr, clen_ptr, crows_ptr,
@@ -121,14 +140,14 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
                  indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, order: torch.Tensor,
                  rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                 scratch: SharedScratch, level0: Optional[Level0] = None) -> None:
+                 scratch: SharedScratch, level0: Optional[Level0] = None, level1: Optional[Level1] = None) -> None:
         super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, device, indptr, indices, last, order)
         self.rows = rows              # per row [bs] int32: skip pages, chunk (-1: none), slot in the chunk
         self.chunks = chunks          # per chunk [max_chunks] int32: start in indices, pages, rows; rows [C, R]
         self.scratch = scratch
         self.r = rows_per_chunk(self.group)
         self.level0 = level0 or level0_for(self.pad(last.numel()), head_dim)
-        self.level1_block_n: Optional[int] = None       # level 1's tile (None: the decode kernel's)
+        self.level1 = level1 or level1_for(self.pad(last.numel()), head_dim)
         sp = self.level0.splits
         assert sp <= scratch.splits and sp & (sp - 1) == 0, "level-0 splits: a power of 2 the scratch holds"
 
@@ -156,7 +175,7 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Level 1: the decode kernel over each row's own pages, folding in its chunk's partials."""
         skip, chunk, slot = self.rows
-        sc = self.scratch
+        sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   self.level1_block_n))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.maxnreg, lv.early))
