@@ -94,7 +94,8 @@ def measure(model: str, rows: int, level0: list[tc.Level0], level1: list[tc.Leve
         w.level0 = lv
         t0 = median_seconds(lambda: w.run_level0(q, (kc, vc)))
         t, err = both()
-        print(_row(f"L0 splits {lv.splits:2d} x {lv.block_n:3d} tok, {lv.warps} warps, stages {lv.stages}", t, t0,
+        print(_row(f"L0 splits {lv.splits:2d} x {lv.block_n:3d} tok, {lv.warps} warps, stages {lv.stages}, "
+                   f"ahead {lv.ahead}", t, t0,
                    shared_bytes, t_plain, err))
     w.level0 = d0
     pairs = rows * hkv
@@ -105,7 +106,7 @@ def measure(model: str, rows: int, level0: list[tc.Level0], level1: list[tc.Leve
         t1 = median_seconds(lambda: w.run_level1(q, (kc, vc)))
         t, err = both()
         print(_row(f"L1 {lv.block_n} tok, {lv.warps} warps, stages {lv.stages}, splits {lv.splits}, "
-                   f"maxnreg {lv.maxnreg}, early {lv.early}", t, t1, own_bytes, t_plain, err))
+                   f"maxnreg {lv.maxnreg}, early {lv.early}, ahead {lv.ahead}", t, t1, own_bytes, t_plain, err))
 
 
 def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndarray:
@@ -115,29 +116,34 @@ def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndar
 
 
 def _shapes(spec: str, make: type) -> list:
-    """'a:b:c,...' -> [make(a, b, c), ...]: '-' keeps a field's default, 'e' sets ``early``."""
+    """'a:b:c,...' -> [make(a, b, c), ...]: '-' keeps a field's default; a last part of letters sets
+    flags: 'e' ``early``, 'a' ``ahead``."""
     out = []
     for item in filter(None, spec.split(",")):
         vals = item.split(":")
-        early = vals[-1] == "e"
-        kw = {"early": True} if early else {}
-        for f, v in zip(dataclasses.fields(make), vals[:-1] if early else vals):
+        flags = vals.pop() if vals[-1].isalpha() else ""
+        kw: dict = {name: True for c, name in (("e", "early"), ("a", "ahead")) if c in flags}
+        for f, v in zip(dataclasses.fields(make), vals):
             if v != "-":
                 kw[f.name] = int(v)
         out.append(make(**kw))
     return out
 
 
-L0_SWEEP = "8:32:4:-,16:32:4:-,4:32:4:3,4:32:4:4,4:32:8:-,4:64:8:-,4:64:8:3,8:64:8:-,8:32:4:3"
-L1_SWEEP = ("-:4:-:-:-:e,64:8:3,128:8,128:8:3,64:4,32:4:4,32:4:2:-:168,16:4:4:-:128,16:4:3:-:128,"
-            "-:4:-:1,-:4:-:2,-:4:-:4,-:4:-:8,32:4:2:-:168:e,64:8:3:-:-:e")
+L0_SWEEP = ("8:32:4,16:32:4,4:32:8,4:32:4:3:a,4:32:4:4:a,8:32:4:3:a,8:32:4:4:a,16:32:4:3:a,4:64:4:3:a,"
+            "4:64:8:3:a,8:64:8:3:a")
+L1_SWEEP = ("-:4:-:-:-:e,-:4:-:-:-:a,128:4:3:-:-:a,64:4:3:-:-:a,64:4:4:-:-:a,32:4:4:-:-:a,32:4:6:-:-:a,"
+            "64:8:3:-:-:a,128:8:3:-:-:a,64:4,32:4:4,-:4:-:1,-:4:-:2,-:4:-:8,64:4:3:-:-:ea,32:4:4:-:-:ea,"
+            "64:4:4:-:128:a")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--level0", default=L0_SWEEP, help="level-0 shapes splits:tokens:warps:stages ('-': default)")
+    ap.add_argument("--level0", default=L0_SWEEP,
+                    help="level-0 shapes splits:tokens:warps:stages[:a] ('-': default; a: page numbers ahead)")
     ap.add_argument("--level1", default=L1_SWEEP,
-                    help="level-1 shapes tokens:warps:stages:splits:maxnreg[:e] ('-': default; e: early start)")
+                    help="level-1 shapes tokens:warps:stages:splits:maxnreg[:ea] ('-': default; e: early start, "
+                         "a: page numbers ahead)")
     ap.add_argument("--rows", default="256,128,64,32")
     ap.add_argument("--model", choices=sorted(HEADS), action="append", help="head shapes (default: both)")
     args = ap.parse_args()

@@ -41,18 +41,30 @@ if triton is not None:
     @triton.jit
     def attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok, qk_scale,
                      M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, AHEAD: tl.constexpr = False):
         """Online softmax of q [M, D] against one kv head's tokens [lo, hi) of the pages listed from
         ``indices_ptr + start`` (scores in log2 units through ``qk_scale``) -> (m [M], l [M], acc [M, D]),
-        not normalised."""
+        not normalised. ``AHEAD``: each tile's page numbers are loaded one iteration before its K/V
+        (a loop-carried value), so the software pipeliner gives the K/V loads all STAGES - 1 stages of
+        distance (more tiles in flight) instead of spending one on the page-number load."""
         d = tl.arange(0, D)
         m = tl.full([M], float("-inf"), tl.float32)
         l = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
+        if AHEAD:
+            tn = lo + tl.arange(0, BLOCK_N)
+            page_next = tl.load(indices_ptr + start + tn // P, mask=tn < hi, other=0)
+        else:
+            page_next = tl.zeros([BLOCK_N], tl.int32)
         for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
-            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
+            if AHEAD:
+                page = page_next.to(tl.int64)
+                tn = t + BLOCK_N
+                page_next = tl.load(indices_ptr + start + tn // P, mask=tn < hi, other=0)
+            else:
+                page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
             off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
             # e4m3 pages widen to q's dtype in registers (a no-op for model-dtype pages)
             k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
@@ -66,4 +78,3 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [M, D]
             m = m_new
         return m, l, acc
-

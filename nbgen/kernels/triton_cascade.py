@@ -45,13 +45,14 @@ def rows_per_chunk(group: int) -> int:
 
 @dataclass(frozen=True)
 class Level0:
-    """Level 0's launch shape: programs per (chunk, kv head), KV tokens per tile, warps, tiles in flight
+    """Level 0's launch shape: programs per (chunk, kv head), KV tokens per tile, warps, pipeline stages
     (None: the decode kernel's for the page dtype)."""
 
     splits: int
     block_n: int
     warps: int = 4
     stages: Optional[int] = None
+    ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
 def level0_for(bs: int, head_dim: int) -> Level0:
@@ -75,6 +76,7 @@ class Level1:
     splits: Optional[int] = None
     maxnreg: Optional[int] = None   # registers a thread may hold (fewer: more programs per SM)
     early: bool = False
+    ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
 def level1_for(bs: int, head_dim: int) -> Level1:
@@ -88,7 +90,7 @@ if triton is not None:
                        part_ptr, ml_ptr, sq_t, sq_h, s_page, s_head, s_tok, qk_scale,
                        G: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        S0: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                       FP8: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         c = tl.program_id(2)
@@ -112,7 +114,7 @@ if triton is not None:
             if FP8:
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES)
+                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES, AHEAD)
             # an empty split (lo >= hi) stores m = -inf, l = 0, acc = 0: level 1 weighs it 0
             cell = (c * HKV + kh) * S0 + s
             tl.store(part_ptr + cell.to(tl.int64) * (BM * D) + i[:, None] * D + d[None, :], acc)
@@ -169,7 +171,7 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
                 kc.stride(0), kc.stride(1), kc.stride(2), self.scale * float(k_scale) * LOG2E)
         pdl.launch(_shared_kernel, (self.hkv, lv.splits, sc.max_chunks), args, q.device, G=self.group, R=self.r,
                    BM=TILE_ROWS, D=self.d, P=self.P, S0=lv.splits, MIN_SPLIT=MIN_SPLIT, BLOCK_N=lv.block_n,
-                   STAGES=stages, FP8=fp8, num_warps=lv.warps)
+                   STAGES=stages, FP8=fp8, AHEAD=lv.ahead, num_warps=lv.warps)
 
     def run_level1(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
@@ -178,4 +180,4 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.maxnreg, lv.early))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.maxnreg, lv.early, lv.ahead))

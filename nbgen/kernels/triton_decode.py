@@ -95,7 +95,7 @@ if triton is not None:
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
-                       EARLY: tl.constexpr, USE_PDL: tl.constexpr):
+                       EARLY: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -126,7 +126,7 @@ if triton is not None:
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES)
+                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
         if NSPLIT == 1:
             if CASCADE:
                 if USE_PDL and EARLY:
@@ -195,6 +195,7 @@ class Cascade:
     # PDL: start on the row's own pages while level 0 runs, wait for level 0 only before the fold
     # (safe: level 1 starts once every level-0 program passed its own wait for q and K/V)
     early: bool = False
+    ahead: bool = False                # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
 class TritonDecodeWrapper:
@@ -271,6 +272,6 @@ class TritonDecodeWrapper:
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
                    STAGES=c.stages or (FP8_STAGES if fp8 else STAGES), FP8=fp8, CASCADE=cascade is not None,
                    S0=c.splits, SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows,
-                   EARLY=c.early and cascade is not None, num_warps=c.warps,
+                   EARLY=c.early and cascade is not None, AHEAD=c.ahead, num_warps=c.warps,
                    **({"maxnreg": c.maxnreg} if c.maxnreg else {}))
         return o
