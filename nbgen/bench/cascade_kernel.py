@@ -88,6 +88,11 @@ def measure(model: str, rows: int, level0: list[tc.Level0], level1: list[tc.Leve
     print(f"  default {d0} + {d1}: {t * 1e6:.1f} us ({kv_bytes / t / 1e9:.0f} GB/s), {t_plain / t:.2f}x plain, "
           f"max |d| {err:.4f}; level 0 alone {t0 * 1e6:.1f} us ({shared_bytes / t0 / 1e9:.0f} GB/s), "
           f"level 1 alone {t1 * 1e6:.1f} us ({own_bytes / t1 / 1e9:.0f} GB/s), sum {(t0 + t1) * 1e6:.1f}")
+    w.level0, w.level1 = tc.Level0(4 if rows >= 64 else tc.SPLITS, d0.block_n), tc.Level1()
+    t, err = both()
+    print(f"  shapes before page numbers ahead ({w.level0.splits} splits, decode kernel's level 1): "
+          f"{t * 1e6:.1f} us ({kv_bytes / t / 1e9:.0f} GB/s), {t_plain / t:.2f}x plain, max |d| {err:.4f}")
+    w.level0, w.level1 = d0, d1
     for lv in level0:
         if lv == d0:
             continue
@@ -130,11 +135,10 @@ def _shapes(spec: str, make: type) -> list:
     return out
 
 
-L0_SWEEP = ("8:32:4,16:32:4,4:32:8,4:32:4:3:a,4:32:4:4:a,8:32:4:3:a,8:32:4:4:a,16:32:4:3:a,4:64:4:3:a,"
-            "4:64:8:3:a,8:64:8:3:a")
-L1_SWEEP = ("-:4:-:-:-:e,-:4:-:-:-:a,128:4:3:-:-:a,64:4:3:-:-:a,64:4:4:-:-:a,32:4:4:-:-:a,32:4:6:-:-:a,"
-            "64:8:3:-:-:a,128:8:3:-:-:a,64:4,32:4:4,-:4:-:1,-:4:-:2,-:4:-:8,64:4:3:-:-:ea,32:4:4:-:-:ea,"
-            "64:4:4:-:128:a")
+# the shapes before page numbers ahead (4:32:4 / 8:32:4, -:4:-:-:-) first, then the alternatives
+L0_SWEEP = "4:32:4,8:32:4,4:32:4:3,8:32:4:3:a,16:32:4:3:a,4:32:4:4:a,4:64:8:3:a,4:16:4:4:a"
+L1_SWEEP = ("-:4:-:-:-,-:4:-:-:-:e,64:4:3:-:-:a,128:4:3:-:-:ea,32:4:4:-:-:ea,64:4:4:-:-:ea,64:8:3:-:-:ea,"
+            "32:4:6:-:-:ea,64:4:3:1:-:ea,64:4:3:2:-:ea,64:4:3:4:-:ea")
 
 
 def main() -> None:

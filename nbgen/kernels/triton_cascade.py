@@ -56,12 +56,12 @@ class Level0:
 
 
 def level0_for(bs: int, head_dim: int) -> Level0:
-    """The launch shape at graph batch size ``bs``. 32-token tiles (16 above head size 128) keep a
-    64-row tile's state in registers (sm_90, 4 warps: 166 registers bf16 / 225 e4m3, no spills; 64-token
-    tiles take 255 and spill). H200, one layer at W-prefix's shape (8 prefixes x 2,000 tokens, rows with
-    50-800 tokens of their own, 64-token tiles): 4 splits beat 8 and 16 from 128 rows up (Qwen3-0.6B
-    heads, 128 rows: 146 / 160 / 191 us against the plain kernel's 265), 8 and 16 beat 4 at 32 rows."""
-    return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16)
+    """The launch shape at graph batch size ``bs``: 4 splits from 64 rows up, 8 below (H200, Qwen3-0.6B
+    heads, 128 rows at W-prefix's shape: 4 / 8 / 16 splits 146 / 160 / 191 us for both levels against
+    the plain kernel's 265; 8 and 16 beat 4 at 32 rows); 32-token tiles (16 above head size 128), page
+    numbers one tile ahead with 3 stages: 2 K/V tiles in flight while one is computed (sm_90, compiled
+    with the launch's 16-byte alignments: 124 registers, 64 KB shared, no spills)."""
+    return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16, 4, 3, ahead=True)
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,11 @@ class Level1:
 
 
 def level1_for(bs: int, head_dim: int) -> Level1:
-    """Level 1's launch shape at graph batch size ``bs``: the decode kernel's."""
-    return Level1()
+    """Level 1's launch shape at graph batch size ``bs``: the decode kernel's split count, 64-token tiles
+    (32 above head size 128) with page numbers ahead and 3 stages (2 K/V tiles in flight: the decode
+    kernel's own shape keeps one, and a row's 50-800 own tokens are only a few tiles), started while
+    level 0 runs."""
+    return Level1(64 if head_dim <= 128 else 32, 4, 3, early=True, ahead=True)
 
 
 if triton is not None:
