@@ -85,6 +85,11 @@ def check_cascade(device: str, dtype: torch.dtype, cases: list, fp8: bool, shape
             assert bool(((other - ref).abs() <= tol).all()), (i, w.level0, w.level1)
             assert (other - out.float().cpu()).abs().max() <= 2 ** -6 * ref.abs().max(), (i, w.level0, w.level1)
         w.level0, w.level1 = default
+        if shapes:                    # the plain kernel with page numbers ahead
+            plain.ahead = (16, 3)
+            ahead = plain.run(q, (kc, vc), k_scale=ks, v_scale=vs).float().cpu()
+            plain.ahead = None
+            assert bool(((ahead - ref).abs() <= tol).all()), i
 
 
 CPU_CASES = [

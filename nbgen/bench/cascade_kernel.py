@@ -60,13 +60,21 @@ def measure(model: str, rows: int, level0: list[tc.Level0], level1: list[tc.Leve
     plain.plan(*(torch.from_numpy(a).pin_memory() for a in (ip, idx, last)))
     ref = plain.run(q, (kc, vc))
     t_plain = median_seconds(lambda: plain.run(q, (kc, vc)))
+    plain_ahead = []
+    for tiles in ((64, 3), (128, 3), (32, 4)):       # the plain kernel with page numbers ahead
+        plain.ahead = tiles
+        err = (plain.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
+        plain_ahead.append(f"{tiles[0]}x{tiles[1]} {median_seconds(lambda: plain.run(q, (kc, vc))) * 1e6:.1f} us "
+                           f"(|d| {err:.4f})")
+    plain.ahead = None
     tok_bytes = hkv * D * 2 * 2                                                  # K and V of one token
     shared_bytes = prefixes * (prefix_len // P) * P * tok_bytes                  # level 0's distinct KV
     own_bytes = (len(idx) - int(plan_rows(ip, idx, rows, hq // hkv).sum())) * P * tok_bytes   # level 1's
     kv_bytes = shared_bytes + own_bytes
     print(f"{model} {rows} rows x {prefixes} prefixes of {prefix_len}: plain {t_plain * 1e6:.1f} us "
           f"({kv_bytes / t_plain / 1e9:.0f} GB/s of distinct KV: {shared_bytes / 1e6:.1f} MB shared, "
-          f"{own_bytes / 1e6:.1f} MB own)")
+          f"{own_bytes / 1e6:.1f} MB own); plain with page numbers ahead, tokens x stages: "
+          + ", ".join(plain_ahead))
     spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
     tables = CascadeTables(SimpleNamespace(spec=spec), rows)
     plan = plan_shared(ip, idx, rows, tables.R, MAX_CHUNKS)

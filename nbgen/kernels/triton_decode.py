@@ -21,7 +21,7 @@ P.V rounds the probabilities to q's dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -225,6 +225,9 @@ class TritonDecodeWrapper:
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(cells, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
+        # plain runs: (KV tokens per tile, stages) with page numbers ahead (paged_softmax.attend_pages);
+        # None: ``block_n`` of the batch and STAGES, page numbers loaded in step
+        self.ahead: Optional[tuple[int, int]] = None
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device.
@@ -257,6 +260,8 @@ class TritonDecodeWrapper:
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
         c = cascade or Cascade(self.last, self.last, self.last, self.part, self.ml, 1, 1)    # unread when off
+        if cascade is None and self.ahead is not None:
+            c = replace(c, block_n=self.ahead[0], stages=self.ahead[1], ahead=True)
         if c.nsplit is not None:
             fits = c.nsplit == 1 or B * self.hkv * c.nsplit <= self.count.numel()
             if c.nsplit < 1 or c.nsplit & (c.nsplit - 1) or not fits:
