@@ -58,10 +58,11 @@ class Level0:
 def level0_for(bs: int, head_dim: int) -> Level0:
     """The launch shape at graph batch size ``bs``: 4 splits from 64 rows up, 8 below (H200, Qwen3-0.6B
     heads, 128 rows at W-prefix's shape: 4 / 8 / 16 splits 146 / 160 / 191 us for both levels against
-    the plain kernel's 265; 8 and 16 beat 4 at 32 rows); 32-token tiles (16 above head size 128), page
-    numbers one tile ahead with 3 stages: 2 K/V tiles in flight while one is computed (sm_90, compiled
-    with the launch's 16-byte alignments: 124 registers, 64 KB shared, no spills)."""
-    return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16, 4, 3, ahead=True)
+    the plain kernel's 265; 8 and 16 beat 4 at 32 rows; more splits cost level 1's fold), 32-token tiles
+    (16 above head size 128). H100, ``python -m nbgen.bench.cascade_kernel``: level 0 alone took 62-88 us
+    for its 65.5 MB at every shape of the sweep (tiles 16-64, 2-4 stages, page numbers ahead or not,
+    4 or 8 warps), within the run's noise of each other, so the shape stays this one."""
+    return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16)
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,14 @@ class Level1:
 
 
 def level1_for(bs: int, head_dim: int) -> Level1:
-    """Level 1's launch shape at graph batch size ``bs``: the decode kernel's split count, 64-token tiles
-    (32 above head size 128) with page numbers ahead and 3 stages (2 K/V tiles in flight: the decode
-    kernel's own shape keeps one, and a row's 50-800 own tokens are only a few tiles), started while
-    level 0 runs."""
-    return Level1(64 if head_dim <= 128 else 32, 4, 3, early=True, ahead=True)
+    """Level 1's launch shape at graph batch size ``bs``: page numbers ahead with 4 stages (3 K/V tiles
+    in flight; the decode kernel's own shape keeps one, and a row's 50-800 own tokens are a few tiles),
+    64-token tiles where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads), 32-token
+    tiles below, where its splits are ~100 tokens (halved above head size 128). H100, one layer at
+    W-prefix's shape, level 1 alone (us, 256 / 128 / 32 rows): the decode kernel's shape 327 / 182 / 113,
+    64-token tiles 289 / 174 / 131, 32-token tiles 309 / 179 / 85."""
+    tiles = 64 if bs >= 96 else 32
+    return Level1(tiles if head_dim <= 128 else tiles // 2, 4, 4, ahead=True)
 
 
 if triton is not None:
