@@ -52,7 +52,7 @@ def _prompts(eng, what: str, n: int) -> list[str]:
 
 def _service(eng):
     eng.generate("x", {"max_new_tokens": 1, "regex": "[ab]"})   # makes the grammar service
-    return eng._loop._delivery.grammar
+    return eng.loop.delivery.grammar
 
 
 def _run_modes(eng, prompts, sps):
@@ -60,7 +60,7 @@ def _run_modes(eng, prompts, sps):
     outputs, and the jumps made by the last two."""
     from nbgen.runtime.overlap import OverlapStepper
 
-    loop, service = eng._loop, _service(eng)
+    loop, service = eng.loop, _service(eng)
     jumper, default = service.jumper, loop._overlap
     try:
         loop.call(lambda: setattr(service, "jumper", None))
@@ -112,7 +112,7 @@ def test_forced_rows_and_chunks_give_the_same_outputs(eng32):
     eng = eng32
     prompts = _prompts(eng, "Write a code like 2-12345-5", 4)
     sp = {"temperature": 0.0, "max_new_tokens": 40, "regex": DIGITS}
-    loop, sched = eng._loop, eng._loop.scheduler
+    loop, sched = eng.loop, eng.loop.scheduler
     rows, seen = sched.cfg.forced_token_rows, []
     assert rows > 0
     schedule = sched.schedule

@@ -49,7 +49,7 @@ class StepCounts:
 
     def __init__(self, eng: Any) -> None:
         self.batches = self.chunked = self.forced_rows = self.fills = self.masked = 0
-        loop = eng._loop
+        loop = eng.loop
         sched, cons = loop.scheduler, loop.runner.sampler.constraints
         schedule, fill_async = sched.schedule, cons.fill_async
 
@@ -91,13 +91,13 @@ def main() -> None:
         eng = Engine(path, tokenizer_path=tokenizer, device="cpu", dtype="float32", enable_jump_forward=True,
                      max_running_requests=args.num, chunked_prefill_size=16384, max_total_tokens=args.num * 260,
                      random_seed=0)
-    loop = eng._loop
+    loop = eng.loop
     loop.call(lambda: (setattr(loop, "_overlap", OverlapStepper.from_loop(loop)),
                        setattr(loop.scheduler.cfg, "forced_token_rows", args.forced_rows)))
     prompts = grammar_extract.prompts(eng, args.num)
     sp = {"temperature": 0.0, "max_new_tokens": 512, "json_schema": json.dumps(grammar_extract.SCHEMA)}
     eng.generate(prompts[:4], {**sp, "max_new_tokens": 8}, use_tqdm=False)     # compile the schema
-    service = loop._delivery.grammar
+    service = loop.delivery.grammar
     jumper = service.jumper
     timer, counts = StepTimer(eng), StepCounts(eng)
     runs: list[dict[str, Any]] = []

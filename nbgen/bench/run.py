@@ -89,7 +89,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         import cProfile
 
         hprof = cProfile.Profile()
-        eng._loop.call(hprof.enable)
+        eng.loop.call(hprof.enable)
     gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
@@ -107,7 +107,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if hprof is not None:
         import pstats
 
-        eng._loop.call(hprof.disable)
+        eng.loop.call(hprof.disable)
         print(f"host profile (loop thread, wall {sum(runs):.2f} s under cProfile):")
         pstats.Stats(hprof).sort_stats("tottime").print_stats(22)
     if prof is not None:
@@ -115,7 +115,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         print_gpu_profile(prof, sum(runs))
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
-    runner = eng._loop.runner
+    runner = eng.loop.runner
     # bytes actually read: fp8 weights 1 byte a parameter, an fp8 KV pool 1 byte a value
     wb, kvb = model_bytes(runner.model, runner.hf_config, runner.kv_spec.bytes_per_page() // runner.kv_spec.page_size)
     pf = prefill_flops(runner.model, runner.hf_config, [r["meta_info"]["prompt_tokens"] for r in res])

@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      disable_radix_cache=True, log_level="warning")
     try:
         fake = FakeDevice(args.step_ms / 1e3, args.launch_ms / 1e3, len(eng.tokenizer), args.prefill_us / 1e6)
-        runner = eng._loop.runner          # the bench swaps the model's step for the fake device
-        eng._loop.call(lambda: setattr(runner, "step", fake.step))
+        runner = eng.loop.runner          # the bench swaps the model's step for the fake device
+        eng.loop.call(lambda: setattr(runner, "step", fake.step))
         ids, outs = workload(args.requests, args.scale)
         v = len(eng.tokenizer)
         texts = [eng.tokenizer.decode([t % v for t in p], skip_special_tokens=True) for p in ids]
@@ -171,10 +171,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rids = [f"r{i}" for i in range(len(ids))]   # the same in every mode: so are the fake's tokens
             steps0, wait0, dev0 = fake.steps, fake.waited, fake.device_s
             CONSUMER_CPU.clear()
-            loop_cpu0 = eng._loop.call(time.thread_time)
+            loop_cpu0 = eng.loop.call(time.thread_time)
             prof = cProfile.Profile() if args.host_profile else None
             if prof is not None:
-                eng._loop.call(prof.enable)
+                eng.loop.call(prof.enable)
             t0 = time.perf_counter()
             chunks = len(ids)
             if mode == "ids":     # the fake's tokens depend on rid and position only: the same texts
@@ -189,10 +189,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 raise ValueError(f"mode must be ids, text, stream or sync-stream, got {mode!r}")
             wall = time.perf_counter() - t0
             if prof is not None:
-                eng._loop.call(prof.disable)
+                eng.loop.call(prof.disable)
                 print(f"loop thread profile, mode {mode}:")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-            loop_cpu = eng._loop.call(time.thread_time) - loop_cpu0
+            loop_cpu = eng.loop.call(time.thread_time) - loop_cpu0
             steps, waited = fake.steps - steps0, fake.waited - wait0
             row = {"mode": mode, "seconds": wall, "steps": steps,
                    "host_ms_per_step": 1e3 * (wall - waited) / max(steps, 1),

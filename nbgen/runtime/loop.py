@@ -130,6 +130,11 @@ class LoopThread(LoopControl):
                 logger.warning("the engine loop thread did not stop within %.0f s of shutdown()", timeout)
 
     @property
+    def delivery(self) -> Optional[Delivery]:
+        """The step-result delivery (outputs, grammars, streams) once the engine started."""
+        return self._delivery
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
