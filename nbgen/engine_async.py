@@ -135,8 +135,7 @@ class AsyncGenerateMixin:
     async def _astream(self, req: Request) -> AsyncIterator[dict[str, Any]]:
         """Chunks of one request: each holds everything that arrived since the previous one (merged
         while the caller's loop was busy), the text made here from the ids (``StreamBuffer``)."""
-        buf = StreamBuffer(req, self.tokenizer, loop_post(asyncio.get_running_loop()))
-        buf.ready = asyncio.Event()
+        buf = StreamBuffer(req, self.tokenizer, loop_post(asyncio.get_running_loop()), asyncio.Event())
         self._loop.submit([req], buf, stream=True)
         try:
             while not buf.done:

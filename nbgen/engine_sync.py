@@ -52,8 +52,7 @@ class SyncBridgeMixin:
     def _stream(self, req: Request) -> Iterator[dict[str, Any]]:
         """Chunks of one request: each holds everything that arrived since the previous one (merged
         while the caller was busy), the text made here from the ids (``StreamBuffer``)."""
-        buf = StreamBuffer(req, self.tokenizer, DIRECT)
-        buf.ready = threading.Event()
+        buf = StreamBuffer(req, self.tokenizer, DIRECT, threading.Event())
         self._loop.submit([req], buf, stream=True)
         try:
             while not buf.done:

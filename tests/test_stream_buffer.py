@@ -30,8 +30,7 @@ class CountingWaker:
 def _buffer(tok, **params) -> tuple[StreamBuffer, CountingWaker]:
     req = Request(rid="r", prompt_ids=[1, 2, 3], params=SamplingParams(**params))
     waker = CountingWaker()
-    buf = StreamBuffer(req, tok, waker)
-    buf.ready = threading.Event()
+    buf = StreamBuffer(req, tok, waker, threading.Event())
     return buf, waker
 
 

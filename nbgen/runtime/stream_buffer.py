@@ -81,13 +81,13 @@ def wake_all(bufs: list["StreamBuffer"]) -> None:
 class StreamBuffer:
     """Made by the caller for one ``stream=True`` request and passed to ``submit`` as its sink.
 
-    The consumer sets ``ready`` (a ``threading.Event``, or an ``asyncio.Event`` that its waker sets
+    The consumer gives ``ready`` (a ``threading.Event``, or an ``asyncio.Event`` that its waker sets
     on the right event loop), waits on it, clears it, then calls ``take`` until ``done``."""
 
-    def __init__(self, req: Request, tokenizer: Any, waker: Waker) -> None:
+    def __init__(self, req: Request, tokenizer: Any, waker: Waker, ready: Any) -> None:
         self.req = req
         self.waker = waker
-        self.ready: Any = None
+        self.ready = ready                   # the consumer's Event (threading or asyncio)
         self.deferred = defers_text(req)     # the consumer makes the text from ids
         self.done = False                    # the final chunk was taken
         self._lock = threading.Lock()

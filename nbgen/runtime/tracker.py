@@ -23,6 +23,16 @@ class IdSink(Protocol):
         ...
 
 
+def _text_ids(req: Request, new_ids: list[int]) -> list[int]:
+    """``new_ids`` without a finished request's matched stop token, which is not part of the text
+    (unless ``no_stop_trim``)."""
+    fr = req.finish_reason
+    matched = fr.get("matched") if req.finished and fr and fr.get("type") == "stop" else None
+    if isinstance(matched, int) and not req.params.no_stop_trim and new_ids and new_ids[-1] == matched:
+        return new_ids[:-1]
+    return new_ids
+
+
 @dataclass
 class Update:
     """What a caller's sink receives: a stream delta, or (finished=True) the final output dict."""
@@ -88,11 +98,7 @@ class Tracked:
         """A pushed stream's finish: its last text ids (a matched stop token left out) to the consumer,
         then the finished output, whose text the consumer completes."""
         req = self.req
-        new = req.output_ids[self.n_sent_ids:]
-        fr = req.finish_reason
-        matched = fr.get("matched") if fr and fr.get("type") == "stop" else None
-        if isinstance(matched, int) and not req.params.no_stop_trim and new and new[-1] == matched:
-            new = new[:-1]
+        new = _text_ids(req, req.output_ids[self.n_sent_ids:])
         self.n_sent_ids = self.n_ids = self.n_text = len(req.output_ids)
         self.buffer.push(new, len(req.output_ids))     # no wake-up: the finished output follows at once
         return Update(req.rid, build_output(req, self._text(""), list(req.output_ids), self.decode, finished=True),
@@ -111,12 +117,7 @@ class Tracked:
         self.n_ids = len(req.output_ids)
         new_ids = req.output_ids[self.n_text:]
         self.n_text = len(req.output_ids)
-        fr = req.finish_reason
-        text_ids = new_ids
-        matched = fr.get("matched") if req.finished and fr and fr.get("type") == "stop" else None
-        if (isinstance(matched, int) and not req.params.no_stop_trim and text_ids
-                and text_ids[-1] == matched):
-            text_ids = text_ids[:-1]  # a matched stop token is not part of the text
+        text_ids = _text_ids(req, new_ids)
         if self.matcher is not None and not self.matcher.done and self.detok is not None and len(text_ids) > 1:
             emit, matched = self._feed_each(text_ids)   # a speculative step's run of tokens
             piece = None
