@@ -174,11 +174,6 @@ class GrammarState:
             return reason if reason is not None and reason.is_stop else FinishReason.stop(tok)
         return reason
 
-    def jump(self, req: Any, context_length: Optional[int]) -> bool:
-        """Jump-forward after the token just accepted (see runtime/jump_forward.py); True when
-        req's output changed. Call only while req goes on (no finish reason)."""
-        return self.jumper is not None and not self.done and self.jumper.jump(req, self, context_length)
-
     def force(self, ids: list[int], replaced: Optional[int] = None) -> bool:
         """Accept ``ids`` after rolling back the last accepted token ``replaced`` (if given); all
         or nothing: on a refusal the matcher is put back as it was."""
