@@ -60,21 +60,13 @@ def measure(model: str, rows: int, level0: list[tc.Level0], level1: list[tc.Leve
     plain.plan(*(torch.from_numpy(a).pin_memory() for a in (ip, idx, last)))
     ref = plain.run(q, (kc, vc))
     t_plain = median_seconds(lambda: plain.run(q, (kc, vc)))
-    plain_ahead = []
-    for tiles in ((64, 3), (128, 3), (32, 4)):       # the plain kernel with page numbers ahead
-        plain.ahead = tiles
-        err = (plain.run(q, (kc, vc)).float() - ref.float()).abs().max().item()
-        plain_ahead.append(f"{tiles[0]}x{tiles[1]} {median_seconds(lambda: plain.run(q, (kc, vc))) * 1e6:.1f} us "
-                           f"(|d| {err:.4f})")
-    plain.ahead = None
     tok_bytes = hkv * D * 2 * 2                                                  # K and V of one token
     shared_bytes = prefixes * (prefix_len // P) * P * tok_bytes                  # level 0's distinct KV
     own_bytes = (len(idx) - int(plan_rows(ip, idx, rows, hq // hkv).sum())) * P * tok_bytes   # level 1's
     kv_bytes = shared_bytes + own_bytes
     print(f"{model} {rows} rows x {prefixes} prefixes of {prefix_len}: plain {t_plain * 1e6:.1f} us "
           f"({kv_bytes / t_plain / 1e9:.0f} GB/s of distinct KV: {shared_bytes / 1e6:.1f} MB shared, "
-          f"{own_bytes / 1e6:.1f} MB own); plain with page numbers ahead, tokens x stages: "
-          + ", ".join(plain_ahead))
+          f"{own_bytes / 1e6:.1f} MB own)")
     spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
     tables = CascadeTables(SimpleNamespace(spec=spec), rows)
     plan = plan_shared(ip, idx, rows, tables.R, MAX_CHUNKS)
@@ -119,7 +111,7 @@ def measure(model: str, rows: int, level0: list[tc.Level0], level1: list[tc.Leve
         t1 = median_seconds(lambda: w.run_level1(q, (kc, vc)))
         t, err = both()
         print(_row(f"L1 {lv.block_n} tok, {lv.warps} warps, stages {lv.stages}, splits {lv.splits}, "
-                   f"maxnreg {lv.maxnreg}, early {lv.early}, ahead {lv.ahead}", t, t1, own_bytes, t_plain, err))
+                   f"ahead {lv.ahead}", t, t1, own_bytes, t_plain, err))
 
 
 def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndarray:
@@ -129,13 +121,12 @@ def plan_rows(ip: np.ndarray, idx: np.ndarray, rows: int, group: int) -> np.ndar
 
 
 def _shapes(spec: str, make: type) -> list:
-    """'a:b:c,...' -> [make(a, b, c), ...]: '-' keeps a field's default; a last part of letters sets
-    flags: 'e' ``early``, 'a' ``ahead``."""
+    """'a:b:c,...' -> [make(a, b, c), ...]: '-' keeps a field's default; a last part 'a' sets ``ahead``."""
     out = []
     for item in filter(None, spec.split(",")):
         vals = item.split(":")
         flags = vals.pop() if vals[-1].isalpha() else ""
-        kw: dict = {name: True for c, name in (("e", "early"), ("a", "ahead")) if c in flags}
+        kw: dict = {"ahead": True} if "a" in flags else {}
         for f, v in zip(dataclasses.fields(make), vals):
             if v != "-":
                 kw[f.name] = int(v)
@@ -143,10 +134,10 @@ def _shapes(spec: str, make: type) -> list:
     return out
 
 
-# the shapes before page numbers ahead (4:32:4 / 8:32:4, -:4:-:-:-) first, then the alternatives
+# the shapes before page numbers ahead (4:32:4 / 8:32:4, -:4:-:-) first, then the alternatives
 L0_SWEEP = "4:32:4,8:32:4,4:32:4:3,8:32:4:3:a,16:32:4:3:a,4:32:4:4:a,4:64:8:3:a,4:16:4:4:a"
-L1_SWEEP = ("-:4:-:-:-,-:4:-:-:-:e,64:4:3:-:-:a,128:4:3:-:-:ea,32:4:4:-:-:ea,64:4:4:-:-:ea,64:8:3:-:-:ea,"
-            "32:4:6:-:-:ea,64:4:3:1:-:ea,64:4:3:2:-:ea,64:4:3:4:-:ea")
+L1_SWEEP = ("-:4:-:-,64:4:3:-:a,128:4:3:-:a,32:4:4:-:a,64:4:4:-:a,64:8:3:-:a,32:4:6:-:a,64:4:3:1:a,"
+            "64:4:3:2:a,64:4:3:4:a")
 
 
 def main() -> None:
@@ -154,8 +145,7 @@ def main() -> None:
     ap.add_argument("--level0", default=L0_SWEEP,
                     help="level-0 shapes splits:tokens:warps:stages[:a] ('-': default; a: page numbers ahead)")
     ap.add_argument("--level1", default=L1_SWEEP,
-                    help="level-1 shapes tokens:warps:stages:splits:maxnreg[:ea] ('-': default; e: early start, "
-                         "a: page numbers ahead)")
+                    help="level-1 shapes tokens:warps:stages:splits[:a] ('-': default; a: page numbers ahead)")
     ap.add_argument("--rows", default="256,128,64,32")
     ap.add_argument("--model", choices=sorted(HEADS), action="append", help="head shapes (default: both)")
     args = ap.parse_args()

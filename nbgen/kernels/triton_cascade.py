@@ -68,15 +68,12 @@ def level0_for(bs: int, head_dim: int) -> Level0:
 @dataclass(frozen=True)
 class Level1:
     """Level 1's launch shape over the rows' own pages (None: the decode kernel's choice for the batch):
-    KV tokens per tile, warps, tiles in flight, splits per (row, kv head), registers per thread;
-    ``early``: under PDL, start while level 0 runs and wait for it only before the fold."""
+    KV tokens per tile, warps, tiles in flight, splits per (row, kv head), page numbers ahead."""
 
     block_n: Optional[int] = None
     warps: int = 4
     stages: Optional[int] = None
     splits: Optional[int] = None
-    maxnreg: Optional[int] = None   # registers a thread may hold (fewer: more programs per SM)
-    early: bool = False
     ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
@@ -187,4 +184,4 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.maxnreg, lv.early, lv.ahead))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.ahead))

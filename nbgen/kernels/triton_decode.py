@@ -21,7 +21,7 @@ P.V rounds the probabilities to q's dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -95,7 +95,7 @@ if triton is not None:
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
-                       EARLY: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
+                       AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -118,8 +118,7 @@ if triton is not None:
         g = tl.arange(0, GP)                       # the group's q heads, padded to a tensor-core tile
         d = tl.arange(0, D)
         if USE_PDL:
-            if not EARLY:
-                pdl.gdc_wait()              # q and this step's K/V are written by the kernel before
+            pdl.gdc_wait()                  # q and this step's K/V are written by the kernel before
             pdl.gdc_launch_dependents()
         q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
                     mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
@@ -129,8 +128,6 @@ if triton is not None:
                                                s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
         if NSPLIT == 1:
             if CASCADE:
-                if USE_PDL and EARLY:
-                    pdl.gdc_wait()          # the level-0 partials (level 0 waited for q and K/V)
                 m, l, acc = paged_softmax.fold_shared(m, l, acc, c0, slot0, kh, HKV, g, G, part0_ptr, ml0_ptr,
                                                       S0, SB0, BM0, D)
             tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
@@ -164,8 +161,6 @@ if triton is not None:
                                  + g2[None, :, None] * D + d[None, None, :], cache_modifier=".cg")
                     out += tl.sum(wj[:, :, None] * pj, 0)
                 if CASCADE:
-                    if USE_PDL and EARLY:
-                        pdl.gdc_wait()
                     mx, den, out = paged_softmax.fold_shared(mx, den, out, c0, slot0, kh, HKV, g2, G, part0_ptr,
                                                              ml0_ptr, S0, SB0, BM0, D)
                 tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :],
@@ -191,10 +186,6 @@ class Cascade:
     warps: int = 4
     stages: Optional[int] = None       # K/V tiles in flight (None: STAGES / FP8_STAGES)
     nsplit: Optional[int] = None       # splits per (row, kv head) (None: ``num_splits`` of the batch)
-    maxnreg: Optional[int] = None      # registers per thread (None: the compiler's choice)
-    # PDL: start on the row's own pages while level 0 runs, wait for level 0 only before the fold
-    # (safe: level 1 starts once every level-0 program passed its own wait for q and K/V)
-    early: bool = False
     ahead: bool = False                # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
@@ -225,9 +216,6 @@ class TritonDecodeWrapper:
         self.ml = torch.empty(cells * 2 * self.g2, dtype=torch.float32, device=device)
         self.count = torch.zeros(cells, dtype=torch.int32, device=device)
         self.scale = head_dim ** -0.5
-        # plain runs: (KV tokens per tile, stages) with page numbers ahead (paged_softmax.attend_pages);
-        # None: ``block_n`` of the batch and STAGES, page numbers loaded in step
-        self.ahead: Optional[tuple[int, int]] = None
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Host (pinned) indptr [B+1] / last_page_len [B]; kv_indices host or already on the device.
@@ -260,8 +248,6 @@ class TritonDecodeWrapper:
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
         c = cascade or Cascade(self.last, self.last, self.last, self.part, self.ml, 1, 1)    # unread when off
-        if cascade is None and self.ahead is not None:
-            c = replace(c, block_n=self.ahead[0], stages=self.ahead[1], ahead=True)
         if c.nsplit is not None:
             fits = c.nsplit == 1 or B * self.hkv * c.nsplit <= self.count.numel()
             if c.nsplit < 1 or c.nsplit & (c.nsplit - 1) or not fits:
@@ -277,6 +263,5 @@ class TritonDecodeWrapper:
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
                    STAGES=c.stages or (FP8_STAGES if fp8 else STAGES), FP8=fp8, CASCADE=cascade is not None,
                    S0=c.splits, SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows,
-                   EARLY=c.early and cascade is not None, AHEAD=c.ahead, num_warps=c.warps,
-                   **({"maxnreg": c.maxnreg} if c.maxnreg else {}))
+                   AHEAD=c.ahead, num_warps=c.warps)
         return o
