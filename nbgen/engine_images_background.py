@@ -22,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-
 from nbgen.engine_images_device import resized_rgb
 from nbgen.models.vision_pixels import PixelRecipe, RawImages
 
