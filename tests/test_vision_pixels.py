@@ -4,7 +4,6 @@ Qwen2.5-VL-7B processors); prompts of such images carry RawImages, others the pr
 a step's pixels in request order whatever the mix of kinds and sizes."""
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 
 import numpy as np
@@ -19,27 +18,21 @@ from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import prepare_config
 from nbgen.models.vision_pixels import RawImages, patch_layout, rgb_patches
 from nbgen.runtime.vision_step import VisionStep
+from tests.tiny_models import QWEN25_VL_7B_CONFIG, random_image
 
-CONFIG_7B = os.path.join(os.path.dirname(__file__), "..", "nbgen", "bench", "configs", "qwen2.5-vl-7b")
-
-
-def _image(h: int, w: int, seed: int = 0):
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 @pytest.mark.parametrize("where", ["tiny", "7b"])
 def test_recipe_reproduces_the_processor(where, tmp_path):
     import transformers as tf
 
-    d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl") if where == "tiny" else CONFIG_7B
+    d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl") if where == "tiny" else QWEN25_VL_7B_CONFIG
     proc = tf.AutoImageProcessor.from_pretrained(d)
     recipe = pixel_recipe(proc)
     assert recipe is not None and recipe.lut.shape == (3, 256)
     sizes = [(56, 56), (28, 84), (84, 56)] if where == "tiny" else [(448, 448), (224, 336)]
     for i, (h, w) in enumerate(sizes):
-        img = _image(h, w, i)
+        img = random_image(h, w, i)
         want = proc(images=[img], return_tensors="pt")["pixel_values"]
         got = rgb_patches(torch.from_numpy(np.array(img))[None], recipe.lut, recipe, torch.float32)
         assert torch.equal(got, want), (h, w)
@@ -77,13 +70,13 @@ def test_resized_images_reproduce_the_processor(where, tmp_path):
     sizes it scales up, down and to other aspect ratios."""
     import transformers as tf
 
-    d = make_tiny_vlm(str(tmp_path), "qwen2_vl") if where == "tiny" else CONFIG_7B
+    d = make_tiny_vlm(str(tmp_path), "qwen2_vl") if where == "tiny" else QWEN25_VL_7B_CONFIG
     proc = tf.AutoImageProcessor.from_pretrained(d)
     recipe = pixel_recipe(proc)
     assert recipe is not None and recipe.resize
     sizes = [(60, 90), (120, 40), (1000, 37), (29, 29), (333, 517)] if where == "tiny" else [(333, 517), (60, 90)]
     for i, (h, w) in enumerate(sizes):
-        img = _image(h, w, i)
+        img = random_image(h, w, i)
         out = proc(images=[img], return_tensors="pt")
         grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
         rgb = torch.from_numpy(resized_rgb(proc, img, grid))[None]
@@ -111,19 +104,19 @@ def test_a_resize_that_differs_keeps_the_processor(tmp_path):
     proc = OtherResize(tf.AutoImageProcessor.from_pretrained(make_tiny_vlm(str(tmp_path), "qwen2_vl")))
     recipe = pixel_recipe(proc)
     assert recipe is not None and not recipe.resize
-    prep_pixels = BackgroundPixels().submit(proc, [_image(60, 90)], [(1, 4, 6)], None).result()
+    prep_pixels = BackgroundPixels().submit(proc, [random_image(60, 90)], [(1, 4, 6)], None).result()
     assert isinstance(prep_pixels, torch.Tensor)
 
 
 def test_prompts_carry_raw_images_where_the_processor_keeps_the_size(tmp_path):
     d = make_tiny_vlm(str(tmp_path), "qwen2_vl")
     prep = ImagePrep(prepare_config(read_model_config(d)), d)
-    _, inputs = prep.expand([[5, 6], [7], [8]], [[_image(56, 56)], [_image(60, 90)], [_image(28, 84), _image(60, 90)]])
+    _, inputs = prep.expand([[5, 6], [7], [8]], [[random_image(56, 56)], [random_image(60, 90)], [random_image(28, 84), random_image(60, 90)]])
     assert isinstance(inputs[0].pixel_values, RawImages)
     assert isinstance(inputs[1].pixel_values, Future) and isinstance(inputs[2].pixel_values, Future)
-    same, other = prep.expand([[1], [1]], [[_image(56, 56)], [_image(56, 56, 1)]])[1]
+    same, other = prep.expand([[1], [1]], [[random_image(56, 56)], [random_image(56, 56, 1)]])[1]
     assert same.hashes == inputs[0].hashes and other.hashes != same.hashes
-    assert np.array_equal(same.pixels().rgb[0], np.asarray(_image(56, 56)))
+    assert np.array_equal(same.pixels().rgb[0], np.asarray(random_image(56, 56)))
 
 
 def test_step_pixels_keep_request_order_across_kinds(tmp_path):
@@ -134,7 +127,7 @@ def test_step_pixels_keep_request_order_across_kinds(tmp_path):
     d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl")
     proc = tf.AutoImageProcessor.from_pretrained(d)
     recipe = pixel_recipe(proc)
-    ims = [_image(56, 56, 0), _image(56, 56, 1), _image(60, 90, 2), _image(28, 84, 3), _image(56, 56, 4)]
+    ims = [random_image(56, 56, 0), random_image(56, 56, 1), random_image(60, 90, 2), random_image(28, 84, 3), random_image(56, 56, 4)]
     raw = [np.asarray(im) for im in ims]
     parts = [RawImages(raw[:2], recipe), proc(images=[ims[2]], return_tensors="pt")["pixel_values"],
              RawImages(raw[3:], recipe)]
@@ -191,12 +184,12 @@ def test_pixel_bytes_view_pillow_memory_or_copy(monkeypatch):
 
     from nbgen.engine_images_ids import image_ids, pixel_bytes
 
-    img = _image(60, 90, 5).convert("RGB")
+    img = random_image(60, 90, 5).convert("RGB")
     buf, view = pixel_bytes(img)
     assert np.array_equal(view, np.asarray(img)) and view.shape == (60, 90, 3)
-    twin = _image(60, 90, 5).convert("RGB")
+    twin = random_image(60, 90, 5).convert("RGB")
     assert image_ids([img], [(1, 4, 6)], 1000, None)[0] == image_ids([twin], [(1, 4, 6)], 1000, None)[0]
-    assert image_ids([img], [(1, 4, 6)], 1000, None)[0] != image_ids([_image(60, 90, 6)], [(1, 4, 6)], 1000, None)[0]
+    assert image_ids([img], [(1, 4, 6)], 1000, None)[0] != image_ids([random_image(60, 90, 6)], [(1, 4, 6)], 1000, None)[0]
 
     def refuse(*a, **kw):
         raise pa.ArrowInvalid("no export")
