@@ -190,10 +190,8 @@ def free_graphs(runner: Any) -> None:
         return
     torch.cuda.synchronize(runner.device)
     for holder in (runner.graphs, runner.prefill_graphs):
-        for table in (getattr(holder, "graphs", None) or {}, getattr(holder, "variant_graphs", None) or {}):
-            for g in table.values():
-                for one in g if isinstance(g, list) else [g]:
-                    one.reset()
+        if holder is not None:
+            holder.reset()
     runner.drop_graphs()
 
 
