@@ -95,8 +95,13 @@ class ModelRunner:
         return type(self.backend).__name__
 
     def drop_graphs(self) -> None:
-        """Free the CUDA graphs and their memory pools (memory release: they bake in the addresses of
-        the weights and the KV pool); steps run eagerly until ``capture_graphs``."""
+        """Free the CUDA graphs and their pools now, whoever else holds them (memory release, tp shutdown:
+        they bake in weight/KV addresses and captured all-reduces); steps run eagerly until ``capture_graphs``."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)   # no replay may still be running
+        for holder in (self.graphs, self.prefill_graphs):
+            if holder is not None:
+                holder.reset()
         self.graphs = self.prefill_graphs = None
         self._last_tokens = None     # may view the dropped graphs' input buffer
 

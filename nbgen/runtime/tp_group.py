@@ -161,7 +161,7 @@ class TPGroup:
         atexit.unregister(self.shutdown)
         runner = self._runner() if self._runner is not None else None
         if runner is not None and not self.broken:
-            free_graphs(runner)
+            runner.drop_graphs()
         for conn in self.conns:
             try:
                 conn.send(TPStep("stop"))
@@ -181,18 +181,6 @@ class TPGroup:
         all_reduce.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_graphs(runner: Any) -> None:
-    """Free a runner's CUDA graphs now (``CUDAGraph.reset``), whoever still holds the runner or its graph
-    runners; steps would run eagerly afterwards."""
-    if runner.device.type != "cuda":
-        return
-    torch.cuda.synchronize(runner.device)
-    for holder in (runner.graphs, runner.prefill_graphs):
-        if holder is not None:
-            holder.reset()
-    runner.drop_graphs()
 
 
 def start_tp(cfg: EngineConfig, device: torch.device) -> Optional[TPGroup]:
