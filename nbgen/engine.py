@@ -238,17 +238,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         prompts = [self.apply_chat_template(c) for c in convs]
         return self.generate(prompts[0] if single else prompts, sampling_params, **kw)
 
-    # ---- control and info -----------------------------------------------------------------------
-    def abort(self, rid: Any) -> None:
-        """Abort one request id (or a list); unknown or finished ids are ignored."""
-        self._check_alive()
-        self._loop.abort([rid] if isinstance(rid, str) else list(rid))
-
-    def flush_cache(self) -> bool:
-        """Drop the prefix cache; False (nothing flushed) while requests are running, as SGLang."""
-        self._check_alive()
-        return self._loop.flush_cache()
-
+    # ---- info and lifetime ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Live numbers for widgets: running/waiting, KV pages, recent tok/s, totals (``lora_adapters``:
         the loaded adapters' names, with enable_lora)."""

@@ -1,4 +1,4 @@
-"""Engine control calls beside generation (SGLang names): profiling and the GC freeze."""
+"""Engine control calls beside generation (SGLang names): abort, cache flush, profiling and the GC freeze."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +8,18 @@ from nbgen.runtime.profiler import ProfileResult, profile_options
 
 
 class ControlMixin:
-    """start_profile / stop_profile / freeze_gc for Engine (uses its _loop and _check_alive)."""
+    """abort / flush_cache / start_profile / stop_profile / freeze_gc for Engine (uses its _loop and
+    _check_alive)."""
+
+    def abort(self, rid: Any) -> None:
+        """Abort one request id (or a list); unknown or finished ids are ignored."""
+        self._check_alive()
+        self._loop.abort([rid] if isinstance(rid, str) else list(rid))
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing flushed) while requests are running, as SGLang."""
+        self._check_alive()
+        return self._loop.flush_cache()
 
     def start_profile(self, output_dir: Optional[str] = None, num_steps: Optional[int] = None,
                       activities: Optional[Sequence[str]] = None, with_stack: Optional[bool] = None,
