@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.grammar_batch import fill_bitmask, live_rows
+from nbgen.runtime.grammar_batch import AcceptJob, accept_handles, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
@@ -50,6 +50,7 @@ class FillJob:
     greedy: bool = False            # every row is constrained and greedy with nothing else to apply
     # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
     device_copy: Optional[tuple[Tensor, Any]] = None
+    states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
         """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
@@ -176,24 +177,47 @@ class Constraints:
         if len(rows) < BATCH_FILL_MIN:      # small: a thread hand-off costs more than it hides
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
-        if self._worker is None:
-            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        started = threading.Event()
-        job = FillJob(rows, bm, None, vocab, greedy)
+        job = FillJob(rows, bm, None, vocab, greedy, states=states)
         n = len(seqs)
 
         def work() -> None:
-            started.set()
             self._fill(rows, states, bm)
             if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
                 job.device_copy = self._copy_out(bm[:n])
 
-        job.future = self._worker.submit(work)
-        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
-        # interpreter's switch interval (5 ms) while this thread runs Python; the fill itself
-        # releases the GIL inside xgrammar, so both threads then proceed in parallel
-        started.wait()
+        job.future = self._submit(work)
         return job
+
+    def accept_async(self, fill: FillJob, tokens: list[int]) -> Optional[AcceptJob]:
+        """Start accepting a sampled step's tokens in the worker thread: ``fill`` is the step's
+        bitmask job (its rows' matchers take the tokens), ``tokens`` the step's sampled ids, one per
+        sampling row. None (the caller accepts as before) unless the fill ran in the worker.
+        The matchers must not be touched until ``StepGrammar.settle`` read the job."""
+        states = fill.states
+        if fill.future is None or states is None or self._worker is None or not binding_ready():
+            return None
+        handles = [s.handle for s in states]
+        if None in handles:
+            return None
+        toks = [tokens[i] for i in fill.rows]
+        return AcceptJob(states, self._submit(lambda: accept_handles(handles, toks)))
+
+    def _submit(self, fn: Any) -> cf.Future:
+        """Run fn in the worker thread, once it started running."""
+        if self._worker is None:
+            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
+        started = threading.Event()
+
+        def work() -> Any:
+            started.set()
+            return fn()
+
+        fut = self._worker.submit(work)
+        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
+        # interpreter's switch interval (5 ms) while this thread runs Python; xgrammar's fill and
+        # accept release the GIL inside, so both threads then proceed in parallel
+        started.wait()
+        return fut
 
     def _copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
         """Queue a copy of pinned bitmask rows to the device on a side stream (worker thread): it

@@ -31,6 +31,46 @@ def _binding() -> Optional[Any]:
     return getattr(core, "BatchGrammarMatcher", None)
 
 
+def binding_ready() -> bool:
+    """xgrammar's FFI class of the batched calls is there (``accept_handles`` can run)."""
+    return _binding() is not None
+
+
+def accept_handles(handles: list[Any], toks: list[int]) -> Optional[set[int]]:
+    """Matcher ``handles[k]`` (FFI objects) accepts ``toks[k]``, one call (GIL released inside
+    xgrammar): None when every token was taken, else the refused positions (run in a worker)."""
+    flags = _binding().batch_accept_token(handles, toks, False)
+    if 0 not in flags:
+        return None
+    return {k for k in range(len(handles)) if not flags[k]}
+
+
+class AcceptJob:
+    """A step's tokens being accepted in a worker (``Constraints.accept_async``): the matchers of
+    ``states`` (the step's live constrained rows when its bitmask was filled) take their tokens while
+    the loop thread walks the step's rows; ``StepGrammar.settle`` then reads the outcome."""
+
+    def __init__(self, states: list[Any], future: Any) -> None:
+        self.states = states
+        self.future = future          # -> None or the refused positions in states
+
+    def refused(self, kept: list[Any]) -> set[int]:
+        """Wait; the positions in ``kept`` (the states the step's walk gathered, a subset of
+        ``states`` in the same order) whose token was refused. A matcher of a row the walk did not
+        keep (its request aborted or preempted meanwhile: its token is not in its output) gives its
+        token back."""
+        bad = self.future.result()
+        if len(kept) == len(self.states) and not bad:
+            return set()
+        out = {id(self.states[k]) for k in bad} if bad else set()
+        if len(kept) != len(self.states):
+            ids = {id(s) for s in kept}
+            for k, s in enumerate(self.states):
+                if id(s) not in ids and id(s) not in out:
+                    s.matcher.rollback(1)
+        return {k for k, s in enumerate(kept) if id(s) in out} if out else set()
+
+
 def accept_tokens(states: list[Any], toks: list[int]) -> list[bool]:
     """Each GrammarState's matcher accepts its token (one call into xgrammar); whether it took it.
     A refused token leaves its matcher unchanged."""
@@ -88,14 +128,21 @@ class StepGrammar:
         self.reasons.append(reason)
         self.states.append(g)
 
-    def settle(self, context_length: Optional[int]) -> list[tuple[Any, FinishReason]]:
-        """Accept every gathered token, jump forward where the request goes on; the requests that
-        finish, with their reasons (stop: the grammar completed; abort: a refused token)."""
+    def settle(self, context_length: Optional[int],
+               accepted: Optional[AcceptJob] = None) -> list[tuple[Any, FinishReason]]:
+        """Accept every gathered token (``accepted``: already being accepted in a worker), jump
+        forward where the request goes on; the requests that finish, with their reasons (stop: the
+        grammar completed; abort: a refused token)."""
         out = self.ended
+        toks, reasons, states = self.toks, self.reasons, self.states
+        if accepted is not None:
+            refused: Any = accepted.refused(states)
+        elif not self.reqs:
+            return out
+        else:
+            refused = _accept(states, [s.handle for s in states], toks) or ()
         if not self.reqs:
             return out
-        toks, reasons, states = self.toks, self.reasons, self.states
-        refused = _accept(states, [s.handle for s in states], toks) or ()
         if not refused and not self.jumping:        # the common step: only the flagged rows change
             for k in self.flagged:
                 reason = states[k].settle(toks[k], True, reasons[k])

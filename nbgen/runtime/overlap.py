@@ -33,6 +33,7 @@ from typing import Callable, Optional, Protocol
 from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
+from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
@@ -86,6 +87,7 @@ class OverlapStepper:
         self._run_step = run_step
         self.pending: Optional[tuple[Launched, list[Request], int]] = None  # (launched, changed, n_in)
         self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
+        self._pending_fill: Optional[FillJob] = None   # the pending step's bitmask job (grammar steps)
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
         self.embedded: Optional[tuple[ScheduledBatch, StepVectors, list[Request], int]] = None  # vectors in flight
 
@@ -173,6 +175,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.pending = (launched, changed, batch.num_prefill_tokens)
+        self._pending_fill = fill
         if nxt is None:
             return
         try:
@@ -214,11 +217,14 @@ class OverlapStepper:
         if self.pending is None:
             return
         launched, changed, n_in = self.pending
-        self.pending = None
+        fill, self.pending, self._pending_fill = self._pending_fill, None, None
         sched = self.scheduler
         if self._before_wait is not None:
             self._before_wait()
         toks = self.runner.resolve(launched)
+        # the constrained rows' matchers take their tokens in the worker while the rows are walked
+        accepted = None if fill is None else self.runner.sampler.constraints.accept_async(
+            fill, [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
@@ -244,7 +250,7 @@ class OverlapStepper:
                 grammar.add(req, tok, reason)            # accepted below, all rows in one call
             elif reason is not None:
                 self._end(req, reason, changed, listed)
-        for req, reason in grammar.settle(sched.cfg.context_length):
+        for req, reason in grammar.settle(sched.cfg.context_length, accepted):
             self._end(req, reason, changed, listed)
         self._undelivered = (changed, n_in)
 
