@@ -149,6 +149,9 @@ class StepGrammar:
                 if reason is not None:
                     out.append((self.reqs[k], reason))
             return out
+        first: Any = None                  # the rows' jumper (one per engine): its rows jump together
+        going: list[Any] = []
+        going_states: list[Any] = []
         for k, state in enumerate(states):
             tok, reason = toks[k], reasons[k]
             if k in refused or tok in state.stops or reason is not None:
@@ -156,8 +159,18 @@ class StepGrammar:
                 if reason is not None:
                     out.append((self.reqs[k], reason))
                     continue
-            if state.jumper is not None:                          # runtime/jump_forward.py
-                state.jumper.jump(self.reqs[k], state, context_length)
+            jumper = state.jumper
+            if jumper is None:
+                continue
+            if first is None:
+                first = jumper
+            if jumper is first:
+                going.append(self.reqs[k])
+                going_states.append(state)
+            else:                           # another jumper's row (the engine swapped its jumper)
+                jumper.jump(self.reqs[k], state, context_length)
+        if first is not None:               # runtime/jump_forward.py
+            first.jump_rows(going, going_states, context_length)
         return out
 
 
