@@ -162,19 +162,28 @@ class Constraints:
             for i, g in zip(rows, states):
                 g.fill(bm, i)
 
-    def fill_async(self, seqs: list[SeqWork]) -> Optional[FillJob]:
+    def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(),
+                   queued: bool = False) -> Optional[FillJob]:
         """Start filling the bitmask rows of seqs' live grammar requests in the worker thread.
 
-        Call after the matchers accepted every earlier token; the matchers must not be touched
-        until the job is waited for (the sampler does).
+        Call after the matchers accepted every earlier token, or once their accepts are queued in the
+        worker (``accept_async``: the fill runs after them); ``skip``: ids of GrammarStates left
+        out (their grammar completes with the token being accepted); ``queued``: only in the worker
+        (None where the rows are too few for it: they would be filled here, beside the accepts). The
+        matchers must not be touched until the job is waited for (the sampler does).
         """
         # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
         rows, states, greedy = live_rows(seqs)
+        if skip:
+            kept = [k for k, s in enumerate(states) if id(s) not in skip]
+            rows, states = [rows[k] for k in kept], [states[k] for k in kept]
         if not rows:
             return None
         vocab = states[0].vocab
         bm = self._bitmask(len(seqs), vocab)
         if len(rows) < BATCH_FILL_MIN:      # small: a thread hand-off costs more than it hides
+            if queued:
+                return None
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
         job = FillJob(rows, bm, None, vocab, greedy, states=states)

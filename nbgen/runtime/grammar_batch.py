@@ -128,6 +128,12 @@ class StepGrammar:
         self.reasons.append(reason)
         self.states.append(g)
 
+    def completing(self) -> set[int]:
+        """ids of the gathered GrammarStates whose token is one of their stop ids: their grammar
+        completes with it (unless refused), so their matcher must not fill a next mask."""
+        states, toks = self.states, self.toks
+        return {id(states[k]) for k in self.flagged if toks[k] in states[k].stops}
+
     def settle(self, context_length: Optional[int],
                accepted: Optional[AcceptJob] = None) -> list[tuple[Any, FinishReason]]:
         """Accept every gathered token (``accepted``: already being accepted in a worker), jump

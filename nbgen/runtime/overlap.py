@@ -150,9 +150,11 @@ class OverlapStepper:
     def _grammar_step(self, fwd: Forwarded) -> None:
         """Sample a staged grammar step once its bitmask is filled; stage the next step's forward."""
         runner, sched, batch = self.runner, self.scheduler, fwd.batch
-        self._resolve()                               # previous step: tokens accepted by the matchers
+        # previous step: tokens accepted by the matchers; this step's fill may start in it already
+        fill = self._resolve(fwd)
         try:
-            fill = runner.sampler.constraints.fill_async(fwd.seqs)
+            if fill is None:
+                fill = runner.sampler.constraints.fill_async(fwd.seqs)
         except Exception as e:  # noqa: BLE001 - e.g. a matcher failing: this step's requests only
             self.flush()
             self._fail_batch(batch, e)
@@ -203,9 +205,10 @@ class OverlapStepper:
             self._undelivered = None
             self._deliver(changed, n_in)
 
-    def _resolve(self) -> None:
+    def _resolve(self, nxt: Optional[Forwarded] = None) -> Optional[FillJob]:
         """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops
-        (or, for an embedding step, its vectors)."""
+        (or, for an embedding step, its vectors). ``nxt``: the staged step after it, whose bitmask
+        fill is then queued behind the accepts when no row may jump forward (returned, else None)."""
         if self.embedded is not None:
             batch, vectors, changed, n_in = self.embedded
             self.embedded = None
@@ -213,9 +216,9 @@ class OverlapStepper:
                 if v is not None:
                     s.req.set_pooled(None, v)
             self._undelivered = (changed, n_in)
-            return
+            return None
         if self.pending is None:
-            return
+            return None
         launched, changed, n_in = self.pending
         fill, self.pending, self._pending_fill = self._pending_fill, None, None
         sched = self.scheduler
@@ -250,9 +253,18 @@ class OverlapStepper:
                 grammar.add(req, tok, reason)            # accepted below, all rows in one call
             elif reason is not None:
                 self._end(req, reason, changed, listed)
+        nxt_fill = None
+        if nxt is not None and accepted is not None and not grammar.jumping:
+            # queued behind the accepts (one worker thread): it starts as they end, while this thread
+            # collects its rows and settles; jumps would change matchers, so they fill afterwards
+            try:
+                nxt_fill = self.runner.sampler.constraints.fill_async(nxt.seqs, frozenset(grammar.completing()), queued=True)
+            except Exception:  # noqa: BLE001 - the caller's fill_async raises it again, for nxt's requests
+                nxt_fill = None
         for req, reason in grammar.settle(sched.cfg.context_length, accepted):
             self._end(req, reason, changed, listed)
         self._undelivered = (changed, n_in)
+        return nxt_fill
 
     def _end(self, req: Request, reason: FinishReason, changed: list[Request], listed: set[int]) -> None:
         """Finish req at a resolved step (it is delivered with the step)."""
