@@ -12,7 +12,8 @@ the tokenizer's columns.
 
 Under overlap scheduling the fill starts earlier, in a worker thread (``fill_async``): xgrammar's
 fill releases the GIL, so it runs while the loop thread delivers the previous step and schedules
-the next; the sampler then only waits for it (``FillJob``). When every row of such a step is a greedy
+the next; the sampler then only waits for it (``FillJob``). The same worker accepts each step's
+tokens (``accept_async``) ahead of the next fill. When every row of such a step is a greedy
 constrained row with nothing else to apply (the common extraction batch), the sampler takes the
 tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask beside the model-dtype
 logits (no float32 copy, no separate mask launch, no per-row Python).

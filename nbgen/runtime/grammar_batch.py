@@ -5,7 +5,9 @@ gathers the rows of requests with a live grammar in a ``StepGrammar``; ``settle`
 matcher accept its token in one batched call (xgrammar's ``BatchGrammarMatcher.batch_accept_token``,
 a C++ loop) instead of one Python call per row, and gives the finish reasons: a stop token completes
 the grammar, a refused token aborts its request; requests that go on may jump forward
-(runtime/jump_forward.py).
+(runtime/jump_forward.py). Under overlap scheduling the accept runs in the bitmask fill's worker
+thread instead (``AcceptJob``, started by ``Constraints.accept_async`` as soon as the step's ids are
+on the host): the loop thread walks the step's rows meanwhile and ``settle`` reads the outcome.
 
 xgrammar's Python wrapper of the batched accept turns its result into a list with one FFI call per
 row (more than the accepts cost); the binding is called directly and the result is read with one

@@ -18,9 +18,10 @@ Embedding batches pipeline too: step N's forward, pooling and the copy of its ve
 are queued, step N-1 is delivered meanwhile, step N is applied (it samples nothing, so no
 placeholders), and its vectors are read at the next flush, after step N+1 was launched.
 Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
-Step N+1's forward is queued without its sampling (``staged``); then step N resolves (its tokens are
-accepted by the matchers), the bitmask fill for N+1 starts in a worker thread, N's outputs are
-delivered, N+1 is applied with placeholders, N+2 is scheduled and its inputs and attention plan are
+Step N+1's forward is queued without its sampling (``staged``); then step N resolves (the matchers
+accept its tokens in the fill worker while its rows are walked; N+1's fill is queued behind them
+unless rows jump forward, then it starts after the jumps), N's outputs are delivered, N+1 is applied
+with placeholders, N+2 is scheduled and its inputs and attention plan are
 queued (graph steps); only then does N+1's sampling wait for the fill, and N+2's forward is queued
 right behind it (staged for the next call). A staged forward is never applied to the scheduler
 before it is sampled, so ``flush`` may drop it: the next schedule recomputes the same positions
