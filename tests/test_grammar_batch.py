@@ -245,3 +245,34 @@ def test_worker_accept_equals_per_row_accept(compiled):
                 ref[k], seqs[k] = _state(compiled), row(_state(compiled))
             assert torch.equal(_mask(ref[k]), _mask(seqs[k].req.grammar))
     assert refused > 0 and finished > 0 and skipped == 60
+
+
+def test_rows_of_two_jumpers_each_jump(compiled):
+    """settle hands a step's rows that go on to their jumper in one ``jump_rows`` call; a row whose
+    grammar has another jumper (the engine swapped its jumper between requests) jumps through its own:
+    every request gets the text its grammar forces (``"name": "`` after ``{``), each jumper counts its own."""
+    from nbgen.runtime.jump_forward import JumpForward
+
+    class CharTok:                       # the synthetic vocabulary, one character per token
+        def encode(self, text, add_special_tokens=False):
+            return [VOCAB.index(c) for c in text]
+
+        def decode(self, ids, clean_up_tokenization_spaces=False):
+            return "".join(VOCAB[i] for i in ids)
+
+    jumpers = [JumpForward(CharTok()), JumpForward(CharTok())]
+    brace = VOCAB.index("{")
+    step, reqs = StepGrammar(), []
+    for i, jf in enumerate([0, 0, 1, 0, 1]):
+        req = Request(f"r{i}", [1, 2], SamplingParams(max_new_tokens=40))
+        req.stop_ids = frozenset([EOS])
+        req.grammar = GrammarState(compiled, req.stop_ids, len(VOCAB), jumpers[jf])
+        req.output_ids = [brace]
+        req.num_computed = len(req.prompt_ids)
+        step.add(req, brace, None)
+        reqs.append(req)
+    assert step.settle(None) == []
+    forced = [VOCAB.index(c) for c in '"name": "']
+    assert all(r.output_ids == [brace] + forced for r in reqs)
+    assert [j.num_jumps for j in jumpers] == [3, 2] and [j.num_searches for j in jumpers] == [3, 2]
+    assert all(VOCAB.index("a") in _allowed(r.grammar) for r in reqs)   # inside the name string now
