@@ -3,11 +3,11 @@
 The same 256 chat prompts run on one Engine, alternately unconstrained and with a ``json_schema``
 (greedy, ``ignore_eos``, the same max_new_tokens), ``--repeats`` times each. Reported: output tok/s
 of every run (completion tokens actually generated / wall time; a constrained request that completes
-its grammar stops early, so both sides print their token counts), best and median ratio, how many
-constrained outputs completed the grammar and whether those parse and validate. The schema is
-compiled in a warm-up (its first-use time is printed), then run once at the full batch for a few
-tokens (the fill worker and the mask kernel's batch-size specialisation), so the timed runs measure
-steady decoding.
+its grammar stops early, so both sides print their token counts), the best ratio of a json run to the
+free run before it and the ratio of the medians, how many constrained outputs completed the grammar
+and whether those parse and validate. The schema is compiled in a warm-up (its first-use time is
+printed), then run once at the full batch for a few tokens (the fill worker and the mask kernel's
+batch-size specialisation), so the timed runs measure steady decoding.
 Each run also reports the loop's steps, the host's own time per step and the time it waited for
 the device (``StepTimer``); ``--gpu-profile`` adds the GPU's idle time per step. Then the realistic
 workload (``bench/grammar_extract.py``): ``--extract`` record-extraction prompts with a nested
@@ -177,12 +177,14 @@ def main() -> None:
     timer.close()
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in rows.items()}
     median = {k: statistics.median(r["out_tok_s"] for r in v) for k, v in rows.items()}
-    ratio = best["json"]["out_tok_s"] / best["free"]["out_tok_s"]
+    # best of the run pairs (each json run against the free run just before it, on the same host state):
+    # the best json run over the best free run fell below the median ratio when one free run was fast
+    ratio = max(j["out_tok_s"] / f["out_tok_s"] for f, j in zip(rows["free"], rows["json"]))
     ratio_median = median["json"] / median["free"]
     valid = _validity(last["json"], SCHEMA)
     consistent = grammar_consistent(eng, last["json"], SCHEMA)
     lens = sorted(o["meta_info"]["completion_tokens"] for o in last["json"])
-    print(f"json/free throughput: best {100 * ratio:.1f}%, median {100 * ratio_median:.1f}% "
+    print(f"json/free throughput: best pair {100 * ratio:.1f}%, median {100 * ratio_median:.1f}% "
           f"({args.repeats} runs each); constrained outputs: "
           f"{valid['complete']}/{args.num} completed the grammar, {valid['valid']} of those valid; "
           f"{consistent} accepted token by token by a fresh matcher; "
