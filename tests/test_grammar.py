@@ -311,7 +311,8 @@ def _forced_overlap(eng, fn):
 
 def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
     """>= BATCH_FILL_MIN constrained rows: under overlap the bitmask is filled in the worker
-    thread while the loop delivers and schedules; outputs equal the plain loop's."""
+    thread while the loop delivers and schedules, the next step's fill queued behind the step's
+    accepts in the worker (rows completing their grammar left out); outputs equal the plain loop's."""
     from nbgen.runtime.constraints import BATCH_FILL_MIN
 
     n = BATCH_FILL_MIN + 8
@@ -323,9 +324,13 @@ def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
     constraints = eng.loop.runner.sampler.constraints
     original = constraints.fill_async
 
-    def spy(seqs):
-        job = original(seqs)
+    queued = []
+
+    def spy(seqs, *a, **k):
+        job = original(seqs, *a, **k)
         jobs.append(job is not None and job.future is not None)
+        if k.get("queued") and job is not None:
+            queued.append(len(job.rows) < len(seqs))     # a completing row left out
         return job
 
     constraints.fill_async = spy
@@ -334,6 +339,7 @@ def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
     finally:
         del constraints.fill_async
     assert any(jobs), "the worker-thread fill never ran"
+    assert queued and any(queued), "no fill was queued behind the accepts with a completing row left out"
     assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
     assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
 

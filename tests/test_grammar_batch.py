@@ -194,3 +194,85 @@ def test_live_rows_stay_greedy_beside_completed_grammars(compiled):
     assert live_rows(live + [seq(None)])[2] is False
     assert live_rows(live + [seq(_state(compiled), temperature=0.7)])[2] is False
     assert live_rows([seq(done)]) == ([], [], True)
+
+
+def test_worker_accept_equals_per_row_accept(compiled):
+    """The overlap stepper's accept in the fill worker (``Constraints.accept_async`` read by
+    ``StepGrammar.settle``) gives the per-row outcomes along random walks with refused tokens and
+    rows finishing mid-batch; a row the step's walk skips (its request aborted or preempted after
+    its mask was filled) gives its token back: its matcher is where it was."""
+    from nbgen.runtime.constraints import BATCH_FILL_MIN, Constraints
+
+    n = BATCH_FILL_MIN + 4
+    rng = random.Random(7)
+    cons = Constraints(len(VOCAB), torch.device("cpu"))
+
+    def row(grammar):
+        req = Request("r", [1], SamplingParams(temperature=0.0))
+        req.grammar = grammar
+        return SimpleNamespace(req=req)
+
+    ref = [_state(compiled) for _ in range(n)]
+    seqs = [row(_state(compiled)) for _ in range(n)]
+    refused = finished = skipped = 0
+    for _step in range(60):
+        toks = []
+        for r in ref:
+            allowed = _allowed(r)
+            toks.append(rng.randrange(len(VOCAB)) if rng.random() < 0.15 else
+                        (EOS if EOS in allowed and rng.random() < 0.5 else rng.choice(allowed)))
+        fill = cons.fill_async(seqs)
+        assert fill is not None and fill.future is not None
+        fill.wait()
+        job = cons.accept_async(fill, toks)
+        assert job is not None
+        skip = rng.randrange(n)                  # the walk skips this row: its token never counted
+        step = StepGrammar()
+        for k, (s, t) in enumerate(zip(seqs, toks)):
+            if k != skip:
+                step.add(s.req, t, None)
+        got = dict((id(req), reason) for req, reason in step.settle(None, job))
+        for k, (r, s) in enumerate(zip(ref, seqs)):
+            if k == skip:
+                skipped += 1
+                assert torch.equal(_mask(r), _mask(s.req.grammar)) and not s.req.grammar.done
+                continue
+            w, g = r.on_token(toks[k], None), got.get(id(s.req))
+            assert (w is None) == (g is None) and (w is None or w.to_dict() == g.to_dict()), (k, toks[k], w, g)
+            refused += w is not None and w.type == "abort"
+            if w is not None:
+                finished += w.type == "stop"
+                ref[k], seqs[k] = _state(compiled), row(_state(compiled))
+            assert torch.equal(_mask(ref[k]), _mask(seqs[k].req.grammar))
+    assert refused > 0 and finished > 0 and skipped == 60
+
+
+def test_rows_of_two_jumpers_each_jump(compiled):
+    """settle hands a step's rows that go on to their jumper in one ``jump_rows`` call; a row whose
+    grammar has another jumper (the engine swapped its jumper between requests) jumps through its own:
+    every request gets the text its grammar forces (``"name": "`` after ``{``), each jumper counts its own."""
+    from nbgen.runtime.jump_forward import JumpForward
+
+    class CharTok:                       # the synthetic vocabulary, one character per token
+        def encode(self, text, add_special_tokens=False):
+            return [VOCAB.index(c) for c in text]
+
+        def decode(self, ids, clean_up_tokenization_spaces=False):
+            return "".join(VOCAB[i] for i in ids)
+
+    jumpers = [JumpForward(CharTok()), JumpForward(CharTok())]
+    brace = VOCAB.index("{")
+    step, reqs = StepGrammar(), []
+    for i, jf in enumerate([0, 0, 1, 0, 1]):
+        req = Request(f"r{i}", [1, 2], SamplingParams(max_new_tokens=40))
+        req.stop_ids = frozenset([EOS])
+        req.grammar = GrammarState(compiled, req.stop_ids, len(VOCAB), jumpers[jf])
+        req.output_ids = [brace]
+        req.num_computed = len(req.prompt_ids)
+        step.add(req, brace, None)
+        reqs.append(req)
+    assert step.settle(None) == []
+    forced = [VOCAB.index(c) for c in '"name": "']
+    assert all(r.output_ids == [brace] + forced for r in reqs)
+    assert [j.num_jumps for j in jumpers] == [3, 2] and [j.num_searches for j in jumpers] == [3, 2]
+    assert all(VOCAB.index("a") in _allowed(r.grammar) for r in reqs)   # inside the name string now

@@ -13,6 +13,7 @@ import statistics
 import time
 from typing import Any, Callable, Optional
 
+from nbgen.bench.phases import PhaseTimer
 from nbgen.bench.profiling import StepTimer
 from nbgen.bench.schema_check import schema_errors
 
@@ -75,12 +76,13 @@ def check(outs: list[dict]) -> dict[str, int]:
 
 def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
         profile: Optional[Callable[[Any, list[str], dict[str, Any], str], None]] = None,
-        chunks: bool = False) -> dict[str, Any]:
+        chunks: bool = False, phases: bool = False) -> dict[str, Any]:
     """Alternate runs with and without jump-forward (the engine must have been built with
     ``enable_jump_forward=True``; the switch is the grammar service's jumper). Prints each run.
     ``profile(eng, prompts, sampling params, label)``: one more run of each kind under it.
     ``chunks``: a third kind, jump-forward with its forced tokens computed as chunks (mixed steps)
-    instead of decode rows (``SchedulerConfig.forced_token_rows`` 0; runtime/forced_rows.py)."""
+    instead of decode rows (``SchedulerConfig.forced_token_rows`` 0; runtime/forced_rows.py).
+    ``phases``: each run also prints its host time per step by phase (bench/phases.py)."""
     sp = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(SCHEMA)}
     ps = prompts(eng, n)
     eng.generate(ps[:4], {**sp, "max_new_tokens": 8}, use_tqdm=False)   # compile the schema
@@ -91,6 +93,7 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
     sched = eng.loop.scheduler
     forced_rows = sched.cfg.forced_token_rows
     timer = StepTimer(eng)
+    phase = PhaseTimer(eng) if phases else None
     rows: dict[str, list] = {"token_by_token": [], "jump_forward": []}
     if chunks:
         rows["jump_forward_chunks"] = []
@@ -103,6 +106,8 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
             for kind in rows:
                 eng.loop.call(lambda: switch(kind))
                 timer.reset()
+                if phase is not None:
+                    phase.reset()
                 j0, t0 = jumper.num_tokens, time.perf_counter()
                 outs = eng.generate(ps, sp, use_tqdm=False)
                 secs = time.perf_counter() - t0
@@ -113,11 +118,15 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
                       f"({r['jumped_tokens']} jumped)  {r['valid']}/{n} valid ({r['complete']} complete)  "
                       f"{r['steps']} steps, {r['step_ms']:.2f} ms/step, host {r['host_ms']:.2f} ms/step",
                       flush=True)
+                if phase is not None:
+                    print(f"extract {kind:19s} {phase.line(r['steps'])}", flush=True)
         for kind in rows if profile is not None else ():
             eng.loop.call(lambda: switch(kind))
             profile(eng, ps, sp, f"extract {kind}")
     finally:
         eng.loop.call(lambda: switch("jump_forward"))
+        if phase is not None:
+            phase.close()
         timer.close()
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
     ratio = med["jump_forward"] / med["token_by_token"]

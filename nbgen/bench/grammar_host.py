@@ -10,6 +10,8 @@ that completes its output starts a new one. Each step times, in microseconds:
 - ``accept_per_row``: every row's matcher accepts its token by one call each (``GrammarState.on_token``);
 - ``accept_batched``: the same tokens gathered and accepted by one call (``StepGrammar.settle``,
   runtime/grammar_batch.py), on a second set of matchers in the same states;
+- ``accept_worker``: as the overlap stepper does, on a third set: the accept started in the fill
+  worker (``Constraints.accept_async``), the rows gathered meanwhile, then ``settle`` reads it;
 - ``jump_search``: ``find_jump_forward_string`` on every row (what jump-forward asks each step).
 
 With ``--jump-forward`` the rows are requests of the engine's jump-forward path instead: each step a
@@ -204,8 +206,9 @@ def main() -> None:
         return
     per_row = Rows(compiled, seqs, eos, vocab, args.rows)
     batched = Rows(compiled, seqs, eos, vocab, args.rows)
+    worker = Rows(compiled, seqs, eos, vocab, args.rows)
     logits = torch.randn(args.rows, vocab)
-    keys = ("fill", "mask", "accept_per_row", "accept_batched", "jump_search")
+    keys = ("fill", "mask", "accept_per_row", "accept_batched", "jump_search", "accept_worker")
     times: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.steps):
         seqw = [SeqWork(req, [0], 0, [], True) for req in batched.reqs]
@@ -230,10 +233,22 @@ def main() -> None:
             if not req.grammar.done:
                 req.grammar.matcher.find_jump_forward_string()
         t5 = clock()
-        for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+        wseq = [SeqWork(req, [0], 0, [], True) for req in worker.reqs]
+        wjob = cons.fill_async(wseq)
+        wjob.wait()
+        t6 = clock()
+        accepting = cons.accept_async(wjob, toks)
+        step = StepGrammar()
+        for req, t in zip(worker.reqs, toks):
+            step.add(req, t, None)
+        ended = step.settle(None, accepting)
+        t7 = clock()
+        assert all(r.type == "stop" for _, r in ended), ended
+        for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t7 - t6)):
             times[k].append(1e6 * v)
         per_row.advance()
         batched.advance()
+        worker.advance()
     _report(times, args, "token by token")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from nbgen.bench import grammar_extract
+from nbgen.bench.phases import PhaseTimer
 from nbgen.bench.profiling import StepTimer
 from nbgen.engine import Engine
 from nbgen.models.embedded import default_model_path
@@ -100,11 +101,13 @@ def main() -> None:
     service = loop.delivery.grammar
     jumper = service.jumper
     timer, counts = StepTimer(eng), StepCounts(eng)
+    phases = PhaseTimer(eng)
     runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
         for kind in ("token_by_token", "jump_forward"):
             loop.call(lambda: setattr(service, "jumper", None if kind == "token_by_token" else jumper))
             timer.reset()
+            phases.reset()
             counts.take()
             t0 = time.perf_counter()
             outs = eng.generate(prompts, sp, use_tqdm=False)
@@ -114,6 +117,8 @@ def main() -> None:
             print(f"{kind:15s} {r['valid']}/{r['n']} valid, {r['steps']} steps, host {r['host_ms']:.2f} ms/step "
                   f"(forward {r['wait_ms']:.1f}); batches with forced chunks {r['chunked']} of {r['batches']}, "
                   f"forced rows {r['forced_rows']}; masked-argmax steps {r['masked']} of {r['fills']}", flush=True)
+            print(f"{kind:15s} {phases.line(r['steps'])}", flush=True)
+    phases.close()
     timer.close()
     eng.shutdown()
     if args.json:

@@ -49,7 +49,7 @@ class EmbedRequest:
         return self.pooling == "last"
 
 
-@dataclass
+@dataclass(eq=False)   # identity: ``req in running`` / ``running.remove(req)`` compare pointers, not fields
 class Request:
     """One sequence to generate. ``n > 1`` becomes n Requests sharing a ``group``."""
 

@@ -12,7 +12,8 @@ the tokenizer's columns.
 
 Under overlap scheduling the fill starts earlier, in a worker thread (``fill_async``): xgrammar's
 fill releases the GIL, so it runs while the loop thread delivers the previous step and schedules
-the next; the sampler then only waits for it (``FillJob``). When every row of such a step is a greedy
+the next; the sampler then only waits for it (``FillJob``). The same worker accepts each step's
+tokens (``accept_async``) ahead of the next fill. When every row of such a step is a greedy
 constrained row with nothing else to apply (the common extraction batch), the sampler takes the
 tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask beside the model-dtype
 logits (no float32 copy, no separate mask launch, no per-row Python).
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.grammar_batch import fill_bitmask, live_rows
+from nbgen.runtime.grammar_batch import AcceptJob, accept_handles, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
@@ -50,6 +51,7 @@ class FillJob:
     greedy: bool = False            # every row is constrained and greedy with nothing else to apply
     # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
     device_copy: Optional[tuple[Tensor, Any]] = None
+    states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
         """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
@@ -161,39 +163,71 @@ class Constraints:
             for i, g in zip(rows, states):
                 g.fill(bm, i)
 
-    def fill_async(self, seqs: list[SeqWork]) -> Optional[FillJob]:
+    def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(),
+                   queued: bool = False) -> Optional[FillJob]:
         """Start filling the bitmask rows of seqs' live grammar requests in the worker thread.
 
-        Call after the matchers accepted every earlier token; the matchers must not be touched
-        until the job is waited for (the sampler does).
+        Call after the matchers accepted every earlier token, or once their accepts are queued in the
+        worker (``accept_async``: the fill runs after them); ``skip``: ids of GrammarStates left
+        out (their grammar completes with the token being accepted); ``queued``: only in the worker
+        (None where the rows are too few for it: they would be filled here, beside the accepts). The
+        matchers must not be touched until the job is waited for (the sampler does).
         """
         # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
         rows, states, greedy = live_rows(seqs)
+        if skip:
+            kept = [k for k, s in enumerate(states) if id(s) not in skip]
+            rows, states = [rows[k] for k in kept], [states[k] for k in kept]
         if not rows:
             return None
         vocab = states[0].vocab
         bm = self._bitmask(len(seqs), vocab)
         if len(rows) < BATCH_FILL_MIN:      # small: a thread hand-off costs more than it hides
+            if queued:
+                return None
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
-        if self._worker is None:
-            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        started = threading.Event()
-        job = FillJob(rows, bm, None, vocab, greedy)
+        job = FillJob(rows, bm, None, vocab, greedy, states=states)
         n = len(seqs)
 
         def work() -> None:
-            started.set()
             self._fill(rows, states, bm)
             if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
                 job.device_copy = self._copy_out(bm[:n])
 
-        job.future = self._worker.submit(work)
-        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
-        # interpreter's switch interval (5 ms) while this thread runs Python; the fill itself
-        # releases the GIL inside xgrammar, so both threads then proceed in parallel
-        started.wait()
+        job.future = self._submit(work)
         return job
+
+    def accept_async(self, fill: FillJob, tokens: list[int]) -> Optional[AcceptJob]:
+        """Start accepting a sampled step's tokens in the worker thread: ``fill`` is the step's
+        bitmask job (its rows' matchers take the tokens), ``tokens`` the step's sampled ids, one per
+        sampling row. None (the caller accepts as before) unless the fill ran in the worker.
+        The matchers must not be touched until ``StepGrammar.settle`` read the job."""
+        states = fill.states
+        if fill.future is None or states is None or self._worker is None or not binding_ready():
+            return None
+        handles = [s.handle for s in states]
+        if None in handles:
+            return None
+        toks = [tokens[i] for i in fill.rows]
+        return AcceptJob(states, self._submit(lambda: accept_handles(handles, toks)))
+
+    def _submit(self, fn: Any) -> cf.Future:
+        """Run fn in the worker thread, once it started running."""
+        if self._worker is None:
+            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
+        started = threading.Event()
+
+        def work() -> Any:
+            started.set()
+            return fn()
+
+        fut = self._worker.submit(work)
+        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
+        # interpreter's switch interval (5 ms) while this thread runs Python; xgrammar's fill and
+        # accept release the GIL inside, so both threads then proceed in parallel
+        started.wait()
+        return fut
 
     def _copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
         """Queue a copy of pinned bitmask rows to the device on a side stream (worker thread): it

@@ -5,7 +5,9 @@ gathers the rows of requests with a live grammar in a ``StepGrammar``; ``settle`
 matcher accept its token in one batched call (xgrammar's ``BatchGrammarMatcher.batch_accept_token``,
 a C++ loop) instead of one Python call per row, and gives the finish reasons: a stop token completes
 the grammar, a refused token aborts its request; requests that go on may jump forward
-(runtime/jump_forward.py).
+(runtime/jump_forward.py). Under overlap scheduling the accept runs in the bitmask fill's worker
+thread instead (``AcceptJob``, started by ``Constraints.accept_async`` as soon as the step's ids are
+on the host): the loop thread walks the step's rows meanwhile and ``settle`` reads the outcome.
 
 xgrammar's Python wrapper of the batched accept turns its result into a list with one FFI call per
 row (more than the accepts cost); the binding is called directly and the result is read with one
@@ -29,6 +31,46 @@ def _binding() -> Optional[Any]:
 
     core = getattr(getattr(xgr, "base", None), "_core", None)
     return getattr(core, "BatchGrammarMatcher", None)
+
+
+def binding_ready() -> bool:
+    """xgrammar's FFI class of the batched calls is there (``accept_handles`` can run)."""
+    return _binding() is not None
+
+
+def accept_handles(handles: list[Any], toks: list[int]) -> Optional[set[int]]:
+    """Matcher ``handles[k]`` (FFI objects) accepts ``toks[k]``, one call (GIL released inside
+    xgrammar): None when every token was taken, else the refused positions (run in a worker)."""
+    flags = _binding().batch_accept_token(handles, toks, False)
+    if 0 not in flags:
+        return None
+    return {k for k in range(len(handles)) if not flags[k]}
+
+
+class AcceptJob:
+    """A step's tokens being accepted in a worker (``Constraints.accept_async``): the matchers of
+    ``states`` (the step's live constrained rows when its bitmask was filled) take their tokens while
+    the loop thread walks the step's rows; ``StepGrammar.settle`` then reads the outcome."""
+
+    def __init__(self, states: list[Any], future: Any) -> None:
+        self.states = states
+        self.future = future          # -> None or the refused positions in states
+
+    def refused(self, kept: list[Any]) -> set[int]:
+        """Wait; the positions in ``kept`` (the states the step's walk gathered, a subset of
+        ``states`` in the same order) whose token was refused. A matcher of a row the walk did not
+        keep (its request aborted or preempted meanwhile: its token is not in its output) gives its
+        token back."""
+        bad = self.future.result()
+        if len(kept) == len(self.states) and not bad:
+            return set()
+        out = {id(self.states[k]) for k in bad} if bad else set()
+        if len(kept) != len(self.states):
+            ids = {id(s) for s in kept}
+            for k, s in enumerate(self.states):
+                if id(s) not in ids and id(s) not in out:
+                    s.matcher.rollback(1)
+        return {k for k, s in enumerate(kept) if id(s) in out} if out else set()
 
 
 def accept_tokens(states: list[Any], toks: list[int]) -> list[bool]:
@@ -88,20 +130,36 @@ class StepGrammar:
         self.reasons.append(reason)
         self.states.append(g)
 
-    def settle(self, context_length: Optional[int]) -> list[tuple[Any, FinishReason]]:
-        """Accept every gathered token, jump forward where the request goes on; the requests that
-        finish, with their reasons (stop: the grammar completed; abort: a refused token)."""
+    def completing(self) -> set[int]:
+        """ids of the gathered GrammarStates whose token is one of their stop ids: their grammar
+        completes with it (unless refused), so their matcher must not fill a next mask."""
+        states, toks = self.states, self.toks
+        return {id(states[k]) for k in self.flagged if toks[k] in states[k].stops}
+
+    def settle(self, context_length: Optional[int],
+               accepted: Optional[AcceptJob] = None) -> list[tuple[Any, FinishReason]]:
+        """Accept every gathered token (``accepted``: already being accepted in a worker), jump
+        forward where the request goes on; the requests that finish, with their reasons (stop: the
+        grammar completed; abort: a refused token)."""
         out = self.ended
+        toks, reasons, states = self.toks, self.reasons, self.states
+        if accepted is not None:
+            refused: Any = accepted.refused(states)
+        elif not self.reqs:
+            return out
+        else:
+            refused = _accept(states, [s.handle for s in states], toks) or ()
         if not self.reqs:
             return out
-        toks, reasons, states = self.toks, self.reasons, self.states
-        refused = _accept(states, [s.handle for s in states], toks) or ()
         if not refused and not self.jumping:        # the common step: only the flagged rows change
             for k in self.flagged:
                 reason = states[k].settle(toks[k], True, reasons[k])
                 if reason is not None:
                     out.append((self.reqs[k], reason))
             return out
+        first: Any = None                  # the rows' jumper (one per engine): its rows jump together
+        going: list[Any] = []
+        going_states: list[Any] = []
         for k, state in enumerate(states):
             tok, reason = toks[k], reasons[k]
             if k in refused or tok in state.stops or reason is not None:
@@ -109,8 +167,18 @@ class StepGrammar:
                 if reason is not None:
                     out.append((self.reqs[k], reason))
                     continue
-            if state.jumper is not None:                          # runtime/jump_forward.py
-                state.jumper.jump(self.reqs[k], state, context_length)
+            jumper = state.jumper
+            if jumper is None:
+                continue
+            if first is None:
+                first = jumper
+            if jumper is first:
+                going.append(self.reqs[k])
+                going_states.append(state)
+            else:                           # another jumper's row (the engine swapped its jumper)
+                jumper.jump(self.reqs[k], state, context_length)
+        if first is not None:               # runtime/jump_forward.py
+            first.jump_rows(going, going_states, context_length)
         return out
 
 

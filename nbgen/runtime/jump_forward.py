@@ -79,25 +79,39 @@ class JumpForward:
     def jump(self, req: Any, state: Any, context_length: Optional[int]) -> bool:
         """Append the forced continuation of req (its grammar ``state`` just accepted the last
         output token); True when the request's output changed."""
-        # runs for every constrained row of every step: the checks before the search stay few
-        out = req.output_ids
-        n_out, n_prompt = len(out), len(req.prompt_ids)
-        if not n_out or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
-            return False                          # the last token is not the one just accepted
-        if req.logprobs.return_logprob or req.return_hidden_states:
-            return False
-        # room: at least one sampled token must follow (max_new_tokens / the context end it); a jump
-        # adds at most room tokens, so without room for MIN_JUMP the grammar is not even asked
-        limit = req.params.max_new_tokens
-        room = (limit if limit is not None else 1 << 62) - n_out - 1
-        if context_length is not None:
-            room = min(room, context_length - n_prompt - n_out - 1)
-        if room < MIN_JUMP:
-            return False
-        self.num_searches += 1
-        forced = state.search()                   # the matcher's find_jump_forward_string
-        if not forced:
-            return False
+        return self.jump_rows([req], [state], context_length) == 1
+
+    def jump_rows(self, reqs: list[Any], states: list[Any], context_length: Optional[int]) -> int:
+        """``jump`` for a step's rows that go on (``states[k]``: ``reqs[k]``'s grammar, which just
+        accepted the request's last output token); how many jumped."""
+        # runs for every constrained row of every step: the checks before the search stay few, in one loop
+        big = 1 << 62
+        jumped = searched = 0
+        for req, state in zip(reqs, states):
+            out = req.output_ids
+            n_out, n_prompt = len(out), len(req.prompt_ids)
+            if not n_out or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
+                continue                          # the last token is not the one just accepted
+            if req.logprobs.return_logprob or req.return_hidden_states:
+                continue
+            # room: at least one sampled token must follow (max_new_tokens / the context end it); a jump
+            # adds at most room tokens, so without room for MIN_JUMP the grammar is not even asked
+            limit = req.params.max_new_tokens
+            room = (big if limit is None else limit) - n_out - 1
+            if context_length is not None and context_length - n_prompt - n_out - 1 < room:
+                room = context_length - n_prompt - n_out - 1
+            if room < MIN_JUMP:
+                continue
+            searched += 1
+            forced = state.search()               # the matcher's find_jump_forward_string
+            if forced and self._apply(req, state, out, forced, room):
+                jumped += 1
+        self.num_searches += searched
+        return jumped
+
+    def _apply(self, req: Any, state: Any, out: list[int], forced: str, room: int) -> bool:
+        """Append the tokens of ``forced`` (text the grammar allows next, only) to req's output
+        ``out`` within ``room`` tokens, the matcher taking them; True when it did."""
         planned = self.tail(out[-1], forced)
         if planned is None:
             return False

@@ -18,9 +18,10 @@ Embedding batches pipeline too: step N's forward, pooling and the copy of its ve
 are queued, step N-1 is delivered meanwhile, step N is applied (it samples nothing, so no
 placeholders), and its vectors are read at the next flush, after step N+1 was launched.
 Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
-Step N+1's forward is queued without its sampling (``staged``); then step N resolves (its tokens are
-accepted by the matchers), the bitmask fill for N+1 starts in a worker thread, N's outputs are
-delivered, N+1 is applied with placeholders, N+2 is scheduled and its inputs and attention plan are
+Step N+1's forward is queued without its sampling (``staged``); then step N resolves (the matchers
+accept its tokens in the fill worker while its rows are walked; N+1's fill is queued behind them
+unless rows jump forward, then it starts after the jumps), N's outputs are delivered, N+1 is applied
+with placeholders, N+2 is scheduled and its inputs and attention plan are
 queued (graph steps); only then does N+1's sampling wait for the fill, and N+2's forward is queued
 right behind it (staged for the next call). A staged forward is never applied to the scheduler
 before it is sampled, so ``flush`` may drop it: the next schedule recomputes the same positions
@@ -33,6 +34,7 @@ from typing import Callable, Optional, Protocol
 from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
+from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
@@ -86,6 +88,7 @@ class OverlapStepper:
         self._run_step = run_step
         self.pending: Optional[tuple[Launched, list[Request], int]] = None  # (launched, changed, n_in)
         self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
+        self._pending_fill: Optional[FillJob] = None   # the pending step's bitmask job (grammar steps)
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
         self.embedded: Optional[tuple[ScheduledBatch, StepVectors, list[Request], int]] = None  # vectors in flight
 
@@ -148,9 +151,11 @@ class OverlapStepper:
     def _grammar_step(self, fwd: Forwarded) -> None:
         """Sample a staged grammar step once its bitmask is filled; stage the next step's forward."""
         runner, sched, batch = self.runner, self.scheduler, fwd.batch
-        self._resolve()                               # previous step: tokens accepted by the matchers
+        # previous step: tokens accepted by the matchers; this step's fill may start in it already
+        fill = self._resolve(fwd)
         try:
-            fill = runner.sampler.constraints.fill_async(fwd.seqs)
+            if fill is None:
+                fill = runner.sampler.constraints.fill_async(fwd.seqs)
         except Exception as e:  # noqa: BLE001 - e.g. a matcher failing: this step's requests only
             self.flush()
             self._fail_batch(batch, e)
@@ -173,6 +178,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.pending = (launched, changed, batch.num_prefill_tokens)
+        self._pending_fill = fill
         if nxt is None:
             return
         try:
@@ -200,9 +206,10 @@ class OverlapStepper:
             self._undelivered = None
             self._deliver(changed, n_in)
 
-    def _resolve(self) -> None:
+    def _resolve(self, nxt: Optional[Forwarded] = None) -> Optional[FillJob]:
         """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops
-        (or, for an embedding step, its vectors)."""
+        (or, for an embedding step, its vectors). ``nxt``: the staged step after it, whose bitmask
+        fill is then queued behind the accepts when no row may jump forward (returned, else None)."""
         if self.embedded is not None:
             batch, vectors, changed, n_in = self.embedded
             self.embedded = None
@@ -210,15 +217,18 @@ class OverlapStepper:
                 if v is not None:
                     s.req.set_pooled(None, v)
             self._undelivered = (changed, n_in)
-            return
+            return None
         if self.pending is None:
-            return
+            return None
         launched, changed, n_in = self.pending
-        self.pending = None
+        fill, self.pending, self._pending_fill = self._pending_fill, None, None
         sched = self.scheduler
         if self._before_wait is not None:
             self._before_wait()
         toks = self.runner.resolve(launched)
+        # the constrained rows' matchers take their tokens in the worker while the rows are walked
+        accepted = None if fill is None else self.runner.sampler.constraints.accept_async(
+            fill, [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
@@ -244,9 +254,18 @@ class OverlapStepper:
                 grammar.add(req, tok, reason)            # accepted below, all rows in one call
             elif reason is not None:
                 self._end(req, reason, changed, listed)
-        for req, reason in grammar.settle(sched.cfg.context_length):
+        nxt_fill = None
+        if nxt is not None and accepted is not None and not grammar.jumping:
+            # queued behind the accepts (one worker thread): it starts as they end, while this thread
+            # collects its rows and settles; jumps would change matchers, so they fill afterwards
+            try:
+                nxt_fill = self.runner.sampler.constraints.fill_async(nxt.seqs, frozenset(grammar.completing()), queued=True)
+            except Exception:  # noqa: BLE001 - the caller's fill_async raises it again, for nxt's requests
+                nxt_fill = None
+        for req, reason in grammar.settle(sched.cfg.context_length, accepted):
             self._end(req, reason, changed, listed)
         self._undelivered = (changed, n_in)
+        return nxt_fill
 
     def _end(self, req: Request, reason: FinishReason, changed: list[Request], listed: set[int]) -> None:
         """Finish req at a resolved step (it is delivered with the step)."""
