@@ -1,0 +1,228 @@
+"""``python -m nbgen.bench.cascade_flashinfer`` — shared-prefix decode attention, nbgen's kernels against
+flashinfer's, one layer at W-prefix's shape (CUDA).
+
+Same tables as ``bench.cascade_kernel`` (8 prefixes of 2,000 tokens, rows with 50-800 tokens of their
+own), rows ordered by prefix so each prefix's rows are one contiguous query group. Every candidate is
+timed as the engine runs it: its launches captured ``INNER`` times in one CUDA graph, replayed, the
+median per call (no Python launch cost in the numbers; eager back-to-back launches where a capture
+fails, marked so). Candidates: nbgen's plain decode kernel; nbgen's level 0 / level 1 / both; flashinfer
+level 1 (``BatchDecodeWithPagedKVCacheWrapper`` over the rows' own pages, tensor cores or not, with
+the LSE), level 0 (``BatchPrefillWithPagedKVCacheWrapper``, each prefix's rows one query group against
+its pages, no causal mask), ``merge_state_in_place``, the flashinfer pair (level 0 + level 1 + merge),
+``MultiLevelCascadeAttentionWrapper``; and each wrapper's ``plan()`` host time.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from nbgen.attention.base import KVCacheSpec
+from nbgen.attention.cascade_plan import plan_shared
+from nbgen.bench.cascade_kernel import _tables
+from nbgen.bench.kv_decode import HEADS, P
+from nbgen.kernels import triton_cascade as tc
+from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
+from nbgen.runtime.cascade_graphs import MAX_CHUNKS, CascadeTables
+
+INNER = 10          # calls per captured graph
+
+
+def gpu_seconds(fn: Callable[[], object], reps: int = 20) -> tuple[float, str]:
+    """Median seconds per call of ``fn`` replayed from a CUDA graph holding INNER calls; eager
+    back-to-back calls (INNER between two events) where capture fails."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    how = "graph"
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(INNER):
+                    fn()
+        torch.cuda.current_stream().wait_stream(s)
+        run = g.replay
+    except Exception as e:  # noqa: BLE001 - report and time eagerly
+        how = f"eager ({type(e).__name__})"
+        torch.cuda.synchronize()
+
+        def run() -> None:
+            for _ in range(INNER):
+                fn()
+    run()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / INNER)
+    return sorted(times)[reps // 2], how
+
+
+def host_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median host milliseconds of ``fn`` (a plan), the device idle in between."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[reps // 2]
+
+
+def measure(model: str, rows: int, prefixes: int = 8, prefix_len: int = 2000) -> None:
+    import flashinfer
+
+    hq, hkv, D = HEADS[model]
+    dev = torch.device("cuda")
+    ip, idx, last, pages = _tables(prefixes, rows, prefix_len)
+    # rows grouped by prefix (row i takes prefix i % prefixes): one contiguous query group each
+    perm = np.argsort(np.arange(rows) % prefixes, kind="stable")
+    tabs = [idx[ip[i]: ip[i + 1]] for i in perm]
+    last = last[perm]
+    ip = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum([len(t) for t in tabs], out=ip[1:])
+    idx = np.concatenate(tabs).astype(np.int32)
+    kc = torch.randn(pages, hkv, P, D, device=dev).bfloat16()
+    vc = torch.randn_like(kc)
+    q = torch.randn(rows, hq, D, device=dev).bfloat16()
+    tok_bytes = hkv * D * 2 * 2
+    npref = prefix_len // P
+    shared_b = prefixes * npref * P * tok_bytes
+    own_b = (len(idx) - rows * npref) * P * tok_bytes
+
+    def rate(t: float, nbytes: int) -> str:
+        return f"{t * 1e6:7.1f} us ({nbytes / t / 1e9:5.0f} GB/s)"
+
+    plain = TritonDecodeWrapper(hq, hkv, D, P, dev)
+    plain.plan(*(torch.from_numpy(a).pin_memory() for a in (ip, idx, last)))
+    ref = plain.run(q, (kc, vc)).float()
+    t, how = gpu_seconds(lambda: plain.run(q, (kc, vc)))
+    print(f"{model} {rows} rows x {prefixes} prefixes of {prefix_len} ({shared_b / 1e6:.1f} MB shared, "
+          f"{own_b / 1e6:.1f} MB own; rates over the bytes each launch must read):")
+    print(f"  nbgen plain decode          {rate(t, shared_b + own_b)} [{how}]")
+
+    def err(o: torch.Tensor) -> float:
+        return (o.float() - ref).abs().max().item()
+
+    # nbgen's two levels through the graph runner's tables
+    spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
+    tables = CascadeTables(SimpleNamespace(spec=spec), rows)
+    plan = plan_shared(ip, idx, rows, tables.R, MAX_CHUNKS)
+    region = np.zeros(tables.size, dtype=np.int32)
+    tables.fill(region, plan, rows, rows)
+    tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, 16)
+    on = [torch.from_numpy(a).to(dev) for a in (ip, idx, last, longest_first(ip, last, P, plan.skip))]
+    w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
+    d0 = w.level0
+    for sp in sorted({d0.splits, 4, 8, 16}):
+        w.level0 = tc.Level0(sp, d0.block_n, d0.warps, d0.stages, d0.ahead)
+        e = err(w.run(q, (kc, vc)))
+        t0, _ = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))
+        t1, _ = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))
+        t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
+        tag = "default" if w.level0 == d0 else "       "
+        print(f"  nbgen {tag} L0 {sp:2d} splits: L0 {rate(t0, shared_b)}, L1 {rate(t1, own_b)}, "
+              f"both {rate(t, shared_b + own_b)}, |d| {e:.4f} [{how}]")
+    w.level0 = d0
+
+    # flashinfer: level 1 over the rows' own pages (after the shared ones), level 0 per prefix group
+    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    own_tabs = [t[npref:] for t in tabs]
+    ip1 = np.zeros(rows + 1, dtype=np.int32)
+    np.cumsum([len(t) for t in own_tabs], out=ip1[1:])
+    idx1 = np.concatenate(own_tabs).astype(np.int32)
+    group = rows // prefixes
+    qo0 = np.arange(prefixes + 1, dtype=np.int32) * group
+    ip0 = np.arange(prefixes + 1, dtype=np.int32) * npref
+    idx0 = np.concatenate([tabs[p * group][:npref] for p in range(prefixes)]).astype(np.int32)
+    last0 = np.full(prefixes, P, dtype=np.int32)
+    h = {k: torch.from_numpy(v).pin_memory() for k, v in
+         dict(ip1=ip1, idx1=idx1, last1=last, qo0=qo0, ip0=ip0, idx0=idx0, last0=last0).items()}
+    kw = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
+    o1 = torch.empty_like(q)
+    s1 = torch.empty(rows, hq, dtype=torch.float32, device=dev)
+    o0 = torch.empty_like(q)
+    s0 = torch.empty(rows, hq, dtype=torch.float32, device=dev)
+    cands = {}
+    for tcores in (True,):        # the CUDA-core kernel is slower for grouped heads (decode_tensor_cores)
+        dw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tcores)
+
+        def plan1(dw=dw) -> None:
+            dw.plan(h["ip1"], h["idx1"], h["last1"], hq, hkv, D, P, pos_encoding_mode="NONE", non_blocking=True, **kw)
+        try:
+            ms = host_ms(plan1)
+            t, how = gpu_seconds(lambda dw=dw: dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True))
+            print(f"  flashinfer L1 decode tc={tcores!s:5}: {rate(t, own_b)}, plan {ms:.3f} ms host [{how}]")
+            cands[tcores] = dw
+        except Exception as e:  # noqa: BLE001 - one candidate failing must not hide the others
+            print(f"  flashinfer L1 decode tc={tcores}: failed: {type(e).__name__}: {e}")
+    l0 = {}
+    for backend in ("auto", "fa2"):
+        pw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
+
+        def plan0(pw=pw) -> None:
+            pw.plan(h["qo0"], h["ip0"], h["idx0"], h["last0"], hq, hkv, D, P, causal=False, non_blocking=True, **kw)
+        try:
+            ms = host_ms(plan0)
+            t, how = gpu_seconds(lambda pw=pw: pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True))
+            print(f"  flashinfer L0 prefill {backend:4}: {rate(t, shared_b)}, plan {ms:.3f} ms host [{how}]")
+            l0[backend] = pw
+        except Exception as e:  # noqa: BLE001
+            print(f"  flashinfer L0 prefill {backend}: failed: {type(e).__name__}: {e}")
+    try:
+        t, how = gpu_seconds(lambda: flashinfer.merge_state_in_place(o1, s1, o0, s0))
+        print(f"  flashinfer merge_state_in_place: {t * 1e6:7.1f} us [{how}]")
+    except Exception as e:  # noqa: BLE001
+        print(f"  flashinfer merge_state_in_place: failed: {type(e).__name__}: {e}")
+    for tcores, dw in cands.items():
+        for backend, pw in l0.items():
+            def pair(dw=dw, pw=pw) -> torch.Tensor:
+                pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True)
+                dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True)
+                flashinfer.merge_state_in_place(o1, s1, o0, s0)
+                return o1
+            try:
+                e = err(pair())
+                t, how = gpu_seconds(pair)
+                print(f"  flashinfer pair L0 {backend:4} + L1 tc={tcores!s:5} + merge: {rate(t, shared_b + own_b)}, "
+                      f"|d| {e:.4f} [{how}]")
+            except Exception as e:  # noqa: BLE001
+                print(f"  flashinfer pair {backend} tc={tcores}: failed: {type(e).__name__}: {e}")
+    try:
+        mw = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "HND")
+        qo1 = torch.arange(rows + 1, dtype=torch.int32).pin_memory()
+
+        def planm() -> None:
+            mw.plan([h["qo0"], qo1], [h["ip0"], h["ip1"]], [h["idx0"], h["idx1"]], [h["last0"], h["last1"]],
+                    hq, hkv, D, P, sm_scale=D ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        ms = host_ms(planm)
+        e = err(mw.run(q, (kc, vc)))
+        t, how = gpu_seconds(lambda: mw.run(q, (kc, vc)))
+        print(f"  flashinfer MultiLevelCascade: {rate(t, shared_b + own_b)}, |d| {e:.4f}, plan {ms:.3f} ms host [{how}]")
+    except Exception as e:  # noqa: BLE001
+        print(f"  flashinfer MultiLevelCascade: failed: {type(e).__name__}: {e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="256,128,32")
+    ap.add_argument("--model", choices=sorted(HEADS), default="qwen3-0.6b")
+    args = ap.parse_args()
+    t = time.perf_counter()
+    for rows in [int(r) for r in args.rows.split(",")]:
+        measure(args.model, rows)
+    print(f"cascade_flashinfer: {time.perf_counter() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
