@@ -68,6 +68,27 @@ def gpu_seconds(fn: Callable[[], object], reps: int = 20) -> tuple[float, str]:
     return sorted(times)[reps // 2], how
 
 
+def fork(side: Callable[[], object], main: Callable[[], object]) -> None:
+    """``side`` on a second stream while ``main`` runs on the current one, joined after (two parallel
+    branches when captured into a graph)."""
+    cur = torch.cuda.current_stream()
+    st = _side_stream()
+    st.wait_stream(cur)
+    with torch.cuda.stream(st):
+        side()
+    main()
+    cur.wait_stream(st)
+
+
+_SIDE: list = []
+
+
+def _side_stream() -> torch.cuda.Stream:
+    if not _SIDE:
+        _SIDE.append(torch.cuda.Stream())
+    return _SIDE[0]
+
+
 def host_ms(fn: Callable[[], object], reps: int = 10) -> float:
     """Median host milliseconds of ``fn`` (a plan), the device idle in between."""
     times = []
@@ -134,6 +155,35 @@ def measure(model: str, rows: int, prefixes: int = 8, prefix_len: int = 2000) ->
         print(f"  nbgen {tag} L0 {sp:2d} splits: L0 {rate(t0, shared_b)}, L1 {rate(t1, own_b)}, "
               f"both {rate(t, shared_b + own_b)}, |d| {e:.4f} [{how}]")
     w.level0 = d0
+    for lv in (tc.Level0(4, 64, 4, 3, True), tc.Level0(4, 64, 8, 3, True), tc.Level0(8, 64, 4, 3, True),
+               tc.Level0(8, 32, 4, 2, False), tc.Level0(2, 32, 4, 3, True)):
+        w.level0 = lv
+        t0, _ = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))
+        t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
+        print(f"  nbgen L0 {lv}: L0 {rate(t0, shared_b)}, both {rate(t, shared_b + own_b)}, "
+              f"|d| {err(w.run(q, (kc, vc))):.4f} [{how}]")
+    w.level0 = d0
+    d1 = w.level1
+    for lv in (tc.Level1(64, 4, 3, None, True), tc.Level1(128, 4, 2, None, False), tc.Level1(128, 8, 3, None, True),
+               tc.Level1(32, 4, 4, None, True), tc.Level1(64, 4, 4, 2, True), tc.Level1(64, 8, 4, None, True)):
+        if (lv.splits or 1) > 1 and rows * hkv * lv.splits > w.count.numel():
+            continue
+        w.level1 = lv
+        t1, _ = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))
+        t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
+        print(f"  nbgen L1 {lv}: L1 {rate(t1, own_b)}, both {rate(t, shared_b + own_b)}, "
+              f"|d| {err(w.run(q, (kc, vc))):.4f} [{how}]")
+    w.level1 = d1
+    # what running the levels side by side could save: level 0 on a second stream beside level 1 over
+    # the own pages without the fold (timing only: that output lacks the prefix)
+    skip, _, slot = w.rows
+    nofold = tc.Cascade(skip, torch.full_like(skip, -1), slot, w.scratch.part, w.scratch.ml, d0.splits,
+                        tc.TILE_ROWS, d1.block_n, d1.warps, d1.stages, d1.splits, d1.ahead)
+    t1, _ = gpu_seconds(lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold))
+    t, how = gpu_seconds(lambda: fork(lambda: w.run_level0(q, (kc, vc)),
+                                      lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold)))
+    print(f"  nbgen L1 without the fold {rate(t1, own_b)}; beside L0 on a second stream {rate(t, shared_b + own_b)} "
+          f"(timing only) [{how}]")
 
     # flashinfer: level 1 over the rows' own pages (after the shared ones), level 0 per prefix group
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
@@ -191,10 +241,19 @@ def measure(model: str, rows: int, prefixes: int = 8, prefix_len: int = 2000) ->
                 dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True)
                 flashinfer.merge_state_in_place(o1, s1, o0, s0)
                 return o1
+            def pair2(dw=dw, pw=pw) -> torch.Tensor:
+                fork(lambda: pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True),
+                     lambda: dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True))
+                flashinfer.merge_state_in_place(o1, s1, o0, s0)
+                return o1
             try:
                 e = err(pair())
                 t, how = gpu_seconds(pair)
                 print(f"  flashinfer pair L0 {backend:4} + L1 tc={tcores!s:5} + merge: {rate(t, shared_b + own_b)}, "
+                      f"|d| {e:.4f} [{how}]")
+                e = err(pair2())
+                t, how = gpu_seconds(pair2)
+                print(f"  flashinfer pair, L0 on a second stream beside L1, + merge: {rate(t, shared_b + own_b)}, "
                       f"|d| {e:.4f} [{how}]")
             except Exception as e:  # noqa: BLE001
                 print(f"  flashinfer pair {backend} tc={tcores}: failed: {type(e).__name__}: {e}")
