@@ -14,6 +14,7 @@ its pages, no causal mask), ``merge_state_in_place``, the flashinfer pair (level
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from types import SimpleNamespace
 from typing import Callable
@@ -144,41 +145,38 @@ def measure(model: str, rows: int, prefixes: int = 8, prefix_len: int = 2000) ->
     tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, 16)
     on = [torch.from_numpy(a).to(dev) for a in (ip, idx, last, longest_first(ip, last, P, plan.skip))]
     w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
-    d0 = w.level0
-    for sp in sorted({d0.splits, 4, 8, 16}):
-        w.level0 = tc.Level0(sp, d0.block_n, d0.warps, d0.stages, d0.ahead)
-        e = err(w.run(q, (kc, vc)))
-        t0, _ = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))
-        t1, _ = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))
-        t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
-        tag = "default" if w.level0 == d0 else "       "
-        print(f"  nbgen {tag} L0 {sp:2d} splits: L0 {rate(t0, shared_b)}, L1 {rate(t1, own_b)}, "
-              f"both {rate(t, shared_b + own_b)}, |d| {e:.4f} [{how}]")
-    w.level0 = d0
-    for lv in (tc.Level0(4, 64, 4, 3, True), tc.Level0(4, 64, 8, 3, True), tc.Level0(8, 64, 4, 3, True),
-               tc.Level0(8, 32, 4, 2, False), tc.Level0(2, 32, 4, 3, True)):
-        w.level0 = lv
-        t0, _ = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))
-        t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
-        print(f"  nbgen L0 {lv}: L0 {rate(t0, shared_b)}, both {rate(t, shared_b + own_b)}, "
-              f"|d| {err(w.run(q, (kc, vc))):.4f} [{how}]")
-    w.level0 = d0
-    d1 = w.level1
-    for lv in (tc.Level1(64, 4, 3, None, True), tc.Level1(128, 4, 2, None, False), tc.Level1(128, 8, 3, None, True),
-               tc.Level1(32, 4, 4, None, True), tc.Level1(64, 4, 4, 2, True), tc.Level1(64, 8, 4, None, True)):
-        if (lv.splits or 1) > 1 and rows * hkv * lv.splits > w.count.numel():
+    d0, d1 = w.level0, w.level1
+    L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
+    early = E(d1, early=True)
+    pairs = [(d0, d1), (d0, E(d1, early=False)), (E(d0, splits=2), early), (E(d0, splits=8), early),
+             (L0(4, 32, 4, 2), early), (L0(2, 32, 4, 2), early), (L0(2, 64, 4, 2, True), early),
+             (L0(4, 64, 4, 3, True), d1), (L0(8, 32, 4, 3, True), d1), (L0(16, 32, 4, 3, True), d1),
+             (d0, L1(64, 4, 3, None, True, True)), (d0, L1(32, 4, 4, None, True, True)),
+             (d0, L1(128, 4, 2, None, False, True)), (d0, L1(64, 4, 4, 2, True, True)),
+             (d0, L1(128, 8, 3, None, True)), (d0, L1(64, 8, 4, None, True))]
+    alone0: dict = {}
+    alone1: dict = {}
+    for lv0, lv1 in pairs:
+        if (lv1.splits or 1) > 1 and rows * hkv * lv1.splits > w.count.numel():
             continue
-        w.level1 = lv
-        t1, _ = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))
+        w.level0, w.level1 = lv0, lv1
+        e = err(w.run(q, (kc, vc)))
+        if lv0 not in alone0:
+            alone0[lv0] = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))[0]
+        if lv1 not in alone1:
+            alone1[lv1] = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))[0]
         t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
-        print(f"  nbgen L1 {lv}: L1 {rate(t1, own_b)}, both {rate(t, shared_b + own_b)}, "
-              f"|d| {err(w.run(q, (kc, vc))):.4f} [{how}]")
-    w.level1 = d1
-    # what running the levels side by side could save: level 0 on a second stream beside level 1 over
+        tag = "default " if (lv0, lv1) == (d0, d1) else ""
+        print(f"  nbgen {tag}L0 {lv0.splits}x{lv0.block_n} w{lv0.warps} st{lv0.stages} a{lv0.ahead:d} + "
+              f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d}: "
+              f"both {rate(t, shared_b + own_b)}; L0 alone {rate(alone0[lv0], shared_b)}, "
+              f"L1 alone {rate(alone1[lv1], own_b)}; |d| {e:.4f} [{how}]")
+    w.level0, w.level1 = d0, d1
+    # what running the levels side by side on two streams could save: level 0 beside level 1 over
     # the own pages without the fold (timing only: that output lacks the prefix)
     skip, _, slot = w.rows
     nofold = tc.Cascade(skip, torch.full_like(skip, -1), slot, w.scratch.part, w.scratch.ml, d0.splits,
-                        tc.TILE_ROWS, d1.block_n, d1.warps, d1.stages, d1.splits, d1.ahead)
+                        tc.TILE_ROWS, d1.block_n, d1.warps, d1.stages, d1.splits, ahead=d1.ahead)
     t1, _ = gpu_seconds(lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold))
     t, how = gpu_seconds(lambda: fork(lambda: w.run_level0(q, (kc, vc)),
                                       lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold)))

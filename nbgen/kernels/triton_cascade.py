@@ -75,6 +75,7 @@ class Level1:
     stages: Optional[int] = None
     splits: Optional[int] = None
     ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
+    early: bool = False             # under PDL: run beside level 0, wait for it only before the fold
 
 
 def level1_for(bs: int, head_dim: int) -> Level1:
@@ -83,9 +84,10 @@ def level1_for(bs: int, head_dim: int) -> Level1:
     64-token tiles where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads), 32-token
     tiles below, where its splits are ~100 tokens (halved above head size 128). H100, one layer at
     W-prefix's shape, level 1 alone (us, 256 / 128 / 32 rows): the decode kernel's shape 327 / 182 / 113,
-    64-token tiles 289 / 174 / 131, 32-token tiles 309 / 179 / 85."""
+    64-token tiles 289 / 174 / 131, 32-token tiles 309 / 179 / 85. ``early``: level 1 streams its own pages
+    while level 0 runs (under PDL), waiting for level 0 only before the fold."""
     tiles = 64 if bs >= 96 else 32
-    return Level1(tiles if head_dim <= 128 else tiles // 2, 4, 4, ahead=True)
+    return Level1(tiles if head_dim <= 128 else tiles // 2, 4, 4, ahead=True, early=True)
 
 
 if triton is not None:
@@ -184,4 +186,4 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.ahead))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.early, lv.ahead))
