@@ -101,9 +101,7 @@ def host_ms(fn: Callable[[], object], reps: int = 10) -> float:
     return sorted(times)[reps // 2]
 
 
-def measure(model: str, rows: int, prefixes: int = 8, prefix_len: int = 2000) -> None:
-    import flashinfer
-
+def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_len: int = 2000) -> None:
     hq, hkv, D = HEADS[model]
     dev = torch.device("cuda")
     ip, idx, last, pages = _tables(prefixes, rows, prefix_len)
@@ -136,148 +134,155 @@ def measure(model: str, rows: int, prefixes: int = 8, prefix_len: int = 2000) ->
     def err(o: torch.Tensor) -> float:
         return (o.float() - ref).abs().max().item()
 
-    # nbgen's two levels through the graph runner's tables
-    spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
-    tables = CascadeTables(SimpleNamespace(spec=spec), rows)
-    plan = plan_shared(ip, idx, rows, tables.R, MAX_CHUNKS)
-    region = np.zeros(tables.size, dtype=np.int32)
-    tables.fill(region, plan, rows, rows)
-    tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, 16)
-    on = [torch.from_numpy(a).to(dev) for a in (ip, idx, last, longest_first(ip, last, P, plan.skip))]
-    w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
-    d0, d1 = w.level0, w.level1
-    L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
-    early = E(d1, early=True)
-    pairs = [(d0, d1), (d0, E(d1, early=False)), (E(d0, splits=2), early), (E(d0, splits=8), early),
-             (L0(4, 32, 4, 2), early), (L0(2, 32, 4, 2), early), (L0(2, 64, 4, 2, True), early),
-             (L0(4, 64, 4, 3, True), d1), (L0(8, 32, 4, 3, True), d1), (L0(16, 32, 4, 3, True), d1),
-             (d0, L1(64, 4, 3, None, True, True)), (d0, L1(32, 4, 4, None, True, True)),
-             (d0, L1(128, 4, 2, None, False, True)), (d0, L1(64, 4, 4, 2, True, True)),
-             (d0, L1(128, 8, 3, None, True)), (d0, L1(64, 8, 4, None, True))]
-    alone0: dict = {}
-    alone1: dict = {}
-    for lv0, lv1 in pairs:
-        if (lv1.splits or 1) > 1 and rows * hkv * lv1.splits > w.count.numel():
-            continue
-        w.level0, w.level1 = lv0, lv1
-        e = err(w.run(q, (kc, vc)))
-        if lv0 not in alone0:
-            alone0[lv0] = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))[0]
-        if lv1 not in alone1:
-            alone1[lv1] = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))[0]
-        t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
-        tag = "default " if (lv0, lv1) == (d0, d1) else ""
-        print(f"  nbgen {tag}L0 {lv0.splits}x{lv0.block_n} w{lv0.warps} st{lv0.stages} a{lv0.ahead:d} + "
-              f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d}: "
-              f"both {rate(t, shared_b + own_b)}; L0 alone {rate(alone0[lv0], shared_b)}, "
-              f"L1 alone {rate(alone1[lv1], own_b)}; |d| {e:.4f} [{how}]")
-    w.level0, w.level1 = d0, d1
-    # what running the levels side by side on two streams could save: level 0 beside level 1 over
-    # the own pages without the fold (timing only: that output lacks the prefix)
-    skip, _, slot = w.rows
-    nofold = tc.Cascade(skip, torch.full_like(skip, -1), slot, w.scratch.part, w.scratch.ml, d0.splits,
-                        tc.TILE_ROWS, d1.block_n, d1.warps, d1.stages, d1.splits, ahead=d1.ahead)
-    t1, _ = gpu_seconds(lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold))
-    t, how = gpu_seconds(lambda: fork(lambda: w.run_level0(q, (kc, vc)),
-                                      lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold)))
-    print(f"  nbgen L1 without the fold {rate(t1, own_b)}; beside L0 on a second stream {rate(t, shared_b + own_b)} "
-          f"(timing only) [{how}]")
+    if part != "flashinfer":
+        # nbgen's two levels through the graph runner's tables
+        spec = KVCacheSpec(1, pages, P, hq, hkv, D, torch.bfloat16, dev)
+        tables = CascadeTables(SimpleNamespace(spec=spec), rows)
+        plan = plan_shared(ip, idx, rows, tables.R, MAX_CHUNKS)
+        region = np.zeros(tables.size, dtype=np.int32)
+        tables.fill(region, plan, rows, rows)
+        tables.scratch = tc.SharedScratch(hkv, D, MAX_CHUNKS, dev, 16)
+        on = [torch.from_numpy(a).to(dev) for a in (ip, idx, last, longest_first(ip, last, P, plan.skip))]
+        w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
+        d0, d1 = w.level0, w.level1
+        L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
+        early = E(d1, early=True)
+        pairs = [(d0, d1), (d0, E(d1, early=False)), (E(d0, splits=2), early), (E(d0, splits=8), early),
+                 (L0(4, 32, 4, 2), early), (L0(2, 32, 4, 2), early), (L0(2, 64, 4, 2, True), early),
+                 (L0(4, 64, 4, 3, True), d1), (L0(8, 32, 4, 3, True), d1), (L0(16, 32, 4, 3, True), d1),
+                 (d0, L1(64, 4, 3, None, True, True)), (d0, L1(32, 4, 4, None, True, True)),
+                 (d0, L1(128, 4, 2, None, False, True)), (d0, L1(64, 4, 4, 2, True, True)),
+                 (d0, L1(128, 8, 3, None, True)), (d0, L1(64, 8, 4, None, True))]
+        alone0: dict = {}
+        alone1: dict = {}
+        for lv0, lv1 in pairs:
+            if (lv1.splits or 1) > 1 and rows * hkv * lv1.splits > w.count.numel():
+                continue
+            w.level0, w.level1 = lv0, lv1
+            e = err(w.run(q, (kc, vc)))
+            if lv0 not in alone0:
+                alone0[lv0] = gpu_seconds(lambda: w.run_level0(q, (kc, vc)))[0]
+            if lv1 not in alone1:
+                alone1[lv1] = gpu_seconds(lambda: w.run_level1(q, (kc, vc)))[0]
+            t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
+            tag = "default " if (lv0, lv1) == (d0, d1) else ""
+            print(f"  nbgen {tag}L0 {lv0.splits}x{lv0.block_n} w{lv0.warps} st{lv0.stages} a{lv0.ahead:d} + "
+                  f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d}: "
+                  f"both {rate(t, shared_b + own_b)}; L0 alone {rate(alone0[lv0], shared_b)}, "
+                  f"L1 alone {rate(alone1[lv1], own_b)}; |d| {e:.4f} [{how}]")
+        w.level0, w.level1 = d0, d1
+        # what running the levels side by side on two streams could save: level 0 beside level 1 over
+        # the own pages without the fold (timing only: that output lacks the prefix)
+        skip, _, slot = w.rows
+        nofold = tc.Cascade(skip, torch.full_like(skip, -1), slot, w.scratch.part, w.scratch.ml, d0.splits,
+                            tc.TILE_ROWS, d1.block_n, d1.warps, d1.stages, d1.splits, ahead=d1.ahead)
+        t1, _ = gpu_seconds(lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold))
+        t, how = gpu_seconds(lambda: fork(lambda: w.run_level0(q, (kc, vc)),
+                                          lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold)))
+        print(f"  nbgen L1 without the fold {rate(t1, own_b)}; beside L0 on a second stream "
+              f"{rate(t, shared_b + own_b)} (timing only) [{how}]")
 
-    # flashinfer: level 1 over the rows' own pages (after the shared ones), level 0 per prefix group
-    ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-    own_tabs = [t[npref:] for t in tabs]
-    ip1 = np.zeros(rows + 1, dtype=np.int32)
-    np.cumsum([len(t) for t in own_tabs], out=ip1[1:])
-    idx1 = np.concatenate(own_tabs).astype(np.int32)
-    group = rows // prefixes
-    qo0 = np.arange(prefixes + 1, dtype=np.int32) * group
-    ip0 = np.arange(prefixes + 1, dtype=np.int32) * npref
-    idx0 = np.concatenate([tabs[p * group][:npref] for p in range(prefixes)]).astype(np.int32)
-    last0 = np.full(prefixes, P, dtype=np.int32)
-    h = {k: torch.from_numpy(v).pin_memory() for k, v in
-         dict(ip1=ip1, idx1=idx1, last1=last, qo0=qo0, ip0=ip0, idx0=idx0, last0=last0).items()}
-    kw = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
-    o1 = torch.empty_like(q)
-    s1 = torch.empty(rows, hq, dtype=torch.float32, device=dev)
-    o0 = torch.empty_like(q)
-    s0 = torch.empty(rows, hq, dtype=torch.float32, device=dev)
-    cands = {}
-    for tcores in (True,):        # the CUDA-core kernel is slower for grouped heads (decode_tensor_cores)
-        dw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tcores)
+    if part != "nbgen":
+        import flashinfer
 
-        def plan1(dw=dw) -> None:
-            dw.plan(h["ip1"], h["idx1"], h["last1"], hq, hkv, D, P, pos_encoding_mode="NONE", non_blocking=True, **kw)
-        try:
-            ms = host_ms(plan1)
-            t, how = gpu_seconds(lambda dw=dw: dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True))
-            print(f"  flashinfer L1 decode tc={tcores!s:5}: {rate(t, own_b)}, plan {ms:.3f} ms host [{how}]")
-            cands[tcores] = dw
-        except Exception as e:  # noqa: BLE001 - one candidate failing must not hide the others
-            print(f"  flashinfer L1 decode tc={tcores}: failed: {type(e).__name__}: {e}")
-    l0 = {}
-    for backend in ("auto", "fa2"):
-        pw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
+        # flashinfer: level 1 over the rows' own pages (after the shared ones), level 0 per prefix group
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+        own_tabs = [t[npref:] for t in tabs]
+        ip1 = np.zeros(rows + 1, dtype=np.int32)
+        np.cumsum([len(t) for t in own_tabs], out=ip1[1:])
+        idx1 = np.concatenate(own_tabs).astype(np.int32)
+        group = rows // prefixes
+        qo0 = np.arange(prefixes + 1, dtype=np.int32) * group
+        ip0 = np.arange(prefixes + 1, dtype=np.int32) * npref
+        idx0 = np.concatenate([tabs[p * group][:npref] for p in range(prefixes)]).astype(np.int32)
+        last0 = np.full(prefixes, P, dtype=np.int32)
+        h = {k: torch.from_numpy(v).pin_memory() for k, v in
+             dict(ip1=ip1, idx1=idx1, last1=last, qo0=qo0, ip0=ip0, idx0=idx0, last0=last0).items()}
+        kw = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=D ** -0.5)
+        o1 = torch.empty_like(q)
+        s1 = torch.empty(rows, hq, dtype=torch.float32, device=dev)
+        o0 = torch.empty_like(q)
+        s0 = torch.empty(rows, hq, dtype=torch.float32, device=dev)
+        cands = {}
+        for tcores in (True,):        # the CUDA-core kernel is slower for grouped heads (decode_tensor_cores)
+            dw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tcores)
 
-        def plan0(pw=pw) -> None:
-            pw.plan(h["qo0"], h["ip0"], h["idx0"], h["last0"], hq, hkv, D, P, causal=False, non_blocking=True, **kw)
-        try:
-            ms = host_ms(plan0)
-            t, how = gpu_seconds(lambda pw=pw: pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True))
-            print(f"  flashinfer L0 prefill {backend:4}: {rate(t, shared_b)}, plan {ms:.3f} ms host [{how}]")
-            l0[backend] = pw
-        except Exception as e:  # noqa: BLE001
-            print(f"  flashinfer L0 prefill {backend}: failed: {type(e).__name__}: {e}")
-    try:
-        t, how = gpu_seconds(lambda: flashinfer.merge_state_in_place(o1, s1, o0, s0))
-        print(f"  flashinfer merge_state_in_place: {t * 1e6:7.1f} us [{how}]")
-    except Exception as e:  # noqa: BLE001
-        print(f"  flashinfer merge_state_in_place: failed: {type(e).__name__}: {e}")
-    for tcores, dw in cands.items():
-        for backend, pw in l0.items():
-            def pair(dw=dw, pw=pw) -> torch.Tensor:
-                pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True)
-                dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True)
-                flashinfer.merge_state_in_place(o1, s1, o0, s0)
-                return o1
-            def pair2(dw=dw, pw=pw) -> torch.Tensor:
-                fork(lambda: pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True),
-                     lambda: dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True))
-                flashinfer.merge_state_in_place(o1, s1, o0, s0)
-                return o1
+            def plan1(dw=dw) -> None:
+                dw.plan(h["ip1"], h["idx1"], h["last1"], hq, hkv, D, P, pos_encoding_mode="NONE",
+                        non_blocking=True, **kw)
             try:
-                e = err(pair())
-                t, how = gpu_seconds(pair)
-                print(f"  flashinfer pair L0 {backend:4} + L1 tc={tcores!s:5} + merge: {rate(t, shared_b + own_b)}, "
-                      f"|d| {e:.4f} [{how}]")
-                e = err(pair2())
-                t, how = gpu_seconds(pair2)
-                print(f"  flashinfer pair, L0 on a second stream beside L1, + merge: {rate(t, shared_b + own_b)}, "
-                      f"|d| {e:.4f} [{how}]")
-            except Exception as e:  # noqa: BLE001
-                print(f"  flashinfer pair {backend} tc={tcores}: failed: {type(e).__name__}: {e}")
-    try:
-        mw = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "HND")
-        qo1 = torch.arange(rows + 1, dtype=torch.int32).pin_memory()
+                ms = host_ms(plan1)
+                t, how = gpu_seconds(lambda dw=dw: dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True))
+                print(f"  flashinfer L1 decode tc={tcores!s:5}: {rate(t, own_b)}, plan {ms:.3f} ms host [{how}]")
+                cands[tcores] = dw
+            except Exception as e:  # noqa: BLE001 - one candidate failing must not hide the others
+                print(f"  flashinfer L1 decode tc={tcores}: failed: {type(e).__name__}: {e}")
+        l0 = {}
+        for backend in ("auto", "fa2"):
+            pw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend=backend)
 
-        def planm() -> None:
-            mw.plan([h["qo0"], qo1], [h["ip0"], h["ip1"]], [h["idx0"], h["idx1"]], [h["last0"], h["last1"]],
-                    hq, hkv, D, P, sm_scale=D ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        ms = host_ms(planm)
-        e = err(mw.run(q, (kc, vc)))
-        t, how = gpu_seconds(lambda: mw.run(q, (kc, vc)))
-        print(f"  flashinfer MultiLevelCascade: {rate(t, shared_b + own_b)}, |d| {e:.4f}, plan {ms:.3f} ms host [{how}]")
-    except Exception as e:  # noqa: BLE001
-        print(f"  flashinfer MultiLevelCascade: failed: {type(e).__name__}: {e}")
+            def plan0(pw=pw) -> None:
+                pw.plan(h["qo0"], h["ip0"], h["idx0"], h["last0"], hq, hkv, D, P, causal=False, non_blocking=True, **kw)
+            try:
+                ms = host_ms(plan0)
+                t, how = gpu_seconds(lambda pw=pw: pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True))
+                print(f"  flashinfer L0 prefill {backend:4}: {rate(t, shared_b)}, plan {ms:.3f} ms host [{how}]")
+                l0[backend] = pw
+            except Exception as e:  # noqa: BLE001
+                print(f"  flashinfer L0 prefill {backend}: failed: {type(e).__name__}: {e}")
+        try:
+            t, how = gpu_seconds(lambda: flashinfer.merge_state_in_place(o1, s1, o0, s0))
+            print(f"  flashinfer merge_state_in_place: {t * 1e6:7.1f} us [{how}]")
+        except Exception as e:  # noqa: BLE001
+            print(f"  flashinfer merge_state_in_place: failed: {type(e).__name__}: {e}")
+        for tcores, dw in cands.items():
+            for backend, pw in l0.items():
+                def pair(dw=dw, pw=pw) -> torch.Tensor:
+                    pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True)
+                    dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True)
+                    flashinfer.merge_state_in_place(o1, s1, o0, s0)
+                    return o1
+                def pair2(dw=dw, pw=pw) -> torch.Tensor:
+                    fork(lambda: pw.run(q, (kc, vc), out=o0, lse=s0, return_lse=True),
+                         lambda: dw.run(q, (kc, vc), out=o1, lse=s1, return_lse=True))
+                    flashinfer.merge_state_in_place(o1, s1, o0, s0)
+                    return o1
+                try:
+                    e = err(pair())
+                    t, how = gpu_seconds(pair)
+                    print(f"  flashinfer pair L0 {backend:4} + L1 tc={tcores!s:5} + merge: "
+                          f"{rate(t, shared_b + own_b)}, |d| {e:.4f} [{how}]")
+                    e = err(pair2())
+                    t, how = gpu_seconds(pair2)
+                    print(f"  flashinfer pair, L0 on a second stream beside L1, + merge: {rate(t, shared_b + own_b)}, "
+                          f"|d| {e:.4f} [{how}]")
+                except Exception as e:  # noqa: BLE001
+                    print(f"  flashinfer pair {backend} tc={tcores}: failed: {type(e).__name__}: {e}")
+        try:
+            mw = flashinfer.MultiLevelCascadeAttentionWrapper(2, ws, "HND")
+            qo1 = torch.arange(rows + 1, dtype=torch.int32).pin_memory()
+
+            def planm() -> None:
+                mw.plan([h["qo0"], qo1], [h["ip0"], h["ip1"]], [h["idx0"], h["idx1"]], [h["last0"], h["last1"]],
+                        hq, hkv, D, P, sm_scale=D ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            ms = host_ms(planm)
+            e = err(mw.run(q, (kc, vc)))
+            t, how = gpu_seconds(lambda: mw.run(q, (kc, vc)))
+            print(f"  flashinfer MultiLevelCascade: {rate(t, shared_b + own_b)}, |d| {e:.4f}, "
+                  f"plan {ms:.3f} ms host [{how}]")
+        except Exception as e:  # noqa: BLE001
+            print(f"  flashinfer MultiLevelCascade: failed: {type(e).__name__}: {e}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="256,128,32")
     ap.add_argument("--model", choices=sorted(HEADS), default="qwen3-0.6b")
+    ap.add_argument("--part", choices=("all", "nbgen", "flashinfer"), default="all")
     args = ap.parse_args()
     t = time.perf_counter()
     for rows in [int(r) for r in args.rows.split(",")]:
-        measure(args.model, rows)
+        measure(args.model, rows, args.part)
     print(f"cascade_flashinfer: {time.perf_counter() - t:.0f} s")
 
 
