@@ -181,6 +181,14 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
                                           lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold)))
         print(f"  nbgen L1 without the fold {rate(t1, own_b)}; beside L0 on a second stream "
               f"{rate(t, shared_b + own_b)} (timing only) [{how}]")
+        # the plain kernel over the own pages alone (tables without the prefixes): short rows as such
+        own_tabs = [t[npref:] for t in tabs]
+        ip1 = np.zeros(rows + 1, dtype=np.int32)
+        np.cumsum([len(t) for t in own_tabs], out=ip1[1:])
+        alone = TritonDecodeWrapper(hq, hkv, D, P, dev)
+        alone.plan(*(torch.from_numpy(a).pin_memory() for a in (ip1, np.concatenate(own_tabs), last)))
+        t, how = gpu_seconds(lambda: alone.run(q, (kc, vc)))
+        print(f"  nbgen plain decode over the own pages only {rate(t, own_b)} [{how}]")
 
     if part != "nbgen":
         import flashinfer
