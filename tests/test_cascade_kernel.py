@@ -126,5 +126,5 @@ def test_gpu_cascade_matches_plain_decode(fp8):
 
     shapes = ((Level0(8, 64, 8, 3, ahead=True), Level1(64, 4, 3, None, ahead=True, early=True)),
               (Level0(4, 32, 4, 4, ahead=True), Level1(None, 4, None, 1, early=True)),
-              (Level0(2, 32, 4, 2), Level1(32, 4, 4, 4, ahead=True, early=True)))
+              (Level0(4, 32, 4, 2), Level1(32, 4, 4, None, ahead=True, early=True)))
     check_cascade("cuda", torch.bfloat16, cases, fp8, shapes=shapes)

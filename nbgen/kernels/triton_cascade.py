@@ -56,13 +56,14 @@ class Level0:
 
 
 def level0_for(bs: int, head_dim: int) -> Level0:
-    """The launch shape at graph batch size ``bs``: 4 splits from 64 rows up, 8 below (H200, Qwen3-0.6B
-    heads, 128 rows at W-prefix's shape: 4 / 8 / 16 splits 146 / 160 / 191 us for both levels against
-    the plain kernel's 265; 8 and 16 beat 4 at 32 rows; more splits cost level 1's fold), 32-token tiles
-    (16 above head size 128). H100, ``python -m nbgen.bench.cascade_kernel``: level 0 alone took 62-88 us
-    for its 65.5 MB at every shape of the sweep (tiles 16-64, 2-4 stages, page numbers ahead or not,
-    4 or 8 warps), within the run's noise of each other, so the shape stays this one."""
-    return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16)
+    """The launch shape at any graph batch size: 2 splits of 64-token tiles (32 above head size 128),
+    2 stages, page numbers ahead: one or two programs per (chunk, kv head) pair and SM, so that level 1,
+    started beside it (``Level1.early``), keeps most of each SM and level 0's latency hides under its
+    stream. H100, Qwen3-0.6B heads at W-prefix's shape, both levels from a CUDA graph
+    (``python -m nbgen.bench.cascade_flashinfer``, us at 256 / 128 / 32 rows): this shape 198 / 122 / 55;
+    4 splits of 32-token tiles 241 / 145 / 64 (level 0 alone 36 us against this shape's 36), 8 splits
+    336 / 195 / 64, 16 splits 515 / 291 / 77: more level-0 programs crowd level 1 out."""
+    return Level0(2, 64 if head_dim <= 128 else 32, 4, 2, ahead=True)
 
 
 @dataclass(frozen=True)
@@ -79,15 +80,17 @@ class Level1:
 
 
 def level1_for(bs: int, head_dim: int) -> Level1:
-    """Level 1's launch shape at graph batch size ``bs``: page numbers ahead with 4 stages (3 K/V tiles
-    in flight; the decode kernel's own shape keeps one, and a row's 50-800 own tokens are a few tiles),
-    64-token tiles where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads), 32-token
-    tiles below, where its splits are ~100 tokens (halved above head size 128). H100, one layer at
-    W-prefix's shape, level 1 alone (us, 256 / 128 / 32 rows): the decode kernel's shape 327 / 182 / 113,
-    64-token tiles 289 / 174 / 131, 32-token tiles 309 / 179 / 85. ``early``: level 1 streams its own pages
-    while level 0 runs (under PDL), waiting for level 0 only before the fold."""
-    tiles = 64 if bs >= 96 else 32
-    return Level1(tiles if head_dim <= 128 else tiles // 2, 4, 4, ahead=True, early=True)
+    """Level 1's launch shape at graph batch size ``bs``: page numbers ahead, 64-token tiles with 3
+    stages where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads; 71 KB of shared memory,
+    so two programs fit beside one of level 0's), 32-token tiles with 4 stages below, where its splits are
+    ~100 tokens (tiles halved above head size 128); ``early``: it streams its own pages while level 0
+    runs (under PDL) and waits for level 0 only before the fold. H100, Qwen3-0.6B heads at W-prefix's
+    shape, level 1 alone from a CUDA graph (us at 256 / 128 / 32 rows): 64-token tiles x 3 stages 197 /
+    107 / 27, x 4 stages 204 / 109 / -, 32 x 4 210 / 114 / 26, the decode kernel's 128 x 2 213 / 111 / 27;
+    early start saved 16 / 16 / 4 us of both levels."""
+    if bs >= 96:
+        return Level1(64 if head_dim <= 128 else 32, 4, 3, ahead=True, early=True)
+    return Level1(32 if head_dim <= 128 else 16, 4, 4, ahead=True, early=True)
 
 
 if triton is not None:
