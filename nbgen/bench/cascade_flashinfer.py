@@ -146,13 +146,11 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
         w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
         d0, d1 = w.level0, w.level1
         L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
-        early = E(d1, early=True)
-        pairs = [(d0, d1), (d0, E(d1, early=False)), (E(d0, splits=2), early), (E(d0, splits=8), early),
-                 (L0(4, 32, 4, 2), early), (L0(2, 32, 4, 2), early), (L0(2, 64, 4, 2, True), early),
-                 (L0(4, 64, 4, 3, True), d1), (L0(8, 32, 4, 3, True), d1), (L0(16, 32, 4, 3, True), d1),
-                 (d0, L1(64, 4, 3, None, True, True)), (d0, L1(32, 4, 4, None, True, True)),
-                 (d0, L1(128, 4, 2, None, False, True)), (d0, L1(64, 4, 4, 2, True, True)),
-                 (d0, L1(128, 8, 3, None, True)), (d0, L1(64, 8, 4, None, True))]
+        pairs = [(d0, d1), (d0, E(d1, early=False)), (L0(4, 32, 4), d1), (L0(1, 64, 4, 2, True), d1),
+                 (L0(2, 64, 4, 3, True), d1), (L0(2, 32, 4, 2, True), d1)]
+        for bn, warps, stages in ((64, 4, 4), (64, 4, 3), (32, 4, 4), (64, 2, 3), (64, 2, 4), (32, 2, 4), (32, 2, 6),
+                                  (32, 1, 4), (32, 1, 6), (16, 1, 6), (16, 1, 8), (16, 2, 8), (128, 4, 2)):
+            pairs.append((d0, L1(bn, warps, stages, None, bn < 128, True)))
         alone0: dict = {}
         alone1: dict = {}
         for lv0, lv1 in pairs:
@@ -171,16 +169,6 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
                   f"both {rate(t, shared_b + own_b)}; L0 alone {rate(alone0[lv0], shared_b)}, "
                   f"L1 alone {rate(alone1[lv1], own_b)}; |d| {e:.4f} [{how}]")
         w.level0, w.level1 = d0, d1
-        # what running the levels side by side on two streams could save: level 0 beside level 1 over
-        # the own pages without the fold (timing only: that output lacks the prefix)
-        skip, _, slot = w.rows
-        nofold = tc.Cascade(skip, torch.full_like(skip, -1), slot, w.scratch.part, w.scratch.ml, d0.splits,
-                            tc.TILE_ROWS, d1.block_n, d1.warps, d1.stages, d1.splits, ahead=d1.ahead)
-        t1, _ = gpu_seconds(lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold))
-        t, how = gpu_seconds(lambda: fork(lambda: w.run_level0(q, (kc, vc)),
-                                          lambda: TritonDecodeWrapper.run(w, q, (kc, vc), cascade=nofold)))
-        print(f"  nbgen L1 without the fold {rate(t1, own_b)}; beside L0 on a second stream "
-              f"{rate(t, shared_b + own_b)} (timing only) [{how}]")
         # the plain kernel over the own pages alone (tables without the prefixes): short rows as such
         own_tabs = [t[npref:] for t in tabs]
         ip1 = np.zeros(rows + 1, dtype=np.int32)
