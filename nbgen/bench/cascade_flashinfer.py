@@ -147,10 +147,12 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
         d0, d1 = w.level0, w.level1
         L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
         pairs = [(d0, d1), (d0, E(d1, early=False)), (L0(4, 32, 4), d1), (L0(1, 64, 4, 2, True), d1),
-                 (L0(2, 64, 4, 3, True), d1), (L0(2, 32, 4, 2, True), d1)]
-        for bn, warps, stages in ((64, 4, 4), (64, 4, 3), (32, 4, 4), (64, 2, 3), (64, 2, 4), (32, 2, 4), (32, 2, 6),
-                                  (32, 1, 4), (32, 1, 6), (16, 1, 6), (16, 1, 8), (16, 2, 8), (128, 4, 2)):
-            pairs.append((d0, L1(bn, warps, stages, None, bn < 128, True)))
+                 (L0(2, 64, 4, 3, True), d1)]
+        # level 1: tokens per tile, warps, stages, warp splits (each warp its own sub-tile and softmax state)
+        for bn, warps, stages, ws in ((64, 4, 3, 4), (64, 4, 4, 4), (32, 2, 4, 2), (32, 2, 6, 2), (128, 8, 2, 8),
+                                      (64, 2, 3, 1), (64, 2, 4, 1), (32, 2, 4, 1), (32, 2, 6, 1), (32, 1, 4, 1),
+                                      (16, 1, 6, 1), (16, 1, 8, 1)):
+            pairs.append((d0, L1(bn, warps, stages, None, True, True, ws)))
         alone0: dict = {}
         alone1: dict = {}
         for lv0, lv1 in pairs:
@@ -165,7 +167,8 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
             t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
             tag = "default " if (lv0, lv1) == (d0, d1) else ""
             print(f"  nbgen {tag}L0 {lv0.splits}x{lv0.block_n} w{lv0.warps} st{lv0.stages} a{lv0.ahead:d} + "
-                  f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d}: "
+                  f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d} "
+                  f"ws{lv1.warp_splits}: "
                   f"both {rate(t, shared_b + own_b)}; L0 alone {rate(alone0[lv0], shared_b)}, "
                   f"L1 alone {rate(alone1[lv1], own_b)}; |d| {e:.4f} [{how}]")
         w.level0, w.level1 = d0, d1

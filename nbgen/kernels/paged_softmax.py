@@ -78,3 +78,50 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [M, D]
             m = m_new
         return m, l, acc
+
+    @triton.jit
+    def attend_pages_split(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok, qk_scale,
+                           M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
+                           STAGES: tl.constexpr, AHEAD: tl.constexpr = False):
+        """``attend_pages`` with each tile cut into W consecutive sub-tiles of BLOCK_N // W tokens, each
+        with its own softmax state, as batched products [W, M, D] x [W, D, n] (Triton maps the batch
+        dimension to warps: no exchange between warps inside the loop); the W states merge once at
+        the end. Same result up to float rounding (the sums are grouped differently)."""
+        NB: tl.constexpr = BLOCK_N // W
+        w = tl.arange(0, W)
+        j = tl.arange(0, NB)
+        d = tl.arange(0, D)
+        q3 = tl.broadcast_to(q[None, :, :], (W, M, D))
+        m = tl.full([W, M], float("-inf"), tl.float32)
+        l = tl.zeros([W, M], tl.float32)
+        acc = tl.zeros([W, M, D], tl.float32)
+        if AHEAD:
+            tn = lo + w[:, None] * NB + j[None, :]
+            page_next = tl.load(indices_ptr + start + tn // P, mask=tn < hi, other=0)
+        else:
+            page_next = tl.zeros([W, NB], tl.int32)
+        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+            t = t0 + w[:, None] * NB + j[None, :]                                      # [W, NB]
+            tm = t < hi
+            if AHEAD:
+                page = page_next.to(tl.int64)
+                tn = t + BLOCK_N
+                page_next = tl.load(indices_ptr + start + tn // P, mask=tn < hi, other=0)
+            else:
+                page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
+            off = page * s_page + kh * s_head + (t % P) * s_tok                       # [W, NB]
+            k = tl.load(kc_ptr + off[:, :, None] + d[None, None, :], mask=tm[:, :, None], other=0.0).to(q.dtype)
+            v = tl.load(vc_ptr + off[:, :, None] + d[None, None, :], mask=tm[:, :, None], other=0.0).to(q.dtype)
+            sc = tl.dot(q3, tl.trans(k, (0, 2, 1))) * qk_scale                        # [W, M, NB], log2 units
+            sc = tl.where(tm[:, None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 2))
+            # a sub-tile with no tokens yet keeps m = -inf: subtract 0 instead (-inf - -inf is NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            p = tl.exp2(sc - m_use[:, :, None])
+            l = l * alpha + tl.sum(p, 2)
+            acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)                   # [W, M, D]
+            m = m_new
+        mx = tl.max(m, 0)                              # -inf only for an empty span (lo >= hi)
+        wgt = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])   # [W, M]; empty sub-tiles: 0
+        return mx, tl.sum(l * wgt, 0), tl.sum(acc * wgt[:, :, None], 0)

@@ -77,6 +77,7 @@ class Level1:
     splits: Optional[int] = None
     ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
     early: bool = False             # under PDL: run beside level 0, wait for it only before the fold
+    warp_splits: int = 1            # each tile cut into this many sub-tiles, one per warp (attend_pages_split)
 
 
 def level1_for(bs: int, head_dim: int) -> Level1:
@@ -189,4 +190,4 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.early, lv.ahead))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.early, lv.ahead, lv.warp_splits))
