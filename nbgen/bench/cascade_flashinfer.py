@@ -146,12 +146,11 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
         w = tables.wrapper(torch.from_numpy(region).to(dev), rows, *on)
         d0, d1 = w.level0, w.level1
         L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
-        pairs = [(d0, d1), (d0, E(d1, early=False)), (L0(4, 32, 4), d1), (L0(1, 64, 4, 2, True), d1),
-                 (L0(2, 64, 4, 3, True), d1)]
+        pairs = [(d0, d1), (d0, E(d1, early=False)), (L0(2, 64, 4, 2, True), d1), (L0(2, 64, 4, 4, True), d1),
+                 (L0(4, 64, 4, 3, True), d1)]
         # level 1: tokens per tile, warps, stages, warp splits (each warp its own sub-tile and softmax state)
-        for bn, warps, stages, ws in ((64, 4, 3, 4), (64, 4, 4, 4), (32, 2, 4, 2), (32, 2, 6, 2), (128, 8, 2, 8),
-                                      (64, 2, 3, 1), (64, 2, 4, 1), (32, 2, 4, 1), (32, 2, 6, 1), (32, 1, 4, 1),
-                                      (16, 1, 6, 1), (16, 1, 8, 1)):
+        for bn, warps, stages, ws in ((64, 4, 3, 1), (16, 1, 6, 1), (32, 2, 4, 1), (64, 4, 3, 4), (64, 4, 4, 4),
+                                      (32, 2, 4, 2)):
             pairs.append((d0, L1(bn, warps, stages, None, True, True, ws)))
         alone0: dict = {}
         alone1: dict = {}

@@ -57,13 +57,13 @@ class Level0:
 
 def level0_for(bs: int, head_dim: int) -> Level0:
     """The launch shape at any graph batch size: 2 splits of 64-token tiles (32 above head size 128),
-    2 stages, page numbers ahead: one or two programs per (chunk, kv head) pair and SM, so that level 1,
-    started beside it (``Level1.early``), keeps most of each SM and level 0's latency hides under its
-    stream. H100, Qwen3-0.6B heads at W-prefix's shape, both levels from a CUDA graph
-    (``python -m nbgen.bench.cascade_flashinfer``, us at 256 / 128 / 32 rows): this shape 198 / 122 / 55;
-    4 splits of 32-token tiles 241 / 145 / 64 (level 0 alone 36 us against this shape's 36), 8 splits
-    336 / 195 / 64, 16 splits 515 / 291 / 77: more level-0 programs crowd level 1 out."""
-    return Level0(2, 64 if head_dim <= 128 else 32, 4, 2, ahead=True)
+    3 stages, page numbers ahead: about one program per (chunk, kv head) pair and SM, so that level 1,
+    started beside it (``Level1.early``), keeps most of each SM and streams while level 0 waits on its
+    loads. H100, Qwen3-0.6B heads at W-prefix's shape, both levels from a CUDA graph
+    (``python -m nbgen.bench.cascade_flashinfer``, us at 256 / 128 / 32 rows): this shape 187 / 115 / 55
+    (level 0 alone 29 us, 2.2 TB/s); 2 stages 191 / 119 / 55; 4 splits of 32-token tiles 232 / 142 / 58;
+    8 splits 336 / 195 / 64; 16 splits 515 / 291 / 77: more level-0 programs crowd level 1 out."""
+    return Level0(2, 64 if head_dim <= 128 else 32, 4, 3, ahead=True)
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,18 @@ class Level1:
     warp_splits: int = 1            # each tile cut into this many sub-tiles, one per warp (attend_pages_split)
 
 
-def level1_for(bs: int, head_dim: int) -> Level1:
-    """Level 1's launch shape at graph batch size ``bs``: page numbers ahead, 64-token tiles with 3
-    stages where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads; 71 KB of shared memory,
-    so two programs fit beside one of level 0's), 32-token tiles with 4 stages below, where its splits are
-    ~100 tokens (tiles halved above head size 128); ``early``: it streams its own pages while level 0
-    runs (under PDL) and waits for level 0 only before the fold. H100, Qwen3-0.6B heads at W-prefix's
-    shape, level 1 alone from a CUDA graph (us at 256 / 128 / 32 rows): 64-token tiles x 3 stages 197 /
-    107 / 27, x 4 stages 204 / 109 / -, 32 x 4 210 / 114 / 26, the decode kernel's 128 x 2 213 / 111 / 27;
-    early start saved 16 / 16 / 4 us of both levels."""
+def level1_for(bs: int, head_dim: int, group: int = 1) -> Level1:
+    """Level 1's launch shape at graph batch size ``bs`` for q/kv head ratio ``group``: page numbers
+    ahead, and ``early``: it streams its own pages while level 0 runs (under PDL) and waits for level 0
+    only before the fold. Up to 2 q heads a kv head and head size 128: one warp a program on 32-token
+    tiles with 4 stages (a program's tile needs no exchange between warps; 53 KB of shared memory);
+    otherwise 4 warps on 64-token tiles with 3 stages where a row is one split (from 96 rows), 32-token
+    tiles with 4 stages below (tiles halved above head size 128; one warp spills registers there). H100,
+    Qwen3-0.6B heads at W-prefix's shape, level 1 alone from a CUDA graph (us at 256 / 128 / 32 rows):
+    1 warp x 32 tokens x 4 stages 151 / 79 / 23 (3.0 TB/s at 256 rows), 4 warps x 64 x 3 156 / 84 / 25,
+    4 x 32 x 4 157 / 85 / 24; early start saves 10 / 10 / 12 us of both levels."""
+    if head_dim <= 128 and group <= 2:
+        return Level1(32, 1, 4, ahead=True, early=True)
     if bs >= 96:
         return Level1(64 if head_dim <= 128 else 32, 4, 3, ahead=True, early=True)
     return Level1(32 if head_dim <= 128 else 16, 4, 4, ahead=True, early=True)
@@ -159,7 +162,7 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         self.scratch = scratch
         self.r = rows_per_chunk(self.group)
         self.level0 = level0 or level0_for(self.pad(last.numel()), head_dim)
-        self.level1 = level1 or level1_for(self.pad(last.numel()), head_dim)
+        self.level1 = level1 or level1_for(self.pad(last.numel()), head_dim, self.group)
         sp = self.level0.splits
         assert sp <= scratch.splits and sp & (sp - 1) == 0, "level-0 splits: a power of 2 the scratch holds"
 
