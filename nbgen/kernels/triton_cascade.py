@@ -60,7 +60,7 @@ def level0_for(bs: int, head_dim: int) -> Level0:
     3 stages, page numbers ahead: about one program per (chunk, kv head) pair and SM, so that level 1,
     started beside it (``Level1.early``), keeps most of each SM and streams while level 0 waits on its
     loads. H100, Qwen3-0.6B heads at W-prefix's shape, both levels from a CUDA graph
-    (``python -m nbgen.bench.cascade_flashinfer``, us at 256 / 128 / 32 rows): this shape 187 / 115 / 55
+    (``python -m nbgen.bench.cascade_kernel``, us at 256 / 128 / 32 rows): this shape 187 / 115 / 55
     (level 0 alone 29 us, 2.2 TB/s); 2 stages 191 / 119 / 55; 4 splits of 32-token tiles 232 / 142 / 58;
     8 splits 336 / 195 / 64; 16 splits 515 / 291 / 77: more level-0 programs crowd level 1 out."""
     return Level0(2, 64 if head_dim <= 128 else 32, 4, 3, ahead=True)
