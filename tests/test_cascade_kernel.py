@@ -103,8 +103,7 @@ def _interpreted() -> None:
     from nbgen.kernels.triton_cascade import Level0, Level1
 
     shapes = ((Level0(2, 16, 4, 3, ahead=True), Level1(16, 4, 3, 2, ahead=True, early=True)),
-              (None, Level1(32, 8, 2, 1)),
-              (None, Level1(32, 2, 3, 2, ahead=True, warp_splits=2)), (None, Level1(64, 4, 2, 1, warp_splits=4)))
+              (None, Level1(32, 8, 2, 1)), (None, Level1(32, 1, 4, 2, ahead=True, early=True)))
     check_cascade("cpu", torch.float16, CPU_CASES, fp8=False, shapes=shapes)
     check_cascade("cpu", torch.float16, CPU_CASES[:2], fp8=True)
 
@@ -126,5 +125,5 @@ def test_gpu_cascade_matches_plain_decode(fp8):
     from nbgen.kernels.triton_cascade import Level0, Level1
 
     shapes = ((Level0(4, 32, 4, 4, ahead=True), Level1(64, 4, 3, None, ahead=True, early=True)),
-              (None, Level1(64, 4, 3, None, ahead=True, early=True, warp_splits=4)))
+              (None, Level1(32, 4, 4, None, ahead=True, early=True)))
     check_cascade("cuda", torch.bfloat16, cases, fp8, shapes=shapes)

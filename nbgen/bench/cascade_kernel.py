@@ -158,10 +158,9 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
         L0, L1, E = tc.Level0, tc.Level1, dataclasses.replace
         pairs = [(d0, d1), (d0, E(d1, early=False)), (L0(2, 64, 4, 2, True), d1), (L0(2, 64, 4, 4, True), d1),
                  (L0(4, 64, 4, 3, True), d1)]
-        # level 1: tokens per tile, warps, stages, warp splits (each warp its own sub-tile and softmax state)
-        for bn, warps, stages, ws in ((64, 4, 3, 1), (16, 1, 6, 1), (32, 2, 4, 1), (64, 4, 3, 4), (64, 4, 4, 4),
-                                      (32, 2, 4, 2)):
-            pairs.append((d0, L1(bn, warps, stages, None, True, True, ws)))
+        # level 1: tokens per tile, warps, stages
+        for bn, warps, stages in ((64, 4, 3), (32, 4, 4), (16, 1, 6), (32, 2, 4), (128, 4, 2)):
+            pairs.append((d0, L1(bn, warps, stages, None, bn < 128, True)))
         alone0: dict = {}
         alone1: dict = {}
         for lv0, lv1 in pairs:
@@ -176,8 +175,7 @@ def measure(model: str, rows: int, part: str = "all", prefixes: int = 8, prefix_
             t, how = gpu_seconds(lambda: w.run(q, (kc, vc)))
             tag = "default " if (lv0, lv1) == (d0, d1) else ""
             print(f"  nbgen {tag}L0 {lv0.splits}x{lv0.block_n} w{lv0.warps} st{lv0.stages} a{lv0.ahead:d} + "
-                  f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d} "
-                  f"ws{lv1.warp_splits}: "
+                  f"L1 {lv1.block_n}t w{lv1.warps} st{lv1.stages} sp{lv1.splits} a{lv1.ahead:d} early{lv1.early:d}: "
                   f"both {rate(t, shared_b + own_b)}; L0 alone {rate(alone0[lv0], shared_b)}, "
                   f"L1 alone {rate(alone1[lv1], own_b)}; |d| {e:.4f} [{how}]")
         w.level0, w.level1 = d0, d1

@@ -77,7 +77,6 @@ class Level1:
     splits: Optional[int] = None
     ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
     early: bool = False             # under PDL: run beside level 0, wait for it only before the fold
-    warp_splits: int = 1            # each tile cut into this many sub-tiles, one per warp (attend_pages_split)
 
 
 def level1_for(bs: int, head_dim: int, group: int = 1) -> Level1:
@@ -193,4 +192,4 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.early, lv.ahead, lv.warp_splits))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.early, lv.ahead))

@@ -95,7 +95,7 @@ if triton is not None:
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
-                       EARLY: tl.constexpr, AHEAD: tl.constexpr, WS: tl.constexpr, USE_PDL: tl.constexpr):
+                       EARLY: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -128,12 +128,8 @@ if triton is not None:
             q = tl.load(q_at, mask=(g < G)[:, None], other=0.0)                        # [GP, D]
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        if WS > 1:          # each warp its own sub-tile of every tile (level 1's ``warp_splits``)
-            m, l, acc = paged_softmax.attend_pages_split(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page,
-                                                         s_head, s_tok, qk_scale, GP, D, P, BLOCK_N, WS, STAGES, AHEAD)
-        else:
-            m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                                   s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
+        m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
+                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
         if NSPLIT == 1:
             if CASCADE:
                 if USE_PDL and EARLY:
@@ -202,7 +198,6 @@ class Cascade:
     # level 1 launches once every level-0 program passed its own wait for q and this step's K/V)
     early: bool = False
     ahead: bool = False                # page numbers one tile ahead (paged_softmax.attend_pages)
-    warp_splits: int = 1               # sub-tiles per tile, one softmax state each (attend_pages_split)
 
 
 class TritonDecodeWrapper:
@@ -279,5 +274,5 @@ class TritonDecodeWrapper:
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
                    STAGES=c.stages or (FP8_STAGES if fp8 else STAGES), FP8=fp8, CASCADE=cascade is not None,
                    S0=c.splits, SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows,
-                   EARLY=c.early and cascade is not None, AHEAD=c.ahead, WS=c.warp_splits, num_warps=c.warps)
+                   EARLY=c.early and cascade is not None, AHEAD=c.ahead, num_warps=c.warps)
         return o
