@@ -102,8 +102,8 @@ CPU_CASES = [
 def _interpreted() -> None:
     from nbgen.kernels.triton_cascade import Level0, Level1
 
-    shapes = ((Level0(2, 16, 4, 3, ahead=True), Level1(16, 4, 3, 2, ahead=True)),
-              (None, Level1(32, 8, 2, 1)))
+    shapes = ((Level0(2, 16, 4, 3, ahead=True), Level1(16, 4, 3, 2, ahead=True, early=True)),
+              (None, Level1(32, 8, 2, 1)), (None, Level1(32, 1, 4, 2, ahead=True, early=True)))
     check_cascade("cpu", torch.float16, CPU_CASES, fp8=False, shapes=shapes)
     check_cascade("cpu", torch.float16, CPU_CASES[:2], fp8=True)
 
@@ -124,6 +124,6 @@ def test_gpu_cascade_matches_plain_decode(fp8):
              (14, 2, 64, 16, [640, 160], 40, (1, 40))]
     from nbgen.kernels.triton_cascade import Level0, Level1
 
-    shapes = ((Level0(8, 64, 8, 3, ahead=True), Level1(64, 4, 3, None, ahead=True)),
-              (Level0(4, 32, 4, 4, ahead=True), Level1(None, 4, None, 1)))
+    shapes = ((Level0(4, 32, 4, 4, ahead=True), Level1(64, 4, 3, None, ahead=True, early=True)),
+              (None, Level1(32, 4, 4, None, ahead=True, early=True)))
     check_cascade("cuda", torch.bfloat16, cases, fp8, shapes=shapes)

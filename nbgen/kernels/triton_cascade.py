@@ -56,13 +56,14 @@ class Level0:
 
 
 def level0_for(bs: int, head_dim: int) -> Level0:
-    """The launch shape at graph batch size ``bs``: 4 splits from 64 rows up, 8 below (H200, Qwen3-0.6B
-    heads, 128 rows at W-prefix's shape: 4 / 8 / 16 splits 146 / 160 / 191 us for both levels against
-    the plain kernel's 265; 8 and 16 beat 4 at 32 rows; more splits cost level 1's fold), 32-token tiles
-    (16 above head size 128). H100, ``python -m nbgen.bench.cascade_kernel``: level 0 alone took 62-88 us
-    for its 65.5 MB at every shape of the sweep (tiles 16-64, 2-4 stages, page numbers ahead or not,
-    4 or 8 warps), within the run's noise of each other, so the shape stays this one."""
-    return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16)
+    """The launch shape at any graph batch size: 2 splits of 64-token tiles (32 above head size 128),
+    3 stages, page numbers ahead: about one program per (chunk, kv head) pair and SM, so that level 1,
+    started beside it (``Level1.early``), keeps most of each SM and streams while level 0 waits on its
+    loads. H100, Qwen3-0.6B heads at W-prefix's shape, both levels from a CUDA graph
+    (``python -m nbgen.bench.cascade_kernel``, us at 256 / 128 / 32 rows): this shape 187 / 115 / 55
+    (level 0 alone 29 us, 2.2 TB/s); 2 stages 191 / 119 / 55; 4 splits of 32-token tiles 232 / 142 / 58;
+    8 splits 336 / 195 / 64; 16 splits 515 / 291 / 77: more level-0 programs crowd level 1 out."""
+    return Level0(2, 64 if head_dim <= 128 else 32, 4, 3, ahead=True)
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,24 @@ class Level1:
     stages: Optional[int] = None
     splits: Optional[int] = None
     ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
+    early: bool = False             # under PDL: run beside level 0, wait for it only before the fold
 
 
-def level1_for(bs: int, head_dim: int) -> Level1:
-    """Level 1's launch shape at graph batch size ``bs``: page numbers ahead with 4 stages (3 K/V tiles
-    in flight; the decode kernel's own shape keeps one, and a row's 50-800 own tokens are a few tiles),
-    64-token tiles where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads), 32-token
-    tiles below, where its splits are ~100 tokens (halved above head size 128). H100, one layer at
-    W-prefix's shape, level 1 alone (us, 256 / 128 / 32 rows): the decode kernel's shape 327 / 182 / 113,
-    64-token tiles 289 / 174 / 131, 32-token tiles 309 / 179 / 85."""
-    tiles = 64 if bs >= 96 else 32
-    return Level1(tiles if head_dim <= 128 else tiles // 2, 4, 4, ahead=True)
+def level1_for(bs: int, head_dim: int, group: int = 1) -> Level1:
+    """Level 1's launch shape at graph batch size ``bs`` for q/kv head ratio ``group``: page numbers
+    ahead, and ``early``: it streams its own pages while level 0 runs (under PDL) and waits for level 0
+    only before the fold. Up to 2 q heads a kv head and head size 128: one warp a program on 32-token
+    tiles with 4 stages (a program's tile needs no exchange between warps; 53 KB of shared memory);
+    otherwise 4 warps on 64-token tiles with 3 stages where a row is one split (from 96 rows), 32-token
+    tiles with 4 stages below (tiles halved above head size 128; one warp spills registers there). H100,
+    Qwen3-0.6B heads at W-prefix's shape, level 1 alone from a CUDA graph (us at 256 / 128 / 32 rows):
+    1 warp x 32 tokens x 4 stages 151 / 79 / 23 (3.0 TB/s at 256 rows), 4 warps x 64 x 3 156 / 84 / 25,
+    4 x 32 x 4 157 / 85 / 24; early start saves 10 / 10 / 12 us of both levels."""
+    if head_dim <= 128 and group <= 2:
+        return Level1(32, 1, 4, ahead=True, early=True)
+    if bs >= 96:
+        return Level1(64 if head_dim <= 128 else 32, 4, 3, ahead=True, early=True)
+    return Level1(32 if head_dim <= 128 else 16, 4, 4, ahead=True, early=True)
 
 
 if triton is not None:
@@ -153,7 +161,7 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         self.scratch = scratch
         self.r = rows_per_chunk(self.group)
         self.level0 = level0 or level0_for(self.pad(last.numel()), head_dim)
-        self.level1 = level1 or level1_for(self.pad(last.numel()), head_dim)
+        self.level1 = level1 or level1_for(self.pad(last.numel()), head_dim, self.group)
         sp = self.level0.splits
         assert sp <= scratch.splits and sp & (sp - 1) == 0, "level-0 splits: a power of 2 the scratch holds"
 
@@ -184,4 +192,4 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
         sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.ahead))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.early, lv.ahead))

@@ -95,7 +95,7 @@ if triton is not None:
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
-                       AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
+                       EARLY: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -118,16 +118,22 @@ if triton is not None:
         g = tl.arange(0, GP)                       # the group's q heads, padded to a tensor-core tile
         d = tl.arange(0, D)
         if USE_PDL:
-            pdl.gdc_wait()                  # q and this step's K/V are written by the kernel before
+            if not EARLY:
+                pdl.gdc_wait()              # q and this step's K/V are written by the kernel before
             pdl.gdc_launch_dependents()
-        q = tl.load(q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :],
-                    mask=(g < G)[:, None], other=0.0)                                  # [GP, D]
+        q_at = q_ptr + b.to(tl.int64) * sq_t + (kh * G + g)[:, None] * sq_h + d[None, :]
+        if EARLY:           # not waited for: read at L2, where the kernel before level 0 left it
+            q = tl.load(q_at, mask=(g < G)[:, None], other=0.0, cache_modifier=".cg")  # [GP, D]
+        else:
+            q = tl.load(q_at, mask=(g < G)[:, None], other=0.0)                        # [GP, D]
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
                                                s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
         if NSPLIT == 1:
             if CASCADE:
+                if USE_PDL and EARLY:
+                    pdl.gdc_wait()          # level 0's partials (level 0 itself waited for q and K/V)
                 m, l, acc = paged_softmax.fold_shared(m, l, acc, c0, slot0, kh, HKV, g, G, part0_ptr, ml0_ptr,
                                                       S0, SB0, BM0, D)
             tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
@@ -161,6 +167,8 @@ if triton is not None:
                                  + g2[None, :, None] * D + d[None, None, :], cache_modifier=".cg")
                     out += tl.sum(wj[:, :, None] * pj, 0)
                 if CASCADE:
+                    if USE_PDL and EARLY:
+                        pdl.gdc_wait()
                     mx, den, out = paged_softmax.fold_shared(mx, den, out, c0, slot0, kh, HKV, g2, G, part0_ptr,
                                                              ml0_ptr, S0, SB0, BM0, D)
                 tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :],
@@ -186,6 +194,9 @@ class Cascade:
     warps: int = 4
     stages: Optional[int] = None       # K/V tiles in flight (None: STAGES / FP8_STAGES)
     nsplit: Optional[int] = None       # splits per (row, kv head) (None: ``num_splits`` of the batch)
+    # PDL: start on the row's own pages while level 0 runs, wait for level 0 only before the fold (safe:
+    # level 1 launches once every level-0 program passed its own wait for q and this step's K/V)
+    early: bool = False
     ahead: bool = False                # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
@@ -263,5 +274,5 @@ class TritonDecodeWrapper:
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
                    STAGES=c.stages or (FP8_STAGES if fp8 else STAGES), FP8=fp8, CASCADE=cascade is not None,
                    S0=c.splits, SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows,
-                   AHEAD=c.ahead, num_warps=c.warps)
+                   EARLY=c.early and cascade is not None, AHEAD=c.ahead, num_warps=c.warps)
         return o
