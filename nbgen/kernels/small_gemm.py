@@ -49,7 +49,7 @@ def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _row_tile(w_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
+    def row_tile(w_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
@@ -66,7 +66,7 @@ if triton is not None:
         acc = w0.to(tl.float32) * x[None, :]
         ss = x * x
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
+            w, kk, k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
             if SUMSQ:
@@ -87,7 +87,7 @@ if triton is not None:
         if SUMSQ:
             ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
+            w, kk, k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :],
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
@@ -107,9 +107,9 @@ if triton is not None:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * swn
         u_rows = w_ptr + (rn + HALF).to(tl.int64)[:, None] * swn   # SILU_MUL: rows [HALF, 2 HALF) are "up"
         # the weights do not depend on the kernel before: their first tiles load before the wait
-        w0, _kk, _km = _row_tile(w_rows, 0, K, n_mask, BLOCK_K)
+        w0, _kk, _km = row_tile(w_rows, 0, K, n_mask, BLOCK_K)
         if SILU_MUL:
-            u0, _kk, _km = _row_tile(u_rows, 0, K, n_mask, BLOCK_K)
+            u0, _kk, _km = row_tile(u_rows, 0, K, n_mask, BLOCK_K)
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
         if BLOCK_M == 1:

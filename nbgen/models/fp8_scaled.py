@@ -1,6 +1,6 @@
-"""FP8 linears through cuBLAS's fp8 GEMM (``torch._scaled_mm``): an e4m3 weight with one fp32 scale per
-output feature (``quantization="fp8"`` on a bf16 checkpoint; per-channel fp8 checkpoints) or per tensor
-(per-tensor fp8 checkpoints whose fused parts share one scale), activations quantized at run time.
+"""FP8 linears with an e4m3 weight and one fp32 scale per output feature (``quantization="fp8"`` on a
+bf16 checkpoint; per-channel fp8 checkpoints) or per tensor (per-tensor fp8 checkpoints whose fused
+parts share one scale), activations quantized at run time.
 
 Weight: w ~ wq * sw[n]. Searched scales (``search_channel_scales``): e4m3 is a floating-point grid, so
 where its points fall matters more than amax; of SCALE_STEPS scales spanning one octave above
@@ -8,7 +8,12 @@ amax / 448 (none clips), each output feature keeps the one with the least square
 Activation: sa = max(amax(|x|), 1e-10) / 448 per token (IEEE divisions), xq = e4m3(clamp(x / sa, ±448)).
 Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the output dtype.
 
-On CUDA with bf16 activations (``fp8_gemm_usable``), per step size and weight form:
+On CUDA (compute capability 8.9+), per step size and weight form:
+- up to ``kernels.fp8_small_gemm.MAX_ROWS`` rows (decode), bf16 or fp16 activations: nbgen's streaming
+  fp8 kernel (``kernels/fp8_small_gemm.py``), which quantizes x itself with this recipe, applies both
+  scales and the bias, and for gate|up SiLU-and-mul too (``scaled_silu_mul``): one launch; cuBLAS's
+  fp8 GEMM reads the weights at ~63 % of the copy rate at one row, this kernel streams them.
+Otherwise with bf16 activations (``fp8_gemm_usable``):
 - one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
   GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
 - otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales
@@ -27,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.kernels import fp8_quant
+from nbgen.kernels import fp8_quant, fp8_small_gemm
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
 
 FP8 = torch.float8_e4m3fn
@@ -106,12 +111,28 @@ def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
             and x.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
 
 
+def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
+    """The streaming fp8 kernel takes this product (a decode step's few rows on an fp8-capable GPU)."""
+    return fp8_small_gemm.usable(x, w.q) and _fp8_capable(x.device.index or 0)
+
+
+def scaled_silu_mul(x: torch.Tensor, w: object) -> Optional[torch.Tensor]:
+    """silu(gate) * up of x [M, K] @ a gate|up fp8 weight [2I, K] -> [M, I], in one launch where the
+    streaming kernel takes it; None otherwise (``w`` not a per-feature fp8 weight, or not a decode
+    step), and the caller runs the linear and the activation apart."""
+    if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w):
+        return None
+    return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True)
+
+
 def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
     Graph-capturable: every scale stays on the device."""
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, w.q.shape[0]))
+    if small_gemm_usable(x, w):
+        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias)
     if not fp8_gemm_usable(x, w):
         xq, sa = quantize_activation(x)
         return reference_matmul(xq, sa, w, bias, x.dtype)

@@ -1,0 +1,135 @@
+"""FP8 GEMV bench: nbgen's streaming fp8 kernel (``kernels/fp8_small_gemm.py``) against cuBLAS's fp8 GEMM
+and the bf16 streaming kernel (``kernels/small_gemm.py``) at Llama-3.1-8B's decoder linears, 1-16 rows,
+on CUDA, in one run.
+
+Per (shape, rows): µs per call and TB/s of weight bytes read (fp8: N x K bytes, bf16: 2 N x K) for
+- ``bf16 small_gemm``: the bf16 decode kernel (its SiLU-and-mul epilogue on the gate|up+silu row),
+- ``cuBLAS fp8 tensorwise``: ``torch._scaled_mm`` with 0-dim scales on an x quantized beforehand (the
+  GEMM alone),
+- ``quant + cuBLAS fp8``: ``quant_rowwise`` then that GEMM (two launches: the per-linear path without
+  the streaming kernel at one row),
+- ``fp8 kernel``: ``fp8_small_gemm`` with ``pick_config``'s launch (quantization of x included),
+then one decoder layer's four linears summed (gate|up with SiLU) for bf16 and the fp8 kernel.
+``--sweep``: each candidate launch of the fp8 kernel per (shape, rows; not the SiLU row), the fastest
+printed, and the fastest per rows bucket over the shapes (for ``pick_config``).
+
+Timing: ``fp8_kernels.graph_time``: ``--calls`` calls in one CUDA graph over rotating weight copies
+(more bytes than the L2 cache), median of ``--reps`` replays.
+
+    python -m nbgen.bench.fp8_gemv [--rows 1 2 4 8 16] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+import torch
+
+from nbgen.bench.floor import copy_bandwidth
+from nbgen.bench.fp8_kernels import graph_time, print_fastest
+from nbgen.kernels import fp8_quant, small_gemm
+from nbgen.kernels.fp8_small_gemm import Fp8GemvConfig, fp8_small_gemm, pick_config
+
+# (name, N, K, SiLU-and-mul epilogue) of Llama-3.1-8B's decoder linears
+SHAPES = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
+          ("gate_up+silu", 28672, 4096, True), ("down", 4096, 14336, False)]
+LAYER = ("qkv", "o", "gate_up+silu", "down")    # one decoder layer's linears at a decode step
+ROWS = [1, 2, 4, 8, 16]
+
+
+def candidates(rows: int) -> list[Fp8GemvConfig]:
+    """The launches ``--sweep`` tries at ``rows`` rows."""
+    if rows == 1:
+        out = [Fp8GemvConfig(1, bn, bk, w, 4, False) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
+               for w in (4, 8)]
+        return out + [Fp8GemvConfig(1, bn, 1024, 4, 4, True) for bn in (8, 16)] + \
+            [Fp8GemvConfig(16, bn, 256, 4, 4, False) for bn in (32, 64)]
+    out = [Fp8GemvConfig(16, bn, bk, 4, 4, pre) for bn in (32, 64, 128) for bk in (128, 256) for pre in (False, True)]
+    return out + [Fp8GemvConfig(16, 64, 256, 8, 4, pre) for pre in (False, True)]
+
+
+def _timed(fn: Callable[[int], object], copies: int, args: argparse.Namespace) -> Optional[float]:
+    try:
+        return graph_time(fn, copies, args.calls, args.reps)
+    except Exception as e:   # noqa: BLE001 - a launch this GPU cannot compile (shared memory, registers)
+        print(f"    failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+        return None
+
+
+def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.Namespace
+              ) -> dict[str, float]:
+    """label -> seconds per call at one shape and row count (printed as it goes)."""
+    dev = torch.device("cuda")
+    copies = max(2, (400 << 20) // (n * k))                 # > 400 MB of fp8 weights in rotation
+    wq = [torch.randn(n, k, device=dev).mul_(0.05).to(torch.float8_e4m3fn) for _ in range(copies)]
+    sw = torch.rand(n, device=dev) / 448
+    w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    xq, sa = fp8_quant.quant_rowwise(x)
+    s0 = torch.full((), 1e-3, device=dev)
+    res: dict[str, Optional[float]] = {
+        "bf16 small_gemm": _timed(lambda i: small_gemm.small_gemm(x, w16[i % len(w16)], silu_mul=silu),
+                                  len(w16), args)}
+    if not silu:
+        res["cuBLAS fp8 tensorwise"] = _timed(
+            lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
+        res["quant + cuBLAS fp8"] = _timed(lambda i: torch._scaled_mm(
+            fp8_quant.quant_rowwise(x)[0], wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
+    cfg = pick_config(rows, n // 2 if silu else n, k)
+    res[f"fp8 kernel {tuple(cfg)}"] = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu), copies, args)
+    if args.sweep and not silu:
+        for c in candidates(rows):
+            t = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu, config=c), copies, args)
+            if t is not None:
+                res[f"sweep {tuple(c)}"] = t
+    out = {label: t for label, t in res.items() if t is not None}
+    bf16 = out.get("bf16 small_gemm", float("nan"))
+    shown = [(label, t) for label, t in sorted(out.items(), key=lambda r: r[1]) if not label.startswith("sweep")]
+    sweep = sorted((t, label) for label, t in out.items() if label.startswith("sweep"))
+    if sweep:
+        shown.append((f"best {sweep[0][1]}", sweep[0][0]))
+    for label, t in shown:
+        wbytes = n * k * (2 if label.startswith("bf16") else 1)
+        tbs = wbytes / t / 1e12
+        print(f"{name:<13} N={n:<6} K={k:<6} rows={rows:<3} {t * 1e6:8.1f} µs {tbs:5.2f} TB/s "
+              f"({tbs * 1e12 / args.copy_bw:4.0%} of copy) {bf16 / t:5.2f}x bf16  {label}")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Run the bench and print it (see the module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="*", default=ROWS)
+    ap.add_argument("--sweep", action="store_true", help="every candidate launch of the fp8 kernel")
+    ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the fp8 GEMV bench needs a CUDA GPU")
+    args.copy_bw = copy_bandwidth(torch.device("cuda"))
+    print(f"device: {torch.cuda.get_device_name()}, copy {args.copy_bw / 1e12:.2f} TB/s")
+    layer: dict[int, dict[str, float]] = {}
+    best: dict[int, dict[str, list[float]]] = {}        # rows -> sweep label -> µs per (non-silu) shape
+    for rows in args.rows:
+        for name, n, k, silu in SHAPES:
+            out = run_shape(name, n, k, silu, rows, args)
+            if name in LAYER:
+                for label, t in out.items():
+                    key = "fp8 kernel" if label.startswith("fp8 kernel") else label
+                    if key in ("bf16 small_gemm", "fp8 kernel"):
+                        layer.setdefault(rows, {}).setdefault(key, 0.0)
+                        layer[rows][key] += t * 1e6
+            if not silu:
+                for label, t in out.items():
+                    if label.startswith("sweep"):
+                        best.setdefault(rows, {}).setdefault(label, []).append(t * 1e6)
+    print("\none layer's linears (qkv, o, gate|up with SiLU, down), µs:")
+    for rows, by in layer.items():
+        bf16, fp8 = by.get("bf16 small_gemm", float("nan")), by.get("fp8 kernel", float("nan"))
+        print(f"  rows={rows:<3} bf16 {bf16:7.1f}   fp8 kernel {fp8:7.1f}   {bf16 / fp8:4.2f}x")
+    if best:
+        print_fastest(best, "fastest sweep launch per rows over qkv, o, gate_up, down (sum of µs):")
+
+
+if __name__ == "__main__":
+    main()

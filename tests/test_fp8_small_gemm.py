@@ -1,0 +1,145 @@
+"""The streaming fp8 decode kernel (nbgen.kernels.fp8_small_gemm) against ``fp8_scaled.reference_matmul``.
+
+CPU: under TRITON_INTERPRET=1 at odd shapes (N, K not multiples of the tiles; 1, 3, 16 rows; bias; one
+scale per tensor and per feature; x quantized in the kernel and beforehand; the SiLU-and-mul epilogue).
+The interpreter's fp32 -> e4m3 cast does not round to nearest even (and its fp32 -> bf16 cast truncates:
+bf16 outputs get one ulp, fp16 ones half an ulp), so exactness is checked on x whose
+values lie on the e4m3 grid times a power of two (x / sa is exact, any cast agrees), and on random x
+the in-kernel quantization is checked against ``quant_rowwise``'s (prequant): the same bits.
+GPU (``gpu``): Llama-3.1-8B shapes against the reference, the in-kernel quantization bit for bit
+against quant_rowwise's bytes (which tests/test_fp8_scaled.py proves equal to the reference's), CUDA
+graphs, and the engine's decode through the kernel against the cuBLAS path.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nbgen.kernels import fp8_small_gemm as fs
+from nbgen.models.fp8_scaled import (
+    Fp8ScaledWeight,
+    quantize_activation,
+    quantize_weight,
+    reference_matmul,
+    scaled_silu_mul,
+)
+from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts, run_under_triton_interpreter
+
+
+def _grid_x(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """x [m, k] whose rows are e4m3 values (448 among them) times a power of two: x / sa is exact."""
+    q = (torch.randn(m, k, generator=gen) * 60).clamp(-440, 440).to(torch.float8_e4m3fn).float()
+    q[:, k // 2] = -448.0
+    return (q * 2.0 ** torch.randint(-10, 2, (m, 1), generator=gen).float()).to(dtype)
+
+
+def _want(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor], silu_mul: bool) -> torch.Tensor:
+    """The reference in fp32: the product (and, for gate|up, silu(gate) * up of its halves rounded to x's
+    dtype first, as the unfused path does)."""
+    xq, sa = quantize_activation(x)
+    y = reference_matmul(xq, sa, w, bias, torch.float32)
+    if not silu_mul:
+        return y
+    g, u = y.to(x.dtype).float().chunk(2, dim=1)
+    return F.silu(g) * u
+
+
+def _within_rounding(y: torch.Tensor, ref: torch.Tensor, ulps: float) -> None:
+    """y is ref (fp32, exact up to summation order) rounded once to y's dtype (within ``ulps``)."""
+    step = torch.finfo(y.dtype).eps / 2        # relative rounding bound of y's dtype
+    err = (y.float() - ref).abs()
+    bound = ulps * step * ref.abs() + 1e-5 * ref.abs().max()
+    assert bool((err <= bound).all()), (err - bound).max().item()
+
+
+def _kernel_check() -> None:
+    """Run under TRITON_INTERPRET=1 (see the module docstring)."""
+    gen = torch.Generator().manual_seed(0)
+    small = [fs.Fp8GemvConfig(1, 8, 128, 4, 1, False), fs.Fp8GemvConfig(16, 16, 64, 4, 1, False),
+             fs.Fp8GemvConfig(16, 16, 64, 4, 1, True), fs.Fp8GemvConfig(1, 8, 64, 4, 1, True)]
+    for m, n, k in ((1, 37, 300), (3, 40, 200), (16, 26, 130)):
+        for dtype in (torch.bfloat16, torch.float16):
+            w_full = torch.randn(n, k, generator=gen) * 0.05
+            for w in (quantize_weight(w_full), quantize_weight(w_full, torch.tensor(2e-4))):
+                b = torch.randn(n, generator=gen).to(dtype)
+                x = _grid_x(m, k, dtype, gen)
+                ulps = 2.0 if dtype == torch.bfloat16 else 1.0
+                for cfg in [None] + [c for c in small if c.block_m >= m]:
+                    for bias in (b, None):
+                        y = fs.fp8_small_gemm(x, w.q, w.scale_row, bias, config=cfg)
+                        assert y.shape == (m, n) and y.dtype == dtype
+                        _within_rounding(y, _want(x, w, bias, False), ulps)
+                    if n % 2 == 0:
+                        y = fs.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True, config=cfg)
+                        assert y.shape == (m, n // 2)
+                        _within_rounding(y, _want(x, w, None, True), 4 * ulps)
+                xr = (torch.randn(m, k, generator=gen) * 3).to(dtype)     # off the grid: rounding in the cast
+                for inner, pre in ((small[0], small[3]), (small[1], small[2])):
+                    if inner.block_m >= m:
+                        pre = pre._replace(block_k=inner.block_k)
+                        assert torch.equal(fs.fp8_small_gemm(xr, w.q, w.scale_row, config=inner),
+                                           fs.fp8_small_gemm(xr, w.q, w.scale_row, config=pre))
+
+
+def test_fp8_small_gemm_under_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    res = run_under_triton_interpreter("import tests.test_fp8_small_gemm as t; t._kernel_check()")
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_pick_config_covers_the_rows() -> None:
+    for m in range(1, fs.MAX_ROWS + 1):
+        for n, k in ((6144, 4096), (4096, 14336), (14336, 4096), (40, 200)):
+            cfg = fs.pick_config(m, n, k)
+            assert cfg.block_m == 1 if m == 1 else cfg.block_m >= 16, (m, cfg)
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, True), (1000, 1000, True)])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_gpu_fp8_small_gemm_equals_the_reference(m: int, n: int, k: int, bias: bool, per_tensor: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(m * n + per_tensor)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02,
+                        torch.tensor(1e-4, device="cuda") if per_tensor else None)
+    b = torch.randn(n, device="cuda", generator=gen).bfloat16() if bias else None
+    cfg = fs.pick_config(m, n, k)
+    y = fs.fp8_small_gemm(x, w.q, w.scale_row, b, config=cfg)
+    _within_rounding(y, _want(x, w, b, False), 1.0)
+    # the kernel's own e4m3 rounding of x is quant_rowwise's (the reference's bytes): the same bits
+    assert torch.equal(y, fs.fp8_small_gemm(x, w.q, w.scale_row, b, config=cfg._replace(prequant=not cfg.prequant)))
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gpu_fp8_silu_mul_epilogue_and_graphs(m: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
+    w = quantize_weight(torch.randn(2 * 14336, 4096, device="cuda", generator=gen) * 0.02)
+    y = scaled_silu_mul(x, w)
+    assert y.shape == (m, 14336)
+    _within_rounding(y, _want(x, w, None, True), 4.0)
+    graph_x = x.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fs.fp8_small_gemm(graph_x, w.q, w.scale_row, silu_mul=True)
+    g.replay()
+    assert torch.equal(out, y)
+
+
+@gpu
+def test_gpu_engine_fp8_kernel_path_matches_cublas_path(gpu_model_dir: str, monkeypatch) -> None:
+    """Decode through the streaming fp8 kernel (batch <= MAX_ROWS, in graphs) agrees with cuBLAS's fp8
+    GEMM + separate SiLU on the same quantized weights."""
+    prompts = gpu_prompts(12)                        # batch 12 shrinking: graphs of 16, 8, 4, 2, 1 rows
+    fused = gpu_generate(gpu_model_dir, prompts, logprobs=True, quantization="fp8")
+    monkeypatch.setattr(fs, "MAX_ROWS", 0)
+    plain = gpu_generate(gpu_model_dir, prompts, logprobs=True, quantization="fp8")
+    assert_close_runs(fused, plain)
