@@ -12,13 +12,18 @@ graphs, and the engine's decode through the kernel against the cuBLAS path.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import nbgen
+from nbgen.core.config import EngineConfig
 from nbgen.kernels import fp8_small_gemm as fs
+from nbgen.models import norm_fold
+from nbgen.models.loader import load_model
 from nbgen.models.fp8_scaled import (
     Fp8ScaledWeight,
     quantize_activation,
@@ -26,7 +31,14 @@ from nbgen.models.fp8_scaled import (
     reference_matmul,
     scaled_silu_mul,
 )
-from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts, run_under_triton_interpreter
+from tests.test_models import _hf_model, _run
+from tests.tiny_models import (
+    assert_close_runs,
+    gpu_generate,
+    gpu_prompts,
+    make_gpu_model,
+    run_under_triton_interpreter,
+)
 
 
 def _grid_x(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -36,11 +48,14 @@ def _grid_x(m: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.T
     return (q * 2.0 ** torch.randint(-10, 2, (m, 1), generator=gen).float()).to(dtype)
 
 
-def _want(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor], silu_mul: bool) -> torch.Tensor:
+def _want(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor], silu_mul: bool,
+          g: Optional[torch.Tensor] = None, eps: Optional[float] = None) -> torch.Tensor:
     """The reference in fp32: the product (and, for gate|up, silu(gate) * up of its halves rounded to x's
-    dtype first, as the unfused path does)."""
-    xq, sa = quantize_activation(x)
+    dtype first, as the unfused path does). A folded norm: x * g quantized, rows times rsqrt(mean(x^2) + eps)."""
+    xq, sa = quantize_activation(x if g is None else x.float() * g.float())
     y = reference_matmul(xq, sa, w, bias, torch.float32)
+    if eps is not None:
+        y = y * torch.rsqrt(x.float().square().mean(1, keepdim=True) + eps)
     if not silu_mul:
         return y
     g, u = y.to(x.dtype).float().chunk(2, dim=1)
@@ -76,6 +91,18 @@ def _kernel_check() -> None:
                         y = fs.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True, config=cfg)
                         assert y.shape == (m, n // 2)
                         _within_rounding(y, _want(x, w, None, True), 4 * ulps)
+                # a folded norm: g (powers of two: x * g stays on the grid), the row scale, the residual add
+                g = 2.0 ** torch.randint(-2, 3, (k,), generator=gen).float()
+                g[k // 2] = 4.0                  # x * g's amax stays 448 times a power of two
+                g = g.to(dtype)
+                y = fs.fp8_small_gemm(x, w.q, w.scale_row, col_scale=g, row_scale_eps=1e-5)
+                _within_rounding(y, _want(x, w, None, False, g, 1e-5), ulps + 1)
+                if n % 2 == 0:
+                    y = fs.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True, col_scale=g, row_scale_eps=1e-5)
+                    _within_rounding(y, _want(x, w, None, True, g, 1e-5), 4 * ulps + 1)
+                into = torch.randn(m, n, generator=gen).to(dtype)
+                y = fs.fp8_small_gemm(x, w.q, w.scale_row, col_scale=g, accumulate=into.clone())
+                _within_rounding(y, _want(x, w, None, False, g) + into.float(), ulps)
                 xr = (torch.randn(m, k, generator=gen) * 3).to(dtype)     # off the grid: rounding in the cast
                 for inner, pre in ((small[0], small[3]), (small[1], small[2])):
                     if inner.block_m >= m:
@@ -95,6 +122,26 @@ def test_pick_config_covers_the_rows() -> None:
         for n, k in ((6144, 4096), (4096, 14336), (14336, 4096), (40, 200)):
             cfg = fs.pick_config(m, n, k)
             assert cfg.block_m == 1 if m == 1 else cfg.block_m >= 16, (m, cfg)
+
+
+@pytest.mark.parametrize("cls_name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_fp8_folded_model_equals_unfolded(tmp_path: Path, cls_name: str) -> None:
+    """Folding the norms of an fp8 model keeps its e4m3 bytes, makes each norm weight its projection's
+    column scale (the parameter itself), and computes what the unfolded fp8 layers compute (CPU torch
+    path: x * g quantized per token, the row factor after)."""
+    _hf_model(cls_name).save_pretrained(tmp_path)          # random norm weights
+    loaded = load_model(EngineConfig(model_path=str(tmp_path), dtype="float32", device="cpu", quantization="fp8"),
+                        torch.device("cpu"))
+    prompts = [[5, 9, 2, 77, 31, 8, 100], [3, 4, 250]]
+    before = _run(loaded, prompts)
+    layer = loaded.model.model.layers[0]
+    q = layer.self_attn.qkv_proj.fp8.q.clone()
+    assert norm_fold.fold_norms(loaded.model) and layer.folded
+    assert torch.equal(layer.self_attn.qkv_proj.fp8.q.view(torch.uint8), q.view(torch.uint8))
+    assert layer.mlp.gate_up_proj.fp8.col_scale.data_ptr() == layer.post_attention_layernorm.weight.data_ptr()
+    assert norm_fold.fold_map(loaded.model) == {}          # weight updates: no fp8 rows to fold
+    after = _run(loaded, prompts)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=0)
 
 
 gpu = pytest.mark.gpu
@@ -143,3 +190,16 @@ def test_gpu_engine_fp8_kernel_path_matches_cublas_path(gpu_model_dir: str, monk
     monkeypatch.setattr(fs, "MAX_ROWS", 0)
     plain = gpu_generate(gpu_model_dir, prompts, logprobs=True, quantization="fp8")
     assert_close_runs(fused, plain)
+
+
+@gpu
+def test_gpu_engine_fp8_folded_tracks_unfolded(tmp_path: Path, monkeypatch) -> None:
+    """Random norm weights: the fp8 engine folds its norms on CUDA (six launches a layer through the fp8
+    kernel's column scale, row scale and residual add) and agrees with the same engine unfolded."""
+    path = make_gpu_model("llama", str(tmp_path), norm_noise=0.2)
+    with nbgen.Engine(path, device="cuda", dtype="bfloat16", quantization="fp8", cuda_graph_max_bs=16) as eng:
+        assert eng.get_server_info()["norms_folded"] is True
+    prompts = gpu_prompts(12)
+    folded = gpu_generate(path, prompts, logprobs=True, quantization="fp8")
+    monkeypatch.setattr(norm_fold, "should_fold", lambda model, device: False)
+    assert_close_runs(folded, gpu_generate(path, prompts, logprobs=True, quantization="fp8"))

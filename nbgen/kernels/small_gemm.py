@@ -57,6 +57,24 @@ if triton is not None:
         return w, kk, k_mask
 
     @triton.jit
+    def store_rows(y, u, y_ptr, rn, n_mask, M, sym, SILU_MUL: tl.constexpr, ACCUM: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+        # fp32 results [BLOCK_M, BLOCK_N] of output columns rn -> rows [0, M) of y_ptr, one rounding: with
+        # SILU_MUL, silu(y) * u (gate and up rounded to the output dtype before the activation, as the
+        # unfused path does); with ACCUM added to what y_ptr holds (the residual stream)
+        dt = y_ptr.dtype.element_ty
+        if SILU_MUL:
+            g = y.to(dt).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * u
+        rm = tl.arange(0, BLOCK_M)
+        y_tile = y_ptr + rm[:, None] * sym + rn[None, :]
+        out_mask = (rm < M)[:, None] & n_mask[None, :]
+        if ACCUM:
+            y += tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(y_tile, y.to(dt), mask=out_mask)
+
+    @triton.jit
     def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
         # x [K] against BLOCK_N weight rows whose first tile w0 is already loaded -> (fp32 [1, BLOCK_N],
         # sum of x^2: a scalar, over all of K only when SUMSQ): elementwise FMAs into a [BLOCK_N, BLOCK_K]
@@ -130,18 +148,9 @@ if triton is not None:
                 u = u * r
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        dt = y_ptr.dtype.element_ty
-        if SILU_MUL:
-            # gate and up rounded to the model dtype before the activation, as the unfused path does
-            g = y.to(dt).to(tl.float32)
-            u = u.to(dt).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * u
-        rm = tl.arange(0, BLOCK_M)
-        y_tile = y_ptr + rm[:, None] * sym + rn[None, :]
-        out_mask = (rm < M)[:, None] & n_mask[None, :]
-        if ACCUM:   # the residual add: y_ptr holds the stream, one rounding of the sum
-            y += tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
-        tl.store(y_tile, y.to(dt), mask=out_mask)
+        if not SILU_MUL:
+            u = y
+        store_rows(y, u, y_ptr, rn, n_mask, M, sym, SILU_MUL, ACCUM, BLOCK_M)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

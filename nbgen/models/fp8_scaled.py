@@ -44,12 +44,15 @@ TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEM
 class Fp8ScaledWeight:
     """A linear's fp8 weight for cuBLAS: ``q`` [N, K] e4m3; ``scale_row`` [1, N] fp32 (W[n] ~ q[n] *
     scale_row[0, n]); ``scale`` the 0-dim scale when every feature has the same one, else None;
-    ``unit`` a 0-dim 1.0 on the weight's device (the unit-scale GEMM's scales)."""
+    ``unit`` a 0-dim 1.0 on the weight's device (the unit-scale GEMM's scales); ``col_scale`` [K] a
+    folded norm's weight g (``models/norm_fold``): the linear's input is then x * g (the raw residual
+    stream times g, in fp32), the norm's row factor applied after it."""
 
     q: torch.Tensor
     scale_row: torch.Tensor
     scale: Optional[torch.Tensor]
     unit: torch.Tensor
+    col_scale: Optional[torch.Tensor] = None
 
 
 def search_channel_scales(w: torch.Tensor) -> torch.Tensor:
@@ -116,13 +119,25 @@ def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
     return fp8_small_gemm.usable(x, w.q) and _fp8_capable(x.device.index or 0)
 
 
-def scaled_silu_mul(x: torch.Tensor, w: object) -> Optional[torch.Tensor]:
+def scaled_silu_mul(x: torch.Tensor, w: object, row_scale_eps: Optional[float] = None) -> Optional[torch.Tensor]:
     """silu(gate) * up of x [M, K] @ a gate|up fp8 weight [2I, K] -> [M, I], in one launch where the
     streaming kernel takes it; None otherwise (``w`` not a per-feature fp8 weight, or not a decode
-    step), and the caller runs the linear and the activation apart."""
+    step), and the caller runs the linear and the activation apart. ``row_scale_eps``: a folded norm's
+    row factor rsqrt(mean(x^2) + eps) on gate and up (x the raw residual stream)."""
     if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w):
         return None
-    return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True)
+    return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True, col_scale=w.col_scale,
+                                         row_scale_eps=row_scale_eps)
+
+
+def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
+    """into += x @ the fp8 weight (no bias), in place in one launch where the streaming kernel takes it
+    (the residual add of a folded layer's o_proj / down_proj) -> True; False when it does not."""
+    if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w) or into.dtype != x.dtype \
+            or not into.is_contiguous():
+        return False
+    fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+    return True
 
 
 def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -132,12 +147,13 @@ def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tens
     if m == 0:
         return x.new_empty((0, w.q.shape[0]))
     if small_gemm_usable(x, w):
-        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias)
+        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
+    xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
     if not fp8_gemm_usable(x, w):
-        xq, sa = quantize_activation(x)
+        xq, sa = quantize_activation(xs)
         return reference_matmul(xq, sa, w, bias, x.dtype)
     b = bias.to(x.dtype) if bias is not None else None
-    xq, sa = fp8_quant.quant_rowwise(x)
+    xq, sa = fp8_quant.quant_rowwise(xs)
     if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
         return torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=b, out_dtype=x.dtype)
     if m <= TENSORWISE_MAX_ROWS:

@@ -68,7 +68,10 @@ class LlamaMLP(nn.Module):
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
         norm weight is in gate|up; the MLP's output is added into h in place -> h."""
         w = self.gate_up_proj.weight
-        if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
+        fp8 = None if self.gate_up_proj.lora_active else scaled_silu_mul(h, self.gate_up_proj.fp8, eps)
+        if fp8 is not None:     # fp8 weights, a decode step: g, the row scale and SiLU in the fp8 kernel
+            act = fp8
+        elif not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
         else:
             act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
