@@ -39,12 +39,14 @@ ROWS = [1, 2, 4, 8, 16]
 
 def candidates(rows: int) -> list[Fp8GemvConfig]:
     """The launches ``--sweep`` tries at ``rows`` rows."""
-    if rows == 1:
-        out = [Fp8GemvConfig(1, bn, bk, w, 4, False) for bn in (8, 16, 32) for bk in (512, 1024, 2048)
-               for w in (4, 8)]
-        return out + [Fp8GemvConfig(1, bn, 1024, 4, 4, True) for bn in (8, 16)] + \
-            [Fp8GemvConfig(16, bn, 256, 4, 4, False) for bn in (32, 64)]
-    out = [Fp8GemvConfig(16, bn, bk, 4, 4, pre) for bn in (32, 64, 128) for bk in (128, 256) for pre in (False, True)]
+    if rows == 1:     # (block_n, block_k, warps) without register spills on sm_90
+        out = [Fp8GemvConfig(1, bn, bk, w, 4, False) for bn, bk, w in (
+            (4, 1024, 4), (4, 1024, 8), (4, 2048, 8), (8, 512, 4), (8, 512, 8), (8, 1024, 4), (8, 1024, 8),
+            (8, 2048, 8), (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 512, 8))]
+        return out + [Fp8GemvConfig(1, 8, 1024, 8, 4, True), Fp8GemvConfig(1, 16, 512, 8, 4, True),
+                      Fp8GemvConfig(16, 64, 128, 4, 4, False)]
+    out = [Fp8GemvConfig(16, bn, bk, 4, 4, pre) for bn, bk in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
+           for pre in (False, True)]
     return out + [Fp8GemvConfig(16, 64, 256, 8, 4, pre) for pre in (False, True)]
 
 
@@ -77,6 +79,15 @@ def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.N
             fp8_quant.quant_rowwise(x)[0], wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
     cfg = pick_config(rows, n // 2 if silu else n, k)
     res[f"fp8 kernel {tuple(cfg)}"] = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu), copies, args)
+    # the call a folded fp8 layer makes: the norm weight as column scale (qkv; gate|up with the row scale
+    # too), the residual add (o, down)
+    g = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
+    stream = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
+    fold = {"qkv": dict(col_scale=g), "gate_up+silu": dict(col_scale=g, row_scale_eps=1e-5),
+            "o": dict(accumulate=stream), "down": dict(accumulate=stream)}.get(name)
+    if fold is not None:
+        res["fp8 kernel, folded layer's call"] = _timed(
+            lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu, **fold), copies, args)
     if args.sweep and not silu:
         for c in candidates(rows):
             t = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu, config=c), copies, args)
@@ -115,8 +126,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             out = run_shape(name, n, k, silu, rows, args)
             if name in LAYER:
                 for label, t in out.items():
-                    key = "fp8 kernel" if label.startswith("fp8 kernel") else label
-                    if key in ("bf16 small_gemm", "fp8 kernel"):
+                    key = label.split(" (")[0]
+                    if key in ("bf16 small_gemm", "fp8 kernel", "fp8 kernel, folded layer's call"):
                         layer.setdefault(rows, {}).setdefault(key, 0.0)
                         layer[rows][key] += t * 1e6
             if not silu:
@@ -124,9 +135,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                     if label.startswith("sweep"):
                         best.setdefault(rows, {}).setdefault(label, []).append(t * 1e6)
     print("\none layer's linears (qkv, o, gate|up with SiLU, down), µs:")
+    nan = float("nan")
     for rows, by in layer.items():
-        bf16, fp8 = by.get("bf16 small_gemm", float("nan")), by.get("fp8 kernel", float("nan"))
-        print(f"  rows={rows:<3} bf16 {bf16:7.1f}   fp8 kernel {fp8:7.1f}   {bf16 / fp8:4.2f}x")
+        bf16, fp8, fold = (by.get(k, nan) for k in ("bf16 small_gemm", "fp8 kernel", "fp8 kernel, folded layer's call"))
+        print(f"  rows={rows:<3} bf16 {bf16:7.1f}   fp8 kernel {fp8:7.1f} ({bf16 / fp8:4.2f}x)   "
+              f"folded layer's calls {fold:7.1f} ({bf16 / fold:4.2f}x)")
     if best:
         print_fastest(best, "fastest sweep launch per rows over qkv, o, gate_up, down (sum of µs):")
 

@@ -59,12 +59,11 @@ class Fp8GemvConfig(NamedTuple):
 
 def pick_config(M: int, N: int, K: int) -> Fp8GemvConfig:
     """The launch for M rows against an [N, K] weight (N: output features, the gate half for
-    ``silu_mul``). Tiles of ~8-16 KB of weight bytes, as the bf16 kernel's; M > 1 pads to 16 rows."""
+    ``silu_mul``). Tiles of ~8-16 KB of weight bytes, as the bf16 kernel's, and at most ~64 fp32
+    accumulators a thread (no register spills on sm_90 with every epilogue); M > 1 pads to 16 rows."""
     if M == 1:
         return Fp8GemvConfig(1, 8 if N <= 4096 else 16, 1024, 8 if K <= 4096 else 4, 4, False)
-    if M <= 4:
-        return Fp8GemvConfig(16, 64, 256, 4, 5, False)
-    return Fp8GemvConfig(16, 32 if N <= 4096 else 64, 256, 4, 4, True)
+    return Fp8GemvConfig(16, 64, 128, 4, 4, M > 4)
 
 
 if triton is not None:
@@ -92,15 +91,27 @@ if triton is not None:
         return sa, tl.sum(ss, 1)
 
     @triton.jit
-    def _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr):
+    def _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr,
+                BLOCK_M: tl.constexpr):
         # x[rm, kk] as e4m3 [BLOCK_M, BLOCK_K]: loaded as such (PREQUANT), else rounded here from
-        # x (* g) / sa
-        v = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
-        if not PREQUANT:
-            v = v.to(tl.float32)
-            if COL_SCALE:
-                v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            v = tl.clamp(tl.div_rn(v, sa[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+        # x (* g) / sa. One row: a 1-D tile, so that each element is rounded once per program (its
+        # layout then spreads the vector over the weight tile's threads)
+        if BLOCK_M == 1:
+            v = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+            if not PREQUANT:
+                v = v.to(tl.float32)
+                if COL_SCALE:
+                    v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                v = tl.clamp(tl.div_rn(v, tl.max(sa, 0)), -448.0, 448.0).to(tl.float8e4nv)
+            v = v[None, :]
+        else:
+            v = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :],
+                        other=0.0)
+            if not PREQUANT:
+                v = v.to(tl.float32)
+                if COL_SCALE:
+                    v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+                v = tl.clamp(tl.div_rn(v, sa[:, None]), -448.0, 448.0).to(tl.float8e4nv)
         return v
 
     @triton.jit
@@ -108,14 +119,14 @@ if triton is not None:
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # sum_k xq[m, k] * wq[n, k] -> fp32 [BLOCK_M, BLOCK_N]; w0: the rows' first tile, already loaded
         rk = tl.arange(0, BLOCK_K)
-        x = _x_tile(x_ptr, g_ptr, rm, rk, sxm, M, K, sa, PREQUANT, COL_SCALE)
+        x = _x_tile(x_ptr, g_ptr, rm, rk, sxm, M, K, sa, PREQUANT, COL_SCALE, BLOCK_M)
         if BLOCK_M == 1:    # elementwise FMAs into a [BLOCK_N, BLOCK_K] tile, one reduction at the end
             acc = w0.to(tl.float32) * x.to(tl.float32)
         else:
             acc = tl.dot(x.to(tl.float16), tl.trans(w0.to(tl.float16)), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w, kk, _k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
-            x = _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT, COL_SCALE)
+            x = _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT, COL_SCALE, BLOCK_M)
             if BLOCK_M == 1:
                 acc += w.to(tl.float32) * x.to(tl.float32)
             else:
