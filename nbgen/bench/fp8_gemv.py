@@ -8,15 +8,19 @@ Per (shape, rows): µs per call and TB/s of weight bytes read (fp8: N x K bytes,
   GEMM alone),
 - ``quant + cuBLAS fp8``: ``quant_rowwise`` then that GEMM (two launches: the per-linear path without
   the streaming kernel at one row),
-- ``fp8 kernel``: ``fp8_small_gemm`` with ``pick_config``'s launch (quantization of x included),
-then one decoder layer's four linears summed (gate|up with SiLU) for bf16 and the fp8 kernel.
-``--sweep``: each candidate launch of the fp8 kernel per (shape, rows; not the SiLU row), the fastest
-printed, and the fastest per rows bucket over the shapes (for ``pick_config``).
+- ``fp8 kernel``: ``fp8_small_gemm`` with ``pick_config``'s launch (quantization of x included), and
+  the call a folded layer makes (the norm weight as column scale for qkv and gate|up, the residual add
+  for o and down),
+then one decoder layer's four linears summed for bf16 and the fp8 kernel. On the gate|up+silu row the
+bf16 kernel applies SiLU-and-mul in its epilogue, the fp8 kernel is followed by the SiLU-and-mul launch
+(the folded call by the scaled one) as in the model. ``--sweep``: each candidate launch of the fp8
+kernel per (shape, rows; not the SiLU row), the fastest printed, and the fastest per rows bucket over the
+shapes (for ``pick_config``).
 
 Timing: ``fp8_kernels.graph_time``: ``--calls`` calls in one CUDA graph over rotating weight copies
 (more bytes than the L2 cache), median of ``--reps`` replays.
 
-    python -m nbgen.bench.fp8_gemv [--rows 1 2 4 8 16] [--sweep]
+    python -m nbgen.bench.fp8_gemv [--rows 1 4 16] [--sweep]
 """
 from __future__ import annotations
 
@@ -27,14 +31,15 @@ import torch
 
 from nbgen.bench.floor import copy_bandwidth
 from nbgen.bench.fp8_kernels import graph_time, print_fastest
-from nbgen.kernels import fp8_quant, small_gemm
+from nbgen.kernels import fp8_quant, gpu_ops, small_gemm
+from nbgen.kernels.silu_scaled import silu_mul_scaled
 from nbgen.kernels.fp8_small_gemm import Fp8GemvConfig, fp8_small_gemm, pick_config
 
 # (name, N, K, SiLU-and-mul epilogue) of Llama-3.1-8B's decoder linears
 SHAPES = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
           ("gate_up+silu", 28672, 4096, True), ("down", 4096, 14336, False)]
 LAYER = ("qkv", "o", "gate_up+silu", "down")    # one decoder layer's linears at a decode step
-ROWS = [1, 2, 4, 8, 16]
+ROWS = [1, 4, 16]
 
 
 def candidates(rows: int) -> list[Fp8GemvConfig]:
@@ -77,20 +82,22 @@ def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.N
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
         res["quant + cuBLAS fp8"] = _timed(lambda i: torch._scaled_mm(
             fp8_quant.quant_rowwise(x)[0], wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
-    cfg = pick_config(rows, n // 2 if silu else n, k)
-    res[f"fp8 kernel {tuple(cfg)}"] = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu), copies, args)
-    # the call a folded fp8 layer makes: the norm weight as column scale (qkv; gate|up with the row scale
-    # too), the residual add (o, down)
+    cfg = pick_config(rows, n, k)
+    act = gpu_ops.silu_and_mul if silu else (lambda y: y)
+    res[f"fp8 kernel {tuple(cfg)}"] = _timed(lambda i: act(fp8_small_gemm(x, wq[i], sw)), copies, args)
+    # the call a folded fp8 layer makes: the norm weight as column scale (qkv, gate|up: then the scaled
+    # SiLU-and-mul), the residual add (o, down)
     g = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
     stream = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)
-    fold = {"qkv": dict(col_scale=g), "gate_up+silu": dict(col_scale=g, row_scale_eps=1e-5),
+    fold = {"qkv": dict(col_scale=g), "gate_up+silu": dict(col_scale=g),
             "o": dict(accumulate=stream), "down": dict(accumulate=stream)}.get(name)
+    fold_act = (lambda y: silu_mul_scaled(y, x, 1e-5)) if silu else (lambda y: y)
     if fold is not None:
         res["fp8 kernel, folded layer's call"] = _timed(
-            lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu, **fold), copies, args)
+            lambda i: fold_act(fp8_small_gemm(x, wq[i], sw, **fold)), copies, args)
     if args.sweep and not silu:
         for c in candidates(rows):
-            t = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, silu_mul=silu, config=c), copies, args)
+            t = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, config=c), copies, args)
             if t is not None:
                 res[f"sweep {tuple(c)}"] = t
     out = {label: t for label, t in res.items() if t is not None}

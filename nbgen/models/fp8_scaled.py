@@ -10,9 +10,8 @@ Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the outpu
 
 On CUDA (compute capability 8.9+), per step size and weight form:
 - up to ``kernels.fp8_small_gemm.MAX_ROWS`` rows (decode), bf16 or fp16 activations: nbgen's streaming
-  fp8 kernel (``kernels/fp8_small_gemm.py``), which quantizes x itself with this recipe, applies both
-  scales and the bias, and for gate|up SiLU-and-mul too (``scaled_silu_mul``): one launch; cuBLAS's
-  fp8 GEMM reads the weights at ~63 % of the copy rate at one row, this kernel streams them.
+  fp8 kernel (``kernels/fp8_small_gemm.py``), which quantizes x itself with this recipe and applies both
+  scales and the bias: one launch instead of cuBLAS's quantize + GEMM (+ scaling) launches.
 Otherwise with bf16 activations (``fp8_gemm_usable``):
 - one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
   GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
@@ -117,17 +116,6 @@ def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
 def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
     """The streaming fp8 kernel takes this product (a decode step's few rows on an fp8-capable GPU)."""
     return fp8_small_gemm.usable(x, w.q) and _fp8_capable(x.device.index or 0)
-
-
-def scaled_silu_mul(x: torch.Tensor, w: object, row_scale_eps: Optional[float] = None) -> Optional[torch.Tensor]:
-    """silu(gate) * up of x [M, K] @ a gate|up fp8 weight [2I, K] -> [M, I], in one launch where the
-    streaming kernel takes it; None otherwise (``w`` not a per-feature fp8 weight, or not a decode
-    step), and the caller runs the linear and the activation apart. ``row_scale_eps``: a folded norm's
-    row factor rsqrt(mean(x^2) + eps) on gate and up (x the raw residual stream)."""
-    if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w):
-        return None
-    return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, silu_mul=True, col_scale=w.col_scale,
-                                         row_scale_eps=row_scale_eps)
 
 
 def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:

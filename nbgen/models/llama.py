@@ -17,7 +17,6 @@ from nbgen.kernels import small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
 from nbgen.models.cpu_decode import CpuDecodePlan
-from nbgen.models.fp8_scaled import scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -59,19 +58,13 @@ class LlamaMLP(nn.Module):
         if gate_up.bias is None and not gate_up.lora_active and small_gemm.usable(x, gate_up.weight):
             # decode of a few rows: SiLU-and-mul in the matmul's epilogue ([T, 2I] never stored)
             return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
-        act = scaled_silu_mul(x, gate_up.fp8) if gate_up.bias is None and not gate_up.lora_active else None
-        if act is not None:      # fp8 weights, a decode step: the same epilogue in the fp8 kernel
-            return self.down_proj(act)
         return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
 
     def forward_folded(self, h: torch.Tensor, eps: float) -> torch.Tensor:
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
         norm weight is in gate|up; the MLP's output is added into h in place -> h."""
         w = self.gate_up_proj.weight
-        fp8 = None if self.gate_up_proj.lora_active else scaled_silu_mul(h, self.gate_up_proj.fp8, eps)
-        if fp8 is not None:     # fp8 weights, a decode step: g, the row scale and SiLU in the fp8 kernel
-            act = fp8
-        elif not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
+        if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
         else:
             act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
