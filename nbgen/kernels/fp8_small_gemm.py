@@ -73,9 +73,19 @@ if triton is not None:
     def _act_scale(x_ptr, s_ptr, g_ptr, rm, sxm, M, K, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # sa [BLOCK_M] of rows rm: given (PREQUANT), else max(amax(|x[m] (* g)|), 1e-10) / 448 over all of K
+        # (one row: 1-D tiles, the layout _x_tile rounds in)
         rk = tl.arange(0, BLOCK_K)
         if PREQUANT:
             sa = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
+        elif BLOCK_M == 1:
+            amax1 = tl.zeros((BLOCK_K,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                v1 = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                if COL_SCALE:
+                    v1 = v1 * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                amax1 = tl.maximum(amax1, tl.abs(v1))
+            sa = tl.zeros((BLOCK_M,), tl.float32) + tl.div_rn(tl.maximum(tl.max(amax1, 0), 1e-10), 448.0)
         else:
             amax = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
             for k0 in range(0, K, BLOCK_K):
