@@ -1,5 +1,5 @@
 """FP8 kernel sweep: cuBLAS's fp8 GEMM (``torch._scaled_mm``: tensorwise, row-wise, and the per-feature
-linear of ``models/fp8_scaled.py`` with its quantize and output-scaling launches) and every
+linear of ``models/fp8_scaled.py`` as the model runs it) and every
 ``kernels.fp8_gemm`` launch variant against the bf16 matmul at Llama-3.1-8B's linear shapes, on CUDA. Prints one line per (shape, rows, variant) with µs, GB/s of the bytes the
 call must read (weights, their scales, activations) and the speed-up over bf16, then the fastest
 variant per rows bucket over all shapes, ready to paste into ``kernels/fp8_gemm.py``'s ``CONFIGS``.
@@ -71,7 +71,8 @@ def graph_time(fn: Callable[[int], object], copies: int, calls: int, reps: int) 
 def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.Tensor], calls: int,
                     reps: int) -> list[tuple[str, float, float]]:
     """cuBLAS's fp8 GEMM at one shape: tensorwise and row-wise ``_scaled_mm`` on a pre-quantized x, and
-    ``scaled_linear`` end to end (its quantize launch included) with one scale per feature and per tensor."""
+    ``scaled_linear`` end to end (up to 16 rows the streaming fp8 kernel, above it the quantize launch and
+    cuBLAS) with one scale per feature and per tensor."""
     dev = x.device
     nbytes = n * k + n * 4 + rows * k * 2 + rows * n * 2
     sa0, sw0 = torch.full((), 0.01, device=dev), torch.full((), 0.002, device=dev)
@@ -86,8 +87,8 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa0, scale_b=sw0, out_dtype=torch.bfloat16),
         "cuBLAS _scaled_mm row-wise (x pre-quantized)":
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16),
-        "scaled_linear per-feature (quantize + GEMM + scale)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
-        "scaled_linear one weight scale (quantize + GEMM; + scale above 1 row)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
+        "scaled_linear per-feature (the model's linear)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
+        "scaled_linear one weight scale (the model's linear)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
     }
     out = []
     for label, fn in cases.items():
