@@ -84,6 +84,12 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         ensure_event_loop()
 
     @property
+    def loop(self) -> Any:
+        """The engine's loop (a ``LoopThread``, or a ``DPLoop`` of replicas): for instrumentation, as
+        vLLM's ``llm_engine``; ``loop.call(fn)`` runs ``fn`` on the loop thread and returns its result."""
+        return self._loop
+
+    @property
     def is_shutdown(self) -> bool:
         """True once shutdown() ran (or the loop thread died)."""
         return self._shut or not self._loop.alive

@@ -11,9 +11,10 @@ import asyncio
 import threading
 import warnings
 import weakref
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from nbgen.core.request import Request
+from nbgen.runtime.stream_buffer import StreamBuffer
 from nbgen.runtime.tracker import Update
 
 
@@ -35,20 +36,33 @@ def ensure_event_loop() -> None:
         asyncio.set_event_loop(asyncio.new_event_loop())
 
 
+def _set_ready(buf: StreamBuffer) -> None:
+    buf.ready.set()
+
+
 class LoopPost:
-    """Hands updates from the loop thread to queues of one asyncio loop: the first update after a
-    drain schedules the drain (one ``call_soon_threadsafe``), later ones only join its list."""
+    """Hands updates from the loop thread to queues of one asyncio loop, and wakes its streams'
+    consumers: the first item after a drain schedules the drain (one ``call_soon_threadsafe``),
+    later ones only join its list. It is the ``Waker`` of the loop's ``StreamBuffer``s."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Update]] = []
+        self._items: list[tuple[Callable[[Any], None], Any]] = []   # (callback on the loop, its argument)
 
     def put(self, queue: asyncio.Queue, update: Update) -> None:
         """Queue ``update`` for ``queue`` (any thread); dropped when the event loop is closed."""
+        self._add([(queue.put_nowait, update)])
+
+    def wake(self, bufs: list[StreamBuffer]) -> None:
+        """Set the ``ready`` events of ``bufs`` (any thread), all in one wake-up of the loop."""
+        self._add([(_set_ready, b) for b in bufs])
+
+    def _add(self, items: list[tuple[Callable[[Any], None], Any]]) -> None:
         with self._lock:
-            self._items.append((queue, update))
-            if len(self._items) > 1:         # a drain is already scheduled
+            first = not self._items
+            self._items.extend(items)
+            if not first:                    # a drain is already scheduled
                 return
         try:
             self.loop.call_soon_threadsafe(self._drain)
@@ -59,8 +73,8 @@ class LoopPost:
     def _drain(self) -> None:
         with self._lock:
             items, self._items = self._items, []
-        for queue, update in items:
-            queue.put_nowait(update)
+        for fn, arg in items:
+            fn(arg)
 
 
 _POSTS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopPost]" = weakref.WeakKeyDictionary()
@@ -77,7 +91,7 @@ def loop_post(loop: asyncio.AbstractEventLoop) -> LoopPost:
 
 
 class AsyncGenerateMixin:
-    """async_generate() for Engine (uses its _prepare, _single, _chunk, _abort_quietly and _loop)."""
+    """async_generate() for Engine (uses its _prepare, _single, _abort_quietly, tokenizer and _loop)."""
 
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                              stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
@@ -119,8 +133,18 @@ class AsyncGenerateMixin:
                 self._abort_quietly(list(pending), wait=False)   # never block the caller's loop
 
     async def _astream(self, req: Request) -> AsyncIterator[dict[str, Any]]:
-        sent = 0
-        async for upd in self._asubmit([req], stream=True):
-            yield self._chunk(upd, sent)
-            sent += len(upd.output.get("text", "")) if not upd.finished else 0
+        """Chunks of one request: each holds everything that arrived since the previous one (merged
+        while the caller's loop was busy), the text made here from the ids (``StreamBuffer``)."""
+        buf = StreamBuffer(req, self.tokenizer, loop_post(asyncio.get_running_loop()), asyncio.Event())
+        self._loop.submit([req], buf, stream=True)
+        try:
+            while not buf.done:
+                await buf.ready.wait()
+                buf.ready.clear()
+                chunk = buf.take()
+                if chunk is not None:
+                    yield chunk
+        finally:
+            if not buf.done:  # cancelled or closed early
+                self._abort_quietly([req.rid], wait=False)   # never block the caller's loop
 

@@ -7,8 +7,8 @@ or data URL, raw bytes or a PIL image. A prompt takes one image or a list; a bat
 one entry (None, an image or a list) per prompt. Each image needs a ``<|vision_start|><|image_pad|>
 <|vision_end|>`` placeholder in the prompt (the chat template writes it); a prompt without any gets
 them prepended, one per image.
-The processor's pixel work runs in the background (``engine_images_background.py``) where each image's
-grid is known from its size: the requests reach the engine while later images are still processed.
+Where grids follow from image sizes, pixel work runs in the background (``engine_images_background.py``,
+``engine_images_device.py``) and a batch's hashes on a pool (``engine_images_ids.py``) while it runs.
 """
 from __future__ import annotations
 
@@ -16,24 +16,26 @@ import base64
 import binascii
 import contextlib
 import dataclasses
-import hashlib
+import functools
 import io
 import os
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from nbgen.core.multimodal import ImageInputs
 from nbgen.core.request import Request
-from nbgen.engine_images_background import BackgroundPixels, grids_ahead
+from nbgen.engine_images_background import BackgroundPixels, pixels_ahead
+from nbgen.engine_images_device import pixel_recipe
+from nbgen.engine_images_ids import IdPool, image_ids
 from nbgen.models.mrope import mrope_positions
 from nbgen.models.registry import VISION_ARCHITECTURES
+from nbgen.models.vision_pixels import PixelRecipe
 
 _FETCH_TIMEOUT_S = 10.0
-_HASH_SPACE = 1 << 30
 _PARALLEL_FROM = 4          # prompts with images from which preprocessing runs in a thread pool
 _MAX_WORKERS = 8
 
@@ -134,34 +136,36 @@ class ImagePrep:
         self.end_id = int(hf_config.vision_end_token_id)
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self._processor: Optional[Any] = None
+        self._recipe: Optional[PixelRecipe] = None               # the processor's, for images kept at their size
         self._background = BackgroundPixels()                     # the processor's pixel work
+        self._ids = IdPool()                                      # a batch's image hashes
 
     @property
     def processor(self) -> Any:
         """The HF image processor of the model directory (the PIL one when torchvision is missing)."""
         if self._processor is None:
             # Qwen2-VL's defaults (min/max pixels) where the directory has no processor config
-            self._processor = checkpoint_image_processor(self.model_dir, "Qwen2VLImageProcessorPil", {})
+            proc = checkpoint_image_processor(self.model_dir, "Qwen2VLImageProcessorPil", {})
+            self._recipe, self._processor = pixel_recipe(proc), proc
         return self._processor
 
-    def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:
-        """(pixel patches [N, D], grids, one identity per image) of a prompt's images: loaded and run
-        through the processor, or SGLang's ``{"format": "processor_output", ...}`` dicts as given."""
+    def _pixels(self, images: list[Any], idx: int) -> tuple[Any, list[tuple[int, int, int]], list[Any]]:
+        """(patches [N, D] or a Future of them or None, grids, the PIL images or one identity per image): loaded
+        and run through the processor (None: images it keeps at their size, whose RGB bytes ``image_ids``
+        keeps for the device), or SGLang's processor_output dicts."""
         where = f"image_data[{idx}]"
         if any(isinstance(im, dict) for im in images):
             return _processor_output(images, where)
         pil = [load_image(im, where + (f"[{j}]" if len(images) > 1 else "")) for j, im in enumerate(images)]
-        # the decoded RGB pixels identify the processed image (the processor is deterministic); ~10x
-        # cheaper to hash than the float patches
-        idents = [img.tobytes() + str(img.size).encode() for img in pil]
-        grids = grids_ahead(self.processor, pil)
-        if grids is not None:
-            return self._background.submit(self.processor, pil, grids), grids, idents
+        ahead = pixels_ahead(self._background, self.processor, self._recipe, pil)
+        if ahead is not None:
+            return ahead[0], ahead[1], pil
         out = self.processor(images=pil, return_tensors="pt")
-        return out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()], idents
+        return out["pixel_values"], [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()], pil
 
-    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs]:
-        pv, grids, idents = self._pixels(images, idx)
+    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs, Callable[[], Any]]:
+        """(expanded ids, ImageInputs without its hashes, the ``image_ids`` job giving them)."""
+        pv, grids, src = self._pixels(images, idx)
         runs = _runs(ids, self.image_token_id)
         if not runs:
             ids = [self.start_id, self.image_token_id, self.end_id] * len(grids) + ids
@@ -169,25 +173,23 @@ class ImagePrep:
         if len(runs) != len(grids):
             raise ValueError(f"prompt[{idx}] has {len(runs)} image placeholder(s) but image_data gives "
                              f"{len(grids)} image(s)")
-        new, spans, hashes, first = [], [], [], 0
-        for (a, b), (t, h, w), ident in zip(runs, grids, idents):
+        new, spans, first = [], [], 0
+        for (a, b), (t, h, w) in zip(runs, grids):
             n = t * h * w // (self.merge * self.merge)
             new.extend(ids[first:a])
             spans.append((len(new), len(new) + n))
             new.extend([self.image_token_id] * n)
             first = b
-            digest = hashlib.sha256(ident)
-            digest.update(f"{t},{h},{w}".encode())
-            hashes.append(digest.hexdigest())
         new.extend(ids[first:])
         positions, delta = mrope_positions(len(new), spans, grids, self.merge)
-        pads = [self.vocab_size + int(h[:15], 16) % _HASH_SPACE for h in hashes]
-        return new, ImageInputs(pixel_values=pv, grids=grids, spans=spans, hashes=hashes, pad_values=pads,
-                                positions=positions, rope_delta=delta)
+        job = functools.partial(image_ids, src, grids, self.vocab_size, self._recipe if pv is None else None)
+        return new, ImageInputs(pixel_values=pv, grids=grids, spans=spans, hashes=[], pad_values=[],
+                                positions=positions, rope_delta=delta), job
 
     def expand(self, ids_list: list[list[int]], images: list[list[Any]]) -> tuple[list[list[int]], list[Optional[ImageInputs]]]:
         """Prompts with their placeholders expanded (image token ids, still in the vocabulary for the
-        usual checks) and each prompt's ImageInputs (None for prompts without images)."""
+        usual checks) and each prompt's ImageInputs (None for prompts without images). A batch's image
+        ids come from the pool in prompt order (``ImageInputs.pending``), one prompt's at once."""
         todo = [i for i, ims in enumerate(images) if ims]
         bg = self._background
         with bg.held() if bg is not None else contextlib.nullcontext():   # pixels once every prompt is laid out
@@ -198,12 +200,17 @@ class ImagePrep:
             else:
                 done = [self._inputs(ids_list[i], images[i], i) for i in todo]
         out_ids, inputs = list(ids_list), [None] * len(ids_list)
-        for i, (new, inp) in zip(todo, done):
+        for i, (new, inp, job) in zip(todo, done):
+            if job is not None:                   # (LLaVA hashes while laying out)
+                inp.pending, raw = self._ids.submit(job) if len(todo) >= _PARALLEL_FROM else (None, None)
+                if inp.pending is None:
+                    inp.hashes, inp.pad_values, raw = job()
+                inp.pixel_values = raw if inp.pixel_values is None else inp.pixel_values
             out_ids[i], inputs[i] = new, inp
         return out_ids, inputs
 
 
-def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int, int, int]], list[bytes]]:
+def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int, int, int]], list[tuple[bytes, ...]]]:
     """SGLang's ``dict(processor_output, format="processor_output")``: the HF processor's
     ``pixel_values`` and ``image_grid_thw`` used as they are (prompts then come as ``input_ids`` with
     the placeholders already expanded)."""
@@ -225,7 +232,7 @@ def _processor_output(items: list[Any], where: str) -> tuple[Any, list[tuple[int
         rows.append(rows[-1] + t * h * w)
     if rows[-1] != pv.shape[0]:
         raise ValueError(f"{where}: pixel_values has {pv.shape[0]} patches, image_grid_thw says {rows[-1]}")
-    return pv, grids, [pv[a:b].numpy().tobytes() for a, b in zip(rows[:-1], rows[1:])]
+    return pv, grids, [(pv[a:b].numpy().tobytes(),) for a, b in zip(rows[:-1], rows[1:])]
 
 
 def _runs(ids: list[int], tok: int) -> list[tuple[int, int]]:
@@ -257,7 +264,7 @@ def attach_images(reqs: list[Request], counts: list[int], inputs: list[Optional[
                                  f"its image slots ending at {inp.end}: shorten the text or the image")
             req.images = dataclasses.replace(inp)
             req.rope_delta = inp.rope_delta
-            for (a, b), pad in zip(inp.spans, inp.pad_values):
+            for (a, b), pad in zip(inp.spans, inp.pad_values):     # none yet while pending (``settle``)
                 req.prompt_ids[a:b] = [pad] * (b - a)
 
 

@@ -95,7 +95,7 @@ class LlavaImagePrep(ImagePrep):
             i = j
         return ids, out
 
-    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs]:
+    def _inputs(self, ids: list[int], images: list[Any], idx: int) -> tuple[list[int], ImageInputs, None]:
         pv, grids, idents = self._pixels(images, idx)
         counts = [self.slots(g) for g in grids]
         ids, runs = self._placeholders(ids, counts, idx)
@@ -114,7 +114,7 @@ class LlavaImagePrep(ImagePrep):
         new.extend(ids[first:])
         pads = [self.vocab_size + int(h[:15], 16) % _HASH_SPACE for h in hashes]
         return new, ImageInputs(pixel_values=pv, grids=grids, spans=spans, hashes=hashes, pad_values=pads,
-                                positions=None, rope_delta=0)
+                                positions=None, rope_delta=0), None
 
 
 class LlavaNextImagePrep(LlavaImagePrep):

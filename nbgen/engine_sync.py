@@ -7,21 +7,25 @@ shows one line (GenerationInterrupted). The loop thread never blocks on the call
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any, Iterator
 
 from nbgen.core.interrupt import GenerationInterrupted
+from nbgen.core.multimodal import submit_in_order
 from nbgen.core.request import Request
 from nbgen.progress import BatchProgress
+from nbgen.runtime.stream_buffer import DIRECT, StreamBuffer
 from nbgen.runtime.tracker import Update
 
 
 class SyncBridgeMixin:
-    """_run_sync / _stream / _chunk / _abort_quietly for Engine (uses its _loop and _check_alive)."""
+    """_run_sync / _stream / _abort_quietly for Engine (uses its _loop and _check_alive)."""
 
     def _run_sync(self, reqs: list[Request], progress: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         q: queue.Queue = queue.Queue()
         pending = {r.rid for r in reqs}
-        self._loop.submit(reqs, q.put, stream=False)   # may refuse (duplicate rid): before the bar exists
+        # may refuse (duplicate rid): before the bar exists; image requests go as their image ids are ready
+        submit_in_order(reqs, lambda rs: self._loop.submit(rs, q.put, stream=False), self._abort_quietly)
         bar = BatchProgress(len(reqs), enabled=progress)
         try:
             while pending:
@@ -46,32 +50,22 @@ class SyncBridgeMixin:
                 self._abort_quietly(list(pending))
 
     def _stream(self, req: Request) -> Iterator[dict[str, Any]]:
-        q: queue.Queue = queue.Queue()
-        self._loop.submit([req], q.put, stream=True)
-        sent = 0
-        done = False
+        """Chunks of one request: each holds everything that arrived since the previous one (merged
+        while the caller was busy), the text made here from the ids (``StreamBuffer``)."""
+        buf = StreamBuffer(req, self.tokenizer, DIRECT, threading.Event())
+        self._loop.submit([req], buf, stream=True)
         try:
-            while not done:
-                try:
-                    upd: Update = q.get(timeout=0.1)
-                except queue.Empty:
+            while not buf.done:
+                if not buf.ready.wait(0.1):
                     self._check_alive()
                     continue
-                done = upd.finished
-                yield self._chunk(upd, sent)
-                sent += len(upd.output.get("text", "")) if not done else 0
+                buf.ready.clear()
+                chunk = buf.take()
+                if chunk is not None:
+                    yield chunk
         finally:
-            if not done:
+            if not buf.done:
                 self._abort_quietly([req.rid])
-
-    @staticmethod
-    def _chunk(upd: Update, sent_chars: int) -> dict[str, Any]:
-        """Final updates carry the full text: cut what earlier chunks already delivered."""
-        if upd.finished and "text" in upd.output:   # skip_tokenizer_init outputs have no text
-            out = dict(upd.output)
-            out["text"] = out["text"][sent_chars:]
-            return out
-        return upd.output
 
     def _abort_quietly(self, rids: list[str], wait: bool = True) -> None:
         """Abort an interrupted call's requests; with ``wait``, return once the loop let them go."""

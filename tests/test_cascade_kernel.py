@@ -39,7 +39,9 @@ def _shared_tables(rng: random.Random, prefixes: list[int], rows: int, own: tupl
     return lens, indptr, np.asarray([p for t in tables for p in t], dtype=np.int32), last, total + 1
 
 
-def check_cascade(device: str, dtype: torch.dtype, cases: list, fp8: bool) -> None:
+def check_cascade(device: str, dtype: torch.dtype, cases: list, fp8: bool, shapes: tuple = ()) -> None:
+    """``shapes``: (Level0, Level1) launch shapes checked besides the defaults (None: the default)."""
+    from nbgen.kernels.triton_cascade import Level1
     from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
     from nbgen.runtime.cascade_graphs import MAX_CHUNKS, CascadeTables
 
@@ -73,10 +75,20 @@ def check_cascade(device: str, dtype: torch.dtype, cases: list, fp8: bool) -> No
         err, err_plain = (out.float().cpu() - ref).abs(), (base - ref).abs()
         assert bool((err <= tol).all()), (i, err.max().item(), err_plain.max().item())
         assert err.mean() <= 2 * err_plain.mean() + 1e-4, (i, err.mean().item(), err_plain.mean().item())
-        # rows in no chunk run the plain kernel unchanged
+        # rows in no chunk: the plain kernel's sums, bit for bit where level 1 runs its launch shape
         alone = torch.from_numpy(plan.chunk < 0)
+        default = w.level0, w.level1
         if alone.any():
-            assert torch.equal(out.cpu()[alone], plain.run(q, (kc, vc), k_scale=ks, v_scale=vs).cpu()[alone])
+            w.level1 = Level1()
+            same = w.run(q, (kc, vc), k_scale=ks, v_scale=vs).cpu()[alone]
+            assert torch.equal(same, plain.run(q, (kc, vc), k_scale=ks, v_scale=vs).cpu()[alone])
+            w.level1 = default[1]
+        for lv0, lv1 in shapes:       # other launch shapes: the same sums up to float rounding
+            w.level0, w.level1 = lv0 or default[0], lv1 or default[1]
+            other = w.run(q, (kc, vc), k_scale=ks, v_scale=vs).float().cpu()
+            assert bool(((other - ref).abs() <= tol).all()), (i, w.level0, w.level1)
+            assert (other - out.float().cpu()).abs().max() <= 2 ** -6 * ref.abs().max(), (i, w.level0, w.level1)
+        w.level0, w.level1 = default
 
 
 CPU_CASES = [
@@ -88,7 +100,11 @@ CPU_CASES = [
 
 
 def _interpreted() -> None:
-    check_cascade("cpu", torch.float16, CPU_CASES, fp8=False)
+    from nbgen.kernels.triton_cascade import Level0, Level1
+
+    shapes = ((Level0(2, 16, 4, 3, ahead=True), Level1(16, 4, 3, 2, ahead=True)),
+              (None, Level1(32, 8, 2, 1)))
+    check_cascade("cpu", torch.float16, CPU_CASES, fp8=False, shapes=shapes)
     check_cascade("cpu", torch.float16, CPU_CASES[:2], fp8=True)
 
 
@@ -106,4 +122,8 @@ def test_gpu_cascade_matches_plain_decode(fp8):
     cases = [(16, 8, 128, 16, [2000] * 8, 256, (50, 500)),
              (32, 8, 128, 16, [1024, 512, 0], 70, (1, 300)),
              (14, 2, 64, 16, [640, 160], 40, (1, 40))]
-    check_cascade("cuda", torch.bfloat16, cases, fp8)
+    from nbgen.kernels.triton_cascade import Level0, Level1
+
+    shapes = ((Level0(8, 64, 8, 3, ahead=True), Level1(64, 4, 3, None, ahead=True)),
+              (Level0(4, 32, 4, 4, ahead=True), Level1(None, 4, None, 1)))
+    check_cascade("cuda", torch.bfloat16, cases, fp8, shapes=shapes)

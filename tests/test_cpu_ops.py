@@ -188,7 +188,7 @@ def test_engine_decodes_with_the_kernel_on_cpu(tiny_engine, device):
     cover it; test_parity_torch_decode_path covers the torch fallback)."""
     if device != "cpu":
         pytest.skip("CPU engine only")
-    assert tiny_engine._loop.runner.backend.cpu_kernels is True
+    assert tiny_engine.loop.runner.backend.cpu_kernels is True
 
 
 def _hf_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

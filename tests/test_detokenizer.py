@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from nbgen.runtime import detokenizer
 from nbgen.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 CORPUS = ["Hello world, café au lait. 日本語のテキスト 🙂 emoji 🎉!",
@@ -115,8 +116,30 @@ def test_decode_window_stays_small(byte_bpe, monkeypatch: pytest.MonkeyPatch) ->
     sizes: list[int] = []
     real = byte_bpe.decode
     monkeypatch.setattr(byte_bpe, "decode", lambda t, **kw: sizes.append(len(t)) or real(t, **kw))
+    direct = detokenizer.backend_decode     # the Rust decode called directly: counted as well
+
+    def counted(tok, skip):
+        fast = direct(tok, skip)
+        return None if fast is None else (lambda t: sizes.append(len(t)) or fast(t))
+    monkeypatch.setattr(detokenizer, "backend_decode", counted)
     assert "".join(stream(byte_bpe, ids, [1] * len(ids))) == real(ids)
     assert len(ids) > 60 and max(sizes) <= 8          # O(1) work per token, not O(length)
+
+
+def test_direct_decode_only_where_it_is_the_hf_decode(byte_bpe) -> None:
+    fast = detokenizer.backend_decode(byte_bpe, True)
+    ids = byte_bpe.encode(" ".join(TEXTS), add_special_tokens=False) + [byte_bpe.eos_token_id]
+    assert fast is not None and fast(ids) == byte_bpe.decode(ids, skip_special_tokens=True)
+
+    class Shouting(type(byte_bpe)):
+        def decode(self, token_ids, **kw):
+            return super().decode(token_ids, **kw).upper()
+    assert detokenizer.backend_decode(Shouting(tokenizer_object=byte_bpe.backend_tokenizer), True) is None
+    byte_bpe.clean_up_tokenization_spaces = True
+    try:
+        assert detokenizer.backend_decode(byte_bpe, True) is None
+    finally:
+        byte_bpe.clean_up_tokenization_spaces = False
 
 
 def test_flush_releases_incomplete_bytes(byte_bpe) -> None:

@@ -108,7 +108,7 @@ def test_dp_routes_by_prompt_and_output_tokens(engines, monkeypatch):
     """The engine counts prompt + max_new_tokens: one long request, then the short ones go to the other
     replica; every token is given back when they finish."""
     _, two = engines
-    router = two._loop.router
+    router = two.loop.router
     assert router.loads() == [0, 0]
     calls = []
     route = router.route

@@ -15,7 +15,7 @@ def _engine(path: str, overlap: bool) -> nbgen.Engine:
     eng = nbgen.Engine(path, dtype="float32", device="cpu", is_embedding=True, chunked_prefill_size=48,
                        max_running_requests=4)
     if overlap:
-        loop = eng._loop
+        loop = eng.loop
         loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
     return eng
 
@@ -33,12 +33,12 @@ def test_overlap_embeddings_abort_mid_batch_then_serve(tiny_llama_dir):
             if len(got) == 3:
                 break
         it.close()                                  # aborts the rest; a step may be in flight
-        eng._loop.call(lambda: None)                # the abort has run on the loop thread
+        eng.loop.call(lambda: None)                # the abort has run on the loop thread
         for i, out in got.items():
             assert out["embedding"] == pytest.approx(ref[i]["embedding"], abs=1e-6)
         s = eng.get_server_info()
         again = eng.encode(input_ids=prompts)       # the engine serves on, same vectors, same order
-        stats = eng._loop.stats()
+        stats = eng.loop.stats()
     assert s is not None and stats["running"] == 0 and stats["waiting"] == 0
     assert [o["meta_info"]["prompt_tokens"] for o in again] == [len(p) for p in prompts]
     assert [o["meta_info"]["finish_reason"] for o in again] == [o["meta_info"]["finish_reason"] for o in ref]

@@ -200,10 +200,10 @@ def test_hidden_states_give_each_greedy_token(eng):
     assert len(hs[0]) == out["meta_info"]["prompt_tokens"]
     assert all(len(h) == eng.hf_config.hidden_size for h in hs[0] + hs[1:])
     producing = [hs[0][-1]] + hs[1:]                 # the state of the position that produced each token
-    model = eng._loop.runner.model   # read-only use: the state through lm_head gives the greedy token
+    model = eng.loop.runner.model   # read-only use: the state through lm_head gives the greedy token
     with torch.inference_mode():
         logits = model.compute_logits(torch.tensor(producing, dtype=eng.dtype,
-                                                   device=eng._loop.runner.device)).float()
+                                                   device=eng.loop.runner.device)).float()
     picked = logits.gather(1, torch.tensor(out["output_ids"], device=logits.device).view(-1, 1)).view(-1)
     # the same kernels on CPU: exact; on a GPU another batch size may round the top logits differently
     tol = 0.0 if DEVICE == "cpu" else 0.05
@@ -277,7 +277,7 @@ def test_grammar_with_overlap_scheduling_same_outputs(eng):
     sps = [{"temperature": 1.0, "max_new_tokens": 48, "sampling_seed": i, "json_schema": json.dumps(PERSON)}
            for i in range(3)] + [{"temperature": 1.0, "max_new_tokens": 24, "sampling_seed": i,
                                   "regex": REGEXES[i % 4]} for i in range(3)] + [{"temperature": 0.0, "max_new_tokens": 16}] * 2
-    loop = eng._loop
+    loop = eng.loop
     default = loop._overlap                 # None on CPU, a stepper on CUDA
     loop.call(lambda: setattr(loop, "_overlap", None))
     try:
@@ -297,7 +297,7 @@ def _forced_overlap(eng, fn):
     """fn() once with the plain loop and once under the overlap stepper (forced on for CPU)."""
     from nbgen.runtime.overlap import OverlapStepper
 
-    loop = eng._loop
+    loop = eng.loop
     default = loop._overlap
     loop.call(lambda: setattr(loop, "_overlap", None))
     try:
@@ -320,7 +320,7 @@ def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
             **({"json_schema": json.dumps(PERSON)} if i % 2 else {"regex": REGEXES[i % 4]})} for i in range(n)]
     sps.append({"temperature": 0.0, "max_new_tokens": 16})
     jobs = []
-    constraints = eng._loop.runner.sampler.constraints
+    constraints = eng.loop.runner.sampler.constraints
     original = constraints.fill_async
 
     def spy(seqs):
@@ -349,7 +349,7 @@ def test_greedy_constrained_batch_takes_the_masked_argmax(eng):
     sps = [{"temperature": 0.0, "max_new_tokens": 18 + i % 5,
             **({"json_schema": json.dumps(PERSON)} if i % 2 else {"regex": REGEXES[i % 4]})} for i in range(n)]
     calls = []
-    constraints = eng._loop.runner.sampler.constraints
+    constraints = eng.loop.runner.sampler.constraints
     original = constraints.masked_argmax
 
     def spy(*a, **k):
@@ -397,7 +397,7 @@ def test_abort_during_grammar_pipeline(eng):
            for i in range(n)]
     plain = eng.generate(prompts, sps, use_tqdm=False)
     rids = [f"pipe-{time.time()}-{i}" for i in range(n)]
-    loop = eng._loop
+    loop = eng.loop
     default = loop._overlap
     loop.call(lambda: setattr(loop, "_overlap", Recording.from_loop(loop)))
     try:
@@ -490,10 +490,10 @@ def test_grammar_pipeline_with_preemption_same_outputs(tiny_llama_dir):
     for overlap in (False, True):
         with nbgen.Engine(tiny_llama_dir, device="cpu", dtype="float32", max_total_tokens=400) as e:
             if overlap:
-                loop = e._loop
+                loop = e.loop
                 loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
             outs.append(e.generate(input_ids=prompts, sampling_params=sps, use_tqdm=False))
-            preempted = e._loop.scheduler.num_preemptions
+            preempted = e.loop.scheduler.num_preemptions
         assert preempted > 0, "the pool was meant to be too small"
     plain, over = outs
     assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]

@@ -17,7 +17,7 @@ from nbgen.core.request import Request, Status
 from nbgen.core.sampling import SamplingParams
 from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.runtime.grammar import GrammarState
-from nbgen.runtime.grammar_batch import BATCH_ACCEPT_MIN, StepGrammar, accept_tokens
+from nbgen.runtime.grammar_batch import BATCH_ACCEPT_MIN, StepGrammar, accept_tokens, live_rows
 from nbgen.runtime.scheduler import Scheduler
 
 xgr = pytest.importorskip("xgrammar")
@@ -148,14 +148,13 @@ def test_jump_not_searched_without_room(compiled):
     state = _state(compiled)
     assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
     asked = []
-    real = state.matcher
+    real = state.search
 
-    class Spy:                            # the matcher, counting the searches
-        def find_jump_forward_string(self):
-            asked.append(1)
-            return real.find_jump_forward_string()
+    def spy():                            # the search, counted
+        asked.append(1)
+        return real()
 
-    state.matcher = Spy()
+    state.search = spy
     for room in (MIN_JUMP - 1, MIN_JUMP):
         req = Request("r", [1, 2], SamplingParams(max_new_tokens=4 + room))   # room = max_new - len(out) - 1
         req.output_ids = [VOCAB.index(c) for c in "ab"] + [VOCAB.index('"')]
@@ -178,3 +177,20 @@ def test_rows_of_completed_grammars_keep_their_reason(compiled):
     step.add(done, EOS, FinishReason.length())
     step.add(quiet, EOS, None)
     assert [(r, x.to_dict()["type"]) for r, x in step.settle(None)] == [(done, "length")]
+
+
+def test_live_rows_stay_greedy_beside_completed_grammars(compiled):
+    """A row whose grammar completed (its request finished; overlap scheduled it one step earlier) is
+    no mask row and keeps the step on the masked-argmax path; a free or sampled row does not."""
+    def seq(grammar, temperature=0.0):
+        req = Request("r", [1], SamplingParams(temperature=temperature))
+        req.grammar = grammar
+        return SimpleNamespace(req=req)
+
+    done = _state(compiled)
+    done.done = True
+    live = [seq(_state(compiled)), seq(done), seq(_state(compiled))]
+    assert live_rows(live) == ([0, 2], [live[0].req.grammar, live[2].req.grammar], True)
+    assert live_rows(live + [seq(None)])[2] is False
+    assert live_rows(live + [seq(_state(compiled), temperature=0.7)])[2] is False
+    assert live_rows([seq(done)]) == ([], [], True)

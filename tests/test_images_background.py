@@ -4,10 +4,8 @@ one, across sizes and aspect ratios; the background result is the caller-thread 
 ImageInputs carries a Future that ``pixels()`` resolves."""
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,25 +14,20 @@ from nbgen.engine_images import ImagePrep
 from nbgen.engine_images_background import BackgroundPixels, grids_ahead
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import prepare_config
+from nbgen.models.vision_pixels import rgb_patches
+from tests.tiny_models import QWEN25_VL_7B_CONFIG, random_image
 
-CONFIG_7B = os.path.join(os.path.dirname(__file__), "..", "nbgen", "bench", "configs", "qwen2.5-vl-7b")
 SIZES = [(448, 448), (60, 90), (120, 40), (1000, 37), (29, 29), (333, 517), (3000, 2000)]
-
-
-def _image(h: int, w: int, seed: int = 0):
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 @pytest.mark.parametrize("where", ["tiny", "7b"])
 def test_grids_ahead_are_the_processors(where, tmp_path):
     import transformers as tf
 
-    d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl") if where == "tiny" else CONFIG_7B
+    d = make_tiny_vlm(str(tmp_path), "qwen2_5_vl") if where == "tiny" else QWEN25_VL_7B_CONFIG
     proc = tf.AutoImageProcessor.from_pretrained(d)
     sizes = SIZES if where == "tiny" else SIZES[:6]         # the 7B rule keeps 3000x2000 large: slow
-    ims = [_image(h, w, i) for i, (h, w) in enumerate(sizes)]
+    ims = [random_image(h, w, i) for i, (h, w) in enumerate(sizes)]
     got = grids_ahead(proc, ims)
     assert got is not None
     want = [tuple(int(v) for v in g) for g in proc(images=ims, return_tensors="pt")["image_grid_thw"].tolist()]
@@ -46,7 +39,7 @@ def test_background_pixels_equal_the_callers(tmp_path):
 
     d = make_tiny_vlm(str(tmp_path), "qwen2_vl")
     proc = tf.AutoImageProcessor.from_pretrained(d)
-    ims = [_image(60, 90), _image(120, 40, 1)]
+    ims = [random_image(60, 90), random_image(120, 40, 1)]
     fut = BackgroundPixels().submit(proc, ims, grids_ahead(proc, ims))
     assert torch.equal(fut.result(), proc(images=ims, return_tensors="pt")["pixel_values"])
     with pytest.raises(RuntimeError, match="laid out"):                  # a grid mismatch is not silent
@@ -57,11 +50,13 @@ def test_prompt_inputs_carry_pending_pixels(tmp_path):
     d = make_tiny_vlm(str(tmp_path), "qwen2_vl")
     cfg = prepare_config(read_model_config(d))
     prep = ImagePrep(cfg, d)
-    ids, inputs = prep.expand([[5, 6, 7]], [[_image(60, 90)]])
+    ids, inputs = prep.expand([[5, 6, 7]], [[random_image(60, 90)]])
     inp = inputs[0]
     assert isinstance(inp.pixel_values, Future)
-    want = prep.processor(images=[_image(60, 90)], return_tensors="pt")["pixel_values"]
-    assert torch.equal(inp.pixels(), want) and inp.num_tokens == inp.grids[0][1] * inp.grids[0][2] // 4
+    want = prep.processor(images=[random_image(60, 90)], return_tensors="pt")["pixel_values"]
+    raw = inp.pixels()                                                   # resized RGB bytes (RawImages)
+    got = rgb_patches(torch.from_numpy(raw.rgb[0])[None], raw.recipe.lut, raw.recipe, torch.float32)
+    assert torch.equal(got, want) and inp.num_tokens == inp.grids[0][1] * inp.grids[0][2] // 4
 
 
 def test_held_pixel_jobs_start_when_the_layout_ends(tmp_path):
@@ -71,7 +66,7 @@ def test_held_pixel_jobs_start_when_the_layout_ends(tmp_path):
 
     d = make_tiny_vlm(str(tmp_path), "qwen2_vl")
     proc = tf.AutoImageProcessor.from_pretrained(d)
-    ims = [[_image(60, 90, i)] for i in range(3)]
+    ims = [[random_image(60, 90, i)] for i in range(3)]
     bg = BackgroundPixels()
     with bg.held():
         with bg.held():

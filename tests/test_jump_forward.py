@@ -52,7 +52,7 @@ def _prompts(eng, what: str, n: int) -> list[str]:
 
 def _service(eng):
     eng.generate("x", {"max_new_tokens": 1, "regex": "[ab]"})   # makes the grammar service
-    return eng._loop._delivery.grammar
+    return eng.loop.delivery.grammar
 
 
 def _run_modes(eng, prompts, sps):
@@ -60,7 +60,7 @@ def _run_modes(eng, prompts, sps):
     outputs, and the jumps made by the last two."""
     from nbgen.runtime.overlap import OverlapStepper
 
-    loop, service = eng._loop, _service(eng)
+    loop, service = eng.loop, _service(eng)
     jumper, default = service.jumper, loop._overlap
     try:
         loop.call(lambda: setattr(service, "jumper", None))
@@ -112,7 +112,7 @@ def test_forced_rows_and_chunks_give_the_same_outputs(eng32):
     eng = eng32
     prompts = _prompts(eng, "Write a code like 2-12345-5", 4)
     sp = {"temperature": 0.0, "max_new_tokens": 40, "regex": DIGITS}
-    loop, sched = eng._loop, eng._loop.scheduler
+    loop, sched = eng.loop, eng.loop.scheduler
     rows, seen = sched.cfg.forced_token_rows, []
     assert rows > 0
     schedule = sched.schedule
@@ -261,6 +261,38 @@ def test_forced_tokens_run_as_one_token_rows():
     assert [(s.token_ids, s.start_pos, s.sample) for s in nxt.seqs] == [([11], 6, True)]
 
 
+def _two_jumped(rows: int):
+    """A scheduler (forced_token_rows=rows) with a request "a" holding 2 tokens without KV (its sampled
+    7 and a forced 8) and "b" holding 3 (7, 8, 9)."""
+    sched = Scheduler(SchedulerConfig(num_pages=32, page_size=4, forced_token_rows=rows))
+    a = Request("a", [1, 2, 3], SamplingParams(max_new_tokens=20))
+    b = Request("b", [4, 5, 6], SamplingParams(max_new_tokens=20))
+    sched.add(a)
+    sched.add(b)
+    sched.update(sched.schedule(), StepOutput([7, 7], [None] * 2, [None] * 2))   # both prefills sample 7
+    a.output_ids.append(8)
+    b.output_ids.extend([8, 9])
+    return sched, a, b
+
+
+def test_forced_tokens_wait_one_step_for_rows():
+    """Forced tokens that do not fit beside the step's other rows wait one step (the step stays
+    decode-only, runtime/forced_rows.RowWaits), then run as rows; a request that waited at the
+    previous schedule runs as a chunk rather than wait again."""
+    sched, a, b = _two_jumped(4)
+    batch = sched.schedule()                       # a takes 2 rows, b's 3 do not fit the other 2
+    assert batch.is_decode_only and {s.req.rid for s in batch.seqs} == {"a"}
+    sched.update(batch, StepOutput([-1, 11], [None] * 2, [None] * 2))
+    batch = sched.schedule()                       # a decodes (1 row), b's 3 rows fit now
+    assert batch.is_decode_only
+    assert [(s.req.rid, s.token_ids, s.sample) for s in batch.seqs] == [
+        ("a", [11], True), ("b", [7], False), ("b", [8], False), ("b", [9], True)]
+    sched, a, b = _two_jumped(4)
+    sched.schedule()                               # b waits (this batch is dropped, as overlap may)
+    batch = sched.schedule()                       # b waited already: a chunk beside a's rows
+    assert [(s.req.rid, s.token_ids) for s in batch.seqs] == [("a", [7]), ("a", [8]), ("b", [7, 8, 9])]
+
+
 def test_forced_tokens_beyond_the_row_cap_run_as_a_chunk():
     sched, _req = _jumped_scheduler(2)           # 3 rows do not fit
     batch = sched.schedule()
@@ -277,5 +309,24 @@ def test_forced_token_rows_follow_the_config():
     assert forced_token_rows(cpu) == 4 * cpu.max_running_requests
     assert forced_token_rows(EngineConfig().resolved("cpu")) == 0
     gpu = EngineConfig(enable_jump_forward=True).resolved("cuda", 80 << 30)
-    assert gpu.cuda_graph_max_bs == 512 and forced_token_rows(gpu) == 512
+    assert gpu.cuda_graph_max_bs == 768 and forced_token_rows(gpu) == 768
     assert EngineConfig().resolved("cuda", 80 << 30).cuda_graph_max_bs == 256
+
+
+@pytest.mark.slow
+def test_grammar_replay_counts_its_steps(tmp_path, monkeypatch, capsys):
+    """bench.grammar_replay on 8 requests: every output valid both ways, every constrained step on the
+    masked argmax, forced rows only with jump-forward, and (cap 4) some forced tokens as chunks."""
+    import sys
+
+    from nbgen.bench import grammar_replay
+
+    out = tmp_path / "replay.json"
+    monkeypatch.setattr(sys, "argv", ["grammar_replay", "--num", "8", "--forced-rows", "4", "--json", str(out)])
+    grammar_replay.main()
+    tbt, jf = json.loads(out.read_text())["runs"]
+    assert tbt["valid"] == jf["valid"] == 8
+    assert tbt["masked"] == tbt["fills"] > 0 and jf["masked"] == jf["fills"] > 0
+    assert tbt["forced_rows"] == 0 and jf["forced_rows"] > 0 and jf["chunked"] > 0
+    assert jf["steps"] < tbt["steps"]
+    assert "jump_forward" in capsys.readouterr().out

@@ -95,7 +95,7 @@ def test_gpu_lora_prefill_graphs_equal_eager(gpu_model_dir, tmp_path: Path) -> N
         assert eng.get_server_info()["piecewise_cuda_graph_tokens"]
         on = run(eng, every)
         on_overlap = run(eng, every, logprobs=False)          # the overlap path (no logprobs)
-        assert eng._loop.runner.prefill_graphs.variant_replays > 0
+        assert eng.loop.runner.prefill_graphs.variant_replays > 0
     with nbgen.Engine(gpu_model_dir, disable_piecewise_cuda_graph=True, **kw) as eng:
         assert not eng.get_server_info()["piecewise_cuda_graph_tokens"]
         off = run(eng, every)

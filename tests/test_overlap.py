@@ -16,7 +16,7 @@ from nbgen.runtime.overlap import OverlapStepper
 def _run(path: str, overlap: bool, prompts: list[list[int]], sps: list[dict], **cfg) -> list[dict]:
     with nbgen.Engine(path, dtype="float32", device="cpu", **cfg) as eng:
         if overlap:
-            loop = eng._loop
+            loop = eng.loop
             loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         return eng.generate(input_ids=prompts, sampling_params=sps)
 
@@ -56,7 +56,7 @@ def test_overlap_falls_back_for_logprobs_and_penalties(tiny_llama_dir):
     got = _run(tiny_llama_dir, True, prompts, sps)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
     with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu") as eng:
-        loop = eng._loop
+        loop = eng.loop
         loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
         a = eng.generate(input_ids=prompts[0], sampling_params=sps[0], return_logprob=True, logprob_start_len=0)
     assert a["output_ids"] == ref[0]["output_ids"]
@@ -78,7 +78,7 @@ def test_overlap_embeddings_same_vectors(tiny_llama_dir, tmp_path, mode):
         with nbgen.Engine(path, dtype="float32", device="cpu", is_embedding=True, chunked_prefill_size=64,
                           max_running_requests=5) as eng:
             if overlap:
-                loop = eng._loop
+                loop = eng.loop
                 loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
             return eng.encode(input_ids=prompts)
 

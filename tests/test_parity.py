@@ -83,7 +83,7 @@ def test_parity_under_preemption(family_case):
     with nbgen.Engine(path, dtype="float32", device=DEVICE, max_total_tokens=360, page_size=8) as eng:
         outs = eng.generate(input_ids=prompts, sampling_params=SP)
         assert _ids(outs) == ref_ids
-        assert eng._loop.scheduler.stats().get("num_preemptions", 0) > 0
+        assert eng.loop.scheduler.stats().get("num_preemptions", 0) > 0
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the torch decode path is the CPU fallback")
@@ -94,5 +94,5 @@ def test_parity_torch_decode_path(family_case, monkeypatch):
     path, prompts, ref_ids, _ = family_case
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     with nbgen.Engine(path, dtype="float32", device=DEVICE) as eng:
-        assert eng._loop.runner.backend.cpu_kernels is False
+        assert eng.loop.runner.backend.cpu_kernels is False
         assert _ids(eng.generate(input_ids=prompts, sampling_params=SP)) == ref_ids

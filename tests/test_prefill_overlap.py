@@ -15,7 +15,7 @@ from nbgen.runtime.overlap import OverlapStepper
 def _engine(path: str, overlap: bool, **cfg) -> nbgen.Engine:
     eng = nbgen.Engine(path, dtype="float32", device="cpu", **cfg)
     if overlap:
-        loop = eng._loop
+        loop = eng.loop
         loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
     return eng
 
@@ -36,7 +36,7 @@ def test_overlap_score_equals_plain_loop(tiny_llama_dir):
         with _engine(tiny_llama_dir, overlap, **cfg) as eng:
             steps = []
             if overlap:      # count the steps the stepper pipelines (they must not fall back to run_step)
-                st = eng._loop._overlap
+                st = eng.loop._overlap
                 orig = st._run_step
                 st._run_step = lambda b: (steps.append(b), orig(b))[-1]
             scores = eng.score(query=query, items=items, label_token_ids=labels)
@@ -93,11 +93,11 @@ def test_overlap_score_early_close_then_serve(tiny_llama_dir):
             if len(got) == 3:
                 break
         it.close()                                  # aborts the rest; a step may be in flight
-        eng._loop.call(lambda: None)
+        eng.loop.call(lambda: None)
         for i, out in got.items():
             assert out["scores"] == pytest.approx(ref[i], rel=1e-5, abs=1e-9)
         again = eng.score(query=query, items=items, label_token_ids=labels)
-        stats = eng._loop.stats()
+        stats = eng.loop.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
     for a, b in zip(again, ref):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-9)
@@ -120,7 +120,7 @@ def test_overlap_failing_step_loses_nothing(tiny_llama_dir, kind):
     with _engine(tiny_llama_dir, False, **cfg) as eng:
         ref = run(eng)
     with _engine(tiny_llama_dir, True, **cfg) as eng:
-        runner = eng._loop.runner
+        runner = eng.loop.runner
         orig, calls, failed = runner.hidden_states, [0], []
 
         def flaky(batch, flat):

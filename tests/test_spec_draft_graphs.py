@@ -66,7 +66,7 @@ def test_draft_graph_path_in_engine(deep_llama_dir, tiny_llama_dir, self_draft):
     for spec in (False, True):
         with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", random_seed=0, **(kw if spec else {})) as eng:
             if spec:
-                stepper = eng._loop._spec
+                stepper = eng.loop._spec
                 q = stepper.spec.num_draft_tokens
                 stepper.verify_graphs = EagerPaddedVerify(stepper.runner, q)
                 dr = stepper.drafter

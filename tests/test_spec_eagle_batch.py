@@ -65,7 +65,7 @@ def test_batched_chain_drafts_match_per_request_head(deep_llama_dir, tmp_path, a
         plain = eng.generate(input_ids=PROMPTS, sampling_params=SP)
     with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", random_seed=0, speculative_algorithm=algo,
                       speculative_draft_model_path=head, speculative_num_steps=3) as eng:
-        new = eng._loop._spec.drafter
+        new = eng.loop._spec.drafter
         assert isinstance(new, EagleChainDrafter)
         if graphs:
             new.rows = HeadRows(new.head, 16)

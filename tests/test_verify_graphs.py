@@ -103,7 +103,7 @@ def test_padded_verify_steps_in_engine(deep_llama_dir, tmp_path, algo):
     for spec in (False, True):
         with nbgen.Engine(deep_llama_dir, dtype="float32", device="cpu", random_seed=0, **(kw if spec else {})) as eng:
             if spec:
-                stepper = eng._loop._spec
+                stepper = eng.loop._spec
                 stepper.verify_graphs = fake = EagerPaddedVerify(stepper.runner, stepper.spec.num_draft_tokens)
             outs.append(eng.generate(input_ids=prompts, sampling_params=sps, return_logprob=True))
     assert [o["output_ids"] for o in outs[0]] == [o["output_ids"] for o in outs[1]]

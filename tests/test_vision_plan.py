@@ -6,6 +6,7 @@ import torch
 
 from nbgen.bench.tiny_vlm import make_tiny_vlm
 from nbgen.models.loader import iter_safetensors
+from tests.tiny_models import random_image
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import get_model_class, prepare_config
 
@@ -50,16 +51,9 @@ def test_pixels_per_token_matches_the_processor(tmp_path):
     from nbgen.runtime.vision_step import vision_step_for
 
     d, model = _model("qwen2_5_vl", tmp_path)
-    x = tf.AutoImageProcessor.from_pretrained(d)(images=[_noise(56, 84)], return_tensors="pt")
+    x = tf.AutoImageProcessor.from_pretrained(d)(images=[random_image(56, 84)], return_tensors="pt")
     per_token = x["pixel_values"].numel() // (int(x["image_grid_thw"].prod()) // model.merge ** 2)
     assert model.pixels_per_token == per_token
     step = vision_step_for(model, torch.device("cpu"), torch.float32, 64)
     assert step is not None and step.staging is None                    # CPU: no pinned staging
     assert vision_step_for(torch.nn.Linear(2, 2), torch.device("cpu"), torch.float32, 64) is None
-
-
-def _noise(h: int, w: int):
-    import numpy as np
-    from PIL import Image
-
-    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8))

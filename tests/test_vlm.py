@@ -110,6 +110,19 @@ def test_batch_mixing_text_and_images_matches_hf(vlm, hf_model):
         assert ("image_tokens" in o["meta_info"]) == (ims is not None)
 
 
+def test_images_at_the_processor_size_match_hf(vlm, hf_model):
+    """Images the processor keeps at their size (patches made on the device from their RGB bytes), alone,
+    two per prompt of different sizes, and in one step with resized ones: token-identical to HF."""
+    _, eng = vlm
+    prompts = [_prompt(eng, 1, "What is this?"), _prompt(eng, 2, "Compare them."), _prompt(eng, 1, "Colours?"),
+               _prompt(eng, 1, "Shapes?")]
+    images = [_image(56, 56, seed=21), [_image(28, 84, seed=22), _image(56, 56, seed=23)], _image(60, 90, seed=24),
+              _image(84, 56, seed=25)]
+    outs = eng.generate(prompts, SP, image_data=images)
+    for p, ims, o in zip(prompts, images, outs):
+        assert o["output_ids"] == _hf_generate(hf_model, eng.tokenizer, p, ims if isinstance(ims, list) else [ims])
+
+
 def test_text_tail_after_the_image_matches_hf(vlm, hf_model):
     """A long text after the image (chunks of 16): the chunks starting past the last image slot run as
     plain text on the ordinary path at positions p + rope_delta."""
@@ -135,6 +148,32 @@ def test_prefix_cache_shares_by_image_hash(vlm):
     # the image starts after the template's first few tokens: a different image shares nothing past them
     start = eng.tokenizer(prompt).input_ids.index(eng.hf_config.image_token_id)
     assert other["meta_info"]["cached_tokens"] <= start
+
+
+def test_batch_image_ids_come_in_order_and_key_the_cache(vlm):
+    """A batch's image ids are hashed on a pool while its first requests already run: the same images
+    share KV across calls, a different one shares nothing past the text before it, and the outputs
+    equal those of the same prompts sent one by one (ids computed at once); the async path waits for
+    the ids before the loop reads them."""
+    import asyncio
+
+    _, eng = vlm
+    eng.flush_cache()
+    prompt = _prompt(eng, 1, "What do you see here?")
+    ims = [_image(56, 56, seed=70 + i) for i in range(5)]
+    first = eng.generate([prompt] * 5, SP, image_data=ims)
+    again = eng.generate([prompt] * 5, SP, image_data=ims[:4] + [_image(56, 56, seed=99)])
+    start = eng.tokenizer(prompt).input_ids.index(eng.hf_config.image_token_id)
+    for f, g in zip(first[:4], again[:4]):
+        assert g["output_ids"] == f["output_ids"]
+        assert g["meta_info"]["cached_tokens"] > f["meta_info"]["prompt_tokens"] // 2
+    assert again[4]["meta_info"]["cached_tokens"] <= start
+    eng.flush_cache()
+    alone = [eng.generate(prompt, SP, image_data=im)["output_ids"] for im in ims]
+    assert [o["output_ids"] for o in first] == alone
+    eng.flush_cache()
+    got = asyncio.run(eng.async_generate([prompt] * 5, SP, image_data=ims))
+    assert [o["output_ids"] for o in got] == alone
 
 
 def test_image_data_forms_agree(vlm, tmp_path):

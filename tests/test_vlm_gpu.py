@@ -56,7 +56,7 @@ def test_pixel_staging_reuses_pinned_buffers():
     from nbgen.runtime.vision_step import PixelStaging
 
     for dtype in (torch.bfloat16, torch.float32):
-        st = PixelStaging(torch.device("cuda"), dtype, reserve_elements=6 * 10)
+        st = PixelStaging(torch.device("cuda"), reserve_bytes=6 * 10 * dtype.itemsize)
         first = list(st.bufs)
         for rows in ([2, 3], [1], [4, 1], [3, 3]):               # the last one (60 elements) still fits
             parts = [torch.randn(r, 10) for r in rows]
@@ -68,3 +68,25 @@ def test_pixel_staging_reuses_pinned_buffers():
         assert st.bufs[0] is not first[0] or st.bufs[1] is not first[1]
         llava = [torch.randn(2, 3, 4, 4)]                        # [N, C, S, S] images
         assert torch.equal(st.to_device(llava, dtype), llava[0].cuda().to(dtype))
+        rgb = [torch.randint(0, 256, (1, 8, 6, 3), dtype=torch.uint8) for _ in range(3)]
+        assert torch.equal(st.to_device(rgb, torch.uint8), torch.cat(rgb).cuda())
+        views = [t.numpy() for t in rgb]                         # RawImages' bytes: numpy views
+        assert torch.equal(st.to_device(views, torch.uint8), torch.cat(rgb).cuda())
+
+
+def test_rgb_patches_on_cuda_equal_the_processors(gpu_vlm):
+    """RGB bytes staged through pinned memory and made patches on the GPU: the processor's patches in bf16."""
+    import numpy as np
+    import transformers as tf
+
+    from nbgen.engine_images_device import pixel_recipe
+    from nbgen.models.vision_pixels import RawImages
+    from nbgen.runtime.vision_step import VisionStep
+
+    proc = tf.AutoImageProcessor.from_pretrained(gpu_vlm)
+    recipe = pixel_recipe(proc)
+    ims = [im for im in random_images(8) if im.size in ((56, 56), (112, 112))]
+    step = VisionStep(torch.nn.Identity(), torch.device("cuda"), torch.bfloat16, reserve_pixels=1 << 16)
+    got = step._pixels([RawImages([np.asarray(im)], recipe) for im in ims])
+    want = torch.cat([proc(images=[im], return_tensors="pt")["pixel_values"] for im in ims])
+    assert torch.equal(got.cpu(), want.to(torch.bfloat16))

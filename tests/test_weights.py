@@ -201,14 +201,14 @@ def test_update_waits_for_running_requests(pair):
             t["done"] = time.perf_counter()
         upd = threading.Thread(target=update)
         upd.start()
-        while not eng._loop._exclusive.pending and upd.is_alive():   # test-only peek: the update is queued
+        while not eng.loop._exclusive.pending and upd.is_alive():   # test-only peek: the update is queued
             time.sleep(0.002)
         aborted: dict = {}
         waiter = threading.Thread(target=lambda: aborted.update(
             out=eng.generate(input_ids=PROMPTS[2], sampling_params=SP, rid="held")))
         waiter.start()
         deadline = time.perf_counter() + 30
-        while eng._loop._exclusive.num_held == 0 and time.perf_counter() < deadline:   # held behind the update ...
+        while eng.loop._exclusive.num_held == 0 and time.perf_counter() < deadline:   # held behind the update ...
             time.sleep(0.002)
         eng.abort("held")                             # ... and answered at once when aborted
         waiter.join(30)

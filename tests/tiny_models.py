@@ -126,6 +126,17 @@ def gpu_generate(path: str, prompts: list[list[int]], logprobs: bool = False, **
     return out
 
 
+QWEN25_VL_7B_CONFIG = os.path.join(os.path.dirname(__file__), "..", "nbgen", "bench", "configs", "qwen2.5-vl-7b")
+
+
+def random_image(h: int, w: int, seed: int = 0):
+    """An h x w RGB PIL image of uniform random bytes."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
 def random_images(n: int) -> list:
     """n random RGB PIL images of four sizes (the VLM GPU tests' inputs)."""
     import numpy as np

@@ -85,7 +85,7 @@ def run_nbgen(args: argparse.Namespace, texts: list[list[int]]) -> dict[str, Any
     # the loop's time per step, and the part spent waiting for the device: pipelined embedding steps
     # wait for the previous step's vectors (CUDA), score steps for their sampled ids, a CPU step for its forward
     cuda = args.device == "cuda"
-    wait_on = (eng._loop.runner, "hidden_states") if not cuda else None if args.score else (PendingVectors, "wait")
+    wait_on = (eng.loop.runner, "hidden_states") if not cuda else None if args.score else (PendingVectors, "wait")
     timer = StepTimer(eng, wait_on)
     spans = GpuSpans(eng) if cuda else None
     gc_pauses = GcPauses()

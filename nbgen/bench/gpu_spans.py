@@ -24,7 +24,7 @@ class GpuSpans:
     """Wraps ``runner.hidden_states`` of an engine's loop while open (installed on the loop thread)."""
 
     def __init__(self, eng: Any) -> None:
-        self._loop = eng._loop
+        self._loop = eng.loop
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._loop.call(self._install)
 

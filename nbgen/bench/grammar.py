@@ -75,9 +75,9 @@ def _host_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str) 
     import pstats
 
     prof = cProfile.Profile()
-    eng._loop.call(prof.enable)
+    eng.loop.call(prof.enable)
     secs, _ = _run(eng, prompts, sp)
-    eng._loop.call(prof.disable)
+    eng.loop.call(prof.disable)
     print(f"host profile (loop thread, {label} run, wall {secs:.2f} s under cProfile):")
     st = pstats.Stats(prof)
     st.sort_stats("tottime").print_stats(22)
@@ -135,10 +135,10 @@ def main() -> None:
     # SCHEMA's first use (its compilation) on its own: the timed runs measure steady-state decoding
     eng.generate(prompts[:8], {**base, "max_new_tokens": 8}, use_tqdm=False)
     eng.generate(prompts[:8], {**base, "max_new_tokens": 8, "json_schema": json.dumps(WARM_SCHEMA)}, use_tqdm=False)
-    service = eng._loop._delivery.grammar
+    service = eng.loop.delivery.grammar
     jumper = service.jumper
     if not args.jump_forward:
-        eng._loop.call(lambda: setattr(service, "jumper", None))
+        eng.loop.call(lambda: setattr(service, "jumper", None))
     first_use, _ = _run(eng, prompts[:8], {**json_sp, "max_new_tokens": 8})
     print(f"first use of the schema (compile + 8 requests x 8 tokens): {first_use:.2f} s")
     # and once at the full batch: the bitmask fill's worker and thread pool start from 32 rows, and
@@ -181,7 +181,7 @@ def main() -> None:
     print(f"host time per step (median): free {host['free']:.2f} ms, json {host['json']:.2f} ms "
           f"({'device wait excluded' if args.device == 'cuda' else 'model forward excluded'})")
     print("sample:", repr(last["json"][0]["text"][:160]))
-    eng._loop.call(lambda: setattr(service, "jumper", jumper))
+    eng.loop.call(lambda: setattr(service, "jumper", jumper))
     extract = grammar_extract.run(eng, args.extract, args.extract_max_new_tokens, args.repeats,
                                   _host_profile if args.host_profile else None,
                                   args.extract_chunks) if args.extract else None

@@ -84,11 +84,11 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
     sp = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "json_schema": json.dumps(SCHEMA)}
     ps = prompts(eng, n)
     eng.generate(ps[:4], {**sp, "max_new_tokens": 8}, use_tqdm=False)   # compile the schema
-    service = eng._loop._delivery.grammar
+    service = eng.loop.delivery.grammar
     jumper = service.jumper
     if jumper is None:
         raise ValueError("the realistic workload needs an engine built with enable_jump_forward=True")
-    sched = eng._loop.scheduler
+    sched = eng.loop.scheduler
     forced_rows = sched.cfg.forced_token_rows
     timer = StepTimer(eng)
     rows: dict[str, list] = {"token_by_token": [], "jump_forward": []}
@@ -101,7 +101,7 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
     try:
         for _ in range(repeats):
             for kind in rows:
-                eng._loop.call(lambda: switch(kind))
+                eng.loop.call(lambda: switch(kind))
                 timer.reset()
                 j0, t0 = jumper.num_tokens, time.perf_counter()
                 outs = eng.generate(ps, sp, use_tqdm=False)
@@ -114,10 +114,10 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
                       f"{r['steps']} steps, {r['step_ms']:.2f} ms/step, host {r['host_ms']:.2f} ms/step",
                       flush=True)
         for kind in rows if profile is not None else ():
-            eng._loop.call(lambda: switch(kind))
+            eng.loop.call(lambda: switch(kind))
             profile(eng, ps, sp, f"extract {kind}")
     finally:
-        eng._loop.call(lambda: switch("jump_forward"))
+        eng.loop.call(lambda: switch("jump_forward"))
         timer.close()
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
     ratio = med["jump_forward"] / med["token_by_token"]

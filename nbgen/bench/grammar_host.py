@@ -12,8 +12,16 @@ that completes its output starts a new one. Each step times, in microseconds:
   runtime/grammar_batch.py), on a second set of matchers in the same states;
 - ``jump_search``: ``find_jump_forward_string`` on every row (what jump-forward asks each step).
 
+With ``--jump-forward`` the rows are requests of the engine's jump-forward path instead: each step a
+row takes the first token of the rest of its output text, ``StepGrammar.settle`` accepts the step's
+tokens and jumps forward where the grammar forces text (runtime/jump_forward.py), so the states are
+those a jump-forward run meets; it times ``fill`` and ``settle`` (accepts, searches and jumps) per
+step, and counts the rows searched and the tokens jumped.
+
 Medians and minima over ``--steps`` steps are printed (and written with ``--json``); the minima are
-the steady numbers on a busy host.
+the steady numbers on a busy host. ``--clock thread`` times with the calling thread's CPU time
+instead of wall time: steadier on a shared host for the single-threaded parts (accept, settle),
+while the fill and the mask then count only this thread's share of their work.
 """
 from __future__ import annotations
 
@@ -23,19 +31,23 @@ import random
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from nbgen.bench import grammar_extract
 from nbgen.bench.grammar import SCHEMA
 from nbgen.core.batch import SeqWork
+from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime.constraints import Constraints
 from nbgen.runtime.grammar import GrammarState
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.grammar_rewrite import fast_json_grammar
+from nbgen.runtime.jump_forward import JumpForward
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 
 WORDS = ("the capital of france is paris and it has many museums rivers bridges people live there "
          "since an old town with about two million inhabitants").split()
@@ -91,14 +103,86 @@ class Rows:
                 req.grammar, self.pos[i] = self._state(), 0
 
 
+class JumpRows:
+    """``n`` requests with jump-forward walking through output texts: each step a row takes the first
+    token of the rest of its text; a request whose grammar completed starts the next text."""
+
+    def __init__(self, compiled: Any, tok: Any, texts: list[str], eos: int, n: int) -> None:
+        self.compiled, self.tok, self.texts, self.eos = compiled, tok, texts, eos
+        self.jumper = JumpForward(tok)
+        self._first: dict[tuple[int, int], int] = {}     # (text, char position) -> its next token
+        self.text = [(7 * i) % len(texts) for i in range(n)]
+        self.reqs = [self._request(i) for i in range(n)]
+
+    def _request(self, i: int) -> Request:
+        req = Request(f"r{i}", [0], SamplingParams(temperature=0.0, max_new_tokens=1 << 20))
+        req.stop_ids = frozenset([self.eos])
+        req.grammar = GrammarState(self.compiled, req.stop_ids, len(self.tok), self.jumper)
+        return req
+
+    def sample(self) -> list[int]:
+        """Append each row's next token to its output (as the scheduler's update does) -> the tokens."""
+        toks = []
+        for i, req in enumerate(self.reqs):
+            text, pos = self.texts[self.text[i]], len(self.tok.decode(req.output_ids))
+            key = (self.text[i], pos)
+            if key not in self._first:
+                ids = self.tok.encode(text[pos:], add_special_tokens=False)
+                self._first[key] = ids[0] if ids else self.eos
+            req.output_ids.append(self._first[key])
+            req.num_computed = len(req.prompt_ids) + len(req.output_ids) - 1
+            toks.append(req.output_ids[-1])
+        return toks
+
+    def advance(self) -> None:
+        for i, req in enumerate(self.reqs):
+            if req.grammar.done:
+                self.text[i] = (self.text[i] + 1) % len(self.texts)
+                self.reqs[i] = self._request(i)
+
+
+def jump_forward_steps(rows: JumpRows, cons: Constraints, steps: int,
+                       clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Per step: the bitmask fill at the rows' states, then ``settle`` (accepts and jumps) in us; the
+    searches asked and the tokens jumped."""
+    times: dict[str, list[float]] = {"fill": [], "settle": [], "searched": [], "jumped": []}
+    jumper = rows.jumper
+    for _ in range(steps):
+        seqw = [SeqWork(req, [0], 0, [], True) for req in rows.reqs]
+        t0 = clock()
+        job = cons.fill_async(seqw)
+        job.wait()
+        t1 = clock()
+        toks = rows.sample()
+        step = StepGrammar()
+        searched, jumped = jumper.num_searches, jumper.num_tokens
+        t2 = clock()
+        for req, t in zip(rows.reqs, toks):
+            step.add(req, t, None)
+        ended = step.settle(None)
+        t3 = clock()
+        assert all(r.type == "stop" for _, r in ended), ended
+        for k, v in (("fill", t1 - t0), ("settle", t3 - t2)):
+            times[k].append(1e6 * v)
+        times["searched"].append(jumper.num_searches - searched)
+        times["jumped"].append(jumper.num_tokens - jumped)
+        rows.advance()
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the embedded model)")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--extract", action="store_true", help="the nested schema of bench.grammar_extract")
+    ap.add_argument("--jump-forward", action="store_true",
+                    help="rows with jump-forward: time the fill and settle (accepts, searches, jumps)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall time, or the calling thread's CPU time (steadier on a busy host)")
     ap.add_argument("--json", default=None, help="write the medians to this file")
     args = ap.parse_args()
+    clock = CLOCKS[args.clock]
 
     import xgrammar as xgr
     from transformers import AutoTokenizer
@@ -113,46 +197,56 @@ def main() -> None:
     texts = [json.dumps(record(i), separators=(", ", ": ")) for i in range(64)]
     seqs = [tok.encode(t, add_special_tokens=False) for t in texts]
     eos = tok.eos_token_id
+    cons = Constraints(vocab, torch.device("cpu"))
+    if args.jump_forward:
+        times = jump_forward_steps(JumpRows(compiled, tok, texts, eos, args.rows), cons, args.steps, clock)
+        _report(times, args, "jump-forward")
+        return
     per_row = Rows(compiled, seqs, eos, vocab, args.rows)
     batched = Rows(compiled, seqs, eos, vocab, args.rows)
-    cons = Constraints(vocab, torch.device("cpu"))
     logits = torch.randn(args.rows, vocab)
     keys = ("fill", "mask", "accept_per_row", "accept_batched", "jump_search")
     times: dict[str, list[float]] = {k: [] for k in keys}
     for _ in range(args.steps):
         seqw = [SeqWork(req, [0], 0, [], True) for req in batched.reqs]
-        t0 = time.perf_counter()
+        t0 = clock()
         job = cons.fill_async(seqw)                  # the mask the step samples under
         job.wait()
-        t1 = time.perf_counter()
+        t1 = clock()
         cons.apply(logits, seqw, job)                # in place; its cost does not depend on the values
-        t2 = time.perf_counter()
+        t2 = clock()
         toks = per_row.tokens()
         assert toks == batched.tokens()
         for req, t in zip(per_row.reqs, toks):
             assert req.grammar.on_token(t, None) is None or t == eos
-        t3 = time.perf_counter()
+        t3 = clock()
         step = StepGrammar()
         for req, t in zip(batched.reqs, toks):
             step.add(req, t, None)
         ended = step.settle(None)
-        t4 = time.perf_counter()
+        t4 = clock()
         assert all(r.type == "stop" for _, r in ended), ended
         for req in batched.reqs:                     # what jump-forward asked every row
             if not req.grammar.done:
                 req.grammar.matcher.find_jump_forward_string()
-        t5 = time.perf_counter()
+        t5 = clock()
         for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             times[k].append(1e6 * v)
         per_row.advance()
         batched.advance()
+    _report(times, args, "token by token")
+
+
+def _report(times: dict[str, list[float]], args: argparse.Namespace, mode: str) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
     print(f"grammar host work per step, {args.rows} rows, {'extract' if args.extract else 'answer'} schema, "
-          f"{args.steps} steps, median / min (us): " + ", ".join(f"{k} {med[k]:.0f} / {low[k]:.0f}" for k in keys))
+          f"{mode}, {args.steps} steps, median / min (us; searched, jumped: rows, tokens): "
+          + ", ".join(f"{k} {med[k]:.0f} / {low[k]:.0f}" for k in times))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "extract": args.extract, "median_us": med, "min_us": low}, f, indent=1)
+            json.dump({"rows": args.rows, "extract": args.extract, "mode": mode, "median_us": med, "min_us": low},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

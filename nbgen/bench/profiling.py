@@ -54,7 +54,7 @@ class StepTimer:
         """``wait_on``: (object or class, method name) where a step waits for the device, when not
         the runner's ``resolve`` (CUDA) / ``forward`` (CPU): embedding steps wait in
         ``(pooling.PendingVectors, "wait")`` on CUDA and in ``(runner, "hidden_states")`` on the CPU."""
-        self._loop = eng._loop
+        self._loop = eng.loop
         self.steps = 0
         self.step_s = 0.0
         self.wait_s = 0.0

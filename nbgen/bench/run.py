@@ -67,6 +67,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         kw["tp_size"] = args.tp_size
     if args.dp_size > 1:
         kw["dp_size"] = args.dp_size
+    if args.disable_custom_all_reduce:
+        kw["disable_custom_all_reduce"] = True
     t0 = time.perf_counter()
     eng = Engine(args.model, **kw) if args.model else Engine(**kw)
     startup = time.perf_counter() - t0
@@ -87,7 +89,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         import cProfile
 
         hprof = cProfile.Profile()
-        eng._loop.call(hprof.enable)
+        eng.loop.call(hprof.enable)
     gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
@@ -105,7 +107,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if hprof is not None:
         import pstats
 
-        eng._loop.call(hprof.disable)
+        eng.loop.call(hprof.disable)
         print(f"host profile (loop thread, wall {sum(runs):.2f} s under cProfile):")
         pstats.Stats(hprof).sort_stats("tottime").print_stats(22)
     if prof is not None:
@@ -113,7 +115,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
         print_gpu_profile(prof, sum(runs))
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
-    runner = eng._loop.runner
+    runner = eng.loop.runner
     # bytes actually read: fp8 weights 1 byte a parameter, an fp8 KV pool 1 byte a value
     wb, kvb = model_bytes(runner.model, runner.hf_config, runner.kv_spec.bytes_per_page() // runner.kv_spec.page_size)
     pf = prefill_flops(runner.model, runner.hf_config, [r["meta_info"]["prompt_tokens"] for r in res])
@@ -134,8 +136,9 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
            "cached_tokens": sum(r["meta_info"].get("cached_tokens", 0) for r in res), "prompt_lens": [r["meta_info"]["prompt_tokens"] for r in res],
            "server_info": info, "gc_pauses_s": [round(t, 4) for _, t in gcs.pauses if t >= 1e-3],
            "first_ids": res[0]["output_ids"][:16], "text_chars": sum(len(r.get("text") or "") for r in res)}
+    del runner           # the engine's shutdown frees the model and its graphs: hold none of it
     eng.shutdown()
-    del eng, runner, res
+    del eng, res
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -192,6 +195,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor parallel GPUs (the floor reads each shard at the measured one-GPU bandwidth)")
     ap.add_argument("--dp-size", type=int, default=1, help="data parallel replicas, one per GPU")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="tensor parallelism: NCCL for every all-reduce (A/B of the peer-to-peer one)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--repeat", type=int, default=1,

@@ -75,6 +75,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     tp_size: int = 1       # tensor parallelism: ranks sharding the model (runtime/tp_group.py)
     dp_size: int = 1       # data parallelism: replicas behind one Engine (runtime/dp_loop.py)
+    disable_custom_all_reduce: bool = False   # tensor parallelism: NCCL for every size (models/all_reduce.py)
     base_gpu_id: int = 0   # the first GPU this engine uses (rank 0 of replica 0)
     enable_custom_logit_processor: bool = False
     allow_context_overflow: bool = False  # truncate instead of raising when prompt+max_new_tokens > context
@@ -217,8 +218,8 @@ class EngineConfig:
 
         - ``max_running_requests``: 256 on cuda, 64 on cpu;
         - ``chunked_prefill_size``: 8192 on cuda, 1024 on cpu;
-        - ``cuda_graph_max_bs``: 256 on a card of >= 40 GiB, 128 from 16 GiB, else 64, twice that with
-          ``enable_jump_forward``; 0 (no decode graphs) on cpu or with ``disable_cuda_graph``;
+        - ``cuda_graph_max_bs``: 256 on a card of >= 40 GiB, 128 from 16 GiB, else 64, three times that
+          with ``enable_jump_forward``; 0 (no decode graphs) on cpu or with ``disable_cuda_graph``;
         - ``piecewise_cuda_graph_max_tokens``: ``min(step_token_budget, 8192)``.
         """
         gpu = device_type == "cuda"
@@ -234,7 +235,7 @@ class EngineConfig:
                 total = gpu_total_memory or 0
                 out.cuda_graph_max_bs = 256 if total >= 40 << 30 else (128 if total >= 16 << 30 else 64)
                 if out.enable_jump_forward:   # forced tokens join decode steps as rows (runtime/forced_rows.py)
-                    out.cuda_graph_max_bs *= 2
+                    out.cuda_graph_max_bs *= 3   # a batch's decode rows and its waves of forced rows
         if out.speculative_algorithm is not None:   # as SGLang: verify steps run without overlap
             out.disable_overlap_schedule = True
         if out.piecewise_cuda_graph_max_tokens is None:

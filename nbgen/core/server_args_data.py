@@ -46,6 +46,7 @@ IMPLEMENTED: dict[str, str] = {
     "log_level": "the nbgen logger; nbgen's default is warning",
     "skip_tokenizer_init": "outputs carry output_ids and no text",
     "tp_size": "tensor parallelism over torch.distributed: NCCL on GPUs, gloo on CPUs; one worker process per extra rank",
+    "disable_custom_all_reduce": "the custom all-reduce is a one-shot peer-to-peer sum (CUDA IPC buffers, one Triton kernel) for tensors up to 512 KB on GPUs with peer access; NCCL for the rest",
     "dp_size": "replicas behind one Engine (with tp_size 1): least-loaded routing by tokens, a prompt prefix back to its replica",
     "base_gpu_id": "the first GPU of the engine; data-parallel replica i uses base_gpu_id + i",
     "enable_custom_logit_processor": "",
@@ -116,9 +117,9 @@ NO_EFFECT: dict[str, tuple[str, ...]] = {
         "nccl_port", "dist_timeout", "dist_init_addr", "gated_launch_port", "scheduler_recv_interval",
         "enable_p2p_check",
     ),
-    "collectives between GPUs: tensor parallelism all-reduces through torch.distributed (NCCL), "
-    "with no custom all-reduce": (
-        "enable_nccl_nvls", "enable_symm_mem", "disable_custom_all_reduce", "enable_mscclpp",
+    "collectives between GPUs: tensor parallelism all-reduces small tensors with a one-shot peer-to-peer "
+    "sum and the rest through torch.distributed (NCCL)": (
+        "enable_nccl_nvls", "enable_symm_mem", "enable_mscclpp",
         "enable_torch_symm_mem", "pre_warm_nccl", "enable_quant_communications",
         "enforce_disable_flashinfer_allreduce_fusion", "disable_aiter_allreduce_fusion_in_prefill",
         "disable_aiter_allreduce_fusion_in_decode",

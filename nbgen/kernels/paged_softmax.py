@@ -14,14 +14,13 @@ except ImportError:  # pragma: no cover - CPU installs without triton never buil
 
 if triton is not None:
     @triton.jit
-    def fold_shared(m, l, acc, b, kh, HKV, rows, G: tl.constexpr, chunk_ptr, slot_ptr, part0_ptr, ml0_ptr,
+    def fold_shared(m, l, acc, c, slot, kh, HKV, rows, G: tl.constexpr, part0_ptr, ml0_ptr,
                     S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr, D: tl.constexpr):
-        """Merge a row's level-0 partials (its chunk's S0 splits over the shared pages, written by
-        kernels/triton_cascade.py; SB0 splits per load) into its softmax state (m, l, acc) of q rows
-        ``rows`` (m finite: level 1 holds >= 1 token). Rows in no chunk (chunk -1) load nothing and
-        keep their state exactly."""
-        c = tl.load(chunk_ptr + b)
-        i = tl.load(slot_ptr + b) * G + rows                  # the row's q heads in the level-0 tile
+        """Merge a row's level-0 partials (its chunk ``c``'s S0 splits over the shared pages, written by
+        kernels/triton_cascade.py; SB0 splits per load; the row's place ``slot`` in the chunk) into its
+        softmax state (m, l, acc) of q rows ``rows`` (m finite: level 1 holds >= 1 token). Rows in no
+        chunk (c = -1) load nothing and keep their state exactly."""
+        i = slot * G + rows                                   # the row's q heads in the level-0 tile
         ok = (rows < G) & ((rows * 0 + c) >= 0)
         d = tl.arange(0, D)
         for j0 in tl.static_range(0, S0, SB0):
@@ -42,18 +41,30 @@ if triton is not None:
     @triton.jit
     def attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok, qk_scale,
                      M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, AHEAD: tl.constexpr = False):
         """Online softmax of q [M, D] against one kv head's tokens [lo, hi) of the pages listed from
         ``indices_ptr + start`` (scores in log2 units through ``qk_scale``) -> (m [M], l [M], acc [M, D]),
-        not normalised."""
+        not normalised. ``AHEAD``: each tile's page numbers are loaded one iteration before its K/V
+        (a loop-carried value), so the software pipeliner gives the K/V loads all STAGES - 1 stages of
+        distance (more tiles in flight) instead of spending one on the page-number load."""
         d = tl.arange(0, D)
         m = tl.full([M], float("-inf"), tl.float32)
         l = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
+        if AHEAD:
+            tn = lo + tl.arange(0, BLOCK_N)
+            page_next = tl.load(indices_ptr + start + tn // P, mask=tn < hi, other=0)
+        else:
+            page_next = tl.zeros([BLOCK_N], tl.int32)
         for t0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
-            page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
+            if AHEAD:
+                page = page_next.to(tl.int64)
+                tn = t + BLOCK_N
+                page_next = tl.load(indices_ptr + start + tn // P, mask=tn < hi, other=0)
+            else:
+                page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
             off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
             # e4m3 pages widen to q's dtype in registers (a no-op for model-dtype pages)
             k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
@@ -67,4 +78,3 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                      # [M, D]
             m = m_new
         return m, l, acc
-

@@ -45,22 +45,47 @@ def rows_per_chunk(group: int) -> int:
 
 @dataclass(frozen=True)
 class Level0:
-    """Level 0's launch shape: programs per (chunk, kv head), KV tokens per tile, warps, tiles in flight
+    """Level 0's launch shape: programs per (chunk, kv head), KV tokens per tile, warps, pipeline stages
     (None: the decode kernel's for the page dtype)."""
 
     splits: int
     block_n: int
     warps: int = 4
     stages: Optional[int] = None
+    ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
 def level0_for(bs: int, head_dim: int) -> Level0:
-    """The launch shape at graph batch size ``bs``. 32-token tiles (16 above head size 128) keep a
-    64-row tile's state in registers (sm_90, 4 warps: 166 registers bf16 / 225 e4m3, no spills; 64-token
-    tiles take 255 and spill). H200, one layer at W-prefix's shape (8 prefixes x 2,000 tokens, rows with
-    50-800 tokens of their own, 64-token tiles): 4 splits beat 8 and 16 from 128 rows up (Qwen3-0.6B
-    heads, 128 rows: 146 / 160 / 191 us against the plain kernel's 265), 8 and 16 beat 4 at 32 rows."""
+    """The launch shape at graph batch size ``bs``: 4 splits from 64 rows up, 8 below (H200, Qwen3-0.6B
+    heads, 128 rows at W-prefix's shape: 4 / 8 / 16 splits 146 / 160 / 191 us for both levels against
+    the plain kernel's 265; 8 and 16 beat 4 at 32 rows; more splits cost level 1's fold), 32-token tiles
+    (16 above head size 128). H100, ``python -m nbgen.bench.cascade_kernel``: level 0 alone took 62-88 us
+    for its 65.5 MB at every shape of the sweep (tiles 16-64, 2-4 stages, page numbers ahead or not,
+    4 or 8 warps), within the run's noise of each other, so the shape stays this one."""
     return Level0(4 if bs >= 64 else SPLITS, 32 if head_dim <= 128 else 16)
+
+
+@dataclass(frozen=True)
+class Level1:
+    """Level 1's launch shape over the rows' own pages (None: the decode kernel's choice for the batch):
+    KV tokens per tile, warps, tiles in flight, splits per (row, kv head), page numbers ahead."""
+
+    block_n: Optional[int] = None
+    warps: int = 4
+    stages: Optional[int] = None
+    splits: Optional[int] = None
+    ahead: bool = False             # page numbers one tile ahead (paged_softmax.attend_pages)
+
+
+def level1_for(bs: int, head_dim: int) -> Level1:
+    """Level 1's launch shape at graph batch size ``bs``: page numbers ahead with 4 stages (3 K/V tiles
+    in flight; the decode kernel's own shape keeps one, and a row's 50-800 own tokens are a few tiles),
+    64-token tiles where a row is one split (from 96 rows on Qwen3-0.6B / Llama-8B heads), 32-token
+    tiles below, where its splits are ~100 tokens (halved above head size 128). H100, one layer at
+    W-prefix's shape, level 1 alone (us, 256 / 128 / 32 rows): the decode kernel's shape 327 / 182 / 113,
+    64-token tiles 289 / 174 / 131, 32-token tiles 309 / 179 / 85."""
+    tiles = 64 if bs >= 96 else 32
+    return Level1(tiles if head_dim <= 128 else tiles // 2, 4, 4, ahead=True)
 
 
 if triton is not None:
@@ -69,7 +94,7 @@ if triton is not None:
                        part_ptr, ml_ptr, sq_t, sq_h, s_page, s_head, s_tok, qk_scale,
                        G: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        S0: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       FP8: tl.constexpr, USE_PDL: tl.constexpr):
+                       FP8: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         c = tl.program_id(2)
@@ -93,7 +118,7 @@ if triton is not None:
             if FP8:
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES)
+                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES, AHEAD)
             # an empty split (lo >= hi) stores m = -inf, l = 0, acc = 0: level 1 weighs it 0
             cell = (c * HKV + kh) * S0 + s
             tl.store(part_ptr + cell.to(tl.int64) * (BM * D) + i[:, None] * D + d[None, :], acc)
@@ -121,14 +146,14 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
                  indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor, order: torch.Tensor,
                  rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                  chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                 scratch: SharedScratch, level0: Optional[Level0] = None) -> None:
+                 scratch: SharedScratch, level0: Optional[Level0] = None, level1: Optional[Level1] = None) -> None:
         super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, device, indptr, indices, last, order)
         self.rows = rows              # per row [bs] int32: skip pages, chunk (-1: none), slot in the chunk
         self.chunks = chunks          # per chunk [max_chunks] int32: start in indices, pages, rows; rows [C, R]
         self.scratch = scratch
         self.r = rows_per_chunk(self.group)
         self.level0 = level0 or level0_for(self.pad(last.numel()), head_dim)
-        self.level1_block_n: Optional[int] = None       # level 1's tile (None: the decode kernel's)
+        self.level1 = level1 or level1_for(self.pad(last.numel()), head_dim)
         sp = self.level0.splits
         assert sp <= scratch.splits and sp & (sp - 1) == 0, "level-0 splits: a power of 2 the scratch holds"
 
@@ -150,13 +175,13 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
                 kc.stride(0), kc.stride(1), kc.stride(2), self.scale * float(k_scale) * LOG2E)
         pdl.launch(_shared_kernel, (self.hkv, lv.splits, sc.max_chunks), args, q.device, G=self.group, R=self.r,
                    BM=TILE_ROWS, D=self.d, P=self.P, S0=lv.splits, MIN_SPLIT=MIN_SPLIT, BLOCK_N=lv.block_n,
-                   STAGES=stages, FP8=fp8, num_warps=lv.warps)
+                   STAGES=stages, FP8=fp8, AHEAD=lv.ahead, num_warps=lv.warps)
 
     def run_level1(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Level 1: the decode kernel over each row's own pages, folding in its chunk's partials."""
         skip, chunk, slot = self.rows
-        sc = self.scratch
+        sc, lv = self.scratch, self.level1
         return super().run(q, kv_cache, out, k_scale, v_scale,
                            Cascade(skip, chunk, slot, sc.part, sc.ml, self.level0.splits, TILE_ROWS,
-                                   self.level1_block_n))
+                                   lv.block_n, lv.warps, lv.stages, lv.splits, lv.ahead))

@@ -95,7 +95,7 @@ if triton is not None:
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
-                       USE_PDL: tl.constexpr):
+                       AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -107,6 +107,8 @@ if triton is not None:
         start = tl.load(indptr_ptr + b)
         kv_len = (tl.load(indptr_ptr + b + 1) - start - 1) * P + tl.load(last_ptr + b)
         if CASCADE:         # level 1 of a shared-prefix step: the row's pages after its chunk's shared ones
+            c0 = tl.load(chunk_ptr + b)     # its level-0 chunk and place there, read now for the fold
+            slot0 = tl.load(slot_ptr + b)
             sk = tl.load(skip_ptr + b)
             start += sk
             kv_len -= sk * P
@@ -123,11 +125,11 @@ if triton is not None:
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES)
+                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
         if NSPLIT == 1:
             if CASCADE:
-                m, l, acc = paged_softmax.fold_shared(m, l, acc, b, kh, HKV, g, G, chunk_ptr, slot_ptr, part0_ptr,
-                                                      ml0_ptr, S0, SB0, BM0, D)
+                m, l, acc = paged_softmax.fold_shared(m, l, acc, c0, slot0, kh, HKV, g, G, part0_ptr, ml0_ptr,
+                                                      S0, SB0, BM0, D)
             tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g)[:, None] * so_h + d[None, :],
                      (acc * v_scale / l[:, None]).to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
         else:
@@ -159,8 +161,8 @@ if triton is not None:
                                  + g2[None, :, None] * D + d[None, None, :], cache_modifier=".cg")
                     out += tl.sum(wj[:, :, None] * pj, 0)
                 if CASCADE:
-                    mx, den, out = paged_softmax.fold_shared(mx, den, out, b, kh, HKV, g2, G, chunk_ptr, slot_ptr,
-                                                             part0_ptr, ml0_ptr, S0, SB0, BM0, D)
+                    mx, den, out = paged_softmax.fold_shared(mx, den, out, c0, slot0, kh, HKV, g2, G, part0_ptr,
+                                                             ml0_ptr, S0, SB0, BM0, D)
                 tl.store(o_ptr + b.to(tl.int64) * so_t + (kh * G + g2)[:, None] * so_h + d[None, :],
                          (out * v_scale / den[:, None]).to(o_ptr.dtype.element_ty), mask=(g2 < G)[:, None])
                 tl.store(count_ptr + pair, 0)                                          # re-arm
@@ -181,6 +183,10 @@ class Cascade:
     splits: int
     tile_rows: int
     block_n: Optional[int] = None      # level 1's KV tokens per tile (None: ``block_n`` of the batch)
+    warps: int = 4
+    stages: Optional[int] = None       # K/V tiles in flight (None: STAGES / FP8_STAGES)
+    nsplit: Optional[int] = None       # splits per (row, kv head) (None: ``num_splits`` of the batch)
+    ahead: bool = False                # page numbers one tile ahead (paged_softmax.attend_pages)
 
 
 class TritonDecodeWrapper:
@@ -241,15 +247,21 @@ class TritonDecodeWrapper:
         s_page, s_head, s_tok = kc.stride(0), kc.stride(1), kc.stride(2)      # HND [pages, Hkv, P, D]
         bs = self.pad(B)
         nsplit = num_splits(bs, self.hkv, self.sms)
+        c = cascade or Cascade(self.last, self.last, self.last, self.part, self.ml, 1, 1)    # unread when off
+        if c.nsplit is not None:
+            fits = c.nsplit == 1 or B * self.hkv * c.nsplit <= self.count.numel()
+            if c.nsplit < 1 or c.nsplit & (c.nsplit - 1) or not fits:
+                raise ValueError(f"nsplit {c.nsplit}: a power of 2 whose partials the split scratch holds")
+            nsplit = c.nsplit
         sb = max(1, min(nsplit, 8192 // (self.g2 * self.d)))     # merge: <= 8k fp32 partial values per load
         fp8 = kc.element_size() == 1
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.order, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok,
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
-        c = cascade or Cascade(self.last, self.last, self.last, self.part, self.ml, 1, 1)    # unread when off
         pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args + (c.skip, c.chunk, c.slot, c.part0, c.ml0),
                    q.device, G=self.group, G2=self.g2, GP=self.gp,
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
-                   STAGES=FP8_STAGES if fp8 else STAGES, FP8=fp8, CASCADE=cascade is not None, S0=c.splits,
-                   SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows, num_warps=4)
+                   STAGES=c.stages or (FP8_STAGES if fp8 else STAGES), FP8=fp8, CASCADE=cascade is not None,
+                   S0=c.splits, SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows,
+                   AHEAD=c.ahead, num_warps=c.warps)
         return o

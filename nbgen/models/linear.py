@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nbgen.kernels import small_gemm
-from nbgen.models import cpu_int4
+from nbgen.models import all_reduce, cpu_int4
 from nbgen.models.cpu_int4 import Int4Weight
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
 from nbgen.models.fp8_scaled import Fp8ScaledWeight, scaled_accumulate
@@ -39,7 +39,7 @@ def get_tp() -> tuple[int, int]:
 def tp_all_reduce(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     # the layer's own tp_size (fixed when it was built), not the process-wide setting
     if tp_size > 1:
-        torch.distributed.all_reduce(x)
+        all_reduce.all_reduce(x)     # small tensors peer-to-peer where set up, else NCCL / gloo
     return x
 
 

@@ -202,7 +202,7 @@ class VisionTower(nn.Module):
             return TowerPlan(grids, cos, sin, [frames] * len(self.blocks), None, None)
         order, win = window_order(grids, self.merge, self.window // self.merge // self.patch)
         windows = SegmentPlan(win, device)
-        perm = to_device_async(torch.tensor(order), device)
+        perm = to_device_async(order, device)
         blocks = [frames if i in self.full_blocks else windows for i in range(len(self.blocks))]
         return TowerPlan(grids, _permute(cos, perm, self.merge), _permute(sin, perm, self.merge), blocks, perm,
                          torch.argsort(perm))

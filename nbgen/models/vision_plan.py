@@ -12,6 +12,7 @@ A CUDA graph of the tower holds its plan (``VisionTower.plan``), whatever the ca
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Optional, Sequence
@@ -108,31 +109,44 @@ class TowerPlan:
 
 def rotary_positions(grids: Sequence[Grid], merge: int) -> torch.Tensor:
     """[N, 2] (row, column) of each patch in its image, patches in merge-block order (host tensor)."""
-    pos = []
+    return torch.cat([_grid_positions(*g, merge) for g in grids])
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
+    """``rotary_positions`` of one image (cached by grid: a batch of photos has few sizes)."""
+    hh = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+    ww = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+    hw = torch.stack([hh.transpose(1, 2).reshape(-1), ww.transpose(1, 2).reshape(-1)], dim=-1)
+    return hw.repeat(t, 1)
+
+
+def window_order(grids: Sequence[Grid], merge: int, window_units: int) -> tuple[torch.Tensor, list[int]]:
+    """(merge-unit order [N / merge^2] that makes each window of ``window_units`` x ``window_units`` merge
+    units contiguous, window lengths in patches)."""
+    orders, lengths, base = [], [], 0
     for t, h, w in grids:
-        hh = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
-        ww = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
-        hw = torch.stack([hh.transpose(1, 2).reshape(-1), ww.transpose(1, 2).reshape(-1)], dim=-1)
-        pos.append(hw.repeat(t, 1))
-    return torch.cat(pos)
+        order, lens = _grid_windows(t, h, w, merge, window_units)
+        orders.append(order + base)
+        lengths.extend(lens)
+        base += t * (h // merge) * (w // merge)
+    return torch.cat(orders), lengths
 
 
-def window_order(grids: Sequence[Grid], merge: int, window_units: int) -> tuple[list[int], list[int]]:
-    """(merge-unit order that makes each window of ``window_units`` x ``window_units`` merge units
-    contiguous, window lengths in patches)."""
+@functools.lru_cache(maxsize=64)
+def _grid_windows(t: int, h: int, w: int, merge: int, window_units: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``window_order`` of one image, from its first merge unit (cached by grid)."""
     unit = merge * merge
-    order, lengths, base = [], [], 0
-    for t, h, w in grids:
-        gh, gw = h // merge, w // merge
-        for ti in range(t):
-            for r0 in range(0, gh, window_units):
-                for c0 in range(0, gw, window_units):
-                    ids = [base + ti * gh * gw + r * gw + c for r in range(r0, min(r0 + window_units, gh))
-                           for c in range(c0, min(c0 + window_units, gw))]
-                    order.extend(ids)
-                    lengths.append(len(ids) * unit)
-        base += t * gh * gw
-    return order, lengths
+    gh, gw = h // merge, w // merge
+    order, lengths = [], []
+    for ti in range(t):
+        for r0 in range(0, gh, window_units):
+            for c0 in range(0, gw, window_units):
+                ids = [ti * gh * gw + r * gw + c for r in range(r0, min(r0 + window_units, gh))
+                       for c in range(c0, min(c0 + window_units, gw))]
+                order.extend(ids)
+                lengths.append(len(ids) * unit)
+    return torch.tensor(order), tuple(lengths)
 
 
 class PlanCache:

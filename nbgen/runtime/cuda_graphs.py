@@ -220,6 +220,13 @@ class CudaGraphRunner:
             self.pool = g.pool()
         return g, out
 
+    def reset(self) -> None:
+        """Free every captured graph now (plain, variant and shared-prefix), whoever still holds this
+        runner; call only once the device finished with them."""
+        for table in (self.graphs, self.variant_graphs, self.cascade_graphs):
+            for g in table.values():
+                g.reset()
+
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
         """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""
         return batch.is_decode_only and len(batch.seqs) <= self.max_bs and n_prev <= PREV_CAPACITY

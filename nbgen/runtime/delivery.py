@@ -16,6 +16,7 @@ from nbgen.core.request import Request, Status
 from nbgen.runtime.grammar import GrammarService
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.scheduler import Scheduler
+from nbgen.runtime.stream_buffer import StreamBuffer, wake_all
 from nbgen.runtime.tracker import Tracked, Update
 
 logger = logging.getLogger("nbgen")
@@ -66,11 +67,14 @@ class Delivery:
         self._tracked: dict[str, Tracked] = {}
         self.grammar: Optional[GrammarService] = None   # made at the first constrained request
         self._jump_forward = jump_forward  # EngineConfig.enable_jump_forward (runtime/jump_forward.py)
+        self._wakes: list[StreamBuffer] = []   # streams with new ids whose consumers are not woken yet
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
+        # a stream's consumer that makes its text from ids (runtime/stream_buffer.py) gets only the ids
+        buffer = sink if stream and isinstance(sink, StreamBuffer) and sink.deferred else None
         for r in reqs:
-            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer, self._stream_interval)
+            t = self._tracked[r.rid] = Tracked(r, sink, stream, self.tokenizer, self._stream_interval, buffer)
             if not r.params.constrained:
                 self.scheduler.add(r)
                 if r.finished:   # can never run (e.g. longer than the whole KV cache): answer now
@@ -117,6 +121,8 @@ class Delivery:
         """Send the step's changed requests to their callers, then count the step's tokens."""
         n_out = 0
         tracked = self._tracked
+        self.release_wakes()              # the previous step's, if no wait for the device came between
+        wake = self._wakes
         for req in changed:
             t = tracked.get(req.rid)
             if t is None:
@@ -126,9 +132,20 @@ class Delivery:
             if (t.quiet or (t.lazy and t.within_interval(m))) and not req.finished:   # nothing to send yet
                 t.n_ids = m
                 continue
+            if t.buffer is not None and not req.finished:     # only the new ids, to its consumer
+                if t.push_new():
+                    wake.append(t.buffer)
+                continue
             self._emit(t)
         self.reap_outside()
         self._stats.account(n_in, n_out, self.snapshot())
+
+    def release_wakes(self) -> None:
+        """Wake the consumers of the streams the last step pushed ids to (the loop calls it right
+        before it waits for the device, so they run then rather than during its host work)."""
+        if self._wakes:
+            wakes, self._wakes = self._wakes, []
+            wake_all(wakes)
 
     def reap_outside(self) -> None:
         """Answer the requests the scheduler finished outside a step (refused, aborted, never fitting):

@@ -15,9 +15,13 @@ tail that might still grow into one, so a streamed client never sees text that i
 """
 from __future__ import annotations
 
+import functools
 import re
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from transformers import PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -42,6 +46,18 @@ def byte_token_ids(tokenizer: Any) -> frozenset[int]:
     return ids
 
 
+def backend_decode(tokenizer: Any, skip_special_tokens: bool) -> Optional[Callable[[list[int]], str]]:
+    """The Rust tokenizer's own ``decode`` where ``tokenizer.decode(ids, skip_special_tokens=...)`` is
+    exactly that call: transformers' fast tokenizer class (decode not overridden) without the clean-up
+    of spaces. It skips ~7 us of Python checks per call, twice a chunk. None otherwise."""
+    cls = type(tokenizer)
+    if (getattr(cls, "decode", None) is not PreTrainedTokenizerBase.decode
+            or getattr(cls, "_decode", None) is not PreTrainedTokenizerFast._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Per-request streaming decoder over the request's output ids."""
 
@@ -62,12 +78,15 @@ class IncrementalDetokenizer:
         self.text_len = 0               # characters emitted so far
         self.run_start = 0              # start of the trailing run of byte-fallback tokens
         self._byte_ids = byte_token_ids(tokenizer)
+        self._fast = backend_decode(tokenizer, skip_special_tokens)
         # skipped special tokens vanish before the decoder runs, so they do not end a byte run
         self._transparent = set(getattr(tokenizer, "all_special_ids", [])) if skip_special_tokens else set()
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._fast is not None:
+            return self._fast(ids)
         try:
             return self.tokenizer.decode(ids, **self._kwargs)
         except TypeError:               # a tokenizer without spaces_between_special_tokens

@@ -10,11 +10,13 @@ import copy
 from typing import Any, Callable, Optional, Union
 
 from nbgen.core.config import EngineConfig
+from nbgen.core.multimodal import settle_all
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Sink
 from nbgen.runtime.dp_router import Router
 from nbgen.runtime.loop import LoopThread
 from nbgen.runtime.profiler import ProfileOptions, ProfileResult
+from nbgen.runtime.stream_buffer import StreamBuffer
 from nbgen.runtime.tracker import Update
 
 # stats keys that are not summed over replicas: the same everywhere, or the newest / longest
@@ -86,6 +88,7 @@ class DPLoop:
 
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
         """Route each request (a sample group or session together) and submit per replica."""
+        settle_all(reqs)     # image ids still hashed on the caller's pool: routing reads the prompt
         groups: dict[str, int] = {}
         parts: dict[int, list[Request]] = {}
         routed: list[str] = []
@@ -106,9 +109,13 @@ class DPLoop:
                 self.router.done(update.rid)
             sink(update)
 
+        target: Sink = tracked
+        if isinstance(sink, StreamBuffer):   # passed on as itself: the replica hands it ids only
+            sink.finish_hooks.append(self.router.done)
+            target = sink
         for n, (i, part) in enumerate(sorted(parts.items())):
             try:
-                self.replicas[i].submit(part, tracked, stream)
+                self.replicas[i].submit(part, target, stream)
             except (RuntimeError, ValueError):
                 for _j, rest in sorted(parts.items())[n:]:
                     for r in rest:

@@ -15,7 +15,10 @@ forced tokens); only the last row samples. The scheduler's update walks the rows
 advancing ``num_computed`` by one.
 
 ``SchedulerConfig.forced_token_rows`` caps the rows of such a step (the largest decode graph on
-CUDA); a request whose rows do not fit is computed as one chunk, as before.
+CUDA). Requests of one schema move nearly in step, so their jumps come in waves (every request
+forcing ``"name": "`` after its ``{``); a request whose rows do not fit waits one step
+(``RowWaits``) rather than joining as a chunk, which would turn the whole step into a mixed prefill
+step off the decode graphs; after one wait it goes as a chunk, so no request waits longer.
 """
 from __future__ import annotations
 
@@ -47,3 +50,28 @@ def forced_token_rows(cfg: EngineConfig) -> int:
     if not cfg.enable_jump_forward:
         return 0
     return cfg.cuda_graph_max_bs or 4 * cfg.max_running_requests
+
+
+class RowWaits:
+    """The requests whose forced tokens did not fit a step's rows (scheduler only, torch-free): each
+    may wait one schedule for rows, not two in a row."""
+
+    def __init__(self) -> None:
+        self._last: set[str] = set()    # rids that waited at the previous schedule
+        self._now: set[str] = set()     # rids waiting at this one
+
+    def next_step(self) -> None:
+        """Call at the start of each schedule."""
+        self._last, self._now = self._now, set()
+
+    def wait(self, req: Request, start: int, end: int, cap: int, rows_taken: int) -> bool:
+        """True when req's output tokens at ``[start, end)``, which found no room as rows, should wait
+        for the next step (as rows then) instead of running as a chunk now: the step has other rows
+        (``rows_taken``) to keep on the decode graphs, the tokens are output tokens that fit a step's
+        rows (``cap``: ``forced_token_rows``; at most ``MAX_FORCED``), and req did not wait at the
+        previous schedule."""
+        if (not rows_taken or start < len(req.prompt_ids) or end - start > min(cap, MAX_FORCED)
+                or req.rid in self._last):
+            return False
+        self._now.add(req.rid)
+        return True

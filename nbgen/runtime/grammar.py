@@ -136,6 +136,10 @@ class GrammarState:
         # xgrammar's Python wrapper for single tokens (matcher.accept_token if it moves)
         self.handle = getattr(self.matcher, "_handle", None)
         self._accept = getattr(self.handle, "accept_token", None) or (lambda t, _d: self.matcher.accept_token(t))
+        # the text the grammar forces next (jump-forward asks after each accepted token): the FFI
+        # object's method, as the matcher's wrapper adds a call per row and step
+        self.search: Callable[[], str] = (getattr(self.handle, "find_jump_forward_string", None)
+                                          or self.matcher.find_jump_forward_string)
 
     def plain_greedy(self, req: Any) -> bool:
         """req (this state's request) samples the argmax of its masked logits: greedy, no bias, penalties,
@@ -169,11 +173,6 @@ class GrammarState:
             self.done = True
             return reason if reason is not None and reason.is_stop else FinishReason.stop(tok)
         return reason
-
-    def jump(self, req: Any, context_length: Optional[int]) -> bool:
-        """Jump-forward after the token just accepted (see runtime/jump_forward.py); True when
-        req's output changed. Call only while req goes on (no finish reason)."""
-        return self.jumper is not None and not self.done and self.jumper.jump(req, self, context_length)
 
     def force(self, ids: list[int], replaced: Optional[int] = None) -> bool:
         """Accept ``ids`` after rolling back the last accepted token ``replaced`` (if given); all

@@ -13,6 +13,7 @@ row (more than the accepts cost); the binding is called directly and the result 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from nbgen.core.finish import FinishReason
 BATCH_ACCEPT_MIN = 4   # fewer rows: one accept_token call each (the batched call's fixed cost)
 
 
+@functools.lru_cache(maxsize=1)
 def _binding() -> Optional[Any]:
     """xgrammar's FFI class of the batched matcher calls, or None (then its Python API is used)."""
     import xgrammar as xgr
@@ -40,7 +42,7 @@ def _accept(states: list[Any], handles: list[Any], toks: list[int]) -> Optional[
     """Accept toks[k] in states[k] (``handles``: their matchers' FFI objects); None when every token
     was taken, else the refused positions."""
     n = len(states)
-    if n < BATCH_ACCEPT_MIN or any(h is None for h in handles):
+    if n < BATCH_ACCEPT_MIN or None in handles:
         refused = {k for k in range(n) if not states[k].accept(toks[k])}
         return refused or None
     binding = _binding()
@@ -64,8 +66,11 @@ class StepGrammar:
     toks: list[int] = field(default_factory=list)                    # its sampled token
     reasons: list[Optional[FinishReason]] = field(default_factory=list)   # its reason before the grammar
     states: list[Any] = field(default_factory=list)                  # its GrammarState
-    handles: list[Any] = field(default_factory=list)                 # its matcher's FFI object
     ended: list[tuple[Any, FinishReason]] = field(default_factory=list)   # rows whose grammar completed earlier
+    # rows that need more than the accept (a stop token, a reason already): the others go on unchanged
+    # unless a token is refused or the request jumps, so without jumpers settle visits these only
+    flagged: list[int] = field(default_factory=list)
+    jumping: bool = False                                            # some row's grammar has a jumper
 
     def add(self, req: Any, tok: int, reason: Optional[FinishReason]) -> None:
         """Gather one row (req.grammar set, tok >= 0)."""
@@ -74,11 +79,14 @@ class StepGrammar:
             if reason is not None:
                 self.ended.append((req, reason))
             return
+        if reason is not None or tok in g.stops:
+            self.flagged.append(len(self.reqs))
+        if g.jumper is not None:
+            self.jumping = True
         self.reqs.append(req)
         self.toks.append(tok)
         self.reasons.append(reason)
         self.states.append(g)
-        self.handles.append(g.handle)
 
     def settle(self, context_length: Optional[int]) -> list[tuple[Any, FinishReason]]:
         """Accept every gathered token, jump forward where the request goes on; the requests that
@@ -87,7 +95,13 @@ class StepGrammar:
         if not self.reqs:
             return out
         toks, reasons, states = self.toks, self.reasons, self.states
-        refused = _accept(states, self.handles, toks) or ()
+        refused = _accept(states, [s.handle for s in states], toks) or ()
+        if not refused and not self.jumping:        # the common step: only the flagged rows change
+            for k in self.flagged:
+                reason = states[k].settle(toks[k], True, reasons[k])
+                if reason is not None:
+                    out.append((self.reqs[k], reason))
+            return out
         for k, state in enumerate(states):
             tok, reason = toks[k], reasons[k]
             if k in refused or tok in state.stops or reason is not None:
@@ -95,27 +109,30 @@ class StepGrammar:
                 if reason is not None:
                     out.append((self.reqs[k], reason))
                     continue
-            if state.jumper is not None:
-                state.jump(self.reqs[k], context_length)          # runtime/jump_forward.py
+            if state.jumper is not None:                          # runtime/jump_forward.py
+                state.jumper.jump(self.reqs[k], state, context_length)
         return out
 
 
 def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
     """(rows, their GrammarStates, greedy) of the seqs whose request has a grammar not completed yet
-    (one pass); ``greedy``: every seq is such a row and samples the argmax of its masked logits."""
+    (one pass); ``greedy``: every other seq's grammar completed and every such row samples the argmax
+    of its masked logits. A completed grammar's request finished when it accepted its stop token
+    (overlap: its row was scheduled before): its row's token is never read, whatever its mask row
+    holds, so such rows keep a step on the masked-argmax path."""
     rows: list[int] = []
     states: list[Any] = []
     greedy = True
     for i, s in enumerate(seqs):
         req = s.req
         g = req.grammar
-        if g is not None and not g.done:
+        if g is None:
+            greedy = False
+        elif not g.done:
             rows.append(i)
             states.append(g)
             if greedy and not (g.plain if g.plain is not None else g.plain_greedy(req)):
                 greedy = False
-        else:
-            greedy = False
     return rows, states, greedy
 
 
@@ -123,7 +140,8 @@ def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list
     """Fill ``rows`` of an int32 [>= B, ceil(vocab/32)] host bitmask from the states' matchers with
     xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills)."""
     handle = getattr(batch_matcher, "_handle", None)
-    if handle is None or any(s.handle is None for s in states):
+    handles = [s.handle for s in states]   # built while the worker holds the GIL: one comprehension
+    if handle is None or None in handles:
         batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
     else:       # the wrapper would build the handle list again
-        handle.batch_fill_next_token_bitmask([s.handle for s in states], bitmask, rows, False)
+        handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)

@@ -41,6 +41,7 @@ class JumpForward:
         self.tokenizer = tokenizer
         self.num_jumps = 0          # jumps made
         self.num_tokens = 0         # tokens appended by them (net of replaced ones)
+        self.num_searches = 0       # grammar searches for forced text (find_jump_forward_string)
         self._plans: dict[tuple[int, str], Optional[tuple[bool, list[int]]]] = {}   # tail's results
 
     def _encode(self, text: str) -> Optional[list[int]]:
@@ -78,19 +79,23 @@ class JumpForward:
     def jump(self, req: Any, state: Any, context_length: Optional[int]) -> bool:
         """Append the forced continuation of req (its grammar ``state`` just accepted the last
         output token); True when the request's output changed."""
+        # runs for every constrained row of every step: the checks before the search stay few
+        out = req.output_ids
+        n_out, n_prompt = len(out), len(req.prompt_ids)
+        if not n_out or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
+            return False                          # the last token is not the one just accepted
         if req.logprobs.return_logprob or req.return_hidden_states:
             return False
-        out = req.output_ids
-        if not out or out[-1] < 0 or req.num_computed != len(req.prompt_ids) + len(out) - 1:
-            return False                          # the last token is not the one just accepted
         # room: at least one sampled token must follow (max_new_tokens / the context end it); a jump
         # adds at most room tokens, so without room for MIN_JUMP the grammar is not even asked
-        room = (req.params.max_new_tokens if req.params.max_new_tokens is not None else 1 << 62) - len(out) - 1
+        limit = req.params.max_new_tokens
+        room = (limit if limit is not None else 1 << 62) - n_out - 1
         if context_length is not None:
-            room = min(room, context_length - req.num_tokens - 1)
+            room = min(room, context_length - n_prompt - n_out - 1)
         if room < MIN_JUMP:
             return False
-        forced = state.matcher.find_jump_forward_string()
+        self.num_searches += 1
+        forced = state.search()                   # the matcher's find_jump_forward_string
         if not forced:
             return False
         planned = self.tail(out[-1], forced)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.config import EngineConfig
+from nbgen.core.multimodal import settle_all
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Delivery, RidRegistry, Sink
 from nbgen.runtime.engine_parts import build_engine_parts
@@ -77,6 +78,7 @@ class LoopThread(LoopControl):
         refusal = self.memory.refusal() if self.memory is not None else None
         if refusal is not None:
             raise RuntimeError(refusal)
+        settle_all(reqs)     # image ids still hashed on the caller's pool: in the slots before the loop reads them
         rids = [r.rid for r in reqs]
         self._rids.claim(rids)
         try:
@@ -124,6 +126,13 @@ class LoopThread(LoopControl):
         if self._loop is not None and self._thread.is_alive():
             self._post(self._stop)
             self._thread.join(timeout)
+            if self._thread.is_alive():    # still freeing (a process group's teardown): say so, not silently
+                logger.warning("the engine loop thread did not stop within %.0f s of shutdown()", timeout)
+
+    @property
+    def delivery(self) -> Optional[Delivery]:
+        """The step-result delivery (outputs, grammars, streams) once the engine started."""
+        return self._delivery
 
     @property
     def alive(self) -> bool:
@@ -206,7 +215,7 @@ class LoopThread(LoopControl):
         self._spec = make_spec_stepper(parts.runner, parts.scheduler, parts.cfg, self._stats)
         if getattr(parts.runner, "overlap", False):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
-                                           self.run_step)
+                                           self.run_step, self._delivery.release_wakes)
         self._intake = Intake(self._delivery, self._exclusive, self.weights, self.memory, self.sessions,
                               self.flush_overlap)
         self._delivery.publish()
@@ -227,6 +236,7 @@ class LoopThread(LoopControl):
                 if self._stepped:
                     self._stepped = False
                     freeze_new_code()
+                self._delivery.release_wakes()
                 self._wake.clear()
                 await self._wake.wait()
 
@@ -241,6 +251,7 @@ class LoopThread(LoopControl):
 
     def run_step(self, batch: ScheduledBatch) -> None:
         """Run one batch synchronously and deliver its results."""
+        self._delivery.release_wakes()   # stream consumers run while this step computes
         try:
             out = self._spec.step(batch) if self._spec is not None else self.runner.step(batch)
         except Exception as e:  # noqa: BLE001 - handed to fail_batch

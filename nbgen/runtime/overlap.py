@@ -77,8 +77,9 @@ class OverlapStepper:
     overlap synchronously."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, deliver: Deliver, fail_batch: FailBatch,
-                 run_step: RunStep) -> None:
+                 run_step: RunStep, before_wait: Optional[Callable[[], None]] = None) -> None:
         self.runner = runner
+        self._before_wait = before_wait   # called right before the host blocks on a step's ids
         self.scheduler = scheduler
         self._deliver_fn = deliver
         self._fail_batch = fail_batch
@@ -215,6 +216,8 @@ class OverlapStepper:
         launched, changed, n_in = self.pending
         self.pending = None
         sched = self.scheduler
+        if self._before_wait is not None:
+            self._before_wait()
         toks = self.runner.resolve(launched)
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)

@@ -167,6 +167,14 @@ class PrefillGraphRunner:
         return graphs
 
     # ---- replay -----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Free every captured piece now (plain and variant), whoever still holds this runner; call only
+        once the device finished with them."""
+        for table in (self.graphs, self.variant_graphs):
+            for pieces in table.values():
+                for g in pieces:
+                    g.reset()
+
     def can_run(self, batch: ScheduledBatch, num_tokens: int) -> bool:
         """A step with a prefill chunk whose tokens fit the largest bucket."""
         return not batch.is_decode_only and 0 < num_tokens <= self.max_tokens

@@ -35,7 +35,7 @@ from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
-from nbgen.runtime.forced_rows import forced_rows
+from nbgen.runtime.forced_rows import RowWaits, forced_rows
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
@@ -70,6 +70,7 @@ class Scheduler:
         self.admission = Admission(cfg, self.pool, self.cache, self.waiting, self._live, self._preempt,
                                    self._finished_outside, lora_limit)
         self.num_preemptions = 0
+        self.row_waits = RowWaits()                   # jump-forward tokens waiting a step for rows
         # called with each request finished after it ran (its full pages are in the prefix cache);
         # engine sessions pin them there (runtime/sessions.py), and drop the pins at a flush
         self.on_finish: Optional[Callable[[Request], None]] = None
@@ -170,6 +171,7 @@ class Scheduler:
                 seqs.append(seq_work(req, c, c + 1))
             budget -= 1
         rows = self.cfg.forced_token_rows - len(seqs)         # jump-forward rows (runtime/forced_rows.py)
+        self.row_waits.next_step()
         for req in list(self.running):                       # 2. prefill continuation
             left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
             if left <= 1 or req.status is not RUNNING:
@@ -179,6 +181,8 @@ class Scheduler:
             end = req.num_computed + min(left, budget)
             if self._grow(req, end):
                 split = forced_rows(req, req.num_computed, end, rows) if rows > 0 else None
+                if not split and self.row_waits.wait(req, req.num_computed, end, self.cfg.forced_token_rows, len(seqs)):
+                    continue                                 # rows next step instead of a chunk now
                 seqs += split or [seq_work(req, req.num_computed, end)]
                 rows -= len(split) if split else 1
                 budget -= end - req.num_computed

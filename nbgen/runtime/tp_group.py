@@ -1,6 +1,11 @@
 """Tensor parallelism on rank 0: start one worker process per extra rank (a fresh interpreter), join the
-torch.distributed group (gloo on CPU, NCCL on CUDA), tell the workers each step of the runner
-(``runtime/tp_step.py``), and stop every worker on shutdown, at interpreter exit, or when a worker dies.
+torch.distributed group (gloo on CPU, NCCL on CUDA; small all-reduces peer-to-peer where the GPUs map each
+other's memory, ``models/all_reduce.py``), tell the workers each step of the runner (``runtime/tp_step.py``),
+and stop every worker on shutdown, at interpreter exit, or when a worker dies.
+
+Shutdown order: rank 0's CUDA graphs are freed first (they hold captured NCCL launches; a process group
+destroyed under live ones can hang in NCCL's finalize, and a caller may still hold the runner), then
+the workers stop, then the peer buffers and the process group go.
 
 One tensor-parallel engine per process at a time: it uses torch.distributed's default group.
 """
@@ -13,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
@@ -21,6 +27,7 @@ import torch.distributed as dist
 
 from nbgen.core.config import EngineConfig
 from nbgen.runtime.tp_step import StepSender, TPStep
+from nbgen.models import all_reduce
 from nbgen.models.embedded import default_model_path
 from nbgen.models.loader import checkpoint_dir
 from nbgen.models.model_config import read_model_config
@@ -68,6 +75,7 @@ class TPGroup:
         self.conns: list[Connection] = []
         self._closed = False
         self.broken = False          # abandon() ran: no more steps
+        self._runner: Optional[weakref.ref] = None   # rank 0's runner, once attached (its graphs go first)
         atexit.register(self.shutdown)
         for rank in range(1, self.size):
             spec = WorkerSpec(cfg, rank, self.size, init, backend, rank_device(device, rank), os.getpid(), TIMEOUT_S)
@@ -77,6 +85,7 @@ class TPGroup:
                 torch.cuda.set_device(device)
             dist.init_process_group(backend, init_method=init, rank=0, world_size=self.size,
                                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
+            all_reduce.setup(device, not cfg.disable_custom_all_reduce)   # every rank, right after joining
         except BaseException:
             self.shutdown()
             raise
@@ -116,6 +125,7 @@ class TPGroup:
             raise ValueError("tp_size > 1 runs text models only: the vision tower of "
                              f"{type(runner.model).__name__} is not split over ranks")
         runner.peers = StepSender(self.send, self.abandon)
+        self._runner = weakref.ref(runner)
 
     def abandon(self) -> None:
         """Give the group up after a failed step: the workers are killed at once (they may wait in a
@@ -149,6 +159,9 @@ class TPGroup:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        runner = self._runner() if self._runner is not None else None
+        if runner is not None and not self.broken:
+            free_graphs(runner)
         for conn in self.conns:
             try:
                 conn.send(TPStep("stop"))
@@ -165,8 +178,21 @@ class TPGroup:
                     continue
         for conn in self.conns:
             conn.close()
+        all_reduce.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def free_graphs(runner: Any) -> None:
+    """Free a runner's CUDA graphs now (``CUDAGraph.reset``), whoever still holds the runner or its graph
+    runners; steps would run eagerly afterwards."""
+    if runner.device.type != "cuda":
+        return
+    torch.cuda.synchronize(runner.device)
+    for holder in (runner.graphs, runner.prefill_graphs):
+        if holder is not None:
+            holder.reset()
+    runner.drop_graphs()
 
 
 def start_tp(cfg: EngineConfig, device: torch.device) -> Optional[TPGroup]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from nbgen.core.config import EngineConfig
+from nbgen.models import all_reduce
 from nbgen.models.parallel_state import tp_scope
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.tp_step import StepReplica
@@ -66,6 +67,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     try:
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=spec.rank,
                                 world_size=spec.world_size, timeout=datetime.timedelta(seconds=spec.timeout_s))
+        all_reduce.setup(device, not spec.cfg.disable_custom_all_reduce)   # as rank 0, right after joining
         with tp_scope(spec.world_size, spec.rank):
             runner = ModelRunner(spec.cfg, device)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it in the Engine's caller

@@ -2,13 +2,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request
 from nbgen.runtime.detokenizer import IncrementalDetokenizer
 from nbgen.runtime.outputs import build_output
 from nbgen.runtime.stop_regex import make_stop_matcher
+
+
+class IdSink(Protocol):
+    """A stream's consumer side that takes token ids and makes the text itself (``StreamBuffer``)."""
+
+    def push(self, ids: list[int], n_out: int) -> bool:
+        """Append new output ids; True when the consumer must be woken."""
+        ...
+
+    def wake(self) -> None:
+        """Wake the consumer now."""
+        ...
+
+
+def _text_ids(req: Request, new_ids: list[int]) -> list[int]:
+    """``new_ids`` without a finished request's matched stop token, which is not part of the text
+    (unless ``no_stop_trim``)."""
+    fr = req.finish_reason
+    matched = fr.get("matched") if req.finished and fr and fr.get("type") == "stop" else None
+    if isinstance(matched, int) and not req.params.no_stop_trim and new_ids and new_ids[-1] == matched:
+        return new_ids[:-1]
+    return new_ids
 
 
 @dataclass
@@ -28,22 +50,25 @@ class Tracked:
     engine's), and its finish at once. Without a tokenizer the outputs carry no ``text`` key."""
 
     def __init__(self, req: Request, sink: Callable[[Update], None], stream: bool, tokenizer: Any,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, buffer: Optional[IdSink] = None) -> None:
         self.req = req
         self.sink = sink
         self.stream = stream
         self.tokenizer = tokenizer
         self.interval = req.params.stream_interval or stream_interval
         p = req.params
+        # a stream whose consumer makes its text (runtime/stream_buffer.py): this side hands it the new
+        # ids and never detokenizes
+        self.buffer = buffer
         self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_ids, p.skip_special_tokens,
                                              p.spaces_between_special_tokens)
-                      if tokenizer is not None and req.embed is None else None)   # embeddings have no text
+                      if tokenizer is not None and req.embed is None and buffer is None else None)
         self.matcher = make_stop_matcher(p.stop_strs, p.stop_regex, p.no_stop_trim)
         # nobody reads this request's text before it finishes: the loop only counts its tokens per
         # step and calls advance() once, at the finish (the text is detokenized in one go there)
         self.quiet = not stream and self.matcher is None
         # a stream without stop strings is not even detokenized between its chunks
-        self.lazy = stream and self.matcher is None and self.interval > 1
+        self.lazy = stream and self.matcher is None and (self.interval > 1 or buffer is not None)
         self.n_ids = 0            # output ids already seen (counted as generated)
         self.n_text = 0           # output ids already turned into text
         self.n_sent_ids = 0       # output ids already sent to a streaming caller
@@ -61,19 +86,38 @@ class Tracked:
         (the loop skips ``advance`` for a ``lazy`` one meanwhile)."""
         return 0 < self.n_sent_ids and n_out - self.n_sent_ids < self.interval
 
+    def push_new(self) -> bool:
+        """A pushed stream's new ids to its consumer; True when the consumer must be woken."""
+        req = self.req
+        n = len(req.output_ids)
+        new = req.output_ids[self.n_sent_ids:n]
+        self.n_sent_ids = self.n_ids = self.n_text = n
+        return self.buffer.push(new, n)
+
+    def _finish_pushed(self) -> Update:
+        """A pushed stream's finish: its last text ids (a matched stop token left out) to the consumer,
+        then the finished output, whose text the consumer completes."""
+        req = self.req
+        new = _text_ids(req, req.output_ids[self.n_sent_ids:])
+        self.n_sent_ids = self.n_ids = self.n_text = len(req.output_ids)
+        self.buffer.push(new, len(req.output_ids))     # no wake-up: the finished output follows at once
+        return Update(req.rid, build_output(req, self._text(""), list(req.output_ids), self.decode, finished=True),
+                      finished=True)
+
     def advance(self, scheduler: Any) -> Optional[Update]:
         """Consume new ids; may finish the request on a stop string. Returns an Update to send, or None.
         (The loop skips quiet requests until they finish.)"""
         req = self.req
+        if self.buffer is not None:             # its consumer makes the text
+            if req.finished:
+                return self._finish_pushed()
+            if self.push_new():
+                self.buffer.wake()
+            return None
         self.n_ids = len(req.output_ids)
         new_ids = req.output_ids[self.n_text:]
         self.n_text = len(req.output_ids)
-        fr = req.finish_reason
-        text_ids = new_ids
-        matched = fr.get("matched") if req.finished and fr and fr.get("type") == "stop" else None
-        if (isinstance(matched, int) and not req.params.no_stop_trim and text_ids
-                and text_ids[-1] == matched):
-            text_ids = text_ids[:-1]  # a matched stop token is not part of the text
+        text_ids = _text_ids(req, new_ids)
         if self.matcher is not None and not self.matcher.done and self.detok is not None and len(text_ids) > 1:
             emit, matched = self._feed_each(text_ids)   # a speculative step's run of tokens
             piece = None

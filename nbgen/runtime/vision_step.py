@@ -20,6 +20,8 @@ import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.models.mrope import step_positions
+from nbgen.models.vision_pixels import PixelRecipe, RawImages, rgb_patches
+from nbgen.models.vision_plan import to_device_async
 from nbgen.runtime.step_inputs import FlatStep, to_device
 
 TOWER_RANGE = "nbgen::vision_tower"      # the profiler range around each tower forward
@@ -45,33 +47,37 @@ class PixelStaging:
     ~256 MB block costs tens of milliseconds on the loop thread, and blocks of a new size class would
     be pinned during the first large batch). A buffer is reused two steps later, when the GPU has run
     the copy that read it (the overlap stepper resolved the step behind it); its event guards that.
-    The patches are cast to the model dtype while they are gathered: bf16 halves the bytes copied to
-    the GPU (~135 MB of fp32 for 28 448x448 images, in the stream before the tower) and rounds exactly
-    as the cast on the GPU did."""
+    Buffers are bytes, viewed as the dtype staged: float patches are cast to the model dtype while
+    they are gathered (bf16 halves the bytes of fp32 and rounds exactly as the cast on the GPU did);
+    RGB bytes (``RawImages``) are staged as they are, a quarter of their bf16 patches."""
 
     SLOTS = 2
     MAX_RESERVE_BYTES = 256 << 20        # per buffer reserved up front; larger steps grow it
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, reserve_elements: int = 0) -> None:
+    def __init__(self, device: torch.device, reserve_bytes: int = 0) -> None:
         self.device = device
-        n = min(reserve_elements, self.MAX_RESERVE_BYTES // dtype.itemsize)
-        self.bufs = [torch.empty(n, dtype=dtype, pin_memory=True) if n else None for _ in range(self.SLOTS)]
+        n = min(reserve_bytes, self.MAX_RESERVE_BYTES)
+        self.bufs = [torch.empty(n, dtype=torch.uint8, pin_memory=True) if n else None for _ in range(self.SLOTS)]
         self.events: list[Optional[torch.cuda.Event]] = [None] * self.SLOTS
         self.turn = 0
 
-    def to_device(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """``parts`` concatenated on the device in ``dtype``, queued without a host sync."""
+    def to_device(self, parts: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        """``parts`` (tensors, or numpy arrays of ``dtype``) concatenated on the device in ``dtype``,
+        queued without a host sync."""
         i, self.turn = self.turn, (self.turn + 1) % self.SLOTS
         rows = sum(p.shape[0] for p in parts)
         shape = (rows, *parts[0].shape[1:])
-        numel = rows * math.prod(shape[1:])
+        nbytes = rows * math.prod(shape[1:]) * dtype.itemsize
         if self.events[i] is not None:
             self.events[i].synchronize()           # the copy two steps back: done long ago
         buf = self.bufs[i]
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = self.bufs[i] = torch.empty(numel + numel // 4, dtype=dtype, pin_memory=True)
-        host = buf[:numel].view(shape)
-        torch.cat(parts, out=host)                 # cast while gathered (all cores)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.bufs[i] = torch.empty(nbytes + nbytes // 4, dtype=torch.uint8, pin_memory=True)
+        host = buf[:nbytes].view(dtype).view(shape)
+        if isinstance(parts[0], np.ndarray):
+            np.concatenate(parts, out=host.numpy())    # RGB bytes (read-only views of the image bytes)
+        else:
+            torch.cat(parts, out=host)                 # cast while gathered (all cores)
         out = host.to(self.device, non_blocking=True)
         ev = self.events[i] = torch.cuda.Event()
         ev.record()
@@ -84,15 +90,39 @@ class VisionStep:
 
     def __init__(self, model: Any, device: torch.device, dtype: torch.dtype, reserve_pixels: int = 0) -> None:
         self.model, self.device, self.dtype = model, device, dtype
-        self.staging = PixelStaging(device, dtype, reserve_pixels) if device.type == "cuda" else None
+        self.staging = PixelStaging(device, reserve_pixels * dtype.itemsize) if device.type == "cuda" else None
+        self.luts: dict[PixelRecipe, torch.Tensor] = {}                  # each recipe's table on the device
 
-    def _pixels(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The requests' pixel patches as one tensor on the device in the model dtype. On CUDA they are
-        gathered into pinned memory in that dtype and copied asynchronously: a copy from pageable memory
-        would wait for the GPU's queued work and leave it idle during the transfer."""
+    def _stage(self, parts: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        """``parts`` (tensors, or numpy arrays of ``dtype``) as one tensor on the device in ``dtype``. On CUDA they are gathered into pinned memory
+        in that dtype and copied asynchronously: a copy from pageable memory would wait for the GPU's
+        queued work and leave it idle during the transfer."""
         if self.staging is None:
-            return torch.cat(parts).to(self.device, self.dtype)
-        return self.staging.to_device(parts, self.dtype)
+            both = torch.from_numpy(np.concatenate(parts)) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
+            return both.to(self.device, dtype)
+        return self.staging.to_device(parts, dtype)
+
+    def _lut(self, recipe: PixelRecipe) -> torch.Tensor:
+        lut = self.luts.get(recipe)
+        if lut is None:
+            lut = self.luts[recipe] = to_device_async(recipe.lut, self.device)   # once per processor, no sync
+        return lut
+
+    def _pixels(self, parts: list[Any]) -> torch.Tensor:
+        """The requests' pixel patches [N, D] on the device in the model dtype, in request order: patch
+        tensors staged as they are, RGB bytes (``RawImages``) staged and made patches there, one run
+        of consecutive parts of a kind (and image size) at a time."""
+        runs: list[tuple[Any, list[Any]]] = []           # (recipe and size, or None: patches; parts)
+        for part in parts:
+            for key, t in (((part.recipe, tuple(im.shape)), im[None]) for im in part.rgb) \
+                    if isinstance(part, RawImages) else ((None, part),):
+                if runs and runs[-1][0] == key:
+                    runs[-1][1].append(t)
+                else:
+                    runs.append((key, [t]))
+        out = [self._stage(ts, self.dtype) if key is None else
+               rgb_patches(self._stage(ts, torch.uint8), self._lut(key[0]), key[0], self.dtype) for key, ts in runs]
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def _encode(self, seqs: list[SeqWork]) -> None:
         """One tower forward over the images of ``seqs``' requests; each request keeps its rows."""
