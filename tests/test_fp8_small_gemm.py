@@ -22,6 +22,8 @@ import torch
 
 import nbgen
 from nbgen.core.config import EngineConfig
+from nbgen.kernels import fp8_quant
+from nbgen.kernels import fp8_row_gemv as fr
 from nbgen.kernels import fp8_small_gemm as fs
 from nbgen.models import norm_fold
 from nbgen.models.loader import load_model
@@ -97,9 +99,41 @@ def _kernel_check() -> None:
                                            fs.fp8_small_gemm(xr, w.q, w.scale_row, config=pre))
 
 
+def _row_kernel_check() -> None:
+    """The one-row kernel (``kernels.fp8_row_gemv``) under TRITON_INTERPRET=1: several K tiles, a partial
+    last tile and block of rows, bias, column scale, residual add; equal to the multi-row kernel's bits."""
+    gen = torch.Generator().manual_seed(1)
+    for n, k in ((37, 1100), (20, 512), (9, 40)):
+        for dtype in (torch.bfloat16, torch.float16):
+            w = quantize_weight(torch.randn(n, k, generator=gen) * 0.05)
+            b = torch.randn(n, generator=gen).to(dtype)
+            x = _grid_x(1, k, dtype, gen)
+            ulps = 2.0 if dtype == torch.bfloat16 else 1.0
+            g = 2.0 ** torch.randint(-2, 3, (k,), generator=gen).float()
+            g[k // 2] = 4.0
+            g = g.to(dtype)
+            for cfg in ((4, 512, 1, False), (8, 1024, 2, False), (16, 512, 1, False), (4, 512, 1, True)):
+                y = fr.fp8_row_gemv(x, w.q, w.scale_row, torch.empty(1, n, dtype=dtype), b, config=cfg)
+                _within_rounding(y, _want(x, w, b), ulps)
+                y = fr.fp8_row_gemv(x, w.q, w.scale_row, torch.empty(1, n, dtype=dtype), col_scale=g, config=cfg)
+                _within_rounding(y, _want(x, w, None, g), ulps)
+                into = torch.randn(1, n, generator=gen).to(dtype)
+                y = fr.fp8_row_gemv(x, w.q, w.scale_row, into.clone(), col_scale=g, accumulate=True, config=cfg)
+                _within_rounding(y, _want(x, w, None, g) + into.float(), ulps)
+            xr = (torch.randn(1, k, generator=gen) * 3).to(dtype)      # off the grid: the same e4m3 bytes
+            assert torch.equal(fr.fp8_row_gemv(xr, w.q, w.scale_row, torch.empty(1, n, dtype=dtype),
+                                               config=(8, 512, 1)),
+                               fs.fp8_small_gemm(xr, w.q, w.scale_row, config=fs.Fp8GemvConfig(1, 8, 512, 1, 1, True)))
+            xq, sa = fp8_quant.quant_rowwise(xr)                        # x given as e4m3 with its scale
+            out = [torch.empty(1, n, dtype=dtype) for _ in range(2)]
+            assert torch.equal(fr.fp8_row_gemv(xq, w.q, w.scale_row, out[0], config=(8, 512, 1), x_scale=sa),
+                               fr.fp8_row_gemv(xr, w.q, w.scale_row, out[1], config=(8, 512, 1)))
+
+
 def test_fp8_small_gemm_under_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    res = run_under_triton_interpreter("import tests.test_fp8_small_gemm as t; t._kernel_check()")
+    res = run_under_triton_interpreter("import tests.test_fp8_small_gemm as t; t._kernel_check(); "
+                                       "t._row_kernel_check()")
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -143,11 +177,29 @@ def test_gpu_fp8_small_gemm_equals_the_reference(m: int, n: int, k: int, bias: b
     w = quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02,
                         torch.tensor(1e-4, device="cuda") if per_tensor else None)
     b = torch.randn(n, device="cuda", generator=gen).bfloat16() if bias else None
-    cfg = fs.pick_config(m, n, k)
-    y = fs.fp8_small_gemm(x, w.q, w.scale_row, b, config=cfg)
+    y = fs.fp8_small_gemm(x, w.q, w.scale_row, b)           # the model's launch (one row: fp8_row_gemv)
     _within_rounding(y, _want(x, w, b), 1.0)
     # the kernel's own e4m3 rounding of x is quant_rowwise's (the reference's bytes): the same bits
-    assert torch.equal(y, fs.fp8_small_gemm(x, w.q, w.scale_row, b, config=cfg._replace(prequant=not cfg.prequant)))
+    if m == 1:
+        xq, sa = fp8_quant.quant_rowwise(x)
+        assert torch.equal(y, fr.fp8_row_gemv(xq, w.q, w.scale_row, torch.empty_like(y), b, x_scale=sa))
+    else:
+        cfg = fs.pick_config(m, n, k)
+        assert torch.equal(y, fs.fp8_small_gemm(x, w.q, w.scale_row, b, config=cfg._replace(prequant=not cfg.prequant)))
+
+
+@gpu
+@pytest.mark.parametrize("config", [(4, 2048, 4, False), (8, 2048, 4, False), (16, 2048, 8, False),
+                                    (8, 4096, 8, False), (4, 2048, 4, True), (4, 1024, 2, True)])
+def test_gpu_row_kernel_launches(config: tuple) -> None:
+    """The one-row kernel's sweep launches at down_proj's shape: column scale and residual add."""
+    gen = torch.Generator(device="cuda").manual_seed(config[0] + config[1])
+    x = torch.randn(1, 14336, device="cuda", generator=gen).bfloat16()
+    g = (torch.rand(14336, device="cuda", generator=gen) + 0.5).bfloat16()
+    w = quantize_weight(torch.randn(4096, 14336, device="cuda", generator=gen) * 0.02)
+    into = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16()
+    y = fr.fp8_row_gemv(x, w.q, w.scale_row, into.clone(), col_scale=g, accumulate=True, config=config)
+    _within_rounding(y, _want(x, w, None, g) + into.float(), 1.0)
 
 
 @gpu

@@ -33,6 +33,8 @@ from nbgen.bench.floor import copy_bandwidth
 from nbgen.bench.fp8_kernels import graph_time, print_fastest
 from nbgen.kernels import fp8_quant, gpu_ops, small_gemm
 from nbgen.kernels.silu_scaled import silu_mul_scaled
+from nbgen.kernels.fp8_row_gemv import fp8_row_gemv
+from nbgen.kernels.fp8_row_gemv import pick_config as row_pick_config
 from nbgen.kernels.fp8_small_gemm import Fp8GemvConfig, fp8_small_gemm, pick_config
 
 # (name, N, K, SiLU-and-mul epilogue) of Llama-3.1-8B's decoder linears
@@ -42,17 +44,26 @@ LAYER = ("qkv", "o", "gate_up+silu", "down")    # one decoder layer's linears at
 ROWS = [1, 4, 16]
 
 
+# one-row kernel launches (block_n, block_k, warps, prefetch) --sweep tries (no register spills on sm_90)
+ROW_CANDIDATES = [(4, 2048, 4, False), (8, 2048, 4, False), (16, 2048, 8, False), (4, 4096, 8, False),
+                  (8, 4096, 8, False), (8, 1024, 2, False), (4, 2048, 4, True), (4, 4096, 8, True),
+                  (4, 1024, 2, True)]
+
+
 def candidates(rows: int) -> list[Fp8GemvConfig]:
-    """The launches ``--sweep`` tries at ``rows`` rows."""
-    if rows == 1:     # (block_n, block_k, warps) without register spills on sm_90
-        out = [Fp8GemvConfig(1, bn, bk, w, 4, False) for bn, bk, w in (
-            (4, 1024, 4), (4, 1024, 8), (4, 2048, 8), (8, 512, 4), (8, 512, 8), (8, 1024, 4), (8, 1024, 8),
-            (8, 2048, 8), (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 512, 8))]
-        return out + [Fp8GemvConfig(1, 8, 1024, 8, 4, True), Fp8GemvConfig(1, 16, 512, 8, 4, True),
-                      Fp8GemvConfig(16, 64, 128, 4, 4, False)]
+    """The multi-row kernel's launches ``--sweep`` tries at ``rows`` rows (one row: ``ROW_CANDIDATES``)."""
+    if rows == 1:
+        return []
     out = [Fp8GemvConfig(16, bn, bk, 4, 4, pre) for bn, bk in ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128))
            for pre in (False, True)]
     return out + [Fp8GemvConfig(16, 64, 256, 8, 4, pre) for pre in (False, True)]
+
+
+def _prequant_row(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
+                  config: tuple) -> torch.Tensor:
+    """``quant_rowwise`` (one launch) then the one-row kernel on its e4m3 x."""
+    xq, sa = fp8_quant.quant_rowwise(x)
+    return fp8_row_gemv(xq, wq, sw, y, config=config, x_scale=sa)
 
 
 def _timed(fn: Callable[[int], object], copies: int, args: argparse.Namespace) -> Optional[float]:
@@ -82,9 +93,9 @@ def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.N
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
         res["quant + cuBLAS fp8"] = _timed(lambda i: torch._scaled_mm(
             fp8_quant.quant_rowwise(x)[0], wq[i].t(), scale_a=s0, scale_b=s0, out_dtype=torch.bfloat16), copies, args)
-    cfg = pick_config(rows, n, k)
+    cfg = tuple(pick_config(rows, n, k)) if rows > 1 else row_pick_config(n, k)
     act = gpu_ops.silu_and_mul if silu else (lambda y: y)
-    res[f"fp8 kernel {tuple(cfg)}"] = _timed(lambda i: act(fp8_small_gemm(x, wq[i], sw)), copies, args)
+    res[f"fp8 kernel {cfg}"] = _timed(lambda i: act(fp8_small_gemm(x, wq[i], sw)), copies, args)
     # the call a folded fp8 layer makes: the norm weight as column scale (qkv, gate|up: then the scaled
     # SiLU-and-mul), the residual add (o, down)
     g = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
@@ -95,6 +106,21 @@ def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.N
     if fold is not None:
         res["fp8 kernel, folded layer's call"] = _timed(
             lambda i: fold_act(fp8_small_gemm(x, wq[i], sw, **fold)), copies, args)
+    if rows == 1:     # the multi-row kernel's former one-row launch, for comparison
+        prev = Fp8GemvConfig(1, 8, 512 if k <= 4096 else 1024, 4, 4, False)
+        res[f"previous one-row kernel {tuple(prev)}"] = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, config=prev),
+                                                               copies, args)
+    if args.sweep and rows == 1 and not silu:
+        y1 = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        for c in ROW_CANDIDATES:
+            t = _timed(lambda i: fp8_row_gemv(x, wq[i], sw, y1, config=c), copies, args)
+            if t is not None:
+                res[f"sweep row {c}"] = t
+        for c in ROW_CANDIDATES[:3]:
+            # x quantized by its own launch first, and the kernel alone on that e4m3 x (its streaming rate)
+            res[f"quant launch + row kernel {c}"] = _timed(lambda i: _prequant_row(x, wq[i], sw, y1, c), copies, args)
+            res[f"row kernel on e4m3 x {c}"] = _timed(
+                lambda i: fp8_row_gemv(xq, wq[i], sw, y1, config=c, x_scale=sa), copies, args)
     if args.sweep and not silu:
         for c in candidates(rows):
             t = _timed(lambda i: fp8_small_gemm(x, wq[i], sw, config=c), copies, args)
@@ -104,7 +130,9 @@ def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.N
     bf16 = out.get("bf16 small_gemm", float("nan"))
     shown = [(label, t) for label, t in sorted(out.items(), key=lambda r: r[1]) if not label.startswith("sweep")]
     sweep = sorted((t, label) for label, t in out.items() if label.startswith("sweep"))
-    if sweep:
+    if rows == 1:     # few candidates: each one
+        shown += [(label, t) for t, label in sweep]
+    elif sweep:
         shown.append((f"best {sweep[0][1]}", sweep[0][0]))
     for label, t in shown:
         wbytes = n * k * (2 if label.startswith("bf16") else 1)

@@ -32,7 +32,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from nbgen.kernels import fp8_quant, gpu_ops, pdl
+from nbgen.kernels import fp8_quant, fp8_row_gemv, gpu_ops, pdl
 from nbgen.kernels.small_gemm import row_tile, store_rows
 
 try:
@@ -200,6 +200,8 @@ def fp8_small_gemm(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Op
     cfg = config or pick_config(M, N, K)
     if M == 0:
         return y
+    if M == 1 and config is None:               # batch 1: the K-parallel one-row kernel
+        return fp8_row_gemv.fp8_row_gemv(x, wq, sw, y, bias, col_scale, accumulate is not None)
     if col_scale is not None:
         cfg = cfg._replace(prequant=False)       # x * g: quantized here
     if cfg.prequant:

@@ -1,0 +1,128 @@
+"""The one-row fp8 GEMV (batch-1 decode): y[n] = sum_k xq[k] * wq[n, k] * sa * sw[n], e4m3 weights streamed
+with the warps side by side along K.
+
+A program owns BLOCK_N weight rows and walks K in tiles of BLOCK_K columns: thread t of warp w holds the
+16 contiguous bytes (one 16-byte load) at columns 16 * (32 w + t) + BLOCK_K j of every one of its rows,
+so a tile is one load per row a thread, and the activation's quantization (its amax and one IEEE
+division per element) is done once a program per column instead of once per warp. Products are summed
+over those 16 columns inside the thread each tile ([BLOCK_N, BLOCK_K / 16] fp32 partial sums, BLOCK_N
+registers a thread), reduced across threads once at the end; so a tile of 2048-4096 columns (the bytes
+in flight of a bf16 tile of half the columns) costs no more accumulator registers than one of 512.
+
+The recipe is ``nbgen.models.fp8_scaled``'s (as in ``kernels.fp8_small_gemm``, whose multi-row kernel
+shares it): sa = max(amax(|x (* g)|), 1e-10) / 448, xq = e4m3(clamp(x (* g) / sa, +-448)) with IEEE
+divisions, y = (acc * sa) * sw[n] (+ bias[n]) rounded once (or added into the residual stream); results
+equal ``reference_matmul`` up to fp32 summation order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nbgen.kernels import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+VEC = 16     # e4m3 columns a thread loads at once (16 bytes)
+
+
+if triton is not None:
+    @triton.jit
+    def _xq_tile(x_ptr, g_ptr, kk, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr):
+        # x[kk] (* g[kk]) / sa rounded to e4m3 (loaded as such with PREQUANT), any shape of column indices kk
+        if PREQUANT:
+            return tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+        v = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if COL_SCALE:
+            v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return tl.clamp(tl.div_rn(v, sa), -448.0, 448.0).to(tl.float8e4nv)
+
+    @triton.jit
+    def _w_tile(w_rows, row_mask, col, k0, K):
+        # e4m3 weight columns k0 + col of the program's rows -> [J, BLOCK_N, 16] (zeros past K); read once
+        kk = k0 + col
+        return tl.load(w_rows + kk[:, None, :], mask=row_mask & (kk < K)[:, None, :], other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
+    def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, PREQUANT: tl.constexpr,
+                        COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr,
+                        USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PREFETCH: tl.constexpr):
+        # PREFETCH: the next tile loads while one is multiplied (two tiles in registers)
+        J: tl.constexpr = BLOCK_K // 16
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = rn < N
+        col = tl.arange(0, J)[:, None] * 16 + tl.arange(0, 16)[None, :]          # [J, 16] columns of a tile
+        w_rows = w_ptr + rn.to(tl.int64)[None, :, None] * swn                     # [1, BLOCK_N, 1]
+        row_mask = n_mask[None, :, None]
+        # the weights do not depend on the kernel before: the first tile loads before the wait
+        w = _w_tile(w_rows, row_mask, col, 0, K)
+        sw = tl.load(sw_ptr + rn, mask=n_mask, other=0.0)
+        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
+            pdl.gdc_wait()
+        if PREQUANT:   # x given as e4m3 with its scale (kernels.fp8_quant.quant_rowwise)
+            sa = tl.load(s_ptr)
+        else:
+            amax = tl.zeros((J, 16), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + col
+                v = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                if COL_SCALE:
+                    v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+            sa = tl.div_rn(tl.maximum(tl.max(tl.max(amax, 1), 0), 1e-10), 448.0)
+        # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
+        xq = _xq_tile(x_ptr, g_ptr, col, K, sa, PREQUANT, COL_SCALE)
+        if PREFETCH:
+            acc = tl.zeros((J, BLOCK_N), tl.float32)
+            for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+                nxt = _w_tile(w_rows, row_mask, col, k0, K)
+                acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+                xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
+                w = nxt
+        else:
+            acc = tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                w = _w_tile(w_rows, row_mask, col, k0, K)
+                xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
+                acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
+            pdl.gdc_launch_dependents()
+        y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        if ACCUM:   # the residual add, one rounding
+            y += tl.load(y_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def pick_config(N: int, K: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, prefetch) for one row against an [N, K] weight."""
+    return 8, 2048, 4, False
+
+
+def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
+                 accumulate: bool = False, config: Optional[tuple] = None,
+                 x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [1, K] (bf16 / fp16) @ (wq [N, K] e4m3 * sw[n]).T (+ bias) into y [1, N] (y's dtype; added into
+    it with ``accumulate``) -> y. ``col_scale`` [K]: x * g is what is quantized (a folded norm).
+    ``x_scale``: x is already e4m3 and this its scale sa (one fp32 value)."""
+    N, K = wq.shape
+    bn, bk, warps, prefetch = (tuple(config) + (False,))[:4] if config else pick_config(N, K)
+    assert bk % (VEC * 32) == 0, "BLOCK_K: whole 16-byte columns for every thread of a warp"
+    prequant = x_scale is not None
+    assert not (prequant and col_scale is not None), "a column scale applies before the quantization"
+    args = (x, x_scale if prequant else sw, col_scale if col_scale is not None else sw, wq, sw,
+            bias if bias is not None else sw, y, N, K, wq.stride(0))
+    pdl.launch(_fp8_row_kernel, (triton.cdiv(N, bn),), args, x.device, PREQUANT=prequant,
+               COL_SCALE=col_scale is not None,
+               HAS_BIAS=bias is not None, ACCUM=accumulate, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=bool(prefetch), num_warps=warps,
+               num_stages=1)
+    return y
