@@ -25,6 +25,7 @@ from nbgen.core.config import EngineConfig
 from nbgen.kernels import fp8_quant
 from nbgen.kernels import fp8_row_gemv as fr
 from nbgen.kernels import fp8_small_gemm as fs
+from nbgen.kernels.silu_scaled import silu_mul_scaled
 from nbgen.models import norm_fold
 from nbgen.models.loader import load_model
 from nbgen.models.fp8_scaled import (
@@ -130,10 +131,30 @@ def _row_kernel_check() -> None:
                                fr.fp8_row_gemv(xr, w.q, w.scale_row, out[1], config=(8, 512, 1)))
 
 
+def _row_silu_check() -> None:
+    """The one-row kernel's folded gate|up with SiLU-and-mul in its epilogue, under TRITON_INTERPRET=1,
+    against ``silu_mul_scaled`` (torch) of the reference projection rounded to the model dtype (within a
+    few ulps: the interpreter's final cast truncates, and r's fp32 sum has another order)."""
+    gen = torch.Generator().manual_seed(2)
+    for i, k in ((20, 1100), (7, 512)):
+        for dtype in (torch.bfloat16, torch.float16):
+            w = quantize_weight(torch.randn(2 * i, k, generator=gen) * 0.05)
+            h = _grid_x(1, k, dtype, gen)
+            g = 2.0 ** torch.randint(-1, 2, (k,), generator=gen).float()
+            g[k // 2] = 2.0                      # x * g's amax stays 448 times a power of two
+            g = g.to(dtype)
+            want = silu_mul_scaled(_want(h, w, None, g).to(dtype), h, 1e-5).float()
+            for cfg in ((4, 512, 1, False), (8, 1024, 2, False), (2, 512, 1, True)):
+                y = fr.fp8_row_gemv(h, w.q, w.scale_row, torch.empty(1, i, dtype=dtype), col_scale=g, config=cfg,
+                                    silu_eps=1e-5)
+                assert y.shape == (1, i)
+                torch.testing.assert_close(y.float(), want, rtol=4 * torch.finfo(dtype).eps, atol=1e-6)
+
+
 def test_fp8_small_gemm_under_triton_interpreter() -> None:
     pytest.importorskip("triton")
     res = run_under_triton_interpreter("import tests.test_fp8_small_gemm as t; t._kernel_check(); "
-                                       "t._row_kernel_check()")
+                                       "t._row_kernel_check(); t._row_silu_check()")
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -248,3 +269,18 @@ def test_gpu_engine_fp8_kernel_path_and_fold(tmp_path: Path, monkeypatch) -> Non
     assert was_folded and not unfolded_folded
     assert_close_runs(folded, unfolded)
     assert_close_runs(unfolded, cublas)
+
+
+@gpu
+@pytest.mark.parametrize("config", [None, (16, 2048, 8, False), (4, 2048, 4, True)])
+def test_gpu_row_kernel_silu_epilogue(config: Optional[tuple]) -> None:
+    """A folded gate|up at one row with SiLU-and-mul in the kernel's epilogue against the projection
+    followed by the scaled SiLU-and-mul launch (the same arithmetic; r summed in another order)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    h = torch.randn(1, 4096, device="cuda", generator=gen).bfloat16() * 4
+    g = (torch.rand(4096, device="cuda", generator=gen) + 0.5).bfloat16()
+    w = quantize_weight(torch.randn(2 * 3000, 4096, device="cuda", generator=gen) * 0.02)
+    want = silu_mul_scaled(fs.fp8_small_gemm(h, w.q, w.scale_row, col_scale=g), h, 1e-5)
+    y = fr.fp8_row_gemv(h, w.q, w.scale_row, torch.empty(1, 3000, device="cuda", dtype=torch.bfloat16),
+                        col_scale=g, silu_eps=1e-5, config=config)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-5)

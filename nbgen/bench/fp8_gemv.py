@@ -13,8 +13,11 @@ Per (shape, rows): µs per call and TB/s of weight bytes read (fp8: N x K bytes,
   for o and down),
 then one decoder layer's four linears summed for bf16 and the fp8 kernel. On the gate|up+silu row the
 bf16 kernel applies SiLU-and-mul in its epilogue, the fp8 kernel is followed by the SiLU-and-mul launch
-(the folded call by the scaled one) as in the model. ``--sweep``: each candidate launch of the fp8
-kernel per (shape, rows; not the SiLU row), the fastest printed, and the fastest per rows bucket over the
+(the folded call by the scaled one) as in the model, except at one row, where the folded call is the
+one-row kernel with SiLU-and-mul in its epilogue (``kernels/fp8_row_gemv.py``; the former pair shown
+too). One row also times the multi-row kernel's former one-row launch. ``--sweep``: each candidate launch
+of the fp8 kernel per (shape, rows), the fastest printed (one row: every launch of the one-row kernel,
+with x quantized by its own launch and on an e4m3 x given), and the fastest per rows bucket over the
 shapes (for ``pick_config``).
 
 Timing: ``fp8_kernels.graph_time``: ``--calls`` calls in one CUDA graph over rotating weight copies
@@ -103,7 +106,17 @@ def run_shape(name: str, n: int, k: int, silu: bool, rows: int, args: argparse.N
     fold = {"qkv": dict(col_scale=g), "gate_up+silu": dict(col_scale=g),
             "o": dict(accumulate=stream), "down": dict(accumulate=stream)}.get(name)
     fold_act = (lambda y: silu_mul_scaled(y, x, 1e-5)) if silu else (lambda y: y)
-    if fold is not None:
+    if silu and rows == 1:   # the model's call: SiLU-and-mul in the one-row kernel's epilogue
+        act1 = torch.empty(1, n // 2, device=dev, dtype=torch.bfloat16)
+        res["fp8 kernel, folded layer's call"] = _timed(
+            lambda i: fp8_row_gemv(x, wq[i], sw, act1, col_scale=g, silu_eps=1e-5), copies, args)
+        res["fp8 kernel, folded: projection + SiLU launch"] = _timed(
+            lambda i: fold_act(fp8_small_gemm(x, wq[i], sw, **fold)), copies, args)
+        if args.sweep:
+            for c in ROW_CANDIDATES:
+                res[f"sweep row SiLU epilogue {c}"] = _timed(
+                    lambda i: fp8_row_gemv(x, wq[i], sw, act1, col_scale=g, silu_eps=1e-5, config=c), copies, args)
+    elif fold is not None:
         res["fp8 kernel, folded layer's call"] = _timed(
             lambda i: fold_act(fp8_small_gemm(x, wq[i], sw, **fold)), copies, args)
     if rows == 1:     # the multi-row kernel's former one-row launch, for comparison

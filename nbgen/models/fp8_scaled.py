@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.kernels import fp8_quant, fp8_small_gemm
+from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
 
 FP8 = torch.float8_e4m3fn
@@ -126,6 +126,16 @@ def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
         return False
     fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
     return True
+
+
+def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Tensor]:
+    """A folded layer's gate|up at one row: silu(gate * r) * (up * r) [1, I] (r: the norm's row factor of
+    h) from one launch of the one-row kernel (SiLU-and-mul in its epilogue), where it takes the product;
+    None otherwise (the caller projects, then runs ``silu_mul_scaled``)."""
+    if not isinstance(w, Fp8ScaledWeight) or w.col_scale is None or h.shape[0] != 1 or not small_gemm_usable(h, w):
+        return None
+    y = h.new_empty((1, w.q.shape[0] // 2))
+    return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
 
 
 def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
