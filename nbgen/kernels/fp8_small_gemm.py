@@ -1,6 +1,6 @@
 """Decode-size matmuls with e4m3 weights: ``kernels.small_gemm``'s streaming structure over fp8 rows.
 
-At 1-16 rows an fp8 linear is a read of N x K weight bytes. cuBLAS's fp8 GEMM reads them at ~63 % of
+At 1-16 rows an fp8 linear is a read of N x K weight bytes. cuBLAS's fp8 GEMM reads them at 63-98 % of
 the copy rate on an H100 at one row; here each program streams BLOCK_N e4m3 weight rows over the whole
 K (16-byte loads, evicted first: they are read once), widens them in registers and accumulates in fp32;
 no split-K, no reduce launch, launched with PDL like the bf16 kernel.
@@ -13,11 +13,11 @@ Two ways to get xq (``Fp8GemvConfig.prequant``):
   rounds each x tile as it streams K; one launch per linear.
 - ``kernels.fp8_quant.quant_rowwise`` first (one launch), the kernel then reads e4m3 x and sa: a
   quarter of the activation bytes per program and no divisions, for more rows.
-Products: one row by fp32 FMAs into a [BLOCK_N, BLOCK_K] tile (x rounded as a 1-D vector, each element
-once per program, then spread over the weight tile's threads); more rows by a tensor-core dot of fp16
-operands (e4m3 values are exact in fp16 and fp16 products exact in fp32; an fp8 dot would accumulate below
-fp32 on Hopper). A gate|up weight runs as one linear (the SiLU-and-mul launch follows): a fused SiLU
-epilogue streaming both halves per program measured slower on an H100 than the plain kernel plus that launch.
+Products: a tensor-core dot of fp16 operands, x padded to 16 rows (e4m3 values are exact in fp16 and
+fp16 products exact in fp32; an fp8 dot would accumulate below fp32 on Hopper). One row (batch-1
+decode) goes to ``kernels.fp8_row_gemv`` instead: FMAs with the warps along K, faster on an H100 at
+every Llama-3.1-8B shape (``nbgen.bench.fp8_gemv``), with gate|up's SiLU-and-mul in its epilogue when
+the layer is folded. Otherwise a gate|up weight runs as one linear and the SiLU-and-mul launch follows.
 
 Folded RMSNorms (``nbgen.models.norm_fold``): the e4m3 weights stay as they are (a checkpoint's bytes);
 the norm weight g scales x's columns in the kernel before the quantization (``col_scale``), so the
@@ -47,8 +47,8 @@ MIN_AMAX = 1e-10
 
 
 class Fp8GemvConfig(NamedTuple):
-    """A launch: rows padded to ``block_m`` (1: FMA products, >= 16: tensor-core dot), ``block_n``
-    weight rows and ``block_k`` columns per tile, warps, pipeline stages, x quantized beforehand."""
+    """A launch: rows padded to ``block_m`` (>= 16: tensor-core dot), ``block_n`` weight rows and
+    ``block_k`` columns per tile, warps, pipeline stages, x quantized beforehand."""
 
     block_m: int
     block_n: int
@@ -59,13 +59,8 @@ class Fp8GemvConfig(NamedTuple):
 
 
 def pick_config(M: int, N: int, K: int) -> Fp8GemvConfig:
-    """The launch for M rows against an [N, K] weight. One row: 8 weight rows a program, 4 warps, 512
-    columns a tile up to K = 4096 and 1024 above (``nbgen.bench.fp8_gemv --sweep`` on an H100: 8 rows and
-    4 warps were the fastest at every Llama-3.1-8B shape, with 512 columns on qkv and gate|up, 1024 on o
-    and down); more rows pad to 16 (tensor-core dot). At most ~64 fp32 accumulators a thread (no register
-    spills on sm_90)."""
-    if M == 1:
-        return Fp8GemvConfig(1, 8, 512 if K <= 4096 else 1024, 4, 4, False)
+    """The launch for 2-16 rows against an [N, K] weight (one row: ``fp8_row_gemv.pick_config``): padded
+    to 16 rows (tensor-core dot), x quantized in the kernel up to 4 rows and by its own launch above."""
     return Fp8GemvConfig(16, 64, 128, 4, 4, M > 4)
 
 
@@ -74,19 +69,9 @@ if triton is not None:
     def _act_scale(x_ptr, s_ptr, g_ptr, rm, sxm, M, K, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # sa [BLOCK_M] of rows rm: given (PREQUANT), else max(amax(|x[m] (* g)|), 1e-10) / 448 over all of K
-        # (one row: 1-D tiles, the layout _x_tile rounds in)
         rk = tl.arange(0, BLOCK_K)
         if PREQUANT:
             sa = tl.load(s_ptr + rm, mask=rm < M, other=1.0)
-        elif BLOCK_M == 1:
-            amax1 = tl.zeros((BLOCK_K,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                v1 = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                if COL_SCALE:
-                    v1 = v1 * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                amax1 = tl.maximum(amax1, tl.abs(v1))
-            sa = tl.zeros((BLOCK_M,), tl.float32) + tl.div_rn(tl.maximum(tl.max(amax1, 0), 1e-10), 448.0)
         else:
             amax = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -100,51 +85,29 @@ if triton is not None:
         return sa
 
     @triton.jit
-    def _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-        # x[rm, kk] as e4m3 [BLOCK_M, BLOCK_K]: loaded as such (PREQUANT), else rounded here from
-        # x (* g) / sa. One row: a 1-D tile, so that each element is rounded once per program (its
-        # layout then spreads the vector over the weight tile's threads)
-        if BLOCK_M == 1:
-            v = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-            if not PREQUANT:
-                v = v.to(tl.float32)
-                if COL_SCALE:
-                    v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                v = tl.clamp(tl.div_rn(v, tl.max(sa, 0)), -448.0, 448.0).to(tl.float8e4nv)
-            v = v[None, :]
-        else:
-            v = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :],
-                        other=0.0)
-            if not PREQUANT:
-                v = v.to(tl.float32)
-                if COL_SCALE:
-                    v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-                v = tl.clamp(tl.div_rn(v, sa[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+    def _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr):
+        # x[rm, kk] as e4m3 [BLOCK_M, BLOCK_K]: loaded as such (PREQUANT), else rounded here from x (* g) / sa
+        v = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
+        if not PREQUANT:
+            v = v.to(tl.float32)
+            if COL_SCALE:
+                v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+            v = tl.clamp(tl.div_rn(v, sa[:, None]), -448.0, 448.0).to(tl.float8e4nv)
         return v
 
     @triton.jit
     def _stream(x_ptr, g_ptr, w_rows, w0, sa, rm, sxm, M, K, n_mask, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # sum_k xq[m, k] * wq[n, k] -> fp32 [BLOCK_M, BLOCK_N]; w0: the rows' first tile, already loaded
+        # sum_k xq[m, k] * wq[n, k] -> fp32 [BLOCK_M, BLOCK_N] (tensor-core dot of fp16 operands); w0: the
+        # rows' first tile, already loaded
         rk = tl.arange(0, BLOCK_K)
-        x = _x_tile(x_ptr, g_ptr, rm, rk, sxm, M, K, sa, PREQUANT, COL_SCALE, BLOCK_M)
-        if BLOCK_M == 1:    # elementwise FMAs into a [BLOCK_N, BLOCK_K] tile, one reduction at the end
-            acc = w0.to(tl.float32) * x.to(tl.float32)
-        else:
-            acc = tl.dot(x.to(tl.float16), tl.trans(w0.to(tl.float16)), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
+        x = _x_tile(x_ptr, g_ptr, rm, rk, sxm, M, K, sa, PREQUANT, COL_SCALE)
+        acc = tl.dot(x.to(tl.float16), tl.trans(w0.to(tl.float16)), tl.zeros((BLOCK_M, BLOCK_N), tl.float32))
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w, kk, _k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
-            x = _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT, COL_SCALE, BLOCK_M)
-            if BLOCK_M == 1:
-                acc += w.to(tl.float32) * x.to(tl.float32)
-            else:
-                acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
-        if BLOCK_M == 1:
-            out = tl.sum(acc, 1)[None, :]
-        else:
-            out = acc
-        return out
+            x = _x_tile(x_ptr, g_ptr, rm, kk, sxm, M, K, sa, PREQUANT, COL_SCALE)
+            acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        return acc
 
     @triton.jit
     def _fp8_small_gemm_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym,
@@ -200,7 +163,7 @@ def fp8_small_gemm(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Op
     cfg = config or pick_config(M, N, K)
     if M == 0:
         return y
-    if M == 1 and config is None:               # batch 1: the K-parallel one-row kernel
+    if M == 1 and config is None:               # batch 1: the one-row kernel (warps along K)
         return fp8_row_gemv.fp8_row_gemv(x, wq, sw, y, bias, col_scale, accumulate is not None)
     if col_scale is not None:
         cfg = cfg._replace(prequant=False)       # x * g: quantized here
@@ -208,8 +171,7 @@ def fp8_small_gemm(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Op
         xs, sa = fp8_quant.quant_rowwise(x)      # xq [M, K] e4m3, sa [M, 1]
     else:
         xs, sa = x, sw                           # sa unused: the kernel reduces x itself
-    bm = cfg.block_m if cfg.block_m == 1 else max(cfg.block_m, triton.next_power_of_2(M))
-    assert bm >= M, f"block_m {cfg.block_m} < {M} rows"
+    bm = max(cfg.block_m, triton.next_power_of_2(M), 16)
     args = (xs, sa, col_scale if col_scale is not None else sw, wq, sw, bias if bias is not None else sw, y,
             M, N, K, xs.stride(0), wq.stride(0), y.stride(0))
     kw = dict(PREQUANT=cfg.prequant, COL_SCALE=col_scale is not None, HAS_BIAS=bias is not None,
