@@ -23,8 +23,8 @@ Folded RMSNorms (``nbgen.models.norm_fold``): the e4m3 weights stay as they are 
 the norm weight g scales x's columns in the kernel before the quantization (``col_scale``), so the
 quantized activation is (x * g) per token: RMSNorm(x) = x * g * r[m] differs by the row factor r only,
 which the per-token scale absorbs. r = rsqrt(mean(x^2) + eps) multiplies the output rows afterwards (the
-RoPE kernel for q/k/v, the scaled SiLU-and-mul for gate|up), and o_proj / down_proj add into the residual
-stream (``accumulate``), as in a folded bf16 layer.
+RoPE kernel for q/k/v, the scaled SiLU-and-mul for gate|up, at one row the one-row kernel's epilogue),
+and o_proj / down_proj add into the residual stream (``accumulate``), as in a folded bf16 layer.
 """
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the outpu
 
 On CUDA (compute capability 8.9+), per step size and weight form:
 - up to ``kernels.fp8_small_gemm.MAX_ROWS`` rows (decode), bf16 or fp16 activations: nbgen's streaming
-  fp8 kernel (``kernels/fp8_small_gemm.py``), which quantizes x itself with this recipe and applies both
-  scales and the bias: one launch instead of cuBLAS's quantize + GEMM (+ scaling) launches.
+  fp8 kernel (``kernels/fp8_small_gemm.py``, one row ``kernels/fp8_row_gemv.py``), which quantizes x
+  itself with this recipe and applies both scales and the bias: one launch instead of cuBLAS's quantize +
+  GEMM (+ scaling) launches; a folded gate|up at one row also applies SiLU-and-mul (``scaled_silu_mul``).
 Otherwise with bf16 activations (``fp8_gemm_usable``):
 - one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
   GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
