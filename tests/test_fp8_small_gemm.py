@@ -112,8 +112,7 @@ def _row_kernel_check() -> None:
             g = 2.0 ** torch.randint(-2, 3, (k,), generator=gen).float()
             g[k // 2] = 4.0
             g = g.to(dtype)
-            for cfg in ((4, 512, 1, False), (8, 1024, 2, False), (16, 512, 1, False), (4, 512, 1, True),
-                        (4, 512, 1, True, 2), (8, 1024, 2, False, 1)):
+            for cfg in ((4, 512, 1, False), (8, 1024, 2, False), (16, 512, 1, False), (4, 512, 1, True)):
                 y = fr.fp8_row_gemv(x, w.q, w.scale_row, torch.empty(1, n, dtype=dtype), b, config=cfg)
                 _within_rounding(y, _want(x, w, b), ulps)
                 y = fr.fp8_row_gemv(x, w.q, w.scale_row, torch.empty(1, n, dtype=dtype), col_scale=g, config=cfg)
@@ -144,7 +143,7 @@ def _row_silu_check() -> None:
             g[k // 2] = 2.0                      # x * g's amax stays 448 times a power of two
             g = g.to(dtype)
             want = silu_mul_scaled(_want(h, w, None, g).to(dtype), h, 1e-5).float()
-            for cfg in ((4, 512, 1, False), (8, 1024, 2, False), (2, 512, 1, True), (4, 512, 1, False, 2)):
+            for cfg in ((4, 512, 1, False), (8, 1024, 2, False), (2, 512, 1, True)):
                 y = fr.fp8_row_gemv(h, w.q, w.scale_row, torch.empty(1, i, dtype=dtype), col_scale=g, config=cfg,
                                     silu_eps=1e-5)
                 assert y.shape == (1, i)
@@ -212,10 +211,9 @@ def test_gpu_fp8_small_gemm_equals_the_reference(m: int, n: int, k: int, bias: b
 
 @gpu
 @pytest.mark.parametrize("config", [(8, 2048, 4, False), (16, 2048, 8, False), (16, 2048, 8, True),
-                                    (32, 2048, 16, True), (8, 2048, 4, False, 4), (16, 4096, 16, False, 1)])
+                                    (32, 2048, 16, True)])
 def test_gpu_row_kernel_launches(config: tuple) -> None:
-    """The one-row kernel's sweep launches (persistent ones too) at down_proj's shape: column scale and
-    residual add."""
+    """The one-row kernel's sweep launches at down_proj's shape: column scale and residual add."""
     gen = torch.Generator(device="cuda").manual_seed(config[0] + config[1])
     x = torch.randn(1, 14336, device="cuda", generator=gen).bfloat16()
     g = (torch.rand(14336, device="cuda", generator=gen) + 0.5).bfloat16()
@@ -290,12 +288,16 @@ def test_gpu_engine_fp8_kernel_path_and_fold(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(fs, "MAX_ROWS", 0)
     cublas, _ = _engine_run(path, prompts)
     assert was_folded and not unfolded_folded
-    assert_close_runs(unfolded, cublas)
+    # the same e4m3 activation bytes into each linear, but fp32 sums in another order: a one-ulp bf16
+    # difference in a linear's output becomes a one-step e4m3 one in the next linear's input now and
+    # then, so the logprobs sit a little further apart than bf16 runs' (H100: median 0.059, max 0.29;
+    # the fp8 KV cache's engine test allows the same for the same reason)
+    assert_close_runs(unfolded, cublas, median=0.08)
     _assert_fold_close(folded, unfolded)
 
 
 @gpu
-@pytest.mark.parametrize("config", [None, (8, 2048, 4, False), (16, 2048, 8, True), (16, 2048, 8, False, 1)])
+@pytest.mark.parametrize("config", [None, (8, 2048, 4, False), (16, 2048, 8, False)])
 def test_gpu_row_kernel_silu_epilogue(config: Optional[tuple]) -> None:
     """A folded gate|up at one row with SiLU-and-mul in the kernel's epilogue against the projection
     followed by the scaled SiLU-and-mul launch (the same arithmetic; r summed in another order)."""

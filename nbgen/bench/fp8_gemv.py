@@ -47,11 +47,9 @@ LAYER = ("qkv", "o", "gate_up+silu", "down")    # one decoder layer's linears at
 ROWS = [1, 4, 16]
 
 
-# one-row kernel launches (block_n, block_k, warps, x_once[, programs per SM]) --sweep tries (no register
-# spills on sm_90)
-ROW_CANDIDATES = [(16, 2048, 8, False), (16, 2048, 8, True), (8, 2048, 4, False), (16, 4096, 16, False),
-                  (32, 2048, 16, False), (32, 2048, 16, True), (16, 2048, 8, False, 1), (8, 2048, 4, False, 4),
-                  (16, 4096, 16, False, 1), (32, 2048, 16, False, 1)]
+# one-row kernel launches (block_n, block_k, warps, x_once) --sweep tries (no register spills on sm_90)
+ROW_CANDIDATES = [(16, 2048, 8, True), (16, 2048, 8, False), (8, 2048, 4, True), (8, 2048, 4, False),
+                  (32, 2048, 16, True), (16, 4096, 16, False)]
 
 
 def candidates(rows: int) -> list[Fp8GemvConfig]:

@@ -16,7 +16,6 @@ equal ``reference_matmul`` up to fp32 summation order.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -53,71 +52,32 @@ if triton is not None:
                        eviction_policy="evict_first")
 
     @triton.jit
-    def _block_rows(blk, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
-        # row block blk -> (output features rn [BLOCK_N], their mask, weight rows): SILU puts the gate row n
-        # and the up row N / 2 + n side by side (BLOCK_N / 2 outputs a block)
+    def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, PREQUANT: tl.constexpr,
+                        COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SILU: tl.constexpr,
+                        USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        X_ONCE: tl.constexpr, KP: tl.constexpr):
+        # BLOCK_N weight rows a program; SILU: rows n and HALF + n (gate and up of output n) side by side,
+        # BLOCK_N / 2 outputs silu(rnd(rnd(gate) * r)) * rnd(rnd(up) * r), r = rsqrt(mean(x^2) + eps) (the
+        # folded norm's row factor). X_ONCE: the amax pass loads all of x at once (KP: K rounded up to a power
+        # of two), one round trip instead of one a tile.
+        J: tl.constexpr = BLOCK_K // 16
         rr = tl.arange(0, BLOCK_N)
         if SILU:
-            rn = blk * (BLOCK_N // 2) + rr // 2
-            n_mask = rn < N // 2
-            w_row = rn + (rr % 2) * (N // 2)
+            out_n = N // 2
+            rn = tl.program_id(0) * (BLOCK_N // 2) + rr // 2           # the output feature of each row
+            n_mask = rn < out_n
+            w_row = rn + (rr % 2) * out_n                               # gate, up, gate, up, ...
         else:
-            rn = blk * BLOCK_N + rr
+            out_n = N
+            rn = tl.program_id(0) * BLOCK_N + rr
             n_mask = rn < N
             w_row = rn
-        return rn, n_mask, w_row
-
-    @triton.jit
-    def _block(x_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, blk, w, sa, r, PREQUANT: tl.constexpr,
-               COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SILU: tl.constexpr,
-               LAUNCH_NEXT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # one row block's products and store; w: its first tile, already loaded
-        J: tl.constexpr = BLOCK_K // 16
-        rn, n_mask, w_row = _block_rows(blk, N, BLOCK_N, SILU)
         col = tl.arange(0, J)[:, None] * 16 + tl.arange(0, 16)[None, :]          # [J, 16] columns of a tile
         w_rows = w_ptr + w_row.to(tl.int64)[None, :, None] * swn                  # [1, BLOCK_N, 1]
         row_mask = n_mask[None, :, None]
-        sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
-        # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
-        xq = _xq_tile(x_ptr, g_ptr, col, K, sa, PREQUANT, COL_SCALE)
-        acc = tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w = _w_tile(w_rows, row_mask, col, k0, K)
-            xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
-            acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
-        if LAUNCH_NEXT:   # the next kernel may start launching (it waits for our writes itself)
-            pdl.gdc_launch_dependents()
-        y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
-        if HAS_BIAS:
-            y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
-        dt = y_ptr.dtype.element_ty
-        if SILU:   # as silu_scaled: the projection rounded, scaled by r, rounded, then SiLU-and-mul
-            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            gate = rnd(rnd(gate, dt) * r, dt)
-            up = rnd(rnd(up, dt) * r, dt)
-            o = blk * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(y_ptr + o, (gate / (1.0 + tl.exp(-gate)) * up).to(dt), mask=o < N // 2)
-        else:
-            if ACCUM:   # the residual add, one rounding
-                y += tl.load(y_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, y.to(dt), mask=n_mask)
-
-    @triton.jit
-    def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, n_blocks,
-                        PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr,
-                        SILU: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_ONCE: tl.constexpr, KP: tl.constexpr, PERSIST: tl.constexpr):
-        # BLOCK_N weight rows a block; SILU: BLOCK_N / 2 outputs silu(rnd(rnd(gate) * r)) * rnd(rnd(up) * r),
-        # r = rsqrt(mean(x^2) + eps) (the folded norm's row factor). Program p takes block p and, with
-        # PERSIST (fewer programs than blocks: as many as stay resident), p + P, p + 2P, ..., reducing x's
-        # amax once. X_ONCE: the amax
-        # pass loads all of x at once (KP: K rounded up to a power of two), one round trip instead of one a tile.
-        J: tl.constexpr = BLOCK_K // 16
-        pid = tl.program_id(0)
-        _rn, n_mask, w_row = _block_rows(pid, N, BLOCK_N, SILU)
-        col = tl.arange(0, J)[:, None] * 16 + tl.arange(0, 16)[None, :]
         # the weights do not depend on the kernel before: the first tile loads before the wait
-        w = _w_tile(w_ptr + w_row.to(tl.int64)[None, :, None] * swn, n_mask[None, :, None], col, 0, K)
+        w = _w_tile(w_rows, row_mask, col, 0, K)
+        sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
         ss = 0.0
@@ -145,34 +105,38 @@ if triton is not None:
             sa = tl.div_rn(tl.maximum(tl.max(tl.max(amax, 1), 0), 1e-10), 448.0)
             if SILU:
                 ss = tl.sum(tl.sum(sq, 1), 0)
-        r = 0.0
-        if SILU:
+        # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
+        xq = _xq_tile(x_ptr, g_ptr, col, K, sa, PREQUANT, COL_SCALE)
+        acc = tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w = _w_tile(w_rows, row_mask, col, k0, K)
+            xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
+            acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
+            pdl.gdc_launch_dependents()
+        y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
+        if HAS_BIAS:
+            y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
+        dt = y_ptr.dtype.element_ty
+        if SILU:   # as silu_scaled: the projection rounded, scaled by r, rounded, then SiLU-and-mul
             r = tl.math.rsqrt(ss / K + eps)
-        _block(x_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, pid, w, sa, r, PREQUANT, COL_SCALE,
-               HAS_BIAS, ACCUM, SILU, USE_PDL, BLOCK_N, BLOCK_K)
-        if PERSIST:   # fewer programs than blocks (compiled only then: the loop costs registers)
-            for blk in range(pid + tl.num_programs(0), n_blocks, tl.num_programs(0)):
-                _rn, n_mask, w_row = _block_rows(blk, N, BLOCK_N, SILU)
-                w = _w_tile(w_ptr + w_row.to(tl.int64)[None, :, None] * swn, n_mask[None, :, None], col, 0, K)
-                _block(x_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, blk, w, sa, r, PREQUANT, COL_SCALE,
-                       HAS_BIAS, ACCUM, SILU, False, BLOCK_N, BLOCK_K)
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            gate = rnd(rnd(gate, dt) * r, dt)
+            up = rnd(rnd(up, dt) * r, dt)
+            o = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + o, (gate / (1.0 + tl.exp(-gate)) * up).to(dt), mask=o < out_n)
+        else:
+            if ACCUM:   # the residual add, one rounding
+                y += tl.load(y_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, y.to(dt), mask=n_mask)
 
 
-def pick_config(N: int, K: int) -> tuple[int, int, int, bool, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, x_once, programs per SM or 0: a program a block) for one row against an
-    [N, K] weight: 16 rows, 2048 columns and 8 warps were the fastest launch on an H100 at each
-    Llama-3.1-8B shape (``nbgen.bench.fp8_gemv --sweep``; 5-10 % ahead of 8 rows and 4 warps)."""
-    return 16, 2048, 8, False, 0
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter's tests)."""
-    return _cuda_sm_count(device.index or 0) if device.type == "cuda" else 1
-
-
-@lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def pick_config(N: int, K: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, x_once) for one row against an [N, K] weight: 16 rows, 2048 columns,
+    8 warps and the amax pass in one load were the fastest launch on an H100 at each Llama-3.1-8B shape
+    (``nbgen.bench.fp8_gemv --sweep``: 2-7 % ahead of 8 rows and 4 warps, the one-load amax pass another
+    2-6 %; persistent programs looping over row blocks, 16 warps or 32 rows a program were slower)."""
+    return 16, 2048, 8, K <= 16384          # (all of a longer x at once would spill registers)
 
 
 def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
@@ -184,22 +148,18 @@ def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.T
     ``x_scale``: x is already e4m3 and this its scale sa (one fp32 value). ``silu_eps``: a folded
     gate|up projection: y [1, N / 2] = silu(gate * r) * (up * r), r = rsqrt(mean(x^2) + eps), as
     ``kernels.silu_scaled.silu_mul_scaled`` computes from the projection (BLOCK_N / 2 outputs a program).
-    ``config``: ``pick_config``'s tuple (x_once and programs per SM may be left out)."""
+    ``config``: (BLOCK_N weight rows, BLOCK_K, warps, x_once) (``pick_config``'s by default)."""
     N, K = wq.shape
-    cfg = tuple(config) if config else pick_config(N, K)
-    bn, bk, warps = cfg[:3]
-    x_once, per_sm = (bool(cfg[3]) if len(cfg) > 3 else False), (int(cfg[4]) if len(cfg) > 4 else 0)
+    bn, bk, warps, x_once = (tuple(config) + (False,))[:4] if config else pick_config(N, K)
     assert bk % (VEC * 32) == 0, "BLOCK_K: whole 16-byte columns for every thread of a warp"
     prequant = x_scale is not None
     assert not (prequant and (col_scale is not None or silu_eps is not None)), "x * g and x^2 need x itself"
     silu = silu_eps is not None
     assert not silu or bn % 2 == 0, "SiLU: gate and up rows in pairs"
-    blocks = triton.cdiv(N, bn)
-    grid = min(blocks, per_sm * _sm_count(x.device)) if per_sm else blocks
     args = (x, x_scale if prequant else sw, col_scale if col_scale is not None else sw, wq, sw,
-            bias if bias is not None else sw, y, N, K, wq.stride(0), float(silu_eps or 0.0), blocks)
-    pdl.launch(_fp8_row_kernel, (grid,), args, x.device, PREQUANT=prequant,
+            bias if bias is not None else sw, y, N, K, wq.stride(0), float(silu_eps or 0.0))
+    pdl.launch(_fp8_row_kernel, (triton.cdiv(N, bn),), args, x.device, PREQUANT=prequant,
                COL_SCALE=col_scale is not None, HAS_BIAS=bias is not None, ACCUM=accumulate, SILU=silu,
-               BLOCK_N=bn, BLOCK_K=bk, X_ONCE=x_once, KP=triton.next_power_of_2(K) if x_once else 16,
-               PERSIST=grid < blocks, num_warps=warps, num_stages=1)
+               BLOCK_N=bn, BLOCK_K=bk, X_ONCE=bool(x_once), KP=triton.next_power_of_2(K) if x_once else 16,
+               num_warps=warps, num_stages=1)
     return y
