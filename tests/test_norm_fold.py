@@ -183,14 +183,7 @@ def test_folded_engine_tracks_unfolded(tmp_path: Path, monkeypatch: pytest.Monke
     the same engine with the fold policy saying no — teacher-forced against HF within bf16 noise of the unfolded engine, and
     free-running greedy with logprobs through decode graphs and piecewise prefill graphs."""
 
-    path = make_gpu_model(family, str(tmp_path))
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-    hf.save_pretrained(path)
+    path = make_gpu_model(family, str(tmp_path), norm_noise=0.2)
     with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16) as eng:
         assert eng.get_server_info()["norms_folded"] is True
     folded = teacher_forced_vs_hf(path)

@@ -80,8 +80,9 @@ def make_tiny_model(family: str, path: str, vocab_size: int = 384, seed: int = 0
 GREEDY_SP = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
 
 
-def make_gpu_model(family: str, path: str, layers: int = 3) -> str:
-    """A random Llama / Qwen2 / Qwen3 (head_dim 128, weights widened) saved at ``path`` for the GPU tests."""
+def make_gpu_model(family: str, path: str, layers: int = 3, norm_noise: float = 0.0) -> str:
+    """A random Llama / Qwen2 / Qwen3 (head_dim 128, weights widened) saved at ``path`` for the GPU tests;
+    ``norm_noise``: that much of randn added to the norm weights (so folding them is not a no-op)."""
     import transformers as tf
 
     common = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
@@ -101,6 +102,9 @@ def make_gpu_model(family: str, path: str, layers: int = 3) -> str:
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
+        for name, p in model.named_parameters():
+            if norm_noise and "norm" in name:
+                p.add_(norm_noise * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 

@@ -1,5 +1,5 @@
 """FP8 kernel sweep: cuBLAS's fp8 GEMM (``torch._scaled_mm``: tensorwise, row-wise, and the per-feature
-linear of ``models/fp8_scaled.py`` with its quantize and output-scaling launches) and every
+linear of ``models/fp8_scaled.py`` as the model runs it) and every
 ``kernels.fp8_gemm`` launch variant against the bf16 matmul at Llama-3.1-8B's linear shapes, on CUDA. Prints one line per (shape, rows, variant) with µs, GB/s of the bytes the
 call must read (weights, their scales, activations) and the speed-up over bf16, then the fastest
 variant per rows bucket over all shapes, ready to paste into ``kernels/fp8_gemm.py``'s ``CONFIGS``.
@@ -48,7 +48,7 @@ def variants(rows: int, quick: bool) -> list[GemmConfig]:
     return out
 
 
-def _graph_time(fn: Callable[[int], object], copies: int, calls: int, reps: int) -> float:
+def graph_time(fn: Callable[[int], object], copies: int, calls: int, reps: int) -> float:
     """Seconds per call of ``fn(i)`` (i: the weight copy), ``calls`` of them captured in one graph."""
     for i in range(copies):   # compile and warm outside the capture
         fn(i)
@@ -71,7 +71,8 @@ def _graph_time(fn: Callable[[int], object], copies: int, calls: int, reps: int)
 def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.Tensor], calls: int,
                     reps: int) -> list[tuple[str, float, float]]:
     """cuBLAS's fp8 GEMM at one shape: tensorwise and row-wise ``_scaled_mm`` on a pre-quantized x, and
-    ``scaled_linear`` end to end (its quantize launch included) with one scale per feature and per tensor."""
+    ``scaled_linear`` end to end (up to 16 rows the streaming fp8 kernel, above it the quantize launch and
+    cuBLAS) with one scale per feature and per tensor."""
     dev = x.device
     nbytes = n * k + n * 4 + rows * k * 2 + rows * n * 2
     sa0, sw0 = torch.full((), 0.01, device=dev), torch.full((), 0.002, device=dev)
@@ -86,13 +87,13 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa0, scale_b=sw0, out_dtype=torch.bfloat16),
         "cuBLAS _scaled_mm row-wise (x pre-quantized)":
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16),
-        "scaled_linear per-feature (quantize + GEMM + scale)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
-        "scaled_linear one weight scale (quantize + GEMM; + scale above 1 row)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
+        "scaled_linear per-feature (the model's linear)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
+        "scaled_linear one weight scale (the model's linear)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
     }
     out = []
     for label, fn in cases.items():
         try:
-            t = _graph_time(fn, len(wq), calls, reps)
+            t = graph_time(fn, len(wq), calls, reps)
         except (RuntimeError, ValueError) as e:
             print(f"  N={n} K={k} rows={rows}: {label} unsupported here ({str(e).splitlines()[0][:90]})")
             continue
@@ -118,7 +119,7 @@ def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, rep
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     fp8_bytes = n * k + n * g * 4 + rows * k * 2 + rows * n * 2
     out = []
-    t = _graph_time(lambda i: F.linear(x, w16[i % len(w16)]), len(w16), calls, reps)
+    t = graph_time(lambda i: F.linear(x, w16[i % len(w16)]), len(w16), calls, reps)
     out.append(("bf16 F.linear", t, (2 * n * k + rows * k * 2 + rows * n * 2) / t / 1e9))
     out += cublas_variants(n, k, rows, x, wq, calls, reps)
     if cublas_only:
@@ -126,17 +127,17 @@ def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, rep
     xq, sx = fp8_gemm.per_token_group_quant_fp8(x)
     sx_t = sx.t().contiguous().t()                          # cuBLASLt wants outer-dim-major block scales
     try:
-        t = _graph_time(lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sx_t, scale_b=sw[i].t(),
+        t = graph_time(lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sx_t, scale_b=sw[i].t(),
                                                    out_dtype=torch.bfloat16), copies, calls, reps)
         out.append(("torch._scaled_mm 1x128 (x pre-quantized)", t, fp8_bytes / t / 1e9))
     except (RuntimeError, ValueError) as e:
         print(f"  {name} rows={rows}: torch._scaled_mm 1x128 unsupported here ({str(e).splitlines()[0][:90]})")
-    t = _graph_time(lambda i: fp8_gemm.fp8_group_gemm(x, None, wq[i], sw[i], None, torch.bfloat16),
+    t = graph_time(lambda i: fp8_gemm.fp8_group_gemm(x, None, wq[i], sw[i], None, torch.bfloat16),
                     copies, calls, reps)
     out.append((f"table {fp8_gemm.pick_config(rows)}", t, fp8_bytes / t / 1e9))
     for cfg in variants(rows, quick):
         try:
-            t = _graph_time(lambda i: fp8_gemm.fp8_group_gemm(x, None, wq[i], sw[i], None, torch.bfloat16, cfg),
+            t = graph_time(lambda i: fp8_gemm.fp8_group_gemm(x, None, wq[i], sw[i], None, torch.bfloat16, cfg),
                             copies, calls, reps)
         except Exception as e:   # a launch shape this GPU cannot compile (shared memory, registers)
             print(f"  {name} rows={rows} {cfg}: failed ({type(e).__name__})")
@@ -180,7 +181,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"  rows={rows:<4} {us:8.1f} µs {bf16 / us:5.2f}x bf16  {variant}")
     if args.cublas:
         return
-    print("\nfastest variant per rows over the shapes (sum of µs):")
+    print_fastest(totals, "fastest variant per rows over the shapes (sum of µs):")
+
+
+def print_fastest(totals: dict[int, dict[str, list[float]]], title: str) -> None:
+    """Per rows count, the variant with the least µs summed over the shapes (among those that ran on
+    every shape): ``totals`` rows -> variant -> µs per shape."""
+    print("\n" + title)
     for rows, by in totals.items():
         full = {v: sum(ts) for v, ts in by.items() if len(ts) == max(len(t) for t in by.values())}
         best = min(full, key=full.get)

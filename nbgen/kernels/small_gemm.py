@@ -49,12 +49,30 @@ def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _row_tile(w_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
+    def row_tile(w_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
         return w, kk, k_mask
+
+    @triton.jit
+    def store_rows(y, u, y_ptr, rn, n_mask, M, sym, SILU_MUL: tl.constexpr, ACCUM: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+        # fp32 results [BLOCK_M, BLOCK_N] of output columns rn -> rows [0, M) of y_ptr, one rounding: with
+        # SILU_MUL, silu(y) * u (gate and up rounded to the output dtype before the activation, as the
+        # unfused path does); with ACCUM added to what y_ptr holds (the residual stream)
+        dt = y_ptr.dtype.element_ty
+        if SILU_MUL:
+            g = y.to(dt).to(tl.float32)
+            u = u.to(dt).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * u
+        rm = tl.arange(0, BLOCK_M)
+        y_tile = y_ptr + rm[:, None] * sym + rn[None, :]
+        out_mask = (rm < M)[:, None] & n_mask[None, :]
+        if ACCUM:
+            y += tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
+        tl.store(y_tile, y.to(dt), mask=out_mask)
 
     @triton.jit
     def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
@@ -66,7 +84,7 @@ if triton is not None:
         acc = w0.to(tl.float32) * x[None, :]
         ss = x * x
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
+            w, kk, k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
             if SUMSQ:
@@ -87,7 +105,7 @@ if triton is not None:
         if SUMSQ:
             ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            w, kk, k_mask = _row_tile(w_rows, k0, K, n_mask, BLOCK_K)
+            w, kk, k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm < M)[:, None] & k_mask[None, :],
                         other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
@@ -107,9 +125,9 @@ if triton is not None:
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * swn
         u_rows = w_ptr + (rn + HALF).to(tl.int64)[:, None] * swn   # SILU_MUL: rows [HALF, 2 HALF) are "up"
         # the weights do not depend on the kernel before: their first tiles load before the wait
-        w0, _kk, _km = _row_tile(w_rows, 0, K, n_mask, BLOCK_K)
+        w0, _kk, _km = row_tile(w_rows, 0, K, n_mask, BLOCK_K)
         if SILU_MUL:
-            u0, _kk, _km = _row_tile(u_rows, 0, K, n_mask, BLOCK_K)
+            u0, _kk, _km = row_tile(u_rows, 0, K, n_mask, BLOCK_K)
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
         if BLOCK_M == 1:
@@ -130,18 +148,9 @@ if triton is not None:
                 u = u * r
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        dt = y_ptr.dtype.element_ty
-        if SILU_MUL:
-            # gate and up rounded to the model dtype before the activation, as the unfused path does
-            g = y.to(dt).to(tl.float32)
-            u = u.to(dt).to(tl.float32)
-            y = g / (1.0 + tl.exp(-g)) * u
-        rm = tl.arange(0, BLOCK_M)
-        y_tile = y_ptr + rm[:, None] * sym + rn[None, :]
-        out_mask = (rm < M)[:, None] & n_mask[None, :]
-        if ACCUM:   # the residual add: y_ptr holds the stream, one rounding of the sum
-            y += tl.load(y_tile, mask=out_mask, other=0.0).to(tl.float32)
-        tl.store(y_tile, y.to(dt), mask=out_mask)
+        if not SILU_MUL:
+            u = y
+        store_rows(y, u, y_ptr, rn, n_mask, M, sym, SILU_MUL, ACCUM, BLOCK_M)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:

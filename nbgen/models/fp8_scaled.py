@@ -1,6 +1,6 @@
-"""FP8 linears through cuBLAS's fp8 GEMM (``torch._scaled_mm``): an e4m3 weight with one fp32 scale per
-output feature (``quantization="fp8"`` on a bf16 checkpoint; per-channel fp8 checkpoints) or per tensor
-(per-tensor fp8 checkpoints whose fused parts share one scale), activations quantized at run time.
+"""FP8 linears with an e4m3 weight and one fp32 scale per output feature (``quantization="fp8"`` on a
+bf16 checkpoint; per-channel fp8 checkpoints) or per tensor (per-tensor fp8 checkpoints whose fused
+parts share one scale), activations quantized at run time.
 
 Weight: w ~ wq * sw[n]. Searched scales (``search_channel_scales``): e4m3 is a floating-point grid, so
 where its points fall matters more than amax; of SCALE_STEPS scales spanning one octave above
@@ -8,7 +8,12 @@ amax / 448 (none clips), each output feature keeps the one with the least square
 Activation: sa = max(amax(|x|), 1e-10) / 448 per token (IEEE divisions), xq = e4m3(clamp(x / sa, ±448)).
 Then y = (xq @ wq.T in fp32) * sa[m] * sw[n] (+ bias), one rounding to the output dtype.
 
-On CUDA with bf16 activations (``fp8_gemm_usable``), per step size and weight form:
+On CUDA (compute capability 8.9+), per step size and weight form:
+- up to ``kernels.fp8_small_gemm.MAX_ROWS`` rows (decode), bf16 or fp16 activations: nbgen's streaming
+  fp8 kernel (``kernels/fp8_small_gemm.py``, one row ``kernels/fp8_row_gemv.py``), which quantizes x
+  itself with this recipe and applies both scales and the bias: one launch instead of cuBLAS's quantize +
+  GEMM (+ scaling) launches; a folded gate|up at one row also applies SiLU-and-mul (``scaled_silu_mul``).
+Otherwise with bf16 activations (``fp8_gemm_usable``):
 - one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
   GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
 - otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales
@@ -27,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.kernels import fp8_quant
+from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
 
 FP8 = torch.float8_e4m3fn
@@ -39,12 +44,15 @@ TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEM
 class Fp8ScaledWeight:
     """A linear's fp8 weight for cuBLAS: ``q`` [N, K] e4m3; ``scale_row`` [1, N] fp32 (W[n] ~ q[n] *
     scale_row[0, n]); ``scale`` the 0-dim scale when every feature has the same one, else None;
-    ``unit`` a 0-dim 1.0 on the weight's device (the unit-scale GEMM's scales)."""
+    ``unit`` a 0-dim 1.0 on the weight's device (the unit-scale GEMM's scales); ``col_scale`` [K] a
+    folded norm's weight g (``models/norm_fold``): the linear's input is then x * g (the raw residual
+    stream times g, in fp32), the norm's row factor applied after it."""
 
     q: torch.Tensor
     scale_row: torch.Tensor
     scale: Optional[torch.Tensor]
     unit: torch.Tensor
+    col_scale: Optional[torch.Tensor] = None
 
 
 def search_channel_scales(w: torch.Tensor) -> torch.Tensor:
@@ -106,17 +114,45 @@ def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
             and x.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
 
 
+def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
+    """The streaming fp8 kernel takes this product (a decode step's few rows on an fp8-capable GPU)."""
+    return fp8_small_gemm.usable(x, w.q) and _fp8_capable(x.device.index or 0)
+
+
+def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
+    """into += x @ the fp8 weight (no bias), in place in one launch where the streaming kernel takes it
+    (the residual add of a folded layer's o_proj / down_proj) -> True; False when it does not."""
+    if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w) or into.dtype != x.dtype \
+            or not into.is_contiguous():
+        return False
+    fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+    return True
+
+
+def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Tensor]:
+    """A folded layer's gate|up at one row: silu(gate * r) * (up * r) [1, I] (r: the norm's row factor of
+    h) from one launch of the one-row kernel (SiLU-and-mul in its epilogue), where it takes the product;
+    None otherwise (the caller projects, then runs ``silu_mul_scaled``)."""
+    if not isinstance(w, Fp8ScaledWeight) or w.col_scale is None or h.shape[0] != 1 or not small_gemm_usable(h, w):
+        return None
+    y = h.new_empty((1, w.q.shape[0] // 2))
+    return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
+
+
 def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
     Graph-capturable: every scale stays on the device."""
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, w.q.shape[0]))
+    if small_gemm_usable(x, w):
+        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
+    xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
     if not fp8_gemm_usable(x, w):
-        xq, sa = quantize_activation(x)
+        xq, sa = quantize_activation(xs)
         return reference_matmul(xq, sa, w, bias, x.dtype)
     b = bias.to(x.dtype) if bias is not None else None
-    xq, sa = fp8_quant.quant_rowwise(x)
+    xq, sa = fp8_quant.quant_rowwise(xs)
     if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
         return torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=b, out_dtype=x.dtype)
     if m <= TENSORWISE_MAX_ROWS:

@@ -17,6 +17,7 @@ from nbgen.kernels import small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
 from nbgen.models.cpu_decode import CpuDecodePlan
+from nbgen.models.fp8_scaled import scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -66,8 +67,10 @@ class LlamaMLP(nn.Module):
         w = self.gate_up_proj.weight
         if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
-        else:
-            act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
+        else:   # fp8 at one row: SiLU in the one-row kernel's epilogue
+            act = None if self.gate_up_proj.lora_active else scaled_silu_mul(h, self.gate_up_proj.fp8, eps)
+            if act is None:
+                act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
         return self.down_proj.accumulate(act, h)
 
 

@@ -18,6 +18,12 @@ bf16 noise of the unfolded layer (tests/test_norm_fold.py, GPU parity in tests/t
 identical. Only bf16 weights are folded (fp16's range is too narrow for the raw stream's
 projections), and only layers without biases, at tp_size 1.
 
+FP8 linears with one scale per output feature (``models/fp8_scaled.py``) keep their e4m3 bytes: the norm
+weight becomes their ``col_scale``, which the fp8 kernel multiplies into the activation's columns before
+quantizing it per token (the norm's row factor cancels in that scale), and the rest of the folded layer
+is the same. ``fold_map`` lists no fp8 projection (their weights hold no norm); ``col_scale`` is the norm
+parameter itself, so a weight update of the norm reaches it in place.
+
 Weight updates (``runtime/weights.py``) keep the fold: rows loaded into a folded projection are folded
 with ``fold_rows``, a new norm weight rescales its projection by new / old (``refold``), and reads
 divide the norm out again (``unfolded``).
@@ -27,12 +33,13 @@ from __future__ import annotations
 import torch
 
 from nbgen.kernels import gpu_ops, qk_norm_rope
+from nbgen.models.fp8_scaled import Fp8ScaledWeight
 from nbgen.models.linear import get_tp
 
 
 def foldable(model: torch.nn.Module) -> bool:
     """The model's layers can run folded: Llama-family decoder layers (``folded`` attribute), bf16 or
-    fp32 weights, no q/k/v, o, gate|up or down biases, one tensor-parallel rank."""
+    fp32 weights or per-feature fp8 ones, no q/k/v, o, gate|up or down biases, one tensor-parallel rank."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or get_tp()[0] != 1:
         return False
@@ -41,8 +48,13 @@ def foldable(model: torch.nn.Module) -> bool:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m.bias is not None for m in linears) or \
-                attn.qkv_proj.weight.dtype not in (torch.bfloat16, torch.float32):
+        if any(m.bias is not None for m in linears):
+            return False
+        fp8 = [isinstance(m.fp8, Fp8ScaledWeight) for m in linears]
+        if any(fp8) and not all(fp8):
+            return False
+        if not fp8[0] and (attn.qkv_proj.fp8 is not None or
+                           attn.qkv_proj.weight.dtype not in (torch.bfloat16, torch.float32)):
             return False
     return True
 
@@ -56,8 +68,13 @@ def fold_norms(model: torch.nn.Module) -> bool:
     for layer in model.model.layers:
         if layer.folded:
             continue
-        _scale_columns(layer.self_attn.qkv_proj.weight, layer.input_layernorm.weight)
-        _scale_columns(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight)
+        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+        if _is_fp8(layer):   # the kernel scales the activation: the e4m3 bytes stay
+            qkv.fp8.col_scale = layer.input_layernorm.weight.data
+            gate_up.fp8.col_scale = layer.post_attention_layernorm.weight.data
+        else:
+            _scale_columns(qkv.weight, layer.input_layernorm.weight)
+            _scale_columns(gate_up.weight, layer.post_attention_layernorm.weight)
         layer.folded = True
     return True
 
@@ -70,12 +87,16 @@ def _scale_columns(w: torch.Tensor, g: torch.Tensor, rows: int = 2048) -> None:
         blk.copy_(blk.float() * gf)
 
 
+def _is_fp8(layer: torch.nn.Module) -> bool:
+    return isinstance(layer.self_attn.qkv_proj.fp8, Fp8ScaledWeight)
+
+
 def fold_map(model: torch.nn.Module) -> dict[str, str]:
     """Folded layers' parameters: qkv / gate|up weight name -> the norm weight folded into its columns
-    (empty when nothing is folded)."""
+    (empty when nothing is folded; fp8 layers hold the norm as the kernel's column scale instead)."""
     out: dict[str, str] = {}
     for i, layer in enumerate(getattr(getattr(model, "model", None), "layers", None) or []):
-        if getattr(layer, "folded", False):
+        if getattr(layer, "folded", False) and not _is_fp8(layer):
             p = f"model.layers.{i}."
             out[p + "self_attn.qkv_proj.weight"] = p + "input_layernorm.weight"
             out[p + "mlp.gate_up_proj.weight"] = p + "post_attention_layernorm.weight"

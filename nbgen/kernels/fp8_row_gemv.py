@@ -1,0 +1,165 @@
+"""The one-row fp8 GEMV (batch-1 decode): y[n] = sum_k xq[k] * wq[n, k] * sa * sw[n], e4m3 weights streamed
+with the warps side by side along K.
+
+A program owns BLOCK_N weight rows and walks K in tiles of BLOCK_K columns: thread t of warp w holds the
+16 contiguous bytes (one 16-byte load) at columns 16 * (32 w + t) + BLOCK_K j of every one of its rows,
+so a tile is one load per row a thread, and the activation's quantization (its amax and one IEEE
+division per element) is done once a program per column instead of once per warp. Products are summed
+over those 16 columns inside the thread each tile ([BLOCK_N, BLOCK_K / 16] fp32 partial sums, BLOCK_N
+registers a thread), reduced across threads once at the end; so a tile of 2048-4096 columns (the bytes
+in flight of a bf16 tile of half the columns) costs no more accumulator registers than one of 512.
+
+The recipe is ``nbgen.models.fp8_scaled``'s (as in ``kernels.fp8_small_gemm``, whose multi-row kernel
+shares it): sa = max(amax(|x (* g)|), 1e-10) / 448, xq = e4m3(clamp(x (* g) / sa, +-448)) with IEEE
+divisions, y = (acc * sa) * sw[n] (+ bias[n]) rounded once (or added into the residual stream); results
+equal ``reference_matmul`` up to fp32 summation order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nbgen.kernels import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton
+    triton = None
+
+VEC = 16     # e4m3 columns a thread loads at once (16 bytes)
+
+
+if triton is not None:
+    from nbgen.kernels.qk_norm_rope import rnd
+
+    @triton.jit
+    def _xq_tile(x_ptr, g_ptr, kk, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr):
+        # x[kk] (* g[kk]) / sa rounded to e4m3 (loaded as such with PREQUANT), any shape of column indices kk
+        if PREQUANT:
+            return tl.load(x_ptr + kk, mask=kk < K, other=0.0)
+        v = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if COL_SCALE:
+            v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        return tl.clamp(tl.div_rn(v, sa), -448.0, 448.0).to(tl.float8e4nv)
+
+    @triton.jit
+    def _w_tile(w_rows, row_mask, col, k0, K):
+        # e4m3 weight columns k0 + col of the program's rows -> [J, BLOCK_N, 16] (zeros past K); read once
+        kk = k0 + col
+        return tl.load(w_rows + kk[:, None, :], mask=row_mask & (kk < K)[:, None, :], other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
+    def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, PREQUANT: tl.constexpr,
+                        COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SILU: tl.constexpr,
+                        USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        X_ONCE: tl.constexpr, KP: tl.constexpr):
+        # BLOCK_N weight rows a program; SILU: rows n and HALF + n (gate and up of output n) side by side,
+        # BLOCK_N / 2 outputs silu(rnd(rnd(gate) * r)) * rnd(rnd(up) * r), r = rsqrt(mean(x^2) + eps) (the
+        # folded norm's row factor). X_ONCE: the amax pass loads all of x at once (KP: K rounded up to a power
+        # of two), one round trip instead of one a tile.
+        J: tl.constexpr = BLOCK_K // 16
+        rr = tl.arange(0, BLOCK_N)
+        if SILU:
+            out_n = N // 2
+            rn = tl.program_id(0) * (BLOCK_N // 2) + rr // 2           # the output feature of each row
+            n_mask = rn < out_n
+            w_row = rn + (rr % 2) * out_n                               # gate, up, gate, up, ...
+        else:
+            out_n = N
+            rn = tl.program_id(0) * BLOCK_N + rr
+            n_mask = rn < N
+            w_row = rn
+        col = tl.arange(0, J)[:, None] * 16 + tl.arange(0, 16)[None, :]          # [J, 16] columns of a tile
+        w_rows = w_ptr + w_row.to(tl.int64)[None, :, None] * swn                  # [1, BLOCK_N, 1]
+        row_mask = n_mask[None, :, None]
+        # the weights do not depend on the kernel before: the first tile loads before the wait
+        w = _w_tile(w_rows, row_mask, col, 0, K)
+        sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
+        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
+            pdl.gdc_wait()
+        ss = 0.0
+        if PREQUANT:   # x given as e4m3 with its scale (kernels.fp8_quant.quant_rowwise)
+            sa = tl.load(s_ptr)
+        elif X_ONCE:
+            kx = tl.arange(0, KP)
+            v = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
+            if SILU:
+                ss = tl.sum(v * v, 0)
+            if COL_SCALE:
+                v = v * tl.load(g_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
+            sa = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+        else:
+            amax = tl.zeros((J, 16), tl.float32)
+            sq = tl.zeros((J, 16), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + col
+                v = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                if SILU:
+                    sq += v * v
+                if COL_SCALE:
+                    v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+            sa = tl.div_rn(tl.maximum(tl.max(tl.max(amax, 1), 0), 1e-10), 448.0)
+            if SILU:
+                ss = tl.sum(tl.sum(sq, 1), 0)
+        # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
+        xq = _xq_tile(x_ptr, g_ptr, col, K, sa, PREQUANT, COL_SCALE)
+        acc = tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w = _w_tile(w_rows, row_mask, col, k0, K)
+            xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
+            acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
+            pdl.gdc_launch_dependents()
+        y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
+        if HAS_BIAS:
+            y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
+        dt = y_ptr.dtype.element_ty
+        if SILU:   # as silu_scaled: the projection rounded, scaled by r, rounded, then SiLU-and-mul
+            r = tl.math.rsqrt(ss / K + eps)
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            gate = rnd(rnd(gate, dt) * r, dt)
+            up = rnd(rnd(up, dt) * r, dt)
+            o = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + o, (gate / (1.0 + tl.exp(-gate)) * up).to(dt), mask=o < out_n)
+        else:
+            if ACCUM:   # the residual add, one rounding
+                y += tl.load(y_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, y.to(dt), mask=n_mask)
+
+
+def pick_config(N: int, K: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_N, BLOCK_K, num_warps, x_once) for one row against an [N, K] weight: 16 rows, 2048 columns,
+    8 warps and the amax pass in one load were the fastest launch on an H100 at each Llama-3.1-8B shape
+    (``nbgen.bench.fp8_gemv --sweep``: 2-7 % ahead of 8 rows and 4 warps, the one-load amax pass another
+    2-6 %; persistent programs looping over row blocks, 16 warps or 32 rows a program were slower)."""
+    return 16, 2048, 8, K <= 16384          # (all of a longer x at once would spill registers)
+
+
+def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
+                 accumulate: bool = False, config: Optional[tuple] = None,
+                 x_scale: Optional[torch.Tensor] = None, silu_eps: Optional[float] = None) -> torch.Tensor:
+    """x [1, K] (bf16 / fp16) @ (wq [N, K] e4m3 * sw[n]).T (+ bias) into y [1, N] (y's dtype; added into
+    it with ``accumulate``) -> y. ``col_scale`` [K]: x * g is what is quantized (a folded norm).
+    ``x_scale``: x is already e4m3 and this its scale sa (one fp32 value). ``silu_eps``: a folded
+    gate|up projection: y [1, N / 2] = silu(gate * r) * (up * r), r = rsqrt(mean(x^2) + eps), as
+    ``kernels.silu_scaled.silu_mul_scaled`` computes from the projection (BLOCK_N / 2 outputs a program).
+    ``config``: (BLOCK_N weight rows, BLOCK_K, warps, x_once) (``pick_config``'s by default)."""
+    N, K = wq.shape
+    bn, bk, warps, x_once = (tuple(config) + (False,))[:4] if config else pick_config(N, K)
+    assert bk % (VEC * 32) == 0, "BLOCK_K: whole 16-byte columns for every thread of a warp"
+    prequant = x_scale is not None
+    assert not (prequant and (col_scale is not None or silu_eps is not None)), "x * g and x^2 need x itself"
+    silu = silu_eps is not None
+    assert not silu or bn % 2 == 0, "SiLU: gate and up rows in pairs"
+    args = (x, x_scale if prequant else sw, col_scale if col_scale is not None else sw, wq, sw,
+            bias if bias is not None else sw, y, N, K, wq.stride(0), float(silu_eps or 0.0))
+    pdl.launch(_fp8_row_kernel, (triton.cdiv(N, bn),), args, x.device, PREQUANT=prequant,
+               COL_SCALE=col_scale is not None, HAS_BIAS=bias is not None, ACCUM=accumulate, SILU=silu,
+               BLOCK_N=bn, BLOCK_K=bk, X_ONCE=bool(x_once), KP=triton.next_power_of_2(K) if x_once else 16,
+               num_warps=warps, num_stages=1)
+    return y
