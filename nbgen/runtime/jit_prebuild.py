@@ -1,0 +1,102 @@
+"""flashinfer's JIT modules built on background threads while the engine starts.
+
+On a host whose flashinfer JIT cache is empty, the first call into each flashinfer module (the paged
+prefill kernels for the model's head size and dtypes, RMSNorm, SiLU-and-mul, RoPE) compiles it with
+nvcc through ninja, 15-75 s each, one after the other on the loop thread when the engine first needs
+them. ``start_prebuild`` names the modules this engine will call — the same JIT specs flashinfer's own
+getters make, with the same arguments as ``FlashInferBackend``'s plans — and builds each on its own
+thread from the start of the model setup, so their compiles overlap each other, the weight load and
+the decode graphs' Triton compiles (ninja runs in a subprocess; the GIL is free meanwhile).
+
+The threads never touch CUDA (a decode graph may be capturing on the loop thread): they write the
+generated sources and run ninja under flashinfer's per-module file lock. When the engine then calls
+the module, flashinfer's own ``build_and_load`` takes that lock (waiting for a build still running),
+finds ninja's outputs up to date and loads the library. A build that fails here is only logged: the
+engine's own call builds it again and reports the error there. With a warm cache each thread's ninja
+finds nothing to do (tens of milliseconds, off the loop thread).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("nbgen")
+
+
+@dataclass
+class Prebuild:
+    """The background builds of one engine start: module name -> seconds (or the error)."""
+
+    threads: list[threading.Thread] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)       # finished builds
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def wait(self, timeout: Optional[float] = None) -> dict[str, float]:
+        """Join the build threads (tests, benchmarks); the finished builds' seconds."""
+        for t in self.threads:
+            t.join(timeout)
+        return dict(self.seconds)
+
+
+def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> list[Any]:
+    """The JIT specs of the flashinfer modules an engine with these shapes calls by default (empty
+    without flashinfer or off CUDA). Runs on the caller's thread: choosing the prefill backend reads
+    the device's compute capability."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):   # flashinfer: half precision
+        return []
+    try:
+        import flashinfer.jit as fjit
+        import flashinfer.norm as fnorm
+        from flashinfer.jit.norm import gen_norm_module
+        from flashinfer.jit.rope import gen_rope_module
+        from flashinfer.utils import determine_attention_backend
+    except ImportError:
+        return []
+    # BatchPrefillWithPagedKVCacheWrapper(backend="auto").plan(..., causal, no RoPE, no window, no soft cap)
+    backend = determine_attention_backend(device, 0, False, False, dtype, kv_dtype,
+                                          head_dim_qk=head_dim, head_dim_vo=head_dim)
+    specs = []
+    if backend in ("fa2", "fa3"):
+        specs.append((fjit.gen_batch_prefill_module, (backend, dtype, kv_dtype, dtype, torch.int32, head_dim,
+                                                      head_dim, 0, False, False, False)))
+    # norms: flashinfer's CUDA JIT module unless its CuTe-DSL kernels serve this device
+    use_cuda_norm = getattr(fnorm, "_use_cuda_norm", None)
+    if use_cuda_norm is None or use_cuda_norm(device):
+        specs.append((gen_norm_module, ()))
+    specs.append((fjit.gen_act_and_mul_module, ("silu",)))
+    specs.append((gen_rope_module, ()))
+    return specs
+
+
+def _build(gen: Any, args: tuple, out: Prebuild) -> None:
+    t0 = time.perf_counter()
+    name = getattr(gen, "__name__", "module")
+    try:
+        spec = gen(*args)
+        name = spec.name
+        spec.build(need_lock=True)
+    except Exception as e:   # the engine's own call builds it again and raises there
+        out.errors[name] = f"{type(e).__name__}: {e}"
+        logger.info("flashinfer prebuild of %s failed (%s); the engine builds it when first used", name, e)
+        return
+    out.seconds[name] = round(time.perf_counter() - t0, 2)
+
+
+def start_prebuild(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> Prebuild:
+    """Start one daemon thread per flashinfer module this engine will call (see the module docstring)."""
+    out = Prebuild()
+    try:
+        specs = flashinfer_specs(device, dtype, kv_dtype, head_dim)
+    except Exception as e:   # an unknown flashinfer version: the engine builds as it goes
+        logger.info("flashinfer prebuild unavailable (%s)", e)
+        return out
+    for gen, args in specs:
+        t = threading.Thread(target=_build, args=(gen, args, out), name="nbgen-jit-prebuild", daemon=True)
+        t.start()
+        out.threads.append(t)
+    return out
