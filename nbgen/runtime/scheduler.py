@@ -39,6 +39,7 @@ from nbgen.runtime.forced_rows import RowWaits, forced_rows
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
+from nbgen.runtime.prefill_pacing import paced_budget
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.spec_pages import accept_drafts, release_tail
 from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats, queue_full_victim
@@ -156,6 +157,9 @@ class Scheduler:
     def schedule(self) -> Optional[ScheduledBatch]:
         """Pick this step's work (decodes, prefill chunks, admissions); None when nothing can run."""
         budget = self.budget
+        if self.cfg.prefill_pacing_min_tokens and self.waiting:      # runtime/prefill_pacing.py
+            budget = paced_budget(self.running, self.waiting.in_order(self.cache),
+                                  self.cfg.prefill_pacing_min_tokens, budget)
         seqs: list[SeqWork] = []
         preempted = self.num_preemptions
         P, RUNNING = self.P, Status.RUNNING
