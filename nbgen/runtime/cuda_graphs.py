@@ -38,6 +38,7 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
+from nbgen.kernels.triton_precompile import precompiled
 from nbgen.runtime import cascade_graphs
 from nbgen.runtime.cascade_graphs import blocks128
 from nbgen.runtime.pages import SCRATCH_PAGE
@@ -210,6 +211,8 @@ class CudaGraphRunner:
 
     def _capture_one(self, bs: int, meta: FlashInferMetadata, warmup: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with torch.inference_mode():
+            # a dry run first: the Triton variants it needs compile in parallel (kernels/triton_precompile.py)
+            precompiled(lambda: self._forward_static(bs, meta), self.backend.spec.device)
             for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
                 self._forward_static(bs, meta)
             torch.cuda.synchronize()
