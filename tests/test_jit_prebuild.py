@@ -41,3 +41,19 @@ def test_an_unknown_flashinfer_builds_nothing(monkeypatch) -> None:
         raise TypeError("determine_attention_backend() got an unexpected keyword argument")
     monkeypatch.setattr(jit_prebuild, "flashinfer_specs", broken)
     assert jit_prebuild.start_prebuild(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128).threads == []
+
+
+def test_the_model_shapes_come_from_its_config_before_the_weights_load(monkeypatch, tiny_llama_dir) -> None:
+    from nbgen.core.config import EngineConfig
+    seen = []
+    monkeypatch.setattr(jit_prebuild, "start_prebuild", lambda *a: seen.append(a) or jit_prebuild.Prebuild())
+    cuda = torch.device("cuda", 0)
+    jit_prebuild.start_for_config(EngineConfig(model_path=str(tiny_llama_dir), load_format="dummy"), cuda)
+    jit_prebuild.start_for_config(EngineConfig(model_path=str(tiny_llama_dir), kv_cache_dtype="fp8_e4m3"), cuda)
+    jit_prebuild.start_for_config(EngineConfig(model_path=str(tiny_llama_dir), attention_backend="torch"), cuda)
+    jit_prebuild.start_for_config(EngineConfig(model_path=str(tiny_llama_dir)), torch.device("cpu"))
+    assert jit_prebuild.start_for_config(EngineConfig(model_path="/nonexistent"), cuda).threads == []
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(tiny_llama_dir)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    assert seen == [(cuda, torch.bfloat16, torch.bfloat16, head_dim), (cuda, torch.bfloat16, torch.float8_e4m3fn, head_dim)]

@@ -25,6 +25,13 @@ from typing import Any, Optional
 
 import torch
 
+from nbgen.attention import kv_quant
+from nbgen.core.config import EngineConfig
+from nbgen.models.embedded import default_model_path
+from nbgen.models.loader import checkpoint_dir, resolve_dtype
+from nbgen.models.model_config import model_dims, read_model_config
+from nbgen.models.registry import prepare_config
+
 logger = logging.getLogger("nbgen")
 
 
@@ -85,6 +92,24 @@ def _build(gen: Any, args: tuple, out: Prebuild) -> None:
         logger.info("flashinfer prebuild of %s failed (%s); the engine builds it when first used", name, e)
         return
     out.seconds[name] = round(time.perf_counter() - t0, 2)
+
+
+def start_for_config(cfg: EngineConfig, device: torch.device) -> Prebuild:
+    """``start_prebuild`` for the model ``cfg`` names, from its config.json alone (before the weights
+    load); nothing when the config cannot be read here (the loader then reports why)."""
+    if device.type != "cuda" or cfg.attention_backend not in (None, "flashinfer"):
+        return Prebuild()
+    try:
+        path = cfg.model_path if cfg.model_path is not None else default_model_path()
+        config = prepare_config(read_model_config(checkpoint_dir(path, cfg.load_format),
+                                                  trust_remote_code=cfg.trust_remote_code))
+        dtype = resolve_dtype(cfg.dtype, device)
+        head_dim = model_dims(config)[3]
+        kv_dtype = kv_quant.storage_dtype(cfg.kv_cache_dtype, dtype)
+    except Exception as e:   # noqa: BLE001 - load_model reads it again and raises there
+        logger.debug("flashinfer prebuild skipped (%s)", e)
+        return Prebuild()
+    return start_prebuild(device, dtype, kv_dtype, head_dim)
 
 
 def start_prebuild(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> Prebuild:

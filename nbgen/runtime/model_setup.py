@@ -29,7 +29,7 @@ from nbgen.models.model_config import model_dims
 from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
 from nbgen.runtime.cuda_graphs import CudaGraphRunner, GraphVariant
-from nbgen.runtime.jit_prebuild import start_prebuild
+from nbgen.runtime.jit_prebuild import start_for_config
 from nbgen.runtime.lora import LoRAManager
 from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
@@ -187,10 +187,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
                         cfg.piecewise_cuda_graph_max_tokens), "setup_model needs a resolved EngineConfig"
     t0 = time.perf_counter()
     report("loading weights")
+    start_for_config(cfg, device)      # flashinfer's JIT modules compile meanwhile (runtime/jit_prebuild.py)
     loaded = load_model(cfg, device)
-    if cfg.attention_backend in (None, "flashinfer"):   # flashinfer's JIT modules compile meanwhile
-        start_prebuild(device, loaded.dtype, kv_quant.storage_dtype(cfg.kv_cache_dtype, loaded.dtype),
-                       model_dims(loaded.hf_config)[3])
     # before the KV cache is sized: the offloaded layers' device memory goes to it
     offload = offload_layers(loaded.model, cfg.cpu_offload_gb)
     if cfg.cpu_offload_gb and offload is None:
