@@ -1,12 +1,14 @@
 """flashinfer's JIT modules built on background threads while the engine starts.
 
-On a host whose flashinfer JIT cache is empty, the first call into each flashinfer module (the paged
-prefill kernels for the model's head size and dtypes, RMSNorm, SiLU-and-mul, RoPE) compiles it with
-nvcc through ninja, 15-75 s each, one after the other on the loop thread when the engine first needs
-them. ``start_prebuild`` names the modules this engine will call — the same JIT specs flashinfer's own
-getters make, with the same arguments as ``FlashInferBackend``'s plans — and builds each on its own
-thread from the start of the model setup, so their compiles overlap each other, the weight load and
-the decode graphs' Triton compiles (ninja runs in a subprocess; the GIL is free meanwhile).
+On a host whose flashinfer JIT cache is empty, the first call into a flashinfer module compiles it with
+nvcc through ninja on the calling thread: the paged prefill kernels for the model's head size and
+dtypes took 74 s on an H100 host (sm_90, 16 cores). ``start_prebuild`` names the modules this engine
+will call — the same JIT spec flashinfer's own getter makes, with the same arguments as
+``FlashInferBackend``'s plans — and builds each on its own thread from the start of the model setup,
+so the compile overlaps the weight load and the decode graphs' Triton compiles (ninja runs in a
+subprocess; the GIL is free meanwhile). (Norms and SiLU-and-mul run on nbgen's Triton kernels,
+``kernels/triton_norm.py``; flashinfer's RoPE serves only head sizes the fused RoPE kernel does not
+take and is built when first used.)
 
 The threads never touch CUDA (a decode graph may be capturing on the loop thread): they write the
 generated sources and run ninja under flashinfer's per-module file lock. When the engine then calls
@@ -51,16 +53,13 @@ class Prebuild:
 
 
 def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> list[Any]:
-    """The JIT specs of the flashinfer modules an engine with these shapes calls by default (empty
+    """The JIT specs (generator, arguments) of the flashinfer modules an engine with these shapes calls (empty
     without flashinfer or off CUDA). Runs on the caller's thread: choosing the prefill backend reads
     the device's compute capability."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):   # flashinfer: half precision
         return []
     try:
         import flashinfer.jit as fjit
-        import flashinfer.norm as fnorm
-        from flashinfer.jit.norm import gen_norm_module
-        from flashinfer.jit.rope import gen_rope_module
         from flashinfer.utils import determine_attention_backend
     except ImportError:
         return []
@@ -71,12 +70,6 @@ def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.d
     if backend in ("fa2", "fa3"):
         specs.append((fjit.gen_batch_prefill_module, (backend, dtype, kv_dtype, dtype, torch.int32, head_dim,
                                                       head_dim, 0, False, False, False)))
-    # norms: flashinfer's CUDA JIT module unless its CuTe-DSL kernels serve this device
-    use_cuda_norm = getattr(fnorm, "_use_cuda_norm", None)
-    if use_cuda_norm is None or use_cuda_norm(device):
-        specs.append((gen_norm_module, ()))
-    specs.append((fjit.gen_act_and_mul_module, ("silu",)))
-    specs.append((gen_rope_module, ()))
     return specs
 
 
