@@ -15,8 +15,8 @@ def test_no_specs_off_cuda_or_in_fp32() -> None:
 
 
 class _Spec:
-    def __init__(self, name: str, release: threading.Event, fail: bool = False) -> None:
-        self.name, self.release, self.fail = name, release, fail
+    def __init__(self, name: str, release: threading.Event, fail: bool = False, compiled: bool = False) -> None:
+        self.name, self.release, self.fail, self.is_compiled = name, release, fail, compiled
 
     def build(self, need_lock: bool = False) -> None:
         assert need_lock                       # flashinfer's per-module file lock, shared with build_and_load
@@ -57,3 +57,21 @@ def test_the_model_shapes_come_from_its_config_before_the_weights_load(monkeypat
     hf = AutoConfig.from_pretrained(tiny_llama_dir)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     assert seen == [(cuda, torch.bfloat16, torch.bfloat16, head_dim), (cuda, torch.bfloat16, torch.float8_e4m3fn, head_dim)]
+
+
+def test_ready_only_once_a_missing_module_is_built_and_after_a_cached_ones_check(monkeypatch) -> None:
+    release = threading.Event()
+    monkeypatch.setattr(jit_prebuild, "flashinfer_specs", lambda *a: [(lambda: _Spec("cold", release), ())])
+    pre = jit_prebuild.start_prebuild(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128)
+    assert not pre.ready() and not pre.ready()        # compiling: the engine prefills on the stand-in
+    release.set()
+    pre.wait(10)
+    assert pre.ready()
+    # a module already in the cache: ready waits for the no-op build instead of using the stand-in
+    warm = threading.Event()
+    monkeypatch.setattr(jit_prebuild, "flashinfer_specs",
+                        lambda *a: [(lambda: _Spec("warm", warm, compiled=True), ())])
+    pre = jit_prebuild.start_prebuild(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128)
+    threading.Timer(0.2, warm.set).start()
+    assert pre.ready() and pre.seconds.keys() == {"warm"}
+    assert jit_prebuild.Prebuild().ready()            # nothing prebuilt (no flashinfer, CPU): ready

@@ -36,6 +36,10 @@ from nbgen.models.registry import prepare_config
 
 logger = logging.getLogger("nbgen")
 
+# seconds a readiness check waits for a build thread to learn whether its module is cached (it writes
+# the module's generated sources first: well under a second)
+CHECK_TIMEOUT_S = 30.0
+
 
 @dataclass
 class Prebuild:
@@ -44,12 +48,28 @@ class Prebuild:
     threads: list[threading.Thread] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)       # finished builds
     errors: dict[str, str] = field(default_factory=dict)
+    # per thread: set once it knows whether its module was compiled already (then its build is a no-op)
+    checked: list[threading.Event] = field(default_factory=list)
+    cold: set[int] = field(default_factory=set)                   # threads compiling a missing module
+    _ready: bool = False
 
     def wait(self, timeout: Optional[float] = None) -> dict[str, float]:
         """Join the build threads (tests, benchmarks); the finished builds' seconds."""
         for t in self.threads:
             t.join(timeout)
         return dict(self.seconds)
+
+    def ready(self) -> bool:
+        """Whether the modules load without compiling now: every build done, or only no-op checks of
+        modules already in the cache left (waited for). False while a missing module compiles."""
+        if not self._ready:
+            for i, (t, ev) in enumerate(zip(self.threads, self.checked)):
+                ev.wait(CHECK_TIMEOUT_S)
+                if i in self.cold and t.is_alive():
+                    return False
+            self.wait()
+            self._ready = True
+        return True
 
 
 def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> list[Any]:
@@ -73,17 +93,22 @@ def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.d
     return specs
 
 
-def _build(gen: Any, args: tuple, out: Prebuild) -> None:
+def _build(gen: Any, args: tuple, out: Prebuild, i: int) -> None:
     t0 = time.perf_counter()
     name = getattr(gen, "__name__", "module")
     try:
         spec = gen(*args)
         name = spec.name
+        if not spec.is_compiled:
+            out.cold.add(i)
+        out.checked[i].set()
         spec.build(need_lock=True)
     except Exception as e:   # the engine's own call builds it again and raises there
         out.errors[name] = f"{type(e).__name__}: {e}"
         logger.info("flashinfer prebuild of %s failed (%s); the engine builds it when first used", name, e)
         return
+    finally:
+        out.checked[i].set()
     out.seconds[name] = round(time.perf_counter() - t0, 2)
 
 
@@ -113,8 +138,10 @@ def start_prebuild(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dty
     except Exception as e:   # an unknown flashinfer version: the engine builds as it goes
         logger.info("flashinfer prebuild unavailable (%s)", e)
         return out
-    for gen, args in specs:
-        t = threading.Thread(target=_build, args=(gen, args, out), name="nbgen-jit-prebuild", daemon=True)
-        t.start()
+    for i, (gen, args) in enumerate(specs):
+        t = threading.Thread(target=_build, args=(gen, args, out, i), name="nbgen-jit-prebuild", daemon=True)
         out.threads.append(t)
+        out.checked.append(threading.Event())
+    for t in out.threads:
+        t.start()
     return out
