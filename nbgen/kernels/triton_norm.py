@@ -8,11 +8,14 @@ with an empty cache, before the first decode graph could be captured.
 Numerics follow the HF modules the torch path mirrors (``models/layers.py``): the residual add is
 rounded to the model dtype before the norm reads it; the norm computes in fp32, rounds the normalised
 row, then multiplies by the weight (one more rounding); SiLU-and-mul rounds silu(gate) before the
-product. One program per row (a row of up to 32 768 features in registers).
+product. One program per row (a row of up to 32 768 features in registers); launched with programmatic
+dependent launch where the GPU has it (``kernels/pdl.py``), as the other per-layer kernels are.
 """
 from __future__ import annotations
 
 import torch
+
+from nbgen.kernels import pdl
 
 try:
     import triton
@@ -32,7 +35,7 @@ def supported(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, H, NH, sxt, sxh, srt, syt, syh, eps,
-                        ADD: tl.constexpr, BLOCK: tl.constexpr):
+                        ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         # row = (token t, head h): x [T, NH, H] strided (NH = 1 for [T, H]); y likewise
         row = tl.program_id(0).to(tl.int64)
         t = row // NH
@@ -40,19 +43,25 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         m = offs < H
         dt = y_ptr.dtype.element_ty
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)     # not written by the kernel before
+        if USE_PDL:   # launched early (kernels/pdl.py): wait for x (and the residual) to be written
+            pdl.gdc_wait()
+            pdl.gdc_launch_dependents()
         x = tl.load(x_ptr + t * sxt + h * sxh + offs, mask=m, other=0.0).to(tl.float32)
         if ADD:   # residual = x + residual, rounded as a model-dtype add; the norm reads the rounded sum
             s = (x + tl.load(r_ptr + t * srt + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
             tl.store(r_ptr + t * srt + offs, s, mask=m)
             x = s.to(tl.float32)
         r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         y = (x * r).to(dt).to(tl.float32) * w
         tl.store(y_ptr + t * syt + h * syh + offs, y.to(dt), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, I, sx, sy, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, y_ptr, I, sx, sy, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
+        if USE_PDL:
+            pdl.gdc_wait()
+            pdl.gdc_launch_dependents()
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < I
         dt = y_ptr.dtype.element_ty
@@ -70,9 +79,9 @@ def _launch_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Ten
     if T * NH == 0:
         return
     block = triton.next_power_of_2(H)
-    _rmsnorm_kernel[(T * NH,)](x3, r, w, y3, H, NH, x3.stride(0), x3.stride(1), r.stride(0), y3.stride(0),
-                               y3.stride(1), float(eps), ADD=add, BLOCK=block,
-                               num_warps=min(16, max(1, block // 256)))
+    pdl.launch(_rmsnorm_kernel, (T * NH,), (x3, r, w, y3, H, NH, x3.stride(0), x3.stride(1), r.stride(0),
+                                             y3.stride(0), y3.stride(1), float(eps)), x.device,
+               ADD=add, BLOCK=block, num_warps=min(16, max(1, block // 256)))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,6 +102,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((T, I2 // 2), dtype=x.dtype, device=x.device)
     if T:
         block = min(2048, triton.next_power_of_2(I2 // 2))
-        _silu_mul_kernel[(T, triton.cdiv(I2 // 2, block))](x, y, I2 // 2, x.stride(0), y.stride(0), BLOCK=block,
-                                                          num_warps=4 if block <= 1024 else 8)
+        pdl.launch(_silu_mul_kernel, (T, triton.cdiv(I2 // 2, block)), (x, y, I2 // 2, x.stride(0), y.stride(0)),
+                   x.device, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return y
