@@ -9,7 +9,7 @@ from nbgen.bench.sim import trace
 from nbgen.core.config import EngineConfig
 from nbgen.core.request import LogprobRequest, Request
 from nbgen.core.sampling import SamplingParams
-from nbgen.runtime.prefill_pacing import PACED_TOKENS, paced_budget, pacing_tokens
+from nbgen.runtime.prefill_pacing import PACED_TOKENS, PrefillPacer, paced_budget, pacing_tokens
 
 
 def req(rid: str, prompt: int, out: int | None, computed: int = 0, produced: int = 0) -> Request:
@@ -31,6 +31,15 @@ def test_budget_rule() -> None:
     assert paced_budget([decoding, longest_prefilling], [req("q", 5, 1)], 32, 512) == 512
     assert paced_budget([decoding], [], 32, 512) == 32
     assert paced_budget([decoding], [req("q", 50, 60)], 1024, 512) == 512  # never above the configured budget
+
+
+def test_no_request_is_held_back_longer_than_max_wait() -> None:
+    pacer = PrefillPacer(32, max_wait=3)
+    decoding = req("a", 10, 100, computed=10 + 19, produced=20)
+    short, later = req("s", 50, 5), req("l", 50, 6)
+    assert [pacer.budget([decoding], iter([short]), 512) for _ in range(4)] == [32, 32, 32, 512]
+    assert pacer.budget([decoding], iter([later]), 512) == 32        # admitted ones are forgotten
+    assert pacer.budget([decoding], iter([later, short]), 512) == 32  # "s" is back: a new wait
 
 
 def _workload(n: int, seed: int, fixed_out: int | None = None) -> tuple[list[list[int]], list[int]]:

@@ -20,12 +20,16 @@ The engine paces a large model's offline batches on a GPU when the user sets nei
 """
 from __future__ import annotations
 
+from itertools import islice
 from typing import Iterable
 
 from nbgen.core.request import Request
 
 # queued requests looked at per step (admission takes the queue's head anyway)
 MAX_LOOKAHEAD = 512
+# steps a queued request may be held back by pacing (the longest W-nano output: pacing there never
+# holds one longer than the run)
+MAX_WAIT_STEPS = 1024
 # the paced budget: the piecewise-prefill bucket at the bf16 ridge point of an H100 (~990 TFLOP/s over
 # ~3.3 TB/s: a GEMM reads its weights for up to ~300 rows); the schedule cost model (bench/sim.py) on
 # Llama-3.1-8B's measured GEMMs: 14.6 s with 256, 15.0 s with 384, 16.2 s with 288 (it pads to 384)
@@ -45,6 +49,26 @@ def _left(req: Request) -> float:
     """Output tokens ``req`` may still produce (inf without ``max_new_tokens``)."""
     n = req.params.max_new_tokens
     return float("inf") if n is None else max(0, n - len(req.output_ids))
+
+
+class PrefillPacer:
+    """The scheduler's pacing state: when each queued request was first seen waiting (a request is never
+    held back by pacing for more than ``max_wait`` steps, so a stream of long arrivals cannot starve a
+    short request behind them)."""
+
+    def __init__(self, low: int, max_wait: int = MAX_WAIT_STEPS) -> None:
+        self.low, self.max_wait = low, max_wait
+        self.step = 0
+        self._since: dict[str, int] = {}     # rid -> the step it was first seen waiting
+
+    def budget(self, running: list[Request], queue: Iterable[Request], high: int) -> int:
+        """This step's budget (``paced_budget``), or ``high`` once a queued request waited too long."""
+        self.step += 1
+        head = list(islice(queue, MAX_LOOKAHEAD))
+        self._since = {r.rid: self._since.get(r.rid, self.step) for r in head}   # admitted ones drop out
+        if self.step - min(self._since.values(), default=self.step) >= self.max_wait:
+            return high
+        return paced_budget(running, head, self.low, high)
 
 
 def paced_budget(running: list[Request], queue: Iterable[Request], low: int, high: int) -> int:
