@@ -75,3 +75,21 @@ def test_ready_only_once_a_missing_module_is_built_and_after_a_cached_ones_check
     threading.Timer(0.2, warm.set).start()
     assert pre.ready() and pre.seconds.keys() == {"warm"}
     assert jit_prebuild.Prebuild().ready()            # nothing prebuilt (no flashinfer, CPU): ready
+
+
+def test_a_second_engine_waits_for_the_same_running_build(monkeypatch) -> None:
+    release = threading.Event()
+    calls = []
+
+    def gen() -> _Spec:
+        calls.append(1)
+        return _Spec("shared", release)
+    monkeypatch.setattr(jit_prebuild, "flashinfer_specs", lambda *a: [(gen, ())])
+    first = jit_prebuild.start_prebuild(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128)
+    second = jit_prebuild.start_prebuild(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128)
+    assert first.threads == second.threads and not second.ready()
+    release.set()
+    assert second.wait(10) == first.wait(10) and calls == [1]
+    third = jit_prebuild.start_prebuild(torch.device("cuda"), torch.bfloat16, torch.bfloat16, 128)
+    assert third.threads != first.threads     # the build ended: a later start checks again (a no-op when cached)
+    third.wait(10)

@@ -10,14 +10,15 @@ import torch
 from nbgen.attention.prefill_standin import SdpaPrefill
 
 P, HQ, HKV, D = 4, 4, 2, 16
+GPU_D = 128          # flashinfer's prefill kernels take head sizes 64 / 128 / 256
 
 
-def _case(dtype: torch.dtype, device: str, kv_lens=(5, 9, 16, 3), q_lens=(5, 2, 7, 1)):
+def _case(dtype: torch.dtype, device: str, kv_lens=(5, 9, 16, 3), q_lens=(5, 2, 7, 1), d: int = D):
     g = torch.Generator().manual_seed(0)
     need = sum(math.ceil(n / P) for n in kv_lens)
     pages = (1 + torch.randperm(2 * need, generator=g)[:need]).tolist()      # scattered, page 0 unused
-    kc = torch.randn(2 * need + 1, HKV, P, D, generator=g).to(device, dtype)
-    vc = torch.randn(2 * need + 1, HKV, P, D, generator=g).to(device, dtype)
+    kc = torch.randn(2 * need + 1, HKV, P, d, generator=g).to(device, dtype)
+    vc = torch.randn(2 * need + 1, HKV, P, d, generator=g).to(device, dtype)
     qo, ip, idx, last, k = [0], [0], [], [], 0
     for n, m in zip(kv_lens, q_lens):
         np_ = math.ceil(n / P)
@@ -26,7 +27,7 @@ def _case(dtype: torch.dtype, device: str, kv_lens=(5, 9, 16, 3), q_lens=(5, 2, 
         ip.append(ip[-1] + np_)
         qo.append(qo[-1] + m)
         last.append(n - (np_ - 1) * P)
-    q = torch.randn(qo[-1], HQ, D, generator=g).to(device, dtype)
+    q = torch.randn(qo[-1], HQ, d, generator=g).to(device, dtype)
     return q, kc, vc, qo, ip, idx, last
 
 
@@ -46,9 +47,9 @@ def _reference(q, kc, vc, qo, ip, idx, last, scale):
     return out
 
 
-def _plan(w: SdpaPrefill, qo, ip, idx, last) -> None:
+def _plan(w: SdpaPrefill, qo, ip, idx, last, d: int = D) -> None:
     t = lambda x: torch.tensor(x, dtype=torch.int32)   # noqa: E731
-    w.plan(t(qo), t(ip), t(idx), t(last), HQ, HKV, D, P, causal=True, sm_scale=D ** -0.5, non_blocking=True)
+    w.plan(t(qo), t(ip), t(idx), t(last), HQ, HKV, d, P, causal=True, sm_scale=d ** -0.5, non_blocking=True)
 
 
 def test_matches_causal_attention_per_sequence() -> None:
@@ -70,11 +71,12 @@ def test_matches_causal_attention_per_sequence() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_matches_flashinfer_prefill_on_the_gpu() -> None:
     flashinfer = pytest.importorskip("flashinfer")
-    q, kc, vc, qo, ip, idx, last = _case(torch.bfloat16, "cuda", kv_lens=(37, 130, 64, 9), q_lens=(37, 20, 1, 9))
+    q, kc, vc, qo, ip, idx, last = _case(torch.bfloat16, "cuda", kv_lens=(37, 130, 64, 9), q_lens=(37, 20, 1, 9),
+                                         d=GPU_D)
     t = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")   # noqa: E731
     fi = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "HND")
-    fi.plan(t(qo), t(ip), t(idx), t(last), HQ, HKV, D, P, causal=True, sm_scale=D ** -0.5,
+    fi.plan(t(qo), t(ip), t(idx), t(last), HQ, HKV, GPU_D, P, causal=True, sm_scale=GPU_D ** -0.5,
             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
     w = SdpaPrefill(torch.device("cuda"))
-    _plan(w, qo, ip, idx, last)
+    _plan(w, qo, ip, idx, last, d=GPU_D)
     torch.testing.assert_close(w.run(q, (kc, vc)), fi.run(q, (kc, vc)), atol=2e-2, rtol=2e-2)

@@ -20,6 +20,7 @@ finds nothing to do (tens of milliseconds, off the loop thread).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,37 +40,65 @@ logger = logging.getLogger("nbgen")
 # seconds a readiness check waits for a build thread to learn whether its module is cached (it writes
 # the module's generated sources first: well under a second)
 CHECK_TIMEOUT_S = 30.0
+# the build threads' nice value (their ninja and nvcc processes inherit it)
+NICE = 10
+
+
+@dataclass
+class Job:
+    """One module's background build (shared by the engines of a process that need the same module)."""
+
+    thread: threading.Thread = field(default_factory=threading.Thread)
+    checked: threading.Event = field(default_factory=threading.Event)   # knows whether it was cached
+    cold: bool = False             # the module was not compiled yet: this build compiles it
+    name: str = ""
+    seconds: Optional[float] = None
+    error: Optional[str] = None
 
 
 @dataclass
 class Prebuild:
-    """The background builds of one engine start: module name -> seconds (or the error)."""
+    """The background builds of one engine start."""
 
-    threads: list[threading.Thread] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)       # finished builds
-    errors: dict[str, str] = field(default_factory=dict)
-    # per thread: set once it knows whether its module was compiled already (then its build is a no-op)
-    checked: list[threading.Event] = field(default_factory=list)
-    cold: set[int] = field(default_factory=set)                   # threads compiling a missing module
+    jobs: list[Job] = field(default_factory=list)
     _ready: bool = False
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Finished builds: module name -> seconds."""
+        return {j.name: j.seconds for j in self.jobs if j.seconds is not None}
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return {j.name: j.error for j in self.jobs if j.error is not None}
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [j.thread for j in self.jobs]
 
     def wait(self, timeout: Optional[float] = None) -> dict[str, float]:
         """Join the build threads (tests, benchmarks); the finished builds' seconds."""
-        for t in self.threads:
-            t.join(timeout)
-        return dict(self.seconds)
+        for j in self.jobs:
+            j.thread.join(timeout)
+        return self.seconds
 
     def ready(self) -> bool:
         """Whether the modules load without compiling now: every build done, or only no-op checks of
         modules already in the cache left (waited for). False while a missing module compiles."""
         if not self._ready:
-            for i, (t, ev) in enumerate(zip(self.threads, self.checked)):
-                ev.wait(CHECK_TIMEOUT_S)
-                if i in self.cold and t.is_alive():
+            for j in self.jobs:
+                j.checked.wait(CHECK_TIMEOUT_S)
+                if j.cold and j.thread.is_alive():
                     return False
             self.wait()
             self._ready = True
         return True
+
+
+# builds running in this process, by generator and arguments: a second engine started meanwhile (a
+# notebook re-running its cell) waits for the same build instead of queueing a second one on its lock
+_RUNNING: dict[tuple[Any, tuple], Job] = {}
+_RUNNING_LOCK = threading.Lock()
 
 
 def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> list[Any]:
@@ -93,23 +122,27 @@ def flashinfer_specs(device: torch.device, dtype: torch.dtype, kv_dtype: torch.d
     return specs
 
 
-def _build(gen: Any, args: tuple, out: Prebuild, i: int) -> None:
+def _build(gen: Any, args: tuple, job: Job) -> None:
     t0 = time.perf_counter()
-    name = getattr(gen, "__name__", "module")
+    job.name = getattr(gen, "__name__", "module")
+    try:
+        # below the loop thread's own work (the decode graphs' Triton compiles): ninja and nvcc inherit it
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):   # not Linux: the build runs at the process's priority
+        pass
     try:
         spec = gen(*args)
-        name = spec.name
-        if not spec.is_compiled:
-            out.cold.add(i)
-        out.checked[i].set()
+        job.name = spec.name
+        job.cold = not spec.is_compiled
+        job.checked.set()
         spec.build(need_lock=True)
     except Exception as e:   # the engine's own call builds it again and raises there
-        out.errors[name] = f"{type(e).__name__}: {e}"
-        logger.info("flashinfer prebuild of %s failed (%s); the engine builds it when first used", name, e)
+        job.error = f"{type(e).__name__}: {e}"
+        logger.info("flashinfer prebuild of %s failed (%s); the engine builds it when first used", job.name, e)
         return
     finally:
-        out.checked[i].set()
-    out.seconds[name] = round(time.perf_counter() - t0, 2)
+        job.checked.set()
+    job.seconds = round(time.perf_counter() - t0, 2)
 
 
 def start_for_config(cfg: EngineConfig, device: torch.device) -> Prebuild:
@@ -138,10 +171,13 @@ def start_prebuild(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dty
     except Exception as e:   # an unknown flashinfer version: the engine builds as it goes
         logger.info("flashinfer prebuild unavailable (%s)", e)
         return out
-    for i, (gen, args) in enumerate(specs):
-        t = threading.Thread(target=_build, args=(gen, args, out, i), name="nbgen-jit-prebuild", daemon=True)
-        out.threads.append(t)
-        out.checked.append(threading.Event())
-    for t in out.threads:
-        t.start()
+    with _RUNNING_LOCK:
+        for gen, args in specs:
+            job = _RUNNING.get((gen, args))
+            if job is None or not job.thread.is_alive():
+                job = _RUNNING[(gen, args)] = Job()
+                job.thread = threading.Thread(target=_build, args=(gen, args, job), name="nbgen-jit-prebuild",
+                                              daemon=True)
+                job.thread.start()
+            out.jobs.append(job)
     return out
