@@ -55,7 +55,7 @@ def test_dry_run_skips_launches_and_compiles_each_variant_once_on_the_pool(monke
         t.start()
         t.join()
 
-    assert tp.precompiled(forward, torch.device("cuda", 0)) == 2
+    assert tp.precompiled([forward], torch.device("cuda", 0)) == 2
     assert sorted(jf.preloaded) == ["a", "b"] and threading.get_ident() not in jf.threads
     assert other == [False]                # another thread's launch is left to Triton
     assert knobs.runtime.jit_cache_hook is None
@@ -71,9 +71,29 @@ def test_a_failing_dry_run_or_compile_is_only_counted(monkeypatch) -> None:
         knobs.runtime.jit_cache_hook(key="k", fn=info, compile={"specialization_data": "k"})
         raise ValueError("garbage from a skipped kernel")
 
-    assert tp.precompiled(forward, torch.device("cuda", 0)) == 0
+    assert tp.precompiled([forward], torch.device("cuda", 0)) == 0
     assert knobs.runtime.jit_cache_hook is None
-    assert tp.precompiled(forward, torch.device("cpu")) == 0         # off CUDA: nothing to do
+    assert tp.precompiled([forward], torch.device("cpu")) == 0       # off CUDA: nothing to do
+
+
+def test_a_warm_first_step_skips_the_rest(monkeypatch) -> None:
+    knobs = _fake_triton(monkeypatch)
+    jf = _JitFunction()
+    info = types.SimpleNamespace(jit_function=jf)
+    ran = []
+
+    def step(name: str, launches: list[str]):
+        def run() -> None:
+            ran.append(name)
+            for key in launches:
+                knobs.runtime.jit_cache_hook(key=key, fn=info, compile={"specialization_data": key})
+        return run
+
+    assert tp.precompiled([step("bs256", []), step("bs1", ["small"])], torch.device("cuda", 0)) == 0
+    assert ran == ["bs256"]                                          # nothing missing at the first: warm
+    ran.clear()
+    assert tp.precompiled([step("bs256", ["big"]), step("bs1", ["small", "big"])], torch.device("cuda", 0)) == 2
+    assert ran == ["bs256", "bs1"] and sorted(jf.preloaded) == ["big", "small"]
 
 
 @pytest.mark.gpu
@@ -87,7 +107,7 @@ def test_real_kernel_variants_compile_on_the_pool_and_run_after(monkeypatch) -> 
         for k, y in enumerate(ys):
             _add_k[(1,)](x, y, 100, K=k, BLOCK=128)
 
-    assert tp.precompiled(launches, x.device) == 3
+    assert tp.precompiled([launches], x.device) == 3
     torch.cuda.synchronize()
     assert all(int(y.abs().sum()) == 0 for y in ys)            # the dry run launched nothing
     launches()

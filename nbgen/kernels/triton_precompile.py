@@ -7,13 +7,15 @@ optimizer and code generation in C++ (a cProfile of eight sm_90 compiles under T
 waiting for ptxas, 3.5 s in libtriton's passes, ~0.7 s of Python) — so several compile at once on a
 thread pool.
 
-``precompiled(fn, device)`` runs ``fn`` once as a dry run: a Triton launch whose variant is not
+``precompiled(steps, device)`` runs the steps once as a dry run: a Triton launch whose variant is not
 compiled yet is not launched, its compile goes to the pool instead (Triton's ``jit_cache_hook``,
 answered only on this thread: launches on other threads are untouched); torch's ops run as usual on
-whatever the skipped kernels left in their outputs. Then it waits for the compiles, which leave each
-variant in Triton's in-memory and on-disk caches, where the real runs that follow find them. The dry
-run's results are meaningless: callers run ``fn`` again for real (the decode graphs' warm-up runs
-before each capture). Any failure only means the real run compiles as it would have anyway.
+whatever the skipped kernels left in their outputs. When the first step finds nothing to compile (a
+warm cache) the others are not run. Then it waits for the compiles, which leave each variant in
+Triton's in-memory and on-disk caches, where the real runs that follow find them. The dry run's
+results are meaningless: callers run the steps again for real (the decode graphs: every batch size's
+forward dry-run first, then the captures). Any failure only means the real run compiles as it would
+have anyway.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -33,7 +35,7 @@ except ImportError:  # pragma: no cover - no Triton, or one without knobs: runs 
 logger = logging.getLogger("nbgen")
 
 # compile threads (ptxas processes at once); the GPU hosts have 16 cores
-MAX_WORKERS = 8
+MAX_WORKERS = 12
 
 
 def workers() -> int:
@@ -46,8 +48,8 @@ def _compile(jit_function: Any, data: str, device: torch.device) -> None:
     jit_function.preload(data)         # compiles, fills the kernel caches
 
 
-def precompiled(fn: Callable[[], Any], device: torch.device) -> int:
-    """Dry-run ``fn`` with its missing Triton variants compiled on a pool (see the module docstring);
+def precompiled(steps: Sequence[Callable[[], Any]], device: torch.device) -> int:
+    """Dry-run ``steps`` with their missing Triton variants compiled on a pool (see the module docstring);
     the number of variants compiled."""
     if knobs is None or device.type != "cuda" or knobs.runtime.jit_cache_hook is not None:
         return 0
@@ -67,9 +69,13 @@ def precompiled(fn: Callable[[], Any], device: torch.device) -> int:
 
     knobs.runtime.jit_cache_hook = hook
     try:
-        fn()
-    except Exception as e:             # a dry run's garbage may trip host-side checks: compile what was found
-        logger.debug("Triton precompile dry run stopped early (%s)", e)
+        for i, step in enumerate(steps):
+            try:
+                step()
+            except Exception as e:     # a dry run's garbage may trip host-side checks: compile what was found
+                logger.debug("Triton precompile dry run stopped early (%s)", e)
+            if i == 0 and not jobs:    # nothing missing: a warm cache
+                break
     finally:
         knobs.runtime.jit_cache_hook = None
     failed = 0

@@ -140,7 +140,9 @@ class CudaGraphRunner:
         # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
         # on the device of its first use, and capturing on it would move a second GPU's thread there
         self._capture_stream = torch.cuda.Stream(dev)
-        self._precompile: Optional[bool] = None
+        self._dry = True     # every graph's forward dry-run first: their Triton variants compile in parallel
+        precompiled([lambda bs=bs: self._capture(bs, 0) for bs in reversed(self.batch_sizes)], dev)
+        self._dry = False    # (kernels/triton_precompile.py; a warm cache: only the first forward)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
         for i, bs in enumerate(reversed(self.batch_sizes)):
@@ -212,11 +214,8 @@ class CudaGraphRunner:
 
     def _capture_one(self, bs: int, meta: FlashInferMetadata, warmup: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with torch.inference_mode():
-            # a dry run first: the Triton variants it needs compile in parallel (kernels/triton_precompile.py);
-            # none missing at the first capture: a warm cache, the other captures skip it
-            if self._precompile is not False:
-                n = precompiled(lambda: self._forward_static(bs, meta), self.backend.spec.device)
-                self._precompile = self._precompile or n > 0
+            if self._dry:        # the precompile dry run: the forward only (the captures replace these)
+                return torch.cuda.CUDAGraph(), self._forward_static(bs, meta)
             for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
                 self._forward_static(bs, meta)
             torch.cuda.synchronize()

@@ -171,7 +171,7 @@ def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int
         for bs in batch_sizes:
             hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
             greedy_argmax(model.compute_logits(hidden))
-    precompiled(heads, device)     # a dry run: their Triton variants compile in parallel first
+    precompiled([heads], device)   # a dry run: their Triton variants compile in parallel first
     heads()
     torch.cuda.synchronize(device)
 
