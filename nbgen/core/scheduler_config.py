@@ -67,8 +67,8 @@ class SchedulerConfig:
     # jump-forward: a step's one-token rows may carry forced tokens up to this many rows
     # (runtime/forced_rows.py; the largest decode graph on CUDA); 0: forced tokens run as a chunk
     forced_token_rows: int = 0
-    # decode-aware prefill pacing (runtime/prefill_pacing.py): while requests wait, a step's budget is
-    # the smallest (at least this many tokens) that starts every queued one in time; 0: off
+    # decode-aware prefill pacing (runtime/prefill_pacing.py): while every queued request is due before the
+    # longest running decode, a step computes at most this many tokens (the full budget otherwise); 0: off
     prefill_pacing_min_tokens: int = 0
 
     def __post_init__(self) -> None:
