@@ -38,7 +38,6 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
-from nbgen.kernels.triton_precompile import precompiled
 from nbgen.runtime import cascade_graphs
 from nbgen.runtime.cascade_graphs import blocks128
 from nbgen.runtime.pages import SCRATCH_PAGE
@@ -140,9 +139,6 @@ class CudaGraphRunner:
         # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
         # on the device of its first use, and capturing on it would move a second GPU's thread there
         self._capture_stream = torch.cuda.Stream(dev)
-        self._dry = True     # every graph's forward dry-run first: their Triton variants compile in parallel
-        precompiled([lambda bs=bs: self._capture(bs, 0) for bs in reversed(self.batch_sizes)], dev)
-        self._dry = False    # (kernels/triton_precompile.py; a warm cache: only the first forward)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
         for i, bs in enumerate(reversed(self.batch_sizes)):
@@ -214,8 +210,6 @@ class CudaGraphRunner:
 
     def _capture_one(self, bs: int, meta: FlashInferMetadata, warmup: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         with torch.inference_mode():
-            if self._dry:        # the precompile dry run: the forward only (the captures replace these)
-                return torch.cuda.CUDAGraph(), self._forward_static(bs, meta)
             for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
                 self._forward_static(bs, meta)
             torch.cuda.synchronize()

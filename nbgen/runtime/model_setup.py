@@ -19,7 +19,6 @@ from nbgen.attention.torch_backend import TorchAttentionBackend
 from nbgen.core.config import EngineConfig
 from nbgen.kernels import gpu_ops
 from nbgen.kernels.batch_sizes import graph_batch_sizes
-from nbgen.kernels.triton_precompile import precompiled
 from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
 from nbgen.models.cpu_offload import OffloadPlan, offload_layers
@@ -167,12 +166,9 @@ def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int
     1-16 rows, loads or compiles a Triton variant of the streaming matmul (0.63 s measured at one
     row); a shrinking decode batch meets every size once, so without this the first big generate
     paid that in the middle of its run."""
-    def heads() -> None:
-        for bs in batch_sizes:
-            hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
-            greedy_argmax(model.compute_logits(hidden))
-    precompiled([heads], device)   # a dry run: their Triton variants compile in parallel first
-    heads()
+    for bs in batch_sizes:
+        hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
+        greedy_argmax(model.compute_logits(hidden))
     torch.cuda.synchronize(device)
 
 
