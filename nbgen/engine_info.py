@@ -50,7 +50,7 @@ class InfoMixin:
                  "num_pages": sc.num_pages, "max_total_tokens": capacity,
                  "max_running_requests": sc.max_running_requests, "step_token_budget": sc.chunked_prefill_size,
                  "schedule_policy": sc.schedule_policy, "disable_radix_cache": sc.disable_radix_cache,
-                 **runner}
+                 "prefill_pacing_min_tokens": sc.prefill_pacing_min_tokens, **runner}
         internal = {**args, **facts,
                     "last_gen_throughput": self._loop.stats().get("output_tok_s", 0.0),
                     # SGLang's name for the engine's mean tokens per verify step (speculative engines)

@@ -24,7 +24,7 @@ backend raises ImportError when it is missing.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ import torch
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
 from nbgen.attention.flashinfer_replan import DirectReplan
 from nbgen.attention.page_tables import DecodeTables, page_tables
+from nbgen.attention.prefill_standin import SdpaPrefill
 from nbgen.attention.tree_mask import flat_masks, has_tree
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels import triton_decode
@@ -90,6 +91,11 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, self.kv_layout, backend="auto")
         self.masked_wrapper: Optional[Any] = None     # tree-verify steps (made at the first one)
+        # until flashinfer's prefill module is built (a fresh host: runtime/jit_prebuild.py builds it in the
+        # background), causal prefill steps run on torch's SDPA (attention/prefill_standin.py); the setup
+        # sets ``prefill_ready`` (True once the module loads without compiling)
+        self.prefill_standin = SdpaPrefill(spec.device)
+        self.prefill_ready: Callable[[], bool] = lambda: True
         self.tables = DecodeTables(spec.page_size)
         # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
         # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
@@ -161,6 +167,8 @@ class FlashInferBackend(AttentionBackend):
         self._before_plan()
         mask = {} if custom_mask is None else {"custom_mask": custom_mask.to(sp.device, non_blocking=True)}
         wrapper = self.prefill_wrapper if custom_mask is None else self._masked()
+        if custom_mask is None and not self.prefill_ready():
+            wrapper = self.prefill_standin
         wrapper.plan(_pinned(qo), _pinned(kv_indptr), _pinned(kv_indices), _pinned(last),
                                   sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
                                   causal=custom_mask is None, sm_scale=self.scale, q_data_type=sp.dtype,
@@ -256,7 +264,7 @@ class FlashInferBackend(AttentionBackend):
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()
-        if meta.wrapper is self.prefill_wrapper or meta.wrapper is self.masked_wrapper:
+        if any(meta.wrapper is w for w in (self.prefill_wrapper, self.masked_wrapper, self.prefill_standin)):
             # every row is a planned query token, so the kernels write all of `out`: without one,
             # flashinfer zero-fills a fresh buffer first (~11 us a layer at 8k tokens on an H100)
             o = torch.empty((T, sp.num_q_heads, sp.head_dim), dtype=q.dtype, device=q.device) \

@@ -176,8 +176,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--page-size", type=int, default=None, help="KV page size (default: the engine's)")
     ap.add_argument("--chunked-prefill-size", type=int, default=None, help="token budget per step (default: the engine's)")
     ap.add_argument("--schedule-policy", default=None, choices=["fcfs", "lpm", "lof"],
-                    help="admission order (default: the engine's fcfs); lof with a small --chunked-prefill-size "
-                         "spreads prefill over decode steps")
+                    help="admission order (default: the engine's: fcfs, or lof with prefill pacing for a "
+                         "large model); lof with a small --chunked-prefill-size spreads prefill over decode steps")
     ap.add_argument("--peer", default=None, choices=["hf"])
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); nano-vllm samples at 0.6")
     ap.add_argument("--text", action="store_true", help="text prompts (the workload's ids decoded) and text outputs")

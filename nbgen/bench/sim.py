@@ -92,11 +92,13 @@ class CostModel:
 
 
 def trace(prompts: list[list[int]], outs: list[int], policy: str, budget: int,
-          max_running: int = 256, page_size: int = 16) -> list[StepShape]:
-    """Every step nbgen's scheduler builds for the workload (KV cache large enough for all of it)."""
+          max_running: int = 256, page_size: int = 16, pacing: int = 0) -> list[StepShape]:
+    """Every step nbgen's scheduler builds for the workload (KV cache large enough for all of it);
+    ``pacing``: the scheduler's ``prefill_pacing_min_tokens`` (0: off)."""
     pages = sum(len(p) + o for p, o in zip(prompts, outs)) // page_size + 2 * len(prompts) + 2
     sched = Scheduler(SchedulerConfig(page_size=page_size, num_pages=pages, max_running_requests=max_running,
-                                      chunked_prefill_size=budget, schedule_policy=policy))
+                                      chunked_prefill_size=budget, schedule_policy=policy,
+                                      prefill_pacing_min_tokens=pacing))
     for k, (p, o) in enumerate(zip(prompts, outs)):
         sched.add(Request(rid=str(k), prompt_ids=list(p), params=SamplingParams(max_new_tokens=o, ignore_eos=True),
                           stop_ids=frozenset(), logprobs=LogprobRequest()))
@@ -137,6 +139,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, float]]:
     ap.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lof"])
     ap.add_argument("--chunked-prefill-size", default="8192", help="one budget or a comma-separated list")
     ap.add_argument("--ideal-gemm-tflops", type=float, default=None)
+    ap.add_argument("--prefill-pacing", type=int, default=0,
+                    help="the scheduler's prefill_pacing_min_tokens (runtime/prefill_pacing.py); 0: off")
     args = ap.parse_args(argv)
     prompts, outs = make_workload(args.workload)
     model = CostModel()
@@ -146,10 +150,11 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, float]]:
     floor = floor_seconds([len(p) for p in prompts], outs, int(weights), model.kv_bytes_per_token, model.bandwidth)
     rows: list[dict[str, float]] = []
     print(f"workload {args.workload}, policy {args.schedule_policy}, floor {floor:.2f} s"
+          + (f", prefill pacing from {args.prefill_pacing} tokens" if args.prefill_pacing else "")
           + (f", ideal GEMM at {args.ideal_gemm_tflops:g} TFLOP/s" if args.ideal_gemm_tflops else ", measured GEMMs"))
     print(f"{'budget':>7} {'steps':>6} {'gemm':>6} {'attn':>6} {'head':>6} {'other':>6} {'total':>7} {'% floor':>8}")
     for b in (int(x) for x in args.chunked_prefill_size.split(",")):
-        steps = trace(prompts, outs, args.schedule_policy, b)
+        steps = trace(prompts, outs, args.schedule_policy, b, pacing=args.prefill_pacing)
         t = price(steps, model)
         print(f"{b:7d} {len(steps):6d} {t['gemm']:6.2f} {t['attention']:6.2f} {t['lm_head']:6.2f} "
               f"{t['other']:6.2f} {t['total']:7.2f} {100 * floor / t['total']:7.1f}%")

@@ -52,7 +52,9 @@ class EngineConfig:
     # 16 tokens a page: page tables stay 16x shorter than token lists (cheap per-step metadata),
     # a prefix match loses at most 15 tokens, and flashinfer's paged kernels run well at this size.
     page_size: int = 16
-    schedule_policy: str = "fcfs"
+    # None: SGLang's "fcfs", except a large model's offline batches on a GPU when chunked_prefill_size is
+    # also left to nbgen: longest output first with decode-aware prefill pacing (runtime/prefill_pacing.py)
+    schedule_policy: Optional[str] = None
     # priority scheduling (SGLang; runtime/priority.py): generate(..., priority=k) orders the waiting
     # queue, and a waiting request preempts running ones less important by more than the threshold
     enable_priority_scheduling: bool = False
@@ -125,7 +127,8 @@ class EngineConfig:
         check("load_format", self.load_format in _FORMATS, f"one of {_FORMATS}")
         check("quantization", self.quantization in QUANTIZATIONS, f"one of {QUANTIZATIONS}")
         check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
-        check("schedule_policy", self.schedule_policy in POLICIES, f"one of {POLICIES}")
+        check("schedule_policy", self.schedule_policy is None or self.schedule_policy in POLICIES,
+              f"None or one of {POLICIES}")
         check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
         check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
         check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
@@ -220,7 +223,8 @@ class EngineConfig:
         - ``chunked_prefill_size``: 8192 on cuda, 1024 on cpu;
         - ``cuda_graph_max_bs``: 256 on a card of >= 40 GiB, 128 from 16 GiB, else 64, three times that
           with ``enable_jump_forward``; 0 (no decode graphs) on cpu or with ``disable_cuda_graph``;
-        - ``piecewise_cuda_graph_max_tokens``: ``min(step_token_budget, 8192)``.
+        - ``piecewise_cuda_graph_max_tokens``: ``min(step_token_budget, 8192)``;
+        - ``schedule_policy``: "fcfs" (the engine may pace a large model instead: runtime/engine_parts.py).
         """
         gpu = device_type == "cuda"
         out = copy.copy(self)   # values below are valid by construction (0 graphs is not a user value)
@@ -228,6 +232,8 @@ class EngineConfig:
             out.max_running_requests = 256 if gpu else 64
         if out.chunked_prefill_size is None:
             out.chunked_prefill_size = 8192 if gpu else 1024
+        if out.schedule_policy is None:
+            out.schedule_policy = "fcfs"
         if out.cuda_graph_max_bs is None:
             if not gpu or out.disable_cuda_graph:
                 out.cuda_graph_max_bs = 0

@@ -67,11 +67,16 @@ class SchedulerConfig:
     # jump-forward: a step's one-token rows may carry forced tokens up to this many rows
     # (runtime/forced_rows.py; the largest decode graph on CUDA); 0: forced tokens run as a chunk
     forced_token_rows: int = 0
+    # decode-aware prefill pacing (runtime/prefill_pacing.py): while every queued request is due before the
+    # longest running decode, a step computes at most this many tokens (the full budget otherwise); 0: off
+    prefill_pacing_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if not is_int(self.forced_token_rows) or self.forced_token_rows < 0:
             raise ValueError(f"forced_token_rows must be an int >= 0, got {self.forced_token_rows!r}")
+        if not is_int(self.prefill_pacing_min_tokens) or self.prefill_pacing_min_tokens < 0:
+            raise ValueError(f"prefill_pacing_min_tokens must be an int >= 0, got {self.prefill_pacing_min_tokens!r}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")

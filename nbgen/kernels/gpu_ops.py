@@ -1,12 +1,16 @@
-"""Fused GPU kernels (flashinfer) for the model's hot ops, behind one switch.
+"""Fused GPU kernels for the model's hot ops, behind one switch.
 
 ``nbgen.models.layers`` calls ``fused_enabled(x)`` at its existing call sites (RMSNorm, add+RMSNorm,
-SiLU-and-mul, RoPE): on CUDA tensors with the switch on, the flashinfer kernel runs; otherwise the
-torch code runs (CPU, reference). The runner turns the switch on when flashinfer imports.
+SiLU-and-mul, RoPE): on CUDA tensors with the switch on, a fused kernel runs — nbgen's Triton norms and
+SiLU-and-mul (``triton_norm``: they compile in under a second, where flashinfer's JIT modules for them
+take 5-35 s on a host with an empty cache), flashinfer's RoPE; otherwise the torch code runs (CPU,
+reference). The runner turns the switch on when flashinfer imports.
 """
 from __future__ import annotations
 
 import torch
+
+from nbgen.kernels import triton_norm
 
 _ENABLED = False
 _fi_norm = _fi_act = _fi_rope = None
@@ -35,6 +39,8 @@ def fused_enabled(x: torch.Tensor) -> bool:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of ``x`` (any leading shape) -> same shape."""
+    if triton_norm.supported(x) and x.dim() in (2, 3):
+        return triton_norm.rms_norm(x, weight, eps)
     if x.dim() == 3 and x.stride(-1) == 1:
         # per-head norm (Qwen3 q/k norm) on a strided [T, H, D] view of the qkv projection: flashinfer's
         # QK-RMSNorm takes both strides, so no copy to contiguous first; the output is contiguous
@@ -49,13 +55,19 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """(norm(x + residual), x + residual), computed in place in one kernel (x and residual are scratch)."""
     if not (x.is_contiguous() and residual.is_contiguous()):
         x, residual = x.contiguous(), residual.contiguous()
+    if triton_norm.supported(x) and x.dim() == 2:
+        triton_norm.add_rms_norm_(x, residual, weight, eps)
+        return x, residual
     _fi_norm.fused_add_rmsnorm(x, residual, weight, eps)
     return x, residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up in one kernel."""
-    return _fi_act.silu_and_mul(x.contiguous())
+    x = x.contiguous()
+    if triton_norm.supported(x) and x.dim() == 2:
+        return triton_norm.silu_and_mul(x)
+    return _fi_act.silu_and_mul(x)
 
 
 def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,

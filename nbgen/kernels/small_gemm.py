@@ -113,7 +113,9 @@ if triton is not None:
                 ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         return acc, ss
 
-    @triton.jit
+    # M (2-16 rows share a BLOCK_M of 16) only bounds masks: not specialised on, so batch 8 and 16 share a
+    # variant (fewer compiles on a cold start)
+    @triton.jit(do_not_specialize=["M"])
     def _small_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, swn, sym, HALF, eps,
                            HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ROW_SCALE: tl.constexpr,
                            ACCUM: tl.constexpr, USE_PDL: tl.constexpr,

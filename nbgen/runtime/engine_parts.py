@@ -14,6 +14,7 @@ import torch
 from nbgen.core.config import EngineConfig
 from nbgen.core.scheduler_config import PriorityConfig, SchedulerConfig
 from nbgen.runtime.forced_rows import forced_token_rows
+from nbgen.runtime.prefill_pacing import pacing_tokens
 from nbgen.runtime.runner import ModelRunner
 from nbgen.models.parallel_state import tp_scope
 from nbgen.models.cpu_offload import OffloadPlan
@@ -65,10 +66,14 @@ def build_engine_parts(cfg: EngineConfig, on_stage: Optional[Callable[[str], Non
         if tp is not None:
             tp.shutdown()
         raise
+    # neither set by the user: a large model on a GPU paces its prefill, longest outputs first
+    pacing = pacing_tokens(int(memory_usage(runner)["weight"] * (1 << 30)), device.type == "cuda") \
+        if cfg.schedule_policy is None and cfg.chunked_prefill_size is None else 0
     sc = SchedulerConfig(
         page_size=rcfg.page_size, num_pages=runner.num_pages,
         max_running_requests=rcfg.max_running_requests, chunked_prefill_size=rcfg.step_token_budget,
-        schedule_policy=rcfg.schedule_policy, disable_radix_cache=rcfg.disable_radix_cache,
+        schedule_policy="lof" if pacing else rcfg.schedule_policy, prefill_pacing_min_tokens=pacing,
+        disable_radix_cache=rcfg.disable_radix_cache,
         context_length=runner.loaded.context_length, max_queued_requests=rcfg.max_queued_requests,
         priority=PriorityConfig.of(rcfg), forced_token_rows=forced_token_rows(rcfg))
     return EngineParts(cfg=rcfg, device=device, runner=runner, scheduler_config=sc,

@@ -28,6 +28,7 @@ from nbgen.models.model_config import model_dims
 from nbgen.models.parallel_state import agree_min, local_heads
 from nbgen.runtime import prefill_graphs as pg
 from nbgen.runtime.cuda_graphs import CudaGraphRunner, GraphVariant
+from nbgen.runtime.jit_prebuild import start_for_config
 from nbgen.runtime.lora import LoRAManager
 from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
@@ -182,6 +183,7 @@ def setup_model(cfg: EngineConfig, device: torch.device,
                         cfg.piecewise_cuda_graph_max_tokens), "setup_model needs a resolved EngineConfig"
     t0 = time.perf_counter()
     report("loading weights")
+    prebuild = start_for_config(cfg, device)   # flashinfer's JIT modules compile meanwhile (runtime/jit_prebuild.py)
     loaded = load_model(cfg, device)
     # before the KV cache is sized: the offloaded layers' device memory goes to it
     offload = offload_layers(loaded.model, cfg.cpu_offload_gb)
@@ -200,6 +202,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     draft = draft_share(cfg, loaded.dtype) if device.type == "cuda" else DraftShare()
     spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length, draft), device))
     backend = make_backend(cfg, spec)
+    if isinstance(backend, FlashInferBackend):   # prefill on torch's SDPA until flashinfer's module is built
+        backend.prefill_ready = prebuild.ready
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
     # adapters loaded after the fold: their A of qkv / gate|up are folded alike (runtime/lora.py);
     # tensor parallelism: o_proj / down_proj sum partial products, so they cannot accumulate in place

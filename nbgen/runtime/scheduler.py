@@ -39,6 +39,7 @@ from nbgen.runtime.forced_rows import RowWaits, forced_rows
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
+from nbgen.runtime.prefill_pacing import PrefillPacer
 from nbgen.runtime.prefix_cache import PrefixCache
 from nbgen.runtime.spec_pages import accept_drafts, release_tail
 from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats, queue_full_victim
@@ -56,6 +57,7 @@ class Scheduler:
         self.cache = PrefixCache(self.pool, disabled=cfg.disable_radix_cache)
         cps = cfg.chunked_prefill_size
         self.budget = cps if cps is not None and cps > 0 else sys.maxsize
+        self.pacer = PrefillPacer(cfg.prefill_pacing_min_tokens) if cfg.prefill_pacing_min_tokens else None
         self.running: list[Request] = []              # admission order (last = newest)
         self.prio = cfg.priority                      # priority scheduling (runtime/priority.py)
         self.waiting: WaitingQueue | PriorityWaitingQueue = (
@@ -155,7 +157,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> Optional[ScheduledBatch]:
         """Pick this step's work (decodes, prefill chunks, admissions); None when nothing can run."""
-        budget = self.budget
+        budget = self.pacer.budget(self.running, self.waiting.in_order(self.cache), self.budget) \
+            if self.pacer is not None and self.waiting else self.budget      # runtime/prefill_pacing.py
         seqs: list[SeqWork] = []
         preempted = self.num_preemptions
         P, RUNNING = self.P, Status.RUNNING
