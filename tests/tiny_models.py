@@ -167,11 +167,14 @@ def output_ids(outs: list[dict]) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
 
-def assert_close_runs(a: list[dict], b: list[dict], median: float = 0.05) -> None:
+def assert_close_runs(a: list[dict], b: list[dict], median: float = 0.05, largest: Optional[float] = 0.5,
+                      first_share: float = 0.9, steps: int = 4) -> None:
     """Two bf16 greedy runs through differently tiled kernels. On random models the top-2 logits are
     often within bf16 noise, so free-running sequences may fork at a near-tie; up to the fork the
     chosen tokens are the same and their logprobs (decode path) must agree closely (median |Δ| at most
-    ``median``). A broken kernel forks at once on most sequences and shows large logprob errors."""
+    ``median``, each at most ``largest``). A broken kernel forks at once on most sequences and shows
+    large logprob errors. ``first_share``: the share of sequences whose first (prefill) token must
+    match; ``steps``: decode steps compared per sequence on average, at least."""
     diffs, forks = [], []
     for x, y in zip(a, b):
         lx = [lp for lp, _t, _s in x["meta_info"]["output_token_logprobs"]]
@@ -179,9 +182,10 @@ def assert_close_runs(a: list[dict], b: list[dict], median: float = 0.05) -> Non
         n = next((i for i, (p, q) in enumerate(zip(x["output_ids"], y["output_ids"])) if p != q), len(lx))
         forks.append(n)
         diffs += [abs(p - q) for p, q in zip(lx[:n], ly[:n])]
-    assert sum(f >= 1 for f in forks) >= 0.9 * len(forks), forks      # the prefill token matches
-    assert len(diffs) >= 4 * len(forks), forks                          # decode steps were compared
-    assert statistics.median(diffs) <= median and max(diffs) <= 0.5, (statistics.median(diffs), max(diffs))
+    assert sum(f >= 1 for f in forks) >= first_share * len(forks), forks   # the prefill token matches
+    assert len(diffs) >= steps * len(forks), forks                         # decode steps were compared
+    assert statistics.median(diffs) <= median, (statistics.median(diffs), max(diffs))
+    assert largest is None or max(diffs) <= largest, (statistics.median(diffs), max(diffs))
 
 
 def teacher_forced_vs_hf(model_dir: str, chunk: Optional[int] = None) -> dict[str, float]:

@@ -23,7 +23,7 @@ import torch
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.cascade_plan import plan_shared
-from nbgen.bench.kv_decode import HEADS, P
+from nbgen.bench.kv_decode import HEADS, P, median_seconds
 from nbgen.kernels import triton_cascade as tc
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.runtime.cascade_graphs import MAX_CHUNKS, CascadeTables
@@ -71,16 +71,7 @@ def gpu_seconds(fn: Callable[[], object], reps: int = 20) -> tuple[float, str]:
         def run() -> None:
             for _ in range(INNER):
                 fn()
-    run()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / INNER)
-    return sorted(times)[reps // 2], how
+    return median_seconds(run, reps) / INNER, how
 
 
 def fork(side: Callable[[], object], main: Callable[[], object]) -> None:
