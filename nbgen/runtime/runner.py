@@ -147,7 +147,7 @@ class ModelRunner:
         return self.peers.logits(rows, run) if self.peers is not None else run()
 
     def _hidden(self, batch: ScheduledBatch, flat: FlatStep) -> torch.Tensor:
-        ids, pos = flat.ids, flat.positions
+        ids = flat.ids
         if self.vision is not None and has_image_prefill(batch):
             return self.vision.hidden_states(batch, flat, self._input_ids(ids), self.backend.prepare(batch))
         if self._graphable(batch):
@@ -157,19 +157,15 @@ class ModelRunner:
             if self.lora is not None and self.lora.in_graphs:
                 self.lora.stage(batch)              # adapter rows: the variant's pieces read them
             return self.prefill_graphs.run(batch, ids, self._placeholder_patch(ids))
-        lora = self.lora.step_info(batch, flat.starts) if self.lora is not None else None
-        if lora is not None:
-            return self._eager_lora(batch, flat, lora)
-        input_ids = self._input_ids(ids)
-        positions = self.to_device(pos)
-        meta = self.backend.prepare(batch)
-        return self.model(input_ids, positions, meta)
+        return self._eager(batch, flat, self.lora.step_info(batch, flat.starts) if self.lora is not None else None)
 
-    def _eager_lora(self, batch: ScheduledBatch, flat: FlatStep, lora: LoRAStep) -> torch.Tensor:
-        """Hidden states [T, H] of a step with LoRA rows: eager (no CUDA graphs), hooks active."""
+    def _eager(self, batch: ScheduledBatch, flat: FlatStep, lora: Optional[LoRAStep]) -> torch.Tensor:
+        """Hidden states [T, H] of a step without CUDA graphs (``lora``: its adapter rows, hooks active)."""
         input_ids = self._input_ids(flat.ids)
         positions = self.to_device(flat.positions)
         meta = self.backend.prepare(batch)
+        if lora is None:
+            return self.model(input_ids, positions, meta)
         self.lora.begin(lora)
         try:
             return self.model(input_ids, positions, meta)
