@@ -33,19 +33,20 @@ import random
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from nbgen.bench import grammar_extract
 from nbgen.bench.grammar import SCHEMA
 from nbgen.core.batch import SeqWork
+from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime.constraints import Constraints
 from nbgen.runtime.grammar import GrammarState
-from nbgen.runtime.grammar_batch import StepGrammar
+from nbgen.runtime.grammar_batch import AcceptJob, StepGrammar
 from nbgen.runtime.grammar_rewrite import fast_json_grammar
 from nbgen.runtime.jump_forward import JumpForward
 
@@ -105,6 +106,16 @@ class Rows:
                 req.grammar, self.pos[i] = self._state(), 0
 
 
+def settle_step(reqs: list[Request], toks: list[int],
+                accepting: Optional[AcceptJob] = None) -> list[tuple[Any, FinishReason]]:
+    """One step's tokens gathered and settled as the loop does (``StepGrammar``; ``accepting``: the
+    accept already running in the fill worker) -> the requests that finished, with their reasons."""
+    step = StepGrammar()
+    for req, t in zip(reqs, toks):
+        step.add(req, t, None)
+    return step.settle(None, accepting)
+
+
 class JumpRows:
     """``n`` requests with jump-forward walking through output texts: each step a row takes the first
     token of the rest of its text; a request whose grammar completed starts the next text."""
@@ -156,12 +167,9 @@ def jump_forward_steps(rows: JumpRows, cons: Constraints, steps: int,
         job.wait()
         t1 = clock()
         toks = rows.sample()
-        step = StepGrammar()
         searched, jumped = jumper.num_searches, jumper.num_tokens
         t2 = clock()
-        for req, t in zip(rows.reqs, toks):
-            step.add(req, t, None)
-        ended = step.settle(None)
+        ended = settle_step(rows.reqs, toks)
         t3 = clock()
         assert all(r.type == "stop" for _, r in ended), ended
         for k, v in (("fill", t1 - t0), ("settle", t3 - t2)):
@@ -223,10 +231,7 @@ def main() -> None:
         for req, t in zip(per_row.reqs, toks):
             assert req.grammar.on_token(t, None) is None or t == eos
         t3 = clock()
-        step = StepGrammar()
-        for req, t in zip(batched.reqs, toks):
-            step.add(req, t, None)
-        ended = step.settle(None)
+        ended = settle_step(batched.reqs, toks)
         t4 = clock()
         assert all(r.type == "stop" for _, r in ended), ended
         for req in batched.reqs:                     # what jump-forward asked every row
@@ -238,10 +243,7 @@ def main() -> None:
         wjob.wait()
         t6 = clock()
         accepting = cons.accept_async(wjob, toks)
-        step = StepGrammar()
-        for req, t in zip(worker.reqs, toks):
-            step.add(req, t, None)
-        ended = step.settle(None, accepting)
+        ended = settle_step(worker.reqs, toks, accepting)
         t7 = clock()
         assert all(r.type == "stop" for _, r in ended), ended
         for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t7 - t6)):
