@@ -193,8 +193,11 @@ def test_folded_engine_tracks_unfolded(tmp_path: Path, monkeypatch: pytest.Monke
     plain = teacher_forced_vs_hf(path)
     gen_plain = gpu_generate(path, prompts, logprobs=True)
     # the fold rounds g * W once and the raw projections twice: a little more noise than the unfolded
-    # layers, never a different computation
+    # layers, never a different computation. The unfolded layers round as HF does (kernels/triton_norm.py),
+    # so their median |dlogprob| is the matmuls' summation order alone (~0.006 on these models) and the
+    # fold's own roundings (~0.02) are an additive term, not a multiple of it; a wrong scale or a missed
+    # residual is tenths of a nat off
     assert folded["agree_clear"] >= 0.99 and folded["dlp"] <= 0.05
-    assert folded["dlp"] <= 1.3 * plain["dlp"] + 0.003, (folded, plain)
+    assert folded["dlp"] <= plain["dlp"] + 0.025, (folded, plain)
     assert folded["agree"] >= plain["agree"] - 0.03, (folded, plain)
     assert_close_runs(gen_folded, gen_plain)
