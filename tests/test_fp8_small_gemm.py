@@ -300,23 +300,3 @@ def test_gpu_row_kernel_silu_epilogue(config: Optional[tuple]) -> None:
     y = fr.fp8_row_gemv(h, w.q, w.scale_row, torch.empty(1, 3000, device="cuda", dtype=torch.bfloat16),
                         col_scale=g, silu_eps=1e-5, config=config)
     torch.testing.assert_close(y.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-5)
-
-
-@gpu
-@pytest.mark.parametrize("silu", [False, True])
-def test_gpu_row_kernel_l2_prefetches_change_no_result(silu: bool) -> None:
-    """L2 prefetches (the program's own rows before the PDL wait, a span of the next weight, whole or its
-    first bytes) are hints only: the same bits as the launch without them."""
-    gen = torch.Generator(device="cuda").manual_seed(11 + silu)
-    n, k = (6000, 4096) if silu else (4096, 14336)
-    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
-    g = (torch.rand(k, device="cuda", generator=gen) + 0.5).bfloat16()
-    w = quantize_weight(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
-    nxt = quantize_weight(torch.randn(5000, 4096, device="cuda", generator=gen) * 0.02).q
-    out_n = n // 2 if silu else n
-    kw = dict(col_scale=g, silu_eps=1e-5 if silu else None)
-    want = fr.fp8_row_gemv(x, w.q, w.scale_row, torch.empty(1, out_n, device="cuda", dtype=torch.bfloat16), **kw)
-    for pf in (dict(pf_self=True), dict(prefetch=nxt), dict(prefetch=nxt, pf_bytes=1 << 20, pf_at=1),
-               dict(prefetch=nxt, pf_self=True, pf_min=2048)):
-        y = fr.fp8_row_gemv(x, w.q, w.scale_row, torch.empty_like(want), **kw, **pf)
-        assert torch.equal(y, want), pf

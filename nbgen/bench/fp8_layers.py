@@ -6,17 +6,17 @@ weight as column scale), the fused RoPE with the norm's row factor and the K/V w
 ``--kv`` cached tokens, o_proj added into the residual stream, gate|up with SiLU-and-mul in the epilogue,
 down_proj added into the stream (``kernels/fp8_row_gemv.py`` for the four linears). ``--layers`` layers of
 distinct weights (far more bytes than the L2 cache) run ``--passes`` times in one graph, so the kernels'
-ramp-up and tail, the attention-sized gaps and PDL's overlap between launches count as in the engine.
-Each variant of the one-row kernel's launch (tiling, L2 prefetches of the program's own rows or of the
-next linear's weights) prints µs a layer, TB/s of weight bytes (218 MB a layer) and its share of the copy
-rate; ``linears only`` drops RoPE and attention (what the gaps cost).
+ramp-up and tail, the attention-sized gaps and PDL's overlap between launches count as in the engine (the
+per-kernel view is ``nbgen.bench.fp8_gemv``). Per launch of the one-row kernel (``pick_config``'s and the
+``CONFIGS`` alternatives): µs a layer, TB/s of weight bytes (218 MB a layer), the share of the copy rate
+and 32 layers' time; ``linears only`` drops RoPE and attention (what the gaps between the linears cost).
 
     python -m nbgen.bench.fp8_layers [--layers 8] [--passes 4] [--kv 512]
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -29,8 +29,6 @@ from nbgen.kernels.fp8_row_gemv import fp8_row_gemv
 from nbgen.kernels.kv_write import KVTarget
 
 HQ, HKV, D, HIDDEN, INTER, P = 32, 8, 128, 4096, 14336, 16       # Llama-3.1-8B, KV page size
-LINEARS = ("qkv", "o", "gate_up", "down")
-MB = 1 << 20
 
 
 def _weight(n: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +40,7 @@ def _weight(n: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tens
 
 
 class Layers:
-    """``n`` layers' weights, KV caches and the step's buffers; ``run(i, variant)`` launches layer i."""
+    """``n`` layers' weights, KV caches and the step's buffers; ``run(i, config)`` launches layer i."""
 
     def __init__(self, n: int, kv: int, dev: torch.device) -> None:
         self.w = [{name: _weight(nn, kk, dev) for name, nn, kk in
@@ -64,59 +62,23 @@ class Layers:
         self.qkv = torch.empty(1, (HQ + 2 * HKV) * D, device=dev, dtype=torch.bfloat16)
         self.attn = torch.empty(1, HQ, D, device=dev, dtype=torch.bfloat16)
         self.act = torch.empty(1, INTER, device=dev, dtype=torch.bfloat16)
-        self.n = n
 
-    def next_weight(self, i: int, name: str) -> torch.Tensor:
-        """The weight read after linear ``name`` of layer i (the next layer's qkv after down)."""
-        j = LINEARS.index(name) + 1
-        return self.w[i][LINEARS[j]][0] if j < 4 else self.w[(i + 1) % self.n]["qkv"][0]
-
-    def run(self, i: int, variant: Callable[["Layers", int, str], dict], gaps: bool = True) -> None:
-        """Layer i's launches; ``variant(self, i, linear)`` -> the extra keywords of that linear's GEMV."""
+    def run(self, i: int, config: Optional[tuple] = None, gaps: bool = True) -> None:
+        """Layer i's launches; ``config``: the one-row kernel's launch (None: ``pick_config``'s); ``gaps``:
+        with RoPE and attention between qkv and o."""
         w, h, eps = self.w[i], self.h, 1e-5
-        fp8_row_gemv(h, *w["qkv"], self.qkv, col_scale=self.g[2 * i], **variant(self, i, "qkv"))
+        fp8_row_gemv(h, *w["qkv"], self.qkv, col_scale=self.g[2 * i], config=config)
         if gaps:
             rope.qk_norm_rope_(self.qkv, self.pos, None, None, 0.0, self.cos_sin, HQ, HKV, D,
                                kv=KVTarget(*self.caches[i], self.slots), row_scale=(h, eps))
             self.dec.run(self.qkv[:, :HQ * D].view(1, HQ, D), self.caches[i], out=self.attn)
-        fp8_row_gemv(self.attn.view(1, HQ * D), *w["o"], h, accumulate=True, **variant(self, i, "o"))
-        fp8_row_gemv(h, *w["gate_up"], self.act, col_scale=self.g[2 * i + 1], silu_eps=eps,
-                     **variant(self, i, "gate_up"))
-        fp8_row_gemv(self.act, *w["down"], h, accumulate=True, **variant(self, i, "down"))
+        fp8_row_gemv(self.attn.view(1, HQ * D), *w["o"], h, accumulate=True, config=config)
+        fp8_row_gemv(h, *w["gate_up"], self.act, col_scale=self.g[2 * i + 1], silu_eps=eps, config=config)
+        fp8_row_gemv(self.act, *w["down"], h, accumulate=True, config=config)
 
 
-def _kw(config: Optional[tuple] = None, pf_self: bool = False, nxt: Optional[dict] = None, at: int = 2,
-        pf_min: int = 256) -> Callable[[Layers, int, str], dict]:
-    """A variant: launch ``config`` (None: ``pick_config``'s), own rows prefetched before the PDL wait,
-    ``nxt``: linear -> MB of the next weight it prefetches into L2 (0: all of it), at ``at`` (1: the
-    program's start, 2: after its weight loop)."""
-    def kw(lay: Layers, i: int, name: str) -> dict:
-        out: dict = dict(config=config, pf_self=pf_self)
-        if nxt and name in nxt:
-            out.update(prefetch=lay.next_weight(i, name), pf_bytes=(nxt[name] * MB) or None, pf_at=at,
-                       pf_min=pf_min)
-        return out
-    return kw
-
-
-VARIANTS: dict[str, Callable[[Layers, int, str], dict]] = {
-    "base": _kw(),
-    "own rows before the wait": _kw(pf_self=True),
-    "qkv -> all of o": _kw(nxt={"qkv": 0}),
-    "qkv -> all of o, at start": _kw(nxt={"qkv": 0}, at=1),
-    "qkv -> all of o, 2 KB a thread": _kw(nxt={"qkv": 0}, pf_min=2048),
-    "qkv -> o, own rows": _kw(pf_self=True, nxt={"qkv": 0}),
-    "each -> next 8 MB": _kw(nxt={"qkv": 8, "o": 8, "gate_up": 8, "down": 8}),
-    "qkv -> o, others -> next 8 MB": _kw(nxt={"qkv": 0, "o": 8, "gate_up": 8, "down": 8}),
-    "qkv -> o, others -> next 16 MB": _kw(nxt={"qkv": 0, "o": 16, "gate_up": 16, "down": 16}),
-    "qkv -> o, o -> 16 MB of gate_up": _kw(nxt={"qkv": 0, "o": 16}),
-    "qkv -> o, down -> 12 MB of qkv": _kw(nxt={"qkv": 0, "down": 12}),
-    "(8, 2048, 8)": _kw(config=(8, 2048, 8, True)),
-    "(4, 2048, 8)": _kw(config=(4, 2048, 8, True)),
-    "(16, 1024, 8)": _kw(config=(16, 1024, 8, True)),
-    "(8, 2048, 8) qkv -> o": _kw(config=(8, 2048, 8, True), nxt={"qkv": 0}),
-    "(8, 2048, 8) qkv -> o, own rows": _kw(config=(8, 2048, 8, True), pf_self=True, nxt={"qkv": 0}),
-}
+# the one-row kernel's launches compared: (BLOCK_N, BLOCK_K, warps, x_once); None: pick_config's
+CONFIGS: list[Optional[tuple]] = [None, (8, 2048, 8, True), (16, 1024, 8, True), (4, 2048, 8, True)]
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -126,7 +88,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--passes", type=int, default=4, help="passes over them in one graph")
     ap.add_argument("--kv", type=int, default=512, help="cached tokens attention reads")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--variants", nargs="*", default=None, help="names of VARIANTS (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the fp8 layer bench needs a CUDA GPU")
@@ -137,13 +98,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     wbytes = sum(w.numel() for w, _ in lay.w[0].values())
     print(f"device: {torch.cuda.get_device_name()}, copy {bw / 1e12:.2f} TB/s; {wbytes / 1e6:.0f} MB of weights a "
           f"layer ({wbytes / bw * 1e6:.1f} µs at the copy rate), {args.layers} layers x {args.passes} passes a graph")
-    rows = [(name, VARIANTS[name], True) for name in (args.variants or VARIANTS)]
-    rows.insert(1, ("base, linears only", VARIANTS["base"], False))
-    for name, variant, gaps in rows:
-        def step(v=variant, g=gaps) -> None:
+    rows = [(f"{cfg or 'pick_config'}", cfg, True) for cfg in CONFIGS]
+    rows.insert(1, ("pick_config, linears only", None, False))
+    for name, cfg, gaps in rows:
+        def step(c: Optional[tuple] = cfg, g: bool = gaps) -> None:
             for _ in range(args.passes):
                 for i in range(args.layers):
-                    lay.run(i, v, g)
+                    lay.run(i, c, g)
         try:
             step()
             torch.cuda.synchronize()

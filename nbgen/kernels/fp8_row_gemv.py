@@ -52,42 +52,10 @@ if triton is not None:
                        eviction_policy="evict_first")
 
     @triton.jit
-    def _bulk_prefetch(addr, size):
-        # one cp.async.bulk.prefetch.L2 of ``size`` bytes (a multiple of 16, 0: none) at each address
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_span(base, nbytes, chunk, NT: tl.constexpr):
-        # bytes [0, nbytes) from base into L2: thread t of program p prefetches chunk p * NT + t
-        c = tl.program_id(0) * NT + tl.arange(0, NT)
-        size = tl.minimum(tl.maximum(nbytes - c * chunk, 0), chunk)
-        _bulk_prefetch(base + c.to(tl.int64) * chunk, size)
-
-    @triton.jit
-    def _prefetch_rows(w_ptr, swn, K, out_n, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                       NT: tl.constexpr):
-        # the program's rows past their first tile (columns BLOCK_K..K) into L2: one bulk prefetch a row,
-        # thread i prefetching row i (a tensor of one element a thread: no copies of an instruction)
-        i = tl.arange(0, NT)
-        if SILU:
-            rn = tl.program_id(0) * (BLOCK_N // 2) + i // 2
-            ok = (i < BLOCK_N) & (rn < out_n)
-            row = rn + (i % 2) * out_n
-        else:
-            row = tl.program_id(0) * BLOCK_N + i
-            ok = (i < BLOCK_N) & (row < N)
-        size = tl.where(ok & (K > BLOCK_K), K - BLOCK_K, 0)
-        _bulk_prefetch(w_ptr + row.to(tl.int64) * swn + BLOCK_K, size)
-
-    @triton.jit
-    def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, pf_ptr, pf_bytes, pf_chunk,
-                        PREQUANT: tl.constexpr,
+    def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, PREQUANT: tl.constexpr,
                         COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SILU: tl.constexpr,
                         USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_ONCE: tl.constexpr, KP: tl.constexpr, PF_SELF: tl.constexpr, PF_NEXT: tl.constexpr,
-                        NT: tl.constexpr):
+                        X_ONCE: tl.constexpr, KP: tl.constexpr):
         # BLOCK_N weight rows a program; SILU: rows n and HALF + n (gate and up of output n) side by side,
         # BLOCK_N / 2 outputs silu(rnd(rnd(gate) * r)) * rnd(rnd(up) * r), r = rsqrt(mean(x^2) + eps) (the
         # folded norm's row factor). X_ONCE: the amax pass loads all of x at once (KP: K rounded up to a power
@@ -110,10 +78,6 @@ if triton is not None:
         # the weights do not depend on the kernel before: the first tile loads before the wait
         w = _w_tile(w_rows, row_mask, col, 0, K)
         sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
-        if PF_SELF:
-            _prefetch_rows(w_ptr, swn, K, out_n, N, BLOCK_N, BLOCK_K, SILU, NT)
-        if PF_NEXT == 1:
-            _prefetch_span(pf_ptr, pf_bytes, pf_chunk, NT)
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
         ss = 0.0
@@ -148,8 +112,6 @@ if triton is not None:
             w = _w_tile(w_rows, row_mask, col, k0, K)
             xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
             acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
-        if PF_NEXT == 2:
-            _prefetch_span(pf_ptr, pf_bytes, pf_chunk, NT)
         if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
             pdl.gdc_launch_dependents()
         y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
@@ -180,9 +142,7 @@ def pick_config(N: int, K: int) -> tuple[int, int, int, bool]:
 def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
                  accumulate: bool = False, config: Optional[tuple] = None,
-                 x_scale: Optional[torch.Tensor] = None, silu_eps: Optional[float] = None,
-                 prefetch: Optional[torch.Tensor] = None, pf_bytes: Optional[int] = None, pf_self: bool = False,
-                 pf_at: int = 2, pf_min: int = 256) -> torch.Tensor:
+                 x_scale: Optional[torch.Tensor] = None, silu_eps: Optional[float] = None) -> torch.Tensor:
     """x [1, K] (bf16 / fp16) @ (wq [N, K] e4m3 * sw[n]).T (+ bias) into y [1, N] (y's dtype; added into
     it with ``accumulate``) -> y. ``col_scale`` [K]: x * g is what is quantized (a folded norm).
     ``x_scale``: x is already e4m3 and this its scale sa (one fp32 value). ``silu_eps``: a folded
@@ -196,17 +156,9 @@ def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.T
     assert not (prequant and (col_scale is not None or silu_eps is not None)), "x * g and x^2 need x itself"
     silu = silu_eps is not None
     assert not silu or bn % 2 == 0, "SiLU: gate and up rows in pairs"
-    cuda = x.is_cuda             # L2 prefetches: PTX, on the GPU only (not under the interpreter)
-    pf_next = pf_at if (prefetch is not None and cuda) else 0
-    nbytes = prefetch.numel() * prefetch.element_size() if prefetch is not None else 0
-    nbytes = (min(nbytes, pf_bytes) if pf_bytes is not None else nbytes) // 16 * 16
-    grid = triton.cdiv(N, bn)
-    chunk = max(pf_min, triton.cdiv(triton.cdiv(nbytes, grid * 32 * warps), 16) * 16)   # bytes a thread
     args = (x, x_scale if prequant else sw, col_scale if col_scale is not None else sw, wq, sw,
-            bias if bias is not None else sw, y, N, K, wq.stride(0), float(silu_eps or 0.0),
-            prefetch if pf_next else wq, nbytes, chunk)
-    pdl.launch(_fp8_row_kernel, (grid,), args, x.device, PREQUANT=prequant, PF_SELF=pf_self and cuda,
-               PF_NEXT=pf_next, NT=32 * warps,
+            bias if bias is not None else sw, y, N, K, wq.stride(0), float(silu_eps or 0.0))
+    pdl.launch(_fp8_row_kernel, (triton.cdiv(N, bn),), args, x.device, PREQUANT=prequant,
                COL_SCALE=col_scale is not None, HAS_BIAS=bias is not None, ACCUM=accumulate, SILU=silu,
                BLOCK_N=bn, BLOCK_K=bk, X_ONCE=bool(x_once), KP=triton.next_power_of_2(K) if x_once else 16,
                num_warps=warps, num_stages=1)

@@ -53,14 +53,6 @@ class Fp8ScaledWeight:
     scale: Optional[torch.Tensor]
     unit: torch.Tensor
     col_scale: Optional[torch.Tensor] = None
-    prefetch: Optional[torch.Tensor] = None     # the weight a batch-1 step reads next (L2 prefetch)
-    prefetch_bytes: int = 0                      # its first bytes to prefetch (0: all)
-    prefetch_self: bool = False
-
-
-def _pf(w: Fp8ScaledWeight) -> dict:
-    """The one-row kernel's L2 prefetch keywords of this weight."""
-    return dict(prefetch=w.prefetch, pf_bytes=w.prefetch_bytes or None, pf_self=w.prefetch_self)
 
 
 def search_channel_scales(w: torch.Tensor) -> torch.Tensor:
@@ -133,7 +125,7 @@ def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
     if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w) or into.dtype != x.dtype \
             or not into.is_contiguous():
         return False
-    fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into, row_kw=_pf(w))
+    fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
     return True
 
 
@@ -144,7 +136,7 @@ def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Te
     if not isinstance(w, Fp8ScaledWeight) or w.col_scale is None or h.shape[0] != 1 or not small_gemm_usable(h, w):
         return None
     y = h.new_empty((1, w.q.shape[0] // 2))
-    return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps, **_pf(w))
+    return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
 
 
 def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -154,7 +146,7 @@ def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tens
     if m == 0:
         return x.new_empty((0, w.q.shape[0]))
     if small_gemm_usable(x, w):
-        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale, row_kw=_pf(w))
+        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
     xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
     if not fp8_gemm_usable(x, w):
         xq, sa = quantize_activation(xs)

@@ -76,34 +76,7 @@ def fold_norms(model: torch.nn.Module) -> bool:
             _scale_columns(qkv.weight, layer.input_layernorm.weight)
             _scale_columns(gate_up.weight, layer.post_attention_layernorm.weight)
         layer.folded = True
-    if _is_fp8(model.model.layers[0]):
-        _link_prefetches(model)
     return True
-
-
-def _link_prefetches(model: torch.nn.Module) -> None:
-    import os   # EXPERIMENT (removed before merge): NBGEN_FP8B_PF picks the round-1 variant
-    mode = os.environ.get("NBGEN_FP8B_PF", "none")
-    seq = []
-    for layer in model.model.layers:
-        seq += [layer.self_attn.qkv_proj.fp8, layer.self_attn.o_proj.fp8, layer.mlp.gate_up_proj.fp8,
-                layer.mlp.down_proj.fp8]
-    mb = 1 << 20
-    for j, w in enumerate(seq):
-        nxt = seq[j + 1] if j + 1 < len(seq) else None
-        kind = j % 4
-        if mode == "self":
-            w.prefetch_self = True
-        if nxt is None:
-            continue
-        if mode in ("qkv_o", "qkv_o_chain8", "qkv_o_chain16", "qkv_o_down12") and kind == 0:
-            w.prefetch = nxt.q
-        if mode == "qkv_o_chain8" and kind != 0:
-            w.prefetch, w.prefetch_bytes = nxt.q, 8 * mb
-        if mode == "qkv_o_chain16" and kind != 0:
-            w.prefetch, w.prefetch_bytes = nxt.q, 16 * mb
-        if mode == "qkv_o_down12" and kind == 3:
-            w.prefetch, w.prefetch_bytes = nxt.q, 12 * mb
 
 
 def _scale_columns(w: torch.Tensor, g: torch.Tensor, rows: int = 2048) -> None:
