@@ -20,6 +20,9 @@ of the fp8 kernel per (shape, rows), the fastest printed (one row: every launch 
 with x quantized by its own launch and on an e4m3 x given), and the fastest per rows bucket over the
 shapes (for ``pick_config``).
 
+The kernels as a decode step runs them, layer after layer with RoPE and attention between:
+``nbgen.bench.fp8_layers``.
+
 Timing: ``fp8_kernels.graph_time``: ``--calls`` calls in one CUDA graph over rotating weight copies
 (more bytes than the L2 cache), median of ``--reps`` replays.
 
