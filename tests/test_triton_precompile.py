@@ -16,11 +16,14 @@ from nbgen.kernels import small_gemm
 from nbgen.kernels.triton_pool import CompilePool
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.kernels.triton_variants import Recorder, Variant
+from nbgen.runtime.sampler import Sampler
+from tests.test_sampler import seq
 
 triton = pytest.importorskip("triton")
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import DriverConfig  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 CUDA = torch.device("cuda", 0)     # what Precompile is told; every tensor here is on the CPU
 
@@ -38,6 +41,16 @@ class _Sm90:
         return GPUTarget("cuda", 90, 64)
 
 
+def forget_loaded_kernels() -> None:
+    """Drop every nbgen Triton kernel's per-device state in this process (binders, loaded variants), as
+    in a fresh process; the on-disk cache stays."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("nbgen.kernels."):
+            for obj in vars(module).values():
+                if isinstance(obj, JITFunction):
+                    obj.device_caches.clear()
+
+
 @pytest.fixture
 def sm90(monkeypatch, tmp_path):
     """An empty Triton cache (this process and its children) and the offline H100 driver; the kernels'
@@ -46,7 +59,7 @@ def sm90(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     monkeypatch.setattr(DriverConfig, "active", property(lambda self: _Sm90()))
     yield cache
-    small_gemm._small_gemm_kernel.device_caches.clear()
+    forget_loaded_kernels()
 
 
 def _steps() -> list:
@@ -185,7 +198,7 @@ def test_variant_round_trips_through_json() -> None:
 @pytest.mark.gpu
 def test_on_a_gpu_the_dry_run_launches_nothing_and_the_run_loads_the_workers_binary(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    small_gemm._small_gemm_kernel.device_caches.clear()      # no variant of this process in memory either
+    forget_loaded_kernels()                                  # no variant of this process in memory either
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda", generator=g)
     w = torch.randn(256, 512, dtype=torch.bfloat16, device="cuda", generator=g)
@@ -204,3 +217,22 @@ def test_on_a_gpu_the_dry_run_launches_nothing_and_the_run_loads_the_workers_bin
     step()
     assert hits == [True]                                    # loaded from what the worker wrote
     torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.gpu
+def test_the_logits_warm_up_meets_every_argmax_variant_the_sampler_uses(monkeypatch, tmp_path) -> None:
+    """``Sampler.warm`` (the start-up's logits warm-up, recorded by the precompile) meets the argmax variants
+    a greedy, a temperature-only and a top-k draw use: after it, those draws compile nothing."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    forget_loaded_kernels()
+    compiles: list[bool] = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: compiles.append(kw["cache_hit"]))
+    V = 151936
+    sampler = Sampler(V, torch.device("cuda"))
+    sampler.warm(torch.zeros(4, V, device="cuda", dtype=torch.bfloat16))
+    assert compiles == [False, False, False]                  # greedy, tempered, after top-k: compiled now
+    logits = torch.randn(4, V, device="cuda").to(torch.bfloat16)
+    for params in ({"temperature": 0.0}, {"temperature": 0.7}, {"temperature": 0.7, "top_k": 20}):
+        sampler(logits, [seq(params, seed=i) for i in range(4)])
+    torch.cuda.synchronize()
+    assert compiles == [False, False, False]

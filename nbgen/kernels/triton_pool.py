@@ -4,7 +4,8 @@ A Triton compile holds the GIL for much of its time, so compile threads in the e
 overlap; processes do. ``CompilePool`` starts one helper process with a fresh interpreter (the engine's
 process has CUDA initialised and must not fork). It imports torch, Triton and nbgen's ``kernels``
 package only — under a stand-in ``nbgen`` package, so ``nbgen/__init__`` and the layers above do not
-load; kernels import no other nbgen package — then forks its compile workers, which share those imports.
+load; kernels import no other nbgen package — then forks its compile workers, which share those imports
+(each importing torch itself would cost every worker seconds of CPU at once).
 Jobs go to it as JSON lines on its stdin and come back, one line each, on its stdout.
 
 No process outlives the pool: ``close`` ends the helper (closing its stdin ends it; a kill after
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import importlib
 import json
 import logging
 import multiprocessing
@@ -84,6 +86,8 @@ def serve(n_workers: int) -> None:
     """The helper process: compile each job line of stdin on a fork pool, answer each on stdout; exit at
     the end of stdin (the workers die with it)."""
     die_with_parent(os.getppid())
+    # every kernel module imports torch (seconds): once here, before the workers fork and share it
+    importlib.import_module("torch")
     out = sys.stdout
     lock = threading.Lock()
     pool = cf.ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("fork"),

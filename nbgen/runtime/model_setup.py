@@ -33,7 +33,6 @@ from nbgen.runtime.jit_prebuild import start_for_config
 from nbgen.runtime.lora import LoRAManager
 from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
-from nbgen.runtime.sampling_ops import greedy_argmax
 from nbgen.runtime.spec_memory import DraftShare, draft_share
 
 logger = logging.getLogger("nbgen")
@@ -161,9 +160,9 @@ def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: Atte
 
 
 @torch.inference_mode()
-def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int, dtype: torch.dtype,
-                device: torch.device, precompile: Optional[Precompile] = None) -> None:
-    """Run the LM head and the greedy argmax once at every graph batch size (CUDA).
+def warm_logits(model: torch.nn.Module, sampler: Sampler, batch_sizes: list[int], hidden_size: int,
+                dtype: torch.dtype, device: torch.device, precompile: Optional[Precompile] = None) -> None:
+    """Run the LM head and the sampler's argmax and draws once at every graph batch size (CUDA).
 
     Logits are computed outside the decode graphs, over rows padded to a graph batch size. The first
     call at a row count picks cuBLAS's kernel on the host (~4 ms for the LM head on an H100) or, at
@@ -174,7 +173,7 @@ def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int
     def heads() -> None:
         for bs in batch_sizes:
             hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
-            greedy_argmax(model.compute_logits(hidden))
+            sampler.warm(model.compute_logits(hidden))
     if precompile is not None:
         precompile.wait(precompile.record([heads])[0])
     heads()
@@ -233,8 +232,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
         t4 = time.perf_counter()
         if graphs is not None:
             report("warming up")
-            warm_logits(loaded.model, list(graphs.batch_sizes), loaded.hf_config.hidden_size, loaded.dtype,
-                        device, pre)
+            warm_logits(loaded.model, sampler, list(graphs.batch_sizes), loaded.hf_config.hidden_size,
+                        loaded.dtype, device, pre)
     startup = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2), "cuda_graphs": round(t3 - t2, 2),
                "prefill_graphs": round(t4 - t3, 2), "warm_logits": round(time.perf_counter() - t4, 2)}
     return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup, lora, offload)
