@@ -1,7 +1,7 @@
 """The Triton variants an engine start needs, compiled in worker processes before its runs meet them.
 
-On a host whose Triton cache is empty, each variant a start-up launch meets (Qwen3-0.6B's decode graphs:
-about 30, 0.5-0.8 s each on an H100 host) compiles when that launch first runs, one after the other on
+On a host whose Triton cache is empty, each variant a start-up launch meets (Qwen3-0.6B's start-up:
+28, 0.5-0.8 s each on an H100 host) compiles when that launch first runs, one after the other on
 the loop thread. ``Precompile`` runs the same steps once before: ``record(steps)`` dry-runs them with
 this thread's Triton launches skipped (``triton_variants.Recorder``), and each variant missing from the
 on-disk cache goes to a ``CompilePool`` as it is met (the pool starts at the first one). ``wait(mark)``
@@ -79,11 +79,6 @@ class Precompile:
             t0 = time.perf_counter()
             self.pool.wait(mark, IDLE_S)
             self.wait_s += time.perf_counter() - t0
-
-    def run(self, step: Callable[[], Any]) -> Any:
-        """``step`` dry-run, its variants compiled, then run for real; its result."""
-        self.wait(self.record([step])[0])
-        return step()
 
     def close(self) -> None:
         """End the pool (idempotent); log what it did."""

@@ -70,6 +70,9 @@ def cached(jit_function: Any, device: Any, compile_kwargs: dict[str, Any]) -> bo
     return bool(group) and f"{src.name[:150]}.json" in group
 
 
+_HOOK_LOCK = threading.Lock()   # guards installing and removing Triton's process-wide jit_cache_hook
+
+
 class Recorder:
     """``with Recorder(on_missing):`` — this thread's Triton launches that miss the in-memory cache are
     skipped; the variants among them missing from the on-disk cache go to ``on_missing`` once each.
@@ -103,15 +106,17 @@ class Recorder:
         return True                       # not compiled here, not launched
 
     def __enter__(self) -> "Recorder":
-        if available() and knobs.runtime.jit_cache_hook is None:
-            knobs.runtime.jit_cache_hook = self._hook
-            self.installed = True
+        with _HOOK_LOCK:   # engines starting on several threads: one records, the others compile as usual
+            if available() and knobs.runtime.jit_cache_hook is None:
+                knobs.runtime.jit_cache_hook = self._hook
+                self.installed = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.installed:
-            knobs.runtime.jit_cache_hook = None
-            self.installed = False
+        with _HOOK_LOCK:
+            if self.installed:
+                knobs.runtime.jit_cache_hook = None
+                self.installed = False
 
 
 class _CompileOnly:
