@@ -7,6 +7,8 @@ way are counted by name (the variants a first start pays for). ``--fresh-flashin
 the child an empty ``FLASHINFER_WORKSPACE_BASE`` (a fresh host: every flashinfer JIT module compiles)
 and prints each module built: the thread that built it (the engine's loop, or the start-up's
 background prebuild, runtime/jit_prebuild.py), when it started after ``Engine(...)`` and its seconds.
+The Triton variants compiled in the engine's own process (not by the start-up's precompile workers,
+kernels/triton_precompile.py) are listed by phase, thread and kernel.
 """
 from __future__ import annotations
 
@@ -38,11 +40,23 @@ try:   # time every flashinfer JIT build (ninja; a no-op when its outputs are up
     fjc.JitSpecNvcc.build = _timed
 except (ImportError, AttributeError):
     pass
+phase = ["first Engine"]
+compiled = []   # Triton variants compiled in this process (not found in the cache): phase, thread, kernel
+try:
+    from triton import knobs
+    def _listen(*, src, metadata, cache_hit, **_):
+        if not cache_hit:
+            compiled.append((phase[0], threading.current_thread().name, metadata.get("name", "?")))
+    knobs.compilation.listener = _listen
+except (ImportError, AttributeError):
+    pass
 eng = nbgen.Engine(**kw)
 t2 = time.perf_counter()
 first = eng.get_server_info()["startup_s"]
+phase[0] = "first generate"
 eng.generate(input_ids=[[5] * 100] * 4, sampling_params={"max_new_tokens": 8, "temperature": 0.7})
 t3 = time.perf_counter()
+phase[0] = "second Engine"
 eng.shutdown()
 t4 = time.perf_counter()
 eng = nbgen.Engine(**kw)
@@ -54,7 +68,7 @@ eng.shutdown()
 for t in threading.enumerate():   # the background flashinfer builds still running: waited for, to report them
     if t.name == "nbgen-jit-prebuild":
         t.join(600)
-print(json.dumps({"builds_done_s": time.perf_counter() - t1, "jit_builds": builds}))
+print(json.dumps({"builds_done_s": time.perf_counter() - t1, "jit_builds": builds, "in_process": compiled}))
 """
 
 
@@ -106,6 +120,10 @@ def main() -> None:
         print(f"Triton variants compiled: {sum(variants.values())}")
         for name, n in variants.most_common(12):
             print(f"{n:5d}  {name}")
+    inproc = collections.Counter((p, t, n) for p, t, n in res["in_process"])
+    print(f"of them compiled in the engine's process (the rest by the precompile's workers): {sum(inproc.values())}")
+    for (p, t, n), k in sorted(inproc.items()):
+        print(f"{k:5d}  {p:15s} {t:22s} {n}")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ sources and page tables go to the GPU in one copy from a pinned staging buffer i
 graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton kernel's batch
 sizes, is re-planned). Overlap placeholders (``step_inputs.placeholder(k)`` = "row k of the previous
 step's sampled ids") are resolved inside the graph from ``prev``, where greedy sampling writes its ids directly
-(``ModelRunner.sample``; other sampled ids are copied there), so no host->device transfer is needed
-for them.
-Staging buffers alternate between two slots, each guarded by an event, because a step's copies
-may still be queued on the GPU while the host prepares the next step.
+(``ModelRunner.sample``; other sampled ids are copied there): no host->device transfer for them.
+Staging buffers alternate between two slots, each guarded by an event (a step's copies may still be
+queued on the GPU while the host prepares the next step). Before the captures, each graph's forward is
+dry-run once: the Triton variants they need compile in worker processes meanwhile.
 
 Where rows share leading KV pages (a cached prompt prefix), a second graph per batch size >= 8 runs the
 shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
@@ -38,6 +38,7 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes
+from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
 from nbgen.runtime.cascade_graphs import blocks128
 from nbgen.runtime.pages import SCRATCH_PAGE
@@ -70,8 +71,7 @@ class GraphVariant:
 
 class StagingRing:
     """Two sets of pinned host buffers used in turn for host->device copies: a set is handed out again
-    only once the GPU has run the copies queued from it (an event per set), because under overlap a
-    step's copies may still be queued while the host fills the next step's inputs."""
+    only once the GPU has run the copies queued from it (an event per set; see the module docstring)."""
 
     def __init__(self, make: Callable[[], list[torch.Tensor]]) -> None:
         self._sets = [[t.pin_memory() for t in make()] for _ in range(2)]
@@ -98,7 +98,7 @@ class CudaGraphRunner:
     """Captures and replays decode graphs; ``run`` returns the last hidden states [n, H]."""
 
     def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_bs: int, max_context: int,
-                 variant: Optional[GraphVariant] = None) -> None:
+                 variant: Optional[GraphVariant] = None, precompile: Optional[Precompile] = None) -> None:
         self.model = model
         self.variant = variant
         self.backend = backend
@@ -141,7 +141,12 @@ class CudaGraphRunner:
         self._capture_stream = torch.cuda.Stream(dev)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
-        for i, bs in enumerate(reversed(self.batch_sizes)):
+        order = list(reversed(self.batch_sizes))
+        # each capture waits for the variants its dry run met (kernels/triton_precompile.py)
+        marks = precompile.record([lambda bs=bs: self._capture(bs, 0) for bs in order]) if precompile else order
+        for i, bs in enumerate(order):
+            if precompile is not None:
+                precompile.wait(marks[i])
             self._capture(bs, warmup=2 if i == 0 else 1)
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
@@ -186,6 +191,7 @@ class CudaGraphRunner:
             self.backend.plan_decode(w, hip[: bs + 1], self.indices[:total], hlast[:bs])
 
     def _capture(self, bs: int, warmup: int) -> None:
+        """The graphs of ``bs``, each after ``warmup`` eager forwards (0: the precompile's dry run)."""
         w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs], self.order[:bs])
         self.wrappers[bs] = w
         st, npv = self._ring.next()
@@ -198,18 +204,24 @@ class CudaGraphRunner:
         self._send(bs, st, npv, 0, 0)
         self._ring.done()
         meta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], w)
-        self.graphs[bs], self.outputs[bs] = self._capture_one(bs, meta, warmup)
+
+        def capture(graphs: dict, outputs: dict, m: FlashInferMetadata) -> None:
+            g, out = self._capture_one(bs, m, warmup)
+            if warmup:                       # the dry run keeps nothing
+                graphs[bs], outputs[bs] = g, out
+        capture(self.graphs, self.outputs, meta)
         if self.cascade is not None and bs >= cascade_graphs.MIN_BS:
             cw = self.cascade.wrapper(self._cascade_region(self._buf), bs, self.indptr[: bs + 1], self.indices,
                                       self.last[:bs], self.order[:bs])
-            cmeta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], cw)
-            self.cascade_graphs[bs], self.cascade_outputs[bs] = self._capture_one(bs, cmeta, warmup)
+            capture(self.cascade_graphs, self.cascade_outputs, FlashInferMetadata(self.backend, meta.slot_mapping, cw))
         if self.variant is not None:
             with self.variant.capturing():
-                self.variant_graphs[bs], self.variant_outputs[bs] = self._capture_one(bs, meta, warmup)
+                capture(self.variant_graphs, self.variant_outputs, meta)
 
-    def _capture_one(self, bs: int, meta: FlashInferMetadata, warmup: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, bs: int, meta: FlashInferMetadata, warmup: int) -> tuple[Any, torch.Tensor]:
         with torch.inference_mode():
+            if warmup == 0:           # the precompile's dry run: the forward only
+                return None, self._forward_static(bs, meta)
             for _ in range(warmup):   # kernel selection, lazy allocations, JIT loads
                 self._forward_static(bs, meta)
             torch.cuda.synchronize()

@@ -19,6 +19,7 @@ from nbgen.attention.torch_backend import TorchAttentionBackend
 from nbgen.core.config import EngineConfig
 from nbgen.kernels import gpu_ops
 from nbgen.kernels.batch_sizes import graph_batch_sizes
+from nbgen.kernels.triton_precompile import Precompile
 from nbgen.models.linear import get_tp
 from nbgen.models import norm_fold
 from nbgen.models.cpu_offload import OffloadPlan, offload_layers
@@ -32,7 +33,6 @@ from nbgen.runtime.jit_prebuild import start_for_config
 from nbgen.runtime.lora import LoRAManager
 from nbgen.runtime.lora_setup import load_initial, make_lora_manager
 from nbgen.runtime.sampler import Sampler
-from nbgen.runtime.sampling_ops import greedy_argmax
 from nbgen.runtime.spec_memory import DraftShare, draft_share
 
 logger = logging.getLogger("nbgen")
@@ -134,22 +134,25 @@ def graphs_enabled(cfg: EngineConfig, backend: AttentionBackend) -> bool:
 
 
 def make_decode_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
-                       context_length: int, variant: Optional[GraphVariant] = None) -> Optional[CudaGraphRunner]:
+                       context_length: int, variant: Optional[GraphVariant] = None,
+                       precompile: Optional[Precompile] = None) -> Optional[CudaGraphRunner]:
     """Decode graphs at the padded batch sizes (``graphs_enabled``), or None; ``variant``: a second
-    graph per batch size (LoRA's, for the steps with adapter rows)."""
-    return CudaGraphRunner(model, backend, cfg.cuda_graph_max_bs, context_length, variant) \
+    graph per batch size (LoRA's, for the steps with adapter rows); ``precompile``: the start's Triton
+    precompile (kernels/triton_precompile.py)."""
+    return CudaGraphRunner(model, backend, cfg.cuda_graph_max_bs, context_length, variant, precompile) \
         if graphs_enabled(cfg, backend) else None
 
 
 def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
-                        variant: Optional[GraphVariant] = None) -> Optional[pg.PrefillGraphRunner]:
+                        variant: Optional[GraphVariant] = None,
+                        precompile: Optional[Precompile] = None) -> Optional[pg.PrefillGraphRunner]:
     """Piecewise graphs for steps with prefill chunks (with the decode graphs; None when off, or when
     the model or memory does not allow them: then those steps run eagerly); ``variant``: a second set
-    of pieces per bucket (LoRA's, for the steps with adapter rows)."""
+    of pieces per bucket (LoRA's, for the steps with adapter rows); ``precompile`` as above."""
     if cfg.disable_piecewise_cuda_graph or not pg.supported(model):
         return None
     try:
-        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens, variant)
+        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens, variant, precompile)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
         logger.warning("piecewise prefill graphs unavailable (%s); prefill steps run eagerly", e)
         torch.cuda.empty_cache()
@@ -157,18 +160,23 @@ def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: Atte
 
 
 @torch.inference_mode()
-def warm_logits(model: torch.nn.Module, batch_sizes: list[int], hidden_size: int, dtype: torch.dtype,
-                device: torch.device) -> None:
-    """Run the LM head and the greedy argmax once at every graph batch size (CUDA).
+def warm_logits(model: torch.nn.Module, sampler: Sampler, batch_sizes: list[int], hidden_size: int,
+                dtype: torch.dtype, device: torch.device, precompile: Optional[Precompile] = None) -> None:
+    """Run the LM head and the sampler's argmax and draws once at every graph batch size (CUDA).
 
     Logits are computed outside the decode graphs, over rows padded to a graph batch size. The first
     call at a row count picks cuBLAS's kernel on the host (~4 ms for the LM head on an H100) or, at
     1-16 rows, loads or compiles a Triton variant of the streaming matmul (0.63 s measured at one
     row); a shrinking decode batch meets every size once, so without this the first big generate
-    paid that in the middle of its run."""
-    for bs in batch_sizes:
-        hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
-        greedy_argmax(model.compute_logits(hidden))
+    paid that in the middle of its run. With ``precompile`` the variants compile in its worker processes
+    first (one dry run)."""
+    def heads() -> None:
+        for bs in batch_sizes:
+            hidden = torch.zeros(bs, hidden_size, dtype=dtype, device=device)
+            sampler.warm(model.compute_logits(hidden))
+    if precompile is not None:
+        precompile.wait(precompile.record([heads])[0])
+    heads()
     torch.cuda.synchronize(device)
 
 
@@ -216,13 +224,16 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     if graphs_enabled(cfg, backend):
         report("capturing CUDA graphs")
     variant = lora.graph_variant() if lora is not None else None     # LoRA's graphs beside the plain ones
-    graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length, variant)
-    t3 = time.perf_counter()
-    prefill = make_prefill_graphs(cfg, loaded.model, backend, variant) if graphs is not None else None
-    t4 = time.perf_counter()
-    if graphs is not None:
-        report("warming up")
-        warm_logits(loaded.model, list(graphs.batch_sizes), loaded.hf_config.hidden_size, loaded.dtype, device)
+    # on an empty Triton cache the variants the graphs and the warm-up need compile in worker processes
+    with Precompile(device) as pre:
+        graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length, variant, pre)
+        t3 = time.perf_counter()
+        prefill = make_prefill_graphs(cfg, loaded.model, backend, variant, pre) if graphs is not None else None
+        t4 = time.perf_counter()
+        if graphs is not None:
+            report("warming up")
+            warm_logits(loaded.model, sampler, list(graphs.batch_sizes), loaded.hf_config.hidden_size,
+                        loaded.dtype, device, pre)
     startup = {"load_model": round(t1 - t0, 2), "kv_cache": round(t2 - t1, 2), "cuda_graphs": round(t3 - t2, 2),
                "prefill_graphs": round(t4 - t3, 2), "warm_logits": round(time.perf_counter() - t4, 2)}
     return ModelParts(cfg, device, loaded, spec, backend, sampler, graphs, prefill, folded, startup, lora, offload)

@@ -33,6 +33,7 @@ import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.core.batch import ScheduledBatch
+from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime.cuda_graphs import GraphVariant, StagingRing
 from nbgen.runtime.step_inputs import positions_into
 
@@ -70,7 +71,7 @@ class PrefillGraphRunner:
     """Captures the pieces at every bucket; ``run`` returns the step's hidden states [T, H]."""
 
     def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_tokens: int,
-                 variant: Optional[GraphVariant] = None) -> None:
+                 variant: Optional[GraphVariant] = None, precompile: Optional[Precompile] = None) -> None:
         if not supported(model):
             raise ValueError(f"{type(model).__name__} does not expose pre_attention / post_attention")
         inner = model.model
@@ -100,8 +101,14 @@ class PrefillGraphRunner:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
         stream = torch.cuda.Stream(dev)
+        order = list(reversed(self.buckets))
         with torch.inference_mode():
-            for bs in reversed(self.buckets):
+            # the pieces dry-run first: their Triton variants compile in worker processes meanwhile, each
+            # bucket's capture waits for those its dry run met (kernels/triton_precompile.py)
+            marks = precompile.record([lambda T=T: self._dry_run(T) for T in order]) if precompile else order
+            for i, bs in enumerate(order):
+                if precompile is not None:
+                    precompile.wait(marks[i])
                 self.graphs[bs] = self._capture(bs, stream)
                 if variant is not None:
                     with variant.capturing():
@@ -143,6 +150,16 @@ class PrefillGraphRunner:
             raise RuntimeError("piecewise prefill graphs need q/k/v and the residual in place "
                                "(fused RoPE and fused add+RMSNorm)")
         self.kv_written = bool(written)
+
+    def _dry_run(self, T: int) -> None:
+        """Bucket T's pieces run once, the variant's too (the precompile's dry run)."""
+        meta = FlashInferMetadata(self.backend, self.io[2 * T: 3 * T], None)
+        for i in range(len(self.layers) + 1):
+            self._piece(i, T, meta)()
+        if self.variant is not None:
+            with self.variant.capturing():
+                for i in range(len(self.layers) + 1):
+                    self._piece(i, T, meta)()
 
     def _capture(self, T: int, stream: torch.cuda.Stream) -> list[torch.cuda.CUDAGraph]:
         io = self.io[: 3 * T].view(3, T)

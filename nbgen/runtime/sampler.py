@@ -89,6 +89,15 @@ class Sampler:
         self.vocab_hash = mix32(torch.arange(vocab_size, dtype=torch.int64, device=self.device)
                                  ^ 0x27D4EB2F)
 
+    def warm(self, logits: Tensor) -> None:
+        """Run the greedy argmax and both sampled draws (tempered, and after top-k / top-p) once over
+        ``logits`` [b, V]: their kernels load (or compile) at start-up, not at the first request."""
+        b, vocab = logits.shape
+        keys = torch.zeros(b, dtype=torch.int64, device=logits.device)
+        greedy_argmax(logits)
+        tempered_draw(logits, torch.ones(b, dtype=torch.float32, device=logits.device), keys, self.vocab_hash[:vocab])
+        noisy_argmax(logits, keys, self.vocab_hash[:vocab])
+
     def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None,
                  greedy_out: Optional[Tensor] = None, defer_logprobs: bool = False) -> SamplerOutput:
         """logits [B, V'] in the model dtype (V' >= vocab: padded lm_head columns are dropped).
