@@ -62,6 +62,27 @@ def test_dp_refuses_single_copy_calls(engines):
         nbgen.Engine(device="cpu", dp_size=0)
 
 
+def test_dp_refused_part_aborts_the_parts_already_sent(engines, monkeypatch):
+    """A call one replica refuses is refused whole: its requests already submitted to another replica are
+    aborted (no work for a caller that got the error) and the router's loads return to zero."""
+    _, two = engines
+    loop = two.loop
+    before = loop.replicas[0].stats()["total_aborted"]
+
+    def refuse(*args, **kw):
+        raise ValueError("refused by replica 1")
+    monkeypatch.setattr(loop.replicas[1], "submit", refuse)
+    with pytest.raises(ValueError, match="refused by replica 1"):
+        two.generate(input_ids=[[5] * 60, [6] * 4, [7] * 4],
+                     sampling_params={"max_new_tokens": 200, "ignore_eos": True})
+    monkeypatch.undo()
+    # replica 0 handles the abort before this later call (its loop takes them in order)
+    loop.replicas[0].call(lambda: None)
+    two.generate(input_ids=[[8] * 4], sampling_params={"max_new_tokens": 2})
+    assert loop.replicas[0].stats()["total_aborted"] == before + 1
+    assert loop.router.loads() == [0, 0]
+
+
 def test_router_least_loaded_and_groups():
     r = Router(3)
     assert [r.route(f"a{i}", [1, 2]) for i in range(3)] == [0, 1, 2]

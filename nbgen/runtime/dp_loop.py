@@ -113,13 +113,17 @@ class DPLoop:
         if isinstance(sink, StreamBuffer):   # passed on as itself: the replica hands it ids only
             sink.finish_hooks.append(self.router.done)
             target = sink
-        for n, (i, part) in enumerate(sorted(parts.items())):
+        ordered = sorted(parts.items())
+        for n, (i, part) in enumerate(ordered):
             try:
                 self.replicas[i].submit(part, target, stream)
-            except (RuntimeError, ValueError):
-                for _j, rest in sorted(parts.items())[n:]:
+            except (RuntimeError, ValueError) as e:
+                for _j, rest in ordered[n:]:
                     for r in rest:
                         self.router.done(r.rid)
+                sent = [r.rid for _j, rest in ordered[:n] for r in rest]
+                if sent:     # the call is refused as a whole: its requests already on other replicas end too
+                    self.abort(sent, f"another request of the same call was refused: {e}")
                 raise
 
     def abort(self, rids: list[str], message: str = "aborted by the caller", wait: bool = False) -> None:
