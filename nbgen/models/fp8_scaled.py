@@ -30,14 +30,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
+import os
+
 import torch
 
-from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm
+from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm, fp8_tc_gemm
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
+from nbgen.kernels.silu_scaled import silu_mul_scaled_quant
 
 FP8 = torch.float8_e4m3fn
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
 TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
+_TC = os.environ.get("NBGEN_FP8_TC", "1") == "1"   # A/B of the GEMM (temporary)
 
 
 @dataclass
@@ -120,12 +124,18 @@ def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
 
 
 def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
-    """into += x @ the fp8 weight (no bias), in place in one launch where the streaming kernel takes it
-    (the residual add of a folded layer's o_proj / down_proj) -> True; False when it does not."""
-    if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w) or into.dtype != x.dtype \
-            or not into.is_contiguous():
+    """into += x @ the fp8 weight (no bias), in place (the residual add of a folded layer's o_proj /
+    down_proj): the streaming kernel's epilogue at a few rows, the GEMM's above -> True; False where
+    neither takes it."""
+    if not isinstance(w, Fp8ScaledWeight) or into.dtype != x.dtype or not into.is_contiguous():
         return False
-    fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+    if small_gemm_usable(x, w):
+        fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+        return True
+    if not fp8_gemm_usable(x, w):
+        return False
+    xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
+    _gemm(xq, sa, w, None, x.dtype, out=into, accumulate=True)
     return True
 
 
@@ -139,24 +149,53 @@ def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Te
     return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
 
 
-def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
-    Graph-capturable: every scale stays on the device."""
+def scaled_folded_mlp(h: torch.Tensor, gate_up: object, down: object, eps: float) -> bool:
+    """A folded layer's MLP above the streaming kernel's rows, in place on the residual stream h [T, H]:
+    gate|up from h * g quantized per token, SiLU-and-mul with the norm's row factor quantized per token
+    in one launch (``silu_mul_scaled_quant``), down added into h by its GEMM -> True; False (nothing
+    done) where these kernels do not take the step."""
+    if not (isinstance(gate_up, Fp8ScaledWeight) and isinstance(down, Fp8ScaledWeight)) or gate_up.col_scale is None \
+            or small_gemm_usable(h, gate_up) or not fp8_gemm_usable(h, gate_up) or not h.is_contiguous():
+        return False
+    xq, sa = fp8_quant.quant_rowwise(h, gate_up.col_scale)
+    act_q, act_s = silu_mul_scaled_quant(_gemm(xq, sa, gate_up, None, h.dtype), h, eps)
+    _gemm(act_q, act_s, down, None, h.dtype, out=h, accumulate=True)
+    return True
+
+
+def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring), into
+    ``out`` when given. Graph-capturable: every scale stays on the device."""
     m = x.shape[0]
     if m == 0:
-        return x.new_empty((0, w.q.shape[0]))
+        return x.new_empty((0, w.q.shape[0])) if out is None else out
     if small_gemm_usable(x, w):
-        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
-    xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
-    if not fp8_gemm_usable(x, w):
+        y = fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
+    elif not fp8_gemm_usable(x, w):
+        xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
         xq, sa = quantize_activation(xs)
-        return reference_matmul(xq, sa, w, bias, x.dtype)
-    b = bias.to(x.dtype) if bias is not None else None
-    xq, sa = fp8_quant.quant_rowwise(xs)
+        y = reference_matmul(xq, sa, w, bias, x.dtype)
+    else:
+        xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
+        return _gemm(xq, sa, w, bias.to(x.dtype) if bias is not None else None, x.dtype, out=out)
+    return y if out is None else out.copy_(y)
+
+
+def _gemm(xq: torch.Tensor, sa: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor],
+          dtype: torch.dtype, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """y = xq @ w scaled (+ bias) in ``dtype`` on CUDA, into ``out`` (added into it: ``accumulate``)."""
+    if _TC and fp8_tc_gemm.usable(xq, w.q) and (out is None or out.stride(1) == 1):
+        return fp8_tc_gemm.fp8_tc_gemm(xq, sa, w.q, w.scale_row, bias, dtype, out=out, accumulate=accumulate)
+    m = xq.shape[0]
     if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
-        return torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=b, out_dtype=x.dtype)
-    if m <= TENSORWISE_MAX_ROWS:
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=bias, out_dtype=dtype)
+    elif m <= TENSORWISE_MAX_ROWS:
         acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
-        return fp8_quant.scale_output(acc, sa, w.scale_row, b, x.dtype)
-    y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=x.dtype)
-    return y if b is None else y.add_(b)
+        y = fp8_quant.scale_output(acc, sa, w.scale_row, bias, dtype)
+    else:
+        y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=dtype)
+        y = y if bias is None else y.add_(bias)
+    if out is None:
+        return y
+    return out.add_(y) if accumulate else out.copy_(y)
