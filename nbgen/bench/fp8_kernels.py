@@ -9,11 +9,9 @@ bytes than the L2 cache), so launch gaps and cache hits do not flatter small sha
 ``--reps`` graph replays divided by the call count. Also timed: ``torch._scaled_mm`` with 1x128 x 1x128
 block scales (x quantized beforehand, where this torch and GPU support it), and the table's pick.
 ``--cublas``: the cuBLAS rows only (no group-kernel sweep), then the four linears summed per rows
-count (one decoder layer's GEMM time) for bf16 and each fp8 path. ``--tc``: the cuBLAS rows and
-``kernels/fp8_tc_gemm.py``'s launch shapes (``bench/fp8_tc_sweep.py``) instead of the group kernel's,
-the activation quantizers beside them, and the fastest shape per rows bucket.
+count (one decoder layer's GEMM time) for bf16 and each fp8 path.
 
-    python -m nbgen.bench.fp8_kernels [--rows 1 4 16 64 256] [--quick] [--cublas | --tc]
+    python -m nbgen.bench.fp8_kernels [--rows 1 4 16 64 256] [--quick] [--cublas]
 """
 from __future__ import annotations
 
@@ -24,10 +22,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from nbgen.bench.fp8_tc_sweep import tc_cases
 from nbgen.kernels import fp8_gemm
 from nbgen.kernels.fp8_gemm import GemmConfig
-from nbgen.models.fp8_scaled import quantize_weight, scaled_linear
+from nbgen.models.fp8_scaled import quantize_weight, scaled_accumulate, scaled_linear
 
 # (name, N, K) of Llama-3.1-8B's decoder linears
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -75,12 +72,13 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
                     reps: int) -> list[tuple[str, float, float]]:
     """cuBLAS's fp8 GEMM at one shape: tensorwise and row-wise ``_scaled_mm`` on a pre-quantized x, and
     ``scaled_linear`` end to end (up to 16 rows the streaming fp8 kernel, above it the quantize launch and
-    cuBLAS) with one scale per feature and per tensor."""
+    cuBLAS) with one scale per feature and per tensor, and ``scaled_accumulate`` (into a residual stream)."""
     dev = x.device
     nbytes = n * k + n * 4 + rows * k * 2 + rows * n * 2
     sa0, sw0 = torch.full((), 0.01, device=dev), torch.full((), 0.002, device=dev)
     sa1, sw1 = torch.full((rows, 1), 0.01, device=dev), torch.full((1, n), 0.002, device=dev)
     xq = (x.float() / 0.01).to(torch.float8_e4m3fn)
+    into = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)       # the residual stream (stays finite)
     per_feature = [quantize_weight(w.float()) for w in wq[:2]]          # searched scales: differ per row
     per_tensor = [quantize_weight(w.float(), sw0) for w in wq[:2]]
     for fw in per_feature + per_tensor:                                  # rotate the big copies through them
@@ -92,6 +90,8 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16),
         "scaled_linear per-feature (the model's linear)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
         "scaled_linear one weight scale (the model's linear)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
+        "scaled_accumulate per-feature (the model's o / down: the residual add)":
+            lambda i: scaled_accumulate(x, _with(per_feature[0], wq[i]), into),
     }
     out = []
     for label, fn in cases.items():
@@ -111,7 +111,7 @@ def _with(fw: object, q: torch.Tensor) -> object:
 
 
 def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, reps: int,
-              cublas_only: bool = False, tc: bool = False) -> list[tuple[str, float, float]]:
+              cublas_only: bool = False) -> list[tuple[str, float, float]]:
     """(variant, seconds per call, read GB/s) for one shape and row count, bf16 first."""
     dev = torch.device("cuda")
     g = -(-k // fp8_gemm.GROUP)
@@ -125,9 +125,6 @@ def run_shape(name: str, n: int, k: int, rows: int, quick: bool, calls: int, rep
     t = graph_time(lambda i: F.linear(x, w16[i % len(w16)]), len(w16), calls, reps)
     out.append(("bf16 F.linear", t, (2 * n * k + rows * k * 2 + rows * n * 2) / t / 1e9))
     out += cublas_variants(n, k, rows, x, wq, calls, reps)
-    if tc:
-        return out + [(label, t, fp8_bytes / t / 1e9) for label, t in
-                      tc_cases(n, k, rows, x, wq, quick, lambda fn: graph_time(fn, copies, calls, reps))]
     if cublas_only:
         return out
     xq, sx = fp8_gemm.per_token_group_quant_fp8(x)
@@ -161,7 +158,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cublas", action="store_true", help="cuBLAS fp8 paths only, and the per-layer sums")
-    ap.add_argument("--tc", action="store_true", help="cuBLAS fp8 paths and the tensor-core kernel's launch shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the fp8 kernel sweep needs a CUDA GPU")
@@ -170,17 +166,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     layer: dict[int, dict[str, float]] = {}             # rows -> bf16 / cuBLAS path -> µs over the shapes
     for rows in args.rows:
         for name, n, k in [s for s in SHAPES if s[0] in args.shapes]:
-            res = run_shape(name, n, k, rows, args.quick, args.calls, args.reps, args.cublas, args.tc)
+            res = run_shape(name, n, k, rows, args.quick, args.calls, args.reps, args.cublas)
             for variant, t, _ in res:
-                if not variant.startswith(("GemmConfig", "TcConfig", "table", "torch._scaled_mm 1x128", "fast accumulation Tc",
-                                           "residual add")) and "(no GEMM)" not in variant:
+                if not variant.startswith(("GemmConfig", "table", "torch._scaled_mm 1x128")):
                     layer.setdefault(rows, {}).setdefault(variant, 0.0)
                     layer[rows][variant] += t * 1e6
             bf16 = res[0][1]
             for variant, t, gbs in sorted(res, key=lambda r: r[1]):
                 print(f"{name:<8} N={n:<6} K={k:<6} rows={rows:<4} {t * 1e6:9.1f} µs {gbs:8.0f} GB/s "
                       f"{bf16 / t:5.2f}x bf16  {variant}")
-                if variant.startswith(("GemmConfig", "TcConfig")):
+                if variant.startswith("GemmConfig"):
                     totals.setdefault(rows, {}).setdefault(variant, []).append(t * 1e6)
     print("\none layer's linears (sum over the shapes, µs):")
     for rows, by in layer.items():
@@ -188,9 +183,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         for variant, us in by.items():
             print(f"  rows={rows:<4} {us:8.1f} µs {bf16 / us:5.2f}x bf16  {variant}")
     if args.cublas:
-        return
-    if args.tc:
-        print_fastest(totals, "fastest tensor-core launch shape per rows over the shapes (sum of µs):")
         return
     print_fastest(totals, "fastest variant per rows over the shapes (sum of µs):")
 

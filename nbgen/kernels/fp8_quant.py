@@ -6,7 +6,8 @@ one launch each:
   whole row and round their own blocks.
 - ``scale_output(acc, sa, sw, bias, dtype)``: y = acc * sa[m] * sw[n] (+ bias[n]) rounded to ``dtype``:
   the epilogue of a unit-scale tensorwise GEMM (fp32 out) when the weight has one scale per output
-  feature (cuBLAS's row-wise fp8 GEMM is slower than bf16 at a few rows; this pair is not).
+  feature (cuBLAS's row-wise fp8 GEMM is slower than bf16 at a few rows; this pair is not); with
+  ``accumulate`` it adds y into the residual stream in the same launch.
 
 The quantizer rounds as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
 with IEEE divisions (``tl.div_rn``; Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly.
@@ -55,7 +56,8 @@ if triton is not None:
 
     @triton.jit
     def _scale_output_kernel(acc_ptr, sa_ptr, sw_ptr, b_ptr, y_ptr, N, stride_am, stride_ym,
-                             SA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                             SA_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
         row = tl.program_id(0)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = rn < N
@@ -64,7 +66,11 @@ if triton is not None:
         y = acc * sa * tl.load(sw_ptr + rn, mask=mask, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=mask)
+        y_ptrs = y_ptr + row.to(tl.int64) * stride_ym + rn
+        dt = y_ptr.dtype.element_ty
+        if ACCUM:   # the residual add: the product rounded to y's dtype first, as ``into += y`` rounds it
+            y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + y.to(dt).to(tl.float32)
+        tl.store(y_ptrs, y.to(dt), mask=mask)
 
 
 def quant_rowwise(x: torch.Tensor, col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,13 +89,19 @@ def quant_rowwise(x: torch.Tensor, col_scale: Optional[torch.Tensor] = None) -> 
 
 
 def scale_output(acc: torch.Tensor, sa: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
     """acc [M, N] fp32 (a unit-scale GEMM's output), sa 0-dim or [M, 1], sw [1, N] fp32 ->
-    acc * sa * sw (+ bias) in ``dtype``, one launch (fp32 products in this order, one rounding)."""
+    acc * sa * sw (+ bias) in ``dtype``, one launch (fp32 products in this order, one rounding), into
+    ``out`` ([M, N], unit column stride) when given; ``accumulate``: added into ``out`` in place (rounded
+    to its dtype first, then the sum rounded: ``out += y``)."""
     M, N = acc.shape
-    y = torch.empty((M, N), dtype=dtype, device=acc.device)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out (the tensor to add into)")
+        out = torch.empty((M, N), dtype=dtype, device=acc.device)
     if M:
         grid = (M, triton.cdiv(N, BLOCK))
-        _scale_output_kernel[grid](acc, sa, sw, bias if bias is not None else sw, y, N, acc.stride(0), y.stride(0),
-                                   SA_PER_ROW=sa.dim() > 0, HAS_BIAS=bias is not None, BLOCK_N=BLOCK)
-    return y
+        _scale_output_kernel[grid](acc, sa, sw, bias if bias is not None else sw, out, N, acc.stride(0), out.stride(0),
+                                   SA_PER_ROW=sa.dim() > 0, HAS_BIAS=bias is not None, ACCUM=accumulate,
+                                   BLOCK_N=BLOCK)
+    return out

@@ -28,18 +28,6 @@ if triton is not None:
     from nbgen.kernels.qk_norm_rope import rnd, row_rms_scale
 
     @triton.jit
-    def _silu_block(x_row, I, c, s, dt: tl.constexpr, BLOCK: tl.constexpr):
-        # columns c .. c + BLOCK of a token's silu(gate * s) * (up * s), rounded to the model dtype
-        offs = c + tl.arange(0, BLOCK)
-        m = offs < I
-        g = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(x_row + I + offs, mask=m, other=0.0).to(tl.float32)
-        # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
-        g = rnd(g * s, dt)
-        u = rnd(u * s, dt)
-        return (g / (1.0 + tl.exp(-g)) * u).to(dt)
-
-    @triton.jit
     def _silu_scaled_kernel(x_ptr, h_ptr, y_ptr, I, sx, sh, sy, eps, HID: tl.constexpr, HBLK: tl.constexpr,
                             BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         # program (token t, j): blocks j, j + P, ... of I (P programs a token): silu(gate * s) * (up * s),
@@ -51,34 +39,16 @@ if triton is not None:
         if USE_PDL:
             pdl.gdc_wait()                                     # gate|up is the previous kernel's output
             pdl.gdc_launch_dependents()
+        dt = y_ptr.dtype.element_ty
         for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
             offs = c + tl.arange(0, BLOCK)
-            y = _silu_block(x_ptr + t * sx, I, c, s, y_ptr.dtype.element_ty, BLOCK)
-            tl.store(y_ptr + t * sy + offs, y, mask=offs < I)
-
-    @triton.jit
-    def _silu_quant_kernel(x_ptr, h_ptr, q_ptr, sa_ptr, I, sx, sh, sq, eps, HID: tl.constexpr,
-                           HBLK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # program (p, token t): the token's whole SiLU-and-mul row for its amax (its programs alike),
-        # then blocks p, p + P, ... of it again, rounded to e4m3 with the token's scale
-        p = tl.program_id(0)
-        t = tl.program_id(1).to(tl.int64)
-        s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)     # read before the wait: see above
-        if USE_PDL:
-            pdl.gdc_wait()
-            pdl.gdc_launch_dependents()
-        dt = x_ptr.dtype.element_ty
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for c in range(0, I, BLOCK):
-            amax = tl.maximum(amax, tl.abs(_silu_block(x_ptr + t * sx, I, c, s, dt, BLOCK).to(tl.float32)))
-        sa = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
-        for c in range(p * BLOCK, I, tl.num_programs(0) * BLOCK):
-            offs = c + tl.arange(0, BLOCK)
-            y = _silu_block(x_ptr + t * sx, I, c, s, dt, BLOCK).to(tl.float32)
-            q = tl.clamp(tl.div_rn(y, sa), -448.0, 448.0).to(q_ptr.dtype.element_ty)
-            tl.store(q_ptr + t * sq + offs, q, mask=offs < I)
-        if p == 0:
-            tl.store(sa_ptr + t, sa)
+            m = offs < I
+            g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
+            # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
+            g = rnd(g * s, dt)
+            u = rnd(u * s, dt)
+            tl.store(y_ptr + t * sy + offs, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m)
 
 
 def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -93,7 +63,9 @@ def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch
     y = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
         return y
-    block = _block(I)
+    block = min(2048, triton.next_power_of_2(I))
+    while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
+        block //= 2
     hid = h.shape[1]
     # decode sizes: a program per block (a short kernel); from 1 024 tokens on, one program a token
     # loops over the blocks and reads its row of h once (prefill: ~1/3 less traffic for Qwen3-0.6B)
@@ -102,32 +74,3 @@ def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch
                HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block,
                num_warps=4 if block <= 1024 else 8)
     return y
-
-
-def silu_mul_scaled_quant(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu_mul_scaled(gate_up, h, eps)`` quantized per token for an fp8 linear after it, in one Triton
-    launch (CUDA, contiguous rows): -> (q [T, I] e4m3, sa [T, 1] fp32), the bytes and scales
-    ``kernels.fp8_quant.quant_rowwise`` makes of that [T, I] output (which is never stored)."""
-    T, I2 = gate_up.shape
-    I = I2 // 2
-    q = torch.empty((T, I), dtype=torch.float8_e4m3fn, device=gate_up.device)
-    sa = torch.empty((T, 1), dtype=torch.float32, device=gate_up.device)
-    if T == 0:
-        return q, sa
-    block = _block(I)
-    hid = h.shape[1]
-    # a few rows: a program per block of each row (each computes the row's amax); many: one a row
-    per_row = triton.cdiv(I, block) if T < 256 else 1
-    pdl.launch(_silu_quant_kernel, (per_row, T),
-               (gate_up, h, q, sa, I, gate_up.stride(0), h.stride(0), q.stride(0), float(eps)), gate_up.device,
-               HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block,
-               num_warps=4 if block <= 1024 else 8)
-    return q, sa
-
-
-def _block(I: int) -> int:
-    """Columns a program handles per step: up to 2048, no half-empty last block (Qwen3-0.6B: I = 3 x 1024)."""
-    block = min(2048, triton.next_power_of_2(I))
-    while block > 256 and I % block:
-        block //= 2
-    return block

@@ -13,14 +13,16 @@ On CUDA (compute capability 8.9+), per step size and weight form:
   fp8 kernel (``kernels/fp8_small_gemm.py``, one row ``kernels/fp8_row_gemv.py``), which quantizes x
   itself with this recipe and applies both scales and the bias: one launch instead of cuBLAS's quantize +
   GEMM (+ scaling) launches; a folded gate|up at one row also applies SiLU-and-mul (``scaled_silu_mul``).
-Otherwise with bf16 activations (``fp8_gemm_usable``):
-- one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
-  GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
-- otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales
-  into fp32, then ``scale_output`` (sa[m] * sw[n] + bias): three launches. cuBLAS's row-wise GEMM would
-  take the scales itself but is slower than bf16 at a few rows and than this trio up to 64 rows
-  (``nbgen.bench.fp8_kernels`` measures both).
-- more rows (prefill): ``quant_rowwise`` then the row-wise GEMM (scale_a [M, 1], scale_b [1, N]).
+Otherwise with bf16 activations (``fp8_gemm_usable``), first ``kernels.fp8_quant.quant_rowwise`` (a folded
+norm's column scale applied inside it), then cuBLAS (``torch._scaled_mm``):
+- one weight scale, one row (batch-1 decode): the tensorwise GEMM with both 0-dim scales (bias in its
+  epilogue): two launches, no epilogue kernel.
+- up to ``TENSORWISE_MAX_ROWS`` rows, and every residual add into the stream (``scaled_accumulate``: a
+  folded layer's o_proj / down_proj): the tensorwise GEMM with unit scales into fp32, then
+  ``scale_output`` (sa[m] * sw[n] + bias, added into the stream in the same launch): three launches.
+  cuBLAS's row-wise GEMM would take the scales itself but is slower than bf16 at a few rows and than
+  this trio up to 64 rows, and with the residual add after it at every size (``nbgen.bench.fp8_kernels``).
+- more rows otherwise: the row-wise GEMM (scale_a [M, 1], scale_b [1, N]), into the caller's buffer.
 Elsewhere ``reference_matmul`` computes the same in fp32 torch (the reference the GPU tests compare
 with), so tests and notebooks run these models anywhere.
 """
@@ -30,18 +32,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-import os
-
 import torch
 
-from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm, fp8_tc_gemm
+from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
-from nbgen.kernels.silu_scaled import silu_mul_scaled_quant
 
 FP8 = torch.float8_e4m3fn
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
 TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
-_TC = os.environ.get("NBGEN_FP8_TC", "1") == "1"   # A/B of the GEMM (temporary)
 
 
 @dataclass
@@ -149,20 +147,6 @@ def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Te
     return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
 
 
-def scaled_folded_mlp(h: torch.Tensor, gate_up: object, down: object, eps: float) -> bool:
-    """A folded layer's MLP above the streaming kernel's rows, in place on the residual stream h [T, H]:
-    gate|up from h * g quantized per token, SiLU-and-mul with the norm's row factor quantized per token
-    in one launch (``silu_mul_scaled_quant``), down added into h by its GEMM -> True; False (nothing
-    done) where these kernels do not take the step."""
-    if not (isinstance(gate_up, Fp8ScaledWeight) and isinstance(down, Fp8ScaledWeight)) or gate_up.col_scale is None \
-            or small_gemm_usable(h, gate_up) or not fp8_gemm_usable(h, gate_up) or not h.is_contiguous():
-        return False
-    xq, sa = fp8_quant.quant_rowwise(h, gate_up.col_scale)
-    act_q, act_s = silu_mul_scaled_quant(_gemm(xq, sa, gate_up, None, h.dtype), h, eps)
-    _gemm(act_q, act_s, down, None, h.dtype, out=h, accumulate=True)
-    return True
-
-
 def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring), into
@@ -184,18 +168,22 @@ def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tens
 
 def _gemm(xq: torch.Tensor, sa: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor],
           dtype: torch.dtype, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
-    """y = xq @ w scaled (+ bias) in ``dtype`` on CUDA, into ``out`` (added into it: ``accumulate``)."""
-    if _TC and fp8_tc_gemm.usable(xq, w.q) and (out is None or out.stride(1) == 1):
-        return fp8_tc_gemm.fp8_tc_gemm(xq, sa, w.q, w.scale_row, bias, dtype, out=out, accumulate=accumulate)
+    """y = xq @ w scaled (+ bias) in ``dtype`` through cuBLAS (see the module docstring), into ``out`` when
+    given (added into it with ``accumulate``, which needs unit column stride)."""
     m = xq.shape[0]
-    if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
-        y = torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=bias, out_dtype=dtype)
-    elif m <= TENSORWISE_MAX_ROWS:
+    if m == 1 and w.scale is not None and not accumulate:     # both scales 0-dim: no epilogue launch
+        return _into(torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=bias,
+                                      out_dtype=dtype), out)
+    if accumulate or m <= TENSORWISE_MAX_ROWS:
         acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
-        y = fp8_quant.scale_output(acc, sa, w.scale_row, bias, dtype)
-    else:
-        y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=dtype)
-        y = y if bias is None else y.add_(bias)
-    if out is None:
-        return y
-    return out.add_(y) if accumulate else out.copy_(y)
+        direct = out if out is not None and out.stride(1) == 1 else None     # accumulate: always direct
+        y = fp8_quant.scale_output(acc, sa, w.scale_row, bias, dtype, out=direct, accumulate=accumulate)
+        return y if direct is not None else _into(y, out)
+    if out is not None and bias is None and out.is_contiguous():
+        return torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=dtype, out=out)
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=dtype)
+    return _into(y if bias is None else y.add_(bias), out)
+
+
+def _into(y: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    return y if out is None else out.copy_(y)

@@ -17,7 +17,7 @@ from nbgen.kernels import small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
 from nbgen.models.cpu_decode import CpuDecodePlan
-from nbgen.models.fp8_scaled import scaled_folded_mlp, scaled_silu_mul
+from nbgen.models.fp8_scaled import scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -65,11 +65,8 @@ class LlamaMLP(nn.Module):
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
         norm weight is in gate|up; the MLP's output is added into h in place -> h."""
         w = self.gate_up_proj.weight
-        lora = self.gate_up_proj.lora_active or self.down_proj.lora_active
         if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
-        elif not lora and scaled_folded_mlp(h, self.gate_up_proj.fp8, self.down_proj.fp8, eps):
-            return h    # fp8 above the streaming kernel's rows: SiLU-and-mul emits down's e4m3 input
         else:   # fp8 at one row: SiLU in the one-row kernel's epilogue
             act = None if self.gate_up_proj.lora_active else scaled_silu_mul(h, self.gate_up_proj.fp8, eps)
             if act is None:
