@@ -1,7 +1,8 @@
 """FP8 linears with one scale per output feature or per tensor (models/fp8_scaled.py): the reference
 arithmetic against float64, the activation-scale rule, fp8 checkpoints loading into the forms their
 scales allow, the quantize / output-scale Triton kernels (kernels/fp8_quant.py) under TRITON_INTERPRET=1.
-GPU tests (marked gpu) compare cuBLAS's fp8 GEMM path with the reference, in and out of CUDA graphs."""
+GPU tests (marked gpu) compare cuBLAS's fp8 GEMM path with the reference (into a buffer, the residual add, a
+folded norm's column scale in the quantizer), in and out of CUDA graphs."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from nbgen.kernels import fp8_quant
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_linears
 from nbgen.models.loader import load_model
 from nbgen.models.fp8_scaled import (TENSORWISE_MAX_ROWS, Fp8ScaledWeight, quantize_activation, quantize_weight,
-                                     reference_matmul, scaled_linear, search_channel_scales)
+                                     reference_matmul, scaled_accumulate, scaled_linear, search_channel_scales)
 from tests.tiny_models import (assert_close_runs, gpu_generate, gpu_prompts, make_tiny_model,
                                run_under_triton_interpreter)
 
@@ -129,7 +130,22 @@ def _kernel_check() -> None:
         acc = xq.float() @ w.q.float().t()
         for bias in (b, None):
             got = fp8_quant.scale_output(acc, sa, w.scale_row, bias, torch.float32)
-            torch.testing.assert_close(got, reference_matmul(xq, sa, w, bias, torch.float32), rtol=1e-6, atol=1e-5)
+            want = reference_matmul(xq, sa, w, bias, torch.float32)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+            into = torch.randn(m, n)                  # the residual add in the same launch
+            added = fp8_quant.scale_output(acc, sa, w.scale_row, bias, torch.float32, out=into.clone(), accumulate=True)
+            torch.testing.assert_close(added, into + want, rtol=1e-6, atol=1e-5)
+    # a folded norm's column scale inside the quantizer, a program per block and one per row
+    for m, k in ((3, 2100), (fp8_quant.ONE_PROGRAM_ROWS + 4, 300)):
+        x = torch.randn(m, k) * 5
+        g = torch.rand(k) + 0.5
+        xq, sa = quantize_activation(x * g)
+        q2, s2 = fp8_quant.quant_rowwise(x, g)
+        same = q2.float() == xq.float()
+        # the interpreter also rounds some ties away from even, and subnormals by a grid step
+        near = (q2.float() - xq.float()).abs() <= xq.float().abs() / 8 + 2 ** -9
+        carry_lost = q2.float() == xq.float() / 2
+        assert torch.equal(s2, sa) and (near | carry_lost).all() and same.float().mean() > 0.9, (m, k)
 
 
 def test_fp8_quant_kernels_under_triton_interpreter() -> None:
@@ -154,6 +170,20 @@ def test_gpu_scaled_linear_equals_the_reference(m: int, per_tensor: bool, n: int
     want = reference_matmul(xq, sa, fw, b, torch.float32)
     got = scaled_linear(x, fw, b).float()         # bf16 output: within its rounding of the fp32 reference
     assert ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-3 * want.abs().max()).all()
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    assert scaled_linear(x, fw, b, out=out) is out and torch.equal(out, got.to(out.dtype))    # into a buffer
+    assert torch.equal(scaled_linear(x, fw, out=out), scaled_linear(x, fw))                   # (no bias)
+    g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)    # a folded norm's weight: in the quantizer
+    xq, sa = quantize_activation(x.float() * g.float())
+    q2, s2 = fp8_quant.quant_rowwise(x, g)
+    assert torch.equal(s2, sa) and torch.equal(q2.view(torch.uint8), xq.view(torch.uint8))
+    if not per_tensor:                            # the residual add (o / down of a folded layer)
+        into = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        before = into.clone()
+        assert scaled_accumulate(x, fw, into)
+        want = reference_matmul(*quantize_activation(x), fw, None, torch.float32)
+        assert ((into.float() - before.float() - want).abs() <= 2 ** -7 * (want.abs() + before.float().abs())
+                + 1e-3 * want.abs().max()).all()
     graph_x = x.clone()
     scaled_linear(graph_x, fw, b)                 # warm (compile) before capture
     g = torch.cuda.CUDAGraph()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from nbgen.kernels import fp8_gemm
 from nbgen.kernels.fp8_gemm import GemmConfig
-from nbgen.models.fp8_scaled import quantize_weight, scaled_linear
+from nbgen.models.fp8_scaled import quantize_weight, scaled_accumulate, scaled_linear
 
 # (name, N, K) of Llama-3.1-8B's decoder linears
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -72,12 +72,13 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
                     reps: int) -> list[tuple[str, float, float]]:
     """cuBLAS's fp8 GEMM at one shape: tensorwise and row-wise ``_scaled_mm`` on a pre-quantized x, and
     ``scaled_linear`` end to end (up to 16 rows the streaming fp8 kernel, above it the quantize launch and
-    cuBLAS) with one scale per feature and per tensor."""
+    cuBLAS) with one scale per feature and per tensor, and ``scaled_accumulate`` (into a residual stream)."""
     dev = x.device
     nbytes = n * k + n * 4 + rows * k * 2 + rows * n * 2
     sa0, sw0 = torch.full((), 0.01, device=dev), torch.full((), 0.002, device=dev)
     sa1, sw1 = torch.full((rows, 1), 0.01, device=dev), torch.full((1, n), 0.002, device=dev)
     xq = (x.float() / 0.01).to(torch.float8_e4m3fn)
+    into = torch.zeros(rows, n, device=dev, dtype=torch.bfloat16)       # the residual stream (stays finite)
     per_feature = [quantize_weight(w.float()) for w in wq[:2]]          # searched scales: differ per row
     per_tensor = [quantize_weight(w.float(), sw0) for w in wq[:2]]
     for fw in per_feature + per_tensor:                                  # rotate the big copies through them
@@ -89,6 +90,8 @@ def cublas_variants(n: int, k: int, rows: int, x: torch.Tensor, wq: list[torch.T
             lambda i: torch._scaled_mm(xq, wq[i].t(), scale_a=sa1, scale_b=sw1, out_dtype=torch.bfloat16),
         "scaled_linear per-feature (the model's linear)": lambda i: scaled_linear(x, _with(per_feature[0], wq[i])),
         "scaled_linear one weight scale (the model's linear)": lambda i: scaled_linear(x, _with(per_tensor[0], wq[i])),
+        "scaled_accumulate per-feature (the model's o / down: the residual add)":
+            lambda i: scaled_accumulate(x, _with(per_feature[0], wq[i]), into),
     }
     out = []
     for label, fn in cases.items():

@@ -78,14 +78,16 @@ def reference_matmul(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight,
 
 
 def fp8_linear(x: torch.Tensor, w: Union[Fp8Weight, Fp8ScaledWeight],
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight (either form) -> [M, N] in x's dtype."""
+               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight (either form) -> [M, N] in x's dtype (into ``out``)."""
     if isinstance(w, Fp8ScaledWeight):
-        return scaled_linear(x, w, bias)
+        return scaled_linear(x, w, bias, out=out)
     if fp8_gemm.usable(x):
-        return fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
-    xq, sx = quantize_groups(x)
-    return reference_matmul(xq, sx, w, bias, x.dtype)
+        y = fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
+    else:
+        xq, sx = quantize_groups(x)
+        y = reference_matmul(xq, sx, w, bias, x.dtype)
+    return y if out is None else out.copy_(y)
 
 
 def scale_bytes(w: Union[Fp8Weight, Fp8ScaledWeight]) -> int:

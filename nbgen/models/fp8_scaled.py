@@ -13,14 +13,16 @@ On CUDA (compute capability 8.9+), per step size and weight form:
   fp8 kernel (``kernels/fp8_small_gemm.py``, one row ``kernels/fp8_row_gemv.py``), which quantizes x
   itself with this recipe and applies both scales and the bias: one launch instead of cuBLAS's quantize +
   GEMM (+ scaling) launches; a folded gate|up at one row also applies SiLU-and-mul (``scaled_silu_mul``).
-Otherwise with bf16 activations (``fp8_gemm_usable``):
-- one weight scale, one row (batch-1 decode): ``kernels.fp8_quant.quant_rowwise`` then the tensorwise
-  GEMM with both 0-dim scales (bias in its epilogue): two launches, no epilogue kernel.
-- otherwise up to ``TENSORWISE_MAX_ROWS`` rows: ``quant_rowwise``, the tensorwise GEMM with unit scales
-  into fp32, then ``scale_output`` (sa[m] * sw[n] + bias): three launches. cuBLAS's row-wise GEMM would
-  take the scales itself but is slower than bf16 at a few rows and than this trio up to 64 rows
-  (``nbgen.bench.fp8_kernels`` measures both).
-- more rows (prefill): ``quant_rowwise`` then the row-wise GEMM (scale_a [M, 1], scale_b [1, N]).
+Otherwise with bf16 activations (``fp8_gemm_usable``), first ``kernels.fp8_quant.quant_rowwise`` (a folded
+norm's column scale applied inside it), then cuBLAS (``torch._scaled_mm``):
+- one weight scale, one row (batch-1 decode): the tensorwise GEMM with both 0-dim scales (bias in its
+  epilogue): two launches, no epilogue kernel.
+- up to ``TENSORWISE_MAX_ROWS`` rows, and every residual add into the stream (``scaled_accumulate``: a
+  folded layer's o_proj / down_proj): the tensorwise GEMM with unit scales into fp32, then
+  ``scale_output`` (sa[m] * sw[n] + bias, added into the stream in the same launch): three launches.
+  cuBLAS's row-wise GEMM would take the scales itself but is slower than bf16 at a few rows and than
+  this trio up to 64 rows, and with the residual add after it at every size (``nbgen.bench.fp8_kernels``).
+- more rows otherwise: the row-wise GEMM (scale_a [M, 1], scale_b [1, N]), into the caller's buffer.
 Elsewhere ``reference_matmul`` computes the same in fp32 torch (the reference the GPU tests compare
 with), so tests and notebooks run these models anywhere.
 """
@@ -120,12 +122,18 @@ def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
 
 
 def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
-    """into += x @ the fp8 weight (no bias), in place in one launch where the streaming kernel takes it
-    (the residual add of a folded layer's o_proj / down_proj) -> True; False when it does not."""
-    if not isinstance(w, Fp8ScaledWeight) or not small_gemm_usable(x, w) or into.dtype != x.dtype \
-            or not into.is_contiguous():
+    """into += x @ the fp8 weight (no bias), in place (the residual add of a folded layer's o_proj /
+    down_proj): the streaming kernel's epilogue at a few rows, the GEMM's above -> True; False where
+    neither takes it."""
+    if not isinstance(w, Fp8ScaledWeight) or into.dtype != x.dtype or not into.is_contiguous():
         return False
-    fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+    if small_gemm_usable(x, w):
+        fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+        return True
+    if not fp8_gemm_usable(x, w):
+        return False
+    xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
+    _gemm(xq, sa, w, None, x.dtype, out=into, accumulate=True)
     return True
 
 
@@ -139,24 +147,43 @@ def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Te
     return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
 
 
-def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring).
-    Graph-capturable: every scale stays on the device."""
+def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring), into
+    ``out`` when given. Graph-capturable: every scale stays on the device."""
     m = x.shape[0]
     if m == 0:
-        return x.new_empty((0, w.q.shape[0]))
+        return x.new_empty((0, w.q.shape[0])) if out is None else out
     if small_gemm_usable(x, w):
-        return fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
-    xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
-    if not fp8_gemm_usable(x, w):
+        y = fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, bias, col_scale=w.col_scale)
+    elif not fp8_gemm_usable(x, w):
+        xs = x if w.col_scale is None else x.float() * w.col_scale.float()     # a folded norm's weight
         xq, sa = quantize_activation(xs)
-        return reference_matmul(xq, sa, w, bias, x.dtype)
-    b = bias.to(x.dtype) if bias is not None else None
-    xq, sa = fp8_quant.quant_rowwise(xs)
-    if m == 1 and w.scale is not None:      # both scales 0-dim: no epilogue launch
-        return torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=b, out_dtype=x.dtype)
-    if m <= TENSORWISE_MAX_ROWS:
+        y = reference_matmul(xq, sa, w, bias, x.dtype)
+    else:
+        xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
+        return _gemm(xq, sa, w, bias.to(x.dtype) if bias is not None else None, x.dtype, out=out)
+    return y if out is None else out.copy_(y)
+
+
+def _gemm(xq: torch.Tensor, sa: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor],
+          dtype: torch.dtype, out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """y = xq @ w scaled (+ bias) in ``dtype`` through cuBLAS (see the module docstring), into ``out`` when
+    given (added into it with ``accumulate``, which needs unit column stride)."""
+    m = xq.shape[0]
+    if m == 1 and w.scale is not None and not accumulate:     # both scales 0-dim: no epilogue launch
+        return _into(torch._scaled_mm(xq, w.q.t(), scale_a=sa.reshape(()), scale_b=w.scale, bias=bias,
+                                      out_dtype=dtype), out)
+    if accumulate or m <= TENSORWISE_MAX_ROWS:
         acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
-        return fp8_quant.scale_output(acc, sa, w.scale_row, b, x.dtype)
-    y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=x.dtype)
-    return y if b is None else y.add_(b)
+        direct = out if out is not None and out.stride(1) == 1 else None     # accumulate: always direct
+        y = fp8_quant.scale_output(acc, sa, w.scale_row, bias, dtype, out=direct, accumulate=accumulate)
+        return y if direct is not None else _into(y, out)
+    if out is not None and bias is None and out.is_contiguous():
+        return torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=dtype, out=out)
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=sa, scale_b=w.scale_row, out_dtype=dtype)
+    return _into(y if bias is None else y.add_(bias), out)
+
+
+def _into(y: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    return y if out is None else out.copy_(y)

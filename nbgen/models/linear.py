@@ -135,8 +135,7 @@ class LinearBase(nn.Module):
 
     def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.fp8 is not None:
-            y = fp8_linear(x, self.fp8, bias)
-            return y if out is None else out.copy_(y)
+            return fp8_linear(x, self.fp8, bias, out=out)
         if out is not None:
             # into the caller's buffer (piecewise prefill graphs keep q/k/v in a static one): the same
             # cuBLAS call F.linear makes (addmm / mm with the transposed weight)

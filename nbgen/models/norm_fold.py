@@ -10,7 +10,7 @@ projection reads the raw residual stream h, and the row scale is applied by the 
 it anyway: the q/k norm + RoPE kernel scales q, k, v (``qk_norm_rope_(row_scale=)``), and the
 scaled SiLU-and-mul (``nbgen.kernels.silu_scaled``) scales gate and up. The residual adds move into
 the projections before them: o_proj and down_proj accumulate into h (cuBLAS ``addmm_`` with beta = 1, or the streaming kernel's
-epilogue at a few rows). A layer then runs qkv, RoPE, attention, o_proj, gate|up, SiLU, down.
+epilogue at a few rows; fp8 above that, the launch that scales cuBLAS's fp8 output). A layer then runs qkv, RoPE, attention, o_proj, gate|up, SiLU, down.
 
 Numerics: g * W is rounded to the model dtype once; q/k/v and gate/up are the raw projections rounded,
 scaled in fp32 and rounded again; each residual add rounds once instead of twice. Results stay within
@@ -19,8 +19,8 @@ identical. Only bf16 weights are folded (fp16's range is too narrow for the raw 
 projections), and only layers without biases, at tp_size 1.
 
 FP8 linears with one scale per output feature (``models/fp8_scaled.py``) keep their e4m3 bytes: the norm
-weight becomes their ``col_scale``, which the fp8 kernel multiplies into the activation's columns before
-quantizing it per token (the norm's row factor cancels in that scale), and the rest of the folded layer
+weight becomes their ``col_scale``, which the fp8 kernels (the streaming kernel, above 16 rows the
+activation quantizer) multiply into the activation's columns before quantizing it per token (the norm's row factor cancels in that scale), and the rest of the folded layer
 is the same. ``fold_map`` lists no fp8 projection (their weights hold no norm); ``col_scale`` is the norm
 parameter itself, so a weight update of the norm reaches it in place.
 
