@@ -96,7 +96,7 @@ class Sampler:
         keys = torch.zeros(b, dtype=torch.int64, device=logits.device)
         greedy_argmax(logits)
         tempered_draw(logits, torch.ones(b, dtype=torch.float32, device=logits.device), keys, self.vocab_hash[:vocab])
-        noisy_argmax(logits, keys, self.vocab_hash[:vocab])
+        noisy_argmax(logits.float(), keys, self.vocab_hash[:vocab])   # _sample draws from processed fp32 logits
 
     def __call__(self, logits: Tensor, seqs: list[SeqWork], fill: Optional[Any] = None,
                  greedy_out: Optional[Tensor] = None, defer_logprobs: bool = False) -> SamplerOutput:
