@@ -294,15 +294,19 @@ def test_grammar_with_overlap_scheduling_same_outputs(eng):
 
 
 def _forced_overlap(eng, fn):
-    """fn() once with the plain loop and once under the overlap stepper (forced on for CPU)."""
+    """fn() once with the plain loop and once under the overlap stepper (forced on for CPU), each from an
+    empty prefix cache: a prompt prefilled from cached pages may round differently from one computed
+    whole, which can move a sampled token."""
     from nbgen.runtime.overlap import OverlapStepper
 
     loop = eng.loop
     default = loop._overlap
     loop.call(lambda: setattr(loop, "_overlap", None))
     try:
+        assert eng.flush_cache()
         plain = fn()
         loop.call(lambda: setattr(loop, "_overlap", OverlapStepper.from_loop(loop)))
+        assert eng.flush_cache()
         over = fn()
     finally:
         loop.call(lambda: setattr(loop, "_overlap", default))
