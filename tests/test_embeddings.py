@@ -302,3 +302,37 @@ def test_8_engine_async_encode_consistency(tiny_qwen2_dir):
     engine.shutdown()
 
     assert torch.allclose(out1, out2, atol=1e-5, rtol=1e-3), "Sync and async embeddings are not equal within tolerance"
+
+
+# ---- SGLang's examples/runtime/engine/embedding.py: the import and the model path changed, a shutdown added ---
+def test_sglang_embedding_example(tiny_qwen2_dir, capsys):
+    import nbgen as sgl
+
+    def main():
+        # Sample prompts.
+        prompts = [
+            "Hello, my name is",
+            "The president of the United States is",
+            "The capital of France is",
+            "The future of AI is",
+        ]
+        # Create an LLM.
+        llm = sgl.Engine(
+            model_path=tiny_qwen2_dir, is_embedding=True
+        )
+
+        outputs = llm.encode(prompts)
+        # Print the outputs (embedding vectors)
+        for prompt, output in zip(prompts, outputs):
+            print("===============================")
+            print(f"Prompt: {prompt}\nEmbedding vector: {output['embedding']}")
+        llm.shutdown()
+        return outputs
+
+    outputs = main()
+    printed = capsys.readouterr().out
+    assert printed.count("Embedding vector: [") == 4 and "Prompt: The capital of France is" in printed
+    hidden = json.load(open(os.path.join(tiny_qwen2_dir, "config.json")))["hidden_size"]
+    for o in outputs:
+        v = torch.tensor(o["embedding"])
+        assert v.shape == (hidden,) and abs(v.norm().item() - 1.0) < 1e-4   # last token, normalised (SGLang's default)
