@@ -255,3 +255,26 @@ def test_masked_argmax_kernel_on_cuda() -> None:
         ref[2] = 0
         assert torch.equal(gpu_argmax.masked_argmax(xv, bm, ws), ref), width
         assert int(ws.count.sum()) == 0
+
+
+def test_cpu_draw_over_the_tokens_that_can_win_equals_the_dense_formula() -> None:
+    """On the CPU the draw adds noise only to tokens within the noise's span of their row's max (the
+    others cannot win): the same tokens as x + noise over every token, for peaked rows (the sparse
+    path), flat rows (the dense path), masked tails, fully masked rows and one allowed token."""
+    from nbgen.runtime.sampling_ops import gumbel_noise, row_key
+
+    g = torch.Generator().manual_seed(3)
+    V = 5000
+    vh = mix32(torch.arange(V, dtype=torch.int64) ^ 0x27D4EB2F)
+    for scale in (0.5, 4.0, 40.0, 400.0):
+        x = torch.randn(24, V, generator=g) * scale
+        x[2, 300:] = float("-inf")
+        x[3] = float("-inf")
+        x[4] = float("-inf")
+        x[4, 77] = 0.0
+        x[5, 10] = x[5, 20] = x[5].max() + 60.0           # two equal logits far above the rest: the noise decides
+        keys = torch.tensor([row_key(i * 31 + int(scale), i) for i in range(24)], dtype=torch.int64)
+        ref = (x + gumbel_noise(keys, vh)).argmax(-1)
+        got = noisy_argmax(x, keys, vh)
+        assert torch.equal(got, ref), (scale, got, ref)
+        assert int(got[4]) == 77 and int(got[2]) < 300

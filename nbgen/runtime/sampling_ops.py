@@ -112,13 +112,28 @@ def masked_greedy_argmax(x: Tensor, bitmask: Tensor, out: Optional[Tensor] = Non
     return ids if out is None else out.copy_(ids)
 
 
+# the noise's range (gumbel_from_hash of the smallest and largest hash), widened by 1 against rounding:
+# a token more than this below its row's max can never win the draw
+_NOISE_SPAN = float(gumbel_from_hash(torch.tensor([(1 << 32) - 1])) - gumbel_from_hash(torch.tensor([0]))) + 1.0
+
+
 def noisy_argmax(x: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
     """Gumbel-max draw: argmax over V of x [b, V] plus the rows' noise -> [b] long; on CUDA one
     Triton kernel that hashes the noise in place (kernels/gpu_argmax), elsewhere int64 tensor ops
-    over a [b, V] temporary (callers bound b)."""
+    over the tokens that can still win (those within the noise's span of their row's max; a [b, V]
+    temporary, callers bound b, when most of them can)."""
     if gpu_argmax.usable(x):
         return gpu_argmax.noisy_argmax(x, keys, vocab_hash, _argmax_ws(x.device))
-    return (x + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
+    xf = x.float()
+    cand = xf >= xf.max(dim=-1, keepdim=True).values - _NOISE_SPAN       # [b, V]; an all -inf row: all
+    rows, cols = cand.nonzero(as_tuple=True)
+    if 4 * rows.numel() > cand.numel():        # flat rows: the dense formula
+        return (xf + gumbel_noise(keys, vocab_hash)).argmax(dim=-1)
+    total = xf[rows, cols] + gumbel_from_hash(mix32(keys[rows] ^ vocab_hash[cols]))
+    b, vocab = x.shape
+    best = torch.full((b,), float("-inf"), device=x.device).scatter_reduce(0, rows, total, "amax")
+    win = total == best[rows]                  # the first index among equal totals, as argmax
+    return torch.full((b,), vocab, dtype=torch.long, device=x.device).scatter_reduce(0, rows[win], cols[win], "amin")
 
 
 def tempered_draw(x: Tensor, temps: Tensor, keys: Tensor, vocab_hash: Tensor) -> Tensor:
