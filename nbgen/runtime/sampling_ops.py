@@ -144,5 +144,5 @@ def tempered_draw(x: Tensor, temps: Tensor, keys: Tensor, vocab_hash: Tensor) ->
         return gpu_argmax.tempered_argmax(x, temps, keys, vocab_hash, _argmax_ws(x.device))
     xf = x.float()
     sampled = temps > 0
-    noisy = (xf / torch.where(sampled, temps, 1.0).view(-1, 1) + gumbel_noise(keys, vocab_hash)).argmax(-1)
+    noisy = noisy_argmax(xf / torch.where(sampled, temps, 1.0).view(-1, 1), keys, vocab_hash)
     return torch.where(sampled, noisy, xf.argmax(-1))
