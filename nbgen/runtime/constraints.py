@@ -34,6 +34,7 @@ from nbgen.runtime.grammar_batch import AcceptJob, accept_handles, binding_ready
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
+from nbgen.runtime.step_inputs import placeholder
 
 logger = logging.getLogger("nbgen")
 
@@ -52,6 +53,7 @@ class FillJob:
     # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
     device_copy: Optional[tuple[Tensor, Any]] = None
     states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
+    seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
         """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
@@ -187,7 +189,7 @@ class Constraints:
                 return None
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
-        job = FillJob(rows, bm, None, vocab, greedy, states=states)
+        job = FillJob(rows, bm, None, vocab, greedy, states=states, seqs=seqs)
         n = len(seqs)
 
         def work() -> None:
@@ -202,15 +204,28 @@ class Constraints:
         """Start accepting a sampled step's tokens in the worker thread: ``fill`` is the step's
         bitmask job (its rows' matchers take the tokens), ``tokens`` the step's sampled ids, one per
         sampling row. None (the caller accepts as before) unless the fill ran in the worker.
-        The matchers must not be touched until ``StepGrammar.settle`` read the job."""
-        states = fill.states
+        With jump-forward, rows of requests that jumped after the step was scheduled are left out:
+        their token is never kept (the loop's walk skips them), so their matchers stay as the jump
+        left them for the fill queued next. The matchers must not be touched until
+        ``StepGrammar.settle`` read the job."""
+        states, rows = fill.states, fill.rows
         if fill.future is None or states is None or self._worker is None or not binding_ready():
             return None
+        if states[0].jumper is not None and fill.seqs is not None:
+            seqs = fill.seqs
+            keep = [k for k, i in enumerate(rows) if _kept(seqs[i], i)]
+            if len(keep) != len(rows):
+                states, rows = [states[k] for k in keep], [rows[k] for k in keep]
         handles = [s.handle for s in states]
         if None in handles:
             return None
-        toks = [tokens[i] for i in fill.rows]
-        return AcceptJob(states, self._submit(lambda: accept_handles(handles, toks)))
+        toks = [tokens[i] for i in rows]
+        return AcceptJob(states, self._submit(lambda: accept_handles(handles, toks)), self._drain)
+
+    def _drain(self) -> None:
+        """Wait until the worker ran everything queued so far (a fill queued behind the accepts)."""
+        if self._worker is not None:
+            self._submit(lambda: None).result()
 
     def _submit(self, fn: Any) -> cf.Future:
         """Run fn in the worker thread, once it started running."""
@@ -293,6 +308,15 @@ class Constraints:
             logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
             self._backend = "torch_native"
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
+
+
+def _kept(s: SeqWork, row: int) -> bool:
+    """Sampling row ``row`` (seq ``s``) of a resolving step still ends its request's output with the
+    row's placeholder: its token is kept (the overlap stepper's walk makes the same check)."""
+    req = s.req
+    at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)
+    out = req.output_ids
+    return 0 <= at < len(out) and out[at] == placeholder(row)
 
 
 def _live_grammar(req: Any) -> bool:

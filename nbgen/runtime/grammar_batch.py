@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nbgen.core.finish import FinishReason
 
@@ -41,6 +41,8 @@ def binding_ready() -> bool:
 def accept_handles(handles: list[Any], toks: list[int]) -> Optional[set[int]]:
     """Matcher ``handles[k]`` (FFI objects) accepts ``toks[k]``, one call (GIL released inside
     xgrammar): None when every token was taken, else the refused positions (run in a worker)."""
+    if not handles:
+        return None
     flags = _binding().batch_accept_token(handles, toks, False)
     if 0 not in flags:
         return None
@@ -49,26 +51,31 @@ def accept_handles(handles: list[Any], toks: list[int]) -> Optional[set[int]]:
 
 class AcceptJob:
     """A step's tokens being accepted in a worker (``Constraints.accept_async``): the matchers of
-    ``states`` (the step's live constrained rows when its bitmask was filled) take their tokens while
-    the loop thread walks the step's rows; ``StepGrammar.settle`` then reads the outcome."""
+    ``states`` (the step's live constrained rows when its bitmask was filled, less rows already
+    stale) take their tokens while the loop thread walks the step's rows; ``StepGrammar.settle``
+    then reads the outcome. ``drain`` waits until the worker ran everything queued (the next step's
+    fill may be queued behind the accepts: a matcher is never changed while the worker fills it)."""
 
-    def __init__(self, states: list[Any], future: Any) -> None:
+    def __init__(self, states: list[Any], future: Any, drain: Callable[[], None]) -> None:
         self.states = states
         self.future = future          # -> None or the refused positions in states
+        self.drain = drain
 
     def refused(self, kept: list[Any]) -> set[int]:
         """Wait; the positions in ``kept`` (the states the step's walk gathered, a subset of
         ``states`` in the same order) whose token was refused. A matcher of a row the walk did not
-        keep (its request aborted or preempted meanwhile: its token is not in its output) gives its
-        token back."""
+        keep (its request aborted meanwhile: its token is not in its output) gives its token back,
+        once the worker is idle."""
         bad = self.future.result()
         if len(kept) == len(self.states) and not bad:
             return set()
         out = {id(self.states[k]) for k in bad} if bad else set()
         if len(kept) != len(self.states):
             ids = {id(s) for s in kept}
-            for k, s in enumerate(self.states):
-                if id(s) not in ids and id(s) not in out:
+            back = [s for s in self.states if id(s) not in ids and id(s) not in out]
+            if back:
+                self.drain()
+                for s in back:
                     s.matcher.rollback(1)
         return {k for k, s in enumerate(kept) if id(s) in out} if out else set()
 
