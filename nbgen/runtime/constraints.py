@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +29,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
+from nbgen.runtime.fill_worker import FillWorker
 from nbgen.runtime.grammar_batch import AcceptJob, accept_handles, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
@@ -86,8 +86,7 @@ class Constraints:
         self._host: Optional[Tensor] = None      # int32 [rows, ceil(tokenizer vocab/32)] (pinned on CUDA)
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
-        self._worker: Optional[cf.ThreadPoolExecutor] = None   # fill_async's thread
-        self._copy_stream: Optional[Any] = None    # CUDA: the worker's bitmask copies
+        self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -195,9 +194,9 @@ class Constraints:
         def work() -> None:
             self._fill(rows, states, bm)
             if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
-                job.device_copy = self._copy_out(bm[:n])
+                job.device_copy = self._worker.copy_out(bm[:n])
 
-        job.future = self._submit(work)
+        job.future = self._worker.submit(work)
         return job
 
     def accept_async(self, fill: FillJob, tokens: list[int]) -> Optional[AcceptJob]:
@@ -209,7 +208,7 @@ class Constraints:
         left them for the fill queued next. The matchers must not be touched until
         ``StepGrammar.settle`` read the job."""
         states, rows = fill.states, fill.rows
-        if fill.future is None or states is None or self._worker is None or not binding_ready():
+        if fill.future is None or states is None or not self._worker.started or not binding_ready():
             return None
         if states[0].jumper is not None and fill.seqs is not None:
             seqs = fill.seqs
@@ -220,41 +219,7 @@ class Constraints:
         if None in handles:
             return None
         toks = [tokens[i] for i in rows]
-        return AcceptJob(states, self._submit(lambda: accept_handles(handles, toks)), self._drain)
-
-    def _drain(self) -> None:
-        """Wait until the worker ran everything queued so far (a fill queued behind the accepts)."""
-        if self._worker is not None:
-            self._submit(lambda: None).result()
-
-    def _submit(self, fn: Any) -> cf.Future:
-        """Run fn in the worker thread, once it started running."""
-        if self._worker is None:
-            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        started = threading.Event()
-
-        def work() -> Any:
-            started.set()
-            return fn()
-
-        fut = self._worker.submit(work)
-        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
-        # interpreter's switch interval (5 ms) while this thread runs Python; xgrammar's fill and
-        # accept release the GIL inside, so both threads then proceed in parallel
-        started.wait()
-        return fut
-
-    def _copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
-        """Queue a copy of pinned bitmask rows to the device on a side stream (worker thread): it
-        runs beside the queued forward pass instead of before the sampling. -> (copy, its event)."""
-        with torch.cuda.device(self.device):
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream()
-            with torch.cuda.stream(self._copy_stream):
-                dev = rows.to(self.device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-        return dev, event
+        return AcceptJob(states, self._worker.submit(lambda: accept_handles(handles, toks)), self._worker.drain)
 
     def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:
         """Greedy tokens [B] of a step whose rows are all constrained and greedy (``fill.greedy``):
