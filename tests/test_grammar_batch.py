@@ -145,17 +145,16 @@ def test_jump_not_searched_without_room(compiled):
     from nbgen.runtime.jump_forward import MIN_JUMP, JumpForward
 
     jf = JumpForward(tokenizer=None)
-    state = _state(compiled)
-    assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
     asked = []
-    real = state.search
-
-    def spy():                            # the search, counted
-        asked.append(1)
-        return real()
-
-    state.search = spy
     for room in (MIN_JUMP - 1, MIN_JUMP):
+        state = _state(compiled)          # one request's grammar (it keeps the request's limits)
+        assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
+
+        def spy(real=state.search):       # the search, counted
+            asked.append(1)
+            return real()
+
+        state.search = spy
         req = Request("r", [1, 2], SamplingParams(max_new_tokens=4 + room))   # room = max_new - len(out) - 1
         req.output_ids = [VOCAB.index(c) for c in "ab"] + [VOCAB.index('"')]
         req.num_computed = len(req.prompt_ids) + len(req.output_ids) - 1
