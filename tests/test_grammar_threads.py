@@ -7,7 +7,8 @@ thread-safe: a matcher changed while the worker fills its row crashes the proces
 mask. Here every worker fill holds its rows' matchers a little longer (a wider window, not a
 synchronisation) and every matcher call the loop thread makes checks that no fill holds that
 matcher; the extraction workload runs with jump-forward (its requests jump in waves, so whole
-staged steps go stale) and token by token, every output valid.
+staged steps go stale) and token by token, the accepts split over the worker and its side thread,
+every output valid.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from nbgen.bench.grammar_replay import tiny_model
 from nbgen.engine import Engine
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime import constraints as constraints_mod
+from nbgen.runtime import fill_worker as fill_worker_mod
 from nbgen.runtime import grammar as grammar_mod
 from nbgen.runtime.overlap import OverlapStepper
 
@@ -39,6 +41,7 @@ class Guard:
         self.held: dict[int, int] = {}        # id(GrammarState) -> fills holding it
         self.clashes: list[str] = []
         self.fills = 0
+        self.sides = 0                        # accepts split over the side thread
         self.widen = threading.Event()        # never set: its wait only widens the window
 
     def fill(self, real: Any) -> Any:
@@ -104,6 +107,13 @@ def guarded():
     mp = pytest.MonkeyPatch()
     mp.setattr(grammar_mod.GrammarState, "__init__", guarded_init)
     mp.setattr(constraints_mod, "fill_bitmask", guard.fill(constraints_mod.fill_bitmask))
+    mp.setattr(fill_worker_mod, "SPLIT_ACCEPT_MIN", 16)      # N rows: the accepts split in two threads
+    beside = fill_worker_mod.FillWorker.beside
+
+    def counted(self: Any, fn: Any) -> Any:
+        guard.sides += 1
+        return beside(self, fn)
+    mp.setattr(fill_worker_mod.FillWorker, "beside", counted)
     with tempfile.TemporaryDirectory() as path:
         tiny_model(path, tok)
         eng = Engine(path, tokenizer_path=tok, device="cpu", dtype="float32", enable_jump_forward=True,
@@ -128,12 +138,13 @@ def test_no_matcher_call_while_the_worker_fills_it(guarded, jump):
     sp = {"temperature": 0.0, "max_new_tokens": 512, "json_schema": json.dumps(grammar_extract.SCHEMA)}
     try:
         loop.call(lambda: setattr(service, "jumper", jumper if jump else None))
-        n0, fills0 = jumper.num_jumps, guard.fills
+        n0, fills0, sides0 = jumper.num_jumps, guard.fills, guard.sides
         guard.clashes.clear()
         outs = eng.generate(prompts, sp, use_tqdm=False)
     finally:
         loop.call(lambda: setattr(service, "jumper", jumper))
     assert guard.fills - fills0 > 10, "the worker never filled"
+    assert guard.sides - sides0 > 10, "the accepts never split"
     assert (jumper.num_jumps > n0) == jump
     assert not guard.clashes, sorted(set(guard.clashes))
     check = grammar_extract.check(outs)

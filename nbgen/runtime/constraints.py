@@ -13,10 +13,10 @@ the tokenizer's columns.
 Under overlap scheduling the fill starts earlier, in a worker thread (``fill_async``): xgrammar's
 fill releases the GIL, so it runs while the loop thread delivers the previous step and schedules
 the next; the sampler then only waits for it (``FillJob``). The same worker accepts each step's
-tokens (``accept_async``) ahead of the next fill. When every row of such a step is a greedy
-constrained row with nothing else to apply (the common extraction batch), the sampler takes the
-tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask beside the model-dtype
-logits (no float32 copy, no separate mask launch, no per-row Python).
+tokens (``accept_async``) ahead of the next fill (runtime/fill_worker.py). When every row of such
+a step is a greedy constrained row with nothing else to apply (the common extraction batch), the
+sampler takes the tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask
+beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from nbgen.core.batch import SeqWork
 from nbgen.runtime.fill_worker import FillWorker
-from nbgen.runtime.grammar_batch import AcceptJob, accept_handles, binding_ready, fill_bitmask, live_rows
+from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
@@ -200,13 +200,11 @@ class Constraints:
         return job
 
     def accept_async(self, fill: FillJob, tokens: list[int]) -> Optional[AcceptJob]:
-        """Start accepting a sampled step's tokens in the worker thread: ``fill`` is the step's
-        bitmask job (its rows' matchers take the tokens), ``tokens`` the step's sampled ids, one per
-        sampling row. None (the caller accepts as before) unless the fill ran in the worker.
-        With jump-forward, rows of requests that jumped after the step was scheduled are left out:
-        their token is never kept (the loop's walk skips them), so their matchers stay as the jump
-        left them for the fill queued next. The matchers must not be touched until
-        ``StepGrammar.settle`` read the job."""
+        """Start accepting a sampled step's tokens (one per sampling row) in the worker thread by the
+        matchers of ``fill``'s rows; None (the caller accepts) unless the fill ran in the worker.
+        Rows of requests that jumped forward after the step was scheduled are left out (the walk
+        skips their token; their matchers stay as the jump left them for the next fill). The
+        matchers must not be touched until ``StepGrammar.settle`` read the job."""
         states, rows = fill.states, fill.rows
         if fill.future is None or states is None or not self._worker.started or not binding_ready():
             return None
@@ -219,7 +217,7 @@ class Constraints:
         if None in handles:
             return None
         toks = [tokens[i] for i in rows]
-        return AcceptJob(states, self._worker.submit(lambda: accept_handles(handles, toks)), self._worker.drain)
+        return AcceptJob(states, self._worker.accept(handles, toks), self._worker.drain)
 
     def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:
         """Greedy tokens [B] of a step whose rows are all constrained and greedy (``fill.greedy``):

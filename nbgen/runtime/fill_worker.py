@@ -8,8 +8,9 @@ token; the loop thread changes a matcher only while no job is queued (``drain`` 
 A job starts only once the worker holds the GIL. While the loop thread runs Python it keeps the GIL
 until its next blocking call or the interpreter's switch interval (5 ms), so ``submit`` blocks (GIL
 released) until the job started running; the job's Python before it enters xgrammar is then short.
-On CUDA the worker also queues the filled bitmask's copy to the device on a side stream
-(``copy_out``), so the copy runs beside the queued forward instead of before the sampling.
+A step's accepts from 128 rows run as two halves at once, one in a side thread. On CUDA the worker
+also queues the filled bitmask's copy to the device on a side stream (``copy_out``), so the copy
+runs beside the queued forward instead of before the sampling.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from nbgen.runtime.grammar_batch import accept_handles
+
+SPLIT_ACCEPT_MIN = 64  # rows in each half of a step's accept split over two threads
+
 
 class FillWorker:
     """One worker thread (started on first use) and, on CUDA, its side stream for bitmask copies."""
@@ -27,6 +32,7 @@ class FillWorker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: Optional[cf.ThreadPoolExecutor] = None
+        self._side: Optional[cf.ThreadPoolExecutor] = None   # runs part of a job beside the worker
         self._stream: Optional[Any] = None         # CUDA: the bitmask copies' side stream
 
     @property
@@ -38,15 +44,32 @@ class FillWorker:
         """Run fn in the worker thread after the jobs queued before it; returns once it started."""
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        started = threading.Event()
+        return _started(self._pool, fn)
 
-        def work() -> Any:
-            started.set()
-            return fn()
+    def beside(self, fn: Callable[[], Any]) -> cf.Future:
+        """Run fn in the side thread now, beside whatever the worker runs (a part of the job queued
+        next, which waits for it); returns once it started."""
+        if self._side is None:
+            self._side = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-side")
+        return _started(self._side, fn)
 
-        fut = self._pool.submit(work)
-        started.wait()
-        return fut
+    def accept(self, handles: list[Any], toks: list[int]) -> cf.Future:
+        """Queue the matchers ``handles`` (FFI objects) accepting ``toks`` (``accept_handles``); the
+        future gives None or the refused positions. From 2 x SPLIT_ACCEPT_MIN rows half of them run
+        in the side thread at the same time (xgrammar's accept is a loop over the rows); the worker's
+        half waits for it, so a fill queued behind the job sees every token accepted."""
+        if len(handles) < 2 * SPLIT_ACCEPT_MIN:
+            return self.submit(lambda: accept_handles(handles, toks))
+        h = len(handles) // 2
+        side = self.beside(lambda: accept_handles(handles[h:], toks[h:]))
+
+        def both() -> Optional[set[int]]:
+            bad, more = accept_handles(handles[:h], toks[:h]), side.result()
+            if more:
+                bad = (bad or set()) | {h + k for k in more}
+            return bad
+
+        return self.submit(both)
 
     def drain(self) -> None:
         """Wait until every job queued so far ran (then the loop thread may change matchers)."""
@@ -64,3 +87,16 @@ class FillWorker:
                 event = torch.cuda.Event()
                 event.record(self._stream)
         return dev, event
+
+
+def _started(pool: cf.ThreadPoolExecutor, fn: Callable[[], Any]) -> cf.Future:
+    """Submit fn to pool; return once it started running (the calling thread blocks, GIL released)."""
+    started = threading.Event()
+
+    def work() -> Any:
+        started.set()
+        return fn()
+
+    fut = pool.submit(work)
+    started.wait()
+    return fut
