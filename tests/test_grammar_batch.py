@@ -145,17 +145,16 @@ def test_jump_not_searched_without_room(compiled):
     from nbgen.runtime.jump_forward import MIN_JUMP, JumpForward
 
     jf = JumpForward(tokenizer=None)
-    state = _state(compiled)
-    assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
     asked = []
-    real = state.search
-
-    def spy():                            # the search, counted
-        asked.append(1)
-        return real()
-
-    state.search = spy
     for room in (MIN_JUMP - 1, MIN_JUMP):
+        state = _state(compiled)          # one request's grammar (it keeps the request's limits)
+        assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
+
+        def spy(real=state.search):       # the search, counted
+            asked.append(1)
+            return real()
+
+        state.search = spy
         req = Request("r", [1, 2], SamplingParams(max_new_tokens=4 + room))   # room = max_new - len(out) - 1
         req.output_ids = [VOCAB.index(c) for c in "ab"] + [VOCAB.index('"')]
         req.num_computed = len(req.prompt_ids) + len(req.output_ids) - 1
@@ -276,3 +275,38 @@ def test_rows_of_two_jumpers_each_jump(compiled):
     assert all(r.output_ids == [brace] + forced for r in reqs)
     assert [j.num_jumps for j in jumpers] == [3, 2] and [j.num_searches for j in jumpers] == [3, 2]
     assert all(VOCAB.index("a") in _allowed(r.grammar) for r in reqs)   # inside the name string now
+
+
+def test_split_accept_reports_refused_rows_of_both_halves(compiled):
+    """FillWorker.accept over 2 x SPLIT_ACCEPT_MIN rows runs half of them in its side thread: the
+    refused positions of both halves come back (the side half's offset by the first half's size),
+    every other matcher took its token, and a job queued next runs after both halves."""
+    from nbgen.runtime.fill_worker import SPLIT_ACCEPT_MIN, FillWorker
+
+    n = 2 * SPLIT_ACCEPT_MIN + 6
+    states = [_state(compiled) for _ in range(n)]
+    brace, bad = VOCAB.index("{"), VOCAB.index("a")        # "a" cannot start a JSON object
+    refuse = {3, n // 2 + 5, n - 1}
+    toks = [bad if k in refuse else brace for k in range(n)]
+    worker = FillWorker(torch.device("cpu"))
+    job = worker.accept([s.handle for s in states], toks)
+    after = worker.submit(lambda: [VOCAB.index('"') in _allowed(s) for s in states])
+    assert job.result() == refuse
+    assert after.result() == [k not in refuse for k in range(n)]   # '"' follows "{" only where it was taken
+
+
+def test_force_rows_takes_all_or_nothing_per_row(compiled):
+    """force_rows: the rows' forced tokens in one batched call; a row with a refused token is put back
+    as it was (its replaced last token accepted again), the other rows keep theirs."""
+    from nbgen.runtime.grammar_batch import force_rows
+
+    ids = {p: VOCAB.index(p) for p in VOCAB}
+    states = [_state(compiled) for _ in range(3)]
+    for s in states:
+        assert s.accept(ids["{"])
+    forced = [[ids['"name": "'], ids["a"]], [ids['"name": "'], ids["1"], ids["}"]], [ids['"'], ids["n"]]]
+    ok = force_rows(states, forced, [None, None, ids["{"]])
+    # row 1: "}" inside the name string is allowed (a string character); row 2 replaced "{" by '"': refused
+    assert ok == [True, True, False]
+    assert ids["b"] in _allowed(states[0]) and ids['"'] in _allowed(states[1])
+    assert ids['"name": "'] in _allowed(states[2])            # back right after its "{"

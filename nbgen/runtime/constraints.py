@@ -13,16 +13,15 @@ the tokenizer's columns.
 Under overlap scheduling the fill starts earlier, in a worker thread (``fill_async``): xgrammar's
 fill releases the GIL, so it runs while the loop thread delivers the previous step and schedules
 the next; the sampler then only waits for it (``FillJob``). The same worker accepts each step's
-tokens (``accept_async``) ahead of the next fill. When every row of such a step is a greedy
-constrained row with nothing else to apply (the common extraction batch), the sampler takes the
-tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask beside the model-dtype
-logits (no float32 copy, no separate mask launch, no per-row Python).
+tokens (``accept_async``) ahead of the next fill (runtime/fill_worker.py). When every row of such
+a step is a greedy constrained row with nothing else to apply (the common extraction batch), the
+sampler takes the tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask
+beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,10 +29,12 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.grammar_batch import AcceptJob, accept_handles, binding_ready, fill_bitmask, live_rows
+from nbgen.runtime.fill_worker import FillWorker
+from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
+from nbgen.runtime.step_inputs import placeholder
 
 logger = logging.getLogger("nbgen")
 
@@ -52,6 +53,7 @@ class FillJob:
     # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
     device_copy: Optional[tuple[Tensor, Any]] = None
     states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
+    seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
         """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
@@ -84,8 +86,7 @@ class Constraints:
         self._host: Optional[Tensor] = None      # int32 [rows, ceil(tokenizer vocab/32)] (pinned on CUDA)
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
-        self._worker: Optional[cf.ThreadPoolExecutor] = None   # fill_async's thread
-        self._copy_stream: Optional[Any] = None    # CUDA: the worker's bitmask copies
+        self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -187,59 +188,36 @@ class Constraints:
                 return None
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
-        job = FillJob(rows, bm, None, vocab, greedy, states=states)
+        job = FillJob(rows, bm, None, vocab, greedy, states=states, seqs=seqs)
         n = len(seqs)
 
         def work() -> None:
             self._fill(rows, states, bm)
             if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
-                job.device_copy = self._copy_out(bm[:n])
+                job.device_copy = self._worker.copy_out(bm[:n])
 
-        job.future = self._submit(work)
+        job.future = self._worker.submit(work)
         return job
 
     def accept_async(self, fill: FillJob, tokens: list[int]) -> Optional[AcceptJob]:
-        """Start accepting a sampled step's tokens in the worker thread: ``fill`` is the step's
-        bitmask job (its rows' matchers take the tokens), ``tokens`` the step's sampled ids, one per
-        sampling row. None (the caller accepts as before) unless the fill ran in the worker.
-        The matchers must not be touched until ``StepGrammar.settle`` read the job."""
-        states = fill.states
-        if fill.future is None or states is None or self._worker is None or not binding_ready():
+        """Start accepting a sampled step's tokens (one per sampling row) in the worker thread by the
+        matchers of ``fill``'s rows; None (the caller accepts) unless the fill ran in the worker.
+        Rows of requests that jumped forward after the step was scheduled are left out (the walk
+        skips their token; their matchers stay as the jump left them for the next fill). The
+        matchers must not be touched until ``StepGrammar.settle`` read the job."""
+        states, rows = fill.states, fill.rows
+        if fill.future is None or states is None or not self._worker.started or not binding_ready():
             return None
+        if states[0].jumper is not None and fill.seqs is not None:
+            seqs = fill.seqs
+            keep = [k for k, i in enumerate(rows) if _kept(seqs[i], i)]
+            if len(keep) != len(rows):
+                states, rows = [states[k] for k in keep], [rows[k] for k in keep]
         handles = [s.handle for s in states]
         if None in handles:
             return None
-        toks = [tokens[i] for i in fill.rows]
-        return AcceptJob(states, self._submit(lambda: accept_handles(handles, toks)))
-
-    def _submit(self, fn: Any) -> cf.Future:
-        """Run fn in the worker thread, once it started running."""
-        if self._worker is None:
-            self._worker = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        started = threading.Event()
-
-        def work() -> Any:
-            started.set()
-            return fn()
-
-        fut = self._worker.submit(work)
-        # block (GIL released) until the worker runs: otherwise it could wait for the GIL until the
-        # interpreter's switch interval (5 ms) while this thread runs Python; xgrammar's fill and
-        # accept release the GIL inside, so both threads then proceed in parallel
-        started.wait()
-        return fut
-
-    def _copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
-        """Queue a copy of pinned bitmask rows to the device on a side stream (worker thread): it
-        runs beside the queued forward pass instead of before the sampling. -> (copy, its event)."""
-        with torch.cuda.device(self.device):
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream()
-            with torch.cuda.stream(self._copy_stream):
-                dev = rows.to(self.device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-        return dev, event
+        toks = [tokens[i] for i in rows]
+        return AcceptJob(states, self._worker.accept(handles, toks), self._worker.drain)
 
     def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:
         """Greedy tokens [B] of a step whose rows are all constrained and greedy (``fill.greedy``):
@@ -293,6 +271,15 @@ class Constraints:
             logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
             self._backend = "torch_native"
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
+
+
+def _kept(s: SeqWork, row: int) -> bool:
+    """Sampling row ``row`` (seq ``s``) of a resolving step still ends its request's output with the
+    row's placeholder: its token is kept (the overlap stepper's walk makes the same check)."""
+    req = s.req
+    at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)
+    out = req.output_ids
+    return 0 <= at < len(out) and out[at] == placeholder(row)
 
 
 def _live_grammar(req: Any) -> bool:

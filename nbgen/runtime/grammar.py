@@ -131,6 +131,8 @@ class GrammarState:
         self.stops = frozenset(stops)
         self.done = False
         self.plain: Optional[bool] = None   # ``plain_greedy``'s answer, set on the first step
+        # jump-forward: (the most output tokens the request may hold, its prompt length), set on first use
+        self.jump_limits: Optional[tuple[int, int]] = None
         # the matcher's FFI object: a step's tokens are accepted by one batched call over these
         # (runtime/grammar_batch.py); its accept_token, called as (token, debug_print), skips
         # xgrammar's Python wrapper for single tokens (matcher.accept_token if it moves)

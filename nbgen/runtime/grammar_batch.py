@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from nbgen.core.finish import FinishReason
 
@@ -41,6 +41,8 @@ def binding_ready() -> bool:
 def accept_handles(handles: list[Any], toks: list[int]) -> Optional[set[int]]:
     """Matcher ``handles[k]`` (FFI objects) accepts ``toks[k]``, one call (GIL released inside
     xgrammar): None when every token was taken, else the refused positions (run in a worker)."""
+    if not handles:
+        return None
     flags = _binding().batch_accept_token(handles, toks, False)
     if 0 not in flags:
         return None
@@ -49,26 +51,31 @@ def accept_handles(handles: list[Any], toks: list[int]) -> Optional[set[int]]:
 
 class AcceptJob:
     """A step's tokens being accepted in a worker (``Constraints.accept_async``): the matchers of
-    ``states`` (the step's live constrained rows when its bitmask was filled) take their tokens while
-    the loop thread walks the step's rows; ``StepGrammar.settle`` then reads the outcome."""
+    ``states`` (the step's live constrained rows when its bitmask was filled, less rows already
+    stale) take their tokens while the loop thread walks the step's rows; ``StepGrammar.settle``
+    then reads the outcome. ``drain`` waits until the worker ran everything queued (the next step's
+    fill may be queued behind the accepts: a matcher is never changed while the worker fills it)."""
 
-    def __init__(self, states: list[Any], future: Any) -> None:
+    def __init__(self, states: list[Any], future: Any, drain: Callable[[], None]) -> None:
         self.states = states
         self.future = future          # -> None or the refused positions in states
+        self.drain = drain
 
     def refused(self, kept: list[Any]) -> set[int]:
         """Wait; the positions in ``kept`` (the states the step's walk gathered, a subset of
         ``states`` in the same order) whose token was refused. A matcher of a row the walk did not
-        keep (its request aborted or preempted meanwhile: its token is not in its output) gives its
-        token back."""
+        keep (its request aborted meanwhile: its token is not in its output) gives its token back,
+        once the worker is idle."""
         bad = self.future.result()
         if len(kept) == len(self.states) and not bad:
             return set()
         out = {id(self.states[k]) for k in bad} if bad else set()
         if len(kept) != len(self.states):
             ids = {id(s) for s in kept}
-            for k, s in enumerate(self.states):
-                if id(s) not in ids and id(s) not in out:
+            back = [s for s in self.states if id(s) not in ids and id(s) not in out]
+            if back:
+                self.drain()
+                for s in back:
                     s.matcher.rollback(1)
         return {k for k, s in enumerate(kept) if id(s) in out} if out else set()
 
@@ -78,6 +85,40 @@ def accept_tokens(states: list[Any], toks: list[int]) -> list[bool]:
     A refused token leaves its matcher unchanged."""
     refused = _accept(states, [s.handle for s in states], toks)
     return [True] * len(states) if refused is None else [k not in refused for k in range(len(states))]
+
+
+def force_rows(states: list[Any], idss: list[Any], replaced: list[Optional[int]]) -> list[bool]:
+    """Each GrammarState ``states[k]`` accepts the forced tokens ``idss[k]`` (jump-forward), after
+    rolling back its last token where ``replaced[k]`` (that token) is given; all or nothing per row:
+    a row with a refused token is put back as it was. One call into xgrammar for all rows (its
+    batched accept is a loop in order, so a matcher may appear once per token)."""
+    handles = [s.handle for s in states]
+    binding = _binding()
+    if binding is None or None in handles:
+        return [s.force(list(ids), r) for s, ids, r in zip(states, idss, replaced)]
+    back = [h for h, r in zip(handles, replaced) if r is not None]
+    if back:
+        binding.batch_rollback(back, [1] * len(back))
+    hs: list[Any] = []
+    toks: list[int] = []
+    for h, ids in zip(handles, idss):
+        hs += [h] * len(ids)
+        toks += ids
+    flags = binding.batch_accept_token(hs, toks, False)
+    if 0 not in flags:
+        return [True] * len(states)
+    flags = list(flags)
+    ok, at = [], 0
+    for s, ids, r in zip(states, idss, replaced):
+        took = sum(flags[at:at + len(ids)])
+        at += len(ids)
+        ok.append(took == len(ids))
+        if took != len(ids):               # tokens after a refused one may have been taken: all back
+            if took:
+                s.matcher.rollback(took)
+            if r is not None:
+                s.accept(r)
+    return ok
 
 
 def _accept(states: list[Any], handles: list[Any], toks: list[int]) -> Optional[set[int]]:
@@ -113,6 +154,8 @@ class StepGrammar:
     # unless a token is refused or the request jumps, so without jumpers settle visits these only
     flagged: list[int] = field(default_factory=list)
     jumping: bool = False                                            # some row's grammar has a jumper
+    jumper: Any = None                                               # the first row's jumper (one per engine)
+    mixed: bool = False                                              # rows of other jumpers, or of none, too
 
     def add(self, req: Any, tok: int, reason: Optional[FinishReason]) -> None:
         """Gather one row (req.grammar set, tok >= 0)."""
@@ -123,12 +166,22 @@ class StepGrammar:
             return
         if reason is not None or tok in g.stops:
             self.flagged.append(len(self.reqs))
-        if g.jumper is not None:
-            self.jumping = True
+        if g.jumper is not self.jumper:
+            self._other_jumper(g.jumper)
         self.reqs.append(req)
         self.toks.append(tok)
         self.reasons.append(reason)
         self.states.append(g)
+
+    def _other_jumper(self, jumper: Any) -> None:
+        """A row whose jumper is not the rows' so far (the first one with a jumper, or a swap)."""
+        if self.jumper is None and not self.reqs:
+            self.jumper = jumper
+        else:
+            self.mixed = True
+            if self.jumper is None:
+                self.jumper = jumper
+        self.jumping = True
 
     def completing(self) -> set[int]:
         """ids of the gathered GrammarStates whose token is one of their stop ids: their grammar
@@ -151,35 +204,29 @@ class StepGrammar:
             refused = _accept(states, [s.handle for s in states], toks) or ()
         if not self.reqs:
             return out
-        if not refused and not self.jumping:        # the common step: only the flagged rows change
-            for k in self.flagged:
-                reason = states[k].settle(toks[k], True, reasons[k])
-                if reason is not None:
-                    out.append((self.reqs[k], reason))
-            return out
-        first: Any = None                  # the rows' jumper (one per engine): its rows jump together
-        going: list[Any] = []
-        going_states: list[Any] = []
-        for k, state in enumerate(states):
-            tok, reason = toks[k], reasons[k]
-            if k in refused or tok in state.stops or reason is not None:
-                reason = state.settle(tok, k not in refused, reason)
-                if reason is not None:
-                    out.append((self.reqs[k], reason))
-                    continue
-            jumper = state.jumper
-            if jumper is None:
-                continue
-            if first is None:
-                first = jumper
-            if jumper is first:
-                going.append(self.reqs[k])
-                going_states.append(state)
-            else:                           # another jumper's row (the engine swapped its jumper)
-                jumper.jump(self.reqs[k], state, context_length)
-        if first is not None:               # runtime/jump_forward.py
-            first.jump_rows(going, going_states, context_length)
+        check = self.flagged if not refused else sorted(set(self.flagged).union(refused))
+        gone: set[int] = set()       # rows whose request finishes
+        for k in check:              # without a refused token or a jumper only the flagged rows change
+            reason = states[k].settle(toks[k], k not in refused, reasons[k])
+            if reason is not None:
+                out.append((self.reqs[k], reason))
+                gone.add(k)
+        if self.jumping:
+            self._jump(gone, context_length)
         return out
+
+    def _jump(self, gone: set[int], context_length: Optional[int]) -> None:
+        """Rows that go on jump forward where their grammar forces text (runtime/jump_forward.py)."""
+        reqs, states = self.reqs, self.states
+        if gone:
+            keep = [k for k in range(len(reqs)) if k not in gone]
+            reqs, states = [reqs[k] for k in keep], [states[k] for k in keep]
+        if not self.mixed:
+            self.jumper.jump_rows(reqs, states, context_length)
+            return
+        for req, state in zip(reqs, states):      # the engine swapped its jumper between requests
+            if state.jumper is not None:
+                state.jumper.jump(req, state, context_length)
 
 
 def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:

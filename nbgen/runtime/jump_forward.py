@@ -29,9 +29,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from nbgen.runtime.grammar_batch import force_rows
+
 MIN_JUMP = 2  # fewer new tokens than this: decode them (a one-token jump saves one row of one step)
 MAX_PLANS = 4096  # (last token, forced text) -> tokenization kept: a batch's requests share keys and punctuation
 REPLACEMENT = "\ufffd"
+BIG = 1 << 62
+_UNSEEN = object()   # a (last token, forced text) not planned yet (a plan may be None)
 
 
 class JumpForward:
@@ -42,7 +46,7 @@ class JumpForward:
         self.num_jumps = 0          # jumps made
         self.num_tokens = 0         # tokens appended by them (net of replaced ones)
         self.num_searches = 0       # grammar searches for forced text (find_jump_forward_string)
-        self._plans: dict[tuple[int, str], Optional[tuple[bool, list[int]]]] = {}   # tail's results
+        self._plans: dict[tuple[int, str], Optional[tuple[bool, tuple[int, ...]]]] = {}   # tail's results
 
     def _encode(self, text: str) -> Optional[list[int]]:
         """Token ids of text, or None when they do not decode back to exactly text."""
@@ -57,24 +61,28 @@ class JumpForward:
 
         ``last`` is the token just sampled; it is encoded again with the forced text when it
         decodes to whole characters. Results are cached (the tokenizer calls cost ~30-100 us)."""
-        key = (last, forced)
-        if key not in self._plans:
-            if len(self._plans) >= MAX_PLANS:
-                self._plans.clear()
-            self._plans[key] = self._plan(last, forced)
-        plan = self._plans[key]
+        plan = self._plan_of(last, forced)
         return None if plan is None else (plan[0], list(plan[1]))
 
-    def _plan(self, last: int, forced: str) -> Optional[tuple[bool, list[int]]]:
+    def _plan_of(self, last: int, forced: str) -> Optional[tuple[bool, tuple[int, ...]]]:
+        key = (last, forced)
+        plan = self._plans.get(key, _UNSEEN)
+        if plan is _UNSEEN:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = self._plan(last, forced)
+        return plan
+
+    def _plan(self, last: int, forced: str) -> Optional[tuple[bool, tuple[int, ...]]]:
         text = self.tokenizer.decode([last], clean_up_tokenization_spaces=False)
         if text and REPLACEMENT not in text:
             ids = self._encode(text + forced)
             if ids is not None:
                 if ids[0] == last:
-                    return False, ids[1:]
-                return True, ids
+                    return False, tuple(ids[1:])
+                return True, tuple(ids)
         ids = self._encode(forced)
-        return None if ids is None else (False, ids)
+        return None if ids is None else (False, tuple(ids))
 
     def jump(self, req: Any, state: Any, context_length: Optional[int]) -> bool:
         """Append the forced continuation of req (its grammar ``state`` just accepted the last
@@ -83,51 +91,67 @@ class JumpForward:
 
     def jump_rows(self, reqs: list[Any], states: list[Any], context_length: Optional[int]) -> int:
         """``jump`` for a step's rows that go on (``states[k]``: ``reqs[k]``'s grammar, which just
-        accepted the request's last output token); how many jumped."""
-        # runs for every constrained row of every step: the checks before the search stay few, in one loop
-        big = 1 << 62
-        jumped = searched = 0
+        accepted the request's last output token); how many jumped. The rows' matchers take their
+        forced tokens in one call into xgrammar (``force_rows``)."""
+        # runs for every constrained row of every step: the checks before the search stay few
+        todo: list[tuple[Any, Any, int, str]] = []      # (req, state, room, forced text)
         for req, state in zip(reqs, states):
+            limits = state.jump_limits
+            if limits is None:
+                limits = state.jump_limits = _limits(req, context_length)
+            cap, n_prompt = limits
             out = req.output_ids
-            n_out, n_prompt = len(out), len(req.prompt_ids)
-            if not n_out or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
-                continue                          # the last token is not the one just accepted
-            if req.logprobs.return_logprob or req.return_hidden_states:
-                continue
+            n_out = len(out)
             # room: at least one sampled token must follow (max_new_tokens / the context end it); a jump
             # adds at most room tokens, so without room for MIN_JUMP the grammar is not even asked
-            limit = req.params.max_new_tokens
-            room = (big if limit is None else limit) - n_out - 1
-            if context_length is not None and context_length - n_prompt - n_out - 1 < room:
-                room = context_length - n_prompt - n_out - 1
-            if room < MIN_JUMP:
-                continue
-            searched += 1
+            room = cap - n_out - 1
+            if room < MIN_JUMP or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
+                continue                          # or the last token is not the one just accepted
             forced = state.search()               # the matcher's find_jump_forward_string
-            if forced and self._apply(req, state, out, forced, room):
-                jumped += 1
-        self.num_searches += searched
+            todo.append((req, state, room, forced))
+        self.num_searches += len(todo)
+        rows: list[tuple[Any, Any, bool, tuple[int, ...]]] = []     # (req, state, replace, ids)
+        for req, state, room, forced in todo:
+            if not forced:
+                continue
+            out = req.output_ids
+            plan = self._plan_of(out[-1], forced)
+            if plan is None:
+                continue
+            replace, ids = plan
+            if len(ids) > room + replace:
+                ids = ids[: room + replace]
+            if not req.stop_ids.isdisjoint(ids):  # cut before the first stop id
+                ids = ids[: min(k for k, t in enumerate(ids) if t in req.stop_ids)]
+            if len(ids) - replace < MIN_JUMP or not state.stops.isdisjoint(ids) or max(ids) >= state.vocab:
+                continue
+            rows.append((req, state, replace, ids))
+        if not rows:
+            return 0
+        took = force_rows([r[1] for r in rows], [r[3] for r in rows],
+                          [r[0].output_ids[-1] if r[2] else None for r in rows])
+        jumped = 0
+        for (req, _, replace, ids), ok in zip(rows, took):
+            if not ok:
+                continue
+            out = req.output_ids
+            if replace:
+                out.pop()
+            out.extend(ids)
+            jumped += 1
+            self.num_tokens += len(ids) - replace
+        self.num_jumps += jumped
         return jumped
 
-    def _apply(self, req: Any, state: Any, out: list[int], forced: str, room: int) -> bool:
-        """Append the tokens of ``forced`` (text the grammar allows next, only) to req's output
-        ``out`` within ``room`` tokens, the matcher taking them; True when it did."""
-        planned = self.tail(out[-1], forced)
-        if planned is None:
-            return False
-        replace, ids = planned
-        keep = len(out) - (1 if replace else 0)
-        ids = ids[: max(0, room + (1 if replace else 0))]
-        for k, t in enumerate(ids):
-            if t in req.stop_ids or not 0 <= t < state.vocab:
-                ids = ids[:k]
-                break
-        if len(ids) - (1 if replace else 0) < MIN_JUMP:
-            return False
-        if not state.force(ids, out[-1] if replace else None):
-            return False
-        del out[keep:]
-        out.extend(ids)
-        self.num_jumps += 1
-        self.num_tokens += len(ids) - (1 if replace else 0)
-        return True
+
+def _limits(req: Any, context_length: Optional[int]) -> tuple[int, int]:
+    """(the most output tokens req may hold, its prompt length) for the jump's room; a request that
+    never jumps (logprobs or hidden states: one entry per sampled token) gets no room."""
+    n_prompt = len(req.prompt_ids)
+    if req.logprobs.return_logprob or req.return_hidden_states:
+        return -1, n_prompt
+    limit = req.params.max_new_tokens
+    cap = BIG if limit is None else limit
+    if context_length is not None:
+        cap = min(cap, context_length - n_prompt)
+    return cap, n_prompt
