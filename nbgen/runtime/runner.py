@@ -25,7 +25,7 @@ from nbgen.runtime.logprobs import RowLogprobs
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.tp_step import StepSender
-from nbgen.runtime.step_inputs import FlatStep, flatten, placeholder_patch, to_device
+from nbgen.runtime.step_inputs import FlatStep, flatten, placeholder_patch, sampling_rows, to_device
 from nbgen.runtime.vision_step import has_image_prefill, vision_step_for
 
 
@@ -177,7 +177,7 @@ class ModelRunner:
         """A decode graph step's inputs (and its LoRA rows) queued for replay."""
         if self.lora is not None and self.lora.in_graphs:
             self.lora.stage(batch)
-        return self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+        return self.graphs.stage(batch)
 
     def _lora_eager(self, batch: ScheduledBatch) -> bool:
         """The batch has adapter rows and the graphs hold no LoRA kernels (no slot pool)."""
@@ -213,11 +213,10 @@ class ModelRunner:
     def _queue_forward(self, batch: ScheduledBatch, staged: Optional[PreparedStep]) -> Forwarded:
         if staged is not None or self._graphable(batch):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
-            seqs = [s for s in batch.seqs if s.sample]
+            seqs, rows = sampling_rows(batch)
             if staged is None:
                 staged = self._stage(batch)
             hidden = self.graphs.replay(staged, self._last_tokens)
-            rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
             if not rows and seqs:             # logits over the graph's padded rows, see _logits
                 return Forwarded(batch, seqs, self._logits(self.graphs.padded_output(staged), len(seqs)))
         else:

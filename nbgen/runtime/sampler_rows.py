@@ -1,14 +1,16 @@
-"""Which rows of a sampling step need what: the per-row predicates the sampler decides its fast paths by
-(a raw argmax, a raw draw / temperature), the rows whose processing may leave no token, and the
-host-built parameter tensors it sends without a stream sync."""
+"""Which rows of a sampling step need what: the per-row kinds the sampler decides its fast paths by
+(a raw argmax, a raw draw / temperature; a batch's set of them), the rows whose processing may leave no
+token, and the host-built parameter tensors it sends without a stream sync."""
 from __future__ import annotations
 
-from typing import Any
+from operator import attrgetter
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
+
 
 def host_tensor(data: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small host-built tensor on `device` without a stream sync.
@@ -24,7 +26,7 @@ def host_tensor(data: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
 def raw_kind(s: SeqWork) -> str:
     """"argmax" where the row's token is the argmax of its raw logits, "draw" where it is a Gumbel-max
     draw from its raw logits / temperature (nothing to process, cut, constrain or report), else "".
-    Runs for every row every step: the static part is computed once per request."""
+    The static part is computed once per request (``req.raw_kind``); min_new_tokens per step."""
     req = s.req
     kind = req.raw_kind
     if kind is None:
@@ -34,14 +36,19 @@ def raw_kind(s: SeqWork) -> str:
     return kind if kind and not stop_ids_banned(s) else ""
 
 
-def plain_greedy(s: SeqWork) -> bool:
-    """The row's token is the argmax of its raw logits."""
-    return raw_kind(s) == "argmax"
+_req = attrgetter("req")
+_req_kind = attrgetter("raw_kind")
+_min_new_tokens = attrgetter("params.min_new_tokens")
 
 
-def plain_draw(s: SeqWork) -> bool:
-    """The row's token is a draw from its raw logits / temperature."""
-    return raw_kind(s) == "draw"
+def raw_kinds(seqs: Sequence[SeqWork]) -> set[str]:
+    """The rows' ``raw_kind`` values as a set. Requests without min_new_tokens that stepped before keep
+    their kind (``req.raw_kind``): read at C speed, no per-row Python."""
+    reqs = list(map(_req, seqs))
+    kinds = set(map(_req_kind, reqs))
+    if None in kinds or any(map(_min_new_tokens, reqs)):
+        return set(map(raw_kind, seqs))
+    return kinds
 
 
 def stop_ids_banned(s: SeqWork) -> bool:

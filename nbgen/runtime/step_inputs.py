@@ -10,12 +10,16 @@ stepper replaces them in the outputs once step N is resolved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from itertools import compress
+from operator import attrgetter
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
+
+_sample = attrgetter("sample")
 
 
 def placeholder(row: int) -> int:
@@ -65,6 +69,14 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
     return FlatStep(ids, pos, rows, seqs, starts)
 
 
+def sampling_rows(batch: ScheduledBatch) -> tuple[list[SeqWork], list[int]]:
+    """The batch's sampling seqs [S] and their rows in it ([] when every seq samples: the rows are 0..S-1)."""
+    seqs = list(compress(batch.seqs, map(_sample, batch.seqs)))
+    if len(seqs) == len(batch.seqs):
+        return seqs, []
+    return seqs, [i for i, s in enumerate(batch.seqs) if s.sample]
+
+
 def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
     """``flatten(batch).positions`` written straight into ``out`` (int64, at least the batch's token
     count): numpy ranges per seq, no Python list of ints (the prefill graphs' staging buffer)."""
@@ -81,7 +93,7 @@ def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
         o += b - a
 
 
-def rope_deltas(seqs: list[SeqWork]) -> np.ndarray:
+def rope_deltas(seqs: Sequence[SeqWork]) -> np.ndarray:
     """[B] M-RoPE position offsets of one-token decode seqs (0 for text models and text prompts)."""
     return np.fromiter((s.req.rope_delta for s in seqs), dtype=np.int64, count=len(seqs))
 
