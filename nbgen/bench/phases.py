@@ -32,7 +32,7 @@ _CALLS: dict[str, tuple[str, str]] = {
     "fill_start": ("runner.sampler.constraints", "fill_async"),
     # parts of the phases above: the decode page tables and the shared-prefix plan (inside stage), the
     # graph replay and the LM head (inside forward)
-    "tables": ("runner.backend.tables", "build"),
+    "tables": ("runner.backend.tables", "fill"),
     "cascade_plan": ("runner.graphs.cascade", "plan"),
     "replay": ("runner.graphs", "replay"),
     "logits": ("runner.model", "compute_logits"),
