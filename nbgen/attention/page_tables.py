@@ -8,15 +8,12 @@ instead of per-row Python (only the rows that crossed a page boundary copy their
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Optional, Sequence
 
 import numpy as np
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
 
-_pages_of = attrgetter("pages")
-_start_of = attrgetter("start_pos")
 
 
 def page_tables(seqs: Sequence[SeqWork], page_size: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -67,6 +64,7 @@ class DecodeTables:
         self._top = 0                                   # arena entries handed out
         self._keys: list[int] = []                      # the previous fill's row keys and slots
         self._rows = np.zeros(0, dtype=np.int64)
+        self._shared = False                            # some rows of the previous fill share a slot
         self.version = 0     # changes whenever a fill's rows are not the previous fill's page lists in order
         self._ramp = np.arange(1 << 14, dtype=np.int64)
 
@@ -137,12 +135,14 @@ class DecodeTables:
         """Write the page tables of one-token seqs: ``indptr`` [B + 1], ``indices`` [nnz], ``last`` [B]
         (page lengths), int32 arrays at least that long; returns the row values besides them."""
         P, B = self.P, len(seqs)
-        keys = list(map(id, map(_pages_of, seqs)))
-        start = np.fromiter(map(_start_of, seqs), dtype=np.int64, count=B)
+        keys = [id(s.pages) for s in seqs]
+        start = np.fromiter([s.start_pos for s in seqs], dtype=np.int64, count=B)
         kv = start + 1
         npages = (kv + (P - 1)) // P
-        if keys == self._keys:
-            rows = self._rows                               # row -> slot, as in the previous fill
+        fresh = None
+        if keys == self._keys:          # the previous fill's rows: none is at its last prompt token (see below)
+            rows = self._rows
+            count = self._count[rows]
         else:
             self.version += 1
             found = list(map(self._slot.get, keys))
@@ -152,11 +152,13 @@ class DecodeTables:
                         f = self._slot.get(keys[i])             # a second row of the same list
                         found[i] = self._new_slot(seqs[i]) if f is None else f
             rows = np.array(found, dtype=np.int64)
-        count = self._count[rows]
-        fresh = start < self._plen[rows]                    # a last prompt token: swap may follow
-        if fresh.any():
-            self.version += 1
-            count[fresh] = 0                                # copied again, the slot dropped below
+            self._shared = len(set(found)) < B                  # rows of one request (forced rows)
+            count = self._count[rows]
+            fresh = start < self._plen[rows]                    # a last prompt token: swap may follow
+            if fresh.any():
+                count[fresh] = 0                                # copied again, the slot dropped below
+            else:
+                fresh = None
         grow = np.flatnonzero(npages > count)
         if len(grow):
             self._copy_new(seqs, grow, rows, count, npages)
@@ -172,9 +174,9 @@ class DecodeTables:
         lastlen = kv - (npages - 1) * P
         last[:B] = lastlen
         slots = indices[indptr[1: B + 1] - 1].astype(np.int64) * P + (lastlen - 1)
-        if fresh.any():
+        if fresh is not None:
             for key in {keys[i] for i in np.flatnonzero(fresh).tolist()}:
-                self._drop(key)
+                self._drop(key)                             # also resets _keys: the next fill checks again
         else:
             self._keys, self._rows = keys, rows
         if len(self._slot) > 2 * B + 256:
@@ -184,11 +186,17 @@ class DecodeTables:
     def _copy_new(self, seqs: Sequence[SeqWork], grow: np.ndarray, rows: np.ndarray, count: np.ndarray,
                   npages: np.ndarray) -> None:
         """Copy the pages rows ``grow`` need that their slots lack (``count``: pages each slot holds)."""
+        g, slots, c, m = grow.tolist(), rows[grow], count[grow], npages[grow]
+        if not self._shared and (m <= self._cap[slots]).all() and (m == c + 1).all():
+            # the usual step: rows crossed into one new page each, room for it in their slots
+            self._arena[self._off[slots] + c] = [seqs[i].pages[j] for i, j in zip(g, c.tolist())]
+            self._count[slots] = m
+            return
         todo: dict[int, tuple[int, int, int]] = {}          # slot -> (row, pages held, pages needed)
-        for i, slot, c, m in zip(grow.tolist(), rows[grow].tolist(), count[grow].tolist(), npages[grow].tolist()):
+        for i, slot, ci, mi in zip(g, slots.tolist(), c.tolist(), m.tolist()):
             t = todo.get(slot)                              # rows of one request (forced rows): the most
-            if t is None or m > t[2]:
-                todo[slot] = (i, c, m)
+            if t is None or mi > t[2]:
+                todo[slot] = (i, ci, mi)
         moved = False
         for slot, (_i, _c, m) in todo.items():              # moves first: a compaction moves every slot
             if m > self._cap[slot]:

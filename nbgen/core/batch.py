@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Optional
 
 from nbgen.core.request import Request
-
-_token_ids = attrgetter("token_ids")
-
 
 @dataclass
 class SeqWork:
@@ -66,7 +62,7 @@ class ScheduledBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return not any(map((1).__ne__, map(len, map(_token_ids, self.seqs))))   # every q_len is 1, at C speed
+        return all(len(s.token_ids) == 1 for s in self.seqs)    # q_len inlined: runs every step
 
 
 @dataclass

@@ -12,7 +12,6 @@ graph size bs hold token 0 at position 0 with one page, the scratch page, writte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -25,8 +24,6 @@ from nbgen.runtime.cascade_graphs import CascadeTables, blocks128
 from nbgen.runtime.pages import SCRATCH_PAGE
 from nbgen.runtime.step_inputs import is_placeholder, placeholder_row, rope_deltas
 
-_first_token = itemgetter(0)
-_token_ids = attrgetter("token_ids")
 
 
 class StagingLayout:
@@ -96,8 +93,7 @@ class DecodeStaging:
         r = self.tables.fill(seqs, ip, idx, last)
         nnz, pad = r.nnz, bs - n
         io = io64[: 4 * bs].reshape(4, bs)
-        tok = np.fromiter(ids if ids is not None else map(_first_token, map(_token_ids, seqs)),
-                          dtype=np.int64, count=n)
+        tok = np.fromiter(ids if ids is not None else [s.token_ids[0] for s in seqs], dtype=np.int64, count=n)
         ph = is_placeholder(tok)
         placeholders = bool(ph.any())
         if placeholders:

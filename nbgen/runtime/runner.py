@@ -184,9 +184,7 @@ class ModelRunner:
         return self.lora is not None and not self.lora.in_graphs and self.lora.uses_adapters(batch)
 
     def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
-        if self._lora_eager(batch):
-            return False
-        if self.vision is not None and has_image_prefill(batch):
+        if self._lora_eager(batch) or self.vision is not None and has_image_prefill(batch):
             return False
         if n_prev is None:
             n_prev = self._last_tokens.numel() if self._last_tokens is not None else 0
@@ -282,6 +280,8 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         toks = launched.host.tolist() if launched.host is not None else []
+        if len(toks) == len(launched.batch.seqs):   # every seq sampled
+            return toks
         it = iter(toks)
         return [next(it) if s.sample else -1 for s in launched.batch.seqs]
 

@@ -10,17 +10,12 @@ stepper replaces them in the outputs once step N is resolved.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
-
-_sample = attrgetter("sample")
-
 
 def placeholder(row: int) -> int:
     """The placeholder id for row ``row`` of the previous launch's sampled ids."""
@@ -71,7 +66,7 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
 
 def sampling_rows(batch: ScheduledBatch) -> tuple[list[SeqWork], list[int]]:
     """The batch's sampling seqs [S] and their rows in it ([] when every seq samples: the rows are 0..S-1)."""
-    seqs = list(compress(batch.seqs, map(_sample, batch.seqs)))
+    seqs = [s for s in batch.seqs if s.sample]
     if len(seqs) == len(batch.seqs):
         return seqs, []
     return seqs, [i for i, s in enumerate(batch.seqs) if s.sample]
