@@ -6,10 +6,10 @@ memory pool (captured largest first, so smaller graphs reuse its blocks). A deco
 replays the smallest graph with bs >= n: rows n..bs-1 are padding whose page table is the scratch
 page 0 (one token) and whose KV slot is slot 0 of that page, so they never touch live pages.
 
-Per replay the host does numpy work only: the step's token ids, positions, KV slots, placeholder
-sources and page tables go to the GPU in one copy from a pinned staging buffer into the buffer the
-graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton kernel's batch
-sizes, is re-planned). Overlap placeholders (``step_inputs.placeholder(k)`` = "row k of the previous
+Per replay the host does numpy work only (runtime/decode_staging.py): the step's token ids, positions,
+KV slots, placeholder sources and page tables go to the GPU in one copy from a pinned staging buffer
+into the buffer the graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton
+kernel's batch sizes, is re-planned). Overlap placeholders (``step_inputs.placeholder(k)`` = "row k of the previous
 step's sampled ids") are resolved inside the graph from ``prev``, where greedy sampling writes its ids directly
 (``ModelRunner.sample``; other sampled ids are copied there): no host->device transfer for them.
 Staging buffers alternate between two slots, each guarded by an event (a step's copies may still be
