@@ -104,7 +104,7 @@ def test_staging_matches_page_lists(seed: int, monkeypatch: pytest.MonkeyPatch) 
     prefixes = [[pool.pop() for _ in range(rng.randint(4, 10))] for _ in range(3)]
     casc = CascadeTables(_Backend(P), 64)
     layout = StagingLayout(64, 4096, P, casc.size)
-    tables = DecodeTables(P)
+    tables = DecodeTables(P, arena=rng.choice([256, 1 << 14]))    # a small arena: compactions and growth
     staging = DecodeStaging(layout, tables, graph_batch_sizes(64), casc, mrope=False)
     bufs = [np.zeros(layout.size, dtype=np.int32) for _ in range(2)]
     live = [_new_request(rng, k, P, prefixes, pool) for k in range(rng.randint(20, 60))]
@@ -180,3 +180,27 @@ def test_padding_step() -> None:
     assert io64[: 3 * 24].tolist() == [0] * 72 and io64[72: 96].tolist() == [-1] * 24
     assert ip[:25].tolist() == list(range(25)) and last[:24].tolist() == [1] * 24
     assert order[:24].tolist() == list(range(24)) and idx[:24].tolist() == [SCRATCH_PAGE] * 24
+
+
+def test_tables_prune_finished_lists() -> None:
+    """Many short-lived requests: the slots of lists no longer stepped are freed (and their arena space
+    reused), the tables still equal the page lists'."""
+    P, rng = 4, random.Random(1)
+    tables = DecodeTables(P, arena=512)
+    live: list[Request] = []
+    for step in range(400):
+        live = [r for r in live if rng.random() < 0.7]
+        while len(live) < 4:
+            r = Request(str(step * 10 + len(live)), [1] * rng.randint(1, 30), SamplingParams())
+            r.pages = [rng.randrange(1, 10_000) for _ in range(-(-(len(r.prompt_ids) + 1) // P))]
+            live.append(r)
+        seqs = []
+        for r in live:
+            r.output_ids.append(0)
+            while len(r.pages) * P < r.num_tokens:
+                r.pages.append(rng.randrange(1, 10_000))
+            seqs.append(SeqWork(r, [0], r.num_tokens - 1, r.pages, True))
+        indptr, idx, last, pos, slots = tables.build(seqs)
+        _, ref_ptr, ref_idx, ref_last = page_tables(seqs, P)
+        assert indptr.tolist() == ref_ptr and idx.tolist() == ref_idx and last.tolist() == ref_last
+        assert slots.tolist() == [s.pages[s.start_pos // P] * P + s.start_pos % P for s in seqs]

@@ -51,7 +51,8 @@ class DecodeTables:
     copied again too.
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, arena: int = 1 << 14) -> None:
+        """``arena``: int32 entries reserved at first (the arena doubles as needed)."""
         self.P = page_size
         self._slot: dict[int, int] = {}                 # id(pages list) -> slot
         self._lists: list[Optional[list[int]]] = []     # slot -> its list (keeps the id taken), None: free
@@ -60,7 +61,7 @@ class DecodeTables:
         self._cap = np.zeros(0, dtype=np.int64)        # slot -> arena entries reserved
         self._count = np.zeros(0, dtype=np.int64)      # slot -> pages copied
         self._plen = np.zeros(0, dtype=np.int64)       # slot -> prompt length of its request
-        self._arena = np.zeros(1 << 14, dtype=np.int32)
+        self._arena = np.zeros(arena, dtype=np.int32)
         self._top = 0                                   # arena entries handed out
         self._keys: list[int] = []                      # the previous fill's row keys and slots
         self._rows = np.zeros(0, dtype=np.int64)
