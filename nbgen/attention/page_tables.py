@@ -34,8 +34,7 @@ class DecodeRows:
     """What ``DecodeTables.fill`` computed besides the tables it wrote: per row (B rows) int64 arrays."""
 
     nnz: int                 # kv_indices written
-    kv_len: np.ndarray       # [B] tokens in the KV cache after this step (start_pos + 1)
-    positions: np.ndarray    # [B] the new token's position (start_pos)
+    positions: np.ndarray    # [B] the new token's position (start_pos; the KV cache then holds start_pos + 1)
     slots: np.ndarray        # [B] its KV slot: page * page_size + offset in the page
 
 
@@ -138,8 +137,7 @@ class DecodeTables:
         P, B = self.P, len(seqs)
         keys = [id(s.pages) for s in seqs]
         start = np.fromiter([s.start_pos for s in seqs], dtype=np.int64, count=B)
-        kv = start + 1
-        npages = (kv + (P - 1)) // P
+        npages = start // P + 1                              # pages of start_pos + 1 tokens
         fresh = None
         if keys == self._keys:          # the previous fill's rows: none is at its last prompt token (see below)
             rows = self._rows
@@ -172,9 +170,9 @@ class DecodeTables:
         src = np.repeat(self._off[rows] - indptr[:B], npages)
         src += self._ramp[:nnz]
         np.take(self._arena, src, out=indices[:nnz])
-        lastlen = kv - (npages - 1) * P
-        last[:B] = lastlen
-        slots = indices[indptr[1: B + 1] - 1].astype(np.int64) * P + (lastlen - 1)
+        offset = start % P                                  # the new token's place in its last page
+        np.add(offset, 1, out=last[:B])
+        slots = indices[indptr[1: B + 1] - 1] * np.int64(P) + offset
         if fresh is not None:
             for key in {keys[i] for i in np.flatnonzero(fresh).tolist()}:
                 self._drop(key)                             # also resets _keys: the next fill checks again
@@ -182,7 +180,7 @@ class DecodeTables:
             self._keys, self._rows = keys, rows
         if len(self._slot) > 2 * B + 256:
             self._prune(set(keys))
-        return DecodeRows(nnz, kv, start, slots)
+        return DecodeRows(nnz, start, slots)
 
     def _copy_new(self, seqs: Sequence[SeqWork], grow: np.ndarray, rows: np.ndarray, count: np.ndarray,
                   npages: np.ndarray) -> None:

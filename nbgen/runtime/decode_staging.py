@@ -94,14 +94,9 @@ class DecodeStaging:
         nnz, pad = r.nnz, bs - n
         io = io64[: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids if ids is not None else [s.token_ids[0] for s in seqs], dtype=np.int64, count=n)
-        ph = is_placeholder(tok)
-        placeholders = bool(ph.any())
-        if placeholders:
-            io[0, :n] = np.where(ph, 0, tok)
-            io[3, :n] = np.where(ph, placeholder_row(tok), -1)
-        else:
-            io[0, :n] = tok
-            io[3, :n] = -1
+        placeholders = n > 0 and bool(is_placeholder(tok.min()))
+        np.maximum(tok, 0, out=io[0, :n])                  # placeholders: token 0, filled in the graph
+        np.maximum(placeholder_row(tok), -1, out=io[3, :n])   # their source rows; -1 for real ids
         io[1, :n] = r.positions + rope_deltas(seqs) if self.mrope else r.positions
         io[2, :n] = r.slots
         if pad:
@@ -111,7 +106,7 @@ class DecodeStaging:
             last[n:bs] = 1
             idx[nnz: nnz + pad] = SCRATCH_PAGE
         plan = self.cascade.plan(ip, idx, n, self.tables.version) if cascade and self.cascade else None
-        kv = r.kv_len
+        kv = r.positions                                    # KV lengths less 1
         if plan is not None:
             self.cascade.fill(region, plan, n, bs)
             kv = kv - plan.skip.astype(np.int64) * self.P
