@@ -35,12 +35,15 @@ import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
+from nbgen.kernels import gpu_argmax
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
-from nbgen.core.batch import ScheduledBatch
+from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
 from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout
+from nbgen.runtime.greedy_heads import GreedyHeads
+from nbgen.runtime.sampler_rows import raw_kinds
 
 logger = logging.getLogger("nbgen")
 
@@ -126,6 +129,7 @@ class CudaGraphRunner:
         self.cascade_steps = 0           # decode steps replayed on the shared-prefix graphs
         self.wrappers: dict[int, Any] = {}
         self.pool = None
+        self.heads: Optional[GreedyHeads] = None   # LM head + argmax graphs (``capture_heads``)
         # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
         # on the device of its first use, and capturing on it would move a second GPU's thread there
         self._capture_stream = torch.cuda.Stream(dev)
@@ -198,11 +202,30 @@ class CudaGraphRunner:
         return g, out
 
     def reset(self) -> None:
-        """Free every captured graph now (plain, variant and shared-prefix), whoever still holds this
-        runner; call only once the device finished with them."""
+        """Free every captured graph now (plain, variant and shared-prefix, the greedy heads), whoever still
+        holds this runner; call only once the device finished with them."""
         for table in (self.graphs, self.variant_graphs, self.cascade_graphs):
             for g in table.values():
                 g.reset()
+        if self.heads is not None:
+            self.heads.reset()
+
+    def capture_heads(self, logits: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> None:
+        """Capture the greedy heads (runtime/greedy_heads.py) over the plain and shared-prefix graphs:
+        ``logits`` the model's LM head, ``vocab`` the columns the sampler argmaxes. Not with a graph
+        variant (its steps may replay the variant's graphs) or where the argmax kernel cannot run."""
+        probe = self.outputs[self.batch_sizes[0]]
+        if self.variant is None and gpu_argmax.usable(logits(probe)[:, :vocab]):
+            self.heads = GreedyHeads({False: self.outputs, True: self.cascade_outputs}, self.prev, logits, vocab,
+                                     self.pool, self._capture_stream)
+
+    def greedy_ids(self, staged: Staged, seqs: list[SeqWork]) -> Optional[torch.Tensor]:
+        """For a replayed step whose sampling rows are all its rows and all take the argmax of their raw
+        logits: its ids [n], computed by replaying its greedy head into ``prev``; else None (no logits made)."""
+        if self.heads is None or staged.variant or len(seqs) != staged.n or not raw_kinds(seqs) <= {"argmax"}:
+            return None
+        self.heads.run(staged.bs, staged.cascade)
+        return self.prev[: staged.n]
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
         """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""

@@ -9,6 +9,7 @@ stepper replaces them in the outputs once step N is resolved.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -117,3 +118,30 @@ def placeholder_patch(ids: list[int], last_tokens: Optional[torch.Tensor], devic
     def patch(input_ids: torch.Tensor) -> None:
         input_ids.index_copy_(0, rows_t, last_tokens.index_select(0, src_t))
     return patch
+
+
+class IdsToHost:
+    """A step's sampled ids [S] copied to pinned host memory behind it, into buffers (and events) reused
+    in turn: one goes out again only once the object that took it was read (its ``read`` attribute set)
+    or is gone, else a fresh pair is made. Saves a pinned allocation and an event a step."""
+
+    def __init__(self, capacity: int, n: int = 4) -> None:
+        self._bufs = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(n)]
+        self._events = [torch.cuda.Event() for _ in range(n)]
+        self._holders: list[Optional[weakref.ref]] = [None] * n
+        self._i = 0
+
+    def copy(self, ids: torch.Tensor, holder: Any) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the copy of ``ids`` (on the device): (pinned host tensor, event recorded after the copy).
+        ``holder`` carries them until read; it sets ``holder.read`` once it has read the host tensor."""
+        k = self._i = (self._i + 1) % len(self._bufs)
+        ref = self._holders[k]
+        prev = ref() if ref is not None else None
+        if (prev is not None and not prev.read) or ids.numel() > len(self._bufs[k]) or ids.dtype != torch.long:
+            host, ev = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True), torch.cuda.Event()
+        else:
+            host, ev = self._bufs[k][: ids.numel()], self._events[k]
+            self._holders[k] = weakref.ref(holder)
+        host.copy_(ids, non_blocking=True)
+        ev.record()
+        return host, ev
