@@ -20,6 +20,10 @@ Where rows share leading KV pages (a cached prompt prefix), a second graph per b
 shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
 tables, writes its tables into the same input buffer, and the step replays that graph.
 
+A step whose rows all take the argmax of their raw logits gets its ids from a greedy head
+(runtime/greedy_heads.py: the LM head and the argmax captured as one more small graph per decode graph),
+written into ``prev`` with no logits computed from Python.
+
 A ``GraphVariant`` (LoRA: the adapters' kernels) adds a second graph per batch size, captured with
 its context active into the same pool; a step replays it only when the variant says the batch
 needs it, so steps that do not (no adapter row) run the plain graphs.
