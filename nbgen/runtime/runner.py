@@ -92,8 +92,8 @@ class ModelRunner:
         self.vision = vision_step_for(self.model, device, parts.loaded.dtype, self.cfg.step_token_budget)
         self.peers: Optional[StepSender] = None   # tensor parallelism, rank 0: the workers (runtime/tp_step.py)
         self.attention_backend_name = type(self.backend).__name__
-        if self.graphs is not None and self.cfg.tp_size == 1:   # greedy heads; TP's LM head gathers shards
-            self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)
+        if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:   # greedy heads
+            self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)   # (TP's LM head gathers)
 
     def drop_graphs(self) -> None:
         """Free the CUDA graphs and their pools now, whoever else holds them (memory release, tp shutdown:
@@ -112,7 +112,7 @@ class ModelRunner:
         self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length, variant)
         self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend, variant) if self.graphs else None
         self._last_tokens = None
-        if self.graphs is not None and self.cfg.tp_size == 1:
+        if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:
             self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)
 
     # ---- inputs -------------------------------------------------------------------------------

@@ -36,8 +36,11 @@ def raw_kind(s: SeqWork) -> str:
 
 
 def raw_kinds(seqs: Sequence[SeqWork]) -> set[str]:
-    """The rows' ``raw_kind`` values as a set: requests without min_new_tokens that stepped before keep
+    """The rows' ``raw_kind`` values as a set, for the fast paths' subset tests; {""} at once when the
+    first row has none (a constrained batch). Requests without min_new_tokens that stepped before keep
     their kind (``req.raw_kind``), read in one comprehension instead of a call per row."""
+    if seqs and seqs[0].req.raw_kind == "":             # static: "" whatever min_new_tokens
+        return {""}
     kinds = {r.raw_kind if not r.params.min_new_tokens else None for r in [s.req for s in seqs]}
     return set(map(raw_kind, seqs)) if None in kinds else kinds
 
