@@ -219,9 +219,14 @@ class CudaGraphRunner:
         ``logits`` the model's LM head, ``vocab`` the columns the sampler argmaxes. Not with a graph
         variant (its steps may replay the variant's graphs) or where the argmax kernel cannot run."""
         probe = self.outputs[self.batch_sizes[0]]
-        if self.variant is None and gpu_argmax.usable(logits(probe)[:, :vocab]):
+        if self.variant is not None or not gpu_argmax.usable(logits(probe)[:, :vocab]):
+            return
+        try:
             self.heads = GreedyHeads({False: self.outputs, True: self.cascade_outputs}, self.prev, logits, vocab,
                                      self.pool, self._capture_stream)
+        except Exception as e:  # noqa: BLE001 - any capture failure: greedy steps sample from the logits
+            logger.warning("nbgen: greedy head graphs unavailable (%s); greedy steps compute their logits", e)
+            torch.cuda.synchronize(self.backend.spec.device)
 
     def greedy_ids(self, staged: Staged, seqs: list[SeqWork]) -> Optional[torch.Tensor]:
         """For a replayed step whose sampling rows are all its rows and all take the argmax of their raw
