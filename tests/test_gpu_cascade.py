@@ -47,3 +47,39 @@ def test_engine_cascade_matches_plain_graphs(gpu_model_dir, monkeypatch):
     cascade = run()
     assert len(planned) >= GREEDY_SP["max_new_tokens"] - 2 and max(planned) == 24, planned
     assert_close_runs(cascade, plain)
+
+
+@gpu
+def test_greedy_heads_same_ids(gpu_model_dir, monkeypatch):
+    """All-greedy decode steps take their ids from the greedy heads' graphs (runtime/greedy_heads.py),
+    over the plain and the shared-prefix decode graphs: the same ids as the sampler over the graphs' logits."""
+    from nbgen.runtime import greedy_heads
+    from nbgen.runtime.cuda_graphs import CudaGraphRunner
+
+    rng = random.Random(7)
+    prefix = [rng.randrange(2, 512) for _ in range(800)]
+    prompts = [prefix + [rng.randrange(2, 512) for _ in range(rng.randint(1, 40))] for _ in range(20)]
+    prompts += [[rng.randrange(2, 512) for _ in range(rng.randint(20, 300))] for _ in range(10)]
+    replays: list[tuple[int, bool]] = []
+    run_head = greedy_heads.GreedyHeads.run
+
+    def spy(self, bs, cascade):
+        replays.append((bs, cascade))
+        run_head(self, bs, cascade)
+
+    monkeypatch.setattr(greedy_heads.GreedyHeads, "run", spy)
+
+    def run() -> list[list[int]]:
+        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=32) as eng:
+            alone = eng.generate(input_ids=prompts[20:], sampling_params=GREEDY_SP, use_tqdm=False)   # plain graphs
+            eng.generate(input_ids=[prefix], sampling_params={**GREEDY_SP, "max_new_tokens": 1}, use_tqdm=False)
+            out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False)
+        return [o["output_ids"] for o in alone + out]
+
+    heads = run()
+    assert any(c for _bs, c in replays) and any(not c for _bs, c in replays), replays
+    monkeypatch.setattr(CudaGraphRunner, "capture_heads", lambda self, logits, vocab: None)
+    replays.clear()
+    plain = run()
+    assert not replays
+    assert heads == plain

@@ -434,3 +434,26 @@ def test_argmax_workspace_grows_for_more_rows_and_wider_vocabularies() -> None:
     assert ws.sp == 16 and pmax.numel() >= 64 * 16 and pidx.numel() == pmax.numel()
     pmax, _, count = ws.get(200, 2, CPU)
     assert ws.sp == 16 and ws.rows >= 200 and pmax.numel() >= 200 * 16 and count.numel() >= 200
+
+
+def test_raw_kinds_decide_as_the_rows_kinds() -> None:
+    """The batch's kinds (``raw_kinds``, read from the requests' cached kinds) pass the sampler's fast-path
+    tests exactly when every row's own ``raw_kind`` does, first steps, min_new_tokens and logprobs included."""
+    import random
+
+    from nbgen.runtime.sampler_rows import raw_kind, raw_kinds
+
+    rng = random.Random(0)
+    makes = [lambda k: seq({"temperature": 0.0}, seed=k),
+             lambda k: seq({"temperature": 0.7}, seed=k),
+             lambda k: seq({"temperature": 0.7, "top_p": 0.9}, seed=k),
+             lambda k: seq({"temperature": 0.0}, seed=k, lp=LogprobRequest(return_logprob=True)),
+             lambda k: seq({"temperature": 0.0, "min_new_tokens": 3}, seed=k, stop_ids=frozenset({2}),
+                           output=[5] * rng.randint(0, 5))]
+    for trial in range(300):
+        rows = [rng.choice(makes[: rng.randint(1, len(makes))])(k) for k in range(rng.randint(1, 6))]
+        for _ in range(2):          # the first call fills req.raw_kind, the second reads it
+            got = raw_kinds(rows)
+            own = {raw_kind(s) for s in rows}
+            for fast in ({"argmax"}, {"argmax", "draw"}):
+                assert (got <= fast) == (own <= fast), (trial, own, got)

@@ -164,17 +164,20 @@ class _Graph:
 
 def test_graph_runners_reset_every_kind_of_graph():
     """A tp engine's shutdown frees rank 0's graphs before the process group goes (they hold captured
-    all-reduces): the decode runner's plain, LoRA-variant and shared-prefix graphs, the prefill runner's
-    pieces of both kinds."""
+    all-reduces): the decode runner's plain, LoRA-variant and shared-prefix graphs and greedy heads, the
+    prefill runner's pieces of both kinds."""
     from nbgen.runtime.cuda_graphs import CudaGraphRunner
+    from nbgen.runtime.greedy_heads import GreedyHeads
     from nbgen.runtime.prefill_graphs import PrefillGraphRunner
 
     dec = object.__new__(CudaGraphRunner)          # the tables only: capture needs a GPU
     dec.graphs, dec.variant_graphs, dec.cascade_graphs = {1: _Graph()}, {1: _Graph()}, {8: _Graph()}
+    dec.heads = object.__new__(GreedyHeads)
+    dec.heads.graphs = {(1, False): _Graph(), (8, True): _Graph()}
     pre = object.__new__(PrefillGraphRunner)
     pre.graphs, pre.variant_graphs = {32: [_Graph(), _Graph()]}, {32: [_Graph()]}
     dec.reset()
     pre.reset()
     every = [*dec.graphs.values(), *dec.variant_graphs.values(), *dec.cascade_graphs.values(),
-             *(g for t in (pre.graphs, pre.variant_graphs) for gs in t.values() for g in gs)]
-    assert len(every) == 6 and all(g.freed for g in every)
+             *dec.heads.graphs.values(), *(g for t in (pre.graphs, pre.variant_graphs) for gs in t.values() for g in gs)]
+    assert len(every) == 8 and all(g.freed for g in every)

@@ -4,7 +4,9 @@ Wall time of each call on the engine's loop thread, summed over a run: schedulin
 update (``apply``), the inputs and attention plan of a graph step (``stage``, inside ``prepare``
 or ``forward``), the forward's launch, the sampling's launch and, inside it, the wait for the
 grammar bitmask fill (the fill on the critical path), the wait for the device (``resolve``),
-the fill's start, the grammar accepts and jumps (``settle``). Cheap (a clock read per call), so
+the fill's start, the grammar accepts and jumps (``settle``); and parts of those: the decode page
+tables and the shared-prefix plan (in ``stage``), the graph replay and the LM head (in ``forward``),
+the sampler's call (in ``sample``). Cheap (a clock read per call), so
 the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
 (the decode graphs exist), on an engine without other wrappers on these calls, or close in
 reverse order.
@@ -16,6 +18,7 @@ from typing import Any, Callable
 
 from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.grammar_batch import StepGrammar
+from nbgen.runtime.sampler import Sampler
 
 # label -> (path from the loop to the object, method name); "" as path: a class (see _CLASSES)
 _CALLS: dict[str, tuple[str, str]] = {
@@ -27,10 +30,17 @@ _CALLS: dict[str, tuple[str, str]] = {
     "sample": ("runner", "sample"),
     "resolve": ("runner", "resolve"),
     "fill_start": ("runner.sampler.constraints", "fill_async"),
+    # parts of the phases above: the decode page tables and the shared-prefix plan (inside stage), the
+    # graph replay and the LM head (inside forward)
+    "tables": ("runner.backend.tables", "fill"),
+    "cascade_plan": ("runner.graphs.cascade", "plan"),
+    "replay": ("runner.graphs", "replay"),
+    "logits": ("runner.model", "compute_logits"),
 }
 _CLASSES: dict[str, tuple[type, str]] = {
     "fill_wait": (FillJob, "wait"),
     "settle": (StepGrammar, "settle"),
+    "sampler": (Sampler, "__call__"),         # inside sample
 }
 
 

@@ -6,7 +6,6 @@ from typing import Optional
 
 from nbgen.core.request import Request
 
-
 @dataclass
 class SeqWork:
     """One request's share of a step."""
@@ -63,7 +62,7 @@ class ScheduledBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(s.q_len == 1 for s in self.seqs)
+        return all(len(s.token_ids) == 1 for s in self.seqs)    # q_len inlined: runs every step
 
 
 @dataclass

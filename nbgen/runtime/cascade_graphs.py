@@ -3,9 +3,13 @@ buffer, the per-step choice, and the cascade wrapper each batch size's second gr
 
 ``CudaGraphRunner`` captures, for batch sizes >= ``MIN_BS``, a second graph whose attention is the
 cascade wrapper (kernels/triton_cascade.py) over the same page-table buffers plus the tables here.
-Each decode step computes a plan from its page tables (attention/cascade_plan.py, numpy, ~0.1 ms at
-256 rows) and replays the cascade graph when it saves at least ``MIN_SAVED_TOKENS`` KV token reads
-per layer and kv head; the tables go to the GPU in the step's one input copy. Off (plain graphs only)
+A decode step's plan comes from its page tables (attention/cascade_plan.py, numpy, ~0.1 ms at 256
+rows) and it replays the cascade graph when the plan saves at least ``MIN_SAVED_TOKENS`` KV token reads
+per layer and kv head; the tables go to the GPU in the step's one input copy. Steps over the same rows
+(the same page lists in the same order: ``DecodeTables.version``) reuse the plan: the rows' lists only
+grew since, so a chunk's shared pages are still shared by its rows and still before their new pages
+(only where its first row's table starts moved); it is computed again every ``REPLAN_STEPS`` steps,
+when a row's shared run may have grown. Off (plain graphs only)
 where the Triton decode kernel does not run the decode steps, or with a graph variant (LoRA).
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from nbgen.kernels import triton_cascade as tc
 MIN_BS = 8                # smaller batches: few rows to share a prefix, the plain graphs only
 MAX_CHUNKS = 16           # level-0 chunks a step keeps (those saving the most)
 MIN_SAVED_TOKENS = 4096   # KV tokens (per layer, kv head) a step must save to run the cascade graph
+REPLAN_STEPS = 64         # steps a plan is reused over the same rows before it is computed again
 
 
 def blocks128(n: int) -> int:
@@ -49,6 +54,7 @@ class CascadeTables:
         self._cuts = [0, a, 2 * a, 3 * a, 3 * a + b, 3 * a + 2 * b, 3 * a + 3 * b]
         self.size = self._cuts[-1] + blocks128(MAX_CHUNKS * self.R)
         self.scratch = tc.SharedScratch(sp.num_kv_heads, sp.head_dim, MAX_CHUNKS, sp.device)
+        self._last: tuple[int, int, int, Optional[SharedPlan]] = (-1, 0, 0, None)   # version, rows, age, plan
 
     def views(self, region: Any) -> tuple[Any, ...]:
         """(skip, chunk, slot, chunk start, chunk pages, chunk rows count, chunk rows [C, R]) of the region."""
@@ -67,12 +73,20 @@ class CascadeTables:
                                        indptr, indices, last, order, (skip[:bs], chunk[:bs], slot[:bs]),
                                        (cstart, cpages, clen, crows), self.scratch)
 
-    def plan(self, kv_indptr: np.ndarray, kv_indices: np.ndarray, n: int) -> Optional[SharedPlan]:
-        """The step's plan when it saves enough reads (the first n rows of its page tables), else None."""
-        if n < 2:
-            return None
-        plan = plan_shared(kv_indptr, kv_indices, n, self.R, MAX_CHUNKS)
-        return plan if plan is not None and plan.saved_pages * self.P >= MIN_SAVED_TOKENS else None
+    def plan(self, kv_indptr: np.ndarray, kv_indices: np.ndarray, n: int, version: int = -1) -> Optional[SharedPlan]:
+        """The step's plan when it saves enough reads (the first n rows of its page tables), else None.
+        ``version``: the tables' ``DecodeTables.version`` (-1: compute anew), whose rows a plan is reused for."""
+        v, rows, age, plan = self._last
+        if version >= 0 and v == version and rows == n and age < REPLAN_STEPS:
+            self._last = (v, rows, age + 1, plan)
+            if plan is not None:       # the chunks' first rows' tables may have moved in kv_indices
+                plan.chunk_start[:] = kv_indptr[plan.chunk_rows[:, 0]]
+            return plan
+        plan = plan_shared(kv_indptr, kv_indices, n, self.R, MAX_CHUNKS) if n >= 2 else None
+        if plan is not None and plan.saved_pages * self.P < MIN_SAVED_TOKENS:
+            plan = None
+        self._last = (version, n, 0, plan)
+        return plan
 
     def fill(self, region: np.ndarray, plan: Optional[SharedPlan], n: int, bs: int) -> None:
         """Write a plan's tables (rows n..bs-1 padding: in no chunk); None: no chunks (capture)."""

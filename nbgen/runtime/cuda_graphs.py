@@ -6,10 +6,10 @@ memory pool (captured largest first, so smaller graphs reuse its blocks). A deco
 replays the smallest graph with bs >= n: rows n..bs-1 are padding whose page table is the scratch
 page 0 (one token) and whose KV slot is slot 0 of that page, so they never touch live pages.
 
-Per replay the host does numpy work only: the step's token ids, positions, KV slots, placeholder
-sources and page tables go to the GPU in one copy from a pinned staging buffer into the buffer the
-graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton kernel's batch
-sizes, is re-planned). Overlap placeholders (``step_inputs.placeholder(k)`` = "row k of the previous
+Per replay the host does numpy work only (runtime/decode_staging.py): the step's token ids, positions,
+KV slots, placeholder sources and page tables go to the GPU in one copy from a pinned staging buffer
+into the buffer the graph and nbgen's decode kernel read (flashinfer's decode wrapper, above the Triton
+kernel's batch sizes, is re-planned). Overlap placeholders (``step_inputs.placeholder(k)`` = "row k of the previous
 step's sampled ids") are resolved inside the graph from ``prev``, where greedy sampling writes its ids directly
 (``ModelRunner.sample``; other sampled ids are copied there): no host->device transfer for them.
 Staging buffers alternate between two slots, each guarded by an event (a step's copies may still be
@@ -19,6 +19,10 @@ dry-run once: the Triton variants they need compile in worker processes meanwhil
 Where rows share leading KV pages (a cached prompt prefix), a second graph per batch size >= 8 runs the
 shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
 tables, writes its tables into the same input buffer, and the step replays that graph.
+
+A step whose rows all take the argmax of their raw logits gets its ids from a greedy head
+(runtime/greedy_heads.py: the LM head and the argmax captured as one more small graph per decode graph),
+written into ``prev`` with no logits computed from Python.
 
 A ``GraphVariant`` (LoRA: the adapters' kernels) adds a second graph per batch size, captured with
 its context active into the same pool; a step replays it only when the variant says the batch
@@ -35,14 +39,15 @@ import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
-from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
-from nbgen.core.batch import ScheduledBatch
+from nbgen.kernels import gpu_argmax
+from nbgen.kernels.triton_decode import TritonDecodeWrapper
+from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
-from nbgen.runtime.cascade_graphs import blocks128
-from nbgen.runtime.pages import SCRATCH_PAGE
-from nbgen.runtime.step_inputs import is_placeholder, placeholder_row, rope_deltas
+from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout
+from nbgen.runtime.greedy_heads import GreedyHeads
+from nbgen.runtime.sampler_rows import raw_kinds
 
 logger = logging.getLogger("nbgen")
 
@@ -89,9 +94,10 @@ class StagingRing:
 
     def done(self) -> None:
         """Mark the copies from the current set as queued (recorded behind them on the stream)."""
-        ev = torch.cuda.Event()
-        ev.record()
-        self._events[self._i] = ev
+        ev = self._events[self._i]
+        if ev is None:
+            ev = self._events[self._i] = torch.cuda.Event()
+        ev.record()                 # re-recorded: synchronize waits for the latest record
 
 
 class CudaGraphRunner:
@@ -106,25 +112,16 @@ class CudaGraphRunner:
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev = backend.spec.device
-        P = backend.spec.page_size
-        mb = self.max_bs
-        # every per-step input in one int32 buffer, so that a step's inputs go to the GPU in one copy
-        # from a pinned twin of it: io (4 * mb int64: row 0 token ids, row 1 positions, row 2 KV slots,
-        # row 3 placeholder source row or -1; a graph of bs reads the first 4 * bs as [4, bs]), then
-        # the decode kernel's page tables: indptr [mb + 1], last page lengths [mb], the rows longest
-        # first [mb] (``triton_decode.longest_first``), kv indices
-        pages_per_seq = (max_context + P - 1) // P + 1
-        # each view starts on a 128-byte boundary, as a separate allocation would: Triton specialises its
-        # kernels on 16-byte pointer alignment, so the graphs compile the variants eager steps use
-        # then the shared-prefix tables (``cascade_graphs.CascadeTables``) where those graphs exist
-        self.cascade = cascade_graphs.CascadeTables(backend, mb) \
+        # every per-step input in one int32 buffer (runtime/decode_staging.py), so that a step's inputs go
+        # to the GPU in one copy from a pinned twin of it; the shared-prefix tables (``cascade_graphs``)
+        # in it where those graphs exist
+        self.cascade = cascade_graphs.CascadeTables(backend, self.max_bs) \
             if cascade_graphs.supported(backend, variant) else None
-        a, b = blocks128(8 * mb), blocks128(mb + 1)
-        c = a + b + blocks128(mb)
-        d = c + blocks128(mb)
-        self._cut = (a, a + b, c, d, d + (self.cascade.size if self.cascade else 0))
-        self._buf = torch.zeros(self._cut[4] + mb * pages_per_seq, dtype=torch.int32, device=dev)
-        self.io, self.indptr, self.last, self.order, self.indices = self._views(self._buf)
+        self.layout = StagingLayout(self.max_bs, max_context, backend.spec.page_size,
+                                    self.cascade.size if self.cascade else 0)
+        self.staging = DecodeStaging(self.layout, backend.tables, self.batch_sizes, self.cascade, self.mrope)
+        self._buf = torch.zeros(self.layout.size, dtype=torch.int32, device=dev)
+        self.io, self.indptr, self.last, self.order, self.indices = self.layout.views(self._buf)
         self.prev = torch.zeros(PREV_CAPACITY, dtype=torch.long, device=dev)   # previous sampled ids
         self._ring = StagingRing(lambda: [torch.zeros(self._buf.numel(), dtype=torch.int32)])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -136,6 +133,7 @@ class CudaGraphRunner:
         self.cascade_steps = 0           # decode steps replayed on the shared-prefix graphs
         self.wrappers: dict[int, Any] = {}
         self.pool = None
+        self.heads: Optional[GreedyHeads] = None   # LM head + argmax graphs (``capture_heads``)
         # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
         # on the device of its first use, and capturing on it would move a second GPU's thread there
         self._capture_stream = torch.cuda.Stream(dev)
@@ -154,16 +152,6 @@ class CudaGraphRunner:
         logger.info("captured %d decode graphs (bs %s) in %.1f s, %.0f MiB", len(self.graphs),
                     self.batch_sizes, self.capture_seconds, self.memory_bytes / 2**20)
 
-    def _views(self, buf: Any) -> tuple[Any, Any, Any, Any, Any]:
-        """(io int64, indptr, last, order, indices) views of the flat int32 input buffer (torch or numpy)."""
-        a, b, c, d, e = self._cut
-        io = buf[:a].view(torch.long) if isinstance(buf, torch.Tensor) else buf[:a].view(np.int64)
-        return io, buf[a:b], buf[b:c], buf[c:d], buf[e:]
-
-    def _cascade_region(self, buf: Any) -> Any:
-        """The shared-prefix tables' region of the flat input buffer (torch or numpy)."""
-        return buf[self._cut[3]: self._cut[4]]
-
     def _forward_static(self, bs: int, meta: FlashInferMetadata) -> torch.Tensor:
         """What a graph runs: resolve placeholders from ``prev``, then the model over the static rows."""
         v = self.io[: 4 * bs].view(4, bs)
@@ -171,37 +159,22 @@ class CudaGraphRunner:
         ids = torch.where(src >= 0, self.prev.index_select(0, src.clamp(min=0)), v[0])
         return self.model(ids, v[1], meta)
 
-    def _send(self, bs: int, st: list, npv: list, n: int, nnz: int, skip: Optional[np.ndarray] = None) -> None:
-        """Pad the staged page tables (n seqs, nnz pages) to bs rows, copy all staged inputs to the GPU
-        in one transfer and plan the bs wrapper; padding rows get one page each (the scratch page)
-        holding one token. ``skip``: a shared-prefix step's pages each row's level 1 skips [bs]."""
-        pad = bs - n
-        _io, ip, last, order, idx = self._views(npv[0])
-        ip[n + 1: bs + 1] = ip[n] + np.arange(1, pad + 1, dtype=np.int32)
-        last[n:bs] = 1
-        order[:bs] = longest_first(ip[: bs + 1], last[:bs], self.backend.spec.page_size, skip)
-        idx[nnz: nnz + pad] = SCRATCH_PAGE
-        total = nnz + pad
-        end = self._cut[4] + total
-        self._buf[:end].copy_(st[0][:end], non_blocking=True)
-        w = self.wrappers[bs]
+    def _send(self, st: list[torch.Tensor], step: HostStep) -> None:
+        """Copy a written step's inputs to the GPU in one transfer and plan its bs wrapper."""
+        self._buf[: step.end].copy_(st[0][: step.end], non_blocking=True)
+        w = self.wrappers[step.bs]
         if not isinstance(w, TritonDecodeWrapper):   # nbgen's decode kernel reads the copied tables as they are
             # indices are passed as the device buffer itself: flashinfer's copy into it is then a no-op
-            _io, hip, hlast, _order, _idx = self._views(st[0])
-            self.backend.plan_decode(w, hip[: bs + 1], self.indices[:total], hlast[:bs])
+            _io, hip, hlast, _order, _idx = self.layout.views(st[0])
+            bs = step.bs
+            self.backend.plan_decode(w, hip[: bs + 1], self.indices[: step.end - self.layout.cut[4]], hlast[:bs])
 
     def _capture(self, bs: int, warmup: int) -> None:
         """The graphs of ``bs``, each after ``warmup`` eager forwards (0: the precompile's dry run)."""
         w = self.backend.make_decode_wrapper(self.indptr[: bs + 1], self.indices, self.last[:bs], self.order[:bs])
         self.wrappers[bs] = w
         st, npv = self._ring.next()
-        io, ip, _last, _order, _idx = self._views(npv[0])
-        ip[0] = 0
-        io[: 4 * bs] = 0
-        io[3 * bs: 4 * bs] = -1
-        if self.cascade is not None:         # no chunks: the cascade graph's capture runs level 1 plainly
-            self.cascade.fill(self._cascade_region(npv[0]), None, 0, bs)
-        self._send(bs, st, npv, 0, 0)
+        self._send(st, self.staging.write_padding(npv[0], bs))
         self._ring.done()
         meta = FlashInferMetadata(self.backend, self.io[2 * bs: 3 * bs], w)
 
@@ -211,7 +184,7 @@ class CudaGraphRunner:
                 graphs[bs], outputs[bs] = g, out
         capture(self.graphs, self.outputs, meta)
         if self.cascade is not None and bs >= cascade_graphs.MIN_BS:
-            cw = self.cascade.wrapper(self._cascade_region(self._buf), bs, self.indptr[: bs + 1], self.indices,
+            cw = self.cascade.wrapper(self.layout.cascade_region(self._buf), bs, self.indptr[: bs + 1], self.indices,
                                       self.last[:bs], self.order[:bs])
             capture(self.cascade_graphs, self.cascade_outputs, FlashInferMetadata(self.backend, meta.slot_mapping, cw))
         if self.variant is not None:
@@ -233,47 +206,54 @@ class CudaGraphRunner:
         return g, out
 
     def reset(self) -> None:
-        """Free every captured graph now (plain, variant and shared-prefix), whoever still holds this
-        runner; call only once the device finished with them."""
+        """Free every captured graph now (plain, variant and shared-prefix, the greedy heads), whoever still
+        holds this runner; call only once the device finished with them."""
         for table in (self.graphs, self.variant_graphs, self.cascade_graphs):
             for g in table.values():
                 g.reset()
+        if self.heads is not None:
+            self.heads.reset()
+
+    def capture_heads(self, logits: Callable[[torch.Tensor], torch.Tensor], vocab: int) -> None:
+        """Capture the greedy heads (runtime/greedy_heads.py) over the plain and shared-prefix graphs:
+        ``logits`` the model's LM head, ``vocab`` the columns the sampler argmaxes. Not with a graph
+        variant (its steps may replay the variant's graphs) or where the argmax kernel cannot run."""
+        probe = self.outputs[self.batch_sizes[0]]
+        if self.variant is not None or not gpu_argmax.usable(logits(probe)[:, :vocab]):
+            return
+        try:
+            self.heads = GreedyHeads({False: self.outputs, True: self.cascade_outputs}, self.prev, logits, vocab,
+                                     self.pool, self._capture_stream)
+        except Exception as e:  # noqa: BLE001 - any capture failure: greedy steps sample from the logits
+            logger.warning("nbgen: greedy head graphs unavailable (%s); greedy steps compute their logits", e)
+            torch.cuda.synchronize(self.backend.spec.device)
+
+    def greedy_ids(self, staged: Staged, seqs: list[SeqWork]) -> Optional[torch.Tensor]:
+        """For a replayed step whose sampling rows are all its rows and all take the argmax of their raw
+        logits: its ids [n], computed by replaying its greedy head into ``prev``; else None (no logits made)."""
+        if self.heads is None or staged.variant or len(seqs) != staged.n or not raw_kinds(seqs) <= {"argmax"}:
+            return None
+        self.heads.run(staged.bs, staged.cascade)
+        return self.prev[: staged.n]
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
         """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""
         return batch.is_decode_only and len(batch.seqs) <= self.max_bs and n_prev <= PREV_CAPACITY
 
-    def stage(self, batch: ScheduledBatch, ids: list[int]) -> Staged:
+    def stage(self, batch: ScheduledBatch, ids: Optional[list[int]] = None) -> Staged:
         """Copy a decode-only batch's inputs to the GPU and plan its graph's attention (queued
         work only). Safe while an earlier step is still queued: everything here lands in stream
-        order after it. ids < 0 are placeholders for rows of the previous step's sampled ids."""
-        n = len(batch.seqs)
-        bs = next(b for b in self.batch_sizes if b >= n)
-        kv_ptr, idx, last, pos, slots = self.backend.tables.build(batch.seqs)
+        order after it. ``ids``: the seqs' token ids (default: each seq's token); ids < 0 are
+        placeholders for rows of the previous step's sampled ids."""
         st, npv = self._ring.next()
-        hio, hip, hlast, _hord, hidx = self._views(npv[0])
-        io = hio[: 4 * bs].reshape(4, bs)
-        tok = np.fromiter(ids, dtype=np.int64, count=n)
-        ph = is_placeholder(tok)
-        io[0, :n] = np.where(ph, 0, tok)
-        io[1, :n] = pos + rope_deltas(batch.seqs) if self.mrope else pos
-        io[2, :n] = slots
-        io[3, :n] = np.where(ph, placeholder_row(tok), -1)
-        io[:3, n:] = 0                    # padding: token 0 at position 0 into slot 0 of the scratch page
-        io[3, n:] = -1
-        nnz = len(idx)
-        hip[: n + 1] = kv_ptr
-        hlast[:n] = last
-        hidx[:nnz] = idx
-        plan = self.cascade.plan(kv_ptr, idx, n) if bs in self.cascade_graphs else None
-        if plan is not None:
-            self.cascade.fill(self._cascade_region(npv[0]), plan, n, bs)
+        n = len(batch.seqs)
+        step = self.staging.write(npv[0], batch.seqs, ids, self.staging.bs_of[n] in self.cascade_graphs)
+        if step.plan is not None:
             self.cascade_steps += 1
-        skip = None if plan is None else self.cascade.views(self._cascade_region(npv[0]))[0][:bs]
-        self._send(bs, st, npv, n, nnz, skip)
+        self._send(st, step)
         self._ring.done()
-        return Staged(n, bs, bool(ph.any()), self.variant is not None and self.variant.wanted(batch),
-                      plan is not None)
+        return Staged(n, step.bs, step.placeholders, self.variant is not None and self.variant.wanted(batch),
+                      step.plan is not None)
 
     def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay a staged step; ``prev``: the previous step's sampled ids (GPU) its placeholders

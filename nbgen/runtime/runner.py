@@ -1,11 +1,10 @@
 """ModelRunner: steps the model — one ``step(ScheduledBatch) -> StepOutput`` per scheduler step, on
 the loop thread. Everything it steps with is built once by ``runtime/model_setup.setup_model``.
 
-For overlap scheduling the step splits up: ``forward`` queues the forward pass, ``sample`` the
-sampling (``launch`` = both; the sampled ids stay on the GPU, copied to pinned host memory behind
-an event), ``resolve`` waits for them; ``prepare`` queues a graph step's inputs ahead of its forward.
-Placeholder token ids in a batch (``step_inputs.placeholder``) name rows of the previous launch's
-sampled ids and are filled in on the GPU.
+For overlap scheduling the step splits up: ``forward`` queues the forward pass, ``sample`` the sampling
+(the sampled ids stay on the GPU, copied to pinned host memory behind an event), ``resolve`` waits for
+them; ``prepare`` queues a graph step's inputs ahead of its forward. Placeholder token ids in a batch
+(``step_inputs.placeholder``) name rows of the previous launch's sampled ids, filled in on the GPU.
 """
 from __future__ import annotations
 
@@ -18,14 +17,15 @@ from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.config import EngineConfig
 from nbgen.kernels.batch_sizes import padded_batch_size
 from nbgen.runtime.constraints import FillJob
-from nbgen.runtime.cuda_graphs import Staged
+from nbgen.runtime.cuda_graphs import PREV_CAPACITY, Staged
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
 from nbgen.runtime.lora import LoRAManager, LoRAStep
 from nbgen.runtime.logprobs import RowLogprobs
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
+from nbgen.runtime.sampler import SamplerOutput
 from nbgen.runtime.tp_step import StepSender
-from nbgen.runtime.step_inputs import FlatStep, flatten, placeholder_patch, to_device
+from nbgen.runtime.step_inputs import FlatStep, IdsToHost, flatten, placeholder_patch, sampling_rows, to_device
 from nbgen.runtime.vision_step import has_image_prefill, vision_step_for
 
 
@@ -37,6 +37,7 @@ class Forwarded:
     seqs: list[SeqWork]                   # the sampling seqs, in logits row order
     logits: Optional[torch.Tensor]
     order: int = 0                        # forwards queued before it, this one included
+    tokens: Optional[torch.Tensor] = None  # [S] ids already sampled on the device (greedy heads: no logits)
 
 
 @dataclass
@@ -49,10 +50,10 @@ class Launched:
     event: Optional[torch.cuda.Event]     # after the copy; None on CPU
     errors: dict[int, str] = field(default_factory=dict)  # sampling row -> error (custom processors)
     logprobs: Optional[RowLogprobs] = None  # per sampling row, on their way to the host (output logprobs)
+    read: bool = False                    # ``host`` was read (``resolve``): its pinned buffer may be reused
 
 
-# a decode-only batch's inputs and attention plan, queued ahead of its forward (graph path)
-PreparedStep = Staged
+PreparedStep = Staged   # a decode-only batch's inputs and attention plan, queued ahead of its forward (graphs)
 
 
 class ModelRunner:
@@ -86,13 +87,13 @@ class ModelRunner:
         self.overlap = self.on_gpu and not self.cfg.disable_overlap_schedule
         self._last_tokens: Optional[torch.Tensor] = None  # ids sampled by the latest launch (GPU)
         self._forwards = 0                                # forward passes queued so far
+        self._ids_to_host = IdsToHost(PREV_CAPACITY) if self.on_gpu else None   # sampled ids' pinned copies
         # vision-language models: steps with image prompt chunks go through the tower (runtime/vision_step.py)
         self.vision = vision_step_for(self.model, device, parts.loaded.dtype, self.cfg.step_token_budget)
         self.peers: Optional[StepSender] = None   # tensor parallelism, rank 0: the workers (runtime/tp_step.py)
-
-    @property
-    def attention_backend_name(self) -> str:
-        return type(self.backend).__name__
+        self.attention_backend_name = type(self.backend).__name__
+        if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:   # greedy heads
+            self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)   # (TP's LM head gathers)
 
     def drop_graphs(self) -> None:
         """Free the CUDA graphs and their pools now, whoever else holds them (memory release, tp shutdown:
@@ -111,6 +112,8 @@ class ModelRunner:
         self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length, variant)
         self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend, variant) if self.graphs else None
         self._last_tokens = None
+        if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:
+            self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)
 
     # ---- inputs -------------------------------------------------------------------------------
     def to_device(self, values: list[int]) -> torch.Tensor:
@@ -177,16 +180,14 @@ class ModelRunner:
         """A decode graph step's inputs (and its LoRA rows) queued for replay."""
         if self.lora is not None and self.lora.in_graphs:
             self.lora.stage(batch)
-        return self.graphs.stage(batch, [s.token_ids[0] for s in batch.seqs])
+        return self.graphs.stage(batch)
 
     def _lora_eager(self, batch: ScheduledBatch) -> bool:
         """The batch has adapter rows and the graphs hold no LoRA kernels (no slot pool)."""
         return self.lora is not None and not self.lora.in_graphs and self.lora.uses_adapters(batch)
 
     def _graphable(self, batch: ScheduledBatch, n_prev: Optional[int] = None) -> bool:
-        if self._lora_eager(batch):
-            return False
-        if self.vision is not None and has_image_prefill(batch):
+        if self._lora_eager(batch) or self.vision is not None and has_image_prefill(batch):
             return False
         if n_prev is None:
             n_prev = self._last_tokens.numel() if self._last_tokens is not None else 0
@@ -213,13 +214,14 @@ class ModelRunner:
     def _queue_forward(self, batch: ScheduledBatch, staged: Optional[PreparedStep]) -> Forwarded:
         if staged is not None or self._graphable(batch):
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
-            seqs = [s for s in batch.seqs if s.sample]
+            seqs, rows = sampling_rows(batch)
             if staged is None:
                 staged = self._stage(batch)
             hidden = self.graphs.replay(staged, self._last_tokens)
-            rows = [i for i, s in enumerate(batch.seqs) if s.sample] if len(seqs) != len(batch.seqs) else []
-            if not rows and seqs:             # logits over the graph's padded rows, see _logits
-                return Forwarded(batch, seqs, self._logits(self.graphs.padded_output(staged), len(seqs)))
+            if not rows and seqs:             # logits over the graph's padded rows (_logits), or the ids
+                ids = self.graphs.greedy_ids(staged, seqs)    # straight from the greedy head's graph
+                logits = self._logits(self.graphs.padded_output(staged), len(seqs)) if ids is None else None
+                return Forwarded(batch, seqs, logits, tokens=ids)
         else:
             flat = flatten(batch)
             rows, seqs = flat.sample_rows, flat.sample_seqs
@@ -237,10 +239,9 @@ class ModelRunner:
         return Forwarded(batch, seqs, self._logits(hidden, n))
 
     def _logits(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
-        """Logits [n, vocab] of the first n rows of ``hidden``, whose row count on CUDA is a graph batch
-        size (``padded_batch_size``): cuBLAS chooses its kernel on the host the first time it sees a row
-        count, ~4 ms on an H100 for the LM head, and a decode batch shrinks through every count as its
-        requests finish (a large batch pays it ~256 times); padded, at most one per graph batch size."""
+        """Logits [n, vocab] of the first n rows of ``hidden``, whose row count on CUDA is a graph batch size
+        (``padded_batch_size``): cuBLAS picks its kernel on the host at each new row count (~4 ms for the LM
+        head on an H100), and a shrinking decode batch meets every count; padded, one per graph size."""
         return self.model.compute_logits(hidden)[:n]
 
     @torch.inference_mode()
@@ -259,7 +260,8 @@ class ModelRunner:
         if self.graphs is not None and fwd.order == self._forwards and len(seqs) <= self.graphs.prev.numel():
             out = self.graphs.prev[: len(seqs)]
         try:
-            res = self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out, defer_logprobs=True)
+            res = SamplerOutput(fwd.tokens, []) if fwd.tokens is not None else \
+                self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out, defer_logprobs=True)
         finally:
             if fill is not None:
                 fill.settle()
@@ -267,15 +269,9 @@ class ModelRunner:
         self.note_sampled(tokens)
         if not self.on_gpu:
             return Launched(batch, tokens, tokens, None, res.errors, res.pending_logprobs)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        return Launched(batch, tokens, host, ev, res.errors, res.pending_logprobs)
-
-    def launch(self, batch: ScheduledBatch) -> Launched:
-        """Queue forward + sampling (no logprobs); the sampled ids stay on the device."""
-        return self.sample(self.forward(batch))
+        launched = Launched(batch, tokens, None, None, res.errors, res.pending_logprobs)
+        launched.host, launched.event = self._ids_to_host.copy(tokens, launched)
+        return launched
 
     @staticmethod
     def resolve(launched: Launched) -> list[int]:
@@ -283,6 +279,9 @@ class ModelRunner:
         if launched.event is not None:
             launched.event.synchronize()
         toks = launched.host.tolist() if launched.host is not None else []
+        launched.read = True
+        if len(toks) == len(launched.batch.seqs):   # every seq sampled
+            return toks
         it = iter(toks)
         return [next(it) if s.sample else -1 for s in launched.batch.seqs]
 
@@ -293,7 +292,7 @@ class ModelRunner:
         if is_embedding_batch(batch):
             return embed_step(self, batch)
         if not any(needs_sync_step(s) for s in batch.seqs):
-            launched = self.launch(batch)
+            launched = self.sample(self.forward(batch))
             out = self.resolve(launched)
             n = len(batch.seqs)
             return StepOutput(next_token_ids=out, output_logprobs=[None] * n, prompt_logprobs=[None] * n,

@@ -1,14 +1,15 @@
-"""Which rows of a sampling step need what: the per-row predicates the sampler decides its fast paths by
-(a raw argmax, a raw draw / temperature), the rows whose processing may leave no token, and the
-host-built parameter tensors it sends without a stream sync."""
+"""Which rows of a sampling step need what: the per-row kinds the sampler decides its fast paths by
+(a raw argmax, a raw draw / temperature; a batch's set of them), the rows whose processing may leave no
+token, and the host-built parameter tensors it sends without a stream sync."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
+
 
 def host_tensor(data: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A small host-built tensor on `device` without a stream sync.
@@ -24,7 +25,7 @@ def host_tensor(data: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
 def raw_kind(s: SeqWork) -> str:
     """"argmax" where the row's token is the argmax of its raw logits, "draw" where it is a Gumbel-max
     draw from its raw logits / temperature (nothing to process, cut, constrain or report), else "".
-    Runs for every row every step: the static part is computed once per request."""
+    The static part is computed once per request (``req.raw_kind``); min_new_tokens per step."""
     req = s.req
     kind = req.raw_kind
     if kind is None:
@@ -34,14 +35,14 @@ def raw_kind(s: SeqWork) -> str:
     return kind if kind and not stop_ids_banned(s) else ""
 
 
-def plain_greedy(s: SeqWork) -> bool:
-    """The row's token is the argmax of its raw logits."""
-    return raw_kind(s) == "argmax"
-
-
-def plain_draw(s: SeqWork) -> bool:
-    """The row's token is a draw from its raw logits / temperature."""
-    return raw_kind(s) == "draw"
+def raw_kinds(seqs: Sequence[SeqWork]) -> set[str]:
+    """The rows' ``raw_kind`` values as a set, for the fast paths' subset tests; {""} at once when the
+    first row has none (a constrained batch). Requests without min_new_tokens that stepped before keep
+    their kind (``req.raw_kind``), read in one comprehension instead of a call per row."""
+    if seqs and seqs[0].req.raw_kind == "":             # static: "" whatever min_new_tokens
+        return {""}
+    kinds = {r.raw_kind if not r.params.min_new_tokens else None for r in [s.req for s in seqs]}
+    return set(map(raw_kind, seqs)) if None in kinds else kinds
 
 
 def stop_ids_banned(s: SeqWork) -> bool:

@@ -9,14 +9,14 @@ stepper replaces them in the outputs once step N is resolved.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
-
 
 def placeholder(row: int) -> int:
     """The placeholder id for row ``row`` of the previous launch's sampled ids."""
@@ -65,6 +65,14 @@ def flatten(batch: ScheduledBatch) -> FlatStep:
     return FlatStep(ids, pos, rows, seqs, starts)
 
 
+def sampling_rows(batch: ScheduledBatch) -> tuple[list[SeqWork], list[int]]:
+    """The batch's sampling seqs [S] and their rows in it ([] when every seq samples: the rows are 0..S-1)."""
+    seqs = [s for s in batch.seqs if s.sample]
+    if len(seqs) == len(batch.seqs):
+        return seqs, []
+    return seqs, [i for i, s in enumerate(batch.seqs) if s.sample]
+
+
 def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
     """``flatten(batch).positions`` written straight into ``out`` (int64, at least the batch's token
     count): numpy ranges per seq, no Python list of ints (the prefill graphs' staging buffer)."""
@@ -81,7 +89,7 @@ def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
         o += b - a
 
 
-def rope_deltas(seqs: list[SeqWork]) -> np.ndarray:
+def rope_deltas(seqs: Sequence[SeqWork]) -> np.ndarray:
     """[B] M-RoPE position offsets of one-token decode seqs (0 for text models and text prompts)."""
     return np.fromiter((s.req.rope_delta for s in seqs), dtype=np.int64, count=len(seqs))
 
@@ -110,3 +118,30 @@ def placeholder_patch(ids: list[int], last_tokens: Optional[torch.Tensor], devic
     def patch(input_ids: torch.Tensor) -> None:
         input_ids.index_copy_(0, rows_t, last_tokens.index_select(0, src_t))
     return patch
+
+
+class IdsToHost:
+    """A step's sampled ids [S] copied to pinned host memory behind it, into buffers (and events) reused
+    in turn: one goes out again only once the object that took it was read (its ``read`` attribute set)
+    or is gone, else a fresh pair is made. Saves a pinned allocation and an event a step."""
+
+    def __init__(self, capacity: int, n: int = 4) -> None:
+        self._bufs = [torch.empty(capacity, dtype=torch.long, pin_memory=True) for _ in range(n)]
+        self._events = [torch.cuda.Event() for _ in range(n)]
+        self._holders: list[Optional[weakref.ref]] = [None] * n
+        self._i = 0
+
+    def copy(self, ids: torch.Tensor, holder: Any) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the copy of ``ids`` (on the device): (pinned host tensor, event recorded after the copy).
+        ``holder`` carries them until read; it sets ``holder.read`` once it has read the host tensor."""
+        k = self._i = (self._i + 1) % len(self._bufs)
+        ref = self._holders[k]
+        prev = ref() if ref is not None else None
+        if (prev is not None and not prev.read) or ids.numel() > len(self._bufs[k]) or ids.dtype != torch.long:
+            host, ev = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True), torch.cuda.Event()
+        else:
+            host, ev = self._bufs[k][: ids.numel()], self._events[k]
+            self._holders[k] = weakref.ref(holder)
+        host.copy_(ids, non_blocking=True)
+        ev.record()
+        return host, ev
