@@ -52,18 +52,19 @@ class ScheduledBatch:
     seqs: list[SeqWork]                 # prefill chunks and decodes, any mix
     page_size: int
 
+    # (the properties below read len(token_ids) directly: they walk every row of a step)
     @property
     def num_tokens(self) -> int:
-        return sum(s.q_len for s in self.seqs)
+        return sum([len(s.token_ids) for s in self.seqs])
 
     @property
     def num_prefill_tokens(self) -> int:
         """Prompt (or recompute) tokens of the step: everything but one-token decodes."""
-        return sum(s.q_len for s in self.seqs if not s.sample or s.q_len > 1)
+        return sum([n for s in self.seqs if (n := len(s.token_ids)) > 1 or not s.sample])
 
     @property
     def is_decode_only(self) -> bool:
-        return all(s.q_len == 1 for s in self.seqs)
+        return all([len(s.token_ids) == 1 for s in self.seqs])
 
 
 @dataclass

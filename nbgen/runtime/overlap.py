@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Protocol
 
-from nbgen.core.batch import ScheduledBatch, StepOutput
+from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.constraints import FillJob
@@ -62,15 +62,35 @@ class LoopLike(Protocol):
 def overlappable(batch: ScheduledBatch) -> bool:
     """True when no seq needs real token values on the host before its next step."""
     for s in batch.seqs:
-        p = s.req.params
-        if s.prompt_logprob_start >= 0 or s.req.wants_prompt_logprobs:   # output logprobs overlap
-            return False
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-            return False
-        r = s.req   # custom processors may read output ids; hidden states are copied to the host
-        if r.logit_processor is not None or r.return_hidden_states or r.embed is not None:
+        r = s.req
+        ok = r.overlaps
+        if ok is None:                         # its fixed needs, looked at once (runtime/overlap.py caches them)
+            ok = r.overlaps = _overlaps(r)
+        if not ok and not _seq_overlaps(s):
             return False
     return True
+
+
+def _overlaps(r: Request) -> bool:
+    """Whether every step of r may run ahead of its token values: no prompt logprobs, penalties over
+    output ids, custom processors (they may read output ids), hidden states (copied to the host) or
+    pooling."""
+    p = r.params
+    return (r.logprobs.logprob_start_len < 0 and p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty and r.logit_processor is None and not r.return_hidden_states
+            and r.embed is None)
+
+
+def _seq_overlaps(s: SeqWork) -> bool:
+    """Whether the step of s may run ahead of its token values (a request that is not ``_overlaps``:
+    its prompt logprobs may be done)."""
+    r = s.req
+    if s.prompt_logprob_start >= 0 or r.wants_prompt_logprobs:   # output logprobs overlap
+        return False
+    p = r.params
+    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+        return False
+    return r.logit_processor is None and not r.return_hidden_states and r.embed is None
 
 
 class OverlapStepper:
@@ -134,7 +154,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.flush()
-        self.pending = (launched, self._apply(batch), batch.num_prefill_tokens)
+        self.pending = (launched, self._apply(batch, len(fwd.seqs)), batch.num_prefill_tokens)
 
     def _embed_step(self, batch: ScheduledBatch) -> None:
         """Launch an embedding step, deliver the previous step while it runs, apply it; its vectors
@@ -161,7 +181,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.flush()                                  # deliver the previous step (fill runs meanwhile)
-        changed = self._apply(batch)
+        changed = self._apply(batch, len(fwd.seqs))
         nxt = sched.schedule()
         if nxt is not None and not overlappable(nxt):
             nxt = None                                # dropped: the next step() schedules it again
@@ -187,14 +207,17 @@ class OverlapStepper:
             self.flush()
             self._fail_batch(nxt, e)
 
-    def _apply(self, batch: ScheduledBatch) -> list[Request]:
-        """Apply a launched batch with placeholder ids (lengths and pages only depend on counts)."""
+    def _apply(self, batch: ScheduledBatch, sampled: int) -> list[Request]:
+        """Apply a launched batch with placeholder ids (lengths and pages only depend on counts);
+        ``sampled``: its sampling rows."""
         n = len(batch.seqs)
-        fake, k = [-1] * n, 0
-        for i, s in enumerate(batch.seqs):
-            if s.sample:
-                fake[i] = placeholder(k)
-                k += 1
+        if sampled == n:                                 # every row samples (decode steps)
+            fake = list(_placeholders(n))
+        else:
+            fake, rows = [-1] * n, iter(_placeholders(sampled))
+            for i, s in enumerate(batch.seqs):
+                if s.sample:
+                    fake[i] = next(rows)
         return self.scheduler.update(batch, StepOutput(fake, [None] * n, [None] * n))
 
     def flush(self) -> None:
@@ -232,24 +255,28 @@ class OverlapStepper:
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
-        k = 0
-        for i, s in enumerate(launched.batch.seqs):
+        errors = launched.errors
+        row = -1
+        phs = _placeholders(len(launched.batch.seqs))
+        for s, tok in zip(launched.batch.seqs, toks):
             if not s.sample:
                 continue
-            row, tok, k = k, toks[i], k + 1
+            row += 1
             req = s.req
+            out = req.output_ids
             at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
-            if not (0 <= at < len(req.output_ids) and req.output_ids[at] == placeholder(row)):
+            if not (0 <= at < len(out) and out[at] == phs[row]):
                 continue                                 # never appended (aborted / preempted before)
-            if launched.errors and row in launched.errors:   # every token masked: abort, as the plain loop
-                del req.output_ids[at:]                  # the placeholder (the next step is not applied yet)
-                sched.finish(req, FinishReason.abort(launched.errors[row]))
+            if errors and row in errors:                 # every token masked: abort, as the plain loop
+                del out[at:]                             # the placeholder (the next step is not applied yet)
+                sched.finish(req, FinishReason.abort(errors[row]))
                 _add_once(changed, req, listed)
                 continue
-            req.output_ids[at] = tok
+            out[at] = tok
             if lps is not None and lps[row] is not None and len(req.output_token_logprobs) == at:
                 req.add_output_logprob(lps[row])
-            reason = req.end_after(tok, at + 1)          # the one stop check (a length cut was made at update)
+            # the one stop check (a length cut was made at update), asked where it may end the request
+            reason = req.end_after(tok, at + 1) if tok in req.stop_ids or at >= req.end_len - 1 else None
             if req.grammar is not None:
                 grammar.add(req, tok, reason)            # accepted below, all rows in one call
             elif reason is not None:
@@ -277,6 +304,11 @@ class OverlapStepper:
 
     def _deliver(self, changed: list[Request], n_in: int) -> None:
         self._deliver_fn(changed, n_in)
+
+
+def _placeholders(n: int) -> range:
+    """The placeholder ids of sampled rows 0 .. n-1 (``step_inputs.placeholder``, a linear encoding)."""
+    return range(placeholder(0), placeholder(n), placeholder(1) - placeholder(0))
 
 
 def _add_once(changed: list[Request], req: Request, listed: set[int]) -> None:

@@ -91,6 +91,7 @@ class Scheduler:
         if self._refused_by_full_queue(req):
             return
         req.status = Status.WAITING
+        req.end_len = req.length_limit(self.cfg.context_length)
         req.arrival_seq, self._arrival_counter = self._arrival_counter, self._arrival_counter + 1
         self._live[req.rid] = req
         self.waiting.append(req)
@@ -160,22 +161,28 @@ class Scheduler:
         budget = self.pacer.budget(self.running, self.waiting.in_order(self.cache), self.budget) \
             if self.pacer is not None and self.waiting else self.budget      # runtime/prefill_pacing.py
         seqs: list[SeqWork] = []
+        prefilling: list[Request] = []                       # running requests with a chunk left (step 2)
         preempted = self.num_preemptions
         P, RUNNING = self.P, Status.RUNNING
         for req in list(self.running):                       # 1. decodes (hot path: O(1) each)
+            if req.status is not RUNNING:
+                continue
             out_ids, c = req.output_ids, req.num_computed
-            if req.status is not RUNNING or len(req.prompt_ids) + len(out_ids) - c != 1:
+            left = len(req.prompt_ids) + len(out_ids) - c
+            if left != 1:
+                if left > 1:
+                    prefilling.append(req)
                 continue
             if c // P >= len(req.pages) and not self._grow(req, c + 1):
                 continue
-            if out_ids and req.params.max_new_tokens != 0:
+            if out_ids:                                      # only sampling requests have outputs
                 seqs.append(SeqWork(req, [out_ids[-1]], c, req.pages, True))
             else:                                            # last prompt token (rare)
                 seqs.append(seq_work(req, c, c + 1))
-            budget -= 1
+        budget -= len(seqs)
         rows = self.cfg.forced_token_rows - len(seqs)         # jump-forward rows (runtime/forced_rows.py)
         self.row_waits.next_step()
-        for req in list(self.running):                       # 2. prefill continuation
+        for req in prefilling:                               # 2. prefill continuation (running order)
             left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
             if left <= 1 or req.status is not RUNNING:
                 continue
@@ -192,26 +199,50 @@ class Scheduler:
         # 3. admissions; not in a step that preempted (damps admit/preempt thrashing)
         if self.num_preemptions == preempted:
             seqs += self.admission.admit(self.running, budget)
-        seqs = [s for s in seqs if s.req.status is RUNNING and s.pages is s.req.pages]  # drop preempted
+        if self.num_preemptions != preempted:                # drop the seqs of preempted requests
+            seqs = [s for s in seqs if s.req.status is RUNNING and s.pages is s.req.pages]
         return ScheduledBatch(seqs=seqs, page_size=self.P) if seqs else None
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
         """Apply a step's results; returns requests that got a new token or finished this step."""
         changed: list[Request] = []
-        done, errors = False, out.errors
+        done, errors, ctx = False, out.errors, self.cfg.context_length
         grammar = StepGrammar()          # constrained rows' tokens (runtime/grammar_batch.py)
+        # a step without errors, drafts, pooling or hidden states: its decode rows take the short path
+        plain = not errors and out.accepted is None and out.pool_states is None and out.hidden_states is None
+        toks, lps, RUNNING = out.next_token_ids, out.output_logprobs, Status.RUNNING
         for i, seq in enumerate(batch.seqs):
-            req = seq.req
-            if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
+            req, start = seq.req, seq.start_pos
+            if req.status is not RUNNING or req.num_computed != start:
                 continue                                     # aborted or preempted meanwhile
-            if out.accepted is None and seq.sample and seq.start_pos + len(seq.token_ids) != req.num_tokens:
+            n_prompt = len(req.prompt_ids)
+            if plain and seq.sample and start >= n_prompt and len(seq.token_ids) == 1:   # a decode row (hot)
+                out_ids = req.output_ids
+                if start != n_prompt + len(out_ids) - 1:
+                    continue                                 # jumped forward meanwhile
+                req.num_computed = start + 1
+                tok = toks[i]
+                out_ids.append(tok)
+                lp = lps[i]
+                if lp is not None:
+                    req.add_output_logprob(lp)
+                changed.append(req)
+                n_out = len(out_ids)          # end_after is asked only where it may end the request
+                reason = req.end_after(tok, n_out, ctx) if n_out >= req.end_len or tok in req.stop_ids else None
+                if req.grammar is not None and tok >= 0:
+                    grammar.add(req, tok, reason)            # accepted after the walk, all in one call
+                elif reason is not None:
+                    self._finish(req, reason, unlist=False)
+                    done = True
+                continue
+            if out.accepted is None and seq.sample and start + len(seq.token_ids) != req.num_tokens:
                 continue            # jumped forward meanwhile (runtime/jump_forward.py); verify rows carry drafts
             if errors and i in errors:
                 self._finish(req, FinishReason.abort(errors[i]), cache=False, unlist=False)
                 changed.append(req)
                 done = True
                 continue
-            n_prompt, kv = len(req.prompt_ids), seq.start_pos + len(seq.token_ids)
+            kv = start + len(seq.token_ids)
             if out.pool_states is not None:                  # embedding requests (runtime/embed_step.py)
                 req.set_pooled(out.pool_states[i], out.embeddings[i] if out.embeddings is not None else None)
             if seq.start_pos < n_prompt and req.wants_prompt_logprobs:
@@ -236,7 +267,7 @@ class Scheduler:
                 lp = out.output_logprobs[i]
                 if lp is not None:
                     req.add_output_logprob(lp)
-                reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
+                reason = req.end_after(tok, len(req.output_ids), ctx)
                 changed.append(req)
                 if req.grammar is not None and tok >= 0:     # accepted after the walk, all in one call
                     grammar.add(req, tok, reason)
