@@ -7,7 +7,7 @@ from typing import Optional
 from nbgen.core.request import Request
 
 
-@dataclass
+@dataclass(slots=True)   # made for every row of every step: slots make it cheaper to build and read
 class SeqWork:
     """One request's share of a step."""
 

@@ -64,11 +64,16 @@ def overlappable(batch: ScheduledBatch) -> bool:
     for s in batch.seqs:
         r = s.req
         ok = r.overlaps
-        if ok is None:                         # its fixed needs, looked at once (runtime/overlap.py caches them)
+        if ok is None:                         # its fixed needs, looked at once
             ok = r.overlaps = _overlaps(r)
         if not ok and not _seq_overlaps(s):
             return False
     return True
+
+
+def constrained(seqs: list[SeqWork]) -> bool:
+    """Whether a seq's request has a grammar."""
+    return any([s.req.grammar is not None for s in seqs])
 
 
 def _overlaps(r: Request) -> bool:
@@ -144,7 +149,7 @@ class OverlapStepper:
                 self._fail_batch(batch, e)
                 return
         batch = fwd.batch
-        if any(s.req.grammar is not None for s in fwd.seqs):
+        if constrained(fwd.seqs):
             self._grammar_step(fwd)
             return
         try:

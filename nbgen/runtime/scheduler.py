@@ -211,6 +211,7 @@ class Scheduler:
         # a step without errors, drafts, pooling or hidden states: its decode rows take the short path
         plain = not errors and out.accepted is None and out.pool_states is None and out.hidden_states is None
         toks, lps, RUNNING = out.next_token_ids, out.output_logprobs, Status.RUNNING
+        with_lps = lps.count(None) != len(lps)       # output logprobs in this step (none under overlap's apply)
         for i, seq in enumerate(batch.seqs):
             req, start = seq.req, seq.start_pos
             if req.status is not RUNNING or req.num_computed != start:
@@ -223,9 +224,8 @@ class Scheduler:
                 req.num_computed = start + 1
                 tok = toks[i]
                 out_ids.append(tok)
-                lp = lps[i]
-                if lp is not None:
-                    req.add_output_logprob(lp)
+                if with_lps and lps[i] is not None:
+                    req.add_output_logprob(lps[i])
                 changed.append(req)
                 n_out = len(out_ids)          # end_after is asked only where it may end the request
                 reason = req.end_after(tok, n_out, ctx) if n_out >= req.end_len or tok in req.stop_ids else None
