@@ -31,15 +31,15 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Protocol
 
-from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.batch import ScheduledBatch
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
-from nbgen.runtime.grammar_batch import StepGrammar
+from nbgen.runtime.overlap_rows import (RowsResolved, constrained, drop_placeholders, overlappable,
+                                        placeholder_output)
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
 from nbgen.runtime.scheduler import Scheduler
-from nbgen.runtime.step_inputs import is_placeholder, placeholder
 
 Deliver = Callable[[list[Request], int], None]          # (changed requests, prompt tokens of the step)
 FailBatch = Callable[[ScheduledBatch, Exception], None]  # fail one batch's requests
@@ -59,45 +59,6 @@ class LoopLike(Protocol):
     def run_step(self, batch: ScheduledBatch) -> None: ...
 
 
-def overlappable(batch: ScheduledBatch) -> bool:
-    """True when no seq needs real token values on the host before its next step."""
-    for s in batch.seqs:
-        r = s.req
-        ok = r.overlaps
-        if ok is None:                         # its fixed needs, looked at once
-            ok = r.overlaps = _overlaps(r)
-        if not ok and not _seq_overlaps(s):
-            return False
-    return True
-
-
-def constrained(seqs: list[SeqWork]) -> bool:
-    """Whether a seq's request has a grammar."""
-    return any([s.req.grammar is not None for s in seqs])
-
-
-def _overlaps(r: Request) -> bool:
-    """Whether every step of r may run ahead of its token values: no prompt logprobs, penalties over
-    output ids, custom processors (they may read output ids), hidden states (copied to the host) or
-    pooling."""
-    p = r.params
-    return (r.logprobs.logprob_start_len < 0 and p.repetition_penalty == 1.0 and not p.frequency_penalty
-            and not p.presence_penalty and r.logit_processor is None and not r.return_hidden_states
-            and r.embed is None)
-
-
-def _seq_overlaps(s: SeqWork) -> bool:
-    """Whether the step of s may run ahead of its token values (a request that is not ``_overlaps``:
-    its prompt logprobs may be done)."""
-    r = s.req
-    if s.prompt_logprob_start >= 0 or r.wants_prompt_logprobs:   # output logprobs overlap
-        return False
-    p = r.params
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-        return False
-    return r.logit_processor is None and not r.return_hidden_states and r.embed is None
-
-
 class OverlapStepper:
     """Drives a scheduler and runner one step ahead of the host; ``deliver`` sends a resolved step's
     outputs, ``fail_batch`` fails a batch whose launch raised, ``run_step`` runs a batch that cannot
@@ -111,7 +72,8 @@ class OverlapStepper:
         self._deliver_fn = deliver
         self._fail_batch = fail_batch
         self._run_step = run_step
-        self.pending: Optional[tuple[Launched, list[Request], int]] = None  # (launched, changed, n_in)
+        # (launched, changed, n_in, sampled): a launched step, its changed requests, prompt tokens, sampling rows
+        self.pending: Optional[tuple[Launched, list[Request], int, int]] = None
         self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
         self._pending_fill: Optional[FillJob] = None   # the pending step's bitmask job (grammar steps)
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
@@ -159,7 +121,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.flush()
-        self.pending = (launched, self._apply(batch, len(fwd.seqs)), batch.num_prefill_tokens)
+        self.pending = (launched, self._apply(batch, len(fwd.seqs)), batch.num_prefill_tokens, len(fwd.seqs))
 
     def _embed_step(self, batch: ScheduledBatch) -> None:
         """Launch an embedding step, deliver the previous step while it runs, apply it; its vectors
@@ -199,10 +161,10 @@ class OverlapStepper:
         try:
             launched = runner.sample(fwd, fill)      # waits for the fill (also when it raises)
         except Exception as e:  # noqa: BLE001
-            _drop_placeholders(batch)
+            drop_placeholders(batch)
             self._fail_batch(batch, e)
             return
-        self.pending = (launched, changed, batch.num_prefill_tokens)
+        self.pending = (launched, changed, batch.num_prefill_tokens, len(fwd.seqs))
         self._pending_fill = fill
         if nxt is None:
             return
@@ -215,15 +177,7 @@ class OverlapStepper:
     def _apply(self, batch: ScheduledBatch, sampled: int) -> list[Request]:
         """Apply a launched batch with placeholder ids (lengths and pages only depend on counts);
         ``sampled``: its sampling rows."""
-        n = len(batch.seqs)
-        if sampled == n:                                 # every row samples (decode steps)
-            fake = list(_placeholders(n))
-        else:
-            fake, rows = [-1] * n, iter(_placeholders(sampled))
-            for i, s in enumerate(batch.seqs):
-                if s.sample:
-                    fake[i] = next(rows)
-        return self.scheduler.update(batch, StepOutput(fake, [None] * n, [None] * n))
+        return self.scheduler.update(batch, placeholder_output(batch, sampled))
 
     def flush(self) -> None:
         """Resolve the pending step (wait for its ids), then deliver its outputs; drop a staged one."""
@@ -248,7 +202,7 @@ class OverlapStepper:
             return None
         if self.pending is None:
             return None
-        launched, changed, n_in = self.pending
+        launched, changed, n_in, sampled = self.pending
         fill, self.pending, self._pending_fill = self._pending_fill, None, None
         sched = self.scheduler
         if self._before_wait is not None:
@@ -258,34 +212,11 @@ class OverlapStepper:
         accepted = None if fill is None else self.runner.sampler.constraints.accept_async(
             fill, [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
-        grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
-        errors = launched.errors
-        row = -1
-        phs = _placeholders(len(launched.batch.seqs))
-        for s, tok in zip(launched.batch.seqs, toks):
-            if not s.sample:
-                continue
-            row += 1
-            req = s.req
-            out = req.output_ids
-            at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
-            if not (0 <= at < len(out) and out[at] == phs[row]):
-                continue                                 # never appended (aborted / preempted before)
-            if errors and row in errors:                 # every token masked: abort, as the plain loop
-                del out[at:]                             # the placeholder (the next step is not applied yet)
-                sched.finish(req, FinishReason.abort(errors[row]))
-                _add_once(changed, req, listed)
-                continue
-            out[at] = tok
-            if lps is not None and lps[row] is not None and len(req.output_token_logprobs) == at:
-                req.add_output_logprob(lps[row])
-            # the one stop check (a length cut was made at update), asked where it may end the request
-            reason = req.end_after(tok, at + 1) if tok in req.stop_ids or at >= req.end_len - 1 else None
-            if req.grammar is not None:
-                grammar.add(req, tok, reason)            # accepted below, all rows in one call
-            elif reason is not None:
-                self._end(req, reason, changed, listed)
+        rows = RowsResolved(lambda req, reason: self._end(req, reason, changed, listed),
+                            lambda req, msg: self._end(req, FinishReason.abort(msg), changed, listed))
+        rows.place(launched.batch, sampled, toks, launched.errors, lps)
+        grammar = rows.grammar
         nxt_fill = None
         if nxt is not None and accepted is not None and not grammar.jumping:
             # queued behind the accepts (one worker thread): it starts as they end, while this thread
@@ -311,11 +242,6 @@ class OverlapStepper:
         self._deliver_fn(changed, n_in)
 
 
-def _placeholders(n: int) -> range:
-    """The placeholder ids of sampled rows 0 .. n-1 (``step_inputs.placeholder``, a linear encoding)."""
-    return range(placeholder(0), placeholder(n), placeholder(1) - placeholder(0))
-
-
 def _add_once(changed: list[Request], req: Request, listed: set[int]) -> None:
     """Append req to changed unless it is there. By identity through ``listed`` (filled on first use):
     ``req in changed`` compares dataclasses field by field, O(n) each, when a whole batch finishes."""
@@ -324,11 +250,3 @@ def _add_once(changed: list[Request], req: Request, listed: set[int]) -> None:
     if id(req) not in listed:
         listed.add(id(req))
         changed.append(req)
-
-
-def _drop_placeholders(batch: ScheduledBatch) -> None:
-    """Remove the placeholder ids a failed launch left at the end of its requests' outputs."""
-    for s in batch.seqs:
-        out = s.req.output_ids
-        while out and is_placeholder(out[-1]):
-            out.pop()
