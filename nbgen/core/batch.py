@@ -6,7 +6,8 @@ from typing import Optional
 
 from nbgen.core.request import Request
 
-@dataclass
+
+@dataclass(slots=True)   # made for every row of every step: slots make it cheaper to build and read
 class SeqWork:
     """One request's share of a step."""
 
@@ -51,18 +52,19 @@ class ScheduledBatch:
     seqs: list[SeqWork]                 # prefill chunks and decodes, any mix
     page_size: int
 
+    # (the properties below read len(token_ids) directly: they walk every row of a step)
     @property
     def num_tokens(self) -> int:
-        return sum(s.q_len for s in self.seqs)
+        return sum([len(s.token_ids) for s in self.seqs])
 
     @property
     def num_prefill_tokens(self) -> int:
         """Prompt (or recompute) tokens of the step: everything but one-token decodes."""
-        return sum(s.q_len for s in self.seqs if not s.sample or s.q_len > 1)
+        return sum([n for s in self.seqs if (n := len(s.token_ids)) > 1 or not s.sample])
 
     @property
     def is_decode_only(self) -> bool:
-        return all(len(s.token_ids) == 1 for s in self.seqs)    # q_len inlined: runs every step
+        return all([len(s.token_ids) == 1 for s in self.seqs])    # q_len inlined: runs every step
 
 
 @dataclass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -82,6 +83,12 @@ class Request:
     arrival_seq: int = -1                    # arrival order at the scheduler (priority: the oldest waiting)
     priority_promoted: bool = False          # admitted by the starvation guard: never preempted for priority
     num_retractions: int = 0                 # times it was preempted (SGLang's meta_info num_retractions)
+    # the output count from which ``end_after`` ends it whatever the token (``length_limit``, kept by
+    # the scheduler at add): a step asks ``end_after`` only for a stop id or from there on; 0: always
+    end_len: int = 0
+    # no step of it needs its token values on the host before the next step (runtime/overlap.py
+    # looks at its fixed needs once, when it first runs); None: not looked at yet
+    overlaps: Optional[bool] = None
     finish_reason: Optional[FinishReason] = None
     # logprob results, appended by the scheduler from StepOutputs
     input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
@@ -176,6 +183,16 @@ class Request:
         for lst in (self.output_ids, self.output_token_logprobs, self.output_top_logprobs,
                     self.output_ids_logprobs):
             del lst[n:]
+
+    def length_limit(self, context_length: Optional[int] = None) -> int:
+        """The number of output tokens at which ``end_after`` returns "length" for any token:
+        ``max_new_tokens``, or fewer where the context length ends the request first."""
+        p, lim = self.params, sys.maxsize
+        if p.max_new_tokens is not None:
+            lim = p.max_new_tokens
+        if context_length is not None:
+            lim = min(lim, context_length - len(self.prompt_ids))
+        return lim
 
     def end_after(self, tok: int, n_out: int, context_length: Optional[int] = None) -> Optional[FinishReason]:
         """The stop check: the finish reason once ``tok``, the ``n_out``-th output token, was

@@ -120,7 +120,7 @@ class Delivery:
     def deliver(self, changed: list[Request], n_in: int) -> None:
         """Send the step's changed requests to their callers, then count the step's tokens."""
         n_out = 0
-        tracked = self._tracked
+        tracked, FINISHED = self._tracked, Status.FINISHED
         self.release_wakes()              # the previous step's, if no wait for the device came between
         wake = self._wakes
         for req in changed:
@@ -129,13 +129,14 @@ class Delivery:
                 continue
             m = len(req.output_ids)
             n_out += m - t.n_ids
-            if (t.quiet or (t.lazy and t.within_interval(m))) and not req.finished:   # nothing to send yet
-                t.n_ids = m
-                continue
-            if t.buffer is not None and not req.finished:     # only the new ids, to its consumer
-                if t.push_new():
-                    wake.append(t.buffer)
-                continue
+            if req.status is not FINISHED:
+                if t.quiet or (t.lazy and t.within_interval(m)):   # nothing to send yet
+                    t.n_ids = m
+                    continue
+                if t.buffer is not None:                # only the new ids, to its consumer
+                    if t.push_new():
+                        wake.append(t.buffer)
+                    continue
             self._emit(t)
         self.reap_outside()
         self._stats.account(n_in, n_out, self.snapshot())

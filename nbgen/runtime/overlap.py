@@ -31,15 +31,15 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Protocol
 
-from nbgen.core.batch import ScheduledBatch, StepOutput
+from nbgen.core.batch import ScheduledBatch
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.constraints import FillJob
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
-from nbgen.runtime.grammar_batch import StepGrammar
+from nbgen.runtime.overlap_rows import (RowsResolved, constrained, drop_placeholders, overlappable,
+                                        placeholder_output)
 from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
 from nbgen.runtime.scheduler import Scheduler
-from nbgen.runtime.step_inputs import is_placeholder, placeholder
 
 Deliver = Callable[[list[Request], int], None]          # (changed requests, prompt tokens of the step)
 FailBatch = Callable[[ScheduledBatch, Exception], None]  # fail one batch's requests
@@ -59,20 +59,6 @@ class LoopLike(Protocol):
     def run_step(self, batch: ScheduledBatch) -> None: ...
 
 
-def overlappable(batch: ScheduledBatch) -> bool:
-    """True when no seq needs real token values on the host before its next step."""
-    for s in batch.seqs:
-        p = s.req.params
-        if s.prompt_logprob_start >= 0 or s.req.wants_prompt_logprobs:   # output logprobs overlap
-            return False
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-            return False
-        r = s.req   # custom processors may read output ids; hidden states are copied to the host
-        if r.logit_processor is not None or r.return_hidden_states or r.embed is not None:
-            return False
-    return True
-
-
 class OverlapStepper:
     """Drives a scheduler and runner one step ahead of the host; ``deliver`` sends a resolved step's
     outputs, ``fail_batch`` fails a batch whose launch raised, ``run_step`` runs a batch that cannot
@@ -86,7 +72,8 @@ class OverlapStepper:
         self._deliver_fn = deliver
         self._fail_batch = fail_batch
         self._run_step = run_step
-        self.pending: Optional[tuple[Launched, list[Request], int]] = None  # (launched, changed, n_in)
+        # (launched, changed, n_in, sampled): a launched step, its changed requests, prompt tokens, sampling rows
+        self.pending: Optional[tuple[Launched, list[Request], int, int]] = None
         self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
         self._pending_fill: Optional[FillJob] = None   # the pending step's bitmask job (grammar steps)
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
@@ -124,7 +111,7 @@ class OverlapStepper:
                 self._fail_batch(batch, e)
                 return
         batch = fwd.batch
-        if any(s.req.grammar is not None for s in fwd.seqs):
+        if constrained(fwd.seqs):
             self._grammar_step(fwd)
             return
         try:
@@ -134,7 +121,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.flush()
-        self.pending = (launched, self._apply(batch), batch.num_prefill_tokens)
+        self.pending = (launched, self._apply(batch, len(fwd.seqs)), batch.num_prefill_tokens, len(fwd.seqs))
 
     def _embed_step(self, batch: ScheduledBatch) -> None:
         """Launch an embedding step, deliver the previous step while it runs, apply it; its vectors
@@ -161,7 +148,7 @@ class OverlapStepper:
             self._fail_batch(batch, e)
             return
         self.flush()                                  # deliver the previous step (fill runs meanwhile)
-        changed = self._apply(batch)
+        changed = self._apply(batch, len(fwd.seqs))
         nxt = sched.schedule()
         if nxt is not None and not overlappable(nxt):
             nxt = None                                # dropped: the next step() schedules it again
@@ -174,10 +161,10 @@ class OverlapStepper:
         try:
             launched = runner.sample(fwd, fill)      # waits for the fill (also when it raises)
         except Exception as e:  # noqa: BLE001
-            _drop_placeholders(batch)
+            drop_placeholders(batch)
             self._fail_batch(batch, e)
             return
-        self.pending = (launched, changed, batch.num_prefill_tokens)
+        self.pending = (launched, changed, batch.num_prefill_tokens, len(fwd.seqs))
         self._pending_fill = fill
         if nxt is None:
             return
@@ -187,15 +174,10 @@ class OverlapStepper:
             self.flush()
             self._fail_batch(nxt, e)
 
-    def _apply(self, batch: ScheduledBatch) -> list[Request]:
-        """Apply a launched batch with placeholder ids (lengths and pages only depend on counts)."""
-        n = len(batch.seqs)
-        fake, k = [-1] * n, 0
-        for i, s in enumerate(batch.seqs):
-            if s.sample:
-                fake[i] = placeholder(k)
-                k += 1
-        return self.scheduler.update(batch, StepOutput(fake, [None] * n, [None] * n))
+    def _apply(self, batch: ScheduledBatch, sampled: int) -> list[Request]:
+        """Apply a launched batch with placeholder ids (lengths and pages only depend on counts);
+        ``sampled``: its sampling rows."""
+        return self.scheduler.update(batch, placeholder_output(batch, sampled))
 
     def flush(self) -> None:
         """Resolve the pending step (wait for its ids), then deliver its outputs; drop a staged one."""
@@ -220,7 +202,7 @@ class OverlapStepper:
             return None
         if self.pending is None:
             return None
-        launched, changed, n_in = self.pending
+        launched, changed, n_in, sampled = self.pending
         fill, self.pending, self._pending_fill = self._pending_fill, None, None
         sched = self.scheduler
         if self._before_wait is not None:
@@ -230,30 +212,11 @@ class OverlapStepper:
         accepted = None if fill is None else self.runner.sampler.constraints.accept_async(
             fill, [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
-        grammar = StepGrammar()                          # constrained rows (runtime/grammar_batch.py)
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
-        k = 0
-        for i, s in enumerate(launched.batch.seqs):
-            if not s.sample:
-                continue
-            row, tok, k = k, toks[i], k + 1
-            req = s.req
-            at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
-            if not (0 <= at < len(req.output_ids) and req.output_ids[at] == placeholder(row)):
-                continue                                 # never appended (aborted / preempted before)
-            if launched.errors and row in launched.errors:   # every token masked: abort, as the plain loop
-                del req.output_ids[at:]                  # the placeholder (the next step is not applied yet)
-                sched.finish(req, FinishReason.abort(launched.errors[row]))
-                _add_once(changed, req, listed)
-                continue
-            req.output_ids[at] = tok
-            if lps is not None and lps[row] is not None and len(req.output_token_logprobs) == at:
-                req.add_output_logprob(lps[row])
-            reason = req.end_after(tok, at + 1)          # the one stop check (a length cut was made at update)
-            if req.grammar is not None:
-                grammar.add(req, tok, reason)            # accepted below, all rows in one call
-            elif reason is not None:
-                self._end(req, reason, changed, listed)
+        rows = RowsResolved(lambda req, reason: self._end(req, reason, changed, listed),
+                            lambda req, msg: self._end(req, FinishReason.abort(msg), changed, listed))
+        rows.place(launched.batch, sampled, toks, launched.errors, lps)
+        grammar = rows.grammar
         nxt_fill = None
         if nxt is not None and accepted is not None and not grammar.jumping:
             # queued behind the accepts (one worker thread): it starts as they end, while this thread
@@ -287,11 +250,3 @@ def _add_once(changed: list[Request], req: Request, listed: set[int]) -> None:
     if id(req) not in listed:
         listed.add(id(req))
         changed.append(req)
-
-
-def _drop_placeholders(batch: ScheduledBatch) -> None:
-    """Remove the placeholder ids a failed launch left at the end of its requests' outputs."""
-    for s in batch.seqs:
-        out = s.req.output_ids
-        while out and is_placeholder(out[-1]):
-            out.pop()

@@ -32,23 +32,23 @@ import sys
 from typing import Any, Callable, Optional
 
 from nbgen.core.scheduler_config import SchedulerConfig
-from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.core.finish import FinishReason
 from nbgen.runtime.admission import Admission, refusal, seq_work
 from nbgen.runtime.forced_rows import RowWaits, forced_rows
-from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.pages import PagePool
 from nbgen.runtime.prefill_pacing import PrefillPacer
 from nbgen.runtime.prefix_cache import PrefixCache
-from nbgen.runtime.spec_pages import accept_drafts, release_tail
+from nbgen.runtime.step_update import StepUpdate
 from nbgen.runtime.priority import PriorityWaitingQueue, grow_victim, priority_stats, queue_full_victim
 from nbgen.core.request import Request, Status
 from nbgen.runtime.waiting import WaitingQueue
 
 
-class Scheduler:
-    """Owns waiting/running requests, the PagePool and the PrefixCache (loop thread only)."""
+class Scheduler(StepUpdate):
+    """Owns waiting/running requests, the PagePool and the PrefixCache (loop thread only); ``update``
+    (runtime/step_update.py) applies a step's results."""
 
     def __init__(self, cfg: SchedulerConfig, lora_limit: Optional[LoRABatchLimit] = None) -> None:
         self.cfg = cfg
@@ -91,6 +91,7 @@ class Scheduler:
         if self._refused_by_full_queue(req):
             return
         req.status = Status.WAITING
+        req.end_len = req.length_limit(self.cfg.context_length)
         req.arrival_seq, self._arrival_counter = self._arrival_counter, self._arrival_counter + 1
         self._live[req.rid] = req
         self.waiting.append(req)
@@ -160,22 +161,28 @@ class Scheduler:
         budget = self.pacer.budget(self.running, self.waiting.in_order(self.cache), self.budget) \
             if self.pacer is not None and self.waiting else self.budget      # runtime/prefill_pacing.py
         seqs: list[SeqWork] = []
+        prefilling: list[Request] = []                       # running requests with a chunk left (step 2)
         preempted = self.num_preemptions
         P, RUNNING = self.P, Status.RUNNING
         for req in list(self.running):                       # 1. decodes (hot path: O(1) each)
+            if req.status is not RUNNING:
+                continue
             out_ids, c = req.output_ids, req.num_computed
-            if req.status is not RUNNING or len(req.prompt_ids) + len(out_ids) - c != 1:
+            left = len(req.prompt_ids) + len(out_ids) - c
+            if left != 1:
+                if left > 1:
+                    prefilling.append(req)
                 continue
             if c // P >= len(req.pages) and not self._grow(req, c + 1):
                 continue
-            if out_ids and req.params.max_new_tokens != 0:
+            if out_ids:                                      # only sampling requests have outputs
                 seqs.append(SeqWork(req, [out_ids[-1]], c, req.pages, True))
             else:                                            # last prompt token (rare)
                 seqs.append(seq_work(req, c, c + 1))
-            budget -= 1
+        budget -= len(seqs)
         rows = self.cfg.forced_token_rows - len(seqs)         # jump-forward rows (runtime/forced_rows.py)
         self.row_waits.next_step()
-        for req in list(self.running):                       # 2. prefill continuation
+        for req in prefilling:                               # 2. prefill continuation (running order)
             left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
             if left <= 1 or req.status is not RUNNING:
                 continue
@@ -192,69 +199,9 @@ class Scheduler:
         # 3. admissions; not in a step that preempted (damps admit/preempt thrashing)
         if self.num_preemptions == preempted:
             seqs += self.admission.admit(self.running, budget)
-        seqs = [s for s in seqs if s.req.status is RUNNING and s.pages is s.req.pages]  # drop preempted
+        if self.num_preemptions != preempted:                # drop the seqs of preempted requests
+            seqs = [s for s in seqs if s.req.status is RUNNING and s.pages is s.req.pages]
         return ScheduledBatch(seqs=seqs, page_size=self.P) if seqs else None
-
-    def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
-        """Apply a step's results; returns requests that got a new token or finished this step."""
-        changed: list[Request] = []
-        done, errors = False, out.errors
-        grammar = StepGrammar()          # constrained rows' tokens (runtime/grammar_batch.py)
-        for i, seq in enumerate(batch.seqs):
-            req = seq.req
-            if req.status is not Status.RUNNING or req.num_computed != seq.start_pos:
-                continue                                     # aborted or preempted meanwhile
-            if out.accepted is None and seq.sample and seq.start_pos + len(seq.token_ids) != req.num_tokens:
-                continue            # jumped forward meanwhile (runtime/jump_forward.py); verify rows carry drafts
-            if errors and i in errors:
-                self._finish(req, FinishReason.abort(errors[i]), cache=False, unlist=False)
-                changed.append(req)
-                done = True
-                continue
-            n_prompt, kv = len(req.prompt_ids), seq.start_pos + len(seq.token_ids)
-            if out.pool_states is not None:                  # embedding requests (runtime/embed_step.py)
-                req.set_pooled(out.pool_states[i], out.embeddings[i] if out.embeddings is not None else None)
-            if seq.start_pos < n_prompt and req.wants_prompt_logprobs:
-                req.add_prompt_logprobs(out.prompt_logprobs[i] if seq.prompt_logprob_start >= 0 else None,
-                                        kv >= n_prompt)
-            req.num_computed = kv
-            if out.hidden_states is not None and out.hidden_states[i] is not None:
-                hs = out.hidden_states[i]                    # prompt positions of a chunk, a sampled position's
-                req.add_hidden_states(hs.first, hs.rows)
-            drafted = out.accepted is not None and bool(out.accepted[i])   # verified drafts (spec_step.py)
-            if seq.start_pos < n_prompt <= kv or (seq.sample and len(seq.token_ids) > 1 and not drafted):
-                self.cache.insert_request(req, swap=True)            # share the prompt with later arrivals
-                self.admission.drop_leader(req)
-            reason = None
-            if drafted:
-                reason = accept_drafts(req, out.accepted[i], out.accepted_logprobs[i], self.cfg.context_length)
-                if reason is not None:
-                    changed.append(req)
-            if seq.sample and reason is None:
-                tok = out.next_token_ids[i]
-                req.output_ids.append(tok)
-                lp = out.output_logprobs[i]
-                if lp is not None:
-                    req.add_output_logprob(lp)
-                reason = req.end_after(tok, len(req.output_ids), self.cfg.context_length)
-                changed.append(req)
-                if req.grammar is not None and tok >= 0:     # accepted after the walk, all in one call
-                    grammar.add(req, tok, reason)
-                    continue
-            elif req.params.max_new_tokens == 0 and kv >= req.num_tokens:
-                reason = FinishReason.length()
-                changed.append(req)
-            if reason is not None:
-                self._finish(req, reason, unlist=False)
-                done = True
-            elif out.accepted is not None:
-                release_tail(self.pool, req)
-        for req, reason in grammar.settle(self.cfg.context_length):
-            self._finish(req, reason, unlist=False)
-            done = True
-        if done:
-            self.running = [r for r in self.running if r.status is Status.RUNNING]
-        return changed
 
     # ---- internals --------------------------------------------------------------------------------
     def _grow(self, req: Request, kv_len: int) -> bool:
