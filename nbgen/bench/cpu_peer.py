@@ -10,13 +10,13 @@ llama-cpp-python``). Also printed: how many of the batch-1 greedy texts equal ll
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from typing import Any, Optional
 
 import torch
 
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import chat32_prompts
 from nbgen.engine import Engine
 from nbgen.models.embedded import download_gguf
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts run one at a time (both engines)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    add_json_option(ap, "the rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = chat32_prompts(None)
@@ -85,9 +85,7 @@ def main() -> None:
         same = sum(a.strip() == b.strip() for a, b in zip(ours, theirs))
         print(f"nbgen batch 1 / llama.cpp: {rows[1]['tok_s'] / peer['tok_s']:.2f}x; nbgen one batch / llama.cpp: "
               f"{rows[0]['tok_s'] / peer['tok_s']:.2f}x; greedy texts equal on {same} of {len(theirs)} prompts")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ token's label logprobs; no peer).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
@@ -28,6 +27,7 @@ import torch
 from nbgen.bench.floor import linear_rate, matmul_rate, prefill_flops
 from nbgen.bench.gpu_spans import GpuSpans
 from nbgen.bench.profiling import GcPauses, StepTimer, print_gpu_profile
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.engine import Engine
 from nbgen.models.model_config import read_model_config
 from nbgen.models.registry import get_model_class
@@ -210,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--st-batch-size", type=int, default=32, help="the peer's batch size (encode's default)")
     ap.add_argument("--no-peer", action="store_true", help="skip sentence-transformers")
     ap.add_argument("--profile", action="store_true", help="profile a second nbgen run (CUDA): GPU busy time, top kernels")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    add_json_option(ap, "the rows")
     args = ap.parse_args(argv)
     if not 1 <= args.min_tokens <= args.max_tokens:
         raise ValueError(f"need 1 <= --min-tokens <= --max-tokens, got {args.min_tokens}, {args.max_tokens}")
@@ -250,9 +250,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
               f"{r['pct_bound']:>8.1f}%{r['pct_shape_bound']:>14.1f}%")
     if len(rows) > 1 and "error" not in rows[1]:
         print(f"nbgen / sentence-transformers: {rows[0]['tok_s'] / rows[1]['tok_s']:.2f}x tokens/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return rows
 
 

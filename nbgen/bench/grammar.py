@@ -27,6 +27,7 @@ from typing import Any
 from nbgen.bench import grammar_extract
 from nbgen.bench.phases import PhaseTimer
 from nbgen.bench.profiling import StepTimer, print_gpu_profile
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.schema_check import schema_errors
 from nbgen.bench.workloads import QUESTIONS
 from nbgen.engine import Engine
@@ -109,7 +110,7 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each kind")
-    ap.add_argument("--json", default=None, help="write the results to this file")
+    add_json_option(ap, "the results")
     ap.add_argument("--host-profile", action="store_true",
                     help="one more run of each kind (extract: with and without jump-forward) under cProfile "
                          "of the engine's loop thread")
@@ -211,14 +212,12 @@ def main() -> None:
     print("checks:", checks)
     info = eng.get_server_info()
     eng.shutdown()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": rows, "best": best, "ratio": ratio, "median": median, "ratio_median": ratio_median,
-                       "first_use_s": first_use, "validity": valid, "consistent": consistent,
-                       "host_ms_median": host, "jump_forward": args.jump_forward, "extract": extract,
-                       "checks": checks,
-                       "model": args.model,
-                       "device": info["device"], "attention_backend": info["attention_backend"]}, f, indent=1)
+    write_json(args.json, {"runs": rows, "best": best, "ratio": ratio, "median": median, "ratio_median": ratio_median,
+                           "first_use_s": first_use, "validity": valid, "consistent": consistent,
+                           "host_ms_median": host, "jump_forward": args.jump_forward, "extract": extract,
+                           "checks": checks,
+                           "model": args.model,
+                           "device": info["device"], "attention_backend": info["attention_backend"]})
 
 
 if __name__ == "__main__":

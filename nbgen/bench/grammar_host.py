@@ -39,6 +39,7 @@ import torch
 
 from nbgen.bench import grammar_extract
 from nbgen.bench.grammar import SCHEMA
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.core.batch import SeqWork
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request
@@ -190,7 +191,7 @@ def main() -> None:
                     help="rows with jump-forward: time the fill and settle (accepts, searches, jumps)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall time, or the calling thread's CPU time (steadier on a busy host)")
-    ap.add_argument("--json", default=None, help="write the medians to this file")
+    add_json_option(ap, "the medians")
     args = ap.parse_args()
     clock = CLOCKS[args.clock]
 
@@ -260,10 +261,7 @@ def _report(times: dict[str, list[float]], args: argparse.Namespace, mode: str) 
     print(f"grammar host work per step, {args.rows} rows, {'extract' if args.extract else 'answer'} schema, "
           f"{mode}, {args.steps} steps, median / min (us; searched, jumped: rows, tokens): "
           + ", ".join(f"{k} {med[k]:.0f} / {low[k]:.0f}" for k in times))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": args.rows, "extract": args.extract, "mode": mode, "median_us": med, "min_us": low},
-                      f, indent=1)
+    write_json(args.json, {"rows": args.rows, "extract": args.extract, "mode": mode, "median_us": med, "min_us": low})
 
 
 if __name__ == "__main__":

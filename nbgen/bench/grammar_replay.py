@@ -22,6 +22,7 @@ import torch
 from nbgen.bench import grammar_extract
 from nbgen.bench.phases import PhaseTimer
 from nbgen.bench.profiling import StepTimer
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.engine import Engine
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime.overlap import OverlapStepper
@@ -84,7 +85,7 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=256)
     ap.add_argument("--forced-rows", type=int, default=768, help="forced_token_rows (CUDA: the largest decode graph)")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--json", default=None, help="write the runs to this file")
+    add_json_option(ap, "the runs")
     args = ap.parse_args()
     tokenizer = args.tokenizer or default_model_path()
     with tempfile.TemporaryDirectory() as path:
@@ -121,9 +122,7 @@ def main() -> None:
     phases.close()
     timer.close()
     eng.shutdown()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"forced_rows": args.forced_rows, "runs": runs}, f, indent=1)
+    write_json(args.json, {"forced_rows": args.forced_rows, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 
 from nbgen.bench.lora_kernels import SHAPES, kernel_times
 from nbgen.bench.profiling import StepTimer, print_gpu_profile
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import chat32_prompts, make_workload
 from nbgen.engine import Engine
 
@@ -165,7 +166,7 @@ def main() -> None:
                     help="more LoRA engines after the first, as ADAPTERSxRANK,... (e.g. 8x8,8x64,1x16,32x16): "
                          "each runs the workload over its adapters once per repeat")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--json", default=None, help="write the results to this file")
+    add_json_option(ap, "the results")
     ap.add_argument("--profile", action="store_true", help="one more profiled run of each kind (CUDA)")
     ap.add_argument("--kernels", action="store_true", help="only time the LoRA kernels at Llama-8B's shapes (CUDA)")
     ap.add_argument("--sweep", action="store_true", help="with --kernels: sweep the kernels' configs")
@@ -217,9 +218,7 @@ def main() -> None:
           f"{result['lora_vs_plain']:.3f}, lora / base {result['lora_vs_base']:.3f}")
     for case in (k for k in best if k.startswith("lora ")):
         print(f"{case}: {best[case]:.1f} out tok/s  ->  / plain {best[case] / best['plain']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import statistics
 import time
 from typing import Any, Optional
@@ -36,6 +35,7 @@ from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model
                                roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
                                    prefix_workload, text_prompts)
 from nbgen.engine import Engine
@@ -201,7 +201,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--repeat", type=int, default=1,
                     help="time nbgen's workload this many times on one engine (cache flushed between); report the median")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    add_json_option(ap, "the rows")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {args.repeat}")
@@ -291,9 +291,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
               + (f"  {r['pct_shared_floor']:.1f}% of the shared floor" if shared is not None else ""))
     if len(rows) > 1 and "error" not in rows[1]:
         print(f"nbgen / {rows[1]['engine']}: {rows[0]['out_tok_s'] / rows[1]['out_tok_s']:.1f}x output tok/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "prompt_lens"} for r in rows], f, indent=1)
+    write_json(args.json, [{k: v for k, v in r.items() if k != "prompt_lens"} for r in rows])
     return rows
 
 

@@ -20,7 +20,6 @@ and the staging ring's events are not included: ``bench.grammar --phases`` measu
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -31,6 +30,7 @@ import torch
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.page_tables import DecodeTables
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import make_workload, prefix_workload
 from nbgen.core.batch import StepOutput
 from nbgen.core.request import Request
@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--min-rows", type=int, default=192, help="time the decode steps with at least this many rows")
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--clock", default="thread", choices=["thread", "wall"])
-    ap.add_argument("--json", default=None, help="write the results to this file")
+    add_json_option(ap, "the results")
     args = ap.parse_args()
     random.seed(0)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -124,9 +124,7 @@ def main() -> None:
     print(f"workload {res['workload']}: {res['steps']} decode steps (median {res['rows_median']:.0f} rows, "
           f"{res['cascade_steps']} with a shared-prefix plan), {args.clock} clock, µs per step (median): "
           + ", ".join(f"{k} {v:.1f}" for k, v in us.items()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import time
 import zlib
 from typing import Any, Optional
 
+from nbgen.bench.report import add_json_option, write_json
 from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.engine import Engine
 from nbgen.models.embedded import default_model_path
@@ -234,12 +235,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--tokenizer-path", default=None, help="default: the embedded model's tokenizer")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (interleaved); the median is reported")
     ap.add_argument("--host-profile", action="store_true", help="cProfile of the loop thread per mode")
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    add_json_option(ap, "the rows")
     args = ap.parse_args(argv)
     rows = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
     return rows
 
 
