@@ -34,25 +34,24 @@ def overlappable(batch: ScheduledBatch) -> bool:
 
 
 def _overlaps(r: Request) -> bool:
-    """Whether every step of r may run ahead of its token values: no prompt logprobs, penalties over
-    output ids, custom processors (they may read output ids), hidden states (copied to the host) or
-    pooling."""
+    """Whether every step of r may run ahead of its token values: no prompt logprobs and none of the
+    needs ``_never_overlaps`` lists."""
+    return r.logprobs.logprob_start_len < 0 and not _never_overlaps(r)
+
+
+def _never_overlaps(r: Request) -> bool:
+    """Needs that keep every step of r on its token values: penalties over output ids, custom processors
+    (they may read output ids), hidden states (copied to the host) or pooling."""
     p = r.params
-    return (r.logprobs.logprob_start_len < 0 and p.repetition_penalty == 1.0 and not p.frequency_penalty
-            and not p.presence_penalty and r.logit_processor is None and not r.return_hidden_states
-            and r.embed is None)
+    return (p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+            or r.logit_processor is not None or r.return_hidden_states or r.embed is not None)
 
 
 def _seq_overlaps(s: SeqWork) -> bool:
     """Whether the step of s may run ahead of its token values (a request that is not ``_overlaps``:
-    its prompt logprobs may be done)."""
+    its prompt logprobs may be done; output logprobs overlap)."""
     r = s.req
-    if s.prompt_logprob_start >= 0 or r.wants_prompt_logprobs:   # output logprobs overlap
-        return False
-    p = r.params
-    if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-        return False
-    return r.logit_processor is None and not r.return_hidden_states and r.embed is None
+    return s.prompt_logprob_start < 0 and not r.wants_prompt_logprobs and not _never_overlaps(r)
 
 
 def constrained(seqs: list[SeqWork]) -> bool:
