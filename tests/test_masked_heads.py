@@ -3,6 +3,8 @@ graph (host logic, with fakes on the CPU), the static device bitmask the fill wo
 the masked heads' ids against the sampler's masked argmax over the plain and shared-prefix graphs."""
 from __future__ import annotations
 
+import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -182,3 +184,55 @@ def test_masked_heads_same_ids_as_the_sampler(gpu_model_dir):
         g = runner.graphs
         bound = g.heads.bitmask.words.numel() * 4 + g.max_bs * runner.vocab_size * 2 + 64 * 2**20
         assert 0 <= g.heads_memory_bytes <= bound, (g.heads_memory_bytes, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not os.environ.get("NBGEN_TEST_GRAMMAR_MODEL"), reason="needs NBGEN_TEST_GRAMMAR_MODEL (+ _TOKENIZER)")
+def test_engine_greedy_constrained_steps_same_outputs_with_masked_heads(monkeypatch):
+    """Greedy JSON / regex requests (48 rows, plain graphs) under overlap: with the masked heads their steps
+    replay the heads' graphs, without them (``masked_head`` off) the sampler's masked argmax runs over the
+    steps' logits; the same ids and finish reasons, and completed grammars' rows (scheduled one step ahead)
+    change nothing. A prompt-prefix-sharing second batch runs the shared-prefix graphs' masked heads. Both runs
+    are overlapped and batched alike, so the same rounding."""
+    pytest.importorskip("xgrammar")
+    from nbgen.runtime.greedy_heads import GreedyHeads
+    from tests.tiny_models import grammar_engine
+
+    schema = json.dumps({"type": "object", "additionalProperties": False, "required": ["name", "n"],
+                         "properties": {"name": {"type": "string", "maxLength": 8},
+                                        "n": {"type": "integer", "minimum": 0, "maximum": 999}}})
+    regexes = [r"\d{3}-\d{4}", r"(Mon|Tues|Fri)day", r"#[0-9a-f]{6}"]
+    sps = [{"temperature": 0.0, "max_new_tokens": 12 + i % 9,
+            **({"json_schema": schema} if i % 2 else {"regex": regexes[i % 3]})} for i in range(48)]
+    replays: list[tuple[int, bool]] = []
+    run_masked = GreedyHeads.run_masked
+
+    def spy(self, bs, cascade):
+        replays.append((bs, cascade))
+        run_masked(self, bs, cascade)
+
+    monkeypatch.setattr(GreedyHeads, "run_masked", spy)
+    with grammar_engine(device="cuda", mem_fraction_static=0.4) as eng:
+        shared = "Record: " * 400
+        prompts = [eng.apply_chat_template([{"role": "user", "content": f"Item {i}"}]) for i in range(48)]
+        prompts += [shared + f"item {i}" for i in range(16)]
+        sps = sps + sps[:16]
+
+        def run() -> list[tuple]:
+            assert eng.flush_cache()
+            eng.generate(shared, {"max_new_tokens": 1}, use_tqdm=False)     # the shared prefix cached
+            outs = eng.generate(prompts[:48], sps[:48], use_tqdm=False)
+            outs += eng.generate(prompts[48:], sps[48:], use_tqdm=False)
+            return [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs]
+
+        # every grammar compiled first: both runs then admit their requests at once, so their steps match
+        eng.generate(prompts[:6], [{**sp, "max_new_tokens": 1} for sp in sps[:6]], use_tqdm=False)
+        heads = run()
+        assert replays, "no step took the masked head"
+        assert any(c for _bs, c in replays) and any(not c for _bs, c in replays), replays
+        monkeypatch.setattr(CudaGraphRunner, "masked_head", lambda self, staged, seqs: False)
+        n = len(replays)
+        plain = run()
+        assert len(replays) == n
+    assert heads == plain
+    assert any(f["type"] == "stop" for _ids, f in heads)
