@@ -16,7 +16,9 @@ the next; the sampler then only waits for it (``FillJob``). The same worker acce
 tokens (``accept_async``) ahead of the next fill (runtime/fill_worker.py). When every row of such
 a step is a greedy constrained row with nothing else to apply (the common extraction batch), the
 sampler takes the tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask
-beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python).
+beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python). On a
+CUDA decode graph step the runner replays the masked greedy head instead (runtime/greedy_heads.py): the
+worker copies such a fill into the heads' static bitmask (``use_head_bitmask``).
 """
 from __future__ import annotations
 
