@@ -144,6 +144,7 @@ def test_masked_heads_same_ids_as_the_sampler(gpu_model_dir):
     with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=64) as eng:
         runner = eng.loop.runner
 
+        @torch.inference_mode()      # the graphs' static buffers are inference tensors
         def check() -> list[tuple[int, bool]]:
             g, V = runner.graphs, runner.vocab_size
             heads, tok = g.heads, V - 37
