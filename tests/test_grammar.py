@@ -349,29 +349,40 @@ def test_grammar_pipeline_with_fill_worker_same_outputs(eng):
 
 
 def test_greedy_constrained_batch_takes_the_masked_argmax(eng):
-    """Every row constrained and greedy (>= BATCH_FILL_MIN rows): under overlap the sampler takes
-    the tokens from ``Constraints.masked_argmax`` (the argmax reading the bitmask, no per-row
-    processing); outputs equal the plain loop's (masked float32 logits, then the argmax)."""
+    """Every row constrained and greedy (>= BATCH_FILL_MIN rows): under overlap the tokens come from the
+    argmax reading the bitmask (``Constraints.masked_argmax``, or on CUDA graph steps the masked greedy
+    head's graph, runtime/greedy_heads.py), with no per-row processing; outputs equal the plain loop's
+    (masked float32 logits, then the argmax)."""
     from nbgen.runtime.constraints import BATCH_FILL_MIN
+    from nbgen.runtime.greedy_heads import GreedyHeads
 
     n = BATCH_FILL_MIN + 8
     prompts = _prompts(eng, "Give me a JSON record", n)
     sps = [{"temperature": 0.0, "max_new_tokens": 18 + i % 5,
             **({"json_schema": json.dumps(PERSON)} if i % 2 else {"regex": REGEXES[i % 4]})} for i in range(n)]
-    calls = []
+    calls, heads = [], []
     constraints = eng.loop.runner.sampler.constraints
-    original = constraints.masked_argmax
+    original, run_masked = constraints.masked_argmax, GreedyHeads.run_masked
 
     def spy(*a, **k):
         calls.append(1)
         return original(*a, **k)
 
+    def spy_head(self, bs, cascade):
+        heads.append(bs)
+        run_masked(self, bs, cascade)
+
     constraints.masked_argmax = spy
+    GreedyHeads.run_masked = spy_head
     try:
         plain, over = _forced_overlap(eng, lambda: eng.generate(prompts, sps, use_tqdm=False))
     finally:
         del constraints.masked_argmax
-    assert calls, "the masked argmax never ran"
+        GreedyHeads.run_masked = run_masked
+    graphs = eng.loop.runner.graphs
+    assert calls or heads, "the masked argmax never ran"
+    if graphs is not None and graphs.heads is not None:
+        assert heads, "graph steps with every row constrained and greedy never took the masked head"
     assert [o["output_ids"] for o in over] == [o["output_ids"] for o in plain]
     assert [o["meta_info"]["finish_reason"] for o in over] == [o["meta_info"]["finish_reason"] for o in plain]
 

@@ -174,10 +174,11 @@ def test_graph_runners_reset_every_kind_of_graph():
     dec.graphs, dec.variant_graphs, dec.cascade_graphs = {1: _Graph()}, {1: _Graph()}, {8: _Graph()}
     dec.heads = object.__new__(GreedyHeads)
     dec.heads.graphs = {(1, False): _Graph(), (8, True): _Graph()}
+    dec.heads.masked = {(1, False): _Graph()}
     pre = object.__new__(PrefillGraphRunner)
     pre.graphs, pre.variant_graphs = {32: [_Graph(), _Graph()]}, {32: [_Graph()]}
     dec.reset()
     pre.reset()
     every = [*dec.graphs.values(), *dec.variant_graphs.values(), *dec.cascade_graphs.values(),
-             *dec.heads.graphs.values(), *(g for t in (pre.graphs, pre.variant_graphs) for gs in t.values() for g in gs)]
-    assert len(every) == 8 and all(g.freed for g in every)
+             *dec.heads.graphs.values(), *dec.heads.masked.values(), *(g for t in (pre.graphs, pre.variant_graphs) for gs in t.values() for g in gs)]
+    assert len(every) == 9 and all(g.freed for g in every)

@@ -26,7 +26,7 @@ from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.runtime.delivery import Delivery, RidRegistry
 from nbgen.runtime.loop_stats import LoopStats
 from nbgen.runtime.overlap import OverlapStepper
-from nbgen.runtime.runner import Forwarded, Launched
+from nbgen.runtime.step_handles import Forwarded, Launched
 from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.tracker import Update
 

@@ -6,7 +6,7 @@ or ``forward``), the forward's launch, the sampling's launch and, inside it, the
 grammar bitmask fill (the fill on the critical path), the wait for the device (``resolve``),
 the fill's start, the grammar accepts and jumps (``settle``); and parts of those: the decode page
 tables and the shared-prefix plan (in ``stage``), the graph replay and the LM head (in ``forward``),
-the sampler's call (in ``sample``). Cheap (a clock read per call), so
+the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read per call), so
 the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
 (the decode graphs exist), on an engine without other wrappers on these calls, or close in
 reverse order.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from nbgen.runtime.constraints import FillJob
+from nbgen.runtime.fill_worker import FillJob
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.sampler import Sampler
 
@@ -36,6 +36,7 @@ _CALLS: dict[str, tuple[str, str]] = {
     "cascade_plan": ("runner.graphs.cascade", "plan"),
     "replay": ("runner.graphs", "replay"),
     "logits": ("runner.model", "compute_logits"),
+    "masked_head": ("runner.graphs", "masked_ids"),   # inside sample: a greedy constrained step's head replay
 }
 _CLASSES: dict[str, tuple[type, str]] = {
     "fill_wait": (FillJob, "wait"),

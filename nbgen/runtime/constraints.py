@@ -16,20 +16,20 @@ the next; the sampler then only waits for it (``FillJob``). The same worker acce
 tokens (``accept_async``) ahead of the next fill (runtime/fill_worker.py). When every row of such
 a step is a greedy constrained row with nothing else to apply (the common extraction batch), the
 sampler takes the tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask
-beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python).
+beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python). On a
+CUDA decode graph step the runner replays the masked greedy head instead (runtime/greedy_heads.py): the
+worker copies such a fill into the heads' static bitmask (``use_head_bitmask``).
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.fill_worker import FillWorker
+from nbgen.runtime.fill_worker import DeviceBitmask, FillJob, FillWorker
 from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
@@ -39,42 +39,6 @@ from nbgen.runtime.step_inputs import placeholder
 logger = logging.getLogger("nbgen")
 
 BATCH_FILL_MIN = 32  # constrained rows from which the bitmask is filled by xgrammar's thread pool
-
-
-@dataclass
-class FillJob:
-    """A bitmask fill started ahead of sampling: ``rows`` of ``bitmask`` once ``future`` is done."""
-
-    rows: list[int]
-    bitmask: Tensor                 # int32 [>= B, ceil(vocab/32)] host buffer
-    future: Optional[cf.Future]     # None: filled inline already
-    vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
-    greedy: bool = False            # every row is constrained and greedy with nothing else to apply
-    # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
-    device_copy: Optional[tuple[Tensor, Any]] = None
-    states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
-    seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
-
-    def on_device(self, n: int, device: torch.device) -> Tensor:
-        """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
-        current stream then waits for on the GPU, else a copy queued now."""
-        if self.device_copy is None:
-            return self.bitmask[:n].to(device, non_blocking=True)
-        dev, event = self.device_copy
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(event)
-        dev.record_stream(stream)       # allocated on the side stream, read on this one
-        return dev[:n]
-
-    def wait(self) -> None:
-        """Wait for the fill; re-raises its error."""
-        if self.future is not None:
-            self.future.result()
-
-    def settle(self) -> None:
-        """Wait for the fill without raising (the buffer and matchers are free again afterwards)."""
-        if self.future is not None:
-            cf.wait([self.future])
 
 
 class Constraints:
@@ -87,6 +51,12 @@ class Constraints:
         self._batch_matcher: Optional[Any] = None
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
+        self._head_bitmask: Optional[DeviceBitmask] = None   # the masked heads' input (``use_head_bitmask``)
+
+    def use_head_bitmask(self, target: Optional[DeviceBitmask]) -> None:
+        """The worker copies the fills of greedy steps (``FillJob.greedy``) that fit it into ``target`` (the
+        masked greedy heads' static bitmask) instead of a new device tensor; None: new tensors again."""
+        self._head_bitmask = target
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -191,10 +161,14 @@ class Constraints:
         job = FillJob(rows, bm, None, vocab, greedy, states=states, seqs=seqs)
         n = len(seqs)
 
+        head = self._head_bitmask if greedy else None
+        if head is not None and not head.fits(n, bm.shape[1]):
+            head = None
+
         def work() -> None:
             self._fill(rows, states, bm)
             if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
-                job.device_copy = self._worker.copy_out(bm[:n])
+                job.device_copy = self._worker.copy_out(bm[:n], head, vocab)
 
         job.future = self._worker.submit(work)
         return job

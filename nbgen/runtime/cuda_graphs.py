@@ -22,7 +22,8 @@ tables, writes its tables into the same input buffer, and the step replays that 
 
 A step whose rows all take the argmax of their raw logits gets its ids from a greedy head
 (runtime/greedy_heads.py: the LM head and the argmax captured as one more small graph per decode graph),
-written into ``prev`` with no logits computed from Python.
+written into ``prev`` with no logits computed from Python; a step whose rows all take the argmax of their
+grammar-masked logits gets them from the masked head at its sampling, once its bitmask is on the device.
 
 A ``GraphVariant`` (LoRA: the adapters' kernels) adds a second graph per batch size, captured with
 its context active into the same pool; a step replays it only when the variant says the batch
@@ -46,6 +47,7 @@ from nbgen.kernels.batch_sizes import graph_batch_sizes
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
 from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout
+from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.greedy_heads import GreedyHeads
 from nbgen.runtime.sampler_rows import raw_kinds
 
@@ -134,6 +136,7 @@ class CudaGraphRunner:
         self.wrappers: dict[int, Any] = {}
         self.pool = None
         self.heads: Optional[GreedyHeads] = None   # LM head + argmax graphs (``capture_heads``)
+        self.heads_memory_bytes = 0                 # device memory their capture took
         # a stream of this device: torch.cuda.graph's default capture stream is one per process, made
         # on the device of its first use, and capturing on it would move a second GPU's thread there
         self._capture_stream = torch.cuda.Stream(dev)
@@ -221,9 +224,13 @@ class CudaGraphRunner:
         probe = self.outputs[self.batch_sizes[0]]
         if self.variant is not None or not gpu_argmax.usable(logits(probe)[:, :vocab]):
             return
+        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.backend.spec.device)[0]
         try:
             self.heads = GreedyHeads({False: self.outputs, True: self.cascade_outputs}, self.prev, logits, vocab,
                                      self.pool, self._capture_stream)
+            self.heads_memory_bytes = free0 - torch.cuda.mem_get_info(self.backend.spec.device)[0]
+            logger.info("captured %d greedy and masked head graphs in %.1f s, %.0f MiB", 2 * len(self.heads.graphs),
+                        time.perf_counter() - t0, self.heads_memory_bytes / 2**20)
         except Exception as e:  # noqa: BLE001 - any capture failure: greedy steps sample from the logits
             logger.warning("nbgen: greedy head graphs unavailable (%s); greedy steps compute their logits", e)
             torch.cuda.synchronize(self.backend.spec.device)
@@ -234,6 +241,17 @@ class CudaGraphRunner:
         if self.heads is None or staged.variant or len(seqs) != staged.n or not raw_kinds(seqs) <= {"argmax"}:
             return None
         self.heads.run(staged.bs, staged.cascade)
+        return self.prev[: staged.n]
+
+    def masked_head(self, staged: Staged, seqs: list[SeqWork]) -> bool:
+        """The replayed step's sampling rows are all its rows and all take the argmax of their grammar-masked
+        logits (``grammar_batch.greedy_grammar``): its ids may come from ``masked_ids`` at its sampling."""
+        return self.heads is not None and not staged.variant and len(seqs) == staged.n and greedy_grammar(seqs)
+
+    def masked_ids(self, staged: Staged) -> torch.Tensor:
+        """Replay the masked head of a step (``masked_head``) whose bitmask rows are in ``heads.bitmask`` for
+        the current stream; its ids [n] (in ``prev``)."""
+        self.heads.run_masked(staged.bs, staged.cascade)
         return self.prev[: staged.n]
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:

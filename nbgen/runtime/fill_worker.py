@@ -10,20 +10,74 @@ until its next blocking call or the interpreter's switch interval (5 ms), so ``s
 released) until the job started running; the job's Python before it enters xgrammar is then short.
 A step's accepts from 128 rows run as two halves at once, one in a side thread. On CUDA the worker
 also queues the filled bitmask's copy to the device on a side stream (``copy_out``), so the copy
-runs beside the queued forward instead of before the sampling.
+runs beside the queued forward instead of before the sampling; a greedy step's rows go into the masked
+greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is the
+sampler's handle on one fill.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
+from nbgen.core.batch import SeqWork
 from nbgen.runtime.grammar_batch import accept_handles
 
 SPLIT_ACCEPT_MIN = 64  # rows in each half of a step's accept split over two threads
+
+
+@dataclass
+class FillJob:
+    """A bitmask fill started ahead of sampling: ``rows`` of ``bitmask`` once ``future`` is done."""
+
+    rows: list[int]
+    bitmask: Tensor                 # int32 [>= B, ceil(vocab/32)] host buffer
+    future: Optional[cf.Future]     # None: filled inline already
+    vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
+    greedy: bool = False            # every row is constrained and greedy with nothing else to apply
+    # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
+    device_copy: Optional[tuple[Tensor, Any]] = None
+    states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
+    seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
+
+    def on_device(self, n: int, device: torch.device) -> Tensor:
+        """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
+        current stream then waits for on the GPU, else a copy queued now."""
+        if self.device_copy is None:
+            return self.bitmask[:n].to(device, non_blocking=True)
+        dev, event = self.device_copy
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        dev.record_stream(stream)       # allocated on the side stream, read on this one
+        return dev[:n]
+
+    def into(self, target: DeviceBitmask, n: int) -> bool:
+        """Make the first n filled rows ``target``'s first rows for the current stream (call after ``wait``):
+        the worker copied them there (the stream waits for that copy), or an inline fill's rows are copied
+        now; False (nothing queued) where the worker's copy went elsewhere or the rows do not fit."""
+        if self.device_copy is not None:
+            if self.device_copy[0].data_ptr() != target.words.data_ptr():
+                return False
+            self.on_device(n, target.words.device)
+            return True
+        if not target.fits(n, self.bitmask.shape[1]):
+            return False
+        target.copy_in(self.bitmask[:n], self.vocab)
+        return True
+
+    def wait(self) -> None:
+        """Wait for the fill; re-raises its error."""
+        if self.future is not None:
+            self.future.result()
+
+    def settle(self) -> None:
+        """Wait for the fill without raising (the buffer and matchers are free again afterwards)."""
+        if self.future is not None:
+            cf.wait([self.future])
 
 
 class FillWorker:
@@ -76,17 +130,53 @@ class FillWorker:
         if self._pool is not None:
             self.submit(lambda: None).result()
 
-    def copy_out(self, rows: Tensor) -> tuple[Tensor, Any]:
-        """Queue a copy of pinned bitmask rows to the device on the side stream (worker thread).
+    def copy_out(self, rows: Tensor, into: Optional[DeviceBitmask] = None, vocab: int = 0) -> tuple[Tensor, Any]:
+        """Queue a copy of pinned bitmask rows to the device on the side stream (worker thread): into
+        ``into``'s first rows (``DeviceBitmask.copy_in``, ``vocab`` the tokenizer's size) or a new tensor.
         -> (the device copy, its event)."""
         with torch.cuda.device(self.device):
             if self._stream is None:
                 self._stream = torch.cuda.Stream()
             with torch.cuda.stream(self._stream):
-                dev = rows.to(self.device, non_blocking=True)
+                dev = into.copy_in(rows, vocab) if into is not None else rows.to(self.device, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
         return dev, event
+
+
+class DeviceBitmask:
+    """A static int32 [rows, ceil(width / 32)] device bitmask that captured graphs read (the masked greedy
+    heads, runtime/greedy_heads.py). A step's filled rows are copied into its first rows (``copy_in``) behind
+    the last read of it (``mark_read``); words past the tokenizer's ids stay zero (those ids never allowed)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.words = torch.zeros(rows, -(-width // 32), dtype=torch.int32, device=device)
+        self._read: Optional[Any] = None      # CUDA event recorded after the latest read
+
+    def fits(self, n: int, words: int) -> bool:
+        """n rows of ``words`` words each fit."""
+        return n <= self.words.shape[0] and words <= self.words.shape[1]
+
+    def copy_in(self, rows: Tensor, vocab: int) -> Tensor:
+        """Queue on the current stream: pinned host rows [n, w] (a fill of ids [0, vocab)) into the first n
+        rows, the bits past ``vocab`` in their last word cleared (xgrammar may leave them set). -> words[:n]."""
+        n, w = rows.shape
+        if self._read is not None:
+            torch.cuda.current_stream(self.words.device).wait_event(self._read)
+        dst = self.words[:n, :w]
+        dst.copy_(rows, non_blocking=True)
+        if vocab % 32 and (vocab - 1) // 32 < w:
+            dst[:, (vocab - 1) // 32].bitwise_and_((1 << (vocab % 32)) - 1)
+        return self.words[:n]
+
+    def mark_read(self) -> None:
+        """Record (on the current stream) that the work queued so far read the buffer: the next ``copy_in``
+        waits for it on its stream."""
+        if not self.words.is_cuda:
+            return                            # host tensors (tests): reads are done when queued
+        if self._read is None:
+            self._read = torch.cuda.Event()
+        self._read.record(torch.cuda.current_stream(self.words.device))
 
 
 def _started(pool: cf.ThreadPoolExecutor, fn: Callable[[], Any]) -> cf.Future:

@@ -251,6 +251,17 @@ def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
     return rows, states, greedy
 
 
+def greedy_grammar(seqs: list[Any]) -> bool:
+    """Every seq's request has a grammar, and each one not completed yet samples the argmax of its masked
+    logits: the step's ``live_rows`` will say ``greedy`` whenever its bitmask is filled (a grammar that
+    completes meanwhile keeps that), so its LM head may wait for the bitmask (runtime/greedy_heads.py)."""
+    for s in seqs:
+        g = s.req.grammar
+        if g is None or not (g.done or (g.plain if g.plain is not None else g.plain_greedy(s.req))):
+            return False
+    return bool(seqs)
+
+
 def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> None:
     """Fill ``rows`` of an int32 [>= B, ceil(vocab/32)] host bitmask from the states' matchers with
     xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills)."""

@@ -34,11 +34,12 @@ from typing import Callable, Optional, Protocol
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
-from nbgen.runtime.constraints import FillJob
+from nbgen.runtime.fill_worker import FillJob
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.overlap_rows import (RowsResolved, constrained, drop_placeholders, overlappable,
                                         placeholder_output)
-from nbgen.runtime.runner import Forwarded, Launched, ModelRunner
+from nbgen.runtime.runner import ModelRunner
+from nbgen.runtime.step_handles import Forwarded, Launched
 from nbgen.runtime.scheduler import Scheduler
 
 Deliver = Callable[[list[Request], int], None]          # (changed requests, prompt tokens of the step)

@@ -8,52 +8,24 @@ them; ``prepare`` queues a graph step's inputs ahead of its forward. Placeholder
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from nbgen.core.batch import ScheduledBatch, SeqWork, StepOutput
+from nbgen.core.batch import ScheduledBatch, StepOutput
 from nbgen.core.config import EngineConfig
 from nbgen.kernels.batch_sizes import padded_batch_size
-from nbgen.runtime.constraints import FillJob
-from nbgen.runtime.cuda_graphs import PREV_CAPACITY, Staged
+from nbgen.runtime.fill_worker import FillJob
+from nbgen.runtime.cuda_graphs import PREV_CAPACITY
 from nbgen.runtime.embed_step import embed_step, is_embedding_batch
 from nbgen.runtime.lora import LoRAManager, LoRAStep
-from nbgen.runtime.logprobs import RowLogprobs
 from nbgen.runtime.logprob_step import needs_sync_step, sample_errors, step_with_logprobs
 from nbgen.runtime.model_setup import make_decode_graphs, make_prefill_graphs, setup_model
 from nbgen.runtime.sampler import SamplerOutput
+from nbgen.runtime.step_handles import Forwarded, Launched, PreparedStep
 from nbgen.runtime.tp_step import StepSender
 from nbgen.runtime.step_inputs import FlatStep, IdsToHost, flatten, placeholder_patch, sampling_rows, to_device
 from nbgen.runtime.vision_step import has_image_prefill, vision_step_for
-
-
-@dataclass
-class Forwarded:
-    """A step whose forward pass is queued: logits [S, V] of its S sampling rows, not sampled yet."""
-
-    batch: ScheduledBatch
-    seqs: list[SeqWork]                   # the sampling seqs, in logits row order
-    logits: Optional[torch.Tensor]
-    order: int = 0                        # forwards queued before it, this one included
-    tokens: Optional[torch.Tensor] = None  # [S] ids already sampled on the device (greedy heads: no logits)
-
-
-@dataclass
-class Launched:
-    """A step whose GPU work is queued: sampled ids [S] on the GPU (and on their way to the host)."""
-
-    batch: ScheduledBatch
-    tokens: Optional[torch.Tensor]        # [S] long on the device, S = number of sampling seqs
-    host: Optional[torch.Tensor]          # [S] long pinned copy (valid once `event` completed)
-    event: Optional[torch.cuda.Event]     # after the copy; None on CPU
-    errors: dict[int, str] = field(default_factory=dict)  # sampling row -> error (custom processors)
-    logprobs: Optional[RowLogprobs] = None  # per sampling row, on their way to the host (output logprobs)
-    read: bool = False                    # ``host`` was read (``resolve``): its pinned buffer may be reused
-
-
-PreparedStep = Staged   # a decode-only batch's inputs and attention plan, queued ahead of its forward (graphs)
 
 
 class ModelRunner:
@@ -92,8 +64,7 @@ class ModelRunner:
         self.vision = vision_step_for(self.model, device, parts.loaded.dtype, self.cfg.step_token_budget)
         self.peers: Optional[StepSender] = None   # tensor parallelism, rank 0: the workers (runtime/tp_step.py)
         self.attention_backend_name = type(self.backend).__name__
-        if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:   # greedy heads
-            self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)   # (TP's LM head gathers)
+        self._capture_heads()
 
     def drop_graphs(self) -> None:
         """Free the CUDA graphs and their pools now, whoever else holds them (memory release, tp shutdown:
@@ -105,6 +76,7 @@ class ModelRunner:
                 holder.reset()
         self.graphs = self.prefill_graphs = None
         self._last_tokens = None     # may view the dropped graphs' input buffer
+        self.sampler.constraints.use_head_bitmask(None)
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
@@ -112,8 +84,15 @@ class ModelRunner:
         self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length, variant)
         self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend, variant) if self.graphs else None
         self._last_tokens = None
+        self._capture_heads()
+
+    def _capture_heads(self) -> None:
+        """The greedy and masked heads over the decode graphs (not under TP: its LM head gathers), and the
+        fill worker's copies of greedy fills into the masked heads' bitmask."""
         if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:
             self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)
+        heads = self.graphs.heads if self.graphs is not None else None
+        self.sampler.constraints.use_head_bitmask(heads.bitmask if heads is not None else None)
 
     # ---- inputs -------------------------------------------------------------------------------
     def to_device(self, values: list[int]) -> torch.Tensor:
@@ -220,6 +199,8 @@ class ModelRunner:
             hidden = self.graphs.replay(staged, self._last_tokens)
             if not rows and seqs:             # logits over the graph's padded rows (_logits), or the ids
                 ids = self.graphs.greedy_ids(staged, seqs)    # straight from the greedy head's graph
+                if ids is None and self.graphs.masked_head(staged, seqs):
+                    return Forwarded(batch, seqs, None, head=staged)   # the masked head's, at sampling
                 logits = self._logits(self.graphs.padded_output(staged), len(seqs)) if ids is None else None
                 return Forwarded(batch, seqs, logits, tokens=ids)
         else:
@@ -260,11 +241,14 @@ class ModelRunner:
         if self.graphs is not None and fwd.order == self._forwards and len(seqs) <= self.graphs.prev.numel():
             out = self.graphs.prev[: len(seqs)]
         try:
-            res = SamplerOutput(fwd.tokens, []) if fwd.tokens is not None else \
-                self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out, defer_logprobs=True)
+            res = SamplerOutput(fwd.tokens, []) if fwd.tokens is not None else self._masked_head(fwd, fill)
+            if res is None:
+                res = self.sampler(fwd.logits, seqs, fill=fill, greedy_out=out, defer_logprobs=True)
         finally:
             if fill is not None:
                 fill.settle()
+                if self.graphs is not None and self.graphs.heads is not None:
+                    self.graphs.heads.bitmask.mark_read()   # the next fill's copy into it waits for this step
         tokens = res.token_ids
         self.note_sampled(tokens)
         if not self.on_gpu:
@@ -272,6 +256,19 @@ class ModelRunner:
         launched = Launched(batch, tokens, None, None, res.errors, res.pending_logprobs)
         launched.host, launched.event = self._ids_to_host.copy(tokens, launched)
         return launched
+
+    def _masked_head(self, fwd: Forwarded, fill: Optional[FillJob]) -> Optional[SamplerOutput]:
+        """A step forwarded without its LM head (``Forwarded.head``): its ids from the masked head's graph
+        once its bitmask rows are in the heads' buffer, else (None) its logits computed now for the sampler."""
+        if fwd.head is None:
+            return None
+        assert fwd.order == self._forwards, "a step's deferred LM head runs before the next forward"
+        if fill is not None and fill.greedy:
+            fill.wait()
+            if fill.into(self.graphs.heads.bitmask, len(fwd.seqs)):
+                return SamplerOutput(self.graphs.masked_ids(fwd.head), [])
+        fwd.logits = self._logits(self.graphs.padded_output(fwd.head), len(fwd.seqs))
+        return None
 
     @staticmethod
     def resolve(launched: Launched) -> list[int]:
