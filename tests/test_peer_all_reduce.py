@@ -2,9 +2,10 @@
 
 CPU: two processes run the kernel under Triton's interpreter over shared-memory buffers, each with the
 pointer table of its own mappings (as CUDA IPC gives each GPU process): sums of several sizes and
-dtypes in sequence (both data slots, grid-strided programs), equal on both ranks, epochs and flags
-advanced once per call. GPU (2 GPUs): the same against NCCL's ``dist.all_reduce``, 1 .. 256 rows,
-eagerly and replayed inside a CUDA graph (``nbgen.bench.all_reduce``)."""
+dtypes in sequence (both data slots, grid-strided programs), then the same adding into a residual
+stream, equal on both ranks, epochs and flags advanced once per call. GPU (2 GPUs): the same against
+NCCL's ``dist.all_reduce`` (and with a residual stream), 1 .. 256 rows, eagerly and replayed inside a
+CUDA graph (``nbgen.bench.all_reduce``)."""
 from __future__ import annotations
 
 import pytest
@@ -16,18 +17,26 @@ CASES = [(torch.float32, 5), (torch.bfloat16, 4096), (torch.float32, 16001), (to
          (torch.bfloat16, 32768)]     # the last fills a slot: 8 rounds of the grid-strided programs
 
 
-def _rank(rank: int, world: int, bufs: list[torch.Tensor], inputs: list[list[torch.Tensor]], out) -> None:
+def _rank(rank: int, world: int, bufs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+          residuals: list[torch.Tensor], out) -> None:
     from nbgen.kernels import peer_all_reduce as par
 
     flag_ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)   # this process's mappings
     data_ptrs = flag_ptrs + par.FLAG_BYTES
     counter = torch.zeros(par.NPROG, dtype=torch.int64)
-    sums = []
+    sums, added, untouched = [], [], []
     for x in inputs[rank]:
         y = x.clone()
         par.peer_all_reduce_(y, data_ptrs, flag_ptrs, counter, SLOT_BYTES, rank, world)
         sums.append(y.float().numpy())      # by value (a shared tensor would need this process alive)
-    out.put((rank, sums, counter.numpy(), bufs[rank][: par.FLAG_BYTES].view(torch.int64).numpy().copy()))
+    for x, res in zip(inputs[rank], residuals):     # the same calls adding into a residual stream
+        y, r = x.clone(), res.clone()
+        got = par.peer_all_reduce_(y, data_ptrs, flag_ptrs, counter, SLOT_BYTES, rank, world, residual=r)
+        assert got is r
+        added.append(r.float().numpy())
+        untouched.append(bool(torch.equal(y, x)))
+    out.put((rank, sums, counter.numpy(), bufs[rank][: par.FLAG_BYTES].view(torch.int64).numpy().copy(),
+             added, untouched))
 
 
 def test_peer_kernel_two_processes_interpreted(monkeypatch):
@@ -38,9 +47,10 @@ def test_peer_kernel_two_processes_interpreted(monkeypatch):
     bufs = [torch.zeros(par.FLAG_BYTES + 2 * SLOT_BYTES, dtype=torch.uint8).share_memory_() for _ in range(world)]
     gen = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(n, generator=gen).to(dt) for dt, n in CASES] for _ in range(world)]
+    residuals = [(torch.randn(n, generator=gen) * 4).to(dt) for dt, n in CASES]     # the same on every rank
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, bufs, inputs, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, bufs, inputs, residuals, out)) for r in range(world)]
     for p in procs:
         p.start()
     got = dict((r, rest) for r, *rest in (out.get(timeout=600) for _ in procs))
@@ -54,12 +64,20 @@ def test_peer_kernel_two_processes_interpreted(monkeypatch):
         # the interpreter narrows fp32 to bf16 by truncation: one bf16 step off the rounded sum at most
         tol = 0.0 if dt == torch.float32 else 2.0 ** -7 * ref.abs().max().item()
         assert (a - ref).abs().max().item() <= tol, (dt, n)
+        # residual + sum in fp32 (residual first, then the ranks in order), rounded once; the input kept
+        ref = (residuals[i].float() + inputs[0][i].float()) + inputs[1][i].float()
+        a, b = torch.from_numpy(got[0][3][i]), torch.from_numpy(got[1][3][i])
+        assert torch.equal(a, b), f"ranks' residuals differ for {dt} x {n}"
+        tol = 0.0 if dt == torch.float32 else 2.0 ** -7 * ref.abs().max().item()
+        assert (a - ref).abs().max().item() <= tol, (dt, n)
+        assert (a - residuals[i].float()).abs().max().item() > 0.1     # the sum was added, not dropped
+        assert got[0][4][i] and got[1][4][i], "the residual call overwrote its input"
     for r in range(world):
         counter, flags = torch.from_numpy(got[r][1]), torch.from_numpy(got[r][2])
-        assert counter.tolist() == [len(CASES)] * par.NPROG
+        assert counter.tolist() == [2 * len(CASES)] * par.NPROG
         # flags [program][rank]: every rank's last epoch, in every program's row
         rows = flags[: par.NPROG * par.world_pow2(world)].view(par.NPROG, -1)[:, :world]
-        assert (rows == len(CASES)).all()
+        assert (rows == 2 * len(CASES)).all()
 
 
 def _two_gpus() -> bool:
@@ -76,7 +94,9 @@ def test_peer_all_reduce_matches_nccl_two_gpus():
         for rank, rep in enumerate(reports):
             assert rep["peer"], f"rank {rank}: the peer path was not set up"
             # two ranks: both sum a + b once, rounded once (fp32 exact); a wrong or stale slot is off by O(1)
-            bad = {k: v for k, v in rep["check"].items() if v > (0.07 if "bfloat16" in k else 1e-6)}
+            # (adding into a residual: the reference sums in another order, a few fp32 steps of ~5 apart)
+            bad = {k: v for k, v in rep["check"].items()
+                   if v > (0.07 if "bfloat16" in k else 1e-5 if " add " in k else 1e-6)}
             assert not bad, (rank, bad)
 
 

@@ -1,5 +1,6 @@
 """The tensor-parallel all-reduce on N GPUs: the peer-to-peer kernel (``models/all_reduce.py``) against
-NCCL, checked and timed inside CUDA graphs, one process per GPU.
+NCCL, checked and timed inside CUDA graphs, one process per GPU; also ``all_reduce_add`` (the sum
+added into a residual stream, folded layers' o_proj / down_proj).
 
     python -m nbgen.bench.all_reduce --world 2                 # µs per all-reduce at 8 / 64 / 512 KB
     python -m nbgen.bench.all_reduce --world 2 --check         # sums against dist.all_reduce only
@@ -7,7 +8,8 @@ NCCL, checked and timed inside CUDA graphs, one process per GPU.
 Timing: a graph of ``--calls`` back-to-back all-reduces of one tensor (as a decode graph holds them),
 replayed ``--replays`` times between CUDA events on each rank; reported per all-reduce, rank 0's and
 the slowest rank's. Check: rows x hidden tensors of 1 .. 256 rows (bf16 and fp32) summed eagerly and
-by a replayed graph, against NCCL's sum of the same inputs.
+by a replayed graph, against NCCL's sum of the same inputs (``all_reduce_add``: NCCL's fp32 sum plus the
+residual, rounded once).
 """
 from __future__ import annotations
 
@@ -88,6 +90,32 @@ def _check(hidden: int) -> dict[str, float]:
                 out[f"{dtype} {rows}x{hidden} graph{k}"] = (static.float() - want.float()).abs().max().item()
             g.reset()
             out[f"{dtype} {rows}x{hidden} eager"] = (eager.float() - ref.float()).abs().max().item()
+            out.update(_check_add(x, rows, hidden))
+    return out
+
+
+def _check_add(x: torch.Tensor, rows: int, hidden: int) -> dict[str, float]:
+    """``all_reduce_add`` (the sum added into a residual stream, as folded layers call it) eagerly and
+    replayed in a graph, against NCCL's fp32 sum added to the residual in fp32 and rounded once."""
+    out: dict[str, float] = {}
+    gen = torch.Generator("cuda").manual_seed(rows)            # the same residual on every rank
+    res = torch.randn(rows, hidden, device="cuda", dtype=x.dtype, generator=gen)
+
+    def want(k: int) -> torch.Tensor:
+        return (res.float() + _nccl(x.float() * (k + 1))).to(x.dtype)
+
+    eager = all_reduce.all_reduce_add(x.clone(), res.clone())
+    out[f"{x.dtype} {rows}x{hidden} add eager"] = (eager.float() - want(0).float()).abs().max().item()
+    part, into = x.clone(), res.clone()
+    g = _graph_of(lambda t: all_reduce.all_reduce_add(t, into), part, 1)
+    for k in range(3):
+        part.copy_(x * (k + 1))
+        into.copy_(res)
+        g.replay()
+        ref = want(k)
+        torch.cuda.synchronize()
+        out[f"{x.dtype} {rows}x{hidden} add graph{k}"] = (into.float() - ref.float()).abs().max().item()
+    g.reset()
     return out
 
 
@@ -107,6 +135,9 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: A
                 report[f"peer {kb} KB"] = _time(all_reduce.all_reduce, nbytes, args["calls"], args["replays"]) \
                     if nbytes <= all_reduce.MAX_BYTES else float("nan")
                 report[f"nccl {kb} KB"] = _time(_nccl, nbytes, args["calls"], args["replays"])
+                into = torch.zeros(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+                report[f"add {kb} KB"] = _time(lambda t: all_reduce.all_reduce_add(t, into), nbytes,
+                                               args["calls"], args["replays"])
     finally:
         all_reduce.close()
         dist.destroy_process_group()
@@ -146,8 +177,10 @@ def main() -> None:
     for kb in SIZES_KB if not args.check else ():
         peer = [r.get(f"peer {kb} KB", float("nan")) for r in reports]
         nccl = [r.get(f"nccl {kb} KB", float("nan")) for r in reports]
+        add = [r.get(f"add {kb} KB", float("nan")) for r in reports]
         print(f"{kb:>4} KB in a graph: peer {peer[0]:6.2f} µs (slowest rank {max(peer):6.2f}), "
-              f"NCCL {nccl[0]:6.2f} µs (slowest rank {max(nccl):6.2f})")
+              f"NCCL {nccl[0]:6.2f} µs (slowest rank {max(nccl):6.2f}), "
+              f"adding into a residual {add[0]:6.2f} µs (slowest rank {max(add):6.2f})")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,13 @@ One launch of ``NPROG`` programs (the same on every rank, for every size) does, 
    rank's buffer (the data before the flag, at system scope, over NVLink);
 3. spins on its own flags [program][*] with acquire loads until every rank's epoch reached this call's;
 4. reads its share of every rank's slot in rank order and sums in fp32 (so every rank computes
-   bit-identical sums), writing the result over the input.
+   bit-identical sums), writing the result over the input; or, given a residual stream, adds the sum
+   into it instead (``residual += sum``, one rounding: a folded layer's o_proj / down_proj output
+   entering the stream, ``models/norm_fold.py``), the input left as it was.
+
+Launched with PDL (``kernels/pdl.py``): the programs wait for the previous kernel (whose output is the
+input) before step 1 and let the next kernel start launching right away, so its weight loads overlap
+the flag exchange.
 
 Why two slots and no barrier at the end (vLLM's one-shot kernel ends with a second barrier): a rank
 writes slot ``e % 2`` at call ``e`` only after its call ``e - 1`` passed its barrier, which every peer
@@ -23,9 +29,13 @@ epoch >= its own: a fast peer may already have signalled the next call.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+
+from nbgen.kernels import pdl
 
 NPROG = 32          # programs per launch, on every rank and for every size
 BLOCK = 2048        # elements per program per round
@@ -34,11 +44,15 @@ MAX_WORLD = 8
 
 
 @triton.jit
-def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems,
+def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems, res_ptr,
                      RANK: tl.constexpr, WORLD: tl.constexpr, WPOW: tl.constexpr,
-                     BLOCK: tl.constexpr, NPROG: tl.constexpr):
+                     BLOCK: tl.constexpr, NPROG: tl.constexpr, RESIDUAL: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
+    if USE_PDL:   # launched early: x (and the residual) are the previous kernels' outputs
+        pdl.gdc_wait()
+        pdl.gdc_launch_dependents()      # the next kernel waits for this one's writes itself
     epoch = tl.load(counter_ptr + pid) + 1
     tl.store(counter_ptr + pid, epoch)
     slot_off = (epoch % 2) * slot_elems
@@ -67,11 +81,17 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems,
     for start in range(pid * BLOCK, n, NPROG * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
-        acc = tl.zeros([BLOCK], tl.float32)
+        if RESIDUAL:
+            acc = tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], tl.float32)
         for q in tl.static_range(WORLD):
             src = tl.multiple_of(tl.load(data_ptrs + q).to(tl.pointer_type(dtype)) + slot_off, 16)
             acc += tl.load(src + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
-        tl.store(x_ptr + offs, acc.to(dtype), mask=m)
+        if RESIDUAL:
+            tl.store(res_ptr + offs, acc.to(dtype), mask=m)
+        else:
+            tl.store(x_ptr + offs, acc.to(dtype), mask=m)
 
 
 def world_pow2(world: int) -> int:
@@ -80,14 +100,23 @@ def world_pow2(world: int) -> int:
 
 
 def peer_all_reduce_(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counter: torch.Tensor,
-                     slot_bytes: int, rank: int, world: int) -> torch.Tensor:
-    """Sum contiguous ``x`` over the ranks in place (every rank calls it with the same size and dtype).
+                     slot_bytes: int, rank: int, world: int, residual: Optional[torch.Tensor] = None
+                     ) -> torch.Tensor:
+    """Sum contiguous ``x`` over the ranks in place (every rank calls it with the same size and dtype);
+    with ``residual`` (contiguous, x's shape and dtype) add the sum into it instead -> residual.
 
     data_ptrs / flag_ptrs: [world] int64 device tensors, each rank's data slot 0 and flags in this
     process's address space; counter: [NPROG] int64 on this GPU, zero at the first call; slot_bytes: one
     data slot's size (``x`` must fit)."""
     assert x.is_contiguous() and x.numel() * x.element_size() <= slot_bytes
-    _peer_all_reduce[(NPROG,)](x, x.numel(), data_ptrs, flag_ptrs, counter, slot_bytes // x.element_size(),
-                               RANK=rank, WORLD=world, WPOW=world_pow2(world), BLOCK=BLOCK, NPROG=NPROG,
-                               num_warps=8)
-    return x
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    args = (x, x.numel(), data_ptrs, flag_ptrs, counter, slot_bytes // x.element_size(),
+            x if residual is None else residual)
+    kw = dict(RANK=rank, WORLD=world, WPOW=world_pow2(world), BLOCK=BLOCK, NPROG=NPROG,
+              RESIDUAL=residual is not None, num_warps=8)
+    if x.is_cuda:
+        pdl.launch(_peer_all_reduce, (NPROG,), args, x.device, **kw)
+    else:   # Triton's interpreter (the CPU tests)
+        _peer_all_reduce[(NPROG,)](*args, USE_PDL=False, **kw)
+    return x if residual is None else residual

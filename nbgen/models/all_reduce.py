@@ -7,6 +7,9 @@ part into its own peer-visible buffer, flags the others, and reads every rank's 
 (``kernels/peer_all_reduce.py``; buffers shared by CUDA IPC, ``kernels/cuda_ipc.py``). The kernel is a
 plain launch with its epochs on the device, so the decode CUDA graphs capture it as they capture NCCL.
 
+``all_reduce_add`` adds the sum into the residual stream in the same kernel (folded layers' o_proj and
+down_proj, ``models/norm_fold.py``: no separate add+RMSNorm launch after the all-reduce).
+
 ``setup`` runs on every rank right after the process group forms (the handles are exchanged through
 the group: a collective); any failure (GPUs without peer access, an unknown runtime) leaves NCCL in
 place on every rank, since all ranks must take the same path for every tensor. ``close`` frees the
@@ -77,9 +80,9 @@ class PeerAllReduce:
         """Whether ``x`` goes through the peer kernel (the same answer on every rank for the same call)."""
         return x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         return kernel.peer_all_reduce_(x, self.data_ptrs, self.flag_ptrs, self.counter, self.max_bytes,
-                                       self.rank, self.world)
+                                       self.rank, self.world, residual)
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after the GPU finished with them)."""
@@ -157,3 +160,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return peer(x)
     dist.all_reduce(x)
     return x
+
+
+def all_reduce_add(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """``into += `` the sum of ``x`` over the tensor-parallel ranks -> into (x [T, H] partial products,
+    into [T, H] the residual stream, the same bits on every rank). The peer kernel adds in its epilogue
+    (one launch, one rounding); elsewhere x is summed in place and added."""
+    peer = _PEER
+    if peer is not None and peer.fits(x) and into.is_contiguous() and into.dtype == x.dtype:
+        return peer(x, into)
+    dist.all_reduce(x)
+    return into.add_(x)
