@@ -22,7 +22,10 @@ Why two slots and no barrier at the end (vLLM's one-shot kernel ends with a seco
 writes slot ``e % 2`` at call ``e`` only after its call ``e - 1`` passed its barrier, which every peer
 enters only after its call ``e - 2`` (the last reader of that slot) finished, kernels on a stream running
 in order. Epochs live on the device (one counter per program, incremented by the kernel), so the
-launches replay unchanged inside CUDA graphs. Flags only grow, and a waiting program accepts any
+launches replay unchanged inside CUDA graphs. A program without data in a call (a decode row of 4096
+elements needs two) returns at once, its epoch unchanged: each program's epoch counts the calls it
+took part in, the same on every rank since every rank makes the same calls; the argument above holds
+per program, since a program always handles the same offsets of the slots. Flags only grow, and a waiting program accepts any
 epoch >= its own: a fast peer may already have signalled the next call.
 
 ``NPROG`` programs are co-resident on any GPU this runs on (they spin on each other).
@@ -53,6 +56,8 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems, re
     if USE_PDL:   # launched early: x (and the residual) are the previous kernels' outputs
         pdl.gdc_wait()
         pdl.gdc_launch_dependents()      # the next kernel waits for this one's writes itself
+    if pid * BLOCK >= n:    # no data for this program: it sits the call out, as the same program on every rank does
+        return
     epoch = tl.load(counter_ptr + pid) + 1
     tl.store(counter_ptr + pid, epoch)
     slot_off = (epoch % 2) * slot_elems
