@@ -3,11 +3,13 @@ token for token, logprobs within 1e-4; KV heads replicated at tp_size=4; no work
 engine or its parent process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -123,9 +125,11 @@ def _two_gpus() -> bool:
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
 @pytest.mark.parametrize("gpu_model_dir", ["llama", "qwen2", "qwen3"], indirect=True)
 def test_tp2_gpu_graphs_match_tp1(gpu_model_dir):
-    """tp_size=2 on two GPUs (NCCL; the decode graphs and the piecewise prefill graphs capture the
-    all-reduces; overlap scheduling on) against one GPU, bf16 greedy: the same tokens up to near-ties,
-    close logprobs; graphs were captured on both."""
+    """tp_size=2 on two GPUs (the peer all-reduce up to 512 KB, NCCL above; the decode graphs and the
+    piecewise prefill graphs capture the all-reduces; overlap scheduling on) against one GPU, bf16
+    greedy: the same tokens up to near-ties, close logprobs; graphs were captured on both; Llama and
+    Qwen3 run folded norms (o_proj / down_proj all-reduced into the stream), Qwen2 (biases) does not."""
+    from nbgen.models import all_reduce
     from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts
 
     prompts = gpu_prompts()
@@ -133,6 +137,9 @@ def test_tp2_gpu_graphs_match_tp1(gpu_model_dir):
     with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, tp_size=2) as eng:
         info = eng.get_server_info()
         assert info["cuda_graph_batch_sizes"] and info["piecewise_cuda_graph_tokens"]
+        assert all_reduce.active()          # rank 0 runs in this process
+        model_type = json.loads((Path(gpu_model_dir) / "config.json").read_text())["model_type"]
+        assert info["norms_folded"] is (model_type != "qwen2")
         two = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 32,
                                                                "ignore_eos": True},
                            return_logprob=True, use_tqdm=False)
