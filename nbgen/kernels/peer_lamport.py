@@ -1,0 +1,107 @@
+"""A one-shot all-reduce without flags: each rank pushes its part into every rank's buffer, and the
+readers poll the data itself (a "Lamport" protocol: an empty element holds a sentinel value).
+
+Every rank owns one peer-visible buffer of two sections (section = call parity), each with one slot
+per rank:
+
+    [section 0: slot 0 | slot 1 | ... ][section 1: slot 0 | slot 1 | ...]     (WORLD x slot_elems each)
+
+filled with the sentinel once (int16 0x8000 everywhere: -0.0 in bf16 / fp16, and 0x80008000, a
+negative fp32 denormal, in fp32). Per program and call:
+1. its share of the input, sentinels replaced by +0.0, stored into slot RANK of the section in every
+   rank's buffer (remote stores over NVLink, no fence, no flag);
+2. for each rank q in order: spins on its own buffer's slot q until no element holds the sentinel,
+   adds it in fp32 (the residual first where given), and writes the sentinel back (cleared for the
+   call two later);
+3. writes the sum over the input (or into the residual).
+
+Why two sections suffice: a peer writes section ``e % 2`` of this rank's buffer at call ``e + 2`` only
+after its call ``e + 1`` read this rank's part of ``e + 1``, which this rank pushes only after its call
+``e`` (its reads and clears of section ``e % 2`` included) finished, kernels on a stream running in
+order (PDL: every program waits for the kernel before). One latency over NVLink a call (the pushes),
+where the flag protocol (``kernels/peer_all_reduce.py``) needs a flag's trip and a read's round trip.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from nbgen.kernels import pdl
+
+NPROG = 32
+BLOCK = 2048
+SENTINEL16 = -32768          # int16 0x8000: -0.0 in bf16 / fp16
+SENTINEL32 = -2147450880     # int32 0x80008000: two int16 sentinels (a negative fp32 denormal)
+
+
+@triton.jit
+def _lamport_all_reduce(x_ptr, n, data_ptrs, counter_ptr, slot_elems, res_ptr,
+                        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, NPROG: tl.constexpr,
+                        RESIDUAL: tl.constexpr, SENT: tl.constexpr, USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    itype = tl.int16 if dtype.primitive_bitwidth == 16 else tl.int32
+    if USE_PDL:   # launched early: x (and the residual) are the previous kernels' outputs
+        pdl.gdc_wait()
+        pdl.gdc_launch_dependents()
+    if pid * BLOCK >= n:    # no data for this program: it sits the call out, as on every rank
+        return
+    epoch = tl.load(counter_ptr + pid) + 1
+    tl.store(counter_ptr + pid, epoch)
+    section = (epoch % 2) * WORLD * slot_elems
+    # 1. this rank's share into slot RANK of the section on every rank (sentinels sent as +0.0)
+    for start in range(pid * BLOCK, n, NPROG * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        bits = tl.load(x_ptr + offs, mask=m).to(itype, bitcast=True)
+        bits = tl.where(bits == SENT, tl.zeros_like(bits), bits)
+        for q in tl.static_range(WORLD):
+            dst = tl.load(data_ptrs + q).to(tl.pointer_type(itype)) + section + RANK * slot_elems
+            tl.store(tl.multiple_of(dst, 8) + offs, bits, mask=m)
+    # 2. every rank's part from this rank's own buffer, in rank order, once it has arrived
+    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(itype)) + section
+    for start in range(pid * BLOCK, n, NPROG * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        if RESIDUAL:
+            acc = tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], tl.float32)
+        for q in tl.static_range(WORLD):
+            src = tl.multiple_of(mine + q * slot_elems, 8) + offs
+            bits = tl.load(src, mask=m, other=0, volatile=True)
+            while tl.max((bits == SENT).to(tl.int32), axis=0) > 0:
+                bits = tl.load(src, mask=m, other=0, volatile=True)
+            acc += bits.to(dtype, bitcast=True).to(tl.float32)
+            tl.store(src, tl.full([BLOCK], SENT, itype), mask=m)     # empty again for the call two later
+        if RESIDUAL:
+            tl.store(res_ptr + offs, acc.to(dtype), mask=m)
+        else:
+            tl.store(x_ptr + offs, acc.to(dtype), mask=m)
+
+
+def buffer_bytes(world: int, slot_bytes: int) -> int:
+    """One rank's buffer: two sections of ``world`` slots."""
+    return 2 * world * slot_bytes
+
+
+def lamport_all_reduce_(x: torch.Tensor, data_ptrs: torch.Tensor, counter: torch.Tensor, slot_bytes: int,
+                        rank: int, world: int, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum contiguous ``x`` over the ranks in place, or with ``residual`` add the sum into it -> the result.
+
+    data_ptrs: [world] int64, each rank's buffer (``buffer_bytes``, filled with int16 0x8000 before the
+    first call) in this process's address space; counter: [NPROG] int64, zero at the first call."""
+    assert x.is_contiguous() and x.numel() * x.element_size() <= slot_bytes and x.element_size() in (2, 4)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    args = (x, x.numel(), data_ptrs, counter, slot_bytes // x.element_size(), x if residual is None else residual)
+    kw = dict(RANK=rank, WORLD=world, BLOCK=BLOCK, NPROG=NPROG, RESIDUAL=residual is not None,
+              SENT=SENTINEL16 if x.element_size() == 2 else SENTINEL32, num_warps=8)
+    if x.is_cuda:
+        pdl.launch(_lamport_all_reduce, (NPROG,), args, x.device, **kw)
+    else:   # Triton's interpreter (the CPU tests)
+        _lamport_all_reduce[(NPROG,)](*args, USE_PDL=False, **kw)
+    return x if residual is None else residual
