@@ -17,52 +17,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nbgen.bench.all_reduce import _free_port, _graph_of, _nccl, _time
-from nbgen.kernels import cuda_ipc
-from nbgen.kernels import peer_lamport as lamport
 from nbgen.models import all_reduce
 
-SLOT_BYTES = 512 * 1024
+SLOT_BYTES = all_reduce.MAX_BYTES
 SIZES_KB = (8, 64, 512)
 
 
-class Lamport:
-    """This rank's Lamport buffer (filled with the sentinel) and the peers' mapped into this process."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world, self.index = rank, world, torch.cuda.current_device()
-        nbytes = lamport.buffer_bytes(world, SLOT_BYTES)
-        self.own = cuda_ipc.malloc(self.index, nbytes)
-        view = torch.as_tensor(_Raw(self.own, nbytes // 2), device="cuda")     # int16 view of the buffer
-        view.fill_(lamport.SENTINEL16)
-        torch.cuda.synchronize()
-        mine = torch.frombuffer(bytearray(cuda_ipc.handle(self.own)), dtype=torch.uint8).cuda()
-        every = torch.empty(world * cuda_ipc.HANDLE_BYTES, dtype=torch.uint8, device="cuda")
-        dist.all_gather_into_tensor(every, mine)
-        raw = every.view(world, cuda_ipc.HANDLE_BYTES).cpu().numpy()
-        self.opened = [cuda_ipc.open_handle(self.index, raw[q].tobytes()) for q in range(world) if q != rank]
-        bases = self.opened[:rank] + [self.own] + self.opened[rank:]
-        self.ptrs = torch.tensor(bases, dtype=torch.int64, device="cuda")
-        self.counter = torch.zeros(lamport.NPROG, dtype=torch.int64, device="cuda")
-
-    def __call__(self, x: torch.Tensor, residual: Any = None) -> torch.Tensor:
-        return lamport.lamport_all_reduce_(x, self.ptrs, self.counter, SLOT_BYTES, self.rank, self.world, residual)
-
-    def close(self) -> None:
-        torch.cuda.synchronize()
-        for p in self.opened:
-            cuda_ipc.close_handle(self.index, p)
-        cuda_ipc.free(self.index, self.own)
-
-
-class _Raw:
-    """A raw device allocation as an int16 array torch can view (``__cuda_array_interface__``)."""
-
-    def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i2", "data": (ptr, False), "strides": None,
-                                         "version": 3}
-
-
-def _check(lam: Lamport) -> dict[str, float]:
+def _check(lam: all_reduce.PeerAllReduce) -> dict[str, float]:
     out: dict[str, float] = {}
     rank = dist.get_rank()
     for dtype, rows_list in ((torch.bfloat16, (1, 2, 8, 64)), (torch.float32, (1, 8))):
@@ -93,7 +54,8 @@ def rank_main(rank: int, world: int, port: int, args: dict[str, Any], results: A
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     report: dict[str, Any] = {"peer": all_reduce.setup(torch.device("cuda", rank), True)}
-    lam = Lamport(rank, world)
+    lam = all_reduce.PeerAllReduce(torch.device("cuda", rank), SLOT_BYTES, lamport=True)
+    assert lam.ok, "no Lamport buffers"
     try:
         report["check"] = _check(lam)
         for kb in SIZES_KB:

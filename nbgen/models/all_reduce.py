@@ -19,6 +19,7 @@ for every size.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from nbgen.kernels import cuda_ipc
 from nbgen.kernels import peer_all_reduce as kernel
+from nbgen.kernels import peer_lamport as lamport_kernel
 
 logger = logging.getLogger("nbgen")
 
@@ -38,8 +40,9 @@ class PeerAllReduce:
     says whether this rank has all of them (the handle exchange happens on every rank regardless, so a
     failing rank never leaves the others waiting in it)."""
 
-    def __init__(self, device: torch.device, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, device: torch.device, max_bytes: int = MAX_BYTES, lamport: bool = False) -> None:
         self.device = device
+        self.lamport = lamport       # the flag-free kernel (kernels/peer_lamport.py) instead of the flag one
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.max_bytes = max_bytes
         self._index = device.index if device.index is not None else torch.cuda.current_device()
@@ -50,7 +53,12 @@ class PeerAllReduce:
         try:
             if self.world > kernel.MAX_WORLD:
                 raise ValueError(f"at most {kernel.MAX_WORLD} ranks, got {self.world}")
-            self._own = cuda_ipc.malloc(self._index, kernel.FLAG_BYTES + 2 * max_bytes)
+            if lamport:     # every slot empty (the sentinel) before any peer can push into it
+                self._own = cuda_ipc.malloc(self._index, lamport_kernel.buffer_bytes(self.world, max_bytes))
+                cuda_ipc.fill_high_bytes(self._index, self._own, lamport_kernel.buffer_bytes(self.world, max_bytes),
+                                         0x80)
+            else:
+                self._own = cuda_ipc.malloc(self._index, kernel.FLAG_BYTES + 2 * max_bytes)
             mine = cuda_ipc.handle(self._own)
         except Exception as e:  # noqa: BLE001 - reported; the exchange below still happens
             logger.warning("peer all-reduce: no buffer on rank %d (%s: %s)", self.rank, type(e).__name__, e)
@@ -74,6 +82,7 @@ class PeerAllReduce:
         self.flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         self.data_ptrs = self.flag_ptrs + kernel.FLAG_BYTES
         self.counter = torch.zeros(kernel.NPROG, dtype=torch.int64, device=device)   # epochs, per program
+        self.lamport_counter = torch.zeros(lamport_kernel.NPROG, dtype=torch.int64, device=device)
         self.ok = True
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -81,6 +90,9 @@ class PeerAllReduce:
         return x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.lamport:
+            return lamport_kernel.lamport_all_reduce_(x, self.flag_ptrs, self.lamport_counter, self.max_bytes,
+                                                      self.rank, self.world, residual)
         return kernel.peer_all_reduce_(x, self.data_ptrs, self.flag_ptrs, self.counter, self.max_bytes,
                                        self.rank, self.world, residual)
 
@@ -120,7 +132,7 @@ def setup(device: torch.device, enabled: bool, max_bytes: int = MAX_BYTES) -> bo
     if not _everyone(reach, device):
         logger.warning("peer all-reduce: GPUs without peer access; tensor parallelism uses NCCL for every size")
         return False
-    peer = PeerAllReduce(device, max_bytes)
+    peer = PeerAllReduce(device, max_bytes, lamport=os.environ.get("NBGEN_PEER_LAMPORT") == "1")
     ok = _everyone(peer.ok, device)
     if ok:      # one sum through the kernel on every rank (a collective), checked everywhere
         probe = torch.full((8,), float(dist.get_rank() + 1), device=device)
