@@ -2,8 +2,8 @@
 
 A decode step of a tensor-parallel model all-reduces two activations per layer (rows x hidden: 8 KB
 at batch 1 for a 4096-wide model). NCCL spends most of its ~15 µs per call on protocol latency;
-GPUs that map each other's memory (NVLink) can sum such a tensor in one kernel: every rank writes its
-part into its own peer-visible buffer, flags the others, and reads every rank's buffer
+GPUs that map each other's memory (NVLink) can sum such a tensor in one kernel: every rank pushes its
+part into every rank's peer-visible buffer and sums what arrived in its own, polling the data itself
 (``kernels/peer_all_reduce.py``; buffers shared by CUDA IPC, ``kernels/cuda_ipc.py``). The kernel is a
 plain launch with its epochs on the device, so the decode CUDA graphs capture it as they capture NCCL.
 
@@ -19,7 +19,6 @@ for every size.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -27,7 +26,6 @@ import torch.distributed as dist
 
 from nbgen.kernels import cuda_ipc
 from nbgen.kernels import peer_all_reduce as kernel
-from nbgen.kernels import peer_lamport as lamport_kernel
 
 logger = logging.getLogger("nbgen")
 
@@ -40,9 +38,8 @@ class PeerAllReduce:
     says whether this rank has all of them (the handle exchange happens on every rank regardless, so a
     failing rank never leaves the others waiting in it)."""
 
-    def __init__(self, device: torch.device, max_bytes: int = MAX_BYTES, lamport: bool = False) -> None:
+    def __init__(self, device: torch.device, max_bytes: int = MAX_BYTES) -> None:
         self.device = device
-        self.lamport = lamport       # the flag-free kernel (kernels/peer_lamport.py) instead of the flag one
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.max_bytes = max_bytes
         self._index = device.index if device.index is not None else torch.cuda.current_device()
@@ -53,12 +50,10 @@ class PeerAllReduce:
         try:
             if self.world > kernel.MAX_WORLD:
                 raise ValueError(f"at most {kernel.MAX_WORLD} ranks, got {self.world}")
-            if lamport:     # every slot empty (the sentinel) before any peer can push into it
-                self._own = cuda_ipc.malloc(self._index, lamport_kernel.buffer_bytes(self.world, max_bytes))
-                cuda_ipc.fill_high_bytes(self._index, self._own, lamport_kernel.buffer_bytes(self.world, max_bytes),
-                                         0x80)
-            else:
-                self._own = cuda_ipc.malloc(self._index, kernel.FLAG_BYTES + 2 * max_bytes)
+            nbytes = kernel.buffer_bytes(self.world, max_bytes)
+            self._own = cuda_ipc.malloc(self._index, nbytes)
+            # every slot empty (int16 0x8000, the kernel's sentinel) before the handle goes to any peer
+            cuda_ipc.fill_high_bytes(self._index, self._own, nbytes, 0x80)
             mine = cuda_ipc.handle(self._own)
         except Exception as e:  # noqa: BLE001 - reported; the exchange below still happens
             logger.warning("peer all-reduce: no buffer on rank %d (%s: %s)", self.rank, type(e).__name__, e)
@@ -78,11 +73,9 @@ class PeerAllReduce:
         except Exception as e:  # noqa: BLE001 - no peer access between these GPUs
             logger.warning("peer all-reduce: rank %d cannot map a peer's buffer (%s)", self.rank, e)
             return
-        # [world] addresses in this process: each rank's flags, and its data slot 0 after them
-        self.flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
-        self.data_ptrs = self.flag_ptrs + kernel.FLAG_BYTES
+        # [world] addresses in this process: each rank's buffer (two sections of world slots)
+        self.ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         self.counter = torch.zeros(kernel.NPROG, dtype=torch.int64, device=device)   # epochs, per program
-        self.lamport_counter = torch.zeros(lamport_kernel.NPROG, dtype=torch.int64, device=device)
         self.ok = True
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -90,11 +83,7 @@ class PeerAllReduce:
         return x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.lamport:
-            return lamport_kernel.lamport_all_reduce_(x, self.flag_ptrs, self.lamport_counter, self.max_bytes,
-                                                      self.rank, self.world, residual)
-        return kernel.peer_all_reduce_(x, self.data_ptrs, self.flag_ptrs, self.counter, self.max_bytes,
-                                       self.rank, self.world, residual)
+        return kernel.peer_all_reduce_(x, self.ptrs, self.counter, self.max_bytes, self.rank, self.world, residual)
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after the GPU finished with them)."""
@@ -132,7 +121,7 @@ def setup(device: torch.device, enabled: bool, max_bytes: int = MAX_BYTES) -> bo
     if not _everyone(reach, device):
         logger.warning("peer all-reduce: GPUs without peer access; tensor parallelism uses NCCL for every size")
         return False
-    peer = PeerAllReduce(device, max_bytes, lamport=os.environ.get("NBGEN_PEER_LAMPORT") == "1")
+    peer = PeerAllReduce(device, max_bytes)
     ok = _everyone(peer.ok, device)
     if ok:      # one sum through the kernel on every rank (a collective), checked everywhere
         probe = torch.full((8,), float(dist.get_rank() + 1), device=device)
