@@ -17,15 +17,20 @@ negative fp32 denormal, in fp32). Per program and call:
 3. writes the sum over the input, or adds it into a residual stream (``residual += sum``, one rounding:
    a folded layer's o_proj / down_proj output entering the stream, ``models/norm_fold.py``).
 Every rank adds the same parts in the same order, so every rank holds the same bits. A program
-without data in a call (a decode row of 4096 elements needs two) returns at once, its epoch
-unchanged: each program's epoch counts the calls it took part in, the same on every rank, and a
-program always handles the same offsets of the slots, so the argument below holds per program.
+without data in a call (a decode row of 4096 elements needs two) counts the call and returns: every
+program's epoch is the number of calls, so all programs of a call use the same section (a slot's
+bytes belong to other programs in a bf16 call than in an fp32 one). Empty tensors never launch.
 
 Why two sections suffice: a peer writes section ``e % 2`` of this rank's buffer at call ``e + 2`` only
-after its call ``e + 1`` read this rank's part of ``e + 1``, which this rank pushes only after its call
-``e`` (its reads and clears of section ``e % 2`` included) finished, kernels on a stream running in
-order (PDL: every program waits for the kernel before). One latency over NVLink a call (the pushes),
+after its call ``e + 1`` finished, and there its program 0 (every call has data) read this rank's part
+of ``e + 1``, which this rank pushes only after its call ``e`` (its reads and clears of section
+``e % 2`` included) finished, kernels on a stream running in order (PDL: every program waits for the
+kernel before). Consecutive calls use different sections. One latency over NVLink a call (the pushes),
 where a protocol with flags needs a flag's trip and then a read's round trip.
+
+The sentinel never arrives as data: an input element with its bits (-0.0; in fp32 a denormal) is
+sent as +0.0, which changes no sum but a zero's sign. Only the parts travel: residuals and sums may
+hold any bits.
 
 Launched with PDL (``kernels/pdl.py``): the programs wait for the previous kernel before reading the
 input and let the next kernel start launching at once, so its weight loads overlap the exchange.
@@ -58,10 +63,12 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, counter_ptr, slot_elems, res_ptr,
     if USE_PDL:   # launched early: x (and the residual) are the previous kernels' outputs
         pdl.gdc_wait()
         pdl.gdc_launch_dependents()
-    if pid * BLOCK >= n:    # no data for this program: it sits the call out, as on every rank
-        return
+    # every program counts every call (the section is the call's parity, the same for all programs: a
+    # byte of a slot belongs to different programs in bf16 and in fp32 calls)
     epoch = tl.load(counter_ptr + pid) + 1
     tl.store(counter_ptr + pid, epoch)
+    if pid * BLOCK >= n:    # no data for this program: it sits the call out, as on every rank
+        return
     section = (epoch % 2) * WORLD * slot_elems
     # 1. this rank's share into slot RANK of the section on every rank (sentinels sent as +0.0)
     for start in range(pid * BLOCK, n, NPROG * BLOCK):
@@ -104,11 +111,13 @@ def peer_all_reduce_(x: torch.Tensor, data_ptrs: torch.Tensor, counter: torch.Te
     """Sum contiguous ``x`` over the ranks in place, or with ``residual`` add the sum into it -> the result.
 
     data_ptrs: [world] int64, each rank's buffer (``buffer_bytes``, filled with int16 0x8000 before the
-    first call) in this process's address space; counter: [NPROG] int64, zero at the first call;
-    slot_bytes: one slot's size (``x`` must fit)."""
+    first call) in this process's address space; counter: [NPROG] int64 (each the number of calls),
+    zero at the first call; slot_bytes: one slot's size (``x`` must fit)."""
     assert x.is_contiguous() and x.numel() * x.element_size() <= slot_bytes and x.element_size() in (2, 4)
     if residual is not None:
         assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    if x.numel() == 0:      # no launch: a call without data in program 0 would not sync the ranks
+        return x if residual is None else residual
     args = (x, x.numel(), data_ptrs, counter, slot_bytes // x.element_size(), x if residual is None else residual)
     kw = dict(RANK=rank, WORLD=world, BLOCK=BLOCK, NPROG=NPROG, RESIDUAL=residual is not None,
               SENT=SENTINEL16 if x.element_size() == 2 else SENTINEL32, num_warps=8)
