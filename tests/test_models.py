@@ -32,12 +32,13 @@ def _hf_model(cls_name: str, **overrides) -> transformers.PreTrainedModel:
     return model.eval().float()
 
 
-def _run(loaded, prompts: list[list[int]]) -> torch.Tensor:
-    """Prefill all prompts in one flat batch through the real torch backend -> fp32 logits [T, V]."""
+def _run(loaded, prompts: list[list[int]], tp: int = 1) -> torch.Tensor:
+    """Prefill all prompts in one flat batch through the real torch backend -> fp32 logits [T, V]
+    (``tp``: the model is one rank's shard, its KV pool holds the rank's heads)."""
     cfg = loaded.hf_config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_pages=64, page_size=PAGE,
-                       num_q_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                       num_q_heads=cfg.num_attention_heads // tp, num_kv_heads=max(1, cfg.num_key_value_heads // tp),
                        head_dim=hd, dtype=loaded.dtype, device=torch.device("cpu"))
     backend = TorchAttentionBackend(spec)
     seqs, next_page = [], 1

@@ -3,11 +3,13 @@ token for token, logprobs within 1e-4; KV heads replicated at tp_size=4; no work
 engine or its parent process."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import psutil
 import pytest
@@ -113,31 +115,42 @@ def test_workers_exit_when_the_parent_is_killed(tiny_llama_dir, tmp_path):
         parent.wait()
 
 
-def _two_gpus() -> bool:
+def _gpus(n: int) -> bool:
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n
+
+
+def _two_gpus() -> bool:
+    return _gpus(2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
 @pytest.mark.parametrize("gpu_model_dir", ["llama", "qwen2", "qwen3"], indirect=True)
-def test_tp2_gpu_graphs_match_tp1(gpu_model_dir):
-    """tp_size=2 on two GPUs (NCCL; the decode graphs and the piecewise prefill graphs capture the
-    all-reduces; overlap scheduling on) against one GPU, bf16 greedy: the same tokens up to near-ties,
-    close logprobs; graphs were captured on both."""
+def test_tp_gpu_graphs_match_tp1(gpu_model_dir):
+    """tp_size=2 on two GPUs, and tp_size=4 on four where there are four (KV heads replicated: the
+    model has 2), each against one GPU's run (made once): the peer all-reduce up to 512 KB, NCCL above;
+    the decode graphs and the piecewise prefill graphs capture the all-reduces; overlap scheduling on;
+    bf16 greedy: the same tokens up to near-ties, close logprobs; graphs were captured; Llama and
+    Qwen3 run folded norms (o_proj / down_proj all-reduced into the stream), Qwen2 (biases) does not."""
+    from nbgen.models import all_reduce
     from tests.tiny_models import assert_close_runs, gpu_generate, gpu_prompts
 
     prompts = gpu_prompts()
     one = gpu_generate(gpu_model_dir, prompts, logprobs=True)
-    with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, tp_size=2) as eng:
-        info = eng.get_server_info()
-        assert info["cuda_graph_batch_sizes"] and info["piecewise_cuda_graph_tokens"]
-        two = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 32,
-                                                               "ignore_eos": True},
-                           return_logprob=True, use_tqdm=False)
-    assert tp_workers() == []
-    assert_close_runs(one, two)
+    model_type = json.loads((Path(gpu_model_dir) / "config.json").read_text())["model_type"]
+    for tp in (2, 4) if _gpus(4) else (2,):
+        with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, tp_size=tp) as eng:
+            info = eng.get_server_info()
+            assert info["cuda_graph_batch_sizes"] and info["piecewise_cuda_graph_tokens"]
+            assert all_reduce.active()          # rank 0 runs in this process
+            assert info["norms_folded"] is (model_type != "qwen2")
+            out = eng.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 32,
+                                                                   "ignore_eos": True},
+                               return_logprob=True, use_tqdm=False)
+        assert tp_workers() == []
+        assert_close_runs(one, out)
 
 
 @pytest.mark.gpu

@@ -72,6 +72,8 @@ def cudart() -> ctypes.CDLL:
                        ("cudaMalloc", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]),
                        ("cudaFree", [ctypes.c_void_p]),
                        ("cudaMemset", [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]),
+                       ("cudaMemset2D", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t,
+                                         ctypes.c_size_t]),
                        ("cudaDeviceSynchronize", []),
                        ("cudaIpcGetMemHandle", [ctypes.POINTER(_Handle), ctypes.c_void_p]),
                        ("cudaIpcOpenMemHandle", [ctypes.POINTER(ctypes.c_void_p), _Handle, ctypes.c_uint]),
@@ -98,6 +100,16 @@ def malloc(device: int, nbytes: int) -> int:
     _check(lib.cudaMemset(ptr, 0, nbytes), "cudaMemset")
     _check(lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
     return int(ptr.value)
+
+
+def fill_high_bytes(device: int, ptr: int, nbytes: int, value: int) -> None:
+    """Set the high byte of every little-endian 16-bit word in ``[ptr, ptr + nbytes)`` to ``value`` (the
+    low bytes stay: on ``malloc``'s zeroed memory, 0x80 makes every int16 0x8000)."""
+    lib = cudart()
+    _check(lib.cudaSetDevice(device), "cudaSetDevice")
+    # rows of one byte at a pitch of two: every odd byte
+    _check(lib.cudaMemset2D(ctypes.c_void_p(ptr + 1), 2, value, 1, nbytes // 2), "cudaMemset2D")
+    _check(lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
 
 def free(device: int, ptr: int) -> None:

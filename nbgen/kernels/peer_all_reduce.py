@@ -1,93 +1,128 @@
-"""A one-shot all-reduce over GPUs that map each other's memory: one Triton kernel per call.
+"""The one-shot all-reduce over GPUs that map each other's memory, without flags: each rank pushes its
+part into every rank's buffer, and the readers poll the data itself (a "Lamport" protocol: an empty
+element holds a sentinel value). One Triton kernel per call, graph-capturable (epochs on the device).
 
-Every rank owns one peer-visible buffer (``kernels/cuda_ipc.py`` maps the others' into this process):
+Every rank owns one peer-visible buffer of two sections (section = call parity), each with one slot
+per rank:
 
-    [flags: NPROG x WPOW int64][slot 0: data][slot 1: data]
+    [section 0: slot 0 | slot 1 | ... ][section 1: slot 0 | slot 1 | ...]     (WORLD x slot_elems each)
 
-One launch of ``NPROG`` programs (the same on every rank, for every size) does, per program:
-1. its share of the input into this rank's data slot (slot = call parity);
-2. ``bar.sync``, then a release store of the call's epoch into the flag [program][this rank] of every
-   rank's buffer (the data before the flag, at system scope, over NVLink);
-3. spins on its own flags [program][*] with acquire loads until every rank's epoch reached this call's;
-4. reads its share of every rank's slot in rank order and sums in fp32 (so every rank computes
-   bit-identical sums), writing the result over the input.
+filled with the sentinel once (int16 0x8000 everywhere: -0.0 in bf16 / fp16, and 0x80008000, a
+negative fp32 denormal, in fp32). Per program and call:
+1. its share of the input, sentinels replaced by +0.0, stored into slot RANK of the section in every
+   rank's buffer (remote stores over NVLink, no fence, no flag);
+2. for each rank q in order: spins on its own buffer's slot q until no element holds the sentinel,
+   adds it in fp32 (the residual first where given), and writes the sentinel back (cleared for the
+   call two later);
+3. writes the sum over the input, or adds it into a residual stream (``residual += sum``, one rounding:
+   a folded layer's o_proj / down_proj output entering the stream, ``models/norm_fold.py``).
+Every rank adds the same parts in the same order, so every rank holds the same bits. A program
+without data in a call (a decode row of 4096 elements needs two) counts the call and returns: every
+program's epoch is the number of calls, so all programs of a call use the same section (a slot's
+bytes belong to other programs in a bf16 call than in an fp32 one). Empty tensors never launch.
 
-Why two slots and no barrier at the end (vLLM's one-shot kernel ends with a second barrier): a rank
-writes slot ``e % 2`` at call ``e`` only after its call ``e - 1`` passed its barrier, which every peer
-enters only after its call ``e - 2`` (the last reader of that slot) finished, kernels on a stream running
-in order. Epochs live on the device (one counter per program, incremented by the kernel), so the
-launches replay unchanged inside CUDA graphs. Flags only grow, and a waiting program accepts any
-epoch >= its own: a fast peer may already have signalled the next call.
+Why two sections suffice: a peer writes section ``e % 2`` of this rank's buffer at call ``e + 2`` only
+after its call ``e + 1`` finished, and there its program 0 (every call has data) read this rank's part
+of ``e + 1``, which this rank pushes only after its call ``e`` (its reads and clears of section
+``e % 2`` included) finished, kernels on a stream running in order (PDL: every program waits for the
+kernel before). Consecutive calls use different sections. One latency over NVLink a call (the pushes),
+where a protocol with flags needs a flag's trip and then a read's round trip.
 
-``NPROG`` programs are co-resident on any GPU this runs on (they spin on each other).
+The sentinel never arrives as data: an input element with its bits (-0.0; in fp32 a denormal) is
+sent as +0.0, which changes no sum but a zero's sign. Only the parts travel: residuals and sums may
+hold any bits.
+
+Launched with PDL (``kernels/pdl.py``): the programs wait for the previous kernel before reading the
+input and let the next kernel start launching at once, so its weight loads overlap the exchange.
+``NPROG`` programs of 8 warps are co-resident on any GPU this runs on (they spin).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-NPROG = 32          # programs per launch, on every rank and for every size
-BLOCK = 2048        # elements per program per round
-FLAG_BYTES = 4096   # the flags' region at the start of each buffer (NPROG x WPOW int64 <= 4 KiB)
+from nbgen.kernels import pdl
+
+NPROG = 32                   # programs per launch, on every rank and for every size
+BLOCK = 2048                 # elements per program per round
 MAX_WORLD = 8
+SENTINEL16 = -32768          # int16 0x8000: -0.0 in bf16 / fp16
+SENTINEL32 = -2147450880     # int32 0x80008000: two int16 sentinels (a negative fp32 denormal)
 
 
 @triton.jit
-def _peer_all_reduce(x_ptr, n, data_ptrs, flag_ptrs, counter_ptr, slot_elems,
-                     RANK: tl.constexpr, WORLD: tl.constexpr, WPOW: tl.constexpr,
-                     BLOCK: tl.constexpr, NPROG: tl.constexpr):
+def _peer_all_reduce(x_ptr, n, data_ptrs, counter_ptr, slot_elems, res_ptr,
+                        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, NPROG: tl.constexpr,
+                        RESIDUAL: tl.constexpr, SENT: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
+    itype = tl.int16 if dtype.primitive_bitwidth == 16 else tl.int32
+    if USE_PDL:   # launched early: x (and the residual) are the previous kernels' outputs
+        pdl.gdc_wait()
+        pdl.gdc_launch_dependents()
+    # every program counts every call (the section is the call's parity, the same for all programs: a
+    # byte of a slot belongs to different programs in bf16 and in fp32 calls)
     epoch = tl.load(counter_ptr + pid) + 1
     tl.store(counter_ptr + pid, epoch)
-    slot_off = (epoch % 2) * slot_elems
-    # slots start 16-byte aligned (allocation + 4 KiB + slot size): vector loads and stores
-    own = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(dtype)) + slot_off, 16)
-    # 1. this rank's share into its own slot
+    if pid * BLOCK >= n:    # no data for this program: it sits the call out, as on every rank
+        return
+    section = (epoch % 2) * WORLD * slot_elems
+    # 1. this rank's share into slot RANK of the section on every rank (sentinels sent as +0.0)
     for start in range(pid * BLOCK, n, NPROG * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
-        tl.store(own + offs, tl.load(x_ptr + offs, mask=m), mask=m)
-    tl.debug_barrier()
-    # 2. the epoch into flag [pid][RANK] of every rank (release: the stores above first)
-    w = tl.arange(0, WPOW)
-    wm = w < WORLD
-    bases = tl.load(flag_ptrs + w, mask=wm, other=0).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(bases + pid * WPOW + RANK, tl.zeros([WPOW], tl.int64) + epoch, mask=wm, sem="release", scope="sys")
-    # 3. wait until every rank's flag [pid][q] here reached this epoch (one scalar spin per rank: a
-    #    loop carrying a [WPOW] tensor through a reduction does not compile with every Triton release)
-    mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64)) + pid * WPOW
-    for q in tl.static_range(WORLD):
-        seen = tl.atomic_add(mine + q, 0, sem="acquire", scope="sys")
-        while seen < epoch:
-            seen = tl.atomic_add(mine + q, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()
-    # 4. the sum over ranks, in rank order on every rank
-    for start in range(pid * BLOCK, n, NPROG * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n
-        acc = tl.zeros([BLOCK], tl.float32)
+        bits = tl.load(x_ptr + offs, mask=m).to(itype, bitcast=True)
+        bits = tl.where(bits == SENT, tl.zeros_like(bits), bits)
         for q in tl.static_range(WORLD):
-            src = tl.multiple_of(tl.load(data_ptrs + q).to(tl.pointer_type(dtype)) + slot_off, 16)
-            acc += tl.load(src + offs, mask=m, other=0.0, volatile=True).to(tl.float32)
-        tl.store(x_ptr + offs, acc.to(dtype), mask=m)
+            dst = tl.load(data_ptrs + q).to(tl.pointer_type(itype)) + section + RANK * slot_elems
+            tl.store(tl.multiple_of(dst, 8) + offs, bits, mask=m)
+    # 2. every rank's part from this rank's own buffer, in rank order, once it has arrived
+    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(itype)) + section
+    for start in range(pid * BLOCK, n, NPROG * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        if RESIDUAL:
+            acc = tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], tl.float32)
+        for q in tl.static_range(WORLD):
+            src = tl.multiple_of(mine + q * slot_elems, 8) + offs
+            bits = tl.load(src, mask=m, other=0, volatile=True)
+            while tl.max((bits == SENT).to(tl.int32), axis=0) > 0:
+                bits = tl.load(src, mask=m, other=0, volatile=True)
+            acc += bits.to(dtype, bitcast=True).to(tl.float32)
+            tl.store(src, tl.full([BLOCK], SENT, itype), mask=m)     # empty again for the call two later
+        if RESIDUAL:
+            tl.store(res_ptr + offs, acc.to(dtype), mask=m)
+        else:
+            tl.store(x_ptr + offs, acc.to(dtype), mask=m)
 
 
-def world_pow2(world: int) -> int:
-    """The flags' row width for ``world`` ranks (a power of two for ``tl.arange``)."""
-    return triton.next_power_of_2(world)
+def buffer_bytes(world: int, slot_bytes: int) -> int:
+    """One rank's buffer: two sections of ``world`` slots."""
+    return 2 * world * slot_bytes
 
 
-def peer_all_reduce_(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counter: torch.Tensor,
-                     slot_bytes: int, rank: int, world: int) -> torch.Tensor:
-    """Sum contiguous ``x`` over the ranks in place (every rank calls it with the same size and dtype).
+def peer_all_reduce_(x: torch.Tensor, data_ptrs: torch.Tensor, counter: torch.Tensor, slot_bytes: int,
+                        rank: int, world: int, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum contiguous ``x`` over the ranks in place, or with ``residual`` add the sum into it -> the result.
 
-    data_ptrs / flag_ptrs: [world] int64 device tensors, each rank's data slot 0 and flags in this
-    process's address space; counter: [NPROG] int64 on this GPU, zero at the first call; slot_bytes: one
-    data slot's size (``x`` must fit)."""
-    assert x.is_contiguous() and x.numel() * x.element_size() <= slot_bytes
-    _peer_all_reduce[(NPROG,)](x, x.numel(), data_ptrs, flag_ptrs, counter, slot_bytes // x.element_size(),
-                               RANK=rank, WORLD=world, WPOW=world_pow2(world), BLOCK=BLOCK, NPROG=NPROG,
-                               num_warps=8)
-    return x
+    data_ptrs: [world] int64, each rank's buffer (``buffer_bytes``, filled with int16 0x8000 before the
+    first call) in this process's address space; counter: [NPROG] int64 (each the number of calls),
+    zero at the first call; slot_bytes: one slot's size (``x`` must fit)."""
+    assert x.is_contiguous() and x.numel() * x.element_size() <= slot_bytes and x.element_size() in (2, 4)
+    if residual is not None:
+        assert residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+    if x.numel() == 0:      # no launch: a call without data in program 0 would not sync the ranks
+        return x if residual is None else residual
+    args = (x, x.numel(), data_ptrs, counter, slot_bytes // x.element_size(), x if residual is None else residual)
+    kw = dict(RANK=rank, WORLD=world, BLOCK=BLOCK, NPROG=NPROG, RESIDUAL=residual is not None,
+              SENT=SENTINEL16 if x.element_size() == 2 else SENTINEL32, num_warps=8)
+    if x.is_cuda:
+        pdl.launch(_peer_all_reduce, (NPROG,), args, x.device, **kw)
+    else:   # Triton's interpreter (the CPU tests)
+        _peer_all_reduce[(NPROG,)](*args, USE_PDL=False, **kw)
+    return x if residual is None else residual

@@ -2,10 +2,13 @@
 
 A decode step of a tensor-parallel model all-reduces two activations per layer (rows x hidden: 8 KB
 at batch 1 for a 4096-wide model). NCCL spends most of its ~15 µs per call on protocol latency;
-GPUs that map each other's memory (NVLink) can sum such a tensor in one kernel: every rank writes its
-part into its own peer-visible buffer, flags the others, and reads every rank's buffer
+GPUs that map each other's memory (NVLink) can sum such a tensor in one kernel: every rank pushes its
+part into every rank's peer-visible buffer and sums what arrived in its own, polling the data itself
 (``kernels/peer_all_reduce.py``; buffers shared by CUDA IPC, ``kernels/cuda_ipc.py``). The kernel is a
 plain launch with its epochs on the device, so the decode CUDA graphs capture it as they capture NCCL.
+
+``all_reduce_add`` adds the sum into the residual stream in the same kernel (folded layers' o_proj and
+down_proj, ``models/norm_fold.py``: no separate add+RMSNorm launch after the all-reduce).
 
 ``setup`` runs on every rank right after the process group forms (the handles are exchanged through
 the group: a collective); any failure (GPUs without peer access, an unknown runtime) leaves NCCL in
@@ -47,7 +50,10 @@ class PeerAllReduce:
         try:
             if self.world > kernel.MAX_WORLD:
                 raise ValueError(f"at most {kernel.MAX_WORLD} ranks, got {self.world}")
-            self._own = cuda_ipc.malloc(self._index, kernel.FLAG_BYTES + 2 * max_bytes)
+            nbytes = kernel.buffer_bytes(self.world, max_bytes)
+            self._own = cuda_ipc.malloc(self._index, nbytes)
+            # every slot empty (int16 0x8000, the kernel's sentinel) before the handle goes to any peer
+            cuda_ipc.fill_high_bytes(self._index, self._own, nbytes, 0x80)
             mine = cuda_ipc.handle(self._own)
         except Exception as e:  # noqa: BLE001 - reported; the exchange below still happens
             logger.warning("peer all-reduce: no buffer on rank %d (%s: %s)", self.rank, type(e).__name__, e)
@@ -67,9 +73,8 @@ class PeerAllReduce:
         except Exception as e:  # noqa: BLE001 - no peer access between these GPUs
             logger.warning("peer all-reduce: rank %d cannot map a peer's buffer (%s)", self.rank, e)
             return
-        # [world] addresses in this process: each rank's flags, and its data slot 0 after them
-        self.flag_ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
-        self.data_ptrs = self.flag_ptrs + kernel.FLAG_BYTES
+        # [world] addresses in this process: each rank's buffer (two sections of world slots)
+        self.ptrs = torch.tensor(bases, dtype=torch.int64, device=device)
         self.counter = torch.zeros(kernel.NPROG, dtype=torch.int64, device=device)   # epochs, per program
         self.ok = True
 
@@ -77,9 +82,8 @@ class PeerAllReduce:
         """Whether ``x`` goes through the peer kernel (the same answer on every rank for the same call)."""
         return x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel.peer_all_reduce_(x, self.data_ptrs, self.flag_ptrs, self.counter, self.max_bytes,
-                                       self.rank, self.world)
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return kernel.peer_all_reduce_(x, self.ptrs, self.counter, self.max_bytes, self.rank, self.world, residual)
 
     def close(self) -> None:
         """Unmap the peers' buffers and free this rank's (after the GPU finished with them)."""
@@ -157,3 +161,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return peer(x)
     dist.all_reduce(x)
     return x
+
+
+def all_reduce_add(x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """``into += `` the sum of ``x`` over the tensor-parallel ranks -> into (x [T, H] partial products,
+    into [T, H] the residual stream, the same bits on every rank). The peer kernel adds in its epilogue
+    (one launch, one rounding); elsewhere x is summed in place and added."""
+    peer = _PEER
+    if peer is not None and peer.fits(x) and into.is_contiguous() and into.dtype == x.dtype:
+        return peer(x, into)
+    dist.all_reduce(x)
+    return into.add_(x)

@@ -258,3 +258,14 @@ class RowParallelLinear(LinearBase):
         y = tp_all_reduce(y, self.tp_size)
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
+
+    def accumulate(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """into += x @ W.T (+ b) over the whole input: at tp_size > 1 each rank's partial product is summed
+        over the ranks straight into ``into`` (the all-reduce adds it: ``all_reduce.all_reduce_add``)."""
+        if self.tp_size == 1:
+            return super().accumulate(x, into)
+        y = self._mm(x, None)                                          # [T, out] this rank's partial sum
+        if self.lora is not None and self.lora.active:
+            self.lora(x, y)
+        all_reduce.all_reduce_add(y, into)
+        return into.add_(self.bias) if self.bias is not None else into

@@ -16,7 +16,12 @@ Numerics: g * W is rounded to the model dtype once; q/k/v and gate/up are the ra
 scaled in fp32 and rounded again; each residual add rounds once instead of twice. Results stay within
 bf16 noise of the unfolded layer (tests/test_norm_fold.py, GPU parity in tests/test_gpu.py), not bit
 identical. Only bf16 weights are folded (fp16's range is too narrow for the raw stream's
-projections), and only layers without biases, at tp_size 1.
+projections), and only layers without biases.
+
+Tensor parallelism: qkv and gate|up are column-parallel (each rank's rows over the whole hidden
+size), so the fold is the same on every rank; o_proj and down_proj sum their partial products over
+the ranks straight into the stream (``RowParallelLinear.accumulate``: the peer all-reduce adds into
+it in its epilogue), so each all-reduce is one launch with no add+RMSNorm after it.
 
 FP8 linears with one scale per output feature (``models/fp8_scaled.py``) keep their e4m3 bytes: the norm
 weight becomes their ``col_scale``, which the fp8 kernels (the streaming kernel, above 16 rows the
@@ -34,14 +39,13 @@ import torch
 
 from nbgen.kernels import gpu_ops, qk_norm_rope
 from nbgen.models.fp8_scaled import Fp8ScaledWeight
-from nbgen.models.linear import get_tp
 
 
 def foldable(model: torch.nn.Module) -> bool:
     """The model's layers can run folded: Llama-family decoder layers (``folded`` attribute), bf16 or
-    fp32 weights or per-feature fp8 ones, no q/k/v, o, gate|up or down biases, one tensor-parallel rank."""
+    fp32 weights or per-feature fp8 ones, no q/k/v, o, gate|up or down biases."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers or get_tp()[0] != 1:
+    if not layers:
         return False
     for layer in layers:
         if not hasattr(layer, "folded"):

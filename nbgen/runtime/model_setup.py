@@ -214,9 +214,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
         backend.prefill_ready = prebuild.ready
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
     # adapters loaded after the fold: their A of qkv / gate|up are folded alike (runtime/lora.py);
-    # tensor parallelism: o_proj / down_proj sum partial products, so they cannot accumulate in place
     # (not with offloaded layers: their device weights are buffers the layers share)
-    folded = get_tp()[0] == 1 and not (offload and offload.layers) and norm_fold.should_fold(loaded.model, device) \
+    folded = not (offload and offload.layers) and norm_fold.should_fold(loaded.model, device) \
         and norm_fold.fold_norms(loaded.model)
     load_initial(lora, cfg)
     sampler = Sampler(int(loaded.hf_config.vocab_size), device, original_logprobs=cfg.return_original_logprob)
