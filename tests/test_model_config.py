@@ -15,7 +15,7 @@ import transformers
 from nbgen.core.config import EngineConfig
 from nbgen.models import loader, model_config
 from nbgen.models.layers import rope_settings
-from nbgen.models.llama import head_dim_of
+from nbgen.models.llama_layer import head_dim_of
 from nbgen.models.model_config import ModelConfig, read_model_config
 from nbgen.models.registry import get_model_class
 from nbgen.models.model_config import model_dims

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from nbgen.models.llama import LlamaForCausalLM, LlamaModel
+from nbgen.models.llama_layer import LlamaAttention, LlamaDecoderLayer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -17,7 +17,7 @@ from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.models.layers import RMSNorm, VocabParallelEmbedding, rope_settings
 from nbgen.models.vision_weights import DirectWeights
-from nbgen.models.llama import head_dim_of
+from nbgen.models.llama_layer import head_dim_of
 from nbgen.models.model_config import ModelConfig
 from nbgen.models.mrope import MRotaryEmbedding
 from nbgen.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM, Qwen2Model

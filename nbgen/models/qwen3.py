@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from nbgen.models.layers import RMSNorm
-from nbgen.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from nbgen.models.llama import LlamaForCausalLM, LlamaModel
+from nbgen.models.llama_layer import LlamaAttention, LlamaDecoderLayer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

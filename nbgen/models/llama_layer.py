@@ -1,0 +1,165 @@
+"""The Llama decoder layer, shared by Qwen2 and Qwen3 (they override its class attributes and small
+hooks): attention (qkv projection, RoPE, attention, o_proj) and the MLP, with the norms either as
+modules or folded into the projections (``models/norm_fold.py``; o_proj / down_proj then add into the
+residual stream, all-reduced there at tp > 1)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from nbgen.attention.base import Attention
+from nbgen.kernels import qk_norm_rope as fused_rope
+from nbgen.kernels import small_gemm
+from nbgen.kernels.gpu_ops import fused_enabled
+from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
+from nbgen.models.fp8_scaled import scaled_silu_mul
+from nbgen.models.layers import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """Explicit ``head_dim`` when the config has one (Qwen3, Mistral), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj
+        if gate_up.bias is None and not gate_up.lora_active and small_gemm.usable(x, gate_up.weight):
+            # decode of a few rows: SiLU-and-mul in the matmul's epilogue ([T, 2I] never stored)
+            return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
+        return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+
+    def forward_folded(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+        """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
+        norm weight is in gate|up; the MLP's output is added into h in place -> h."""
+        w = self.gate_up_proj.weight
+        if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
+            act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
+        else:   # fp8 at one row: SiLU in the one-row kernel's epilogue
+            act = None if self.gate_up_proj.lora_active else scaled_silu_mul(h, self.gate_up_proj.fp8, eps)
+            if act is None:
+                act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
+        return self.down_proj.accumulate(act, h)
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v projection, RoPE, attention and o_proj; the decoder layer calls ``project``, ``attn`` and
+    ``o_proj`` in turn (split there so that piecewise prefill graphs can cut at attention)."""
+
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        qkv_bias, o_bias = self.biases(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=qkv_bias)
+        self.q_size = self.qkv_proj.num_heads * self.head_dim          # local (this tp rank)
+        self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias)
+        self.rotary_emb = rotary_emb     # one cos/sin cache per model, shared by all layers
+        self.attn = Attention(layer_id)
+
+    def biases(self, config: PretrainedConfig) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias); Llama uses ``attention_bias`` for both."""
+        b = bool(getattr(config, "attention_bias", False))
+        return b, b
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE (identity here; Qwen3 normalises each head)."""
+        return q, k
+
+    def qk_norm_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+        """(q weight, k weight, eps) of ``qk_norm`` for the fused kernel; (None, None, 0) = no norm."""
+        return None, None, 0.0
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
+                qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """Everything before attention: qkv projection (into ``qkv_out`` when given), (q/k norm,) RoPE,
+        and where the backend allows it the K/V write -> (q, k, v, whether K/V are written).
+        ``fold_eps``: x is the raw residual stream and the input norm is folded into qkv (its weight in
+        the projection, its row scale applied here)."""
+        qkv = self.qkv_proj(x, out=qkv_out)                           # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
+            # one kernel, in place on qkv (q and k stay its strided views): (the folded norm's row
+            # scale,) q/k norm (Qwen3), RoPE, and where the backend allows it the K/V write
+            kv = self.attn.kv_target(meta)
+            fused_rope.qk_norm_rope_(qkv, positions, *self.qk_norm_weights(), self.rotary_emb.cos_sin_cache,
+                                     self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, kv=kv,
+                                     row_scale=None if fold_eps is None else (x, fold_eps))
+            return q, k, v, kv is not None
+        if fold_eps is not None:
+            qkv.mul_(rms_scale(x, fold_eps))               # in place: q, k, v are its views
+        q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
+        return q, k, v, False
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    # norms folded into qkv / gate|up (nbgen.models.norm_fold.fold_norms): the layer then passes the raw
+    # residual stream on (its x outputs are None) and o_proj / down_proj accumulate into it
+    folded: bool = False
+    # weights kept in host memory (nbgen.models.cpu_offload): copies them to the GPU before the layer runs
+    stage_in: Optional[Callable[[], None]] = None
+
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_id, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], meta: Any,
+                      qkv_out: Optional[torch.Tensor] = None) -> tuple[tuple, torch.Tensor]:
+        """x: the previous layer's output (not yet added to the residual stream) -> ((q, k, v, K/V written),
+        residual). The residual is updated in place where the fused add+RMSNorm runs."""
+        if self.stage_in is not None:
+            self.stage_in()
+        if self.folded:     # x is None (already in the stream) or, before layer 0, the embeddings
+            residual = x if residual is None else residual
+            eps = self.input_layernorm.eps
+            return self.self_attn.project(positions, residual, meta, qkv_out, fold_eps=eps), residual
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        return self.self_attn.project(positions, x, meta, qkv_out), residual
+
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP. Folded: both
+        outputs go into the residual stream in place -> (None, residual)."""
+        if self.folded:
+            self.self_attn.o_proj.accumulate(attn, residual)
+            return None, self.mlp.forward_folded(residual, self.post_attention_layernorm.eps)
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
+        return self.mlp(x), residual
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (not yet added to the residual stream) -> (out, residual).
+        The same three parts that piecewise CUDA graphs replay around an eager attention."""
+        (q, k, v, written), residual = self.pre_attention(positions, x, residual, meta)
+        return self.post_attention(self.self_attn.attn(q, k, v, meta, kv_written=written), residual)
