@@ -8,11 +8,17 @@ delay and tail), ms per step split into the wait for the device and the host's o
 per step over ten equal spans of the run; the CPU seconds of each thread of the process (the loop
 threads, the caller's, others summed) as a share of the run; and a GIL probe's lateness (a thread
 sleeping 1 ms at a time: how long it waits to run again).
+
+``--shard K/N`` runs only the requests the data-parallel router would send to replica K of N (all
+submitted at once, as here), and ``--start-at`` starts the timed run at a wall-clock time: N such
+processes, one per GPU, are dp N without a shared process (the control for what one process costs).
+``--switch-interval`` sets the interpreter's GIL switch interval (``sys.setswitchinterval``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from typing import Any, Optional
 
@@ -20,6 +26,7 @@ from nbgen.bench.dp_trace import GilProbe, ReplicaTrace, ThreadCpu
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import make_workload
 from nbgen.engine import Engine
+from nbgen.runtime.dp_router import Router
 
 __all__ = ["main", "profile_run"]
 
@@ -35,9 +42,18 @@ def _route_counter(replica: Any, counts: list[int]) -> None:
     replica.submit = counted
 
 
+def shard(prompts: list[list[int]], outs: list[int], k: int, n: int) -> tuple[list[list[int]], list[int]]:
+    """The requests a dp-``n`` router sends to replica ``k`` when all are submitted at once."""
+    router = Router(n)
+    keep = [i for i, (p, o) in enumerate(zip(prompts, outs))
+            if router.route(str(i), p, cost=len(p) + max(o, 1)) == k]
+    return [prompts[i] for i in keep], [outs[i] for i in keep]
+
+
 def profile_run(model: Optional[str], load_format: str, device: str, dp_size: int,
-                prompts: list[list[int]], outs: list[int]) -> dict[str, Any]:
-    """One engine at ``dp_size``: the timed run of ``prompts`` with its replicas' traces."""
+                prompts: list[list[int]], outs: list[int], start_at: float = 0.0) -> dict[str, Any]:
+    """One engine at ``dp_size``: the timed run of ``prompts`` with its replicas' traces (started no
+    earlier than ``start_at``, a ``time.time()``)."""
     kw: dict[str, Any] = {"device": device, "load_format": load_format}
     if dp_size > 1:
         kw["dp_size"] = dp_size
@@ -54,6 +70,8 @@ def profile_run(model: Optional[str], load_format: str, device: str, dp_size: in
         _route_counter(r, c)
     cpu, probe = ThreadCpu(), GilProbe()
     gc.collect()
+    if start_at > time.time():
+        time.sleep(start_at - time.time())
     cpu.start()
     probe.start()
     t0 = time.perf_counter()
@@ -110,6 +128,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--workload", default="nano", choices=["nano", "fixed"])
     ap.add_argument("--sizes", default="1,2", help="dp sizes to run, comma-separated (the first is the base)")
     ap.add_argument("--requests", type=int, default=None, help="only the workload's first N requests")
+    ap.add_argument("--shard", default=None, metavar="K/N", help="only replica K's requests of a dp-N split")
+    ap.add_argument("--start-at", type=float, default=0.0, help="time.time() at which the timed runs start")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     add_json_option(ap, "the runs")
     args = ap.parse_args(argv)
     try:
@@ -123,9 +144,21 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     prompts, outs = make_workload(args.workload)
     if args.requests:
         prompts, outs = prompts[:args.requests], outs[:args.requests]
+    if args.shard:
+        try:
+            k, n = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            raise ValueError(f"shard must be K/N, got {args.shard!r}") from None
+        if not 0 <= k < n:
+            raise ValueError(f"shard must be K/N with 0 <= K < N, got {args.shard!r}")
+        prompts, outs = shard(prompts, outs, k, n)
+    if args.switch_interval is not None:
+        if args.switch_interval <= 0:
+            raise ValueError(f"switch_interval must be > 0, got {args.switch_interval}")
+        sys.setswitchinterval(args.switch_interval)
     runs: list[dict[str, Any]] = []
     for n in sizes:
-        runs.append(profile_run(args.model, args.load_format, args.device, n, prompts, outs))
+        runs.append(profile_run(args.model, args.load_format, args.device, n, prompts, outs, args.start_at))
         _print(runs[-1], runs[0]["seconds"] if len(runs) > 1 else None)
     write_json(args.json, runs)
     return runs
