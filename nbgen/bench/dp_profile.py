@@ -22,7 +22,10 @@ import sys
 import time
 from typing import Any, Optional
 
+import torch
+
 from nbgen.bench.dp_trace import GilProbe, ReplicaTrace, ThreadCpu
+from nbgen.bench.floor import copy_bandwidth, model_bytes
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import make_workload
 from nbgen.engine import Engine
@@ -64,6 +67,11 @@ def profile_run(model: Optional[str], load_format: str, device: str, dp_size: in
     eng.generate(input_ids=[p[:64] for p in prompts[:4]], sampling_params={"max_new_tokens": 8, "ignore_eos": True},
                  use_tqdm=False)
     replicas = list(getattr(eng.loop, "replicas", [eng.loop]))
+    runner = replicas[0].runner
+    spec = runner.kv_spec
+    wb, kvb = model_bytes(runner.model, runner.hf_config, spec.bytes_per_page() // spec.page_size)
+    del runner, spec
+    bw = copy_bandwidth(torch.device(device))
     traces = [ReplicaTrace(r) for r in replicas]
     routed = [[0, 0] for _ in replicas]
     for r, c in zip(replicas, routed):
@@ -85,23 +93,28 @@ def profile_run(model: Optional[str], load_format: str, device: str, dp_size: in
     for tid, c in used.items():
         label = (f"replica {loops[tid]}" if tid in loops else names.get(tid, "native"))
         threads[label] = threads.get(label, 0.0) + c
-    rows = [{"replica": i, "requests": routed[i][0], "max_new_tokens": routed[i][1], **t.summary(t0, t1)}
-            for i, t in enumerate(traces)]
+    rows = [{"replica": i, "requests": routed[i][0], "max_new_tokens": routed[i][1],
+             **t.summary(t0, t1, lambda kv: (wb + kv * kvb) / bw)} for i, t in enumerate(traces)]
     for t in traces:
         t.close()
     out = {"dp_size": dp_size, "seconds": t1 - t0, "startup_s": startup,
            "out_tokens": sum(r["meta_info"]["completion_tokens"] for r in res),
-           "replicas": rows, "thread_cpu_s": threads, "gil_probe": gil}
+           "replicas": rows, "thread_cpu_s": threads, "gil_probe": gil, "copy_bw": bw,
+           "weight_bytes": wb, "kv_bytes_per_token": kvb}
     eng.shutdown()
-    del eng, res
+    del eng, res, traces, replicas
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()     # the next size's engine measures the free memory for its KV pool
     return out
 
 
 def _print(run: dict[str, Any], base: Optional[float]) -> None:
     s = run["seconds"]
     print(f"\ndp {run['dp_size']}: {s:.2f} s, {run['out_tokens'] / s:.0f} out tok/s"
-          + (f", {base / s:.2f}x the first size" if base else "") + f"  (startup {run['startup_s']:.1f} s)")
+          + (f", {base / s:.2f}x the first size" if base else "") + f"  (startup {run['startup_s']:.1f} s; "
+          f"copy {run['copy_bw'] / 1e9:.0f} GB/s, weights {run['weight_bytes'] / 1e9:.2f} GB, "
+          f"KV {run['kv_bytes_per_token'] / 1e3:.1f} KB/token)")
     for r in run["replicas"]:
         if not r["steps"]:
             print(f"  replica {r['replica']}: no steps")
@@ -110,7 +123,10 @@ def _print(run: dict[str, Any], base: Optional[float]) -> None:
               f"{r['steps']} steps ({r['prefill_steps']} with prefill), first {r['first_s'] * 1e3:.0f} ms, "
               f"last {r['last_s']:.2f} s (tail {s - r['last_s']:.2f} s); {r['step_ms']:.2f} ms/step = "
               f"device wait {r['wait_ms']:.2f} + host {r['host_ms']:.2f}; rows mean {r['rows_mean']:.0f}")
-        print(f"    rows/step by tenth: {r['rows_by_window']}  steps by tenth: {r['steps_by_window']}")
+        print(f"    its steps {r['steps_s']:.2f} s against their floor {r['floor_s']:.2f} s "
+              f"({100 * r['floor_s'] / r['steps_s']:.1f} % of floor); by tenth of the run:")
+        for k in ("rows", "steps", "ms", "floor_ms"):
+            print(f"      {k + '/step' if k == 'rows' else k:9s} {r[k + '_by_window']}")
     cpu = sorted(run["thread_cpu_s"].items(), key=lambda kv: -kv[1])
     print("  thread CPU (share of the run): " + ", ".join(f"{k} {100 * v / s:.0f}%" for k, v in cpu[:8])
           + f"; all {100 * sum(v for _, v in cpu) / s:.0f}%")

@@ -19,11 +19,13 @@ __all__ = ["GilProbe", "ReplicaTrace", "ThreadCpu"]
 
 
 class ReplicaTrace:
-    """Each scheduled batch (clock, rows, prefill tokens) and each device wait of one replica loop."""
+    """Each scheduled batch (clock, rows, prefill tokens, KV tokens its attention reads) and each device
+    wait of one replica loop."""
 
     def __init__(self, loop: Any) -> None:
         self._loop = loop
-        self.steps: list[tuple[float, int, int]] = []   # (perf_counter at schedule, rows, prefill tokens)
+        # (perf_counter at schedule, rows, prefill tokens, KV tokens read: each row's context after the step)
+        self.steps: list[tuple[float, int, int, int]] = []
         self.wait_s = 0.0                                 # summed waits for the device
         self.waits = 0
         self.tid = loop.call(threading.get_native_id)
@@ -39,7 +41,9 @@ class ReplicaTrace:
             t = clock()
             batch = schedule(*a, **k)
             if batch is not None:
-                steps.append((t, len(batch.seqs), batch.num_prefill_tokens))
+                seqs = batch.seqs
+                steps.append((t, len(seqs), batch.num_prefill_tokens,
+                              sum(w.start_pos + len(w.token_ids) for w in seqs)))
             return batch
 
         def timed_wait(*a: Any, **k: Any) -> Any:
@@ -60,25 +64,35 @@ class ReplicaTrace:
             self.wait_s, self.waits = 0.0, 0
         self._loop.call(zero)
 
-    def summary(self, t0: float, t1: float, windows: int = 10) -> dict[str, Any]:
+    def summary(self, t0: float, t1: float, step_floor: Callable[[int], float], windows: int = 10) -> dict[str, Any]:
         """The steps between ``t0`` and ``t1`` (perf_counter): counts, first and last step (s after
-        ``t0``), ms per step, device wait ms per step, mean rows per step over ``windows`` equal spans."""
+        ``t0``), ms per step, device wait ms per step, and over ``windows`` equal spans of the run its
+        steps, mean rows per step, ms per step and the floor's ms per step (``step_floor``: seconds of
+        a step that reads the weights and this many KV tokens, at the copy bandwidth)."""
         st = self._loop.call(lambda: list(self.steps))
         wait_s = self._loop.call(lambda: self.wait_s)
         if not st:
             return {"steps": 0}
         first, last = st[0][0] - t0, st[-1][0] - t0
         span = (t1 - t0) / windows
-        rows: list[list[int]] = [[] for _ in range(windows)]
-        for t, n, _pf in st:
-            rows[min(int((t - t0) / span), windows - 1)].append(n)
+        win: list[list[int]] = [[] for _ in range(windows)]     # step indices per span
+        for j, s in enumerate(st):
+            win[min(int((s[0] - t0) / span), windows - 1)].append(j)
+        ends = [s[0] for s in st[1:]] + [t1]                    # a step lasts until the next one's schedule
+        floors = [step_floor(s[3]) for s in st]
         busy = st[-1][0] - st[0][0]
         n = len(st)
+
+        def ms(js: list[int], xs: list[float]) -> float:
+            return round(1e3 * sum(xs[j] for j in js) / len(js), 2) if js else 0.0
+        took = [e - s[0] for e, s in zip(ends, st)]
         return {"steps": n, "first_s": first, "last_s": last, "step_ms": 1e3 * busy / max(n - 1, 1),
                 "wait_ms": 1e3 * wait_s / n, "host_ms": 1e3 * (busy - wait_s) / max(n - 1, 1),
                 "prefill_steps": sum(1 for s in st if s[2]), "rows_mean": sum(s[1] for s in st) / n,
-                "rows_by_window": [round(sum(r) / len(r)) if r else 0 for r in rows],
-                "steps_by_window": [len(r) for r in rows]}
+                "floor_s": sum(floors), "steps_s": sum(took),
+                "rows_by_window": [round(sum(st[j][1] for j in js) / len(js)) if js else 0 for js in win],
+                "steps_by_window": [len(js) for js in win],
+                "ms_by_window": [ms(js, took) for js in win], "floor_ms_by_window": [ms(js, floors) for js in win]}
 
     def close(self) -> None:
         self._loop.call(self._undo)
