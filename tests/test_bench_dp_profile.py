@@ -6,19 +6,18 @@ import pytest
 
 from nbgen.bench.dp_profile import main, profile_run, shard
 from nbgen.bench.workloads import make_workload
-from nbgen.runtime.dp_router import Router
+from nbgen.runtime.dp_router import PlanItem, Router, request_cost
 
 
 def test_shard_is_the_routers_split_and_a_partition():
     prompts, outs = make_workload("nano")
-    router = Router(2)
-    expect = [router.route(str(i), p, cost=len(p) + o) for i, (p, o) in enumerate(zip(prompts, outs))]
-    parts = [shard(prompts, outs, k, 2) for k in range(2)]
+    expect = Router(2, 10000).plan([PlanItem(request_cost(len(p), o), o) for p, o in zip(prompts, outs)])
+    parts = [shard(prompts, outs, k, 2, 10000) for k in range(2)]
     for k, (ps, os_) in enumerate(parts):
         assert ps == [p for p, r in zip(prompts, expect) if r == k]
         assert os_ == [o for o, r in zip(outs, expect) if r == k]
     assert len(parts[0][0]) + len(parts[1][0]) == len(prompts)
-    assert abs(sum(parts[0][1]) - sum(parts[1][1])) < 0.05 * sum(outs)     # balanced by tokens
+    assert max(parts[0][1]) == max(outs) > max(parts[1][1])       # the longest requests together
 
 
 def test_dp2_trace_accounts_for_every_request(tiny_llama_dir):

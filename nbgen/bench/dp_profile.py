@@ -10,7 +10,7 @@ threads, the caller's, others summed) as a share of the run; and a GIL probe's l
 sleeping 1 ms at a time: how long it waits to run again).
 
 ``--shard K/N`` runs only the requests the data-parallel router would send to replica K of N (all
-submitted at once, as here), and ``--start-at`` starts the timed run at a wall-clock time: N such
+submitted in one call, as here; ``--step-cost``: its router's), and ``--start-at`` starts the timed run at a wall-clock time: N such
 processes, one per GPU, are dp N without a shared process (the control for what one process costs).
 ``--switch-interval`` sets the interpreter's GIL switch interval (``sys.setswitchinterval``).
 """
@@ -29,7 +29,7 @@ from nbgen.bench.floor import copy_bandwidth, model_bytes
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import make_workload
 from nbgen.engine import Engine
-from nbgen.runtime.dp_router import Router
+from nbgen.runtime.dp_router import PlanItem, Router, request_cost
 
 __all__ = ["main", "profile_run"]
 
@@ -45,11 +45,12 @@ def _route_counter(replica: Any, counts: list[int]) -> None:
     replica.submit = counted
 
 
-def shard(prompts: list[list[int]], outs: list[int], k: int, n: int) -> tuple[list[list[int]], list[int]]:
-    """The requests a dp-``n`` router sends to replica ``k`` when all are submitted at once."""
-    router = Router(n)
-    keep = [i for i, (p, o) in enumerate(zip(prompts, outs))
-            if router.route(str(i), p, cost=len(p) + max(o, 1)) == k]
+def shard(prompts: list[list[int]], outs: list[int], k: int, n: int,
+          step_cost: int = 0) -> tuple[list[list[int]], list[int]]:
+    """The requests a dp-``n`` router (``step_cost``: the engine's, the weights in KV tokens) plans
+    for replica ``k`` when all are submitted in one call."""
+    plan = Router(n, step_cost).plan([PlanItem(request_cost(len(p), o), max(o, 1)) for p, o in zip(prompts, outs)])
+    keep = [i for i, r in enumerate(plan) if r == k]
     return [prompts[i] for i in keep], [outs[i] for i in keep]
 
 
@@ -145,6 +146,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--sizes", default="1,2", help="dp sizes to run, comma-separated (the first is the base)")
     ap.add_argument("--requests", type=int, default=None, help="only the workload's first N requests")
     ap.add_argument("--shard", default=None, metavar="K/N", help="only replica K's requests of a dp-N split")
+    ap.add_argument("--step-cost", type=int, default=0,
+                    help="the router's step cost for --shard (a dp engine's router.step_cost)")
     ap.add_argument("--start-at", type=float, default=0.0, help="time.time() at which the timed runs start")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     add_json_option(ap, "the runs")
@@ -167,7 +170,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
             raise ValueError(f"shard must be K/N, got {args.shard!r}") from None
         if not 0 <= k < n:
             raise ValueError(f"shard must be K/N with 0 <= K < N, got {args.shard!r}")
-        prompts, outs = shard(prompts, outs, k, n)
+        prompts, outs = shard(prompts, outs, k, n, args.step_cost)
     if args.switch_interval is not None:
         if args.switch_interval <= 0:
             raise ValueError(f"switch_interval must be > 0, got {args.switch_interval}")
