@@ -83,24 +83,28 @@ class Router:
         left = sorted(range(len(items)), key=lambda j: -items[j].steps)    # longest first
         reps = sorted(range(self.n), key=lambda i: (-steps[i], load[i]))
         rest = sum(it.cost for it in items)
+        S = self.step_cost
         for k, i in enumerate(reps[:-1]):
             others = reps[k + 1:]
-            base = sum(load[o] for o in others)
+            base, m = sum(load[o] for o in others), len(others)
+            stepped: dict[int, int] = {}      # longest -> the others' steps in all if they step that long
+
+            def share(cost: int, longest: int) -> float:
+                if longest not in stepped:
+                    stepped[longest] = sum(max(steps[o], longest) for o in others)
+                return (base + cost + S * stepped[longest]) / m
             skipped: list[int] = []
             for pos, j in enumerate(left):
                 it = items[j]
                 # the others step at least as long as the longest request they get: the first one this
                 # replica skipped, else this one (skipped now) or the next (taken now)
-                nxt = left[pos + 1] if pos + 1 < len(left) else None
                 if skipped:
                     long_take = long_skip = items[skipped[0]].steps
                 else:
-                    long_take, long_skip = (items[nxt].steps if nxt is not None else 0), it.steps
-
-                def share(cost: int, longest: int) -> float:
-                    return (base + cost + self.step_cost * sum(max(steps[o], longest) for o in others)) / len(others)
-                take = max(load[i] + it.cost + self.step_cost * max(steps[i], it.steps), share(rest - it.cost, long_take))
-                skip = max(load[i] + self.step_cost * steps[i], share(rest, long_skip))
+                    long_take = items[left[pos + 1]].steps if pos + 1 < len(left) else 0
+                    long_skip = it.steps
+                take = max(load[i] + it.cost + S * max(steps[i], it.steps), share(rest - it.cost, long_take))
+                skip = max(load[i] + S * steps[i], share(rest, long_skip))
                 if take <= skip:
                     out[j] = i
                     load[i] += it.cost
