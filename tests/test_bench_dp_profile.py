@@ -2,9 +2,13 @@
 every request, step and output token on the replica that served it."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from nbgen.bench.dp_profile import main, profile_run, shard
+from nbgen.bench.dp_trace import ThreadCpu
 from nbgen.bench.workloads import make_workload
 from nbgen.runtime.dp_router import PlanItem, Router, request_cost
 
@@ -44,3 +48,28 @@ def test_bad_arguments_name_the_parameter():
         main(["--device", "cpu", "--sizes", "0"])
     with pytest.raises(ValueError, match="shard"):
         main(["--device", "cpu", "--sizes", "1", "--shard", "2/2"])
+
+
+def test_thread_cpu_charges_the_thread_that_ran():
+    """A thread that burns 0.2 s of its own CPU time shows most of it under its id (the kernel counts
+    in clock ticks); read while the thread is still alive (a finished thread has no /proc entry)."""
+    cpu = ThreadCpu()
+    cpu.start()
+    burned, release = threading.Event(), threading.Event()
+    done: dict[str, int] = {}
+
+    def burn() -> None:
+        done["tid"] = threading.get_native_id()
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.2:
+            pass
+        burned.set()
+        release.wait()
+    t = threading.Thread(target=burn, name="burner")
+    t.start()
+    burned.wait()
+    used = cpu.stop()
+    assert ThreadCpu.names()[done["tid"]] == "burner"
+    release.set()
+    t.join()
+    assert used.get(done["tid"], 0.0) >= 0.15
