@@ -47,7 +47,7 @@ IMPLEMENTED: dict[str, str] = {
     "skip_tokenizer_init": "outputs carry output_ids and no text",
     "tp_size": "tensor parallelism over torch.distributed: NCCL on GPUs, gloo on CPUs; one worker process per extra rank",
     "disable_custom_all_reduce": "the custom all-reduce is a one-shot peer-to-peer sum (CUDA IPC buffers, one Triton kernel) for tensors up to 512 KB on GPUs with peer access; NCCL for the rest",
-    "dp_size": "replicas behind one Engine (with tp_size 1): least-loaded routing by tokens, a prompt prefix back to its replica",
+    "dp_size": "replicas behind one Engine (with tp_size 1): routing by work (KV reads and decode steps, a call's requests planned together), a prompt prefix back to its replica",
     "base_gpu_id": "the first GPU of the engine; data-parallel replica i uses base_gpu_id + i",
     "enable_custom_logit_processor": "",
     "trust_remote_code": "",

@@ -13,7 +13,8 @@ from nbgen.core.config import EngineConfig
 from nbgen.core.multimodal import settle_all
 from nbgen.core.request import Request
 from nbgen.runtime.delivery import Sink
-from nbgen.runtime.dp_router import Router
+from nbgen.runtime.dp_router import PlanItem, Router, request_cost
+from nbgen.runtime.engine_parts import weight_bytes
 from nbgen.runtime.loop import LoopThread
 from nbgen.runtime.profiler import ProfileOptions, ProfileResult
 from nbgen.runtime.stream_buffer import StreamBuffer
@@ -84,6 +85,10 @@ class DPLoop:
         if errors:
             self.shutdown()
             raise errors[0]
+        # a decode step reads all the weights whatever its rows: its fixed part, in KV tokens read
+        first = self.replicas[0]
+        wb, kv = first.call(lambda: (weight_bytes(first.runner), first.runner.kv_spec))
+        self.router.step_cost = wb * kv.page_size // max(kv.bytes_per_page(), 1)
         return info
 
     def submit(self, reqs: list[Request], sink: Sink, stream: bool) -> None:
@@ -92,11 +97,14 @@ class DPLoop:
         groups: dict[str, int] = {}
         parts: dict[int, list[Request]] = {}
         routed: list[str] = []
+        steps = [max(r.params.max_new_tokens or 0, 1) for r in reqs]
+        costs = [request_cost(len(r.prompt_ids), n) for r, n in zip(reqs, steps)]
+        plan = self.router.plan([PlanItem(c, n) for c, n in zip(costs, steps)])
         try:
-            for r in reqs:
+            for r, c, n, p in zip(reqs, costs, steps, plan):
                 i = self.router.route(r.rid, r.prompt_ids, r.group,
                                       r.session.id if r.session is not None else None, groups,
-                                      cost=len(r.prompt_ids) + max(r.params.max_new_tokens or 0, 1))
+                                      cost=c, steps=n, planned=p)
                 routed.append(r.rid)
                 parts.setdefault(i, []).append(r)
         except ValueError:

@@ -107,13 +107,18 @@ def offload_info(plan: Optional[OffloadPlan]) -> dict[str, Any]:
             "staging_gb": round(plan.staging_bytes / (1 << 30), 6)}
 
 
-def memory_usage(runner: ModelRunner) -> dict[str, Any]:
-    """SGLang's ``memory_usage`` of the internal state: weights (on the device; each storage once) and KV
-    pool in GB, KV capacity in tokens."""
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of the model's parameters and buffers on the runner's device (each storage once)."""
     model = runner.model
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in (*model.parameters(), *model.buffers()) if t.device.type == runner.device.type}
-    weights = sum(storages.values())
+    return sum(storages.values())
+
+
+def memory_usage(runner: ModelRunner) -> dict[str, Any]:
+    """SGLang's ``memory_usage`` of the internal state: weights (on the device; each storage once) and KV
+    pool in GB, KV capacity in tokens."""
+    weights = weight_bytes(runner)
     spec = runner.kv_spec
     return {"weight": round(weights / (1 << 30), 2),
             "kvcache": round(spec.bytes_per_page() * spec.num_pages / (1 << 30), 2),
