@@ -251,11 +251,15 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * n, n)
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, out] this rank's partial product (its input features; the active adapter's share added)."""
         y = self._mm(x, None)
         if self.lora is not None and self.lora.active:
             self.lora(x, y)
-        y = tp_all_reduce(y, self.tp_size)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(self._partial(x), self.tp_size)
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
 
@@ -264,8 +268,5 @@ class RowParallelLinear(LinearBase):
         over the ranks straight into ``into`` (the all-reduce adds it: ``all_reduce.all_reduce_add``)."""
         if self.tp_size == 1:
             return super().accumulate(x, into)
-        y = self._mm(x, None)                                          # [T, out] this rank's partial sum
-        if self.lora is not None and self.lora.active:
-            self.lora(x, y)
-        all_reduce.all_reduce_add(y, into)
+        all_reduce.all_reduce_add(self._partial(x), into)
         return into.add_(self.bias) if self.bias is not None else into

@@ -246,7 +246,7 @@ def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
         elif not g.done:
             rows.append(i)
             states.append(g)
-            if greedy and not (g.plain if g.plain is not None else g.plain_greedy(req)):
+            if greedy and not _argmax_row(g, req):
                 greedy = False
     return rows, states, greedy
 
@@ -257,9 +257,16 @@ def greedy_grammar(seqs: list[Any]) -> bool:
     completes meanwhile keeps that), so its LM head may wait for the bitmask (runtime/greedy_heads.py)."""
     for s in seqs:
         g = s.req.grammar
-        if g is None or not (g.done or (g.plain if g.plain is not None else g.plain_greedy(s.req))):
+        if g is None or not (g.done or _argmax_row(g, s.req)):
             return False
     return bool(seqs)
+
+
+def _argmax_row(g: Any, req: Any) -> bool:
+    """The request's row samples the argmax of its masked logits (plain greedy, nothing else to apply):
+    the grammar's cached answer, else asked now. ``live_rows`` and ``greedy_grammar`` share it, so the
+    masked heads' choice at forward time and the fill's ``greedy`` at sampling agree."""
+    return g.plain if g.plain is not None else g.plain_greedy(req)
 
 
 def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> None:
