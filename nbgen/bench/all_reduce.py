@@ -3,7 +3,7 @@ NCCL, checked and timed inside CUDA graphs, one process per GPU; also ``all_redu
 added into a residual stream, folded layers' o_proj / down_proj).
 
     python -m nbgen.bench.all_reduce --world 2                 # µs per all-reduce at 8 / 64 / 512 KB
-    python -m nbgen.bench.all_reduce --world 2 --check         # sums against dist.all_reduce only
+    python -m nbgen.bench.all_reduce --world 2 --check         # the check only (sums against the exact sum)
 
 Timing: a graph of ``--calls`` back-to-back all-reduces of one tensor (as a decode graph holds them),
 replayed ``--replays`` times between CUDA events on each rank; reported per all-reduce, rank 0's and
@@ -277,7 +277,7 @@ def check_summary(reports: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--check", action="store_true", help="only the sums against NCCL")
+    ap.add_argument("--check", action="store_true", help="only the check against the exact sum (no timing)")
     ap.add_argument("--hidden", type=int, nargs="+", default=[512, 4096],
                     help="row widths checked (512: every row count on the peer path; 4096: NCCL above 64 rows)")
     ap.add_argument("--calls", type=int, default=64, help="all-reduces per graph")
