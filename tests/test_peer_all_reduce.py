@@ -1,6 +1,6 @@
 """The peer-to-peer all-reduce kernel (``kernels/peer_all_reduce.py``).
 
-CPU: two processes run the kernel under Triton's interpreter over shared-memory buffers, each with the
+CPU: two (and three) processes run the kernel under Triton's interpreter over shared-memory buffers, each with the
 pointer table of its own mappings (as CUDA IPC gives each GPU process): plain sums and sums added into
 a residual, bf16 and fp32 calls interleaved (the sentinel covers both), sizes from 3 elements to two
 rounds of the grid; the ranks agree bit for bit, inputs equal to the sentinel arrive as zeros, every
@@ -34,17 +34,20 @@ def _rank(rank: int, world: int, bufs: list[torch.Tensor], inputs: list[list[tor
     out.put((rank, (results, kept, counter.numpy())))
 
 
-def test_peer_kernel_two_processes_interpreted(monkeypatch):
+@pytest.mark.parametrize("world", [2, 3])
+def test_peer_kernel_processes_interpreted(monkeypatch, world):
+    """world 3: the ranks' slots are read as one [4, B] block with a masked row."""
     from nbgen.kernels import peer_all_reduce as par
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    world = 2
     bufs = [torch.full((par.buffer_bytes(world, SLOT_BYTES) // 2,), par.SENTINEL16, dtype=torch.int16).share_memory_()
             for _ in range(world)]
     gen = torch.Generator().manual_seed(0)
     inputs = [[torch.randn(n, generator=gen).to(dt) for dt, n, _ in CASES] for _ in range(world)]
     inputs[0][0][:7] = -0.0                    # the bf16 sentinel's bits, sent as +0.0
     inputs[1][0][:3] = 1.5
+    for r in range(2, world):
+        inputs[r][0][:3] = 0.0
     residuals = [(torch.randn(n, generator=gen) * 4).to(dt) for dt, n, _ in CASES]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -62,11 +65,11 @@ def test_peer_kernel_two_processes_interpreted(monkeypatch):
         assert got[r][2].tolist() == [len(CASES)] * par.NPROG
     got = {r: v[0] for r, v in got.items()}
     for i, (dt, n, res) in enumerate(CASES):
-        ref = inputs[0][i].float() + inputs[1][i].float()
-        if res:
-            ref = (residuals[i].float() + inputs[0][i].float()) + inputs[1][i].float()
-        a, b = torch.from_numpy(got[0][i]), torch.from_numpy(got[1][i])
-        assert torch.equal(a, b), f"ranks differ for case {i}"
+        ref = residuals[i].float() if res else torch.zeros(n)
+        for r in range(world):                     # rank order, as the kernel adds
+            ref = ref + inputs[r][i].float()
+        a = torch.from_numpy(got[0][i])
+        assert all(torch.equal(a, torch.from_numpy(got[r][i])) for r in range(world)), f"ranks differ for case {i}"
         tol = 0.0 if dt == torch.float32 else 2.0 ** -7 * ref.abs().max().item()   # interpreter: truncation
         assert (a - ref).abs().max().item() <= tol, i
     assert torch.equal(torch.from_numpy(got[0][0])[:3], torch.full((3,), 1.5))

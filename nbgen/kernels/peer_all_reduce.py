@@ -11,9 +11,9 @@ filled with the sentinel once (int16 0x8000 everywhere: -0.0 in bf16 / fp16, and
 negative fp32 denormal, in fp32). Per program and call:
 1. its share of the input, sentinels replaced by +0.0, stored into slot RANK of the section in every
    rank's buffer (remote stores over NVLink, no fence, no flag);
-2. for each rank q in order: spins on its own buffer's slot q until no element holds the sentinel,
-   adds it in fp32 (the residual first where given), and writes the sentinel back (cleared for the
-   call two later);
+2. loads its own buffer's slots of all ranks at once until no element holds the sentinel, adds them
+   in fp32 in rank order (the residual first where given), and writes the sentinel back (cleared for
+   the call two later);
 3. writes the sum over the input, or adds it into a residual stream (``residual += sum``, one rounding:
    a folded layer's o_proj / down_proj output entering the stream, ``models/norm_fold.py``).
 Every rank adds the same parts in the same order, so every rank holds the same bits. A program
@@ -54,9 +54,28 @@ SENTINEL32 = -2147450880     # int32 0x80008000: two int16 sentinels (a negative
 
 
 @triton.jit
+def take_parts(acc, mine, slot_elems, offs, m, ref_ptr, WORLD: tl.constexpr, WP2: tl.constexpr, SENT: tl.constexpr):
+    """acc (fp32, offs' shape) + every rank's part at offs of this rank's buffer (slot q at mine + q *
+    slot_elems, int bits) in rank order, once all arrived -> the sum; the slots are emptied again.
+    All WORLD slots are loaded at once (one memory latency, not one per rank, when the parts are there);
+    ref_ptr: a pointer of the parts' dtype."""
+    ranks = tl.arange(0, WP2)
+    src = mine + ranks[:, None] * slot_elems + offs[None, :]
+    mm = (ranks < WORLD)[:, None] & m[None, :]
+    bits = tl.load(src, mask=mm, other=0, volatile=True)                   # [WP2, B]; masked lanes are 0
+    while tl.max(tl.max((bits == SENT).to(tl.int32), axis=1), axis=0) > 0:
+        bits = tl.load(src, mask=mm, other=0, volatile=True)
+    vals = bits.to(ref_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    for q in tl.static_range(WORLD):          # rank order (a row picked out exactly: the others add zeros)
+        acc += tl.sum(tl.where(ranks[:, None] == q, vals, 0.0), axis=0)
+    tl.store(src, tl.full(bits.shape, SENT, bits.dtype), mask=mm)         # empty again for the call two later
+    return acc
+
+
+@triton.jit
 def _peer_all_reduce(x_ptr, n, data_ptrs, counter_ptr, slot_elems, res_ptr,
                         RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, NPROG: tl.constexpr,
-                        RESIDUAL: tl.constexpr, SENT: tl.constexpr, USE_PDL: tl.constexpr):
+                        RESIDUAL: tl.constexpr, SENT: tl.constexpr, WP2: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
     itype = tl.int16 if dtype.primitive_bitwidth == 16 else tl.int32
@@ -80,7 +99,7 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, counter_ptr, slot_elems, res_ptr,
             dst = tl.load(data_ptrs + q).to(tl.pointer_type(itype)) + section + RANK * slot_elems
             tl.store(tl.multiple_of(dst, 8) + offs, bits, mask=m)
     # 2. every rank's part from this rank's own buffer, in rank order, once it has arrived
-    mine = tl.load(data_ptrs + RANK).to(tl.pointer_type(itype)) + section
+    mine = tl.multiple_of(tl.load(data_ptrs + RANK).to(tl.pointer_type(itype)) + section, 8)
     for start in range(pid * BLOCK, n, NPROG * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
@@ -88,13 +107,7 @@ def _peer_all_reduce(x_ptr, n, data_ptrs, counter_ptr, slot_elems, res_ptr,
             acc = tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
         else:
             acc = tl.zeros([BLOCK], tl.float32)
-        for q in tl.static_range(WORLD):
-            src = tl.multiple_of(mine + q * slot_elems, 8) + offs
-            bits = tl.load(src, mask=m, other=0, volatile=True)
-            while tl.max((bits == SENT).to(tl.int32), axis=0) > 0:
-                bits = tl.load(src, mask=m, other=0, volatile=True)
-            acc += bits.to(dtype, bitcast=True).to(tl.float32)
-            tl.store(src, tl.full([BLOCK], SENT, itype), mask=m)     # empty again for the call two later
+        acc = take_parts(acc, mine, slot_elems, offs, m, x_ptr, WORLD, WP2, SENT)
         if RESIDUAL:
             tl.store(res_ptr + offs, acc.to(dtype), mask=m)
         else:
@@ -120,7 +133,8 @@ def peer_all_reduce_(x: torch.Tensor, data_ptrs: torch.Tensor, counter: torch.Te
         return x if residual is None else residual
     args = (x, x.numel(), data_ptrs, counter, slot_bytes // x.element_size(), x if residual is None else residual)
     kw = dict(RANK=rank, WORLD=world, BLOCK=BLOCK, NPROG=NPROG, RESIDUAL=residual is not None,
-              SENT=SENTINEL16 if x.element_size() == 2 else SENTINEL32, num_warps=8)
+              SENT=SENTINEL16 if x.element_size() == 2 else SENTINEL32, WP2=triton.next_power_of_2(world),
+              num_warps=8)
     if x.is_cuda:
         pdl.launch(_peer_all_reduce, (NPROG,), args, x.device, **kw)
     else:   # Triton's interpreter (the CPU tests)
