@@ -56,7 +56,7 @@ if triton is not None:
     def attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head, s_tok, qk_scale,
                      M: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                      STAGES: tl.constexpr, AHEAD: tl.constexpr = False, FP8: tl.constexpr = False,
-                     PTX: tl.constexpr = True):
+                     PTX: tl.constexpr = True, PAIRS: tl.constexpr = True):
         """Online softmax of q [M, D] against one kv head's tokens [lo, hi) of the pages listed from
         ``indices_ptr + start`` (scores in log2 units through ``qk_scale``) -> (m [M], l [M], acc [M, D]),
         not normalised. ``AHEAD``: each tile's page numbers are loaded one iteration before its K/V
@@ -67,13 +67,15 @@ if triton is not None:
         into the even and the odd columns (``widen_pairs``), two [M, D/2] products. A widened [N, D] V
         tile as the B operand needs each thread's values from consecutive tokens, which the compiler
         gathers with one shared-memory load per byte; a pair is a 16-bit value, which it transposes with
-        ldmatrix as for bf16 tiles."""
+        ldmatrix as for bf16 tiles. ``PAIRS=False``: V tiles widen as K tiles do, one [M, D] product
+        (the shared-prefix kernel's 64-row tiles: byte-pair V tiles at 64 rows fault on sm_90)."""
+        V_PAIRS: tl.constexpr = FP8 and PAIRS
         d = tl.arange(0, D)
         dh = tl.arange(0, D // 2)
         m = tl.full([M], float("-inf"), tl.float32)
         l = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
-        if FP8:
+        if V_PAIRS:
             acc_e = tl.zeros([M, D // 2], tl.float32)    # even / odd columns
             acc_o = tl.zeros([M, D // 2], tl.float32)
         else:
@@ -96,15 +98,15 @@ if triton is not None:
             off = page * s_page + kh * s_head + (t % P) * s_tok                       # [BLOCK_N]
             # e4m3 pages widen to q's dtype (fp16) in registers (a no-op for model-dtype pages)
             k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
-            if not FP8:
-                v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0)
+            if not V_PAIRS:
+                v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=tm[:, None], other=0.0).to(q.dtype)
             sc = tl.dot(q, tl.trans(k)) * qk_scale                                     # [M, BLOCK_N], log2 units
             sc = tl.where(tm[None, :], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new[:, None])
             l = l * alpha + tl.sum(p, 1)
-            if FP8:         # V as [BLOCK_N, D/2] byte pairs -> even / odd columns (after the softmax:
+            if V_PAIRS:     # V as [BLOCK_N, D/2] byte pairs -> even / odd columns (after the softmax:
                 w = tl.load(vc_ptr.to(tl.pointer_type(tl.int16)) + (off // 2)[:, None] + dh[None, :],
                             mask=tm[:, None], other=0)               # fewer registers live across it)
                 ve, vo = widen_pairs(w, PTX)
@@ -114,6 +116,6 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)                  # [M, D]
             m = m_new
-        if FP8:
+        if V_PAIRS:
             acc = tl.reshape(tl.join(acc_e, acc_o), [M, D])     # columns back in order: [M, D/2, 2] -> [M, D]
         return m, l, acc

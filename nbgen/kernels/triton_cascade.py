@@ -14,9 +14,9 @@ here it is read once per chunk, and the merge costs no launch and no second roun
 fixed-size for the graphs: ``max_chunks`` chunks of up to ``rows_per_chunk`` rows (TILE_ROWS // group),
 a fixed split count; the tables (attention/cascade_plan.py) are int32 views of the graph runner's input
 buffer, written with the step's other inputs; chunks past the step's count exit at once.
-fp8 pages: read as the decode kernel reads them (widened to fp16 in registers, V as byte pairs; q
-rounded to fp16), scales folded the same way (K scale into the softmax scale, V scale into level 1's
-output).
+fp8 pages: widened to fp16 in registers (q rounded to fp16), level 1 as the decode kernel reads them (V
+as byte pairs), level 0 with V widened as K (``paged_softmax.attend_pages``); scales folded as the
+decode kernel folds them (K scale into the softmax scale, V scale into level 1's output).
 """
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ if triton is not None:
             if FP8:
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES, AHEAD, FP8, PTX)
+                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES, AHEAD, FP8, PTX,
+                                                   PAIRS=False)
             # an empty split (lo >= hi) stores m = -inf, l = 0, acc = 0: level 1 weighs it 0
             cell = (c * HKV + kh) * S0 + s
             tl.store(part_ptr + cell.to(tl.int64) * (BM * D) + i[:, None] * D + d[None, :], acc)
