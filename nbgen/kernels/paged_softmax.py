@@ -67,8 +67,9 @@ if triton is not None:
         into the even and the odd columns (``widen_pairs``), two [M, D/2] products. A widened [N, D] V
         tile as the B operand needs each thread's values from consecutive tokens, which the compiler
         gathers with one shared-memory load per byte; a pair is a 16-bit value, which it transposes with
-        ldmatrix as for bf16 tiles. ``PAIRS=False``: V tiles widen as K tiles do, one [M, D] product
-        (the shared-prefix kernel's 64-row tiles: byte-pair V tiles at 64 rows fault on sm_90)."""
+        ldmatrix as for bf16 tiles. ``PAIRS=False``: V tiles widen as K tiles do, one [M, D] product;
+        for 64-row tiles (the shared-prefix kernel's level 0; the decode kernel above 32 q heads a kv
+        head), which take wgmma on sm_90, where byte-pair V tiles hit an illegal memory access."""
         V_PAIRS: tl.constexpr = FP8 and PAIRS
         d = tl.arange(0, D)
         dh = tl.arange(0, D // 2)

@@ -130,7 +130,8 @@ if triton is not None:
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD, FP8, PTX)
+                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD, FP8, PTX,
+                                               PAIRS=GP < 64)     # 64-row tiles: V widened (attend_pages)
         if NSPLIT == 1:
             if CASCADE:
                 if USE_PDL and EARLY:
