@@ -1,7 +1,8 @@
 """``python -m nbgen.bench.kv_decode`` — attention over model-dtype against e4m3 KV pages (CUDA).
 
 One layer's decode attention (nbgen's Triton kernel, ``kernels/triton_decode.py``) at the heads of
-Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths: µs per launch and the KV read
+Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths, launches replayed from a CUDA graph:
+µs per launch and the KV read
 rate (GB/s) for bf16 pages and for e4m3 pages, each checked against the fp32 attention of the
 dequantized pages; then flashinfer's paged prefill (one layer, causal chunks after a cached prefix)
 planned for bf16 and for e4m3 pages (bf16 queries over e4m3 pages take flashinfer's fa2 kernels;
@@ -64,6 +65,17 @@ def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, indptr: torc
     return torch.stack(out)
 
 
+def graph_seconds(fn: Callable[[], object], n: int = 20) -> float:
+    """Seconds per call of ``fn``: ``n`` calls captured into one CUDA graph, median of 10 replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    return median_seconds(g.replay, reps=10) / n
+
+
 def decode_rows(model: str) -> list[dict]:
     """The decode kernel per case: bf16 pages, then e4m3 pages."""
     hq, hkv, D = HEADS[model]
@@ -77,7 +89,7 @@ def decode_rows(model: str) -> list[dict]:
         for pages in ("bf16", "e4m3"):
             caches = (kc, vc) if pages == "bf16" else (k8, v8)
             err = (w.run(q, caches)[:2].float() - _reference(q, *caches, indptr, indices, n)).abs().max().item()
-            secs = median_seconds(lambda: w.run(q, caches))
+            secs = graph_seconds(lambda: w.run(q, caches))
             kv_bytes = 2 * bs * n * hkv * D * caches[0].element_size()
             rows.append({"model": model, "batch": bs, "kv_len": n, "pages": pages,
                          "us": secs * 1e6, "GB/s": kv_bytes / secs / 1e9, "max_err": err})
@@ -103,7 +115,7 @@ def prefill_rows(model: str) -> list[dict]:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
         w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
                q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype)
-        secs = median_seconds(lambda: w.run(q, caches))
+        secs = graph_seconds(lambda: w.run(q, caches))
         rows.append({"model": model, "pages": pages, "us": secs * 1e6,
                      "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
     return rows
@@ -112,14 +124,15 @@ def prefill_rows(model: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(HEADS), action="append", help="head shapes (default: both)")
+    ap.add_argument("--no-prefill", action="store_true", help="the decode kernel only")
     args = ap.parse_args()
     for model in args.model or sorted(HEADS):
         print(f"decode attention, one layer, {model} heads {HEADS[model]}")
         print(f"{'batch':>5} {'kv_len':>6} {'pages':>5} {'us':>8} {'GB/s':>7} {'max_err':>8}")
         for r in decode_rows(model):
             print(f"{r['batch']:>5} {r['kv_len']:>6} {r['pages']:>5} {r['us']:>8.1f} "
-                  f"{r['GB/s']:>7.0f} {r['max_err']:>8.4f}")
-        for r in prefill_rows(model):
+                  f"{r['GB/s']:>7.0f} {r['max_err']:>8.4f}", flush=True)
+        for r in ([] if args.no_prefill else prefill_rows(model)):
             print(f"prefill {r['pages']:>5}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s")
 
 

@@ -14,8 +14,9 @@ here it is read once per chunk, and the merge costs no launch and no second roun
 fixed-size for the graphs: ``max_chunks`` chunks of up to ``rows_per_chunk`` rows (TILE_ROWS // group),
 a fixed split count; the tables (attention/cascade_plan.py) are int32 views of the graph runner's input
 buffer, written with the step's other inputs; chunks past the step's count exit at once.
-fp8 pages: widened to fp16 in registers as the decode kernel does (q rounded to fp16), scales folded
-the same way (K scale into the softmax scale, V scale into level 1's output).
+fp8 pages: widened to fp16 in registers (q rounded to fp16), level 1 as the decode kernel reads them (V
+as byte pairs), level 0 with V widened as K (``paged_softmax.attend_pages``); scales folded as the
+decode kernel folds them (K scale into the softmax scale, V scale into level 1's output).
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ if triton is not None:
                        part_ptr, ml_ptr, sq_t, sq_h, s_page, s_head, s_tok, qk_scale,
                        G: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        S0: tl.constexpr, MIN_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-                       FP8: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
+                       FP8: tl.constexpr, AHEAD: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         c = tl.program_id(2)
@@ -126,7 +127,8 @@ if triton is not None:
             if FP8:
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES, AHEAD)
+                                                   s_tok, qk_scale, BM, D, P, BLOCK_N, STAGES, AHEAD, FP8, PTX,
+                                                   PAIRS=False)
             # an empty split (lo >= hi) stores m = -inf, l = 0, acc = 0: level 1 weighs it 0
             cell = (c * HKV + kh) * S0 + s
             tl.store(part_ptr + cell.to(tl.int64) * (BM * D) + i[:, None] * D + d[None, :], acc)
@@ -183,7 +185,7 @@ class CascadeDecodeWrapper(TritonDecodeWrapper):
                 kc.stride(0), kc.stride(1), kc.stride(2), self.scale * float(k_scale) * LOG2E)
         pdl.launch(_shared_kernel, (self.hkv, lv.splits, sc.max_chunks), args, q.device, G=self.group, R=self.r,
                    BM=TILE_ROWS, D=self.d, P=self.P, S0=lv.splits, MIN_SPLIT=MIN_SPLIT, BLOCK_N=lv.block_n,
-                   STAGES=stages, FP8=fp8, AHEAD=lv.ahead, num_warps=lv.warps)
+                   STAGES=stages, FP8=fp8, AHEAD=lv.ahead, PTX=q.is_cuda, num_warps=lv.warps)
 
     def run_level1(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:

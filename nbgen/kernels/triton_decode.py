@@ -15,9 +15,10 @@ Numerics as flashinfer's tensor-core decode: q.K and P.V on tensor cores with fp
 probabilities rounded to the KV dtype for P.V, fp32 softmax state and merge, one output rounding.
 
 fp8 pages (``kv_cache_dtype="fp8_e4m3"``): each K/V tile is loaded as e4m3 (half the bytes) and
-widened to q's dtype in registers (exact: every e4m3 value is a bf16 / fp16 value); the K scale is
-folded into the softmax scale and the V scale into the output (flashinfer's k_scale / v_scale), and
-P.V rounds the probabilities to q's dtype.
+widened to fp16 in registers (exact: every e4m3 value is an fp16 value; q rounds to fp16), V as byte
+pairs split into its even and odd columns (``paged_softmax.attend_pages``); the K scale is folded into
+the softmax scale and the V scale into the output (flashinfer's k_scale / v_scale), and P.V rounds
+the probabilities to fp16.
 """
 from __future__ import annotations
 
@@ -41,13 +42,13 @@ LOG2E = 1.4426950408889634
 SMALL_BATCH_PPS, LARGE_BATCH_PPS = 4, 8
 STAGES = 2          # K/V tiles in flight per program
 MAX_SPLITS = 16
-# K/V tiles in flight per program over e4m3 pages (a tile holds half the bytes of a bf16 one). The e4m3
-# tiles widen to fp16 for the tensor-core products (q rounded to fp16: one conversion per two values,
-# exact for the pages); ``python -m nbgen.bench.kv_decode`` times it against bf16 pages. H200,
-# Llama-3.1-8B heads, one layer (bf16 pages | e4m3 pages): batch 1 x 1024 tokens 51.0 | 47.4 us,
-# 1 x 8192 57.2 | 54.3, 32 x 1024 100.1 | 74.8, 256 x 1024 293.1 | 265.9. The e4m3 kernel reads ~2 TB/s
-# against bf16's 3.7: widening the tiles, not the bytes, bounds it.
+# e4m3 pages' pipelining: up to FP8_AHEAD_ROWS rows, page numbers one tile ahead with FP8_AHEAD_STAGES
+# stages (two K/V tiles in flight); above, FP8_STAGES without (one tile, four programs an SM: 108
+# registers). ``python -m nbgen.bench.kv_decode`` on an H100, Llama-3.1-8B heads, µs a layer, ahead |
+# not: 1 x 8192 tokens 13.7 | 15.4, 32 x 1024 36.5 | 37.1, 256 x 1024 191.4 | 185.2 (bf16 pages 20.0,
+# 57.2, 359.7: at 256 rows both read at the copy rate, 2.9-3.0 TB/s)
 FP8_STAGES = 4
+FP8_AHEAD_STAGES, FP8_AHEAD_ROWS = 3, 32
 
 
 def supported(head_dim: int) -> bool:
@@ -95,7 +96,7 @@ if triton is not None:
                        G: tl.constexpr, G2: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                        NSPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, STAGES: tl.constexpr,
                        FP8: tl.constexpr, CASCADE: tl.constexpr, S0: tl.constexpr, SB0: tl.constexpr, BM0: tl.constexpr,
-                       EARLY: tl.constexpr, AHEAD: tl.constexpr, USE_PDL: tl.constexpr):
+                       EARLY: tl.constexpr, AHEAD: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr):
         kh = tl.program_id(0)
         s = tl.program_id(1)
         HKV = tl.num_programs(0)
@@ -129,7 +130,8 @@ if triton is not None:
         if FP8:             # e4m3 pages, fp16 products (bf16 q rounds to fp16)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         m, l, acc = paged_softmax.attend_pages(q, kc_ptr, vc_ptr, indices_ptr, start, lo, hi, kh, s_page, s_head,
-                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD)
+                                               s_tok, qk_scale, GP, D, P, BLOCK_N, STAGES, AHEAD, FP8, PTX,
+                                               PAIRS=GP < 64)     # 64-row tiles: V widened (attend_pages)
         if NSPLIT == 1:
             if CASCADE:
                 if USE_PDL and EARLY:
@@ -269,10 +271,14 @@ class TritonDecodeWrapper:
         args = (q, kc, vc, o, self.indptr, self.indices, self.last, self.order, self.part, self.ml, self.count,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), s_page, s_head, s_tok,
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
+        if cascade is None and fp8:
+            stages, ahead = (FP8_AHEAD_STAGES, True) if bs <= FP8_AHEAD_ROWS else (FP8_STAGES, False)
+        else:
+            stages, ahead = c.stages or (FP8_STAGES if fp8 else STAGES), c.ahead
         pdl.launch(_decode_kernel, (self.hkv, nsplit, B), args + (c.skip, c.chunk, c.slot, c.part0, c.ml0),
                    q.device, G=self.group, G2=self.g2, GP=self.gp,
                    D=self.d, P=self.P, NSPLIT=nsplit, BLOCK_N=c.block_n or block_n(bs, self.d), SB=sb,
-                   STAGES=c.stages or (FP8_STAGES if fp8 else STAGES), FP8=fp8, CASCADE=cascade is not None,
+                   STAGES=stages, FP8=fp8, CASCADE=cascade is not None,
                    S0=c.splits, SB0=min(c.splits, max(1, 8192 // (self.gp * self.d))), BM0=c.tile_rows,
-                   EARLY=c.early and cascade is not None, AHEAD=c.ahead, num_warps=c.warps)
+                   EARLY=c.early and cascade is not None, AHEAD=ahead, PTX=q.is_cuda, num_warps=c.warps)
         return o
