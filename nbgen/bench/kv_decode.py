@@ -1,42 +1,25 @@
 """``python -m nbgen.bench.kv_decode`` — attention over model-dtype against e4m3 KV pages (CUDA).
 
 One layer's decode attention (nbgen's Triton kernel, ``kernels/triton_decode.py``) at the heads of
-Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths, launches replayed from a CUDA graph:
-µs per launch and the KV read
-rate (GB/s) for bf16 pages and for e4m3 pages, each checked against the fp32 attention of the
-dequantized pages; then flashinfer's paged prefill (one layer, causal chunks after a cached prefix)
-planned for bf16 and for e4m3 pages (bf16 queries over e4m3 pages take flashinfer's fa2 kernels;
-bf16 pages its SM90 ones on Hopper).
+Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths, launches replayed from a CUDA graph
+(``fp8_kernels.graph_time``): µs per launch and the KV read rate (GB/s) for bf16 pages and for e4m3
+pages, each checked against the fp32 attention of the dequantized pages; then flashinfer's paged
+prefill (one layer, causal chunks after a cached prefix) planned for bf16 and for e4m3 pages (bf16
+queries over e4m3 pages take flashinfer's fa2 kernels; bf16 pages its SM90 ones on Hopper).
 """
 from __future__ import annotations
 
 import argparse
 
-from typing import Callable
-
 import torch
 
 from nbgen.attention import kv_quant
+from nbgen.bench.fp8_kernels import graph_time
 from nbgen.kernels import triton_decode as td
 
 HEADS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
 CASES = [(1, 1024), (1, 8192), (32, 1024), (256, 600), (256, 1024)]     # (batch, KV tokens a sequence)
 P = 16
-
-
-def median_seconds(fn: Callable[[], object], reps: int = 30) -> float:
-    """Median seconds of ``fn`` over ``reps`` launches (CUDA events) after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return sorted(times)[reps // 2]
 
 
 def _pages(bs: int, n: int, hkv: int, D: int) -> tuple[torch.Tensor, ...]:
@@ -65,17 +48,6 @@ def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, indptr: torc
     return torch.stack(out)
 
 
-def graph_seconds(fn: Callable[[], object], n: int = 20) -> float:
-    """Seconds per call of ``fn``: ``n`` calls captured into one CUDA graph, median of 10 replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    return median_seconds(g.replay, reps=10) / n
-
-
 def decode_rows(model: str) -> list[dict]:
     """The decode kernel per case: bf16 pages, then e4m3 pages."""
     hq, hkv, D = HEADS[model]
@@ -89,7 +61,7 @@ def decode_rows(model: str) -> list[dict]:
         for pages in ("bf16", "e4m3"):
             caches = (kc, vc) if pages == "bf16" else (k8, v8)
             err = (w.run(q, caches)[:2].float() - _reference(q, *caches, indptr, indices, n)).abs().max().item()
-            secs = graph_seconds(lambda: w.run(q, caches))
+            secs = graph_time(lambda _i: w.run(q, caches), 1, 20, 10)
             kv_bytes = 2 * bs * n * hkv * D * caches[0].element_size()
             rows.append({"model": model, "batch": bs, "kv_len": n, "pages": pages,
                          "us": secs * 1e6, "GB/s": kv_bytes / secs / 1e9, "max_err": err})
@@ -115,7 +87,7 @@ def prefill_rows(model: str) -> list[dict]:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
         w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
                q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype)
-        secs = graph_seconds(lambda: w.run(q, caches))
+        secs = graph_time(lambda _i: w.run(q, caches), 1, 20, 10)
         rows.append({"model": model, "pages": pages, "us": secs * 1e6,
                      "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
     return rows

@@ -69,7 +69,8 @@ if triton is not None:
         gathers with one shared-memory load per byte; a pair is a 16-bit value, which it transposes with
         ldmatrix as for bf16 tiles. ``PAIRS=False``: V tiles widen as K tiles do, one [M, D] product;
         for 64-row tiles (the shared-prefix kernel's level 0; the decode kernel above 32 q heads a kv
-        head), which take wgmma on sm_90, where byte-pair V tiles hit an illegal memory access."""
+        head), which take wgmma on sm_90, where byte-pair V tiles are not validated inside those kernels
+        (the shared-prefix kernel faulted with them)."""
         V_PAIRS: tl.constexpr = FP8 and PAIRS
         d = tl.arange(0, D)
         dh = tl.arange(0, D // 2)
