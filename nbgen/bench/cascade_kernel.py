@@ -23,7 +23,8 @@ import torch
 
 from nbgen.attention.base import KVCacheSpec
 from nbgen.attention.cascade_plan import plan_shared
-from nbgen.bench.kv_decode import HEADS, P, median_seconds
+from nbgen.bench.floor import median_seconds
+from nbgen.bench.kv_decode import HEADS, P
 from nbgen.kernels import triton_cascade as tc
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
 from nbgen.runtime.cascade_graphs import MAX_CHUNKS, CascadeTables
@@ -71,7 +72,7 @@ def gpu_seconds(fn: Callable[[], object], reps: int = 20) -> tuple[float, str]:
         def run() -> None:
             for _ in range(INNER):
                 fn()
-    return median_seconds(run, reps) / INNER, how
+    return median_seconds(run, torch.device("cuda"), reps) / INNER, how
 
 
 def fork(side: Callable[[], object], main: Callable[[], object]) -> None:

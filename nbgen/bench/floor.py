@@ -21,7 +21,7 @@ import torch
 from nbgen.models.fp8_linear import scale_bytes
 
 
-def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+def median_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Median time of ``reps`` calls of ``fn`` after 2 warm-up calls (CUDA events on a GPU)."""
     times = []
     for _ in range(reps + 2):
@@ -40,7 +40,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
         nbytes = 256 << 20
     a = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
     b = torch.empty_like(a)
-    secs = _median_seconds(lambda: b.copy_(a), device, 10)
+    secs = median_seconds(lambda: b.copy_(a), device, 10)
     return 2 * nbytes / secs
 
 
@@ -104,7 +104,7 @@ def matmul_rate(device: torch.device) -> float:
     n, dt, reps = (8192, torch.bfloat16, 10) if device.type == "cuda" else (1024, torch.float32, 3)
     a = torch.randn(n, n, device=device).to(dt)
     b = torch.randn(n, n, device=device).to(dt)
-    secs = _median_seconds(lambda: a @ b, device, reps)
+    secs = median_seconds(lambda: a @ b, device, reps)
     return 2 * n ** 3 / secs
 
 
@@ -134,7 +134,7 @@ def linear_rate(model: torch.nn.Module, rows: int, device: torch.device) -> floa
     def layer() -> None:
         for w in ws:
             torch.nn.functional.linear(xs[w.shape[1]], w)
-    secs = _median_seconds(layer, device, 10 if device.type == "cuda" else 3)
+    secs = median_seconds(layer, device, 10 if device.type == "cuda" else 3)
     flops = sum(2 * rows * o * i for o, i in shapes)
     return flops / secs
 

@@ -20,8 +20,7 @@ from typing import Optional
 
 import torch
 
-from nbgen.bench.floor import copy_bandwidth
-from nbgen.bench.kv_decode import median_seconds
+from nbgen.bench.floor import copy_bandwidth, median_seconds
 from nbgen.kernels import gpu_ops
 from nbgen.kernels import qk_norm_rope as rope
 from nbgen.kernels import triton_decode as td
@@ -111,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
-            t = median_seconds(graph.replay, args.reps) / (args.passes * args.layers)
+            t = median_seconds(graph.replay, torch.device("cuda"), args.reps) / (args.passes * args.layers)
         except Exception as e:   # noqa: BLE001 - a launch this GPU refuses: report and go on
             print(f"{name:<36} failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
             continue
