@@ -4,6 +4,11 @@ With the post-attention RMSNorm folded into gate|up (``nbgen.models.norm_fold``)
 the raw residual stream h, so gate and up still need each row's rsqrt(mean(h^2) + eps): this kernel
 applies it, rounds gate and up to the model dtype (as the projection of the normed stream is
 rounded) and computes silu(gate) * up. ``rms_scale`` is the same row scale in torch.
+
+``silu_mul_scaled_quant`` is the same kernel for an fp8 down projection on cuBLAS's path: it rounds each
+activation to the model dtype as above and writes it quantized per token (``kernels.fp8_quant``'s
+recipe: the row's amax over the whole intermediate row -> scale, e4m3 bytes), so the activation is
+never stored in the model dtype and the separate quantization launch is gone.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from nbgen.kernels import pdl
+from nbgen.kernels.fp8_quant import QuantizedRows
 
 try:
     import triton
@@ -43,34 +49,92 @@ if triton is not None:
         for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
             offs = c + tl.arange(0, BLOCK)
             m = offs < I
-            g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
-            # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
-            g = rnd(g * s, dt)
-            u = rnd(u * s, dt)
-            tl.store(y_ptr + t * sy + offs, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m)
+            tl.store(y_ptr + t * sy + offs, _silu_block(x_ptr + t * sx, offs, m, I, s, dt), mask=m)
+
+    @triton.jit
+    def _silu_block(x_row, offs, m, I, s, dt: tl.constexpr):
+        # one block of a token's activation in dt: gate and up rounded to the model dtype (the normed
+        # stream's projection), then SiLU-and-mul rounded once
+        g = rnd(tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32) * s, dt)
+        u = rnd(tl.load(x_row + I + offs, mask=m, other=0.0).to(tl.float32) * s, dt)
+        return (g / (1.0 + tl.exp(-g)) * u).to(dt)
+
+    @triton.jit
+    def _silu_scaled_quant_kernel(x_ptr, h_ptr, q_ptr, qs_ptr, I, sx, sh, sq, eps, HID: tl.constexpr,
+                                  HBLK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        # program (token t, j) of P a token: the whole row's amax of the activation (each program of the
+        # token alike; masked columns are 0), then blocks j, j + P, ... of it quantized with that scale
+        t = tl.program_id(0).to(tl.int64)
+        s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)      # h: written before gate|up started
+        if USE_PDL:
+            pdl.gdc_wait()                                     # gate|up is the previous kernel's output
+            pdl.gdc_launch_dependents()
+        dt = x_ptr.dtype.element_ty
+        x_row = x_ptr + t * sx
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for c in range(0, I, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_block(x_row, offs, offs < I, I, s, dt).to(tl.float32)))
+        qs = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
+        for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            m = offs < I
+            v = _silu_block(x_row, offs, m, I, s, dt).to(tl.float32)
+            q = tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + t * sq + offs, q, mask=m)
+        if tl.program_id(1) == 0:
+            tl.store(qs_ptr + t, qs)
 
 
 def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     """gate_up [T, 2I] projected from the un-normed stream h [T, H] -> [T, I] = silu(gate * s) * (up * s),
     s = rms_scale(h, eps) (one Triton kernel on CUDA, torch elsewhere)."""
-    T, I2 = gate_up.shape
-    I = I2 // 2
     if triton is None or not gate_up.is_cuda or gate_up.stride(1) != 1 or h.stride(1) != 1:
         s = rms_scale(h, eps)
         gate, up = (gate_up.float() * s).to(gate_up.dtype).chunk(2, dim=-1)
         return F.silu(gate) * up
+    return silu_mul_scaled_kernel(gate_up, h, eps)
+
+
+def silu_mul_scaled_kernel(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """``silu_mul_scaled`` through its Triton kernel (the caller checks Triton and unit column strides)."""
+    T, I2 = gate_up.shape
+    I = I2 // 2
     y = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
         return y
-    block = min(2048, triton.next_power_of_2(I))
-    while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
-        block //= 2
-    hid = h.shape[1]
+    block = _block(I)
     # decode sizes: a program per block (a short kernel); from 1 024 tokens on, one program a token
     # loops over the blocks and reads its row of h once (prefill: ~1/3 less traffic for Qwen3-0.6B)
     pdl.launch(_silu_scaled_kernel, (T, triton.cdiv(I, block) if T < 1024 else 1),
                (gate_up, h, y, I, gate_up.stride(0), h.stride(0), y.stride(0), float(eps)), gate_up.device,
-               HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block,
+               HID=h.shape[1], HBLK=min(1024, triton.next_power_of_2(h.shape[1])), BLOCK=block,
                num_warps=4 if block <= 1024 else 8)
     return y
+
+
+def silu_mul_scaled_quant(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> QuantizedRows:
+    """``silu_mul_scaled``'s activation [T, I] (the kernel's, rounded to gate_up's dtype) quantized per
+    token for an fp8 GEMM -> QuantizedRows (q [T, I] e4m3, scale [T, 1]): the bytes and scales that
+    ``kernels.fp8_quant.quant_rowwise`` gives for that activation, in one launch. Triton kernel only (the
+    caller checks Triton and unit column strides)."""
+    T, I2 = gate_up.shape
+    I = I2 // 2
+    q = torch.empty((T, I), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    qs = torch.empty((T, 1), dtype=torch.float32, device=gate_up.device)
+    if T:
+        block = _block(I)
+        # a few rows: a program per block (each reduces the whole row first, from the L2 cache); from
+        # 64 rows on, one program a token (the GPU is full; the row's second pass hits the L2 cache)
+        pdl.launch(_silu_scaled_quant_kernel, (T, triton.cdiv(I, block) if T < 64 else 1),
+                   (gate_up, h, q, qs, I, gate_up.stride(0), h.stride(0), q.stride(0), float(eps)), gate_up.device,
+                   HID=h.shape[1], HBLK=min(1024, triton.next_power_of_2(h.shape[1])), BLOCK=block,
+                   num_warps=4 if block <= 1024 else 8)
+    return QuantizedRows(q, qs, gate_up.dtype)
+
+
+def _block(I: int) -> int:
+    block = min(2048, triton.next_power_of_2(I))
+    while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
+        block //= 2
+    return block
