@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from nbgen.kernels import fp8_quant
 from nbgen.kernels.fp8_quant import QuantizedRows
-from nbgen.kernels.silu_scaled import silu_mul_scaled, silu_mul_scaled_kernel, silu_mul_scaled_quant
+from nbgen.kernels.silu_scaled import ONE_BLOCK_MAX, silu_mul_scaled, silu_mul_scaled_kernel, silu_mul_scaled_quant
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_linears
 from nbgen.models.fp8_scaled import quantize_activation, quantize_weight, scaled_accumulate
 from nbgen.models.layers import RotaryEmbedding
@@ -65,8 +65,8 @@ def _interpreter_check() -> None:
     torch.manual_seed(0)
     for m, n in ((3, 1000), (17, 64), (fp8_quant.ONE_PROGRAM_ROWS + 3, 96)):
         _check_add_quant(m, n, "cpu")
-    for t, inter in ((3, 768), (70, 320)):
-        _check_silu_quant(t, inter, 64, "cpu")
+    for t, inter in ((3, 768), (70, 320), (3, ONE_BLOCK_MAX + 1024), (65, ONE_BLOCK_MAX + 512)):
+        _check_silu_quant(t, inter, 64, "cpu")     # a row in one block; blocks, a program each or one a row
     gu, h = torch.randn(5, 2 * 768).to(torch.bfloat16) * 9, torch.randn(5, 64).to(torch.bfloat16)
     act = silu_mul_scaled_kernel(gu, h, 1e-5)
     xq, sa = quantize_activation(act)
@@ -133,7 +133,8 @@ def test_quantized_rows_refused_where_no_product_takes_them() -> None:
         scaled_accumulate(rows, w, torch.zeros(2, 32))            # a stream of another dtype
 
 
-WIDTHS = {"llama-8b": (4096, 14336), "qwen3-0.6b": (1024, 3072)}     # (hidden, intermediate)
+# (hidden, intermediate); Qwen3-14B's intermediate rows are wider than one block (ONE_BLOCK_MAX)
+WIDTHS = {"llama-8b": (4096, 14336), "qwen3-0.6b": (1024, 3072), "qwen3-14b": (5120, 17408)}
 
 
 @pytest.mark.gpu

@@ -24,6 +24,8 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton use the torch path
     triton = None
 
+ONE_BLOCK_MAX = 16384    # silu_mul_scaled_quant holds a token's activation row in one program up to this
+
 
 def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, H] -> [T, 1] fp32: rsqrt(mean(h^2) + eps) per row, as RMSNorm computes it."""
@@ -61,9 +63,11 @@ if triton is not None:
 
     @triton.jit
     def _silu_scaled_quant_kernel(x_ptr, h_ptr, q_ptr, qs_ptr, I, sx, sh, sq, eps, HID: tl.constexpr,
-                                  HBLK: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # program (token t, j) of P a token: the whole row's amax of the activation (each program of the
-        # token alike; masked columns are 0), then blocks j, j + P, ... of it quantized with that scale
+                                  HBLK: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                                  USE_PDL: tl.constexpr):
+        # program (token t, j) of P a token. ONE_BLOCK (BLOCK >= I, P = 1): the whole activation row at
+        # once (one round of loads). Else the row's amax block by block (each program of the token alike;
+        # masked columns are 0), then blocks j, j + P, ... recomputed and quantized with that scale
         t = tl.program_id(0).to(tl.int64)
         s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)      # h: written before gate|up started
         if USE_PDL:
@@ -71,17 +75,25 @@ if triton is not None:
             pdl.gdc_launch_dependents()
         dt = x_ptr.dtype.element_ty
         x_row = x_ptr + t * sx
-        amax = tl.zeros((BLOCK,), tl.float32)
-        for c in range(0, I, BLOCK):
-            offs = c + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_block(x_row, offs, offs < I, I, s, dt).to(tl.float32)))
-        qs = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
-        for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
-            offs = c + tl.arange(0, BLOCK)
+        if ONE_BLOCK:
+            offs = tl.arange(0, BLOCK)
             m = offs < I
             v = _silu_block(x_row, offs, m, I, s, dt).to(tl.float32)
-            q = tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty)
-            tl.store(q_ptr + t * sq + offs, q, mask=m)
+            qs = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+            tl.store(q_ptr + t * sq + offs, tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty),
+                     mask=m)
+        else:
+            amax = tl.zeros((BLOCK,), tl.float32)
+            for c in range(0, I, BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_silu_block(x_row, offs, offs < I, I, s, dt).to(tl.float32)))
+            qs = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
+            for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                m = offs < I
+                v = _silu_block(x_row, offs, m, I, s, dt).to(tl.float32)
+                q = tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+                tl.store(q_ptr + t * sq + offs, q, mask=m)
         if tl.program_id(1) == 0:
             tl.store(qs_ptr + t, qs)
 
@@ -123,13 +135,16 @@ def silu_mul_scaled_quant(gate_up: torch.Tensor, h: torch.Tensor, eps: float) ->
     q = torch.empty((T, I), dtype=torch.float8_e4m3fn, device=gate_up.device)
     qs = torch.empty((T, 1), dtype=torch.float32, device=gate_up.device)
     if T:
-        block = _block(I)
-        # a few rows: a program per block (each reduces the whole row first, from the L2 cache); from
-        # 64 rows on, one program a token (the GPU is full; the row's second pass hits the L2 cache)
-        pdl.launch(_silu_scaled_quant_kernel, (T, triton.cdiv(I, block) if T < 64 else 1),
+        one = triton.next_power_of_2(I) <= ONE_BLOCK_MAX
+        # up to ONE_BLOCK_MAX columns: one program a token holding its row (16 warps: 32 values a thread
+        # at Llama-3.1-8B's I = 14 336). Wider: a program per block at a few rows, each reducing the whole
+        # row first (from the L2 cache); from 64 rows on, one program a token
+        block = triton.next_power_of_2(I) if one else _block(I)
+        per_token = 1 if one or T >= 64 else triton.cdiv(I, block)
+        pdl.launch(_silu_scaled_quant_kernel, (T, per_token),
                    (gate_up, h, q, qs, I, gate_up.stride(0), h.stride(0), q.stride(0), float(eps)), gate_up.device,
                    HID=h.shape[1], HBLK=min(1024, triton.next_power_of_2(h.shape[1])), BLOCK=block,
-                   num_warps=4 if block <= 1024 else 8)
+                   ONE_BLOCK=one, num_warps=max(4, min(16, block // 1024)) if one else 8)
     return QuantizedRows(q, qs, gate_up.dtype)
 
 
