@@ -1,18 +1,20 @@
-"""The fp8 quantization fused into the launches before a folded layer's gate|up and down_proj
-(``kernels.fp8_quant.scale_add_quant``, ``kernels.silu_scaled.silu_mul_scaled_quant``): each against the
-pair of launches it replaces (the residual add then ``quant_rowwise``; the SiLU kernel then
-``quant_rowwise``), bit for bit, and against the torch reference ``quantize_activation``; the layer's
-choice of the fused path (GPU, above the streaming kernel's rows) and its fallback elsewhere. CPU tests run
-the Triton kernels under TRITON_INTERPRET=1; GPU tests (marked gpu) at Llama-3.1-8B and Qwen3-0.6B widths."""
+"""The fp8 quantization fused into the launches before an fp8 layer's gate|up and down_proj
+(``kernels.fp8_quant.scale_add_quant``; ``kernels.silu_scaled.silu_mul_scaled_quant`` folded,
+``silu_mul_quant`` unfolded): each against the pair of launches it replaces (the residual add then
+``quant_rowwise``; the SiLU kernel then ``quant_rowwise``), bit for bit, and against the torch reference
+``quantize_activation``; the layer's choice of the fused path (GPU, above the streaming kernel's rows) and
+its fallback elsewhere. CPU tests run the Triton kernels under TRITON_INTERPRET=1; GPU tests (marked gpu)
+at Llama-3.1-8B, Qwen3-0.6B and wider models' widths."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
-from nbgen.kernels import fp8_quant
+from nbgen.kernels import fp8_quant, gpu_ops, triton_norm
 from nbgen.kernels.fp8_quant import QuantizedRows
-from nbgen.kernels.silu_scaled import ONE_BLOCK_MAX, silu_mul_scaled, silu_mul_scaled_kernel, silu_mul_scaled_quant
+from nbgen.kernels.silu_scaled import (ONE_BLOCK_MAX, silu_mul_quant, silu_mul_scaled, silu_mul_scaled_kernel,
+                                      silu_mul_scaled_quant)
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_linears
 from nbgen.models.fp8_scaled import quantize_activation, quantize_weight, scaled_accumulate
 from nbgen.models.layers import RotaryEmbedding
@@ -57,6 +59,8 @@ def _check_silu_quant(t: int, inter: int, hid: int, device: str) -> None:
     q, s = fp8_quant.quant_rowwise(act)
     got = silu_mul_scaled_quant(gu, h, 1e-5)
     assert _same_rows(got, q, s) and got.dtype == act.dtype, (t, inter)
+    q, s = fp8_quant.quant_rowwise(triton_norm.silu_and_mul(gu))      # an unfolded layer's SiLU-and-mul
+    assert _same_rows(silu_mul_quant(gu), q, s), (t, inter)
 
 
 def _interpreter_check() -> None:
@@ -85,8 +89,8 @@ def test_fused_quant_kernels_under_triton_interpreter() -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def _fp8_layer(hidden: int, inter: int, heads: int, device: str) -> LlamaDecoderLayer:
-    """One folded fp8 decoder layer (random weights, per-feature scales searched as on load)."""
+def _fp8_layer(hidden: int, inter: int, heads: int, device: str, fold: bool = True) -> LlamaDecoderLayer:
+    """One fp8 decoder layer, folded or not (random weights, per-feature scales searched as on load)."""
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                       num_key_value_heads=max(1, heads // 4), head_dim=128, rms_norm_eps=1e-5)
     rope = RotaryEmbedding(128, 256, 10000.0, None)
@@ -103,7 +107,8 @@ def _fp8_layer(hidden: int, inter: int, heads: int, device: str) -> LlamaDecoder
             self.model.layers = torch.nn.ModuleList([layer])
 
     model = Model()
-    assert quantize_linears(model) == 4 and fold_norms(model)
+    assert quantize_linears(model) == 4
+    assert not fold or fold_norms(model)
     return layer
 
 
@@ -133,8 +138,9 @@ def test_quantized_rows_refused_where_no_product_takes_them() -> None:
         scaled_accumulate(rows, w, torch.zeros(2, 32))            # a stream of another dtype
 
 
-# (hidden, intermediate); Qwen3-14B's intermediate rows are wider than one block (ONE_BLOCK_MAX)
-WIDTHS = {"llama-8b": (4096, 14336), "qwen3-0.6b": (1024, 3072), "qwen3-14b": (5120, 17408)}
+# (hidden, intermediate); Qwen3-14B's and Qwen2.5-7B's intermediate rows are wider than one block
+WIDTHS = {"llama-8b": (4096, 14336), "qwen3-0.6b": (1024, 3072), "qwen3-14b": (5120, 17408),
+          "qwen2.5-7b": (3584, 18944)}
 
 
 @pytest.mark.gpu
@@ -177,3 +183,28 @@ def test_gpu_folded_fp8_layer_takes_the_fused_path(rows: int) -> None:
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("_quant_rowwise_kernel" in n for n in names) == 1, names
     assert any("_scale_add_quant_kernel" in n for n in names) and any("_silu_scaled_quant" in n for n in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [17, 256])
+def test_gpu_unfolded_fp8_mlp_silu_writes_e4m3(rows: int) -> None:
+    # an unfolded layer's MLP (fused kernels on): the same output as its parts called the unfused way,
+    # bit for bit; down_proj's input quantized by the SiLU launch (gate|up's own quantizer remains)
+    was = gpu_ops.enable_fused(True)
+    try:
+        if not was and not gpu_ops.fused_enabled(torch.empty(1, device="cuda")):
+            pytest.skip("fused GPU kernels unavailable (flashinfer does not import)")
+        torch.manual_seed(rows)
+        mlp = _fp8_layer(1024, 3072, 16, "cuda", fold=False).mlp
+        x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
+        want = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
+        mlp(x)                                                    # compile outside the profile
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = mlp(x)
+            torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert sum("_quant_rowwise_kernel" in n for n in names) == 1, names
+        assert any("_silu_scaled_quant" in n for n in names) and not any("_silu_mul_kernel" in n for n in names)
+    finally:
+        gpu_ops.enable_fused(was)

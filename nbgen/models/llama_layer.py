@@ -14,7 +14,8 @@ from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels import small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.fp8_quant import QuantizedRows
-from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled, silu_mul_scaled_quant
+from nbgen.kernels.silu_scaled import (rms_scale, silu_mul_quant, silu_mul_quant_usable, silu_mul_scaled,
+                                      silu_mul_scaled_quant)
 from nbgen.models.fp8_scaled import scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
@@ -50,7 +51,10 @@ class LlamaMLP(nn.Module):
         if gate_up.bias is None and not gate_up.lora_active and small_gemm.usable(x, gate_up.weight):
             # decode of a few rows: SiLU-and-mul in the matmul's epilogue ([T, 2I] never stored)
             return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
-        return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        gu = gate_up(x)                                                # [T, H] -> [T, 2I]
+        if self.down_proj.takes_quantized(gu) and silu_mul_quant_usable(gu):   # fp8 down_proj: SiLU writes e4m3
+            return self.down_proj(silu_mul_quant(gu))
+        return self.down_proj(self.act_fn(gu))                         # [T, 2I] -> [T, I] -> [T, H]
 
     def forward_folded(self, h: torch.Tensor, eps: float, hq: Optional[QuantizedRows] = None) -> torch.Tensor:
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
