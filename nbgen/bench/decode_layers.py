@@ -12,7 +12,7 @@ the L2 cache) run ``--passes`` times in one graph, so the kernels' ramp-up and t
 gaps and PDL's overlap between launches count as in the engine. Printed: µs a layer, TB/s of weight bytes,
 the share of the copy rate and 32 layers' time, for the default launches, the linears alone (what RoPE and
 attention cost) and the one-row kernel's alternative launches (``--sweep``: one linear's launch changed at a
-time, bf16; all four at once, fp8).
+time).
 
     python -m nbgen.bench.decode_layers [--dtype bf16|fp8] [--tp 1] [--sweep] [--layers 8] [--passes 4] [--kv 512]
 """
