@@ -1,0 +1,103 @@
+"""The batch-1 qkv + RoPE + K/V write kernel (nbgen.kernels.qkv_rope_gemv, CUDA only): bit for bit the
+two kernels it replaces (small_gemm's projection, then qk_norm_rope_), and end to end the same decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbgen
+
+from nbgen.kernels import qk_norm_rope as fq
+from nbgen.kernels import qkv_rope_gemv as qr
+from nbgen.kernels import small_gemm as sg
+from nbgen.kernels.kv_write import KVTarget
+from nbgen.models.layers import get_rope
+from tests.tiny_models import GREEDY_SP, gpu_prompts, make_gpu_model
+
+gpu = pytest.mark.gpu
+
+# (Hq, Hkv, D, hidden, qkv bias): Llama-3.1-8B's shards at tp 1 / 2 / 4, Qwen2-0.5B (biases)
+SHAPES = [(32, 8, 128, 4096, False), (16, 4, 128, 4096, False), (8, 2, 128, 4096, False), (14, 2, 64, 896, True)]
+
+
+def _case(hq: int, hkv: int, D: int, K: int, bias: bool, fold: bool, fp8: bool, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(hq + 3 * K + 7 * fold + 11 * fp8)
+    N = (hq + 2 * hkv) * D
+    # a raw residual stream (folded: larger values, the norm's scale matters) or a normed input
+    x = (torch.randn(1, K, device="cuda", generator=g) * (4.0 if fold else 1.0)).to(dtype)
+    w = (torch.randn(N, K, device="cuda", generator=g) * 0.03).to(dtype)
+    b = (torch.randn(N, device="cuda", generator=g) * 0.2).to(dtype) if bias else None
+    return x, w, b
+
+
+# every shape with a bf16 or e4m3 cache, folded (no bias: models/norm_fold) or not, in bf16; two in fp16
+CASES = ([(*s, fold, fp8, torch.bfloat16) for s in SHAPES for fold in (False, True) for fp8 in (False, True)
+          if not (fold and s[4])]
+         + [(*SHAPES[2], True, False, torch.float16), (*SHAPES[3], False, True, torch.float16)])
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,D,K,bias,fold,fp8,dtype", CASES)
+def test_fused_equals_projection_then_rope_kernel(hq, hkv, D, K, bias, fold, fp8, dtype):
+    """q, k (rotated) and v as the two-kernel path leaves them, and the same cache bytes (bf16 or e4m3
+    with scales), at position 0 and at a large one."""
+    x, w, b = _case(hq, hkv, D, K, bias, fold, fp8, dtype)
+    assert qr.usable(x, w, D)
+    rope = get_rope(D, 131072, 5e5, None).cuda()
+    pages, P, qk = 40, 16, (hq + hkv) * D
+    cdt = torch.float8_e4m3fn if fp8 else dtype
+    ks, vs = (0.37, 0.61) if fp8 else (1.0, 1.0)
+    eps = 1e-5 if fold else None
+    for pos, slot in ((0, 3), (100_000, 17 * P + 9)):
+        positions = torch.tensor([pos], device="cuda")
+        slots = torch.tensor([slot], device="cuda")
+        ref_c = [torch.zeros(pages, hkv, P, D, device="cuda", dtype=cdt) for _ in range(2)]
+        got_c = [torch.zeros(pages, hkv, P, D, device="cuda", dtype=cdt) for _ in range(2)]
+        ref = sg.small_gemm(x, w, b)
+        fq.qk_norm_rope_(ref, positions, None, None, 0.0, rope.cos_sin_cache, hq, hkv, D,
+                         kv=KVTarget(*ref_c, slots, ks, vs), row_scale=None if eps is None else (x, eps))
+        got = qr.qkv_rope(x, w, b, positions, rope.cos_sin_cache, hq, hkv, D, KVTarget(*got_c, slots, ks, vs),
+                          row_scale_eps=eps)
+        assert torch.equal(got[:, :qk], ref[:, :qk]), (got[:, :qk].float() - ref[:, :qk].float()).abs().max()
+        for r, c in zip(ref_c, got_c):
+            assert torch.equal(r.view(torch.uint8), c.view(torch.uint8))
+            assert c.view(torch.uint8).view(pages, -1)[slot // P].any()       # the slot's page was written
+        # v: the two-kernel path leaves the raw projection in qkv once the cache holds v (scaled when folded);
+        # the fused kernel stores in qkv what it writes into the cache
+        if eps is None:
+            assert torch.equal(got[:, qk:], ref[:, qk:])
+        if not fp8:
+            assert torch.equal(got[:, qk:], got_c[1][slot // P, :, slot % P].reshape(1, -1))
+
+
+@gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batch1_decode_unchanged(tmp_path, monkeypatch, family):
+    """One request at a time (batch-1 decode steps, in CUDA graphs): the fused kernel runs and the greedy
+    tokens and their logprobs are exactly those of the projection + RoPE kernel path."""
+    path = make_gpu_model(family, str(tmp_path))
+    prompts = gpu_prompts(4)
+    calls = []
+    fused_kernel = qr.qkv_rope
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return fused_kernel(*args, **kw)
+
+    monkeypatch.setattr(qr, "qkv_rope", counted)
+    fused = _one_at_a_time(path, prompts)
+    assert calls, "the fused kernel never ran"
+    monkeypatch.setattr(qr, "usable", lambda x, weight, head_dim: False)
+    calls.clear()
+    plain = _one_at_a_time(path, prompts)
+    assert not calls
+    for a, b in zip(fused, plain):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+def _one_at_a_time(path: str, prompts: list[list[int]]) -> list[dict]:
+    """Greedy outputs with logprobs of one bf16 CUDA engine, one request a call (batch-1 decode graphs)."""
+    with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=4) as eng:
+        assert eng.get_server_info()["cuda_graph_batch_sizes"]
+        return [eng.generate(input_ids=p, sampling_params=GREEDY_SP, return_logprob=True) for p in prompts]
