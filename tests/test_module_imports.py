@@ -14,7 +14,7 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(nbgen.__path__, "nbgen.")
 
 
 def test_modules_found() -> None:
-    assert "nbgen.bench.fp8_layers" in MODULES and "nbgen.runtime.scheduler" in MODULES
+    assert "nbgen.bench.decode_layers" in MODULES and "nbgen.runtime.scheduler" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

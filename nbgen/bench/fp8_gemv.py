@@ -21,7 +21,7 @@ with x quantized by its own launch and on an e4m3 x given), and the fastest per 
 shapes (for ``pick_config``).
 
 The kernels as a decode step runs them, layer after layer with RoPE and attention between:
-``nbgen.bench.fp8_layers``.
+``nbgen.bench.decode_layers``.
 
 Timing: ``fp8_kernels.graph_time``: ``--calls`` calls in one CUDA graph over rotating weight copies
 (more bytes than the L2 cache), median of ``--reps`` replays.
