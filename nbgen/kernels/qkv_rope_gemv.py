@@ -11,6 +11,8 @@ written into their paged-cache slot (HND pages; e4m3 of value / scale for an fp8
 Numerics are the two-kernel path's bit for bit: each row's fp32 sum in small_gemm's order and layout (its
 config for this shape, its one-row helper) plus bias, rounded to the model dtype as qkv stores it; then
 ``qk_norm_rope``'s steps (its row factor helper; ``rnd(a * s)``; cos/sin rounded, each product rounded).
+The row factor's sum of squares is reduced in the same order where both kernels run 8 warps (K <= 4096:
+small_gemm's one-row config); above, 4 warps reduce it in another order (the last fp32 bit may differ).
 The kernel is compiled without FMA contraction like that kernel (so no product is fused across a
 rounding); the GEMV's FMAs are explicit in ``small_gemm.one_row``, so they stay FMAs.
 """
