@@ -2,8 +2,11 @@
 two kernels it replaces (small_gemm's projection, then qk_norm_rope_), and end to end the same decode."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nbgen
 
@@ -11,8 +14,9 @@ from nbgen.kernels import qk_norm_rope as fq
 from nbgen.kernels import qkv_rope_gemv as qr
 from nbgen.kernels import small_gemm as sg
 from nbgen.kernels.kv_write import KVTarget
+from nbgen.kernels.silu_scaled import rms_scale
 from nbgen.models.layers import get_rope
-from tests.tiny_models import GREEDY_SP, gpu_prompts, make_gpu_model
+from tests.tiny_models import GREEDY_SP, gpu_prompts, make_gpu_model, write_kv_torch
 
 gpu = pytest.mark.gpu
 
@@ -42,7 +46,6 @@ def test_fused_equals_projection_then_rope_kernel(hq, hkv, D, K, bias, fold, fp8
     """q, k (rotated) and v as the two-kernel path leaves them, and the same cache bytes (bf16 or e4m3
     with scales), at position 0 and at a large one."""
     x, w, b = _case(hq, hkv, D, K, bias, fold, fp8, dtype)
-    assert qr.usable(x, w, D)
     rope = get_rope(D, 131072, 5e5, None).cuda()
     pages, P, qk = 40, 16, (hq + hkv) * D
     cdt = torch.float8_e4m3fn if fp8 else dtype
@@ -101,3 +104,67 @@ def _one_at_a_time(path: str, prompts: list[list[int]]) -> list[dict]:
     with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=4) as eng:
         assert eng.get_server_info()["cuda_graph_batch_sizes"]
         return [eng.generate(input_ids=p, sampling_params=GREEDY_SP, return_logprob=True) for p in prompts]
+
+
+def _reference_kernel(calls: list):
+    """The fused kernel's contract in torch (the unfused CPU path's ops), recording each call."""
+    def run(x, weight, bias, positions, cos_sin_cache, hq, hkv, D, kv, row_scale_eps=None):
+        calls.append(row_scale_eps)
+        qkv = F.linear(x, weight, bias)
+        if row_scale_eps is not None:
+            qkv.mul_(rms_scale(x, row_scale_eps))
+        q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+        rope = get_rope(D, cos_sin_cache.shape[0], 1e4, None)
+        rope.cos_sin_cache = cos_sin_cache                  # the table the kernel was given
+        q, k = rope(positions, q, k)
+        write_kv_torch(k, v, kv.k_cache, kv.v_cache, kv.slots)
+        return torch.cat([q, k, v], dim=-1)
+    return run
+
+
+@pytest.mark.parametrize("bias,fold", [(False, None), (False, 1e-5), (True, None)])
+def test_project_at_one_row_takes_the_fused_kernel(monkeypatch, bias, fold):
+    """CPU: LlamaAttention.project hands one row to the fused kernel with the layer's heads, bias, fold eps and
+    K/V target, and gets what the unfused path computes; two rows, LoRA, a backend without a K/V target,
+    a q/k norm and a caller's qkv buffer keep the unfused path."""
+    from transformers import LlamaConfig
+
+    from nbgen.models.llama_layer import LlamaAttention
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
+    D, P = 64, 8
+    att = LlamaAttention(cfg, 0, get_rope(D, 512, 1e4, None))      # (the RoPE table stays fp32)
+    torch.manual_seed(0)
+    for p in att.parameters():
+        p.data = torch.randn(p.shape).mul_(0.05).bfloat16()
+    caches = [torch.zeros(4, 2, P, D, dtype=torch.bfloat16) for _ in range(2)]
+    target = KVTarget(*caches, torch.tensor([2 * P + 3]))
+    meta = SimpleNamespace(backend=SimpleNamespace(kv_target=lambda layer_id, m: target))
+    calls: list = []
+    monkeypatch.setattr(qr, "usable", lambda x, weight, head_dim: True)
+    monkeypatch.setattr(qr, "qkv_rope", _reference_kernel(calls))
+    x, pos = torch.randn(1, 256).bfloat16() * 3, torch.tensor([77])
+    q, k, v, written = att.project(pos, x, meta, fold_eps=fold)
+    assert written and calls == [fold]
+    monkeypatch.setattr(qr, "usable", lambda x, weight, head_dim: False)
+    q0, k0, v0, written0 = att.project(pos, x, meta, fold_eps=fold)       # CPU: projection, scale, RoPE in torch
+    assert not written0 and torch.equal(q, q0) and torch.equal(k, k0) and torch.equal(v, v0)
+    assert torch.equal(caches[0][2, :, 3], k0.view(2, D)) and torch.equal(caches[1][2, :, 3], v0.view(2, D))
+    monkeypatch.setattr(qr, "usable", lambda x, weight, head_dim: True)
+    att.project(pos, x, meta, qkv_out=torch.empty(1, 512, dtype=torch.bfloat16), fold_eps=fold)
+    att.project(pos, x, SimpleNamespace(backend=SimpleNamespace(kv_target=lambda layer_id, m: None)), fold_eps=fold)
+    att.qkv_proj.lora = _NoLora()
+    att.project(pos, x, meta, fold_eps=fold)
+    att.qkv_proj.lora = None
+    monkeypatch.setattr(att, "qk_norm_weights", lambda: (torch.ones(D), torch.ones(D), 1e-6))
+    att.project(pos, x, meta, fold_eps=fold)
+    assert calls == [fold]                                  # none of these took the fused kernel
+
+
+class _NoLora:
+    """An active LoRA hook that adds nothing."""
+
+    active = True
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        pass
