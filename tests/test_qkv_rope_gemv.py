@@ -1,8 +1,10 @@
-"""The batch-1 qkv + RoPE + K/V write kernel (nbgen.kernels.qkv_rope_gemv, CUDA only): bit for bit the
-two kernels it replaces (small_gemm's projection, then qk_norm_rope_), and end to end the same decode."""
+"""The batch-1 qkv + RoPE + K/V write kernels (nbgen.kernels.qkv_rope_gemv): on CUDA bit for bit the two
+kernels each replaces (small_gemm's or fp8_row_gemv's projection, then qk_norm_rope_) and end to end the same
+decode; on the CPU, which projections LlamaAttention.project hands to them."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -73,35 +75,77 @@ def test_fused_equals_projection_then_rope_kernel(hq, hkv, D, K, bias, fold, fp8
             assert torch.equal(got[:, qk:], got_c[1][slot // P, :, slot % P].reshape(1, -1))
 
 
+# e4m3 weights: the Llama-8B shards and Qwen2-0.5B (bias), folded (the norm weight as column scale) or not,
+# bf16 or e4m3 cache; one fp16 case
+FP8_CASES = ([(*s, fold, fp8, torch.bfloat16) for s in SHAPES for fold in (False, True) for fp8 in (False, True)
+              if not (fold and s[4]) and (s[0] == 32 or fp8 == fold)]
+             + [(*SHAPES[3], False, True, torch.float16)])
+
+
 @gpu
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_batch1_decode_unchanged(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("hq,hkv,D,K,bias,fold,fp8,dtype", FP8_CASES)
+def test_fp8_fused_equals_projection_then_rope_kernel(hq, hkv, D, K, bias, fold, fp8, dtype):
+    """e4m3 weights with per-row scales: fp8_row_gemv's projection then qk_norm_rope_, bit for bit."""
+    from nbgen.kernels.fp8_row_gemv import fp8_row_gemv
+
+    x, w, b = _case(hq, hkv, D, K, bias, fold, fp8, dtype)
+    g = torch.Generator(device="cuda").manual_seed(K)
+    wq = (w.float() * 12).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sw = (torch.rand(1, wq.shape[0], device="cuda", generator=g) + 0.5) / 12
+    col = (torch.rand(K, device="cuda", generator=g) + 0.5).to(dtype) if fold else None
+    rope = get_rope(D, 131072, 5e5, None).cuda()
+    pages, P, qk = 40, 16, (hq + hkv) * D
+    cdt = torch.float8_e4m3fn if fp8 else dtype
+    ks, vs = (0.37, 0.61) if fp8 else (1.0, 1.0)
+    eps = 1e-5 if fold else None
+    for pos, slot in ((0, 3), (100_000, 17 * P + 9)):
+        positions = torch.tensor([pos], device="cuda")
+        slots = torch.tensor([slot], device="cuda")
+        ref_c = [torch.zeros(pages, hkv, P, D, device="cuda", dtype=cdt) for _ in range(2)]
+        got_c = [torch.zeros(pages, hkv, P, D, device="cuda", dtype=cdt) for _ in range(2)]
+        ref = fp8_row_gemv(x, wq, sw, x.new_empty(1, wq.shape[0]), b, col)
+        fq.qk_norm_rope_(ref, positions, None, None, 0.0, rope.cos_sin_cache, hq, hkv, D,
+                         kv=KVTarget(*ref_c, slots, ks, vs), row_scale=None if eps is None else (x, eps))
+        got = qr.fp8_qkv_rope(x, wq, sw, b, col, positions, rope.cos_sin_cache, hq, hkv, D,
+                              KVTarget(*got_c, slots, ks, vs), row_scale_eps=eps)
+        assert torch.equal(got[:, :qk], ref[:, :qk]), (got[:, :qk].float() - ref[:, :qk].float()).abs().max()
+        for r, c in zip(ref_c, got_c):
+            assert torch.equal(r.view(torch.uint8), c.view(torch.uint8))
+            assert c.view(torch.uint8).view(pages, -1)[slot // P].any()
+        if eps is None:
+            assert torch.equal(got[:, qk:], ref[:, qk:])
+
+
+@gpu
+@pytest.mark.parametrize("family,quant", [("llama", None), ("qwen2", None), ("llama", "fp8"), ("qwen2", "fp8")])
+def test_batch1_decode_unchanged(tmp_path, monkeypatch, family, quant):
     """One request at a time (batch-1 decode steps, in CUDA graphs): the fused kernel runs and the greedy
     tokens and their logprobs are exactly those of the projection + RoPE kernel path."""
     path = make_gpu_model(family, str(tmp_path))
-    prompts = gpu_prompts(4)
+    prompts = gpu_prompts(3)
     calls = []
-    fused_kernel = qr.qkv_rope
+    name = "fp8_qkv_rope" if quant else "qkv_rope"
+    fused_kernel = getattr(qr, name)
 
     def counted(*args, **kw):
         calls.append(1)
         return fused_kernel(*args, **kw)
 
-    monkeypatch.setattr(qr, "qkv_rope", counted)
-    fused = _one_at_a_time(path, prompts)
+    monkeypatch.setattr(qr, name, counted)
+    fused = _one_at_a_time(path, prompts, quant)
     assert calls, "the fused kernel never ran"
-    monkeypatch.setattr(qr, "usable", lambda x, weight, head_dim: False)
+    monkeypatch.setattr(qr, "fp8_usable" if quant else "usable", lambda x, weight, head_dim: False)
     calls.clear()
-    plain = _one_at_a_time(path, prompts)
+    plain = _one_at_a_time(path, prompts, quant)
     assert not calls
     for a, b in zip(fused, plain):
         assert a["output_ids"] == b["output_ids"]
         assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
 
 
-def _one_at_a_time(path: str, prompts: list[list[int]]) -> list[dict]:
+def _one_at_a_time(path: str, prompts: list[list[int]], quant: Optional[str]) -> list[dict]:
     """Greedy outputs with logprobs of one bf16 CUDA engine, one request a call (batch-1 decode graphs)."""
-    with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=4) as eng:
+    with nbgen.Engine(path, device="cuda", dtype="bfloat16", cuda_graph_max_bs=1, quantization=quant) as eng:
         assert eng.get_server_info()["cuda_graph_batch_sizes"]
         return [eng.generate(input_ids=p, sampling_params=GREEDY_SP, return_logprob=True) for p in prompts]
 

@@ -14,7 +14,7 @@ from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels import qkv_rope_gemv, small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
-from nbgen.models.fp8_scaled import scaled_silu_mul
+from nbgen.models.fp8_scaled import qkv_rope_usable, scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -102,13 +102,9 @@ class LlamaAttention(nn.Module):
         ``fold_eps``: x is the raw residual stream and the input norm is folded into qkv (its weight in
         the projection, its row scale applied here)."""
         proj = self.qkv_proj
-        if (qkv_out is None and proj.fp8 is None and not proj.lora_active and self.qk_norm_weights()[0] is None
-                and qkv_rope_gemv.usable(x, proj.weight, self.head_dim)):
-            kv = self.attn.kv_target(meta)
-            if kv is not None:   # one row: projection, (row scale,) RoPE and K/V write in one kernel
-                qkv = qkv_rope_gemv.qkv_rope(x, proj.weight, proj.bias, positions, self.rotary_emb.cos_sin_cache,
-                                             proj.num_heads, proj.num_kv_heads, self.head_dim, kv,
-                                             row_scale_eps=fold_eps)
+        if qkv_out is None and not proj.lora_active and self.qk_norm_weights()[0] is None:
+            qkv = self._project_one_row(positions, x, meta, fold_eps)
+            if qkv is not None:
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
                 return q, k, v, True
         qkv = proj(x, out=qkv_out)                                    # [T, (Hq + 2 Hkv) * D]
@@ -125,6 +121,26 @@ class LlamaAttention(nn.Module):
             qkv.mul_(rms_scale(x, fold_eps))               # in place: q, k, v are its views
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
         return q, k, v, False
+
+
+    def _project_one_row(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
+                         fold_eps: Optional[float]) -> Optional[torch.Tensor]:
+        """One row (batch-1 decode) with a K/V target: the projection (bf16 or per-feature fp8), (the folded
+        norm's row scale,) RoPE and the K/V write in one kernel -> qkv [1, (Hq + 2 Hkv) * D]; None where the
+        kernel does not serve it."""
+        proj, w8 = self.qkv_proj, self.qkv_proj.fp8
+        if w8 is None:
+            fits = qkv_rope_gemv.usable(x, proj.weight, self.head_dim)
+        else:
+            fits = qkv_rope_usable(x, w8, self.head_dim)
+        kv = self.attn.kv_target(meta) if fits else None
+        if kv is None:
+            return None
+        rope = (positions, self.rotary_emb.cos_sin_cache, proj.num_heads, proj.num_kv_heads, self.head_dim, kv)
+        if w8 is None:
+            return qkv_rope_gemv.qkv_rope(x, proj.weight, proj.bias, *rope, row_scale_eps=fold_eps)
+        return qkv_rope_gemv.fp8_qkv_rope(x, w8.q, w8.scale_row, proj.bias, w8.col_scale, *rope,
+                                          row_scale_eps=fold_eps)
 
 
 class LlamaDecoderLayer(nn.Module):
