@@ -13,7 +13,7 @@ the L2 cache) run ``--passes`` times in one graph, so the kernels' ramp-up and t
 gaps and PDL's overlap between launches count as in the engine. Printed: µs a layer, TB/s of weight bytes,
 the share of the copy rate and 32 layers' time, for the default launches, the linears alone (what RoPE and
 attention cost) and the one-row kernel's alternative launches (``--sweep``: one linear's launch changed at a
-time, bf16; all four at once, fp8).
+time).
 
     python -m nbgen.bench.decode_layers [--dtype bf16|fp8] [--tp 1] [--sweep] [--layers 8] [--passes 4] [--kv 512]
 """
@@ -40,7 +40,8 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 # (BLOCK_N, BLOCK_K, warps, x_once)
 BF16_CONFIGS = [(2, 1024, 4, 4), (2, 2048, 8, 4), (4, 512, 4, 4), (4, 1024, 4, 4), (4, 1024, 8, 4), (4, 1024, 8, 3),
                 (4, 2048, 8, 4), (8, 512, 4, 4), (8, 1024, 4, 4), (8, 1024, 8, 4), (16, 512, 8, 4)]
-FP8_CONFIGS = [(8, 2048, 8, True), (16, 1024, 8, True), (4, 2048, 8, True)]
+FP8_CONFIGS = [(4, 2048, 4, True), (8, 1024, 4, True), (8, 2048, 4, True), (8, 2048, 8, True), (16, 1024, 4, True),
+               (16, 1024, 8, True), (16, 2048, 4, True), (16, 2048, 8, False), (32, 1024, 8, True), (32, 2048, 8, True)]
 
 
 def _weight(n: int, k: int, fp8: bool, dev: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -161,10 +162,8 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{wbytes / 1e6:.0f} MB of weights a layer ({wbytes / bw * 1e6:.1f} µs at the copy rate), "
           f"{args.layers} layers x {args.passes} passes a graph")
     rows: list[tuple[str, dict[str, Optional[tuple]], bool]] = [("default", {}, True), ("linears only", {}, False)]
-    if args.sweep and fp8:
-        rows += [(f"all {cfg}", dict.fromkeys(LINEARS, cfg), True) for cfg in FP8_CONFIGS]
-    elif args.sweep:
-        rows += [(f"{name} {cfg}", {name: cfg}, True) for name in LINEARS for cfg in BF16_CONFIGS]
+    if args.sweep:
+        rows += [(f"{name} {cfg}", {name: cfg}, True) for name in LINEARS for cfg in (FP8_CONFIGS if fp8 else BF16_CONFIGS)]
     for name, configs, gaps in rows:
         t = _time(lay, configs, gaps, args)
         if t is not None:

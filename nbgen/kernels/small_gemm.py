@@ -37,11 +37,14 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 MAX_ROWS = 16
 
 
-def pick_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+def pick_config(M: int, N: int, K: int, silu_mul: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from sweeps on an H100 over the Llama-3.1-8B and
-    Qwen3-0.6B decode shapes (1-4 and 5-16 rows; best or within ~2 % of it on each shape)."""
+    Qwen3-0.6B decode shapes (1-4 and 5-16 rows; best or within ~2 % of it on each shape). One row:
+    from ``nbgen.bench.decode_layers --sweep`` over Llama-3.1-8B's whole layers and tp 2 / 4 shards
+    (each linear's launch inside the layer's graph: 4 warps everywhere; gate|up, whose programs stream
+    a gate and an up row each, 2 output features a program)."""
     if M == 1:
-        return (4 if N <= 4096 else 8), 1024, (8 if K <= 4096 else 4), 4
+        return (2 if silu_mul else 4 if N < 4096 else 8), 1024, 4, 4
     if M <= 4:   # tensor-core dot, x padded to 16 rows
         return (64, 256, 4, 5) if N * K >= (1 << 24) else (32, 128, 4, 5)
     return (16 if N <= 1024 else 32), (256 if K >= 2048 else 128), 4, 4
@@ -180,7 +183,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     else:
         y = torch.empty((M, out_n), dtype=x.dtype, device=x.device)
     bm = 1 if M == 1 else max(16, triton.next_power_of_2(M))
-    bn, bk, warps, stages = config or pick_config(M, out_n, K)
+    bn, bk, warps, stages = config or pick_config(M, out_n, K, silu_mul)
     args = (x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0),
             y.stride(0), N // 2, 0.0 if row_scale_eps is None else float(row_scale_eps))
     kw = dict(HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ROW_SCALE=row_scale_eps is not None,
