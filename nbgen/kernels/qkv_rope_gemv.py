@@ -9,12 +9,10 @@ its SiLU variant pairs them) and does the rest of the chain in its epilogue: (a 
 factor,) RoPE of q and k heads, q, k and v stored into the qkv row, k and v written into their paged-cache
 slot (HND pages; e4m3 of value / scale for an fp8 cache).
 
-Numerics are the two-kernel path's bit for bit: each row's fp32 sum in the GEMV's order and layout (its
-config for this shape, its shared helpers) plus bias, rounded to the model dtype as qkv stores it; then
-``qk_norm_rope``'s steps (its row factor's tiles; ``rnd(a * s)``; cos/sin rounded, each product rounded).
-The row factor's sum of squares is reduced in the same order where the kernel runs 8 warps as the RoPE
-kernel does (bf16 at K <= 4096, e4m3 always); small_gemm's 4 warps at larger K reduce it in another
-order (the last fp32 bit may differ). Each kernel keeps its GEMV's contraction setting (the bf16 one is
+Numerics are the two-kernel path's bit for bit: each row's fp32 sum in the GEMV's order (its helpers, its
+tiles reduced across the same lanes and warps) plus bias, rounded to the model dtype as qkv stores it; then
+``qk_norm_rope``'s steps (its row factor's tiles, reduced over 8 warps as its row-scale launch does;
+``rnd(a * s)``; cos/sin rounded, each product rounded). Each kernel keeps its GEMV's contraction setting (the bf16 one is
 compiled without, its FMAs explicit in ``small_gemm.one_row``; the e4m3 one with, as ``fp8_row_gemv``);
 the epilogue's products are explicit ``mul.rn`` instructions, which are never contracted, so they round
 as in torch either way.
@@ -187,12 +185,21 @@ def _heads_fit(n: int, head_dim: int, rows: int) -> bool:
     return supports_head_dim(head_dim) and n % head_dim == 0 and (head_dim // 2) % rows == 0
 
 
+def _bf16_config(N: int, K: int, row_scale: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the bf16 kernel: small_gemm's one-row launch for programs that
+    stream two rows a feature (gate|up's). Its [BLOCK_N, 1024] tiles reduce a row over 4 warps x 32 lanes
+    x 8 columns at 4 or 8 warps alike (the warps beyond 4 split the rows), small_gemm's order; with a row
+    factor 8 warps, so that its [1024] tiles reduce as qk_norm_rope's 8-warp launch does."""
+    bn, bk, warps, stages = small_gemm.pick_config(1, N, K, silu_mul=True)
+    return bn, bk, 8 if row_scale else warps, stages
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
     """The bf16 / fp16 kernel takes this projection: one row that small_gemm would stream, whole heads whose
-    halves split into small_gemm's row blocks."""
+    halves split into the kernel's row blocks."""
     if x.shape[0] != 1 or not small_gemm.usable(x, weight):
         return False
-    return _heads_fit(weight.shape[0], head_dim, small_gemm.pick_config(1, weight.shape[0], x.shape[1])[0])
+    return _heads_fit(weight.shape[0], head_dim, _bf16_config(weight.shape[0], x.shape[1], False)[0])
 
 
 def fp8_usable(x: torch.Tensor, wq: torch.Tensor, head_dim: int) -> bool:
@@ -226,7 +233,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     N = weight.shape[0]
     assert N == (num_q_heads + 2 * num_kv_heads) * head_dim, "weight rows are the q, k and v heads"
     y = torch.empty((1, N), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = small_gemm.pick_config(1, N, K)     # small_gemm's tiles: its summation order
+    bn, bk, warps, stages = _bf16_config(N, K, row_scale_eps is not None)
     rope, scal, kw = _rope_args(positions, cos_sin_cache, kv, row_scale_eps, K)
     pdl.launch(_qkv_rope_kernel, (N // (2 * bn),),
                (x, weight, bias if bias is not None else weight, y, *rope, K, weight.stride(0), *scal), x.device,
