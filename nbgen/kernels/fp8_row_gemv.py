@@ -144,11 +144,13 @@ if triton is not None:
 
 
 def pick_config(N: int, K: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_N, BLOCK_K, num_warps, x_once) for one row against an [N, K] weight: 16 rows, 2048 columns,
-    8 warps and the amax pass in one load were the fastest launch on an H100 at each Llama-3.1-8B shape
-    (``nbgen.bench.fp8_gemv --sweep``: 2-7 % ahead of 8 rows and 4 warps, the one-load amax pass another
-    2-6 %; persistent programs looping over row blocks, 16 warps or 32 rows a program were slower)."""
-    return 16, 2048, 8, K <= 16384          # (all of a longer x at once would spill registers)
+    """(BLOCK_N, BLOCK_K, num_warps, x_once) for one row against an [N, K] weight: 16 rows a program,
+    8 warps and the amax pass in one load (``nbgen.bench.fp8_gemv --sweep`` at each Llama-3.1-8B shape:
+    2-7 % ahead of 8 rows and 4 warps, the one-load amax pass another 2-6 %; persistent programs, 16
+    warps or 32 rows a program slower); 1024 columns a step up to K = 4096 and 2048 above, from the
+    layer as a decode step runs it (``nbgen.bench.decode_layers --dtype fp8 --sweep``: o_proj and
+    gate|up ~3 and ~6 µs a layer faster at 1024)."""
+    return 16, (1024 if K <= 4096 else 2048), 8, K <= 16384      # (all of a longer x at once would spill registers)
 
 
 def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
