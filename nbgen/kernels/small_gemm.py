@@ -78,7 +78,7 @@ if triton is not None:
         tl.store(y_tile, y.to(dt), mask=out_mask)
 
     @triton.jit
-    def one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
+    def _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K: tl.constexpr, SUMSQ: tl.constexpr):
         # x [K] against BLOCK_N weight rows whose first tile w0 is already loaded -> (fp32 [1, BLOCK_N],
         # sum of x^2: a scalar, over all of K only when SUMSQ): elementwise FMAs into a [BLOCK_N, BLOCK_K]
         # tile, one reduction at the end
@@ -89,8 +89,7 @@ if triton is not None:
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w, kk, k_mask = row_tile(w_rows, k0, K, n_mask, BLOCK_K)
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            # an explicit FMA: the same instruction contraction gives, also in kernels compiled without it
-            acc = tl.fma(w.to(tl.float32), x[None, :], acc)
+            acc += w.to(tl.float32) * x[None, :]
             if SUMSQ:
                 ss += x * x
         return tl.sum(acc, 1)[None, :], tl.sum(ss, 0)
@@ -137,9 +136,9 @@ if triton is not None:
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
         if BLOCK_M == 1:
-            y, ss = one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K, ROW_SCALE)
+            y, ss = _one_row(x_ptr, w_rows, w0, K, n_mask, BLOCK_K, ROW_SCALE)
             if SILU_MUL:
-                u, _ss = one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K, False)
+                u, _ss = _one_row(x_ptr, u_rows, u0, K, n_mask, BLOCK_K, False)
         else:
             y, ss = _few_rows(x_ptr, w_rows, w0, K, sxm, n_mask, M, BLOCK_M, BLOCK_N, BLOCK_K, ROW_SCALE)
             ss = ss[:, None]

@@ -11,7 +11,7 @@ from torch import nn
 
 from nbgen.attention.base import Attention
 from nbgen.kernels import qk_norm_rope as fused_rope
-from nbgen.kernels import qkv_rope_gemv, small_gemm
+from nbgen.kernels import fp8_qkv_rope, small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
 from nbgen.models.fp8_scaled import qkv_rope_usable, scaled_silu_mul
@@ -125,22 +125,16 @@ class LlamaAttention(nn.Module):
 
     def _project_one_row(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
                          fold_eps: Optional[float]) -> Optional[torch.Tensor]:
-        """One row (batch-1 decode) with a K/V target: the projection (bf16 or per-feature fp8), (the folded
-        norm's row scale,) RoPE and the K/V write in one kernel -> qkv [1, (Hq + 2 Hkv) * D]; None where the
-        kernel does not serve it."""
+        """One row (batch-1 decode) against a per-feature fp8 weight, with a K/V target: the projection, (the
+        folded norm's row scale,) RoPE and the K/V write in one kernel -> qkv [1, (Hq + 2 Hkv) * D]; None where
+        that kernel does not serve it."""
         proj, w8 = self.qkv_proj, self.qkv_proj.fp8
-        if w8 is None:
-            fits = qkv_rope_gemv.usable(x, proj.weight, self.head_dim)
-        else:
-            fits = qkv_rope_usable(x, w8, self.head_dim)
-        kv = self.attn.kv_target(meta) if fits else None
+        kv = self.attn.kv_target(meta) if qkv_rope_usable(x, w8, self.head_dim) else None
         if kv is None:
             return None
-        rope = (positions, self.rotary_emb.cos_sin_cache, proj.num_heads, proj.num_kv_heads, self.head_dim, kv)
-        if w8 is None:
-            return qkv_rope_gemv.qkv_rope(x, proj.weight, proj.bias, *rope, row_scale_eps=fold_eps)
-        return qkv_rope_gemv.fp8_qkv_rope(x, w8.q, w8.scale_row, proj.bias, w8.col_scale, *rope,
-                                          row_scale_eps=fold_eps)
+        return fp8_qkv_rope.qkv_rope(x, w8.q, w8.scale_row, proj.bias, w8.col_scale, positions,
+                                     self.rotary_emb.cos_sin_cache, proj.num_heads, proj.num_kv_heads,
+                                     self.head_dim, kv, row_scale_eps=fold_eps)
 
 
 class LlamaDecoderLayer(nn.Module):
