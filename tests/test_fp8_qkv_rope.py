@@ -3,7 +3,9 @@ kernels it replaces (fp8_row_gemv's projection, then qk_norm_rope_) and end to e
 CPU, which projections LlamaAttention.project hands to it."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -31,7 +33,8 @@ CASES = ([(*s, fold, fp8, torch.bfloat16) for s in SHAPES for fold in (False, Tr
 
 @gpu
 @pytest.mark.parametrize("hq,hkv,D,K,bias,fold,fp8,dtype", CASES)
-def test_fused_equals_projection_then_rope_kernel(hq, hkv, D, K, bias, fold, fp8, dtype):
+def test_fused_equals_projection_then_rope_kernel(hq: int, hkv: int, D: int, K: int, bias: bool, fold: bool, fp8: bool,
+                                                  dtype: torch.dtype) -> None:
     """q, k (rotated) and v as the two-kernel path leaves them, and the same cache bytes (bf16 or e4m3 with
     scales), at position 0 and at a large one."""
     from nbgen.kernels.fp8_row_gemv import fp8_row_gemv
@@ -74,7 +77,7 @@ def test_fused_equals_projection_then_rope_kernel(hq, hkv, D, K, bias, fold, fp8
 
 @gpu
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_batch1_decode_unchanged(tmp_path, monkeypatch, family):
+def test_batch1_decode_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     """fp8 weights, one request at a time (batch-1 decode steps, in CUDA graphs; llama folded, qwen2 with
     biases): the fused kernel runs and the greedy tokens and their logprobs are exactly those of the
     projection + RoPE kernel path."""
@@ -83,7 +86,7 @@ def test_batch1_decode_unchanged(tmp_path, monkeypatch, family):
     calls = []
     fused_kernel = fk.qkv_rope
 
-    def counted(*args, **kw):
+    def counted(*args: Any, **kw: Any) -> torch.Tensor:
         calls.append(1)
         return fused_kernel(*args, **kw)
 
@@ -107,9 +110,11 @@ def _one_at_a_time(path: str, prompts: list[list[int]]) -> list[dict]:
         return [eng.generate(input_ids=p, sampling_params=GREEDY_SP, return_logprob=True) for p in prompts]
 
 
-def _reference_kernel(calls: list):
+def _reference_kernel(calls: list) -> Callable[..., torch.Tensor]:
     """The fused kernel's contract in torch (the unfused CPU path's ops), recording each call."""
-    def run(x, wq, sw, bias, col_scale, positions, cos_sin_cache, hq, hkv, D, kv, row_scale_eps=None):
+    def run(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
+            col_scale: Optional[torch.Tensor], positions: torch.Tensor, cos_sin_cache: torch.Tensor, hq: int, hkv: int,
+            D: int, kv: KVTarget, row_scale_eps: Optional[float] = None) -> torch.Tensor:
         calls.append(row_scale_eps)
         w = Fp8ScaledWeight(wq, sw, None, torch.ones(()))
         xq, sa = quantize_activation(x if col_scale is None else x.float() * col_scale.float())
@@ -126,7 +131,8 @@ def _reference_kernel(calls: list):
 
 
 @pytest.mark.parametrize("bias,fold", [(False, None), (False, 1e-5), (True, None)])
-def test_project_at_one_row_takes_the_fused_kernel(monkeypatch, bias, fold):
+def test_project_at_one_row_takes_the_fused_kernel(monkeypatch: pytest.MonkeyPatch, bias: bool,
+                                                  fold: Optional[float]) -> None:
     """CPU: LlamaAttention.project hands one row with an fp8 weight to the fused kernel with the layer's heads,
     bias, scales, fold eps and K/V target, and gets what the unfused path computes; LoRA, a backend without a
     K/V target, a q/k norm, a caller's qkv buffer, two rows and a bf16 weight keep the unfused path."""
