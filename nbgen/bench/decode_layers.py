@@ -2,7 +2,8 @@
 them, bf16 or fp8, whole or as one tensor-parallel rank's shard, replayed from one CUDA graph (CUDA).
 
 A layer is the engine's launch sequence for a folded layer at one row: the qkv GEMV (the input norm's
-weight folded in), the fused RoPE with the norm's row factor and the K/V write, decode attention over
+weight folded in), the fused RoPE with the norm's row factor and the K/V write (fp8: both in one launch,
+``kernels/fp8_qkv_rope.py``, unless ``--sweep`` changes qkv's launch), decode attention over
 ``--kv`` cached tokens, o_proj added into the residual stream, gate|up with SiLU-and-mul in the epilogue,
 down_proj added into the stream. bf16 runs ``kernels/small_gemm.py``'s one-row kernel, fp8
 ``kernels/fp8_row_gemv.py``'s. ``--tp N`` gives a rank's shard (heads and the intermediate size / N);
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 
 from nbgen.bench.floor import copy_bandwidth, median_seconds
-from nbgen.kernels import gpu_ops
+from nbgen.kernels import fp8_qkv_rope, gpu_ops
 from nbgen.kernels import qk_norm_rope as rope
 from nbgen.kernels import small_gemm
 from nbgen.kernels import triton_decode as td
@@ -96,10 +97,17 @@ class Layers:
         """Layer i's launches; ``configs``: the one-row kernel's launch per linear (missing: the default);
         ``gaps``: with RoPE and attention between qkv and o."""
         h, eps, c = self.h, 1e-5, configs.get
-        qkv = self._linear("qkv", i, h, c("qkv"), out=self.qkv)
+        kv = KVTarget(*self.caches[i], self.slots)
+        if gaps and self.fp8 and c("qkv") is None:   # the engine's fp8 launch: projection + RoPE + K/V write
+            w, sw = self.w[i]["qkv"]
+            qkv = fp8_qkv_rope.qkv_rope(h, w, sw, None, self.g[2 * i], self.pos, self.cos_sin, self.hq, self.hkv, D,
+                                        kv, row_scale_eps=eps)
+        else:
+            qkv = self._linear("qkv", i, h, c("qkv"), out=self.qkv)
+            if gaps:
+                rope.qk_norm_rope_(qkv, self.pos, None, None, 0.0, self.cos_sin, self.hq, self.hkv, D, kv=kv,
+                                   row_scale=(h, eps))
         if gaps:
-            rope.qk_norm_rope_(qkv, self.pos, None, None, 0.0, self.cos_sin, self.hq, self.hkv, D,
-                               kv=KVTarget(*self.caches[i], self.slots), row_scale=(h, eps))
             self.dec.run(qkv[:, :self.hq * D].view(1, self.hq, D), self.caches[i], out=self.attn)
         self._linear("o", i, self.attn.view(1, self.hq * D), c("o"), out=h, accumulate=True)
         act = self._linear("gate_up", i, h, c("gate_up"), out=self.act, silu_eps=eps)
