@@ -122,7 +122,6 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
         return q, k, v, False
 
-
     def _project_one_row(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
                          fold_eps: Optional[float]) -> Optional[torch.Tensor]:
         """One row (batch-1 decode) against a per-feature fp8 weight, with a K/V target: the projection, (the
