@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from nbgen.bench.floor import copy_bandwidth, median_seconds
+from nbgen.bench.floor import copy_bandwidth
+from nbgen.bench.fp8_kernels import graph_time
 from nbgen.kernels import fp8_qkv_rope, gpu_ops
 from nbgen.kernels import qk_norm_rope as rope
 from nbgen.kernels import small_gemm
@@ -70,10 +71,9 @@ class Layers:
         self.pos = torch.tensor([kv], device=dev)
         self.cos_sin = torch.randn(kv + 1, D, device=dev)
         self.dec = td.TritonDecodeWrapper(self.hq, self.hkv, D, P, dev)
-        pin = (lambda t: t.pin_memory()) if dev.type == "cuda" else (lambda t: t)
-        self.dec.plan(pin(torch.tensor([0, pages], dtype=torch.int32)),
-                      pin(torch.arange(1, pages + 1, dtype=torch.int32)),
-                      pin(torch.tensor([(kv + 1) - (pages - 1) * P], dtype=torch.int32)))
+        self.dec.plan(torch.tensor([0, pages], dtype=torch.int32).pin_memory(),     # the plan's host tables
+                      torch.arange(1, pages + 1, dtype=torch.int32).pin_memory(),
+                      torch.tensor([(kv + 1) - (pages - 1) * P], dtype=torch.int32).pin_memory())
         self.h = torch.randn(1, HIDDEN, device=dev).bfloat16()
         self.qkv = torch.empty(1, shapes["qkv"][0], device=dev, dtype=torch.bfloat16)
         self.attn = torch.empty(1, self.hq, D, device=dev, dtype=torch.bfloat16)
@@ -117,17 +117,8 @@ class Layers:
 def _time(lay: Layers, configs: dict[str, Optional[tuple]], gaps: bool, args: argparse.Namespace) -> Optional[float]:
     """Seconds a layer: every layer ``args.passes`` times in one graph, median of ``args.reps`` replays;
     None when this GPU refuses a launch."""
-    def step() -> None:
-        for _ in range(args.passes):
-            for i in range(args.layers):
-                lay.run(i, configs, gaps)
     try:
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return median_seconds(graph.replay, torch.device("cuda"), args.reps) / (args.passes * args.layers)
+        return graph_time(lambda i: lay.run(i, configs, gaps), args.layers, args.passes * args.layers, args.reps)
     except Exception as e:   # noqa: BLE001 - a launch this GPU refuses: report and go on
         print(f"  {configs} failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
         return None
