@@ -150,7 +150,8 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{args.layers} layers x {args.passes} passes a graph")
     rows: list[tuple[str, dict[str, Optional[tuple]], bool]] = [("default", {}, True), ("linears only", {}, False)]
     if args.sweep:
-        rows += [(f"{name} {cfg}", {name: cfg}, True) for name in LINEARS for cfg in (FP8_CONFIGS if fp8 else BF16_CONFIGS)]
+        swept = FP8_CONFIGS if fp8 else BF16_CONFIGS
+        rows += [(f"{name} {cfg}", {name: cfg}, True) for name in LINEARS for cfg in swept]
     for name, configs, gaps in rows:
         t = _time(lay, configs, gaps, args)
         if t is not None:
