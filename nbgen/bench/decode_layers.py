@@ -2,7 +2,8 @@
 them, bf16 or fp8, whole or as one tensor-parallel rank's shard, replayed from one CUDA graph (CUDA).
 
 A layer is the engine's launch sequence for a folded layer at one row: the qkv GEMV (the input norm's
-weight folded in), the fused RoPE with the norm's row factor and the K/V write, decode attention over
+weight folded in), the fused RoPE with the norm's row factor and the K/V write (fp8: both in one launch,
+``kernels/fp8_qkv_rope.py``, unless ``--sweep`` changes qkv's launch), decode attention over
 ``--kv`` cached tokens, o_proj added into the residual stream, gate|up with SiLU-and-mul in the epilogue,
 down_proj added into the stream. bf16 runs ``kernels/small_gemm.py``'s one-row kernel, fp8
 ``kernels/fp8_row_gemv.py``'s. ``--tp N`` gives a rank's shard (heads and the intermediate size / N);
@@ -23,8 +24,9 @@ from typing import Optional
 
 import torch
 
-from nbgen.bench.floor import copy_bandwidth, median_seconds
-from nbgen.kernels import gpu_ops
+from nbgen.bench.floor import copy_bandwidth
+from nbgen.bench.fp8_kernels import graph_time
+from nbgen.kernels import fp8_qkv_rope, gpu_ops
 from nbgen.kernels import qk_norm_rope as rope
 from nbgen.kernels import small_gemm
 from nbgen.kernels import triton_decode as td
@@ -69,10 +71,9 @@ class Layers:
         self.pos = torch.tensor([kv], device=dev)
         self.cos_sin = torch.randn(kv + 1, D, device=dev)
         self.dec = td.TritonDecodeWrapper(self.hq, self.hkv, D, P, dev)
-        pin = (lambda t: t.pin_memory()) if dev.type == "cuda" else (lambda t: t)
-        self.dec.plan(pin(torch.tensor([0, pages], dtype=torch.int32)),
-                      pin(torch.arange(1, pages + 1, dtype=torch.int32)),
-                      pin(torch.tensor([(kv + 1) - (pages - 1) * P], dtype=torch.int32)))
+        self.dec.plan(torch.tensor([0, pages], dtype=torch.int32).pin_memory(),     # the plan's host tables
+                      torch.arange(1, pages + 1, dtype=torch.int32).pin_memory(),
+                      torch.tensor([(kv + 1) - (pages - 1) * P], dtype=torch.int32).pin_memory())
         self.h = torch.randn(1, HIDDEN, device=dev).bfloat16()
         self.qkv = torch.empty(1, shapes["qkv"][0], device=dev, dtype=torch.bfloat16)
         self.attn = torch.empty(1, self.hq, D, device=dev, dtype=torch.bfloat16)
@@ -96,10 +97,17 @@ class Layers:
         """Layer i's launches; ``configs``: the one-row kernel's launch per linear (missing: the default);
         ``gaps``: with RoPE and attention between qkv and o."""
         h, eps, c = self.h, 1e-5, configs.get
-        qkv = self._linear("qkv", i, h, c("qkv"), out=self.qkv)
+        kv = KVTarget(*self.caches[i], self.slots)
+        if gaps and self.fp8 and c("qkv") is None:   # the engine's fp8 launch: projection + RoPE + K/V write
+            w, sw = self.w[i]["qkv"]
+            qkv = fp8_qkv_rope.qkv_rope(h, w, sw, None, self.g[2 * i], self.pos, self.cos_sin, self.hq, self.hkv, D,
+                                        kv, row_scale_eps=eps)
+        else:
+            qkv = self._linear("qkv", i, h, c("qkv"), out=self.qkv)
+            if gaps:
+                rope.qk_norm_rope_(qkv, self.pos, None, None, 0.0, self.cos_sin, self.hq, self.hkv, D, kv=kv,
+                                   row_scale=(h, eps))
         if gaps:
-            rope.qk_norm_rope_(qkv, self.pos, None, None, 0.0, self.cos_sin, self.hq, self.hkv, D,
-                               kv=KVTarget(*self.caches[i], self.slots), row_scale=(h, eps))
             self.dec.run(qkv[:, :self.hq * D].view(1, self.hq, D), self.caches[i], out=self.attn)
         self._linear("o", i, self.attn.view(1, self.hq * D), c("o"), out=h, accumulate=True)
         act = self._linear("gate_up", i, h, c("gate_up"), out=self.act, silu_eps=eps)
@@ -109,17 +117,8 @@ class Layers:
 def _time(lay: Layers, configs: dict[str, Optional[tuple]], gaps: bool, args: argparse.Namespace) -> Optional[float]:
     """Seconds a layer: every layer ``args.passes`` times in one graph, median of ``args.reps`` replays;
     None when this GPU refuses a launch."""
-    def step() -> None:
-        for _ in range(args.passes):
-            for i in range(args.layers):
-                lay.run(i, configs, gaps)
     try:
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return median_seconds(graph.replay, torch.device("cuda"), args.reps) / (args.passes * args.layers)
+        return graph_time(lambda i: lay.run(i, configs, gaps), args.layers, args.passes * args.layers, args.reps)
     except Exception as e:   # noqa: BLE001 - a launch this GPU refuses: report and go on
         print(f"  {configs} failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
         return None
@@ -151,7 +150,8 @@ def main(argv: Optional[list[str]] = None) -> None:
           f"{args.layers} layers x {args.passes} passes a graph")
     rows: list[tuple[str, dict[str, Optional[tuple]], bool]] = [("default", {}, True), ("linears only", {}, False)]
     if args.sweep:
-        rows += [(f"{name} {cfg}", {name: cfg}, True) for name in LINEARS for cfg in (FP8_CONFIGS if fp8 else BF16_CONFIGS)]
+        swept = FP8_CONFIGS if fp8 else BF16_CONFIGS
+        rows += [(f"{name} {cfg}", {name: cfg}, True) for name in LINEARS for cfg in swept]
     for name, configs, gaps in rows:
         t = _time(lay, configs, gaps, args)
         if t is not None:

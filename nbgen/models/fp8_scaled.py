@@ -12,7 +12,8 @@ On CUDA (compute capability 8.9+), per step size and weight form:
 - up to ``kernels.fp8_small_gemm.MAX_ROWS`` rows (decode), bf16 or fp16 activations: nbgen's streaming
   fp8 kernel (``kernels/fp8_small_gemm.py``, one row ``kernels/fp8_row_gemv.py``), which quantizes x
   itself with this recipe and applies both scales and the bias: one launch instead of cuBLAS's quantize +
-  GEMM (+ scaling) launches; a folded gate|up at one row also applies SiLU-and-mul (``scaled_silu_mul``).
+  GEMM (+ scaling) launches; a folded gate|up at one row also applies SiLU-and-mul (``scaled_silu_mul``), and
+  a qkv projection at one row runs with RoPE and the K/V write (``qkv_rope_usable``, ``kernels/fp8_qkv_rope.py``).
 Otherwise with bf16 activations (``fp8_gemm_usable``), first ``kernels.fp8_quant.quant_rowwise`` (a folded
 norm's column scale applied inside it), then cuBLAS (``torch._scaled_mm``):
 - one weight scale, one row (batch-1 decode): the tensorwise GEMM with both 0-dim scales (bias in its
@@ -38,7 +39,7 @@ from typing import Optional, Union
 
 import torch
 
-from nbgen.kernels import fp8_quant, fp8_row_gemv, fp8_small_gemm
+from nbgen.kernels import fp8_qkv_rope, fp8_quant, fp8_row_gemv, fp8_small_gemm
 from nbgen.kernels.fp8_quant import QuantizedRows
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
 
@@ -184,6 +185,13 @@ def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Te
         return None
     y = h.new_empty((1, w.q.shape[0] // 2))
     return fp8_row_gemv.fp8_row_gemv(h, w.q, w.scale_row, y, col_scale=w.col_scale, silu_eps=eps)
+
+
+def qkv_rope_usable(x: torch.Tensor, w: object, head_dim: int) -> bool:
+    """A qkv projection of one row with this weight may take the fused qkv + RoPE kernel
+    (``kernels/fp8_qkv_rope.py``): the per-feature form where the one-row kernel serves it, whole heads."""
+    return (isinstance(w, Fp8ScaledWeight) and x.shape[0] == 1 and small_gemm_usable(x, w)
+            and fp8_qkv_rope.usable(x, w.q, head_dim))
 
 
 def scaled_linear(x: Activation, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None,

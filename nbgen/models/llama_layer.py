@@ -11,12 +11,12 @@ from torch import nn
 
 from nbgen.attention.base import Attention
 from nbgen.kernels import qk_norm_rope as fused_rope
-from nbgen.kernels import small_gemm
+from nbgen.kernels import fp8_qkv_rope, small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.fp8_quant import QuantizedRows
 from nbgen.kernels.silu_scaled import (rms_scale, silu_mul_quant, silu_mul_quant_usable, silu_mul_scaled,
                                       silu_mul_scaled_quant)
-from nbgen.models.fp8_scaled import scaled_silu_mul
+from nbgen.models.fp8_scaled import qkv_rope_usable, scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -111,20 +111,39 @@ class LlamaAttention(nn.Module):
         and where the backend allows it the K/V write -> (q, k, v, whether K/V are written).
         ``fold_eps``: x is the raw residual stream and the input norm is folded into qkv (its weight in
         the projection, its row scale applied here)."""
-        qkv = self.qkv_proj(x, out=qkv_out)                           # [T, (Hq + 2 Hkv) * D]
+        proj = self.qkv_proj
+        if qkv_out is None and not proj.lora_active and self.qk_norm_weights()[0] is None:
+            qkv = self._project_one_row(positions, x, meta, fold_eps)
+            if qkv is not None:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                return q, k, v, True
+        qkv = proj(x, out=qkv_out)                                    # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
             # one kernel, in place on qkv (q and k stay its strided views): (the folded norm's row
             # scale,) q/k norm (Qwen3), RoPE, and where the backend allows it the K/V write
             kv = self.attn.kv_target(meta)
             fused_rope.qk_norm_rope_(qkv, positions, *self.qk_norm_weights(), self.rotary_emb.cos_sin_cache,
-                                     self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, kv=kv,
+                                     proj.num_heads, proj.num_kv_heads, self.head_dim, kv=kv,
                                      row_scale=None if fold_eps is None else (x, fold_eps))
             return q, k, v, kv is not None
         if fold_eps is not None:
             qkv.mul_(rms_scale(x, fold_eps))               # in place: q, k, v are its views
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
         return q, k, v, False
+
+    def _project_one_row(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
+                         fold_eps: Optional[float]) -> Optional[torch.Tensor]:
+        """One row (batch-1 decode) against a per-feature fp8 weight, with a K/V target: the projection, (the
+        folded norm's row scale,) RoPE and the K/V write in one kernel -> qkv [1, (Hq + 2 Hkv) * D]; None where
+        that kernel does not serve it."""
+        proj, w8 = self.qkv_proj, self.qkv_proj.fp8
+        kv = self.attn.kv_target(meta) if qkv_rope_usable(x, w8, self.head_dim) else None
+        if kv is None:
+            return None
+        return fp8_qkv_rope.qkv_rope(x, w8.q, w8.scale_row, proj.bias, w8.col_scale, positions,
+                                     self.rotary_emb.cos_sin_cache, proj.num_heads, proj.num_kv_heads,
+                                     self.head_dim, kv, row_scale_eps=fold_eps)
 
 
 class LlamaDecoderLayer(nn.Module):
