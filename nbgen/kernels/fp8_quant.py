@@ -8,12 +8,18 @@ one launch each:
   the epilogue of a unit-scale tensorwise GEMM (fp32 out) when the weight has one scale per output
   feature (cuBLAS's row-wise fp8 GEMM is slower than bf16 at a few rows; this pair is not); with
   ``accumulate`` it adds y into the residual stream in the same launch.
+- ``scale_add_quant(acc, sa, sw, into, col_scale)``: that residual add, and the updated stream's rows
+  quantized as ``quant_rowwise(into, col_scale)`` quantizes them (the input of the next folded linear), one
+  program a row holding the whole row: the stream is not read back by a second launch.
+
+``QuantizedRows`` hands quantized rows to the next product in place of its bf16 input.
 
 The quantizer rounds as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
 with IEEE divisions (``tl.div_rn``; Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +32,18 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 
 BLOCK = 2048         # columns a program rounds (and reduces per step of its amax loop)
 ONE_PROGRAM_ROWS = 256   # from this many rows on, one program quantizes a whole row
+ADD_QUANT_MAX_COLS = 16384   # scale_add_quant holds a whole row in one program's registers
+
+
+@dataclass
+class QuantizedRows:
+    """Activation rows quantized for cuBLAS's fp8 GEMM, handed to the next product in place of them:
+    ``q`` [M, K] e4m3, ``scale`` [M, 1] fp32 (row m ~ q[m] * scale[m]; of x * g where quantized with a
+    folded norm's column scale g); ``dtype`` the rows' own dtype (the product's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 if triton is not None:
     @triton.jit
@@ -72,6 +90,26 @@ if triton is not None:
             y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + y.to(dt).to(tl.float32)
         tl.store(y_ptrs, y.to(dt), mask=mask)
 
+    @triton.jit
+    def _scale_add_quant_kernel(acc_ptr, sa_ptr, sw_ptr, h_ptr, g_ptr, q_ptr, s_ptr, N, stride_am, stride_hm,
+                                stride_qm, BLOCK_N: tl.constexpr):
+        # one program a row, the whole row at once: h[row] += acc * sa * sw (as _scale_output_kernel's
+        # ACCUM), then the new row times g quantized as _quant_rowwise_kernel does (same fp32 operations)
+        row = tl.program_id(0).to(tl.int64)
+        rn = tl.arange(0, BLOCK_N)
+        mask = rn < N
+        acc = tl.load(acc_ptr + row * stride_am + rn, mask=mask, other=0.0)
+        y = acc * tl.load(sa_ptr + row) * tl.load(sw_ptr + rn, mask=mask, other=0.0)
+        h_ptrs = h_ptr + row * stride_hm + rn
+        dt = h_ptr.dtype.element_ty
+        h = (tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32) + y.to(dt).to(tl.float32)).to(dt)
+        tl.store(h_ptrs, h, mask=mask)
+        v = h.to(tl.float32) * tl.load(g_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+        s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+        q = tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * stride_qm + rn, q, mask=mask)
+        tl.store(s_ptr + row, s)
+
 
 def quant_rowwise(x: torch.Tensor, col_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] e4m3, s [M, 1] fp32), x[m] ~ q[m] * s[m]; ``col_scale`` [K] (a folded norm's
@@ -105,3 +143,21 @@ def scale_output(acc: torch.Tensor, sa: torch.Tensor, sw: torch.Tensor, bias: Op
                                    SA_PER_ROW=sa.dim() > 0, HAS_BIAS=bias is not None, ACCUM=accumulate,
                                    BLOCK_N=BLOCK)
     return out
+
+
+def scale_add_quant(acc: torch.Tensor, sa: torch.Tensor, sw: torch.Tensor, into: torch.Tensor,
+                    col_scale: torch.Tensor) -> QuantizedRows:
+    """``scale_output(acc, sa, sw, None, into.dtype, out=into, accumulate=True)`` (acc [M, N] fp32, sa
+    [M, 1], sw [1, N]), then the updated rows of ``into`` [M, N] (contiguous) quantized as
+    ``quant_rowwise(into, col_scale)`` does (col_scale [N]: a folded norm's weight) -> those rows; one
+    launch, the same bits as that pair. N at most ``ADD_QUANT_MAX_COLS``."""
+    M, N = into.shape
+    if N > ADD_QUANT_MAX_COLS:
+        raise ValueError(f"into has {N} columns; scale_add_quant takes at most {ADD_QUANT_MAX_COLS}")
+    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=into.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=into.device)
+    if M:
+        block = triton.next_power_of_2(N)
+        _scale_add_quant_kernel[(M,)](acc, sa, sw, into, col_scale, q, s, N, acc.stride(0), into.stride(0),
+                                      q.stride(0), BLOCK_N=block, num_warps=max(4, min(16, block // 512)))
+    return QuantizedRows(q, s, into.dtype)

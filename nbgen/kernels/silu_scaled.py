@@ -4,19 +4,30 @@ With the post-attention RMSNorm folded into gate|up (``nbgen.models.norm_fold``)
 the raw residual stream h, so gate and up still need each row's rsqrt(mean(h^2) + eps): this kernel
 applies it, rounds gate and up to the model dtype (as the projection of the normed stream is
 rounded) and computes silu(gate) * up. ``rms_scale`` is the same row scale in torch.
+
+``silu_mul_scaled_quant`` is the same kernel for an fp8 down projection on cuBLAS's path: it rounds each
+activation to the model dtype as above and writes it quantized per token (``kernels.fp8_quant``'s
+recipe: the row's amax over the whole intermediate row -> scale, e4m3 bytes), so the activation is
+never stored in the model dtype and the separate quantization launch is gone. ``silu_mul_quant`` does
+the same for an unfolded layer's plain SiLU-and-mul (``kernels.triton_norm.silu_and_mul``'s values).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from nbgen.kernels import pdl
+from nbgen.kernels import gpu_ops, pdl, triton_norm
+from nbgen.kernels.fp8_quant import QuantizedRows
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU installs without triton use the torch path
     triton = None
+
+ONE_BLOCK_MAX = 16384    # silu_mul_scaled_quant holds a token's activation row in one program up to this
 
 
 def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,6 +37,7 @@ def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 if triton is not None:
     from nbgen.kernels.qk_norm_rope import rnd, row_rms_scale
+    from nbgen.kernels.triton_norm import silu_mul_block
 
     @triton.jit
     def _silu_scaled_kernel(x_ptr, h_ptr, y_ptr, I, sx, sh, sy, eps, HID: tl.constexpr, HBLK: tl.constexpr,
@@ -43,34 +55,132 @@ if triton is not None:
         for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
             offs = c + tl.arange(0, BLOCK)
             m = offs < I
-            g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
-            # gate and up rounded to the model dtype (the normed stream's projection), then SiLU-and-mul
-            g = rnd(g * s, dt)
-            u = rnd(u * s, dt)
-            tl.store(y_ptr + t * sy + offs, (g / (1.0 + tl.exp(-g)) * u).to(dt), mask=m)
+            tl.store(y_ptr + t * sy + offs, _silu_block(x_ptr + t * sx, offs, m, I, s, dt, True), mask=m)
+
+    @triton.jit
+    def _silu_block(x_row, offs, m, I, s, dt: tl.constexpr, ROW_SCALE: tl.constexpr):
+        # one block of a token's activation in dt. ROW_SCALE: gate and up scaled by s and rounded to the
+        # model dtype (the normed stream's projection), then SiLU-and-mul rounded once; else the plain
+        # SiLU-and-mul of an unfolded layer (triton_norm's)
+        if ROW_SCALE:
+            g = rnd(tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32) * s, dt)
+            u = rnd(tl.load(x_row + I + offs, mask=m, other=0.0).to(tl.float32) * s, dt)
+            y = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+        else:
+            y = silu_mul_block(x_row, offs, m, I, dt)
+        return y
+
+    @triton.jit
+    def _silu_scaled_quant_kernel(x_ptr, h_ptr, q_ptr, qs_ptr, I, sx, sh, sq, eps, HID: tl.constexpr,
+                                  HBLK: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                                  ROW_SCALE: tl.constexpr, USE_PDL: tl.constexpr):
+        # program (token t, j) of P a token. ONE_BLOCK (BLOCK >= I, P = 1): the whole activation row at
+        # once (one round of loads). Else the row's amax block by block (each program of the token alike;
+        # masked columns are 0), then blocks j, j + P, ... recomputed and quantized with that scale.
+        # ROW_SCALE: the folded layer's activation (h's row scale), else the plain one (h unused)
+        t = tl.program_id(0).to(tl.int64)
+        if ROW_SCALE:
+            s = row_rms_scale(h_ptr + t * sh, HID, eps, HBLK)  # h: written before gate|up started
+        else:
+            s = 1.0
+        if USE_PDL:
+            pdl.gdc_wait()                                     # gate|up is the previous kernel's output
+            pdl.gdc_launch_dependents()
+        dt = x_ptr.dtype.element_ty
+        x_row = x_ptr + t * sx
+        if ONE_BLOCK:
+            offs = tl.arange(0, BLOCK)
+            m = offs < I
+            v = _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE).to(tl.float32)
+            qs = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+            tl.store(q_ptr + t * sq + offs, tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty),
+                     mask=m)
+        else:
+            amax = tl.zeros((BLOCK,), tl.float32)
+            for c in range(0, I, BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(_silu_block(x_row, offs, offs < I, I, s, dt, ROW_SCALE).to(tl.float32)))
+            qs = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
+            for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
+                offs = c + tl.arange(0, BLOCK)
+                m = offs < I
+                v = _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE).to(tl.float32)
+                q = tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+                tl.store(q_ptr + t * sq + offs, q, mask=m)
+        if tl.program_id(1) == 0:
+            tl.store(qs_ptr + t, qs)
 
 
 def silu_mul_scaled(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     """gate_up [T, 2I] projected from the un-normed stream h [T, H] -> [T, I] = silu(gate * s) * (up * s),
     s = rms_scale(h, eps) (one Triton kernel on CUDA, torch elsewhere)."""
-    T, I2 = gate_up.shape
-    I = I2 // 2
     if triton is None or not gate_up.is_cuda or gate_up.stride(1) != 1 or h.stride(1) != 1:
         s = rms_scale(h, eps)
         gate, up = (gate_up.float() * s).to(gate_up.dtype).chunk(2, dim=-1)
         return F.silu(gate) * up
+    return silu_mul_scaled_kernel(gate_up, h, eps)
+
+
+def silu_mul_scaled_kernel(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+    """``silu_mul_scaled`` through its Triton kernel (the caller checks Triton and unit column strides)."""
+    T, I2 = gate_up.shape
+    I = I2 // 2
     y = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
         return y
-    block = min(2048, triton.next_power_of_2(I))
-    while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
-        block //= 2
-    hid = h.shape[1]
+    block = _block(I)
     # decode sizes: a program per block (a short kernel); from 1 024 tokens on, one program a token
     # loops over the blocks and reads its row of h once (prefill: ~1/3 less traffic for Qwen3-0.6B)
     pdl.launch(_silu_scaled_kernel, (T, triton.cdiv(I, block) if T < 1024 else 1),
                (gate_up, h, y, I, gate_up.stride(0), h.stride(0), y.stride(0), float(eps)), gate_up.device,
-               HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block,
+               HID=h.shape[1], HBLK=min(1024, triton.next_power_of_2(h.shape[1])), BLOCK=block,
                num_warps=4 if block <= 1024 else 8)
     return y
+
+
+def silu_mul_scaled_quant(gate_up: torch.Tensor, h: torch.Tensor, eps: float) -> QuantizedRows:
+    """``silu_mul_scaled``'s activation [T, I] (the kernel's, rounded to gate_up's dtype) quantized per
+    token for an fp8 GEMM -> QuantizedRows (q [T, I] e4m3, scale [T, 1]): the bytes and scales that
+    ``kernels.fp8_quant.quant_rowwise`` gives for that activation, in one launch. Triton kernel only (the
+    caller checks Triton and unit column strides)."""
+    return _quant_launch(gate_up, h, eps)
+
+
+def silu_mul_quant(gate_up: torch.Tensor) -> QuantizedRows:
+    """``kernels.triton_norm.silu_and_mul``'s activation [T, I] quantized per token for an fp8 GEMM, as
+    ``silu_mul_scaled_quant`` (an unfolded layer's down_proj input), in one launch. Triton kernel only."""
+    return _quant_launch(gate_up, None, 0.0)
+
+
+def silu_mul_quant_usable(gate_up: torch.Tensor) -> bool:
+    """An unfolded layer's SiLU-and-mul of ``gate_up`` runs ``triton_norm``'s kernel (fused kernels on,
+    a row it serves), so ``silu_mul_quant`` quantizes the very values it would give."""
+    return triton is not None and gpu_ops.fused_enabled(gate_up) and gate_up.dim() == 2 and triton_norm.supported(gate_up)
+
+
+def _quant_launch(gate_up: torch.Tensor, h: Optional[torch.Tensor], eps: float) -> QuantizedRows:
+    T, I2 = gate_up.shape
+    I = I2 // 2
+    q = torch.empty((T, I), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    qs = torch.empty((T, 1), dtype=torch.float32, device=gate_up.device)
+    if T:
+        one = triton.next_power_of_2(I) <= ONE_BLOCK_MAX
+        # up to ONE_BLOCK_MAX columns: one program a token holding its row (16 warps: 32 values a thread
+        # at Llama-3.1-8B's I = 14 336). Wider: a program per block at a few rows, each reducing the whole
+        # row first (from the L2 cache); from 64 rows on, one program a token
+        block = triton.next_power_of_2(I) if one else _block(I)
+        per_token = 1 if one or T >= 64 else triton.cdiv(I, block)
+        hid = 1 if h is None else h.shape[1]
+        pdl.launch(_silu_scaled_quant_kernel, (T, per_token),
+                   (gate_up, gate_up if h is None else h, q, qs, I, gate_up.stride(0),   # h None: not read
+                    0 if h is None else h.stride(0), q.stride(0), float(eps)), gate_up.device,
+                   HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), BLOCK=block, ONE_BLOCK=one,
+                   ROW_SCALE=h is not None, num_warps=max(4, min(16, block // 1024)) if one else 8)
+    return QuantizedRows(q, qs, gate_up.dtype)
+
+
+def _block(I: int) -> int:
+    block = min(2048, triton.next_power_of_2(I))
+    while block > 256 and I % block:    # no half-empty last block (Qwen3-0.6B: I = 3 x 1024)
+        block //= 2
+    return block

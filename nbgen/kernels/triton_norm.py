@@ -64,11 +64,15 @@ if triton is not None:
             pdl.gdc_launch_dependents()
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < I
-        dt = y_ptr.dtype.element_ty
-        g = tl.load(x_ptr + t * sx + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + t * sx + I + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * sy + offs, silu_mul_block(x_ptr + t * sx, offs, m, I, y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def silu_mul_block(x_row, offs, m, I, dt: tl.constexpr):
+        """One block of a token's silu(gate) * up in dt, silu rounded before the product (HF's steps)."""
+        g = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_row + I + offs, mask=m, other=0.0).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(y_ptr + t * sy + offs, (a * u).to(dt), mask=m)
+        return (a * u).to(dt)
 
 
 def _launch_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, y: torch.Tensor, eps: float, add: bool) -> None:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from nbgen.kernels import fp8_gemm
-from nbgen.models.fp8_scaled import Fp8ScaledWeight, quantize_weight, scaled_linear
+from nbgen.models.fp8_scaled import Activation, Fp8ScaledWeight, QuantizedRows, quantize_weight, scaled_linear
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = fp8_gemm.FP8_MAX
@@ -77,11 +77,14 @@ def reference_matmul(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight,
     return y.to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, w: Union[Fp8Weight, Fp8ScaledWeight],
+def fp8_linear(x: Activation, w: Union[Fp8Weight, Fp8ScaledWeight],
                bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight (either form) -> [M, N] in x's dtype (into ``out``)."""
+    """x [M, K] (model dtype; quantized rows for the per-feature form only) @ the fp8 weight (either
+    form) -> [M, N] in x's dtype (into ``out``)."""
     if isinstance(w, Fp8ScaledWeight):
         return scaled_linear(x, w, bias, out=out)
+    if isinstance(x, QuantizedRows):
+        raise ValueError("x: quantized rows need a per-feature fp8 weight (Fp8ScaledWeight)")
     if fp8_gemm.usable(x):
         y = fp8_gemm.fp8_group_gemm(x, None, w.q, w.scale, bias, x.dtype)
     else:

@@ -24,6 +24,10 @@ norm's column scale applied inside it), then cuBLAS (``torch._scaled_mm``):
   cuBLAS's row-wise GEMM would take the scales itself but is slower than bf16 at a few rows and than
   this trio up to 64 rows, and with the residual add after it at every size (``nbgen.bench.fp8_kernels``).
 - more rows otherwise: the row-wise GEMM (scale_a [M, 1], scale_b [1, N]), into the caller's buffer.
+On this path a product may take its input already quantized (``kernels.fp8_quant.QuantizedRows``, where
+``quantized_input_usable``), from the launch that made it: a folded layer's o_proj residual add quantizes
+the updated stream for gate|up (``scaled_accumulate_quantized``), its SiLU-and-mul writes down_proj's
+input as e4m3 (``kernels.silu_scaled.silu_mul_scaled_quant``), each the bytes the quantizer would give.
 Elsewhere ``reference_matmul`` computes the same in fp32 torch (the reference the GPU tests compare
 with), so tests and notebooks run these models anywhere.
 """
@@ -31,16 +35,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from nbgen.kernels import fp8_qkv_rope, fp8_quant, fp8_row_gemv, fp8_small_gemm
+from nbgen.kernels.fp8_quant import QuantizedRows
 from nbgen.kernels.fp8_gemm import FP8_MAX, MIN_AMAX, usable as kernels_usable
 
 FP8 = torch.float8_e4m3fn
 SCALE_STEPS = 16            # candidate weight scales per octave (search_channel_scales)
 TENSORWISE_MAX_ROWS = 64    # steps up to this many rows take the tensorwise GEMM (else the row-wise one)
+Activation = Union[torch.Tensor, QuantizedRows]    # a product's input: rows, or rows already quantized
 
 
 @dataclass
@@ -113,8 +119,13 @@ def _fp8_capable(index: int) -> bool:
 def fp8_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
     """cuBLAS's fp8 GEMM takes this product: the Triton quantizers run, compute capability 8.9+, a bf16
     activation (the row-wise GEMM writes bf16 only), K and N multiples of 16."""
+    return _cublas_takes(x, w) and x.shape[1] % 16 == 0
+
+
+def _cublas_takes(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
+    # fp8_gemm_usable for x's rows (their device, dtype, layout), K checked on the weight
     return (kernels_usable(x) and x.dtype == torch.bfloat16 and _fp8_capable(x.device.index or 0)
-            and x.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
+            and w.q.shape[1] % 16 == 0 and w.q.shape[0] % 16 == 0)
 
 
 def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
@@ -122,10 +133,23 @@ def small_gemm_usable(x: torch.Tensor, w: Fp8ScaledWeight) -> bool:
     return fp8_small_gemm.usable(x, w.q) and _fp8_capable(x.device.index or 0)
 
 
-def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
+def quantized_input_usable(x: torch.Tensor, w: object) -> bool:
+    """A product of rows like x's (their count, device, dtype, unit column stride; x may be any tensor of
+    them) with ``w`` quantizes them in a launch of its own before cuBLAS, so it may take them as
+    ``QuantizedRows`` instead (quantized for w: of x * w.col_scale where w has one)."""
+    return (isinstance(w, Fp8ScaledWeight) and x.dim() == 2 and x.shape[0] > 0 and not small_gemm_usable(x, w)
+            and _cublas_takes(x, w))
+
+
+def scaled_accumulate(x: Activation, w: object, into: torch.Tensor) -> bool:
     """into += x @ the fp8 weight (no bias), in place (the residual add of a folded layer's o_proj /
     down_proj): the streaming kernel's epilogue at a few rows, the GEMM's above -> True; False where
-    neither takes it."""
+    neither takes it (never for ``QuantizedRows``, which only ``quantized_input_usable`` products get)."""
+    if isinstance(x, QuantizedRows):
+        if not isinstance(w, Fp8ScaledWeight) or into.dtype != x.dtype or not into.is_contiguous():
+            raise ValueError("x: quantized rows need an fp8 weight and a contiguous stream of their dtype")
+        _gemm(x.q, x.scale, w, None, x.dtype, out=into, accumulate=True)
+        return True
     if not isinstance(w, Fp8ScaledWeight) or into.dtype != x.dtype or not into.is_contiguous():
         return False
     if small_gemm_usable(x, w):
@@ -136,6 +160,21 @@ def scaled_accumulate(x: torch.Tensor, w: object, into: torch.Tensor) -> bool:
     xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
     _gemm(xq, sa, w, None, x.dtype, out=into, accumulate=True)
     return True
+
+
+def scaled_accumulate_quantized(x: torch.Tensor, w: object, into: torch.Tensor,
+                                then: object) -> Optional[QuantizedRows]:
+    """``scaled_accumulate(x, w, into)`` whose residual-add launch also quantizes the updated rows of
+    ``into`` for the product with ``then`` (a folded norm's linear: of into * then.col_scale) -> those
+    rows, the bytes ``quant_rowwise`` would give; None where this fused path does not apply (nothing
+    done: the caller adds and quantizes its own way)."""
+    if not (quantized_input_usable(x, w) and quantized_input_usable(into, then) and then.col_scale is not None
+            and x.shape[1] % 16 == 0 and into.dtype == x.dtype and into.is_contiguous()
+            and into.shape[1] <= fp8_quant.ADD_QUANT_MAX_COLS):
+        return None
+    xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
+    acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
+    return fp8_quant.scale_add_quant(acc, sa, w.scale_row, into, then.col_scale)
 
 
 def scaled_silu_mul(h: torch.Tensor, w: object, eps: float) -> Optional[torch.Tensor]:
@@ -155,10 +194,12 @@ def qkv_rope_usable(x: torch.Tensor, w: object, head_dim: int) -> bool:
             and fp8_qkv_rope.usable(x, w.q, head_dim))
 
 
-def scaled_linear(x: torch.Tensor, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None,
+def scaled_linear(x: Activation, w: Fp8ScaledWeight, bias: Optional[torch.Tensor] = None,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (model dtype) @ the fp8 weight -> [M, N] in x's dtype (see the module docstring), into
-    ``out`` when given. Graph-capturable: every scale stays on the device."""
+    """x [M, K] (model dtype, or ``QuantizedRows`` for w) @ the fp8 weight -> [M, N] in x's dtype (see
+    the module docstring), into ``out`` when given. Graph-capturable: every scale stays on the device."""
+    if isinstance(x, QuantizedRows):
+        return _gemm(x.q, x.scale, w, bias.to(x.dtype) if bias is not None else None, x.dtype, out=out)
     m = x.shape[0]
     if m == 0:
         return x.new_empty((0, w.q.shape[0])) if out is None else out

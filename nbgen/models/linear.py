@@ -19,7 +19,8 @@ from nbgen.kernels import small_gemm
 from nbgen.models import all_reduce, cpu_int4
 from nbgen.models.cpu_int4 import Int4Weight
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear
-from nbgen.models.fp8_scaled import Fp8ScaledWeight, scaled_accumulate
+from nbgen.models.fp8_scaled import (Activation, Fp8ScaledWeight, QuantizedRows, quantized_input_usable,
+                                     scaled_accumulate, scaled_accumulate_quantized)
 
 _TP = (1, 0)  # (tp_size, tp_rank) of this process
 
@@ -133,9 +134,10 @@ class LinearBase(nn.Module):
             self.weight.data = self.dense_weight()
             self.packed = self.int4 = None
 
-    def _mm(self, x: torch.Tensor, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _mm(self, x: Activation, bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.fp8 is not None:
             return fp8_linear(x, self.fp8, bias, out=out)
+        assert not isinstance(x, QuantizedRows), "quantized rows go to fp8 weights only (takes_quantized)"
         if out is not None:
             # into the caller's buffer (piecewise prefill graphs keep q/k/v in a static one): the same
             # cuBLAS call F.linear makes (addmm / mm with the transposed weight)
@@ -149,16 +151,35 @@ class LinearBase(nn.Module):
             return small_gemm.small_gemm(x, self.weight, bias)    # decode batch of a few rows
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [T, in] -> [T, out]; ``out``: a [T, out] buffer to write into (CUDA, cuBLAS path)."""
+    def forward(self, x: Activation, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [T, in] (or its rows quantized, where ``takes_quantized``) -> [T, out]; ``out``: a [T, out]
+        buffer to write into (CUDA, cuBLAS path)."""
         y = self._mm(x, self.bias, out)
         if self.lora is not None and self.lora.active:
             self.lora(x, y)
         return y
 
-    def accumulate(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    def takes_quantized(self, x: torch.Tensor) -> bool:
+        """This linear (fp8, no bias, no active adapter) may take rows like x's (count, device, dtype) as
+        ``QuantizedRows`` in ``forward`` / ``accumulate``: its product quantizes them before cuBLAS."""
+        return self.bias is None and not self.lora_active and quantized_input_usable(x, self.fp8)
+
+    def accumulate_quantized(self, x: torch.Tensor, into: torch.Tensor,
+                             then: LinearBase) -> Optional[QuantizedRows]:
+        """``accumulate(x, into)``, and where one launch can do both, the updated rows of ``into``
+        quantized for ``then`` (the next fp8 linear, taking them in ``forward``) -> those rows, else None
+        (``into`` is updated either way)."""
+        if get_tp()[0] == 1 and self.bias is None and not self.lora_active and then.takes_quantized(into):
+            rows = scaled_accumulate_quantized(x, self.fp8, into, then.fp8)
+            if rows is not None:
+                return rows
+        self.accumulate(x, into)
+        return None
+
+    def accumulate(self, x: Activation, into: torch.Tensor) -> torch.Tensor:
         """into += x @ W.T (+ b), in place: a residual add folded into the projection (one launch on
-        CUDA: the streaming kernel's epilogue at a few rows, else cuBLAS with beta = 1)."""
+        CUDA: the streaming kernel's epilogue at a few rows, else cuBLAS with beta = 1). ``x`` may be
+        quantized rows where ``takes_quantized``."""
         if get_tp()[0] != 1:
             raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
         lora = self.lora is not None and self.lora.active
@@ -251,19 +272,19 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * n, n)
         default_weight_loader(param, loaded)
 
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+    def _partial(self, x: Activation) -> torch.Tensor:
         """[T, out] this rank's partial product (its input features; the active adapter's share added)."""
         y = self._mm(x, None)
         if self.lora is not None and self.lora.active:
             self.lora(x, y)
         return y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         y = tp_all_reduce(self._partial(x), self.tp_size)
         # bias once, after the sum (not once per rank)
         return y + self.bias if self.bias is not None else y
 
-    def accumulate(self, x: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    def accumulate(self, x: Activation, into: torch.Tensor) -> torch.Tensor:
         """into += x @ W.T (+ b) over the whole input: at tp_size > 1 each rank's partial product is summed
         over the ranks straight into ``into`` (the all-reduce adds it: ``all_reduce.all_reduce_add``)."""
         if self.tp_size == 1:

@@ -13,7 +13,9 @@ from nbgen.attention.base import Attention
 from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels import fp8_qkv_rope, small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
-from nbgen.kernels.silu_scaled import rms_scale, silu_mul_scaled
+from nbgen.kernels.fp8_quant import QuantizedRows
+from nbgen.kernels.silu_scaled import (rms_scale, silu_mul_quant, silu_mul_quant_usable, silu_mul_scaled,
+                                      silu_mul_scaled_quant)
 from nbgen.models.fp8_scaled import qkv_rope_usable, scaled_silu_mul
 from nbgen.models.layers import (
     MergedColumnParallelLinear,
@@ -49,18 +51,26 @@ class LlamaMLP(nn.Module):
         if gate_up.bias is None and not gate_up.lora_active and small_gemm.usable(x, gate_up.weight):
             # decode of a few rows: SiLU-and-mul in the matmul's epilogue ([T, 2I] never stored)
             return self.down_proj(small_gemm.small_gemm(x, gate_up.weight, silu_mul=True))
-        return self.down_proj(self.act_fn(gate_up(x)))                # [T, H] -> [T, 2I] -> [T, I] -> [T, H]
+        gu = gate_up(x)                                                # [T, H] -> [T, 2I]
+        if self.down_proj.takes_quantized(gu) and silu_mul_quant_usable(gu):   # fp8 down_proj: SiLU writes e4m3
+            return self.down_proj(silu_mul_quant(gu))
+        return self.down_proj(self.act_fn(gu))                         # [T, 2I] -> [T, I] -> [T, H]
 
-    def forward_folded(self, h: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward_folded(self, h: torch.Tensor, eps: float, hq: Optional[QuantizedRows] = None) -> torch.Tensor:
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
-        norm weight is in gate|up; the MLP's output is added into h in place -> h."""
+        norm weight is in gate|up; the MLP's output is added into h in place -> h. ``hq``: h's rows
+        already quantized for gate|up (``LinearBase.accumulate_quantized``)."""
         w = self.gate_up_proj.weight
-        if not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # row scale, SiLU in the epilogue
+        if hq is None and not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
         else:   # fp8 at one row: SiLU in the one-row kernel's epilogue
-            act = None if self.gate_up_proj.lora_active else scaled_silu_mul(h, self.gate_up_proj.fp8, eps)
+            one_row = hq is None and not self.gate_up_proj.lora_active
+            act = scaled_silu_mul(h, self.gate_up_proj.fp8, eps) if one_row else None
             if act is None:
-                act = silu_mul_scaled(self.gate_up_proj(h), h, eps)
+                gate_up = self.gate_up_proj(h if hq is None else hq)          # [T, 2I]
+                # down_proj quantizes its input for cuBLAS: the SiLU kernel writes it so ([T, I] e4m3)
+                fused = self.down_proj.takes_quantized(gate_up) and gate_up.stride(1) == 1 and h.stride(1) == 1
+                act = silu_mul_scaled_quant(gate_up, h, eps) if fused else silu_mul_scaled(gate_up, h, eps)
         return self.down_proj.accumulate(act, h)
 
 
@@ -170,9 +180,9 @@ class LlamaDecoderLayer(nn.Module):
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP. Folded: both
         outputs go into the residual stream in place -> (None, residual)."""
-        if self.folded:
-            self.self_attn.o_proj.accumulate(attn, residual)
-            return None, self.mlp.forward_folded(residual, self.post_attention_layernorm.eps)
+        if self.folded:     # o_proj's residual add also quantizes the stream for gate|up where it can
+            hq = self.self_attn.o_proj.accumulate_quantized(attn, residual, self.mlp.gate_up_proj)
+            return None, self.mlp.forward_folded(residual, self.post_attention_layernorm.eps, hq)
         x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
 
