@@ -49,6 +49,7 @@ class Constraints:
         self.device = torch.device(device)
         self._host: Optional[Tensor] = None      # int32 [rows, ceil(tokenizer vocab/32)] (pinned on CUDA)
         self._batch_matcher: Optional[Any] = None
+        self._threads = 0                        # the batch matcher's thread count (``grammar_threads``)
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
         self._head_bitmask: Optional[DeviceBitmask] = None   # the masked heads' input (``use_head_bitmask``)
@@ -127,8 +128,9 @@ class Constraints:
         import xgrammar as xgr
 
         if len(rows) >= BATCH_FILL_MIN:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(grammar_threads())
+            threads = grammar_threads()          # read per fill: a changed setting applies at the next one
+            if self._batch_matcher is None or threads != self._threads:
+                self._batch_matcher, self._threads = xgr.BatchGrammarMatcher(threads), threads
             fill_bitmask(self._batch_matcher, states, bm, rows)
         else:
             for i, g in zip(rows, states):
@@ -145,10 +147,7 @@ class Constraints:
         matchers must not be touched until the job is waited for (the sampler does).
         """
         # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
-        rows, states, greedy = live_rows(seqs)
-        if skip:
-            kept = [k for k, s in enumerate(states) if id(s) not in skip]
-            rows, states = [rows[k] for k in kept], [states[k] for k in kept]
+        rows, states, greedy = live_rows(seqs, skip)
         if not rows:
             return None
         vocab = states[0].vocab

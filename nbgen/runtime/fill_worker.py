@@ -8,7 +8,8 @@ token; the loop thread changes a matcher only while no job is queued (``drain`` 
 A job starts only once the worker holds the GIL. While the loop thread runs Python it keeps the GIL
 until its next blocking call or the interpreter's switch interval (5 ms), so ``submit`` blocks (GIL
 released) until the job started running; the job's Python before it enters xgrammar is then short.
-A step's accepts from 128 rows run as two halves at once, one in a side thread. On CUDA the worker
+A step's accepts from 128 rows run as two halves at once, one in a side thread; the loop thread
+wakes both threads together and waits once. On CUDA the worker
 also queues the filled bitmask's copy to the device on a side stream (``copy_out``), so the copy
 runs beside the queued forward instead of before the sampling; a greedy step's rows go into the masked
 greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is the
@@ -96,16 +97,19 @@ class FillWorker:
 
     def submit(self, fn: Callable[[], Any]) -> cf.Future:
         """Run fn in the worker thread after the jobs queued before it; returns once it started."""
+        fut, started = _queue(self._worker_pool(), fn)
+        started.wait()
+        return fut
+
+    def _worker_pool(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        return _started(self._pool, fn)
+        return self._pool
 
-    def beside(self, fn: Callable[[], Any]) -> cf.Future:
-        """Run fn in the side thread now, beside whatever the worker runs (a part of the job queued
-        next, which waits for it); returns once it started."""
+    def _side_pool(self) -> cf.ThreadPoolExecutor:
         if self._side is None:
             self._side = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-side")
-        return _started(self._side, fn)
+        return self._side
 
     def accept(self, handles: list[Any], toks: list[int]) -> cf.Future:
         """Queue the matchers ``handles`` (FFI objects) accepting ``toks`` (``accept_handles``); the
@@ -115,7 +119,7 @@ class FillWorker:
         if len(handles) < 2 * SPLIT_ACCEPT_MIN:
             return self.submit(lambda: accept_handles(handles, toks))
         h = len(handles) // 2
-        side = self.beside(lambda: accept_handles(handles[h:], toks[h:]))
+        side, side_started = _queue(self._side_pool(), lambda: accept_handles(handles[h:], toks[h:]))
 
         def both() -> Optional[set[int]]:
             bad, more = accept_handles(handles[:h], toks[:h]), side.result()
@@ -123,7 +127,10 @@ class FillWorker:
                 bad = (bad or set()) | {h + k for k in more}
             return bad
 
-        return self.submit(both)
+        fut, started = _queue(self._worker_pool(), both)
+        side_started.wait()             # both threads wake at once: one wake-up on this thread's path
+        started.wait()
+        return fut
 
     def drain(self) -> None:
         """Wait until every job queued so far ran (then the loop thread may change matchers)."""
@@ -179,14 +186,13 @@ class DeviceBitmask:
         self._read.record(torch.cuda.current_stream(self.words.device))
 
 
-def _started(pool: cf.ThreadPoolExecutor, fn: Callable[[], Any]) -> cf.Future:
-    """Submit fn to pool; return once it started running (the calling thread blocks, GIL released)."""
+def _queue(pool: cf.ThreadPoolExecutor, fn: Callable[[], Any]) -> tuple[cf.Future, threading.Event]:
+    """Submit fn to pool -> (its future, an event set as it starts running): the caller waits on the
+    event (GIL released) so the thread holds the GIL when it enters fn."""
     started = threading.Event()
 
     def work() -> Any:
         started.set()
         return fn()
 
-    fut = pool.submit(work)
-    started.wait()
-    return fut
+    return pool.submit(work), started
