@@ -122,19 +122,19 @@ class Constraints:
             self._host = t.pin_memory() if self.device.type == "cuda" else t
         return self._host
 
-    def _fill(self, rows: list[int], states: list, bm: Tensor) -> None:
+    def _fill(self, rows: list[int], states: list, bm: Tensor) -> Optional[list[Any]]:
         """Fill the bitmask rows ``rows`` from their GrammarStates (xgrammar's thread pool for large
-        batches)."""
+        batches); -> the states' matcher handles where the batch fill built them, else None."""
         import xgrammar as xgr
 
         if len(rows) >= BATCH_FILL_MIN:
             threads = grammar_threads()          # read per fill: a changed setting applies at the next one
             if self._batch_matcher is None or threads != self._threads:
                 self._batch_matcher, self._threads = xgr.BatchGrammarMatcher(threads), threads
-            fill_bitmask(self._batch_matcher, states, bm, rows)
-        else:
-            for i, g in zip(rows, states):
-                g.fill(bm, i)
+            return fill_bitmask(self._batch_matcher, states, bm, rows)
+        for i, g in zip(rows, states):
+            g.fill(bm, i)
+        return None
 
     def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(),
                    queued: bool = False) -> Optional[FillJob]:
@@ -165,7 +165,7 @@ class Constraints:
             head = None
 
         def work() -> None:
-            self._fill(rows, states, bm)
+            job.handles = self._fill(rows, states, bm)
             if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
                 job.device_copy = self._worker.copy_out(bm[:n], head, vocab)
 
@@ -178,18 +178,20 @@ class Constraints:
         Rows of requests that jumped forward after the step was scheduled are left out (the walk
         skips their token; their matchers stay as the jump left them for the next fill). The
         matchers must not be touched until ``StepGrammar.settle`` read the job."""
-        states, rows = fill.states, fill.rows
+        states, rows, handles = fill.states, fill.rows, fill.handles
         if fill.future is None or states is None or not self._worker.started or not binding_ready():
             return None
         if states[0].jumper is not None and fill.seqs is not None:
             seqs = fill.seqs
             keep = [k for k, i in enumerate(rows) if _kept(seqs[i], i)]
             if len(keep) != len(rows):
-                states, rows = [states[k] for k in keep], [rows[k] for k in keep]
-        handles = [s.handle for s in states]
-        if None in handles:
-            return None
-        toks = [tokens[i] for i in rows]
+                states, rows, handles = [states[k] for k in keep], [rows[k] for k in keep], None
+        if handles is None:                     # the fill's list (the common step) is reused as it is
+            handles = [s.handle for s in states]
+            if None in handles:
+                return None
+        # rows: increasing sampling rows, so as many as tokens means every row in order
+        toks = tokens if len(rows) == len(tokens) else [tokens[i] for i in rows]
         return AcceptJob(states, self._worker.accept(handles, toks), self._worker.drain)
 
     def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:

@@ -44,6 +44,7 @@ class FillJob:
     device_copy: Optional[tuple[Tensor, Any]] = None
     states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
     seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
+    handles: Optional[list[Any]] = None   # the states' matcher FFI handles, set by the worker's fill
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
         """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the

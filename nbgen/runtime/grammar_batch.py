@@ -272,12 +272,14 @@ def _argmax_row(g: Any, req: Any) -> bool:
     return g.plain if g.plain is not None else g.plain_greedy(req)
 
 
-def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> None:
+def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> Optional[list[Any]]:
     """Fill ``rows`` of an int32 [>= B, ceil(vocab/32)] host bitmask from the states' matchers with
-    xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills)."""
+    xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills);
+    -> the matchers' FFI handles it used (the step's accept takes them again), or None."""
     handle = getattr(batch_matcher, "_handle", None)
     handles = [s.handle for s in states]   # built while the worker holds the GIL: one comprehension
     if handle is None or None in handles:
         batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
-    else:       # the wrapper would build the handle list again
-        handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)
+        return None
+    handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)   # the wrapper would build the list again
+    return handles
