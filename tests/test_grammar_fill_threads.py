@@ -101,3 +101,42 @@ def test_live_rows_skip_leaves_states_out_in_one_pass(compiled):
     rows, got, greedy = live_rows(seqs + [_seq(sampled, temperature=0.7)], frozenset({id(sampled)}))
     assert rows == [0, 2, 3, 4] and greedy is False
     assert live_rows(seqs, frozenset(id(s) for s in states)) == ([], [], True)
+
+
+def _allowed(state: GrammarState) -> list[int]:
+    bm = xgr.allocate_token_bitmask(1, len(VOCAB))
+    state.fill(bm, 0)
+    words = bm[0].tolist()
+    return [t for t in range(len(VOCAB)) if (words[t // 32] >> (t % 32)) & 1]
+
+
+@pytest.mark.parametrize("parts,extra", [(3, 5), (4, 0), (4, 70)])
+def test_accept_split_in_parts_reports_refused_rows_of_every_part(monkeypatch, compiled, parts, extra):
+    """FillWorker.accept over parts x SPLIT_ACCEPT_MIN (+ extra) rows runs them in ``parts`` threads at
+    once (``ACCEPT_PARTS``): the refused positions of every part come back at their place in the step,
+    every other matcher took its token, each side thread ran a part, and a job queued next runs after
+    them all."""
+    import threading
+
+    from nbgen.runtime import fill_worker as fw
+
+    monkeypatch.setattr(fw, "SPLIT_ACCEPT_MIN", 16)
+    monkeypatch.setattr(fw, "ACCEPT_PARTS", parts)
+    real, sides = fw.accept_handles, []
+
+    def counted(handles, toks):
+        if threading.current_thread().name.startswith("nbgen-grammar-side"):
+            sides.append(len(handles))
+        return real(handles, toks)
+    monkeypatch.setattr(fw, "accept_handles", counted)
+    n = parts * 16 + extra
+    states = [_state(compiled) for _ in range(n)]
+    brace, bad = VOCAB.index("{"), VOCAB.index("a")        # "a" cannot start a JSON object
+    refuse = {0, n // parts + 1, n - 1, n // 2}
+    toks = [bad if k in refuse else brace for k in range(n)]
+    worker = fw.FillWorker(torch.device("cpu"))
+    job = worker.accept([s.handle for s in states], toks)
+    after = worker.submit(lambda: [VOCAB.index('"') in _allowed(s) for s in states])
+    assert job.result() == refuse
+    assert after.result() == [k not in refuse for k in range(n)]
+    assert len(sides) == min(parts, n // 16) - 1 and sum(sides) == n - n // min(parts, n // 16)

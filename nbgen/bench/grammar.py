@@ -204,7 +204,7 @@ def main() -> None:
     consistent = grammar_consistent(eng, last["json"], SCHEMA)
     lens = sorted(o["meta_info"]["completion_tokens"] for o in last["json"])
     print(f"json/free throughput: best pair {100 * ratio:.1f}%, median {100 * ratio_median:.1f}% "
-          f"({args.repeats} runs each); constrained outputs: "
+          f"({len(rows['json'])} runs each); constrained outputs: "
           f"{valid['complete']}/{args.num} completed the grammar, {valid['valid']} of those valid; "
           f"{consistent} accepted token by token by a fresh matcher; "
           f"completion tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}")

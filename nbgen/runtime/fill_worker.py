@@ -8,8 +8,8 @@ token; the loop thread changes a matcher only while no job is queued (``drain`` 
 A job starts only once the worker holds the GIL. While the loop thread runs Python it keeps the GIL
 until its next blocking call or the interpreter's switch interval (5 ms), so ``submit`` blocks (GIL
 released) until the job started running; the job's Python before it enters xgrammar is then short.
-A step's accepts from 128 rows run as two halves at once, one in a side thread; the loop thread
-wakes both threads together and waits once. On CUDA the worker
+A step's accepts from 128 rows run in parts at once, beside the worker in side threads; the loop
+thread wakes every part's thread together and waits once. On CUDA the worker
 also queues the filled bitmask's copy to the device on a side stream (``copy_out``), so the copy
 runs beside the queued forward instead of before the sampling; a greedy step's rows go into the masked
 greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is the
@@ -28,7 +28,8 @@ from torch import Tensor
 from nbgen.core.batch import SeqWork
 from nbgen.runtime.grammar_batch import accept_handles
 
-SPLIT_ACCEPT_MIN = 64  # rows in each half of a step's accept split over two threads
+SPLIT_ACCEPT_MIN = 64  # rows at least in each part of a step's accept split over threads
+ACCEPT_PARTS = 2       # parts at most of a step's accept (the first in the worker, the others in side threads)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class FillWorker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: Optional[cf.ThreadPoolExecutor] = None
-        self._side: Optional[cf.ThreadPoolExecutor] = None   # runs part of a job beside the worker
+        self._sides: list[cf.ThreadPoolExecutor] = []   # each runs one part of a split job beside the worker
         self._stream: Optional[Any] = None         # CUDA: the bitmask copies' side stream
 
     @property
@@ -107,29 +108,38 @@ class FillWorker:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
         return self._pool
 
-    def _side_pool(self) -> cf.ThreadPoolExecutor:
-        if self._side is None:
-            self._side = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-side")
-        return self._side
+    def _side_pool(self, k: int) -> cf.ThreadPoolExecutor:
+        """Side thread k (started on first use): runs one part of a split job beside the worker."""
+        while len(self._sides) <= k:
+            self._sides.append(cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-side"))
+        return self._sides[k]
 
     def accept(self, handles: list[Any], toks: list[int]) -> cf.Future:
         """Queue the matchers ``handles`` (FFI objects) accepting ``toks`` (``accept_handles``); the
-        future gives None or the refused positions. From 2 x SPLIT_ACCEPT_MIN rows half of them run
-        in the side thread at the same time (xgrammar's accept is a loop over the rows); the worker's
-        half waits for it, so a fill queued behind the job sees every token accepted."""
-        if len(handles) < 2 * SPLIT_ACCEPT_MIN:
+        future gives None or the refused positions. From 2 x SPLIT_ACCEPT_MIN rows they split into up to
+        ACCEPT_PARTS parts of at least SPLIT_ACCEPT_MIN rows run at the same time (xgrammar's accept is a
+        loop over the rows), the first in the worker, which then waits for the others' results, so a fill
+        queued behind the job sees every token accepted. The loop thread wakes every part's thread at
+        once and waits once for them all to start."""
+        n = len(handles)
+        parts = min(ACCEPT_PARTS, n // SPLIT_ACCEPT_MIN)
+        if parts < 2:
             return self.submit(lambda: accept_handles(handles, toks))
-        h = len(handles) // 2
-        side, side_started = _queue(self._side_pool(), lambda: accept_handles(handles[h:], toks[h:]))
+        cut = [n * k // parts for k in range(parts + 1)]       # part k: rows [cut[k], cut[k + 1])
+        sides = [_queue(self._side_pool(k - 1), lambda a=cut[k], b=cut[k + 1]: accept_handles(handles[a:b], toks[a:b]))
+                 for k in range(1, parts)]
 
-        def both() -> Optional[set[int]]:
-            bad, more = accept_handles(handles[:h], toks[:h]), side.result()
-            if more:
-                bad = (bad or set()) | {h + k for k in more}
+        def all_parts() -> Optional[set[int]]:
+            bad = accept_handles(handles[:cut[1]], toks[:cut[1]])
+            for (side, _), start in zip(sides, cut[1:]):
+                more = side.result()
+                if more:
+                    bad = (bad or set()) | {start + k for k in more}
             return bad
 
-        fut, started = _queue(self._worker_pool(), both)
-        side_started.wait()             # both threads wake at once: one wake-up on this thread's path
+        fut, started = _queue(self._worker_pool(), all_parts)
+        for _, side_started in sides:
+            side_started.wait()
         started.wait()
         return fut
 
