@@ -211,7 +211,7 @@ class OverlapStepper:
         toks = self.runner.resolve(launched)
         # the constrained rows' matchers take their tokens in the worker while the rows are walked
         accepted = None if fill is None else self.runner.sampler.constraints.accept_async(
-            fill, [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
+            fill, toks if sampled == len(toks) else [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
         rows = RowsResolved(lambda req, reason: self._end(req, reason, changed, listed),
