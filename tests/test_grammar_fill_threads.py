@@ -140,3 +140,33 @@ def test_accept_split_in_parts_reports_refused_rows_of_every_part(monkeypatch, c
     assert job.result() == refuse
     assert after.result() == [k not in refuse for k in range(n)]
     assert len(sides) == min(parts, n // 16) - 1 and sum(sides) == n - n // min(parts, n // 16)
+
+
+def test_fill_from_rows_gathered_earlier_equals_a_fresh_gather(compiled):
+    """``fill_async(live=...)``: rows gathered before the step's tokens arrived (the overlap stepper does it
+    during the device wait), the skip set left out then, fill the same rows with the same masks as a fill
+    that gathers them itself; with nothing to skip the gathered lists are used as they are."""
+    rng = random.Random(5)
+    n = BATCH_FILL_MIN + 6
+    cons = Constraints(len(VOCAB), torch.device("cpu"))
+    seqs = [_seq(_state(compiled)) for _ in range(n)]
+    done = _state(compiled)
+    done.done = True
+    seqs[4] = _seq(done)
+    for s in seqs:                                   # a different state each row
+        g = s.req.grammar
+        if not g.done:
+            for _ in range(rng.randrange(3)):
+                assert g.accept(rng.choice([t for t in _allowed(g) if t != EOS]))
+    skip = frozenset({id(seqs[1].req.grammar), id(seqs[n - 1].req.grammar)})
+    for sk in (skip, frozenset()):
+        live = live_rows(seqs)
+        a = cons.fill_async(seqs, sk, live=live)
+        a.wait()
+        got = (list(a.rows), a.greedy, a.bitmask[:n].clone())
+        b = cons.fill_async(seqs, sk)
+        b.wait()
+        assert got[0] == b.rows and got[1] == b.greedy and torch.equal(got[2][b.rows], b.bitmask[:n][b.rows])
+        want = [k for k in range(n) if k != 4 and id(seqs[k].req.grammar) not in sk]
+        assert b.rows == want and a.states == b.states
+    assert a.rows is live[0]

@@ -136,18 +136,26 @@ class Constraints:
             g.fill(bm, i)
         return None
 
-    def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(),
-                   queued: bool = False) -> Optional[FillJob]:
+    def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(), queued: bool = False,
+                   live: Optional[tuple[list[int], list[Any], bool]] = None) -> Optional[FillJob]:
         """Start filling the bitmask rows of seqs' live grammar requests in the worker thread.
 
         Call after the matchers accepted every earlier token, or once their accepts are queued in the
         worker (``accept_async``: the fill runs after them); ``skip``: ids of GrammarStates left
         out (their grammar completes with the token being accepted); ``queued``: only in the worker
         (None where the rows are too few for it: they would be filled here, beside the accepts). The
-        matchers must not be touched until the job is waited for (the sampler does).
+        matchers must not be touched until the job is waited for (the sampler does). ``live``: seqs'
+        ``live_rows`` gathered earlier (no grammar completed since), ``skip`` still to leave out.
         """
         # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
-        rows, states, greedy = live_rows(seqs, skip)
+        if live is None:
+            rows, states, greedy = live_rows(seqs, skip)
+        else:
+            rows, states, greedy = live
+            if skip:
+                keep = [k for k, g in enumerate(states) if id(g) not in skip]
+                if len(keep) != len(states):
+                    rows, states = [rows[k] for k in keep], [states[k] for k in keep]
         if not rows:
             return None
         vocab = states[0].vocab
