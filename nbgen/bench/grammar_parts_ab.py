@@ -3,7 +3,9 @@
 The engine, prompts and warm-up of ``bench.grammar``; then for each setting in turn (``--parts``,
 repeated ``--rounds`` times), a free and a json run (256 greedy requests x 256 tokens), each run's
 tok/s, host ms per step and phases, and per setting the median json/free ratio. Sets the module
-constant ``fill_worker.ACCEPT_PARTS`` between runs (the engine idle).
+constant ``fill_worker.ACCEPT_PARTS`` between runs (the engine idle); a setting ending in ``c``
+(``2c``) also has the loop thread queue the bitmask's copy to the GPU at sampling instead of the fill
+worker on its side stream (the worker's ``copy_out`` answers None).
 """
 from __future__ import annotations
 
@@ -42,11 +44,14 @@ def main() -> None:
     eng.loop.call(lambda: setattr(service, "jumper", None))
     _run(eng, prompts, {**json_sp, "max_new_tokens": 16})
     timer, phases = StepTimer(eng), PhaseTimer(eng)
-    settings = [int(p) for p in args.parts.split(",")]
-    got: dict[int, list[tuple[float, float]]] = {p: [] for p in settings}
+    settings = args.parts.split(",")
+    got: dict[str, list[tuple[float, float]]] = {p: [] for p in settings}
+    worker = eng.loop.runner.sampler.constraints._worker
+    copy_out = worker.copy_out
     for _ in range(args.rounds):
         for parts in settings:
-            fill_worker.ACCEPT_PARTS = parts
+            fill_worker.ACCEPT_PARTS = int(parts.rstrip("c"))
+            worker.copy_out = (lambda *a, **k: None) if parts.endswith("c") else copy_out
             tps, host = {}, 0.0
             for kind, sp in (("free", base), ("json", json_sp)):
                 timer.reset()
