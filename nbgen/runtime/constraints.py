@@ -18,7 +18,7 @@ a step is a greedy constrained row with nothing else to apply (the common extrac
 sampler takes the tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask
 beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python). On a
 CUDA decode graph step the runner replays the masked greedy head instead (runtime/greedy_heads.py): the
-worker copies such a fill into the heads' static bitmask (``use_head_bitmask``).
+sampling queues such a fill's copy into the heads' static bitmask (``FillJob.into``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.fill_worker import DeviceBitmask, FillJob, FillWorker
+from nbgen.runtime.fill_worker import FillJob, FillWorker
 from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
@@ -52,12 +52,6 @@ class Constraints:
         self._threads = 0                        # the batch matcher's thread count (``grammar_threads``)
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
-        self._head_bitmask: Optional[DeviceBitmask] = None   # the masked heads' input (``use_head_bitmask``)
-
-    def use_head_bitmask(self, target: Optional[DeviceBitmask]) -> None:
-        """The worker copies the fills of greedy steps (``FillJob.greedy``) that fit it into ``target`` (the
-        masked greedy heads' static bitmask) instead of a new device tensor; None: new tensors again."""
-        self._head_bitmask = target
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -166,16 +160,9 @@ class Constraints:
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
         job = FillJob(rows, bm, None, vocab, greedy, states=states, seqs=seqs)
-        n = len(seqs)
-
-        head = self._head_bitmask if greedy else None
-        if head is not None and not head.fits(n, bm.shape[1]):
-            head = None
 
         def work() -> None:
             job.handles = self._fill(rows, states, bm)
-            if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
-                job.device_copy = self._worker.copy_out(bm[:n], head, vocab)
 
         job.future = self._worker.submit(work)
         return job

@@ -9,11 +9,12 @@ A job starts only once the worker holds the GIL. While the loop thread runs Pyth
 until its next blocking call or the interpreter's switch interval (5 ms), so ``submit`` blocks (GIL
 released) until the job started running; the job's Python before it enters xgrammar is then short.
 A step's accepts from 128 rows run in parts at once, beside the worker in side threads; the loop
-thread wakes every part's thread together and waits once. On CUDA the worker
-also queues the filled bitmask's copy to the device on a side stream (``copy_out``), so the copy
-runs beside the queued forward instead of before the sampling; a greedy step's rows go into the masked
-greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is the
-sampler's handle on one fill.
+thread wakes every part's thread together and waits once. The worker runs no torch work: the filled
+bitmask goes to the device from the loop thread at sampling (``FillJob.on_device`` / ``into``, one
+queued copy from the pinned buffer), since torch calls in the worker (each one a GIL hand-off) slowed
+the loop thread's staging of the next step more than the copy costs it. A greedy step's rows go into the
+masked greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is
+the sampler's handle on one fill.
 """
 from __future__ import annotations
 
@@ -41,32 +42,18 @@ class FillJob:
     future: Optional[cf.Future]     # None: filled inline already
     vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
     greedy: bool = False            # every row is constrained and greedy with nothing else to apply
-    # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
-    device_copy: Optional[tuple[Tensor, Any]] = None
     states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
     seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
     handles: Optional[list[Any]] = None   # the states' matcher FFI handles, set by the worker's fill
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
-        """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
-        current stream then waits for on the GPU, else a copy queued now."""
-        if self.device_copy is None:
-            return self.bitmask[:n].to(device, non_blocking=True)
-        dev, event = self.device_copy
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(event)
-        dev.record_stream(stream)       # allocated on the side stream, read on this one
-        return dev[:n]
+        """The first n bitmask rows on ``device`` (call after ``wait``): a copy queued now on the current
+        stream (the pinned buffer is refilled only after this step resolved)."""
+        return self.bitmask[:n].to(device, non_blocking=True)
 
     def into(self, target: DeviceBitmask, n: int) -> bool:
-        """Make the first n filled rows ``target``'s first rows for the current stream (call after ``wait``):
-        the worker copied them there (the stream waits for that copy), or an inline fill's rows are copied
-        now; False (nothing queued) where the worker's copy went elsewhere or the rows do not fit."""
-        if self.device_copy is not None:
-            if self.device_copy[0].data_ptr() != target.words.data_ptr():
-                return False
-            self.on_device(n, target.words.device)
-            return True
+        """Queue the first n filled rows into ``target``'s first rows on the current stream (call after
+        ``wait``); False (nothing queued) where they do not fit."""
         if not target.fits(n, self.bitmask.shape[1]):
             return False
         target.copy_in(self.bitmask[:n], self.vocab)
@@ -84,13 +71,12 @@ class FillJob:
 
 
 class FillWorker:
-    """One worker thread (started on first use) and, on CUDA, its side stream for bitmask copies."""
+    """One worker thread (started on first use) and the side threads of split accepts."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: Optional[cf.ThreadPoolExecutor] = None
         self._sides: list[cf.ThreadPoolExecutor] = []   # each runs one part of a split job beside the worker
-        self._stream: Optional[Any] = None         # CUDA: the bitmask copies' side stream
 
     @property
     def started(self) -> bool:
@@ -147,19 +133,6 @@ class FillWorker:
         """Wait until every job queued so far ran (then the loop thread may change matchers)."""
         if self._pool is not None:
             self.submit(lambda: None).result()
-
-    def copy_out(self, rows: Tensor, into: Optional[DeviceBitmask] = None, vocab: int = 0) -> tuple[Tensor, Any]:
-        """Queue a copy of pinned bitmask rows to the device on the side stream (worker thread): into
-        ``into``'s first rows (``DeviceBitmask.copy_in``, ``vocab`` the tokenizer's size) or a new tensor.
-        -> (the device copy, its event)."""
-        with torch.cuda.device(self.device):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            with torch.cuda.stream(self._stream):
-                dev = into.copy_in(rows, vocab) if into is not None else rows.to(self.device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        return dev, event
 
 
 class DeviceBitmask:
