@@ -108,12 +108,13 @@ def guarded():
     mp.setattr(grammar_mod.GrammarState, "__init__", guarded_init)
     mp.setattr(constraints_mod, "fill_bitmask", guard.fill(constraints_mod.fill_bitmask))
     mp.setattr(fill_worker_mod, "SPLIT_ACCEPT_MIN", 16)      # N rows: the accepts split in two threads
-    beside = fill_worker_mod.FillWorker.beside
+    accept = fill_worker_mod.accept_handles
 
-    def counted(self: Any, fn: Any) -> Any:
-        guard.sides += 1
-        return beside(self, fn)
-    mp.setattr(fill_worker_mod.FillWorker, "beside", counted)
+    def counted(handles: Any, toks: Any) -> Any:
+        if threading.current_thread().name.startswith("nbgen-grammar-side"):
+            guard.sides += 1
+        return accept(handles, toks)
+    mp.setattr(fill_worker_mod, "accept_handles", counted)
     with tempfile.TemporaryDirectory() as path:
         tiny_model(path, tok)
         eng = Engine(path, tokenizer_path=tok, device="cpu", dtype="float32", enable_jump_forward=True,

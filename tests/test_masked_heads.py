@@ -55,16 +55,15 @@ def test_device_bitmask_copy_in_clears_bits_past_the_tokenizer():
     bm.mark_read()                                        # host tensors: nothing to record
 
 
-def test_fill_job_into_copies_inline_fills_and_refuses_other_copies():
-    """An inline fill is copied into the static buffer; a worker copy made elsewhere or rows that do not fit
-    are refused (the step then computes its logits)."""
+def test_fill_job_into_copies_fills_and_refuses_rows_that_do_not_fit():
+    """A fill is copied into the static buffer; rows that do not fit are refused (the step then computes
+    its logits)."""
     host = torch.randint(-2**31, 2**31 - 1, (8, 2), dtype=torch.int32)
     target = DeviceBitmask(4, 64, torch.device("cpu"))
     job = FillJob([0, 1, 2], host, None, vocab=64, greedy=True)
     assert job.into(target, 3) and torch.equal(target.words[:3], host[:3])
     assert not job.into(target, 5)
-    job.device_copy = (torch.zeros(3, 2, dtype=torch.int32), None)
-    assert not job.into(target, 3)
+    assert torch.equal(job.on_device(2, torch.device("cpu")), host[:2])
 
 
 class _Graphs:

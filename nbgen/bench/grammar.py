@@ -12,7 +12,8 @@ Each run also reports the loop's steps, the host's own time per step and the tim
 the device (``StepTimer``); ``--gpu-profile`` adds the GPU's idle time per step. Then the realistic
 workload (``bench/grammar_extract.py``): ``--extract`` record-extraction prompts with a nested
 schema, completing their grammar (no ignore_eos), each output validated, with and without
-jump-forward decoding.
+jump-forward decoding. ``--threads 8,4`` alternates xgrammar's fill threads (``NBGEN_GRAMMAR_THREADS``)
+between the pairs of one engine and reports the ratio at each.
 A grammar needs a real tokenizer: with dummy weights pass ``--tokenizer DIR`` (tokenizer files; its
 vocabulary may be smaller than the model's, those logits are masked).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--jump-forward", action="store_true", help="the json runs with jump-forward decoding")
     ap.add_argument("--phases", action="store_true",
                     help="each run also prints its host time per step by phase (bench/phases.py)")
+    ap.add_argument("--threads", default="",
+                    help="comma list of NBGEN_GRAMMAR_THREADS values: each repeat runs a free and a json run "
+                         "at each, in turn; a json/free ratio per value")
     ap.add_argument("--extract", type=int, default=256, help="prompts of the realistic workload (0: skip it)")
     ap.add_argument("--extract-max-new-tokens", type=int, default=512)
     ap.add_argument("--extract-chunks", action="store_true",
@@ -153,7 +158,13 @@ def main() -> None:
     last: dict[str, list] = {}
     timer = StepTimer(eng)
     phases = PhaseTimer(eng) if args.phases else None
-    for _ in range(args.repeats):
+    settings = [int(t) for t in args.threads.split(",")] if args.threads else [0]
+    if min(settings) < 1 and args.threads:
+        raise ValueError(f"threads must be positive integers, got {args.threads!r}")
+    pairs: dict[int, list[tuple[float, float]]] = {t: [] for t in settings}   # (json/free, json host ms)
+    for _, threads in ((r, t) for r in range(args.repeats) for t in settings):
+        if threads:
+            os.environ["NBGEN_GRAMMAR_THREADS"] = str(threads)   # read at the next batch fill
         for kind, sp in (("free", base), ("json", json_sp)):
             timer.reset()
             if phases is not None:
@@ -163,11 +174,18 @@ def main() -> None:
             st = timer.summary()
             rows[kind].append({"seconds": secs, "out_tokens": n_out, "out_tok_s": n_out / secs, **st})
             last[kind] = outs
-            print(f"{kind:5s} {secs:7.2f} s  {n_out:7d} out tokens  {n_out / secs:9.1f} out tok/s  "
+            kind_at = f"{kind} t{threads}" if threads else kind
+            print(f"{kind_at:5s} {secs:7.2f} s  {n_out:7d} out tokens  {n_out / secs:9.1f} out tok/s  "
                   f"{st['steps']} steps: {st['step_ms']:.2f} ms/step, device wait {st['wait_ms']:.2f}, "
                   f"host {st['host_ms']:.2f}", flush=True)
             if phases is not None:
-                print(f"{kind:5s} {phases.line(st['steps'])}", flush=True)
+                print(f"{kind_at:5s} {phases.line(st['steps'])}", flush=True)
+        pairs[threads].append((rows["json"][-1]["out_tok_s"] / rows["free"][-1]["out_tok_s"], rows["json"][-1]["host_ms"]))
+    if args.threads:
+        for t, got in pairs.items():
+            print(f"threads {t}: json/free median {100 * statistics.median(r for r, _ in got):.1f}% "
+                  f"(runs {', '.join(f'{100 * r:.1f}' for r, _ in got)}), json host per step median "
+                  f"{statistics.median(h for _, h in got):.2f} ms", flush=True)
     for kind, sp in (("free", base), ("json", json_sp)):
         if args.host_profile:
             _host_profile(eng, prompts, sp, kind)
@@ -186,7 +204,7 @@ def main() -> None:
     consistent = grammar_consistent(eng, last["json"], SCHEMA)
     lens = sorted(o["meta_info"]["completion_tokens"] for o in last["json"])
     print(f"json/free throughput: best pair {100 * ratio:.1f}%, median {100 * ratio_median:.1f}% "
-          f"({args.repeats} runs each); constrained outputs: "
+          f"({len(rows['json'])} runs each); constrained outputs: "
           f"{valid['complete']}/{args.num} completed the grammar, {valid['valid']} of those valid; "
           f"{consistent} accepted token by token by a fresh matcher; "
           f"completion tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}")

@@ -18,7 +18,7 @@ a step is a greedy constrained row with nothing else to apply (the common extrac
 sampler takes the tokens from ``masked_argmax``: on CUDA the argmax kernel reads the bitmask
 beside the model-dtype logits (no float32 copy, no separate mask launch, no per-row Python). On a
 CUDA decode graph step the runner replays the masked greedy head instead (runtime/greedy_heads.py): the
-worker copies such a fill into the heads' static bitmask (``use_head_bitmask``).
+sampling queues such a fill's copy into the heads' static bitmask (``FillJob.into``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.fill_worker import DeviceBitmask, FillJob, FillWorker
+from nbgen.runtime.fill_worker import FillJob, FillWorker
 from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
@@ -49,14 +49,9 @@ class Constraints:
         self.device = torch.device(device)
         self._host: Optional[Tensor] = None      # int32 [rows, ceil(tokenizer vocab/32)] (pinned on CUDA)
         self._batch_matcher: Optional[Any] = None
+        self._threads = 0                        # the batch matcher's thread count (``grammar_threads``)
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
-        self._head_bitmask: Optional[DeviceBitmask] = None   # the masked heads' input (``use_head_bitmask``)
-
-    def use_head_bitmask(self, target: Optional[DeviceBitmask]) -> None:
-        """The worker copies the fills of greedy steps (``FillJob.greedy``) that fit it into ``target`` (the
-        masked greedy heads' static bitmask) instead of a new device tensor; None: new tensors again."""
-        self._head_bitmask = target
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -121,34 +116,40 @@ class Constraints:
             self._host = t.pin_memory() if self.device.type == "cuda" else t
         return self._host
 
-    def _fill(self, rows: list[int], states: list, bm: Tensor) -> None:
+    def _fill(self, rows: list[int], states: list, bm: Tensor) -> Optional[list[Any]]:
         """Fill the bitmask rows ``rows`` from their GrammarStates (xgrammar's thread pool for large
-        batches)."""
+        batches); -> the states' matcher handles where the batch fill built them, else None."""
         import xgrammar as xgr
 
         if len(rows) >= BATCH_FILL_MIN:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher(grammar_threads())
-            fill_bitmask(self._batch_matcher, states, bm, rows)
-        else:
-            for i, g in zip(rows, states):
-                g.fill(bm, i)
+            threads = grammar_threads()          # read per fill: a changed setting applies at the next one
+            if self._batch_matcher is None or threads != self._threads:
+                self._batch_matcher, self._threads = xgr.BatchGrammarMatcher(threads), threads
+            return fill_bitmask(self._batch_matcher, states, bm, rows)
+        for i, g in zip(rows, states):
+            g.fill(bm, i)
+        return None
 
-    def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(),
-                   queued: bool = False) -> Optional[FillJob]:
+    def fill_async(self, seqs: list[SeqWork], skip: frozenset[int] = frozenset(), queued: bool = False,
+                   live: Optional[tuple[list[int], list[Any], bool]] = None) -> Optional[FillJob]:
         """Start filling the bitmask rows of seqs' live grammar requests in the worker thread.
 
         Call after the matchers accepted every earlier token, or once their accepts are queued in the
         worker (``accept_async``: the fill runs after them); ``skip``: ids of GrammarStates left
         out (their grammar completes with the token being accepted); ``queued``: only in the worker
         (None where the rows are too few for it: they would be filled here, beside the accepts). The
-        matchers must not be touched until the job is waited for (the sampler does).
+        matchers must not be touched until the job is waited for (the sampler does). ``live``: seqs'
+        ``live_rows`` gathered earlier (no grammar completed since), ``skip`` still to leave out.
         """
         # the states are collected here, so the worker goes straight into xgrammar (which drops the GIL)
-        rows, states, greedy = live_rows(seqs)
-        if skip:
-            kept = [k for k, s in enumerate(states) if id(s) not in skip]
-            rows, states = [rows[k] for k in kept], [states[k] for k in kept]
+        if live is None:
+            rows, states, greedy = live_rows(seqs, skip)
+        else:
+            rows, states, greedy = live
+            if skip:
+                keep = [k for k, g in enumerate(states) if id(g) not in skip]
+                if len(keep) != len(states):
+                    rows, states = [rows[k] for k in keep], [states[k] for k in keep]
         if not rows:
             return None
         vocab = states[0].vocab
@@ -159,16 +160,9 @@ class Constraints:
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
         job = FillJob(rows, bm, None, vocab, greedy, states=states, seqs=seqs)
-        n = len(seqs)
-
-        head = self._head_bitmask if greedy else None
-        if head is not None and not head.fits(n, bm.shape[1]):
-            head = None
 
         def work() -> None:
-            self._fill(rows, states, bm)
-            if self.device.type == "cuda":   # on its way to the GPU while the loop thread goes on
-                job.device_copy = self._worker.copy_out(bm[:n], head, vocab)
+            job.handles = self._fill(rows, states, bm)
 
         job.future = self._worker.submit(work)
         return job
@@ -179,18 +173,20 @@ class Constraints:
         Rows of requests that jumped forward after the step was scheduled are left out (the walk
         skips their token; their matchers stay as the jump left them for the next fill). The
         matchers must not be touched until ``StepGrammar.settle`` read the job."""
-        states, rows = fill.states, fill.rows
+        states, rows, handles = fill.states, fill.rows, fill.handles
         if fill.future is None or states is None or not self._worker.started or not binding_ready():
             return None
         if states[0].jumper is not None and fill.seqs is not None:
             seqs = fill.seqs
             keep = [k for k, i in enumerate(rows) if _kept(seqs[i], i)]
             if len(keep) != len(rows):
-                states, rows = [states[k] for k in keep], [rows[k] for k in keep]
-        handles = [s.handle for s in states]
-        if None in handles:
-            return None
-        toks = [tokens[i] for i in rows]
+                states, rows, handles = [states[k] for k in keep], [rows[k] for k in keep], None
+        if handles is None:                     # the fill's list (the common step) is reused as it is
+            handles = [s.handle for s in states]
+            if None in handles:
+                return None
+        # rows: increasing sampling rows, so as many as tokens means every row in order
+        toks = tokens if len(rows) == len(tokens) else [tokens[i] for i in rows]
         return AcceptJob(states, self._worker.accept(handles, toks), self._worker.drain)
 
     def masked_argmax(self, logits: Tensor, fill: FillJob, out: Optional[Tensor] = None) -> Tensor:

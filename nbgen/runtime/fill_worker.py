@@ -8,11 +8,13 @@ token; the loop thread changes a matcher only while no job is queued (``drain`` 
 A job starts only once the worker holds the GIL. While the loop thread runs Python it keeps the GIL
 until its next blocking call or the interpreter's switch interval (5 ms), so ``submit`` blocks (GIL
 released) until the job started running; the job's Python before it enters xgrammar is then short.
-A step's accepts from 128 rows run as two halves at once, one in a side thread. On CUDA the worker
-also queues the filled bitmask's copy to the device on a side stream (``copy_out``), so the copy
-runs beside the queued forward instead of before the sampling; a greedy step's rows go into the masked
-greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is the
-sampler's handle on one fill.
+A step's accepts from 128 rows run in parts at once, beside the worker in side threads; the loop
+thread wakes every part's thread together and waits once. The worker runs no torch work: the filled
+bitmask goes to the device from the loop thread at sampling (``FillJob.on_device`` / ``into``, one
+queued copy from the pinned buffer), since torch calls in the worker (each one a GIL hand-off) slowed
+the loop thread's staging of the next step more than the copy costs it. A greedy step's rows go into the
+masked greedy heads' static buffer (``DeviceBitmask``), which their captured graphs read. ``FillJob`` is
+the sampler's handle on one fill.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from torch import Tensor
 from nbgen.core.batch import SeqWork
 from nbgen.runtime.grammar_batch import accept_handles
 
-SPLIT_ACCEPT_MIN = 64  # rows in each half of a step's accept split over two threads
+SPLIT_ACCEPT_MIN = 64  # rows at least in each part of a step's accept split over threads
+ACCEPT_PARTS = 2       # parts at most of a step's accept (the first in the worker, the others in side threads)
 
 
 @dataclass
@@ -39,31 +42,18 @@ class FillJob:
     future: Optional[cf.Future]     # None: filled inline already
     vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
     greedy: bool = False            # every row is constrained and greedy with nothing else to apply
-    # CUDA: the worker's copy of the filled rows to the device, on a side stream, and its event
-    device_copy: Optional[tuple[Tensor, Any]] = None
     states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
     seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
+    handles: Optional[list[Any]] = None   # the states' matcher FFI handles, set by the worker's fill
 
     def on_device(self, n: int, device: torch.device) -> Tensor:
-        """The first n bitmask rows on ``device`` (call after ``wait``): the worker's copy, which the
-        current stream then waits for on the GPU, else a copy queued now."""
-        if self.device_copy is None:
-            return self.bitmask[:n].to(device, non_blocking=True)
-        dev, event = self.device_copy
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(event)
-        dev.record_stream(stream)       # allocated on the side stream, read on this one
-        return dev[:n]
+        """The first n bitmask rows on ``device`` (call after ``wait``): a copy queued now on the current
+        stream (the pinned buffer is refilled only after this step resolved)."""
+        return self.bitmask[:n].to(device, non_blocking=True)
 
     def into(self, target: DeviceBitmask, n: int) -> bool:
-        """Make the first n filled rows ``target``'s first rows for the current stream (call after ``wait``):
-        the worker copied them there (the stream waits for that copy), or an inline fill's rows are copied
-        now; False (nothing queued) where the worker's copy went elsewhere or the rows do not fit."""
-        if self.device_copy is not None:
-            if self.device_copy[0].data_ptr() != target.words.data_ptr():
-                return False
-            self.on_device(n, target.words.device)
-            return True
+        """Queue the first n filled rows into ``target``'s first rows on the current stream (call after
+        ``wait``); False (nothing queued) where they do not fit."""
         if not target.fits(n, self.bitmask.shape[1]):
             return False
         target.copy_in(self.bitmask[:n], self.vocab)
@@ -81,13 +71,12 @@ class FillJob:
 
 
 class FillWorker:
-    """One worker thread (started on first use) and, on CUDA, its side stream for bitmask copies."""
+    """One worker thread (started on first use) and the side threads of split accepts."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool: Optional[cf.ThreadPoolExecutor] = None
-        self._side: Optional[cf.ThreadPoolExecutor] = None   # runs part of a job beside the worker
-        self._stream: Optional[Any] = None         # CUDA: the bitmask copies' side stream
+        self._sides: list[cf.ThreadPoolExecutor] = []   # each runs one part of a split job beside the worker
 
     @property
     def started(self) -> bool:
@@ -96,52 +85,54 @@ class FillWorker:
 
     def submit(self, fn: Callable[[], Any]) -> cf.Future:
         """Run fn in the worker thread after the jobs queued before it; returns once it started."""
+        fut, started = _queue(self._worker_pool(), fn)
+        started.wait()
+        return fut
+
+    def _worker_pool(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-fill")
-        return _started(self._pool, fn)
+        return self._pool
 
-    def beside(self, fn: Callable[[], Any]) -> cf.Future:
-        """Run fn in the side thread now, beside whatever the worker runs (a part of the job queued
-        next, which waits for it); returns once it started."""
-        if self._side is None:
-            self._side = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-side")
-        return _started(self._side, fn)
+    def _side_pool(self, k: int) -> cf.ThreadPoolExecutor:
+        """Side thread k (started on first use): runs one part of a split job beside the worker."""
+        while len(self._sides) <= k:
+            self._sides.append(cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbgen-grammar-side"))
+        return self._sides[k]
 
     def accept(self, handles: list[Any], toks: list[int]) -> cf.Future:
         """Queue the matchers ``handles`` (FFI objects) accepting ``toks`` (``accept_handles``); the
-        future gives None or the refused positions. From 2 x SPLIT_ACCEPT_MIN rows half of them run
-        in the side thread at the same time (xgrammar's accept is a loop over the rows); the worker's
-        half waits for it, so a fill queued behind the job sees every token accepted."""
-        if len(handles) < 2 * SPLIT_ACCEPT_MIN:
+        future gives None or the refused positions. From 2 x SPLIT_ACCEPT_MIN rows they split into up to
+        ACCEPT_PARTS parts of at least SPLIT_ACCEPT_MIN rows run at the same time (xgrammar's accept is a
+        loop over the rows), the first in the worker, which then waits for the others' results, so a fill
+        queued behind the job sees every token accepted. The loop thread wakes every part's thread at
+        once and waits once for them all to start."""
+        n = len(handles)
+        parts = min(ACCEPT_PARTS, n // SPLIT_ACCEPT_MIN)
+        if parts < 2:
             return self.submit(lambda: accept_handles(handles, toks))
-        h = len(handles) // 2
-        side = self.beside(lambda: accept_handles(handles[h:], toks[h:]))
+        cut = [n * k // parts for k in range(parts + 1)]       # part k: rows [cut[k], cut[k + 1])
+        sides = [_queue(self._side_pool(k - 1), lambda a=cut[k], b=cut[k + 1]: accept_handles(handles[a:b], toks[a:b]))
+                 for k in range(1, parts)]
 
-        def both() -> Optional[set[int]]:
-            bad, more = accept_handles(handles[:h], toks[:h]), side.result()
-            if more:
-                bad = (bad or set()) | {h + k for k in more}
+        def all_parts() -> Optional[set[int]]:
+            bad = accept_handles(handles[:cut[1]], toks[:cut[1]])
+            for (side, _), start in zip(sides, cut[1:]):
+                more = side.result()
+                if more:
+                    bad = (bad or set()) | {start + k for k in more}
             return bad
 
-        return self.submit(both)
+        fut, started = _queue(self._worker_pool(), all_parts)
+        for _, side_started in sides:
+            side_started.wait()
+        started.wait()
+        return fut
 
     def drain(self) -> None:
         """Wait until every job queued so far ran (then the loop thread may change matchers)."""
         if self._pool is not None:
             self.submit(lambda: None).result()
-
-    def copy_out(self, rows: Tensor, into: Optional[DeviceBitmask] = None, vocab: int = 0) -> tuple[Tensor, Any]:
-        """Queue a copy of pinned bitmask rows to the device on the side stream (worker thread): into
-        ``into``'s first rows (``DeviceBitmask.copy_in``, ``vocab`` the tokenizer's size) or a new tensor.
-        -> (the device copy, its event)."""
-        with torch.cuda.device(self.device):
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            with torch.cuda.stream(self._stream):
-                dev = into.copy_in(rows, vocab) if into is not None else rows.to(self.device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        return dev, event
 
 
 class DeviceBitmask:
@@ -179,14 +170,13 @@ class DeviceBitmask:
         self._read.record(torch.cuda.current_stream(self.words.device))
 
 
-def _started(pool: cf.ThreadPoolExecutor, fn: Callable[[], Any]) -> cf.Future:
-    """Submit fn to pool; return once it started running (the calling thread blocks, GIL released)."""
+def _queue(pool: cf.ThreadPoolExecutor, fn: Callable[[], Any]) -> tuple[cf.Future, threading.Event]:
+    """Submit fn to pool -> (its future, an event set as it starts running): the caller waits on the
+    event (GIL released) so the thread holds the GIL when it enters fn."""
     started = threading.Event()
 
     def work() -> Any:
         started.set()
         return fn()
 
-    fut = pool.submit(work)
-    started.wait()
-    return fut
+    return pool.submit(work), started

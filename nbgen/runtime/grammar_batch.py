@@ -229,10 +229,11 @@ class StepGrammar:
                 state.jumper.jump(req, state, context_length)
 
 
-def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
+def live_rows(seqs: list[Any], skip: frozenset[int] = frozenset()) -> tuple[list[int], list[Any], bool]:
     """(rows, their GrammarStates, greedy) of the seqs whose request has a grammar not completed yet
-    (one pass); ``greedy``: every other seq's grammar completed and every such row samples the argmax
-    of its masked logits. A completed grammar's request finished when it accepted its stop token
+    (one pass), less the states whose id is in ``skip`` (they complete with the token being accepted);
+    ``greedy``: every other seq's grammar completed and every such row, skipped ones too, samples the
+    argmax of its masked logits. A completed grammar's request finished when it accepted its stop token
     (overlap: its row was scheduled before): its row's token is never read, whatever its mask row
     holds, so such rows keep a step on the masked-argmax path."""
     rows: list[int] = []
@@ -244,10 +245,12 @@ def live_rows(seqs: list[Any]) -> tuple[list[int], list[Any], bool]:
         if g is None:
             greedy = False
         elif not g.done:
-            rows.append(i)
-            states.append(g)
             if greedy and not _argmax_row(g, req):
                 greedy = False
+            if skip and id(g) in skip:
+                continue
+            rows.append(i)
+            states.append(g)
     return rows, states, greedy
 
 
@@ -269,12 +272,14 @@ def _argmax_row(g: Any, req: Any) -> bool:
     return g.plain if g.plain is not None else g.plain_greedy(req)
 
 
-def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> None:
+def fill_bitmask(batch_matcher: Any, states: list[Any], bitmask: Any, rows: list[int]) -> Optional[list[Any]]:
     """Fill ``rows`` of an int32 [>= B, ceil(vocab/32)] host bitmask from the states' matchers with
-    xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills)."""
+    xgrammar's thread pool (``batch_matcher``: a BatchGrammarMatcher; GIL released while it fills);
+    -> the matchers' FFI handles it used (the step's accept takes them again), or None."""
     handle = getattr(batch_matcher, "_handle", None)
     handles = [s.handle for s in states]   # built while the worker holds the GIL: one comprehension
     if handle is None or None in handles:
         batch_matcher.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, indices=rows)
-    else:       # the wrapper would build the handle list again
-        handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)
+        return None
+    handle.batch_fill_next_token_bitmask(handles, bitmask, rows, False)   # the wrapper would build the list again
+    return handles

@@ -18,7 +18,8 @@ Embedding batches pipeline too: step N's forward, pooling and the copy of its ve
 are queued, step N-1 is delivered meanwhile, step N is applied (it samples nothing, so no
 placeholders), and its vectors are read at the next flush, after step N+1 was launched.
 Grammar batches pipeline one stage deeper, so that xgrammar's work leaves the host's critical path.
-Step N+1's forward is queued without its sampling (``staged``); then step N resolves (the matchers
+Step N+1's forward is queued without its sampling (``staged``); N+1's constrained rows are gathered while
+the device ends step N; then step N resolves (the matchers
 accept its tokens in the fill worker while its rows are walked; N+1's fill is queued behind them
 unless rows jump forward, then it starts after the jumps), N's outputs are delivered, N+1 is applied
 with placeholders, N+2 is scheduled and its inputs and attention plan are
@@ -35,6 +36,7 @@ from nbgen.core.batch import ScheduledBatch
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Request, Status
 from nbgen.runtime.fill_worker import FillJob
+from nbgen.runtime.grammar_batch import live_rows
 from nbgen.runtime.embed_step import StepVectors, is_embedding_batch, launch_embed
 from nbgen.runtime.overlap_rows import (RowsResolved, constrained, drop_placeholders, overlappable,
                                         placeholder_output)
@@ -208,10 +210,13 @@ class OverlapStepper:
         sched = self.scheduler
         if self._before_wait is not None:
             self._before_wait()
+        # the next step's constrained rows, gathered while the device ends this step (no grammar completes
+        # before this step's settle, after the next fill is queued)
+        live = live_rows(nxt.seqs) if nxt is not None and fill is not None else None
         toks = self.runner.resolve(launched)
         # the constrained rows' matchers take their tokens in the worker while the rows are walked
         accepted = None if fill is None else self.runner.sampler.constraints.accept_async(
-            fill, [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
+            fill, toks if sampled == len(toks) else [t for t, s in zip(toks, launched.batch.seqs) if s.sample])
         lps = launched.logprobs.lists() if launched.logprobs is not None else None   # per sampling row
         listed: set[int] = set()                         # ids of changed's requests, made at the first finish
         rows = RowsResolved(lambda req, reason: self._end(req, reason, changed, listed),
@@ -223,7 +228,8 @@ class OverlapStepper:
             # queued behind the accepts (one worker thread): it starts as they end, while this thread
             # collects its rows and settles; jumps would change matchers, so they fill afterwards
             try:
-                nxt_fill = self.runner.sampler.constraints.fill_async(nxt.seqs, frozenset(grammar.completing()), queued=True)
+                nxt_fill = self.runner.sampler.constraints.fill_async(nxt.seqs, frozenset(grammar.completing()),
+                                                                      queued=True, live=live)
             except Exception:  # noqa: BLE001 - the caller's fill_async raises it again, for nxt's requests
                 nxt_fill = None
         for req, reason in grammar.settle(sched.cfg.context_length, accepted):

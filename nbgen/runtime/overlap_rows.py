@@ -101,16 +101,19 @@ class RowsResolved:
         seqs = batch.seqs
         rows = zip(seqs, toks) if sampled == len(seqs) else [(s, t) for s, t in zip(seqs, toks) if s.sample]
         each = bool(errors) or lps is not None
+        add = self.grammar.add
         for (s, tok), ph in zip(rows, placeholders(sampled)):
             req = s.req
             out = req.output_ids
             at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)   # s.out_index, inlined (hot)
             if not (0 <= at < len(out) and out[at] == ph):
                 continue                                 # never appended (aborted / preempted before)
-            if each or tok in req.stop_ids or at >= req.end_len - 1 or req.grammar is not None:
+            if each or tok in req.stop_ids or at >= req.end_len - 1:
                 self._place_one(req, tok, at, placeholder_row(ph), errors, lps)
             else:                                        # goes on: no stop id, short of its length limit
                 out[at] = tok
+                if req.grammar is not None:              # its matcher takes the token in the batched accept
+                    add(req, tok, None)
 
     def _place_one(self, req: Request, tok: int, at: int, row: int, errors: dict[int, str],
                    lps: Optional[list[Optional[TokenLogprobs]]]) -> None:

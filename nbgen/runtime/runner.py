@@ -76,7 +76,6 @@ class ModelRunner:
                 holder.reset()
         self.graphs = self.prefill_graphs = None
         self._last_tokens = None     # may view the dropped graphs' input buffer
-        self.sampler.constraints.use_head_bitmask(None)
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
@@ -87,12 +86,9 @@ class ModelRunner:
         self._capture_heads()
 
     def _capture_heads(self) -> None:
-        """The greedy and masked heads over the decode graphs (not under TP: its LM head gathers), and the
-        fill worker's copies of greedy fills into the masked heads' bitmask."""
+        """The greedy and masked heads over the decode graphs (not under TP: its LM head gathers)."""
         if self.graphs is not None and self.cfg.tp_size == 1 and not self.cfg.is_embedding:
             self.graphs.capture_heads(self.model.compute_logits, self.vocab_size)
-        heads = self.graphs.heads if self.graphs is not None else None
-        self.sampler.constraints.use_head_bitmask(heads.bitmask if heads is not None else None)
 
     # ---- inputs -------------------------------------------------------------------------------
     def to_device(self, values: list[int]) -> torch.Tensor:
