@@ -15,10 +15,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from nbgen.kernels import fp8_qkv_rope as fk
 from nbgen.kernels import fp8_quant
 from nbgen.kernels import fp8_row_gemv as fr
 from nbgen.kernels.kv_write import KVTarget
+from nbgen.models import linear, llama_layer
 from nbgen.models.fp8_scaled import quantize_weight
+from nbgen.models.layers import get_rope
 from nbgen.models.linear import RowParallelLinear
 from tests.tiny_models import run_under_triton_interpreter
 
@@ -77,8 +80,6 @@ def test_early_tiles_outside_1_to_4_raise() -> None:
 def test_o_proj_residual_add_takes_its_early_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """LinearBase.accumulate hands the layer's early tiles to the fp8 residual add; Llama's o_proj sets
     ``EARLY_TILES_AFTER_ATTENTION``, down_proj keeps 1."""
-    from nbgen.models import linear, llama_layer
-
     seen = []
     monkeypatch.setattr(linear, "scaled_accumulate", lambda x, w, into, early: seen.append(early) or True)
     lin = RowParallelLinear(16, 8)
@@ -103,9 +104,6 @@ def test_gpu_early_tiles_same_bits(n: int, k: int) -> None:
 @gpu
 def test_gpu_qkv_rope_early_tiles_same_bits() -> None:
     """The fused qkv + RoPE + K/V write kernel at Llama-3.1-8B's shape, folded: outputs and cache bytes."""
-    from nbgen.kernels import fp8_qkv_rope as fk
-    from nbgen.models.layers import get_rope
-
     g = torch.Generator(device="cuda").manual_seed(5)
     hq, hkv, D, K = 32, 8, 128, 4096
     N = (hq + 2 * hkv) * D
