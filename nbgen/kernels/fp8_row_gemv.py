@@ -8,6 +8,9 @@ division per element) is done once a program per column instead of once per warp
 over those 16 columns inside the thread each tile ([BLOCK_N, BLOCK_K / 16] fp32 partial sums, BLOCK_N
 registers a thread), reduced across threads once at the end; so a tile of 2048-4096 columns (the bytes
 in flight of a bf16 tile of half the columns) costs no more accumulator registers than one of 512.
+Launched as a programmatic dependent launch, a program loads its first 1-4 weight tiles (``early_tiles``)
+before it waits for the kernel before: after a latency-bound kernel (batch-1 decode attention before
+o_proj) HBM streams them meanwhile; the tiles are summed in the same order, so the bits do not change.
 
 The recipe is ``nbgen.models.fp8_scaled``'s (as in ``kernels.fp8_small_gemm``, whose multi-row kernel
 shares it): sa = max(amax(|x (* g)|), 1e-10) / 448, xq = e4m3(clamp(x (* g) / sa, +-448)) with IEEE
