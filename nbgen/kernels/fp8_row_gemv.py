@@ -32,6 +32,7 @@ VEC = 16     # e4m3 columns a thread loads at once (16 bytes)
 
 
 if triton is not None:
+    from nbgen.kernels.fp8_quant import e4m3_scale, to_e4m3
     from nbgen.kernels.qk_norm_rope import rnd
 
     @triton.jit
@@ -42,7 +43,7 @@ if triton is not None:
         v = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         if COL_SCALE:
             v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        return tl.clamp(tl.div_rn(v, sa), -448.0, 448.0).to(tl.float8e4nv)
+        return to_e4m3(v, sa)
 
     @triton.jit
     def w_tile(w_rows, row_mask, col, k0, K):
@@ -69,7 +70,7 @@ if triton is not None:
                 ss = tl.sum(v * v, 0)
             if COL_SCALE:
                 v = v * tl.load(g_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
-            sa = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+            sa = e4m3_scale(tl.max(tl.abs(v), 0))
         else:
             amax = tl.zeros((J, 16), tl.float32)
             sq = tl.zeros((J, 16), tl.float32)
@@ -81,7 +82,7 @@ if triton is not None:
                 if COL_SCALE:
                     v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
-            sa = tl.div_rn(tl.maximum(tl.max(tl.max(amax, 1), 0), 1e-10), 448.0)
+            sa = e4m3_scale(tl.max(tl.max(amax, 1), 0))
             if SUMSQ:
                 ss = tl.sum(tl.sum(sq, 1), 0)
         # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
