@@ -95,6 +95,21 @@ if triton is not None:
         return acc, sa, ss
 
     @triton.jit
+    def scaled_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, sw, K, PREQUANT: tl.constexpr,
+                        COL_SCALE: tl.constexpr, SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr, X_ONCE: tl.constexpr,
+                        KP: tl.constexpr, USE_PDL: tl.constexpr):
+        # once the loads that do not depend on the kernel before are issued (the first weight tile w among
+        # them): wait for x (PDL), row_products, let the next kernel launch -> (y [BLOCK_N] fp32 = (acc * sa)
+        # * sw, the reference's order; sum of x^2 when SUMSQ)
+        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
+            pdl.gdc_wait()
+        acc, sa, ss = row_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, K, PREQUANT, COL_SCALE, SUMSQ,
+                                   BLOCK_K, X_ONCE, KP)
+        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
+            pdl.gdc_launch_dependents()
+        return tl.sum(acc, 0) * sa * sw, ss
+
+    @triton.jit
     def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, PREQUANT: tl.constexpr,
                         COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SILU: tl.constexpr,
                         USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -121,13 +136,8 @@ if triton is not None:
         # the weights do not depend on the kernel before: the first tile loads before the wait
         w = w_tile(w_rows, row_mask, col, 0, K)
         sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
-        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
-            pdl.gdc_wait()
-        acc, sa, ss = row_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, K, PREQUANT, COL_SCALE, SILU,
-                                   BLOCK_K, X_ONCE, KP)
-        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
-            pdl.gdc_launch_dependents()
-        y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
+        y, ss = scaled_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, sw, K, PREQUANT, COL_SCALE, SILU,
+                                BLOCK_K, X_ONCE, KP, USE_PDL)
         if HAS_BIAS:
             y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty
