@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
 if triton is not None:
-    from nbgen.kernels.fp8_row_gemv import load_early, row_products
+    from nbgen.kernels.fp8_row_gemv import load_early, scaled_products
     from nbgen.kernels.kv_write import head_row, to_cache
     from nbgen.kernels.qk_norm_rope import rnd
 
@@ -122,13 +122,8 @@ if triton is not None:
         sw = tl.load(sw_ptr + w_row)
         if HAS_BIAS:
             bias = tl.load(b_ptr + w_row).to(tl.float32)
-        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
-            pdl.gdc_wait()
-        acc, sa, _ss = row_products(x_ptr, sw_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, K, False,
-                                    COL_SCALE, False, BLOCK_K, X_ONCE, KP, PRE)
-        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
-            pdl.gdc_launch_dependents()
-        y = tl.sum(acc, 0) * sa * sw               # fp8_row_gemv's order: (acc * sa) * sw
+        y, _ss = scaled_products(x_ptr, sw_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, sw, K, False,
+                                 COL_SCALE, False, BLOCK_K, X_ONCE, KP, PRE, USE_PDL)   # fp8_row_gemv's order
         if HAS_BIAS:
             y += bias
         ya, yb = tl.split(tl.reshape(y, (PAIRS, 2)))

@@ -47,6 +47,16 @@ class QuantizedRows:
 
 if triton is not None:
     @triton.jit
+    def e4m3_scale(amax):
+        # a token's scale from its amax: max(amax, 1e-10) / 448, an IEEE division (Triton's ``/`` may not be)
+        return tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
+
+    @triton.jit
+    def to_e4m3(v, s):
+        # fp32 values v over their scale s, clamped to the e4m3 range and rounded to e4m3
+        return tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(tl.float8e4nv)
+
+    @triton.jit
     def _quant_rowwise_kernel(x_ptr, g_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, HAS_G: tl.constexpr,
                               BLOCK_K: tl.constexpr):
         # program (p, row) of P a row: the row's amax (its programs alike), then blocks p, p + P, ... of it
@@ -61,13 +71,13 @@ if triton is not None:
             if HAS_G:    # a folded norm's weight: the activation is x * g (fp32 products)
                 v = v * tl.load(g_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        s = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
+        s = e4m3_scale(tl.max(amax, 0))
         for k0 in range(p * BLOCK_K, K, tl.num_programs(0) * BLOCK_K):
             kk = k0 + rk
             v = tl.load(x_row + kk, mask=kk < K, other=0.0).to(tl.float32)
             if HAS_G:
                 v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            q = tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+            q = to_e4m3(v, s)
             tl.store(q_ptr + row.to(tl.int64) * stride_qm + kk, q, mask=kk < K)
         if p == 0:
             tl.store(s_ptr + row, s)
@@ -105,8 +115,8 @@ if triton is not None:
         h = (tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32) + y.to(dt).to(tl.float32)).to(dt)
         tl.store(h_ptrs, h, mask=mask)
         v = h.to(tl.float32) * tl.load(g_ptr + rn, mask=mask, other=0.0).to(tl.float32)
-        s = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
-        q = tl.clamp(tl.div_rn(v, s), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        s = e4m3_scale(tl.max(tl.abs(v), 0))
+        q = to_e4m3(v, s)
         tl.store(q_ptr + row * stride_qm + rn, q, mask=mask)
         tl.store(s_ptr + row, s)
 

@@ -38,6 +38,7 @@ EARLY_TILES_AFTER_ATTENTION = 4
 
 
 if triton is not None:
+    from nbgen.kernels.fp8_quant import e4m3_scale, to_e4m3
     from nbgen.kernels.qk_norm_rope import rnd
 
     @triton.jit
@@ -48,7 +49,7 @@ if triton is not None:
         v = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         if COL_SCALE:
             v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        return tl.clamp(tl.div_rn(v, sa), -448.0, 448.0).to(tl.float8e4nv)
+        return to_e4m3(v, sa)
 
     @triton.jit
     def w_tile(w_rows, row_mask, col, k0, K):
@@ -97,7 +98,7 @@ if triton is not None:
                 ss = tl.sum(v * v, 0)
             if COL_SCALE:
                 v = v * tl.load(g_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
-            sa = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+            sa = e4m3_scale(tl.max(tl.abs(v), 0))
         else:
             amax = tl.zeros((J, 16), tl.float32)
             sq = tl.zeros((J, 16), tl.float32)
@@ -109,7 +110,7 @@ if triton is not None:
                 if COL_SCALE:
                     v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(v))
-            sa = tl.div_rn(tl.maximum(tl.max(tl.max(amax, 1), 0), 1e-10), 448.0)
+            sa = e4m3_scale(tl.max(tl.max(amax, 1), 0))
             if SUMSQ:
                 ss = tl.sum(tl.sum(sq, 1), 0)
         # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
@@ -124,6 +125,21 @@ if triton is not None:
             w = w_tile(w_rows, row_mask, col, k0, K)
             acc += tile_products(x_ptr, g_ptr, w, k0 + col, K, sa, PREQUANT, COL_SCALE)
         return acc, sa, ss
+
+    @triton.jit
+    def scaled_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, sw, K, PREQUANT: tl.constexpr,
+                        COL_SCALE: tl.constexpr, SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr, X_ONCE: tl.constexpr,
+                        KP: tl.constexpr, PRE: tl.constexpr, USE_PDL: tl.constexpr):
+        # once the loads that do not depend on the kernel before are issued (the first PRE weight tiles w0..w3
+        # among them, ``load_early``): wait for x (PDL), row_products, let the next kernel launch -> (y
+        # [BLOCK_N] fp32 = (acc * sa) * sw, the reference's order; sum of x^2 when SUMSQ)
+        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
+            pdl.gdc_wait()
+        acc, sa, ss = row_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, K, PREQUANT,
+                                   COL_SCALE, SUMSQ, BLOCK_K, X_ONCE, KP, PRE)
+        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
+            pdl.gdc_launch_dependents()
+        return tl.sum(acc, 0) * sa * sw, ss
 
     @triton.jit
     def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, PREQUANT: tl.constexpr,
@@ -151,13 +167,8 @@ if triton is not None:
         row_mask = n_mask[None, :, None]
         w0, w1, w2, w3 = load_early(w_rows, row_mask, col, K, BLOCK_K, PRE)
         sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
-        if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
-            pdl.gdc_wait()
-        acc, sa, ss = row_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, K, PREQUANT,
-                                   COL_SCALE, SILU, BLOCK_K, X_ONCE, KP, PRE)
-        if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
-            pdl.gdc_launch_dependents()
-        y = tl.sum(acc, 0) * sa * sw               # the reference's order: (acc * sa) * sw
+        y, ss = scaled_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, sw, K, PREQUANT,
+                                COL_SCALE, SILU, BLOCK_K, X_ONCE, KP, PRE, USE_PDL)
         if HAS_BIAS:
             y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty

@@ -65,6 +65,8 @@ def pick_config(M: int, N: int, K: int) -> Fp8GemvConfig:
 
 
 if triton is not None:
+    from nbgen.kernels.fp8_quant import e4m3_scale, to_e4m3
+
     @triton.jit
     def _act_scale(x_ptr, s_ptr, g_ptr, rm, sxm, M, K, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -81,7 +83,7 @@ if triton is not None:
                 if COL_SCALE:
                     v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
                 amax = tl.maximum(amax, tl.abs(v))
-            sa = tl.div_rn(tl.maximum(tl.max(amax, 1), 1e-10), 448.0)
+            sa = e4m3_scale(tl.max(amax, 1))
         return sa
 
     @triton.jit
@@ -92,7 +94,7 @@ if triton is not None:
             v = v.to(tl.float32)
             if COL_SCALE:
                 v = v * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            v = tl.clamp(tl.div_rn(v, sa[:, None]), -448.0, 448.0).to(tl.float8e4nv)
+            v = to_e4m3(v, sa[:, None])
         return v
 
     @triton.jit

@@ -37,6 +37,7 @@ def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 if triton is not None:
     from nbgen.kernels.qk_norm_rope import rnd, row_rms_scale
+    from nbgen.kernels.fp8_quant import e4m3_scale, to_e4m3
     from nbgen.kernels.triton_norm import silu_mul_block
 
     @triton.jit
@@ -92,20 +93,19 @@ if triton is not None:
             offs = tl.arange(0, BLOCK)
             m = offs < I
             v = _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE).to(tl.float32)
-            qs = tl.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
-            tl.store(q_ptr + t * sq + offs, tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty),
-                     mask=m)
+            qs = e4m3_scale(tl.max(tl.abs(v), 0))
+            tl.store(q_ptr + t * sq + offs, to_e4m3(v, qs), mask=m)
         else:
             amax = tl.zeros((BLOCK,), tl.float32)
             for c in range(0, I, BLOCK):
                 offs = c + tl.arange(0, BLOCK)
                 amax = tl.maximum(amax, tl.abs(_silu_block(x_row, offs, offs < I, I, s, dt, ROW_SCALE).to(tl.float32)))
-            qs = tl.div_rn(tl.maximum(tl.max(amax, 0), 1e-10), 448.0)
+            qs = e4m3_scale(tl.max(amax, 0))
             for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
                 offs = c + tl.arange(0, BLOCK)
                 m = offs < I
                 v = _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE).to(tl.float32)
-                q = tl.clamp(tl.div_rn(v, qs), -448.0, 448.0).to(q_ptr.dtype.element_ty)
+                q = to_e4m3(v, qs)
                 tl.store(q_ptr + t * sq + offs, q, mask=m)
         if tl.program_id(1) == 0:
             tl.store(qs_ptr + t, qs)
