@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from nbgen.core.batch import SeqWork
-from nbgen.runtime.fill_worker import FillJob, FillWorker
+from nbgen.runtime.fill_worker import FillJob, FillWorker, SideCopy
 from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, live_rows
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
@@ -52,6 +52,7 @@ class Constraints:
         self._threads = 0                        # the batch matcher's thread count (``grammar_threads``)
         self._backend = "cpu" if self.device.type == "cpu" else "triton"
         self._worker = FillWorker(self.device)   # fill_async's and accept_async's thread
+        self._side = SideCopy()                  # the bitmask's copies to the GPU, beside the forward
 
     @staticmethod
     def wanted(seqs: list[SeqWork]) -> bool:
@@ -196,7 +197,7 @@ class Constraints:
         width = min(fill.vocab, logits.shape[1])   # ids past the tokenizer are never allowed
         x = logits[:, :width]
         fill.wait()
-        bm = fill.on_device(logits.shape[0], logits.device)
+        bm = fill.on_device(logits.shape[0], logits.device, self._side)
         if gpu_argmax.usable(x):
             return masked_greedy_argmax(x, bm, out)
         x = x.float()                                  # fp32 logits: masked in place, as _mask does
@@ -211,11 +212,11 @@ class Constraints:
         # resolve (synchronise) before the next one is built
         if fill is not None:
             fill.wait()
-            dev_bm = fill.on_device(x.shape[0], x.device)
+            dev_bm = fill.on_device(x.shape[0], x.device, self._side)
         else:
             bm = self._bitmask(x.shape[0], vocab)
             self._fill(rows, [seqs[i].req.grammar for i in rows], bm)
-            dev_bm = bm[: x.shape[0]].to(x.device, non_blocking=True)
+            dev_bm = self._side.to_device(bm[: x.shape[0]], x.device)
         every = len(rows) == x.shape[0]
         if x.shape[1] > vocab:  # logits of ids the tokenizer does not have (padded embedding rows)
             if every:           # no row can pick them: sample over the tokenizer's ids only (a view)
