@@ -13,7 +13,8 @@ encoded again together with the forced text, so a token that merges across the b
 ``"name`` -> ``{"`` + ``name``) is replaced; the matcher rolls it back and its KV had not been
 computed yet. Tokens delivered earlier are never changed. A step scheduled before the jump (overlap
 scheduling queues one ahead) no longer matches the request's length and is ignored by the
-scheduler's update; its KV writes are repeated by the next step.
+scheduler's update; its KV writes are repeated by the next step, and the overlap stepper leaves the
+request out of that step's bitmask fill and accepts (``jump_rows`` gives the states that jumped).
 
 Where outputs can differ from token-by-token decoding: the forced text gets the tokenizer's
 canonical tokenization; a model decoding token by token may split the same text differently (``":``
