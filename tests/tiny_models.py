@@ -271,13 +271,25 @@ def gguf_round_trip(w: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(quants.dequantize(quants.quantize(w.float().numpy(), kind), kind)))
 
 
+# Run first under the interpreter: Triton 3.6's interpreter turns a scalar kernel argument (a one-element
+# 1-d array) into an int with int(array), which numpy 2 refuses, so a kernel's range(.., K, ..) over a
+# runtime K fails there; later versions squeeze the array first. That conversion, for either version.
+_INTERPRETER_INDEX = ("import triton.runtime.interpreter as _ti\n"
+                      "_patch_tensor = _ti._patch_lang_tensor\n"
+                      "def _squeezed_index(tensor, scope):\n"
+                      "    _patch_tensor(tensor, scope)\n"
+                      "    scope.set_attr(tensor, '__index__', lambda self: int(self.handle.data.squeeze()))\n"
+                      "_ti._patch_lang_tensor = _squeezed_index\n")
+
+
 def run_under_triton_interpreter(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -c code`` in a subprocess with TRITON_INTERPRET=1 (Triton picks the interpreter when it
-    loads, so it cannot be switched on in this process), this checkout first on the path."""
+    loads, so it cannot be switched on in this process), this checkout first on the path; scalar kernel
+    arguments usable as ``range`` bounds on Triton 3.6's interpreter too (``_INTERPRETER_INDEX``)."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-c", _INTERPRETER_INDEX + code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def quantized_cpu_run_follows_fp32(path: str, counter: str, count: int) -> None:

@@ -34,6 +34,7 @@ import torch
 from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
                                roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
+from nbgen.bench.layer_trace import print_layer_table
 from nbgen.bench.profiling import GcPauses, print_gpu_profile
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
@@ -113,6 +114,8 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if prof is not None:
         prof.__exit__(None, None, None)
         print_gpu_profile(prof, sum(runs))
+        if args.layer_anchor:
+            print_layer_table(prof, args.layer_anchor, args.trace or "/tmp/nbgen_bench_trace.json")
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng.loop.runner
@@ -198,6 +201,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="tensor parallelism: NCCL for every all-reduce (A/B of the peer-to-peer one)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler over the timed run (CUDA)")
+    ap.add_argument("--layer-anchor", default=None, metavar="KERNEL",
+                    help="with --profile: a layer's kernels as the GPU ran them, cut at each launch of this kernel "
+                         "(a once-a-layer kernel's name or part of it, e.g. _qk_rope_kernel; bench/layer_trace.py)")
+    ap.add_argument("--trace", default=None, metavar="FILE", help="with --layer-anchor: where the Chrome trace goes")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
     ap.add_argument("--repeat", type=int, default=1,
                     help="time nbgen's workload this many times on one engine (cache flushed between); report the median")
@@ -205,6 +212,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {args.repeat}")
+    if args.layer_anchor and not args.profile:
+        raise ValueError("layer_anchor needs --profile")
     workload = args.workload or ("chat32" if args.device == "cpu" else "nano")
     dev = torch.device(args.device)
     if workload == "chat32":

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
 if triton is not None:
-    from nbgen.kernels.fp8_row_gemv import scaled_products, w_tile
+    from nbgen.kernels.fp8_row_gemv import load_early, scaled_products
     from nbgen.kernels.kv_write import head_row, to_cache
     from nbgen.kernels.qk_norm_rope import rnd
 
@@ -94,7 +94,8 @@ if triton is not None:
                          eps, k_scale, v_scale, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                          COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr,
                          HID: tl.constexpr, HBLK: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ONCE: tl.constexpr, KP: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_ONCE: tl.constexpr, KP: tl.constexpr,
+                         PRE: tl.constexpr):
         # fp8_row_gemv's products over BLOCK_N rows j, j + D/2, j + 1, j + 1 + D/2, ... of one head (as its SiLU
         # variant pairs gate and up rows)
         HALF: tl.constexpr = D // 2
@@ -112,17 +113,17 @@ if triton is not None:
         row_mask = n_mask[None, :, None]
         j = j0 + tl.arange(0, PAIRS)
         dt = y_ptr.dtype.element_ty
-        # what the kernel before does not write: positions, cos/sin, slot, scales, bias, the first weight tile
+        # what the kernel before does not write: positions, cos/sin, slot, scales, bias, the first PRE weight tiles
         pos = tl.load(pos_ptr).to(tl.int64)
         cos = rnd(tl.load(cs_ptr + pos * D + j), dt)
         sin = rnd(tl.load(cs_ptr + pos * D + HALF + j), dt)
         slot = tl.load(slot_ptr).to(tl.int64)
-        w = w_tile(w_rows, row_mask, col, 0, K)
+        w0, w1, w2, w3 = load_early(w_rows, row_mask, col, K, BLOCK_K, PRE)
         sw = tl.load(sw_ptr + w_row)
         if HAS_BIAS:
             bias = tl.load(b_ptr + w_row).to(tl.float32)
-        y, _ss = scaled_products(x_ptr, sw_ptr, g_ptr, w, w_rows, row_mask, col, sw, K, False, COL_SCALE, False,
-                                 BLOCK_K, X_ONCE, KP, USE_PDL)      # fp8_row_gemv's order: (acc * sa) * sw
+        y, _ss = scaled_products(x_ptr, sw_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, sw, K, False,
+                                 COL_SCALE, False, BLOCK_K, X_ONCE, KP, PRE, USE_PDL)   # fp8_row_gemv's order
         if HAS_BIAS:
             y += bias
         ya, yb = tl.split(tl.reshape(y, (PAIRS, 2)))
@@ -143,12 +144,15 @@ def usable(x: torch.Tensor, wq: torch.Tensor, head_dim: int) -> bool:
 def qkv_rope(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
              col_scale: Optional[torch.Tensor], positions: torch.Tensor, cos_sin_cache: torch.Tensor,
              num_q_heads: int, num_kv_heads: int, head_dim: int, kv: KVTarget,
-             row_scale_eps: Optional[float] = None) -> torch.Tensor:
+             row_scale_eps: Optional[float] = None, early_tiles: int = 1) -> torch.Tensor:
     """x [1, K] @ (wq [(Hq + 2 Hkv) * D, K] e4m3 * sw[n]).T (+ bias) as ``fp8_row_gemv`` computes it (x (*
     col_scale, a folded norm's weight) quantized per token; sw [1, N] fp32) -> qkv [1, (Hq + 2 Hkv) * D] with q
     and k rotated (RoPE at positions [1], cos_sin_cache [max_pos, D] fp32 cos | sin), and k, v written into
     ``kv``'s caches at its slot (the values qkv holds). ``row_scale_eps``: x is the raw residual stream
-    (the input norm folded): q, k and v are first scaled by rsqrt(mean(x^2) + eps)."""
+    (the input norm folded): q, k and v are first scaled by rsqrt(mean(x^2) + eps). ``early_tiles`` (1-4):
+    weight tiles a program loads before its PDL wait (as ``fp8_row_gemv``'s; the same result bits)."""
+    if not 1 <= early_tiles <= 4:
+        raise ValueError(f"early_tiles must be 1-4, got {early_tiles}")
     K = x.shape[1]
     N = wq.shape[0]
     assert N == (num_q_heads + 2 * num_kv_heads) * head_dim, "weight rows are the q, k and v heads"
@@ -163,5 +167,6 @@ def qkv_rope(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional
                P=kc.shape[2], COL_SCALE=col_scale is not None, HAS_BIAS=bias is not None,
                ROW_SCALE=row_scale_eps is not None, HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)),
                FP8=is_fp8_cache(kc), BLOCK_N=bn, BLOCK_K=bk, X_ONCE=bool(x_once),
-               KP=triton.next_power_of_2(K) if x_once else 16, num_warps=warps, num_stages=1)
+               KP=triton.next_power_of_2(K) if x_once else 16, PRE=fp8_row_gemv.early_inside(early_tiles, K, bk),
+               num_warps=warps, num_stages=1)
     return y

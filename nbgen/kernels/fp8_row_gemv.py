@@ -8,6 +8,9 @@ division per element) is done once a program per column instead of once per warp
 over those 16 columns inside the thread each tile ([BLOCK_N, BLOCK_K / 16] fp32 partial sums, BLOCK_N
 registers a thread), reduced across threads once at the end; so a tile of 2048-4096 columns (the bytes
 in flight of a bf16 tile of half the columns) costs no more accumulator registers than one of 512.
+Launched as a programmatic dependent launch, a program loads its first 1-4 weight tiles (``early_tiles``)
+before it waits for the kernel before: after a latency-bound kernel (batch-1 decode attention before
+o_proj) HBM streams them meanwhile; the tiles are summed in the same order, so the bits do not change.
 
 The recipe is ``nbgen.models.fp8_scaled``'s (as in ``kernels.fp8_small_gemm``, whose multi-row kernel
 shares it): sa = max(amax(|x (* g)|), 1e-10) / 448, xq = e4m3(clamp(x (* g) / sa, +-448)) with IEEE
@@ -29,6 +32,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
 VEC = 16     # e4m3 columns a thread loads at once (16 bytes)
+# weight tiles a program loads before its PDL wait when the kernel before is batch-1 decode attention
+# (latency-bound, HBM mostly idle): the o_proj, whose weights then stream while attention runs
+EARLY_TILES_AFTER_ATTENTION = 4
 
 
 if triton is not None:
@@ -53,12 +59,34 @@ if triton is not None:
                        eviction_policy="evict_first")
 
     @triton.jit
-    def row_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, K, PREQUANT: tl.constexpr,
+    def load_early(w_rows, row_mask, col, K, BLOCK_K: tl.constexpr, PRE: tl.constexpr):
+        # the program's first PRE (1-4) weight tiles, loaded before the PDL wait (the weights do not depend
+        # on the kernel before) -> (w0, w1, w2, w3), the tiles past PRE being w0 as placeholders
+        w0 = w_tile(w_rows, row_mask, col, 0, K)
+        w1, w2, w3 = w0, w0, w0
+        if PRE > 1:
+            w1 = w_tile(w_rows, row_mask, col, BLOCK_K, K)
+        if PRE > 2:
+            w2 = w_tile(w_rows, row_mask, col, 2 * BLOCK_K, K)
+        if PRE > 3:
+            w3 = w_tile(w_rows, row_mask, col, 3 * BLOCK_K, K)
+        return w0, w1, w2, w3
+
+    @triton.jit
+    def tile_products(x_ptr, g_ptr, w, kk, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr):
+        # the loaded tile w [J, BLOCK_N, 16] at columns kk [J, 16] times x there quantized, summed over each
+        # thread's 16 columns -> [J, BLOCK_N]
+        xq = _xq_tile(x_ptr, g_ptr, kk, K, sa, PREQUANT, COL_SCALE)
+        return tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+
+    @triton.jit
+    def row_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, K, PREQUANT: tl.constexpr,
                      COL_SCALE: tl.constexpr, SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr, X_ONCE: tl.constexpr,
-                     KP: tl.constexpr):
+                     KP: tl.constexpr, PRE: tl.constexpr):
         # after x is written: its scale sa (x (* g) quantized with it), and the products with the program's
-        # rows over all of K, whose first tile w is loaded -> ([J, BLOCK_N] fp32 partial sums, sa, sum of x^2
-        # when SUMSQ)
+        # rows over all of K, whose first PRE tiles w0..w3 are loaded (``load_early``; tiles inside K) ->
+        # ([J, BLOCK_N] fp32 partial sums, sa, sum of x^2 when SUMSQ); the tiles are summed in column
+        # order whatever PRE is, so the result bits do not depend on it
         J: tl.constexpr = BLOCK_K // 16
         ss = 0.0
         if PREQUANT:   # x given as e4m3 with its scale (kernels.fp8_quant.quant_rowwise)
@@ -86,25 +114,29 @@ if triton is not None:
             if SUMSQ:
                 ss = tl.sum(tl.sum(sq, 1), 0)
         # products summed over each thread's 16 columns: [J, BLOCK_N] partial sums
-        xq = _xq_tile(x_ptr, g_ptr, col, K, sa, PREQUANT, COL_SCALE)
-        acc = tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc = tile_products(x_ptr, g_ptr, w0, col, K, sa, PREQUANT, COL_SCALE)
+        if PRE > 1:
+            acc += tile_products(x_ptr, g_ptr, w1, BLOCK_K + col, K, sa, PREQUANT, COL_SCALE)
+        if PRE > 2:
+            acc += tile_products(x_ptr, g_ptr, w2, 2 * BLOCK_K + col, K, sa, PREQUANT, COL_SCALE)
+        if PRE > 3:
+            acc += tile_products(x_ptr, g_ptr, w3, 3 * BLOCK_K + col, K, sa, PREQUANT, COL_SCALE)
+        for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
             w = w_tile(w_rows, row_mask, col, k0, K)
-            xq = _xq_tile(x_ptr, g_ptr, k0 + col, K, sa, PREQUANT, COL_SCALE)
-            acc += tl.sum(w.to(tl.float32) * xq.to(tl.float32)[:, None, :], 2)
+            acc += tile_products(x_ptr, g_ptr, w, k0 + col, K, sa, PREQUANT, COL_SCALE)
         return acc, sa, ss
 
     @triton.jit
-    def scaled_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, sw, K, PREQUANT: tl.constexpr,
+    def scaled_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, sw, K, PREQUANT: tl.constexpr,
                         COL_SCALE: tl.constexpr, SUMSQ: tl.constexpr, BLOCK_K: tl.constexpr, X_ONCE: tl.constexpr,
-                        KP: tl.constexpr, USE_PDL: tl.constexpr):
-        # once the loads that do not depend on the kernel before are issued (the first weight tile w among
-        # them): wait for x (PDL), row_products, let the next kernel launch -> (y [BLOCK_N] fp32 = (acc * sa)
-        # * sw, the reference's order; sum of x^2 when SUMSQ)
+                        KP: tl.constexpr, PRE: tl.constexpr, USE_PDL: tl.constexpr):
+        # once the loads that do not depend on the kernel before are issued (the first PRE weight tiles w0..w3
+        # among them, ``load_early``): wait for x (PDL), row_products, let the next kernel launch -> (y
+        # [BLOCK_N] fp32 = (acc * sa) * sw, the reference's order; sum of x^2 when SUMSQ)
         if USE_PDL:   # launched early (programmatic dependent launch): wait for x to be written
             pdl.gdc_wait()
-        acc, sa, ss = row_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, K, PREQUANT, COL_SCALE, SUMSQ,
-                                   BLOCK_K, X_ONCE, KP)
+        acc, sa, ss = row_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, K, PREQUANT,
+                                   COL_SCALE, SUMSQ, BLOCK_K, X_ONCE, KP, PRE)
         if USE_PDL:   # the next kernel may start launching (it waits for our writes itself)
             pdl.gdc_launch_dependents()
         return tl.sum(acc, 0) * sa * sw, ss
@@ -113,11 +145,11 @@ if triton is not None:
     def _fp8_row_kernel(x_ptr, s_ptr, g_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, N, K, swn, eps, PREQUANT: tl.constexpr,
                         COL_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUM: tl.constexpr, SILU: tl.constexpr,
                         USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        X_ONCE: tl.constexpr, KP: tl.constexpr):
-        # BLOCK_N weight rows a program; SILU: rows n and HALF + n (gate and up of output n) side by side,
-        # BLOCK_N / 2 outputs silu(rnd(rnd(gate) * r)) * rnd(rnd(up) * r), r = rsqrt(mean(x^2) + eps) (the
-        # folded norm's row factor). X_ONCE: the amax pass loads all of x at once (KP: K rounded up to a power
-        # of two), one round trip instead of one a tile.
+                        X_ONCE: tl.constexpr, KP: tl.constexpr, PRE: tl.constexpr):
+        # BLOCK_N weight rows a program, its first PRE (1-4) weight tiles loaded before the PDL wait; SILU: rows
+        # n and HALF + n (gate and up of output n) side by side, BLOCK_N / 2 outputs silu(rnd(rnd(gate) * r)) *
+        # rnd(rnd(up) * r), r = rsqrt(mean(x^2) + eps) (the folded norm's row factor). X_ONCE: the amax pass
+        # loads all of x at once (KP: K rounded up to a power of two), one round trip instead of one a tile.
         J: tl.constexpr = BLOCK_K // 16
         rr = tl.arange(0, BLOCK_N)
         if SILU:
@@ -133,11 +165,10 @@ if triton is not None:
         col = tl.arange(0, J)[:, None] * 16 + tl.arange(0, 16)[None, :]          # [J, 16] columns of a tile
         w_rows = w_ptr + w_row.to(tl.int64)[None, :, None] * swn                  # [1, BLOCK_N, 1]
         row_mask = n_mask[None, :, None]
-        # the weights do not depend on the kernel before: the first tile loads before the wait
-        w = w_tile(w_rows, row_mask, col, 0, K)
+        w0, w1, w2, w3 = load_early(w_rows, row_mask, col, K, BLOCK_K, PRE)
         sw = tl.load(sw_ptr + w_row, mask=n_mask, other=0.0)
-        y, ss = scaled_products(x_ptr, s_ptr, g_ptr, w, w_rows, row_mask, col, sw, K, PREQUANT, COL_SCALE, SILU,
-                                BLOCK_K, X_ONCE, KP, USE_PDL)
+        y, ss = scaled_products(x_ptr, s_ptr, g_ptr, w0, w1, w2, w3, w_rows, row_mask, col, sw, K, PREQUANT,
+                                COL_SCALE, SILU, BLOCK_K, X_ONCE, KP, PRE, USE_PDL)
         if HAS_BIAS:
             y += tl.load(b_ptr + w_row, mask=n_mask, other=0.0).to(tl.float32)
         dt = y_ptr.dtype.element_ty
@@ -164,16 +195,26 @@ def pick_config(N: int, K: int) -> tuple[int, int, int, bool]:
     return 16, (1024 if K <= 4096 else 2048), 8, K <= 16384      # (all of a longer x at once would spill registers)
 
 
+def early_inside(early_tiles: int, K: int, block_k: int) -> int:
+    """The early tiles a launch loads: at most the tiles K has (none past it)."""
+    return min(early_tiles, triton.cdiv(K, block_k))
+
+
 def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
                  bias: Optional[torch.Tensor] = None, col_scale: Optional[torch.Tensor] = None,
                  accumulate: bool = False, config: Optional[tuple] = None,
-                 x_scale: Optional[torch.Tensor] = None, silu_eps: Optional[float] = None) -> torch.Tensor:
+                 x_scale: Optional[torch.Tensor] = None, silu_eps: Optional[float] = None,
+                 early_tiles: int = 1) -> torch.Tensor:
     """x [1, K] (bf16 / fp16) @ (wq [N, K] e4m3 * sw[n]).T (+ bias) into y [1, N] (y's dtype; added into
     it with ``accumulate``) -> y. ``col_scale`` [K]: x * g is what is quantized (a folded norm).
     ``x_scale``: x is already e4m3 and this its scale sa (one fp32 value). ``silu_eps``: a folded
     gate|up projection: y [1, N / 2] = silu(gate * r) * (up * r), r = rsqrt(mean(x^2) + eps), as
     ``kernels.silu_scaled.silu_mul_scaled`` computes from the projection (BLOCK_N / 2 outputs a program).
-    ``config``: (BLOCK_N weight rows, BLOCK_K, warps, x_once) (``pick_config``'s by default)."""
+    ``config``: (BLOCK_N weight rows, BLOCK_K, warps, x_once) (``pick_config``'s by default).
+    ``early_tiles`` (1-4): the BLOCK_K tiles of its weight rows a program loads before it waits for the
+    kernel before (``EARLY_TILES_AFTER_ATTENTION`` after attention); the same result bits."""
+    if not 1 <= early_tiles <= 4:
+        raise ValueError(f"early_tiles must be 1-4, got {early_tiles}")
     N, K = wq.shape
     bn, bk, warps, x_once = (tuple(config) + (False,))[:4] if config else pick_config(N, K)
     assert bk % (VEC * 32) == 0, "BLOCK_K: whole 16-byte columns for every thread of a warp"
@@ -186,5 +227,5 @@ def fp8_row_gemv(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, y: torch.T
     pdl.launch(_fp8_row_kernel, (triton.cdiv(N, bn),), args, x.device, PREQUANT=prequant,
                COL_SCALE=col_scale is not None, HAS_BIAS=bias is not None, ACCUM=accumulate, SILU=silu,
                BLOCK_N=bn, BLOCK_K=bk, X_ONCE=bool(x_once), KP=triton.next_power_of_2(K) if x_once else 16,
-               num_warps=warps, num_stages=1)
+               PRE=early_inside(early_tiles, K, bk), num_warps=warps, num_stages=1)
     return y

@@ -146,7 +146,7 @@ def usable(x: torch.Tensor, wq: torch.Tensor) -> bool:
 
 def fp8_small_gemm(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor] = None,
                    config: Optional[Fp8GemvConfig] = None, col_scale: Optional[torch.Tensor] = None,
-                   accumulate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   accumulate: Optional[torch.Tensor] = None, early_tiles: int = 1) -> torch.Tensor:
     """x [M, K] @ (wq [N, K] e4m3 * sw[n]).T (+ bias) -> [M, N] in x's dtype. ``sw``: N fp32 weight
     scales (any shape with N contiguous values; one scale per tensor repeated). The activation is
     quantized per row as the module docstring says.
@@ -154,7 +154,7 @@ def fp8_small_gemm(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Op
     Folded RMSNorms (``nbgen.models.norm_fold``; x is then the raw residual stream): ``col_scale`` [K]
     (the norm weight g) multiplies x's columns before the quantization (x is then quantized in the
     kernel whatever ``config`` says); ``accumulate``: a contiguous [M, N] tensor the result is added
-    into (and returned)."""
+    into (and returned). ``early_tiles``: the one-row kernel's (``fp8_row_gemv``)."""
     M, K = x.shape
     N = wq.shape[0]
     if accumulate is not None:
@@ -166,7 +166,8 @@ def fp8_small_gemm(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, bias: Op
     if M == 0:
         return y
     if M == 1 and config is None:               # batch 1: the one-row kernel (warps along K)
-        return fp8_row_gemv.fp8_row_gemv(x, wq, sw, y, bias, col_scale, accumulate is not None)
+        return fp8_row_gemv.fp8_row_gemv(x, wq, sw, y, bias, col_scale, accumulate is not None,
+                                         early_tiles=early_tiles)
     if col_scale is not None:
         cfg = cfg._replace(prequant=False)       # x * g: quantized here
     if cfg.prequant:

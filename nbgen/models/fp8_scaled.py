@@ -141,10 +141,11 @@ def quantized_input_usable(x: torch.Tensor, w: object) -> bool:
             and _cublas_takes(x, w))
 
 
-def scaled_accumulate(x: Activation, w: object, into: torch.Tensor) -> bool:
+def scaled_accumulate(x: Activation, w: object, into: torch.Tensor, early_tiles: int = 1) -> bool:
     """into += x @ the fp8 weight (no bias), in place (the residual add of a folded layer's o_proj /
     down_proj): the streaming kernel's epilogue at a few rows, the GEMM's above -> True; False where
-    neither takes it (never for ``QuantizedRows``, which only ``quantized_input_usable`` products get)."""
+    neither takes it (never for ``QuantizedRows``, which only ``quantized_input_usable`` products get).
+    ``early_tiles``: the one-row kernel's weight tiles before its PDL wait (``fp8_row_gemv``)."""
     if isinstance(x, QuantizedRows):
         if not isinstance(w, Fp8ScaledWeight) or into.dtype != x.dtype or not into.is_contiguous():
             raise ValueError("x: quantized rows need an fp8 weight and a contiguous stream of their dtype")
@@ -153,7 +154,8 @@ def scaled_accumulate(x: Activation, w: object, into: torch.Tensor) -> bool:
     if not isinstance(w, Fp8ScaledWeight) or into.dtype != x.dtype or not into.is_contiguous():
         return False
     if small_gemm_usable(x, w):
-        fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into)
+        fp8_small_gemm.fp8_small_gemm(x, w.q, w.scale_row, col_scale=w.col_scale, accumulate=into,
+                                      early_tiles=early_tiles)
         return True
     if not fp8_gemm_usable(x, w):
         return False

@@ -103,6 +103,9 @@ class LinearBase(nn.Module):
     # fp8 weights (models/fp8_linear.py ``quantize_linears``): the e4m3 weight and its scales (per
     # feature or 1x128 groups); the parameter then holds the same e4m3 tensor
     fp8: Optional[Union[Fp8Weight, Fp8ScaledWeight]] = None
+    # fp8 residual add at one row: weight tiles the one-row kernel loads before its PDL wait (more after
+    # a latency-bound kernel: ``fp8_row_gemv.EARLY_TILES_AFTER_ATTENTION`` for o_proj)
+    early_tiles: int = 1
 
     @property
     def lora_active(self) -> bool:
@@ -183,7 +186,7 @@ class LinearBase(nn.Module):
         if get_tp()[0] != 1:
             raise RuntimeError("accumulate() needs tp_size 1 (partial sums would add the stream per rank)")
         lora = self.lora is not None and self.lora.active
-        if self.bias is None and not lora and scaled_accumulate(x, self.fp8, into):   # fp8, a few rows
+        if self.bias is None and not lora and scaled_accumulate(x, self.fp8, into, self.early_tiles):   # fp8
             return into
         if self.fp8 is None and self.packed is None and self.bias is None and into.is_cuda \
                 and into.is_contiguous():

@@ -11,7 +11,7 @@ from torch import nn
 
 from nbgen.attention.base import Attention
 from nbgen.kernels import qk_norm_rope as fused_rope
-from nbgen.kernels import fp8_qkv_rope, small_gemm
+from nbgen.kernels import fp8_qkv_rope, fp8_row_gemv, small_gemm
 from nbgen.kernels.gpu_ops import fused_enabled
 from nbgen.kernels.fp8_quant import QuantizedRows
 from nbgen.kernels.silu_scaled import (rms_scale, silu_mul_quant, silu_mul_quant_usable, silu_mul_scaled,
@@ -88,6 +88,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=o_bias)
+        # its weights stream during batch-1 decode attention (latency-bound) in the fp8 one-row kernel
+        self.o_proj.early_tiles = fp8_row_gemv.EARLY_TILES_AFTER_ATTENTION
         self.rotary_emb = rotary_emb     # one cos/sin cache per model, shared by all layers
         self.attn = Attention(layer_id)
 
