@@ -150,3 +150,50 @@ def test_no_matcher_call_while_the_worker_fills_it(guarded, jump):
     assert not guard.clashes, sorted(set(guard.clashes))
     check = grammar_extract.check(outs)
     assert check["valid"] == check["n"] == N, check
+
+
+def test_rows_that_jumped_stay_out_of_the_next_fill_and_its_accepts(guarded, monkeypatch):
+    """A step staged before some of its requests jumped forward: the fill started after the jumps
+    leaves those requests' matchers out (their rows are stale: the token is never kept, the matcher
+    is already past the forced text), so every filled row's request still ends where the row samples,
+    and every accept job's matchers are exactly the rows its step's walk keeps (nothing to give back)."""
+    from nbgen.runtime.constraints import Constraints
+    from nbgen.runtime.grammar_batch import AcceptJob
+
+    eng, _ = guarded
+    loop = eng.loop
+    eng.generate("x", {"max_new_tokens": 1, "regex": "[ab]"})
+    jumper = loop.delivery.grammar.jumper
+    fill_async, refused = Constraints.fill_async, AcceptJob.refused
+    stale_rows: list[int] = []      # per fill: filled rows whose request's output moved past the row
+    skipped: list[int] = []         # per fill: states left out beside the completing ones
+    given_back: list[int] = []      # per accept job: matchers the walk did not keep
+
+    def checked_fill(self: Any, seqs: Any, skip: frozenset = frozenset(), queued: bool = False,
+                     live: Any = None) -> Any:
+        job = fill_async(self, seqs, skip, queued, live)
+        if job is not None:
+            bad = 0
+            for i in job.rows:
+                s = seqs[i]
+                at = s.start_pos + len(s.token_ids) - len(s.req.prompt_ids)   # where the row's token goes
+                bad += len(s.req.output_ids) != at
+            stale_rows.append(bad)
+            skipped.append(len(skip))
+        return job
+
+    def checked_refused(self: Any, kept: list) -> Any:
+        given_back.append(len(self.states) - len(kept))
+        return refused(self, kept)
+
+    monkeypatch.setattr(Constraints, "fill_async", checked_fill)
+    monkeypatch.setattr(AcceptJob, "refused", checked_refused)
+    n0 = jumper.num_jumps
+    outs = eng.generate(grammar_extract.prompts(eng, N), {"temperature": 0.0, "max_new_tokens": 512,
+                        "json_schema": json.dumps(grammar_extract.SCHEMA)}, use_tqdm=False)
+    assert jumper.num_jumps - n0 > N, "the requests did not jump"
+    assert len(stale_rows) > 10 and sum(skipped) > N, (len(stale_rows), sum(skipped))
+    assert sum(stale_rows) == 0, stale_rows
+    assert given_back and not any(given_back), given_back
+    check = grammar_extract.check(outs)
+    assert check["valid"] == check["n"] == N, check

@@ -64,8 +64,8 @@ class StepCounts:
                 self.forced_rows += sum(1 for s in out if not s.sample)
             return batch
 
-        def counted_fill(seqs: Any) -> Any:
-            job = fill_async(seqs)
+        def counted_fill(*args: Any, **kwargs: Any) -> Any:
+            job = fill_async(*args, **kwargs)
             if job is not None:
                 self.fills += 1
                 self.masked += job.greedy

@@ -34,7 +34,6 @@ from nbgen.runtime.grammar_batch import AcceptJob, binding_ready, fill_bitmask, 
 from nbgen.kernels.envs import grammar_threads
 from nbgen.kernels import cpu_ops, gpu_argmax
 from nbgen.runtime.sampling_ops import greedy_argmax, masked_greedy_argmax
-from nbgen.runtime.step_inputs import placeholder
 
 logger = logging.getLogger("nbgen")
 
@@ -160,7 +159,7 @@ class Constraints:
                 return None
             self._fill(rows, states, bm)
             return FillJob(rows, bm, None, vocab, greedy)
-        job = FillJob(rows, bm, None, vocab, greedy, states=states, seqs=seqs)
+        job = FillJob(rows, bm, None, vocab, greedy, states=states)
 
         def work() -> None:
             job.handles = self._fill(rows, states, bm)
@@ -171,17 +170,13 @@ class Constraints:
     def accept_async(self, fill: FillJob, tokens: list[int]) -> Optional[AcceptJob]:
         """Start accepting a sampled step's tokens (one per sampling row) in the worker thread by the
         matchers of ``fill``'s rows; None (the caller accepts) unless the fill ran in the worker.
-        Rows of requests that jumped forward after the step was scheduled are left out (the walk
-        skips their token; their matchers stay as the jump left them for the next fill). The
-        matchers must not be touched until ``StepGrammar.settle`` read the job."""
+        Rows of requests that jumped forward after the step was scheduled are not among them: the
+        fill left them out (the overlap stepper's ``_stale``; the walk skips their token, and their
+        matchers stay as the jump left them). The matchers must not be touched until
+        ``StepGrammar.settle`` read the job."""
         states, rows, handles = fill.states, fill.rows, fill.handles
         if fill.future is None or states is None or not self._worker.started or not binding_ready():
             return None
-        if states[0].jumper is not None and fill.seqs is not None:
-            seqs = fill.seqs
-            keep = [k for k, i in enumerate(rows) if _kept(seqs[i], i)]
-            if len(keep) != len(rows):
-                states, rows, handles = [states[k] for k in keep], [rows[k] for k in keep], None
         if handles is None:                     # the fill's list (the common step) is reused as it is
             handles = [s.handle for s in states]
             if None in handles:
@@ -242,15 +237,6 @@ class Constraints:
             logger.warning("xgrammar %s bitmask kernel failed (%s); using torch ops", self._backend, e)
             self._backend = "torch_native"
             xgr.apply_token_bitmask_inplace(x, dev_bm, vocab_size=width, indices=idx, backend=self._backend)
-
-
-def _kept(s: SeqWork, row: int) -> bool:
-    """Sampling row ``row`` (seq ``s``) of a resolving step still ends its request's output with the
-    row's placeholder: its token is kept (the overlap stepper's walk makes the same check)."""
-    req = s.req
-    at = s.start_pos + len(s.token_ids) - len(req.prompt_ids)
-    out = req.output_ids
-    return 0 <= at < len(out) and out[at] == placeholder(row)
 
 
 def _live_grammar(req: Any) -> bool:

@@ -29,7 +29,6 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch import Tensor
 
-from nbgen.core.batch import SeqWork
 from nbgen.runtime.grammar_batch import accept_handles
 
 T = TypeVar("T")
@@ -48,7 +47,6 @@ class FillJob:
     vocab: int = 0                  # the tokenizer's size: the bitmask covers ids [0, vocab)
     greedy: bool = False            # every row is constrained and greedy with nothing else to apply
     states: Optional[list[Any]] = None   # the rows' GrammarStates (worker fills: accept_async reuses them)
-    seqs: Optional[list[SeqWork]] = None  # the step's sampling seqs (worker fills: accept_async reads them)
     handles: Optional[list[Any]] = None   # the states' matcher FFI handles, set by the worker's fill
 
     def on_device(self, n: int, device: torch.device, side: Optional[SideCopy] = None) -> Tensor:

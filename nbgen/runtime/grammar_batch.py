@@ -156,6 +156,7 @@ class StepGrammar:
     jumping: bool = False                                            # some row's grammar has a jumper
     jumper: Any = None                                               # the first row's jumper (one per engine)
     mixed: bool = False                                              # rows of other jumpers, or of none, too
+    jumped: list[Any] = field(default_factory=list)                  # after settle: the states whose request jumped
 
     def add(self, req: Any, tok: int, reason: Optional[FinishReason]) -> None:
         """Gather one row (req.grammar set, tok >= 0)."""
@@ -222,11 +223,11 @@ class StepGrammar:
             keep = [k for k in range(len(reqs)) if k not in gone]
             reqs, states = [reqs[k] for k in keep], [states[k] for k in keep]
         if not self.mixed:
-            self.jumper.jump_rows(reqs, states, context_length)
+            self.jumped = self.jumper.jump_rows(reqs, states, context_length)
             return
         for req, state in zip(reqs, states):      # the engine swapped its jumper between requests
-            if state.jumper is not None:
-                state.jumper.jump(req, state, context_length)
+            if state.jumper is not None and state.jumper.jump(req, state, context_length):
+                self.jumped.append(state)
 
 
 def live_rows(seqs: list[Any], skip: frozenset[int] = frozenset()) -> tuple[list[int], list[Any], bool]:

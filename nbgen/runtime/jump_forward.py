@@ -13,7 +13,8 @@ encoded again together with the forced text, so a token that merges across the b
 ``"name`` -> ``{"`` + ``name``) is replaced; the matcher rolls it back and its KV had not been
 computed yet. Tokens delivered earlier are never changed. A step scheduled before the jump (overlap
 scheduling queues one ahead) no longer matches the request's length and is ignored by the
-scheduler's update; its KV writes are repeated by the next step.
+scheduler's update; its KV writes are repeated by the next step, and the overlap stepper leaves the
+request out of that step's bitmask fill and accepts (``jump_rows`` gives the states that jumped).
 
 Where outputs can differ from token-by-token decoding: the forced text gets the tokenizer's
 canonical tokenization; a model decoding token by token may split the same text differently (``":``
@@ -87,14 +88,15 @@ class JumpForward:
     def jump(self, req: Any, state: Any, context_length: Optional[int]) -> bool:
         """Append the forced continuation of req (its grammar ``state`` just accepted the last
         output token); True when the request's output changed."""
-        return self.jump_rows([req], [state], context_length) == 1
+        return bool(self.jump_rows([req], [state], context_length))
 
-    def jump_rows(self, reqs: list[Any], states: list[Any], context_length: Optional[int]) -> int:
+    def jump_rows(self, reqs: list[Any], states: list[Any], context_length: Optional[int]) -> list[Any]:
         """``jump`` for a step's rows that go on (``states[k]``: ``reqs[k]``'s grammar, which just
-        accepted the request's last output token); how many jumped. The rows' matchers take their
-        forced tokens in one call into xgrammar (``force_rows``)."""
+        accepted the request's last output token); -> the states of the rows that jumped. The rows'
+        matchers take their forced tokens in one call into xgrammar (``force_rows``)."""
         # runs for every constrained row of every step: the checks before the search stay few
-        todo: list[tuple[Any, Any, int, str]] = []      # (req, state, room, forced text)
+        todo: list[tuple[Any, Any, int, str]] = []      # (req, state, room, forced text) where text is forced
+        searched = 0
         for req, state in zip(reqs, states):
             limits = state.jump_limits
             if limits is None:
@@ -107,13 +109,13 @@ class JumpForward:
             room = cap - n_out - 1
             if room < MIN_JUMP or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
                 continue                          # or the last token is not the one just accepted
+            searched += 1
             forced = state.search()               # the matcher's find_jump_forward_string
-            todo.append((req, state, room, forced))
-        self.num_searches += len(todo)
+            if forced:
+                todo.append((req, state, room, forced))
+        self.num_searches += searched
         rows: list[tuple[Any, Any, bool, tuple[int, ...]]] = []     # (req, state, replace, ids)
         for req, state, room, forced in todo:
-            if not forced:
-                continue
             out = req.output_ids
             plan = self._plan_of(out[-1], forced)
             if plan is None:
@@ -127,20 +129,20 @@ class JumpForward:
                 continue
             rows.append((req, state, replace, ids))
         if not rows:
-            return 0
+            return []
         took = force_rows([r[1] for r in rows], [r[3] for r in rows],
                           [r[0].output_ids[-1] if r[2] else None for r in rows])
-        jumped = 0
-        for (req, _, replace, ids), ok in zip(rows, took):
+        jumped: list[Any] = []
+        for (req, state, replace, ids), ok in zip(rows, took):
             if not ok:
                 continue
             out = req.output_ids
             if replace:
                 out.pop()
             out.extend(ids)
-            jumped += 1
+            jumped.append(state)
             self.num_tokens += len(ids) - replace
-        self.num_jumps += jumped
+        self.num_jumps += len(jumped)
         return jumped
 
 

@@ -80,6 +80,7 @@ class OverlapStepper:
         self.staged: Optional[Forwarded] = None   # grammar step: forward queued, not sampled
         self._pending_fill: Optional[FillJob] = None   # the pending step's bitmask job (grammar steps)
         self._undelivered: Optional[tuple[list[Request], int]] = None    # resolved, outputs not sent yet
+        self._stale: frozenset[int] = frozenset()   # ids of GrammarStates whose request jumped at the last resolve
         self.embedded: Optional[tuple[ScheduledBatch, StepVectors, list[Request], int]] = None  # vectors in flight
 
     @classmethod
@@ -145,7 +146,7 @@ class OverlapStepper:
         fill = self._resolve(fwd)
         try:
             if fill is None:
-                fill = runner.sampler.constraints.fill_async(fwd.seqs)
+                fill = runner.sampler.constraints.fill_async(fwd.seqs, self._stale)
         except Exception as e:  # noqa: BLE001 - e.g. a matcher failing: this step's requests only
             self.flush()
             self._fail_batch(batch, e)
@@ -194,7 +195,9 @@ class OverlapStepper:
     def _resolve(self, nxt: Optional[Forwarded] = None) -> Optional[FillJob]:
         """Wait for the pending step's ids, put them in place, accept grammar tokens, finish stops
         (or, for an embedding step, its vectors). ``nxt``: the staged step after it, whose bitmask
-        fill is then queued behind the accepts when no row may jump forward (returned, else None)."""
+        fill is then queued behind the accepts (after the jumps where rows may jump forward; returned, or
+        None: the caller fills it, leaving out ``_stale``)."""
+        self._stale = frozenset()
         if self.embedded is not None:
             batch, vectors, changed, n_in = self.embedded
             self.embedded = None
@@ -224,17 +227,28 @@ class OverlapStepper:
         rows.place(launched.batch, sampled, toks, launched.errors, lps)
         grammar = rows.grammar
         nxt_fill = None
+        cons = self.runner.sampler.constraints
         if nxt is not None and accepted is not None and not grammar.jumping:
             # queued behind the accepts (one worker thread): it starts as they end, while this thread
             # collects its rows and settles; jumps would change matchers, so they fill afterwards
             try:
-                nxt_fill = self.runner.sampler.constraints.fill_async(nxt.seqs, frozenset(grammar.completing()),
-                                                                      queued=True, live=live)
+                nxt_fill = cons.fill_async(nxt.seqs, frozenset(grammar.completing()), queued=True, live=live)
             except Exception:  # noqa: BLE001 - the caller's fill_async raises it again, for nxt's requests
                 nxt_fill = None
+        completing = frozenset(grammar.completing()) if grammar.jumping and live is not None else frozenset()
         for req, reason in grammar.settle(sched.cfg.context_length, accepted):
             self._end(req, reason, changed, listed)
         self._undelivered = (changed, n_in)
+        # the next step was scheduled before these jumps: its rows of requests that jumped are stale (the
+        # scheduler's update skips them, their tokens are never kept), so their matchers, already past the
+        # forced text, are left out of its fill and of its accepts
+        if grammar.jumped:
+            self._stale = frozenset(map(id, grammar.jumped))
+        if nxt_fill is None and live is not None and grammar.jumping:
+            try:
+                nxt_fill = cons.fill_async(nxt.seqs, completing | self._stale, live=live)
+            except Exception:  # noqa: BLE001 - the caller's fill_async raises it again, for nxt's requests
+                nxt_fill = None
         return nxt_fill
 
     def _end(self, req: Request, reason: FinishReason, changed: list[Request], listed: set[int]) -> None:

@@ -70,11 +70,9 @@ def placeholder_output(batch: ScheduledBatch, sampled: int) -> StepOutput:
     n = len(batch.seqs)
     if sampled == n:                                 # every row samples (decode steps)
         fake = list(placeholders(n))
-    else:
-        fake, rows = [-1] * n, iter(placeholders(sampled))
-        for i, s in enumerate(batch.seqs):
-            if s.sample:
-                fake[i] = next(rows)
+    else:                                            # jump-forward's forced rows, prefill chunks
+        rows = iter(placeholders(sampled))
+        fake = [next(rows) if s.sample else -1 for s in batch.seqs]
     return StepOutput(fake, [None] * n, [None] * n)
 
 

@@ -67,6 +67,9 @@ class StepUpdate:
                     self._finish(req, reason, unlist=False)
                     done = True
                 continue
+            if plain and start >= n_prompt and len(seq.token_ids) == 1 and not seq.sample:
+                req.num_computed = start + 1                 # a jump-forward's forced token (runtime/forced_rows.py)
+                continue
             if out.accepted is None and seq.sample and start + len(seq.token_ids) != req.num_tokens:
                 continue            # jumped forward meanwhile (runtime/jump_forward.py); verify rows carry drafts
             if errors and i in errors:
