@@ -47,8 +47,9 @@ if triton is not None:
         """x / s as ``tl.div_rn`` rounds it, from r = tl.div_rn(1.0, s) (one division for a shared divisor
         instead of one a value): q = x * r, then one correction by the exact residual (Markstein's
         theorem: r correctly rounded, q within an ulp). The residual is negated so that -0 keeps its sign.
-        Exact while the quotient is in fp32's normal range; a smaller one is 0 as e4m3 either way (the
-        e4m3 stores are its only users)."""
+        Exact for |x| >= 2^-100 (the residual does not underflow) and a quotient in fp32's normal range;
+        a smaller x over any scale above 2^-90, or a smaller quotient, is 0 as e4m3 either way (the e4m3
+        stores are its only users)."""
         q = x * r
         # e = -(x - s * q), exact; negations as products by -1 (Triton's -x is 0 - x, which loses -0's sign)
         e = tl.fma(s, q, x * -1.0)

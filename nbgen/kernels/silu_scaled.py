@@ -145,7 +145,8 @@ if triton is not None:
             amax = tl.zeros((BLOCK,), tl.float32)
             for c in range(0, I, BLOCK):
                 offs = c + tl.arange(0, BLOCK)
-                amax = tl.maximum(amax, tl.abs(_silu_block(x_row, offs, offs < I, I, s, dt, ROW_SCALE, PTX).to(tl.float32)))
+                v = _silu_block(x_row, offs, offs < I, I, s, dt, ROW_SCALE, PTX).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
             qs = e4m3_scale(tl.max(amax, 0))
             for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
                 offs = c + tl.arange(0, BLOCK)
@@ -263,7 +264,8 @@ def _quant_launch(gate_up: torch.Tensor, h: Optional[torch.Tensor], eps: float,
 def _check_pieces(pieces: tuple[int, int, int], I: int) -> None:
     # pieces cover the row, and only the last one may run past it (the others load unmasked)
     used = [b for b in pieces if b]
-    if used and (sum(used) < I or sum(used[:-1]) > I or any(b & (b - 1) for b in used) or pieces[len(used):] != (0,) * (3 - len(used))):
+    bad = sum(used) < I or sum(used[:-1]) > I or any(b & (b - 1) for b in used)
+    if used and (bad or pieces[len(used):] != (0,) * (3 - len(used))):
         raise ValueError(f"launch.pieces must be powers of 2 covering I = {I} (only the last past it), got {pieces}")
 
 
