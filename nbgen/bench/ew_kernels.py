@@ -78,10 +78,10 @@ def cases(baseline: bool) -> dict[str, tuple[Callable[[int, int], Inputs], Calla
     silu_c: list[tuple[str, Any]] = []
     rope_c: list[tuple[str, Any]] = []
     if not baseline:
-        for pieces, nw in [((16384, 0, 0), 16), ((8192, 4096, 2048), 8), ((8192, 4096, 2048), 16),
-                           ((8192, 4096, 2048), 32)]:
+        # main's layout (one masked 16 384-column block, 16 warps), the pieces at other warp counts
+        for pieces, nw in [((16384, 0, 0), 16), ((8192, 4096, 2048), 16), ((8192, 4096, 2048), 32)]:
             silu_c.append((f"pieces {pieces} {nw} warps", SILU_LAUNCH(pieces, 0, 1, nw)))
-        for groups, nw in [(1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (8, 2)]:
+        for groups, nw in [(1, 4), (2, 4), (2, 8), (4, 4), (8, 2)]:     # the default: 1 group, 8 warps
             rope_c.append((f"{groups} groups {nw} warps", ROPE_LAUNCH(groups, nw)))
     silu_bytes = lambda r: r * (2 * INTER * 2 + HID * 2 + INTER + 4)
     rope_bytes = lambda r, hid=HID, hq=HQ, hkv=HKV, c=1: r * (hid * 2 + (hq + 2 * hkv) * D * 2 + (hq + hkv) * D * 2
