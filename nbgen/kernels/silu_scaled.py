@@ -57,20 +57,37 @@ if triton is not None:
         for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
             offs = c + tl.arange(0, BLOCK)
             m = offs < I
-            tl.store(y_ptr + t * sy + offs, _silu_block(x_ptr + t * sx, offs, m, I, s, dt, True, PTX), mask=m)
+            tl.store(y_ptr + t * sy + offs, _silu_block(x_ptr + t * sx, offs, m, I, s, dt, True, PTX, False), mask=m)
 
     @triton.jit
-    def _silu_block(x_row, offs, m, I, s, dt: tl.constexpr, ROW_SCALE: tl.constexpr, PTX: tl.constexpr):
-        # one block of a token's activation in dt. ROW_SCALE: gate and up scaled by s and rounded to the
-        # model dtype (the normed stream's projection), then SiLU-and-mul rounded once; else the plain
-        # SiLU-and-mul of an unfolded layer (triton_norm's)
+    def _silu_block(x_row, offs, m, I, s, dt: tl.constexpr, ROW_SCALE: tl.constexpr, PTX: tl.constexpr,
+                    F32: tl.constexpr):
+        # one block of a token's activation in dt (F32: its values as fp32). ROW_SCALE: gate and up scaled by s
+        # and rounded to the model dtype (the normed stream's projection), then SiLU-and-mul rounded once;
+        # else the plain SiLU-and-mul of an unfolded layer (triton_norm's)
         if ROW_SCALE:
-            g = rnd(tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32) * s, dt)
-            u = rnd(tl.load(x_row + I + offs, mask=m, other=0.0).to(tl.float32) * s, dt)
-            y = (g / one_plus_exp_neg(g, PTX) * u).to(dt)
+            g = _rnd(tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32) * s, dt, PTX)
+            u = _rnd(tl.load(x_row + I + offs, mask=m, other=0.0).to(tl.float32) * s, dt, PTX)
+            y = g / one_plus_exp_neg(g, PTX) * u
+            if F32:
+                y = _rnd(y, dt, PTX)
+            else:
+                y = y.to(dt)
         else:
             y = silu_mul_block(x_row, offs, m, I, dt)
+            if F32:
+                y = y.to(tl.float32)
         return y
+
+    @triton.jit
+    def _rnd(x, dt: tl.constexpr, PTX: tl.constexpr):
+        # rnd(x, dt): fp32 x rounded to dt, as fp32. bf16 on CUDA: two values a cvt.rn.bf16x2 (one F2FP for
+        # two where rnd spends an F2F each), unpacked by a shift and a mask
+        if PTX and dt == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 p;\n cvt.rn.bf16x2.f32 p, $3, $2;\n shl.b32 $0, p, 16;\n and.b32 $1, p, 0xffff0000; }",
+                "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+        return rnd(x, dt)
 
     @triton.jit
     def one_plus_exp_neg(g, PTX: tl.constexpr):
@@ -94,7 +111,7 @@ if triton is not None:
             m = offs < I
         else:
             m = tl.full((B,), 1, tl.int1)                  # constant true: the loads compile unmasked
-        return _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE, PTX).to(tl.float32)
+        return _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE, PTX, True)
 
     @triton.jit
     def _quant_piece(q_row, v, OFF: tl.constexpr, B: tl.constexpr, I, qs, MASK: tl.constexpr):
@@ -145,13 +162,13 @@ if triton is not None:
             amax = tl.zeros((BLOCK,), tl.float32)
             for c in range(0, I, BLOCK):
                 offs = c + tl.arange(0, BLOCK)
-                v = _silu_block(x_row, offs, offs < I, I, s, dt, ROW_SCALE, PTX).to(tl.float32)
+                v = _silu_block(x_row, offs, offs < I, I, s, dt, ROW_SCALE, PTX, True)
                 amax = tl.maximum(amax, tl.abs(v))
             qs = e4m3_scale(tl.max(amax, 0))
             for c in range(tl.program_id(1) * BLOCK, I, tl.num_programs(1) * BLOCK):
                 offs = c + tl.arange(0, BLOCK)
                 m = offs < I
-                v = _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE, PTX).to(tl.float32)
+                v = _silu_block(x_row, offs, m, I, s, dt, ROW_SCALE, PTX, True)
                 tl.store(q_row + offs, to_e4m3(v, qs), mask=m)
         if tl.program_id(1) == 0:
             tl.store(qs_ptr + t, qs)
@@ -221,8 +238,9 @@ class SiluQuantLaunch:
 def quant_launch(T: int, I: int) -> SiluQuantLaunch:
     """The launch by shape: up to ONE_BLOCK_MAX columns one program a token holding its row as power-of-2
     pieces with no masked lanes where I is a sum of up to three. Llama-3.1-8B: 8 warps, 56 values a thread;
-    with Triton 3.6 for sm_90a 80 registers (3 programs an SM) and 14.4k warp-instructions a token (16
-    warps: 51 registers, 2 programs, 17.0k; a masked 16 384-column block: 25.5k with the division per value).
+    with Triton 3.6 for sm_90a 79 registers (3 programs an SM) and 13.7k warp-instructions a token (16
+    warps: 49 registers, 2 programs, 16.4k; a masked 16 384-column block with an IEEE division a value:
+    25.5k).
     Wider: a program per block at a few rows, each reducing the whole row first (from the L2 cache); from
     64 rows on, one program a token."""
     pieces = row_pieces(I)
