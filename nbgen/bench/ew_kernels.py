@@ -156,8 +156,8 @@ def run_baseline(root: str, argv: list[str]) -> dict[str, Any]:
         path = os.path.join(d, "base.pt")
         code = (f"import sys, runpy; sys.path.insert(0, {root!r}); sys.argv = {['ew_kernels'] + argv + ['--save', path]!r}; "
                 f"runpy.run_path({os.path.abspath(__file__)!r}, run_name='__main__')")
-        subprocess.run([sys.executable, "-c", code], cwd=root, check=True,
-                       env={**os.environ, "PYTHONPATH": root})
+        pypath = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])   # root's nbgen first
+        subprocess.run([sys.executable, "-c", code], cwd=root, check=True, env={**os.environ, "PYTHONPATH": pypath})
         return torch.load(path)
 
 
