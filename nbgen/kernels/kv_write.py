@@ -43,11 +43,24 @@ if triton is not None:
         return (slot // P) * (HD * P) + h * (P * D) + (slot % P) * D
 
     @triton.jit
+    def div_rcp(x, s, r):
+        """x / s as ``tl.div_rn`` rounds it, from r = tl.div_rn(1.0, s) (one division for a shared divisor
+        instead of one a value): q = x * r, then one correction by the exact residual (Markstein's
+        theorem: r correctly rounded, q within an ulp). The residual is negated so that -0 keeps its sign.
+        Exact for |x| >= 2^-100 (the residual does not underflow) and a quotient in fp32's normal range;
+        a smaller x over any scale above 2^-90, or a smaller quotient, is 0 as e4m3 either way (the e4m3
+        stores are its only users)."""
+        q = x * r
+        # e = -(x - s * q), exact; negations as products by -1 (Triton's -x is 0 - x, which loses -0's sign)
+        e = tl.fma(s, q, x * -1.0)
+        return tl.fma(e * -1.0, r, q)
+
+    @triton.jit
     def to_cache(x, scale, FP8: tl.constexpr, dt: tl.constexpr):
         """Values as the cache's element type ``dt``: an fp8 cache stores x / scale (fp32, correctly
         rounded) clamped to +-448 and rounded to nearest even (``kv_quant.store``); else a plain cast."""
         if FP8:
-            y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+            y = tl.clamp(div_rcp(x.to(tl.float32), scale, tl.math.div_rn(1.0, scale)), -448.0, 448.0)
             return y.to(dt, fp_downcast_rounding="rtne")
         return x.to(dt)
 
