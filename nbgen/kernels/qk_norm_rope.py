@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from nbgen.kernels.kv_write import KVTarget, is_fp8_cache
-from nbgen.kernels import pdl
+from nbgen.kernels import pdl, qk_rope
 
 try:
     import triton
@@ -39,9 +39,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the un
     triton = None
 
 if triton is not None:
-    from nbgen.kernels.kv_write import head_row, to_cache
-    from nbgen.kernels.qk_rope import _qk_rope_kernel
-    from nbgen.kernels.triton_norm import rnd, row_rms_scale
+    from nbgen.kernels.kv_write import finish_v, head_row, to_cache
+    from nbgen.kernels.qk_rope import slot_and_row_scale
+    from nbgen.kernels.triton_norm import rnd
 
     @triton.jit
     def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
@@ -67,12 +67,7 @@ if triton is not None:
             wa = tl.where(isq, tl.load(qw_ptr + offs)[None, :], tl.load(kw_ptr + offs)[None, :]).to(tl.float32)
             wb = tl.where(isq, tl.load(qw_ptr + HALF + offs)[None, :],
                           tl.load(kw_ptr + HALF + offs)[None, :]).to(tl.float32)
-        if WRITE_KV:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-        if ROW_SCALE:
-            # h (the stream) was written before the qkv projection that precedes this kernel started,
-            # and that kernel only lets this one launch once it runs: safe to read before the wait
-            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
+        slot, s = slot_and_row_scale(slot_ptr, t, h_ptr, h_stride, h_eps, HID, HBLK, WRITE_KV, ROW_SCALE)
         if USE_PDL:
             pdl.gdc_wait()                                     # qkv is the previous kernel's output
             pdl.gdc_launch_dependents()
@@ -105,13 +100,7 @@ if triton is not None:
             vm = (hv < HKV)[:, None]
             vptr = row + (HQ + HKV + hv)[:, None] * D + dd[None, :]
             v = tl.load(vptr, mask=vm)
-            if ROW_SCALE:
-                v = (v.to(tl.float32) * s).to(dt, fp_downcast_rounding="rtne")
-                if not WRITE_KV:   # attention reads v from qkv only when it is not in the cache
-                    tl.store(vptr, v, mask=vm)
-            if WRITE_KV:
-                tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P)[:, None] + dd[None, :],
-                         to_cache(v, v_scale, FP8, vc_ptr.dtype.element_ty), mask=vm)
+            finish_v(v, vptr, vm, s, vc_ptr, slot, hv, dd, v_scale, HKV, D, P, FP8, ROW_SCALE, WRITE_KV)
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -174,12 +163,8 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
                    HQ=num_q_heads, HKV=num_kv_heads, HP=triton.next_power_of_2(num_q_heads + num_kv_heads),
                    HVP=triton.next_power_of_2(num_kv_heads), D=head_dim, P=P, NORM=True, **kw)
         return
-    qg, kg = num_q_heads // lc.groups, num_kv_heads // lc.groups
-    pdl.launch(_qk_rope_kernel, (T, lc.groups),
-               (qkv, positions, cos_sin_cache, qkv.stride(0), kc, vc, slots, h, h.stride(0), h_eps, float(ks),
-                float(vs)), qkv.device,
-               HQ=num_q_heads, HKV=num_kv_heads, QG=qg, QGP=triton.next_power_of_2(qg), KG=kg,
-               KGP=triton.next_power_of_2(kg), D=head_dim, P=P, **kw)
+    qk_rope.launch((qkv, positions, cos_sin_cache, qkv.stride(0), kc, vc, slots, h, h.stride(0), h_eps, float(ks),
+                    float(vs)), num_q_heads, num_kv_heads, head_dim, P, lc.groups, kw)
 
 
 @dataclass(frozen=True)

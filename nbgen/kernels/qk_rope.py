@@ -10,6 +10,8 @@ Compiled without FMA contraction, as the norm form: each product rounds where to
 """
 from __future__ import annotations
 
+from typing import Any
+
 from nbgen.kernels import pdl
 
 try:
@@ -19,7 +21,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton never laun
     triton = None
 
 if triton is not None:
-    from nbgen.kernels.kv_write import head_row, to_cache
+    from nbgen.kernels.kv_write import finish_v, head_row, to_cache
     from nbgen.kernels.triton_norm import rnd, row_rms_scale
 
     @triton.jit
@@ -41,6 +43,23 @@ if triton is not None:
         return (tl.arange(0, NP) < N)[:, None] & (tl.arange(0, W) < W)[None, :]
 
     @triton.jit
+    def slot_and_row_scale(slot_ptr, t, h_ptr, h_stride, h_eps, HID: tl.constexpr, HBLK: tl.constexpr,
+                           WRITE_KV: tl.constexpr, ROW_SCALE: tl.constexpr):
+        # token t's cache slot (WRITE_KV, else 0: unused) and a folded norm's row factor (ROW_SCALE, else 1.0):
+        # inputs the previous kernel does not write, so the RoPE kernels read them before waiting for it (h, the
+        # stream, was written before the qkv projection before them started, and that kernel only lets them
+        # launch once it runs)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+        else:
+            slot = 0
+        if ROW_SCALE:
+            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
+        else:
+            s = 1.0
+        return slot, s
+
+    @triton.jit
     def _qk_rope_kernel(qkv_ptr, pos_ptr, cs_ptr, row_stride, kc_ptr, vc_ptr, slot_ptr,
                         h_ptr, h_stride, h_eps, k_scale, v_scale,
                         HQ: tl.constexpr, HKV: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr,
@@ -59,14 +78,7 @@ if triton is not None:
         pos = tl.load(pos_ptr + t).to(tl.int64)
         cos = rnd(tl.load(cs_ptr + pos * D + offs), dt)[None, :]
         sin = rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)[None, :]
-        if WRITE_KV:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-        if ROW_SCALE:
-            # h (the stream) was written before the qkv projection that precedes this kernel started,
-            # and that kernel only lets this one launch once it runs: safe to read before the wait
-            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
-        else:
-            s = 1.0
+        slot, s = slot_and_row_scale(slot_ptr, t, h_ptr, h_stride, h_eps, HID, HBLK, WRITE_KV, ROW_SCALE)
         if USE_PDL:
             pdl.gdc_wait()                                     # qkv is the previous kernel's output
             pdl.gdc_launch_dependents()
@@ -98,10 +110,16 @@ if triton is not None:
             tl.store(kc_ptr + dst, to_cache(oa, k_scale, FP8, kt), mask=km)
             tl.store(kc_ptr + dst + HALF, to_cache(ob, k_scale, FP8, kt), mask=km)
         if WRITE_KV or ROW_SCALE:
-            if ROW_SCALE:
-                v = (v.to(tl.float32) * s).to(dt, fp_downcast_rounding="rtne")
-                if not WRITE_KV:   # attention reads v from qkv only when it is not in the cache
-                    tl.store(vptr, v, mask=vm)
-            if WRITE_KV:
-                tl.store(vc_ptr + head_row(slot, hk, HKV * D, D, P)[:, None] + dd[None, :],
-                         to_cache(v, v_scale, FP8, vc_ptr.dtype.element_ty), mask=vm)
+            finish_v(v, vptr, vm, s, vc_ptr, slot, hk, dd, v_scale, HKV, D, P, FP8, ROW_SCALE, WRITE_KV)
+
+
+def launch(args: tuple, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, groups: int,
+           kw: dict[str, Any]) -> None:
+    """Launch ``_qk_rope_kernel`` over ``args`` (qkv, positions, cos_sin_cache, qkv's row stride, k / v caches,
+    slots, h, h's row stride, its eps, k / v scales; ``qk_norm_rope.qk_norm_rope_`` builds them) in ``groups``
+    programs a token (the caller checks they divide both head counts); ``kw``: the shared constexprs and launch
+    options (WRITE_KV, FP8, ROW_SCALE, HID, HBLK, num_warps, enable_fp_fusion)."""
+    qg, kg = num_q_heads // groups, num_kv_heads // groups
+    pdl.launch(_qk_rope_kernel, (args[0].shape[0], groups), args, args[0].device,
+               HQ=num_q_heads, HKV=num_kv_heads, QG=qg, QGP=triton.next_power_of_2(qg), KG=kg,
+               KGP=triton.next_power_of_2(kg), D=head_dim, P=page_size, **kw)
