@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 if triton is not None:
     from nbgen.kernels.fp8_row_gemv import load_early, scaled_products
     from nbgen.kernels.kv_write import head_row, to_cache
-    from nbgen.kernels.qk_norm_rope import rnd
+    from nbgen.kernels.triton_norm import rnd
 
     @triton.jit
     def _mul_rn(a, b):
@@ -46,7 +46,7 @@ if triton is not None:
 
     @triton.jit
     def _row_factor(x_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr):
-        # rsqrt(mean(x^2) + eps) of the row summed as qk_norm_rope's row_rms_scale sums it (HBLK-column tiles,
+        # rsqrt(mean(x^2) + eps) of the row summed as triton_norm's row_rms_scale sums it (HBLK-column tiles,
         # each square rounded on its own, never contracted into an FMA)
         ss = tl.zeros((HBLK,), tl.float32)
         for k0 in tl.static_range(0, HID, HBLK):

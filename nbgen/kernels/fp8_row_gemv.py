@@ -39,7 +39,7 @@ EARLY_TILES_AFTER_ATTENTION = 4
 
 if triton is not None:
     from nbgen.kernels.fp8_quant import e4m3_scale, to_e4m3
-    from nbgen.kernels.qk_norm_rope import rnd
+    from nbgen.kernels.triton_norm import rnd
 
     @triton.jit
     def _xq_tile(x_ptr, g_ptr, kk, K, sa, PREQUANT: tl.constexpr, COL_SCALE: tl.constexpr):

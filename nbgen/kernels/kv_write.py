@@ -65,6 +65,20 @@ if triton is not None:
         return x.to(dt)
 
     @triton.jit
+    def finish_v(v, vptr, vm, s, vc_ptr, slot, hv, dd, v_scale, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+                 FP8: tl.constexpr, ROW_SCALE: tl.constexpr, WRITE_KV: tl.constexpr):
+        # one token's v heads [H, D] (loaded from ``vptr`` under ``vm``), as the fused RoPE kernels finish them:
+        # scaled by a folded norm's row factor s and rounded to the model dtype (ROW_SCALE), stored back into
+        # qkv where attention reads it from there, and written into the paged cache (WRITE_KV; heads ``hv``)
+        if ROW_SCALE:
+            v = (v.to(tl.float32) * s).to(vptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            if not WRITE_KV:   # attention reads v from qkv only when it is not in the cache
+                tl.store(vptr, v, mask=vm)
+        if WRITE_KV:
+            tl.store(vc_ptr + head_row(slot, hv, HKV * D, D, P)[:, None] + dd[None, :],
+                     to_cache(v, v_scale, FP8, vc_ptr.dtype.element_ty), mask=vm)
+
+    @triton.jit
     def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_row, v_row, k_scale, v_scale,
                          HD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
                          FP8: tl.constexpr):

@@ -5,8 +5,7 @@ Unfused, a layer spends up to four launches here (Qwen3's q-norm and k-norm, RoP
 plus a copy of q and k out of the strided qkv rows. At decode batch sizes each launch is a few
 microseconds of mostly fixed cost, ~32 layers x 2-4 per step. One program per token does the chain
 for all its q and k heads in registers (a program per (token, head) was 4x slower at 256 tokens: 6k
-one-warp programs in two waves, each waiting on its own chain of loads; a launch may still split a
-token's heads into a few groups, each computing the row scale itself), following HF's rounding
+one-warp programs in two waves, each waiting on its own chain of loads), following HF's rounding
 steps: normalise in fp32, round, scale by the weight, round (as Qwen3RMSNorm); then rotate_half RoPE
 with cos/sin rounded to the model dtype and each product and the sum rounded (as HF's
 apply_rotary_pos_emb in bf16/fp16). The kernel is compiled without FMA contraction, so each product
@@ -19,6 +18,9 @@ With a folded input norm (``nbgen.models.norm_fold``) qkv is the raw residual st
 kernel then first scales q, k and v by the token's rsqrt(mean(h^2) + eps), read from ``h``, rounds
 them to the model dtype (as the projection of the normed stream is rounded), and stores v back when
 it does not write it into the cache.
+
+Layers without the per-head norm launch ``kernels.qk_rope``'s kernel instead (the same values: q and k as
+separate tiles, v loaded before the stores, optional head groups); this module's kernel is the norm form.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 
 from nbgen.kernels.kv_write import KVTarget, is_fp8_cache
-from nbgen.kernels import pdl
+from nbgen.kernels import pdl, qk_rope
 
 try:
     import triton
@@ -37,27 +39,42 @@ except ImportError:  # pragma: no cover - CPU installs without triton use the un
     triton = None
 
 if triton is not None:
-    from nbgen.kernels.kv_write import head_row, to_cache
+    from nbgen.kernels.kv_write import finish_v, head_row, to_cache
+    from nbgen.kernels.qk_rope import slot_and_row_scale
+    from nbgen.kernels.triton_norm import rnd
 
     @triton.jit
-    def rnd(x, dt: tl.constexpr):
-        # round an fp32 value to the model dtype and back (one HF op's output rounding)
-        return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
-
-    @triton.jit
-    def row_rms_scale(h_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr):
-        """rsqrt(mean(h^2) + eps) of one row of HID elements (fp32 math, as RMSNorm), HBLK at a time."""
-        ss = tl.zeros((HBLK,), tl.float32)
-        for k0 in tl.static_range(0, HID, HBLK):
-            kk = k0 + tl.arange(0, HBLK)
-            x = tl.load(h_ptr + kk, mask=kk < HID, other=0.0).to(tl.float32)
-            ss += x * x
-        return tl.math.rsqrt(tl.sum(ss, 0) / HID + eps)
-
-    @triton.jit
-    def _rope_tile(a, b, cos, sin, wa, wb, s, eps, dt: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
-                   ROW_SCALE: tl.constexpr):
-        # heads [N, D/2] x 2 (first and second halves, fp32) -> rotated halves in dt
+    def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
+                             h_ptr, h_stride, h_eps, k_scale, v_scale,
+                             HQ: tl.constexpr, HKV: tl.constexpr, HP: tl.constexpr, HVP: tl.constexpr,
+                             D: tl.constexpr, P: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr,
+                             FP8: tl.constexpr, ROW_SCALE: tl.constexpr, HID: tl.constexpr, HBLK: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        # one program per token, all its q and k heads as one [HP, D/2] tile (HP: HQ + HKV rounded up to a
+        # power of 2): a decode step is then one wave of programs, each with one chain of dependent loads
+        t = tl.program_id(0)
+        HALF: tl.constexpr = D // 2
+        offs = tl.arange(0, HALF)
+        h = tl.arange(0, HP)                                   # q heads 0..HQ-1, then k heads
+        hm = (h < HQ + HKV)[:, None]
+        dt = qkv_ptr.dtype.element_ty
+        # inputs that the previous kernel does not write: read before waiting for it
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = rnd(tl.load(cs_ptr + pos * D + offs), dt)[None, :]
+        sin = rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)[None, :]
+        if NORM:
+            isq = (h < HQ)[:, None]
+            wa = tl.where(isq, tl.load(qw_ptr + offs)[None, :], tl.load(kw_ptr + offs)[None, :]).to(tl.float32)
+            wb = tl.where(isq, tl.load(qw_ptr + HALF + offs)[None, :],
+                          tl.load(kw_ptr + HALF + offs)[None, :]).to(tl.float32)
+        slot, s = slot_and_row_scale(slot_ptr, t, h_ptr, h_stride, h_eps, HID, HBLK, WRITE_KV, ROW_SCALE)
+        if USE_PDL:
+            pdl.gdc_wait()                                     # qkv is the previous kernel's output
+            pdl.gdc_launch_dependents()
+        row = qkv_ptr + t.to(tl.int64) * row_stride
+        ptr = row + h[:, None] * D + offs[None, :]             # [HP, HALF]: first halves of the heads
+        a = tl.load(ptr, mask=hm, other=0.0).to(tl.float32)
+        b = tl.load(ptr + HALF, mask=hm, other=0.0).to(tl.float32)
         if ROW_SCALE:   # folded input norm: q|k|v = the normed stream's projection, rounded
             a = rnd(a * s, dt)
             b = rnd(b * s, dt)
@@ -69,90 +86,21 @@ if triton is not None:
         # x * cos + rotate_half(x) * sin, each product rounded to the model dtype as in HF
         oa = (rnd(a * cos, dt) - rnd(b * sin, dt)).to(dt, fp_downcast_rounding="rtne")
         ob = (rnd(b * cos, dt) + rnd(a * sin, dt)).to(dt, fp_downcast_rounding="rtne")
-        return oa, ob
-
-    @triton.jit
-    def _head_mask(N: tl.constexpr, NP: tl.constexpr, W: tl.constexpr):
-        # [NP, W] rows < N; a constant-true mask when N = NP (the loads and stores compile unmasked)
-        if N == NP:
-            return tl.full((NP, W), 1, tl.int1)
-        return (tl.arange(0, NP) < N)[:, None] & (tl.arange(0, W) < W)[None, :]
-
-    @triton.jit
-    def _qk_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, row_stride, eps, kc_ptr, vc_ptr, slot_ptr,
-                        h_ptr, h_stride, h_eps, k_scale, v_scale,
-                        HQ: tl.constexpr, HKV: tl.constexpr, QG: tl.constexpr, QGP: tl.constexpr,
-                        KG: tl.constexpr, KGP: tl.constexpr, D: tl.constexpr, P: tl.constexpr, NORM: tl.constexpr,
-                        WRITE_KV: tl.constexpr, FP8: tl.constexpr, ROW_SCALE: tl.constexpr, HID: tl.constexpr,
-                        HBLK: tl.constexpr, USE_PDL: tl.constexpr):
-        # program (token t, group g): the group's QG q heads and KG k (and v) heads (G = HKV / KG groups a
-        # token; one group: a decode step is one wave of programs), q and k as separate [heads, D/2] tiles
-        # (QGP, KGP: powers of 2; no masked lanes where QG, KG are), every load issued before the first store
-        t = tl.program_id(0)
-        g = tl.program_id(1)
-        HALF: tl.constexpr = D // 2
-        offs = tl.arange(0, HALF)
-        dt = qkv_ptr.dtype.element_ty
-        # inputs that the previous kernel does not write: read before waiting for it
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos = rnd(tl.load(cs_ptr + pos * D + offs), dt)[None, :]
-        sin = rnd(tl.load(cs_ptr + pos * D + HALF + offs), dt)[None, :]
-        if NORM:
-            wqa = tl.load(qw_ptr + offs)[None, :].to(tl.float32)
-            wqb = tl.load(qw_ptr + HALF + offs)[None, :].to(tl.float32)
-            wka = tl.load(kw_ptr + offs)[None, :].to(tl.float32)
-            wkb = tl.load(kw_ptr + HALF + offs)[None, :].to(tl.float32)
-        else:
-            wqa = 1.0
-            wqb = 1.0
-            wka = 1.0
-            wkb = 1.0
+        tl.store(ptr, oa, mask=hm)
+        tl.store(ptr + HALF, ob, mask=hm)
         if WRITE_KV:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-        if ROW_SCALE:
-            # h (the stream) was written before the qkv projection that precedes this kernel started,
-            # and that kernel only lets this one launch once it runs: safe to read before the wait
-            s = row_rms_scale(h_ptr + t.to(tl.int64) * h_stride, HID, h_eps, HBLK)
-        else:
-            s = 1.0
-        if USE_PDL:
-            pdl.gdc_wait()                                     # qkv is the previous kernel's output
-            pdl.gdc_launch_dependents()
-        row = qkv_ptr + t.to(tl.int64) * row_stride
-        hq = g * QG + tl.arange(0, QGP)                        # the group's q heads
-        hk = g * KG + tl.arange(0, KGP)                        # its kv heads
-        qm = _head_mask(QG, QGP, HALF)
-        km = _head_mask(KG, KGP, HALF)
-        qptr = row + hq[:, None] * D + offs[None, :]           # [QGP, HALF]: first halves of the q heads
-        kptr = row + (HQ + hk)[:, None] * D + offs[None, :]
-        qa = tl.load(qptr, mask=qm, other=0.0).to(tl.float32)
-        qb = tl.load(qptr + HALF, mask=qm, other=0.0).to(tl.float32)
-        ka = tl.load(kptr, mask=km, other=0.0).to(tl.float32)
-        kb = tl.load(kptr + HALF, mask=km, other=0.0).to(tl.float32)
-        if WRITE_KV or ROW_SCALE:                              # v heads: copied (scaled when folded)
-            dd = tl.arange(0, D)
-            vm = _head_mask(KG, KGP, D)
-            vptr = row + (HQ + HKV + hk)[:, None] * D + dd[None, :]
-            v = tl.load(vptr, mask=vm)
-        oa, ob = _rope_tile(qa, qb, cos, sin, wqa, wqb, s, eps, dt, D, NORM, ROW_SCALE)
-        tl.store(qptr, oa, mask=qm)
-        tl.store(qptr + HALF, ob, mask=qm)
-        oa, ob = _rope_tile(ka, kb, cos, sin, wka, wkb, s, eps, dt, D, NORM, ROW_SCALE)
-        tl.store(kptr, oa, mask=km)
-        tl.store(kptr + HALF, ob, mask=km)
-        if WRITE_KV:                                           # rotated k heads into the cache
-            dst = head_row(slot, hk, HKV * D, D, P)[:, None] + offs[None, :]
+            isk = hm & (h >= HQ)[:, None]                      # rotated k heads into the cache
+            dst = head_row(slot, h - HQ, HKV * D, D, P)[:, None] + offs[None, :]
             kt = kc_ptr.dtype.element_ty                      # an fp8 cache: e4m3 of k / k_scale
-            tl.store(kc_ptr + dst, to_cache(oa, k_scale, FP8, kt), mask=km)
-            tl.store(kc_ptr + dst + HALF, to_cache(ob, k_scale, FP8, kt), mask=km)
+            tl.store(kc_ptr + dst, to_cache(oa, k_scale, FP8, kt), mask=isk)
+            tl.store(kc_ptr + dst + HALF, to_cache(ob, k_scale, FP8, kt), mask=isk)
         if WRITE_KV or ROW_SCALE:
-            if ROW_SCALE:
-                v = (v.to(tl.float32) * s).to(dt, fp_downcast_rounding="rtne")
-                if not WRITE_KV:   # attention reads v from qkv only when it is not in the cache
-                    tl.store(vptr, v, mask=vm)
-            if WRITE_KV:
-                tl.store(vc_ptr + head_row(slot, hk, HKV * D, D, P)[:, None] + dd[None, :],
-                         to_cache(v, v_scale, FP8, vc_ptr.dtype.element_ty), mask=vm)
+            hv = tl.arange(0, HVP)                             # v heads: copied (scaled when folded)
+            dd = tl.arange(0, D)
+            vm = (hv < HKV)[:, None]
+            vptr = row + (HQ + HKV + hv)[:, None] * D + dd[None, :]
+            v = tl.load(vptr, mask=vm)
+            finish_v(v, vptr, vm, s, vc_ptr, slot, hv, dd, v_scale, HKV, D, P, FP8, ROW_SCALE, WRITE_KV)
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -200,24 +148,29 @@ def qk_norm_rope_(qkv: torch.Tensor, positions: torch.Tensor, q_weight: Optional
     h, h_eps = row_scale if row_scale is not None else (qkv, 0.0)
     hid = h.shape[1] if row_scale is not None else 1
     lc = launch or rope_launch(T, num_q_heads, num_kv_heads, row_scale is not None)
+    if norm and lc.groups != 1:
+        raise ValueError(f"launch.groups must be 1 for the per-head norm form, got {lc.groups}")
     if num_kv_heads % lc.groups or num_q_heads % lc.groups:
         raise ValueError(f"launch.groups must divide the q and kv head counts ({num_q_heads}, {num_kv_heads}), "
                          f"got {lc.groups}")
-    qg, kg = num_q_heads // lc.groups, num_kv_heads // lc.groups
-    pdl.launch(_qk_rope_kernel, (T, lc.groups),
-               (qkv, positions, q_weight if norm else qkv, k_weight if norm else qkv, cos_sin_cache,
-                qkv.stride(0), eps, kc, vc, slots, h, h.stride(0), h_eps, float(ks), float(vs)),
-               qkv.device, HQ=num_q_heads, HKV=num_kv_heads, QG=qg, QGP=triton.next_power_of_2(qg), KG=kg,
-               KGP=triton.next_power_of_2(kg), D=head_dim, P=P, NORM=norm,
-               WRITE_KV=kv is not None, FP8=kv is not None and is_fp8_cache(kc), ROW_SCALE=row_scale is not None, HID=hid,
-               HBLK=min(1024, triton.next_power_of_2(hid)), num_warps=lc.num_warps,
-               enable_fp_fusion=False)    # no FMA contraction: each product rounds as in torch
+    kw = dict(WRITE_KV=kv is not None, FP8=kv is not None and is_fp8_cache(kc), ROW_SCALE=row_scale is not None,
+              HID=hid, HBLK=min(1024, triton.next_power_of_2(hid)), num_warps=lc.num_warps,
+              enable_fp_fusion=False)    # no FMA contraction: each product rounds as in torch
+    if norm:
+        pdl.launch(_qk_norm_rope_kernel, (T,),
+                   (qkv, positions, q_weight, k_weight, cos_sin_cache, qkv.stride(0), eps, kc, vc, slots, h,
+                    h.stride(0), h_eps, float(ks), float(vs)), qkv.device,
+                   HQ=num_q_heads, HKV=num_kv_heads, HP=triton.next_power_of_2(num_q_heads + num_kv_heads),
+                   HVP=triton.next_power_of_2(num_kv_heads), D=head_dim, P=P, NORM=True, **kw)
+        return
+    qk_rope.launch((qkv, positions, cos_sin_cache, qkv.stride(0), kc, vc, slots, h, h.stride(0), h_eps, float(ks),
+                    float(vs)), num_q_heads, num_kv_heads, head_dim, P, lc.groups, kw)
 
 
 @dataclass(frozen=True)
 class RopeLaunch:
     """How ``qk_norm_rope_`` launches: ``groups`` programs a token (each a 1/groups share of the q and kv
-    heads, each computing the row scale itself), ``num_warps`` a program."""
+    heads, each computing the row scale itself; 1 for the per-head norm form), ``num_warps`` a program."""
 
     groups: int
     num_warps: int

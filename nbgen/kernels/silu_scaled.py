@@ -37,7 +37,7 @@ def rms_scale(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 if triton is not None:
-    from nbgen.kernels.qk_norm_rope import rnd, row_rms_scale
+    from nbgen.kernels.triton_norm import rnd, row_rms_scale
     from nbgen.kernels.fp8_quant import e4m3_scale, to_e4m3
     from nbgen.kernels.triton_norm import silu_mul_block
 

@@ -67,6 +67,21 @@ if triton is not None:
         tl.store(y_ptr + t * sy + offs, silu_mul_block(x_ptr + t * sx, offs, m, I, y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def rnd(x, dt: tl.constexpr):
+        # round an fp32 value to the model dtype and back (one HF op's output rounding)
+        return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
+
+    @triton.jit
+    def row_rms_scale(h_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr):
+        """rsqrt(mean(h^2) + eps) of one row of HID elements (fp32 math, as RMSNorm), HBLK at a time."""
+        ss = tl.zeros((HBLK,), tl.float32)
+        for k0 in tl.static_range(0, HID, HBLK):
+            kk = k0 + tl.arange(0, HBLK)
+            x = tl.load(h_ptr + kk, mask=kk < HID, other=0.0).to(tl.float32)
+            ss += x * x
+        return tl.math.rsqrt(tl.sum(ss, 0) / HID + eps)
+
+    @triton.jit
     def silu_mul_block(x_row, offs, m, I, dt: tl.constexpr):
         """One block of a token's silu(gate) * up in dt, silu rounded before the product (HF's steps)."""
         g = tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
