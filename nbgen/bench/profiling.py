@@ -5,6 +5,8 @@ import gc
 import time
 from typing import Any, Optional
 
+from nbgen.bench.layer_trace import print_layer_table
+
 class GcPauses:
     """Cyclic-GC pauses in any thread while it is open (a full collection stalls the engine's loop
     thread, and with it the GPU, for as long as it walks the heap)."""
@@ -42,6 +44,43 @@ def print_gpu_profile(prof: Any, wall: float) -> float:
     for e in ev[:24]:
         print(f"  {dev_t(e) / 1e6:8.3f} s {e.count:8d}x  {e.key[:110]}")
     return busy
+
+
+class RunProfiles:
+    """The timed runs' optional profiles, started at construction and printed by ``report``: torch.profiler
+    over the GPU (``gpu``; with ``layer_anchor`` also the decode layer's kernels cut at that kernel,
+    bench/layer_trace.py, its Chrome trace written to ``trace``) and cProfile of the engine's loop thread,
+    where all host work of a step runs (``host``)."""
+
+    def __init__(self, eng: Any, gpu: bool, host: bool, layer_anchor: Optional[str] = None,
+                 trace: Optional[str] = None) -> None:
+        self._eng, self._anchor, self._trace = eng, layer_anchor, trace or "/tmp/nbgen_bench_trace.json"
+        self._prof: Any = None
+        self._host: Any = None
+        if gpu:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CUDA])
+            self._prof.__enter__()
+        if host:
+            import cProfile
+
+            self._host = cProfile.Profile()
+            eng.loop.call(self._host.enable)
+
+    def report(self, wall: float) -> None:
+        """Stop the profiles and print them (``wall``: the profiled runs' seconds)."""
+        if self._host is not None:
+            import pstats
+
+            self._eng.loop.call(self._host.disable)
+            print(f"host profile (loop thread, wall {wall:.2f} s under cProfile):")
+            pstats.Stats(self._host).sort_stats("tottime").print_stats(22)
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            print_gpu_profile(self._prof, wall)
+            if self._anchor:
+                print_layer_table(self._prof, self._anchor, self._trace)
 
 
 class StepTimer:

@@ -34,8 +34,7 @@ import torch
 from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
                                roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
-from nbgen.bench.layer_trace import print_layer_table
-from nbgen.bench.profiling import GcPauses, print_gpu_profile
+from nbgen.bench.profiling import GcPauses, RunProfiles
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
                                    prefix_workload, text_prompts)
@@ -79,18 +78,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     eng.generate(**_inputs(warm), sampling_params={"max_new_tokens": 8, "ignore_eos": True}, use_tqdm=False)
     if args.device != "cpu":
         torch.cuda.synchronize()
-    prof = None
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        prof = profile(activities=[ProfilerActivity.CUDA])
-        prof.__enter__()
-    hprof = None
-    if args.host_profile:   # cProfile of the engine's loop thread (where all host work of a step runs)
-        import cProfile
-
-        hprof = cProfile.Profile()
-        eng.loop.call(hprof.enable)
+    profiles = RunProfiles(eng, args.profile, args.host_profile, args.layer_anchor, args.trace)
     gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
@@ -105,17 +93,7 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     print(gcs.summary(sum(runs)))
     if len(runs) > 1:
         print("nbgen runs: " + ", ".join(f"{r:.2f}" for r in runs) + f" s (median {secs:.2f} s is reported)")
-    if hprof is not None:
-        import pstats
-
-        eng.loop.call(hprof.disable)
-        print(f"host profile (loop thread, wall {sum(runs):.2f} s under cProfile):")
-        pstats.Stats(hprof).sort_stats("tottime").print_stats(22)
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        print_gpu_profile(prof, sum(runs))
-        if args.layer_anchor:
-            print_layer_table(prof, args.layer_anchor, args.trace or "/tmp/nbgen_bench_trace.json")
+    profiles.report(sum(runs))
     n_in = sum(r["meta_info"]["prompt_tokens"] for r in res)
     n_out = sum(r["meta_info"]["completion_tokens"] for r in res)
     runner = eng.loop.runner
