@@ -35,45 +35,27 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 if triton is not None:
     from nbgen.kernels.fp8_row_gemv import load_early, scaled_products
     from nbgen.kernels.kv_write import head_row, to_cache
-    from nbgen.kernels.triton_norm import rnd
-
-    @triton.jit
-    def _mul_rn(a, b):
-        # a * b in fp32 rounded to nearest even on its own: PTX never contracts an explicit mul.rn into an
-        # FMA, and it keeps subnormals (libdevice's mul_rn is the .ftz form in Triton's build)
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _row_factor(x_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr):
-        # rsqrt(mean(x^2) + eps) of the row summed as triton_norm's row_rms_scale sums it (HBLK-column tiles,
-        # each square rounded on its own, never contracted into an FMA)
-        ss = tl.zeros((HBLK,), tl.float32)
-        for k0 in tl.static_range(0, HID, HBLK):
-            kk = k0 + tl.arange(0, HBLK)
-            x = tl.load(x_ptr + kk, mask=kk < HID, other=0.0).to(tl.float32)
-            ss += _mul_rn(x, x)
-        return tl.math.rsqrt(tl.sum(ss, 0) / HID + eps)
+    from nbgen.kernels.triton_norm import mul_rn, rnd, row_rms_scale
 
     @triton.jit
     def _rope_store(ya, yb, head, j, cos, sin, slot, x_ptr, y_ptr, kc_ptr, vc_ptr, eps, k_scale, v_scale,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, ROW_SCALE: tl.constexpr,
                     HID: tl.constexpr, HBLK: tl.constexpr, FP8: tl.constexpr):
         # ya, yb: fp32 projections (+ bias) of rows j and j + D/2 of head ``head`` ([n] each; q heads, then k,
-        # then v) -> the qkv row and, for k and v heads, the token's cache slot. Products by _mul_rn: rounded
+        # then v) -> the qkv row and, for k and v heads, the token's cache slot. Products by mul_rn: rounded
         # alone whether or not the kernel contracts (the model-dtype rounding after each is HF's)
         HALF: tl.constexpr = D // 2
         dt = y_ptr.dtype.element_ty
         a = rnd(ya, dt)                                          # the projection as qkv stores it
         b = rnd(yb, dt)
         if ROW_SCALE:   # folded input norm: q|k|v = the normed stream's projection, rounded
-            s = _row_factor(x_ptr, HID, eps, HBLK)
-            a = rnd(_mul_rn(a, s), dt)
-            b = rnd(_mul_rn(b, s), dt)
+            s = row_rms_scale(x_ptr, HID, eps, HBLK, RN=True)
+            a = rnd(mul_rn(a, s), dt)
+            b = rnd(mul_rn(b, s), dt)
         # x * cos + rotate_half(x) * sin, each product rounded to the model dtype as in HF; v heads as they are
         is_v = head >= HQ + HKV
-        ra = rnd(_mul_rn(a, cos), dt) - rnd(_mul_rn(b, sin), dt)
-        rb = rnd(_mul_rn(b, cos), dt) + rnd(_mul_rn(a, sin), dt)
+        ra = rnd(mul_rn(a, cos), dt) - rnd(mul_rn(b, sin), dt)
+        rb = rnd(mul_rn(b, cos), dt) + rnd(mul_rn(a, sin), dt)
         oa = tl.where(is_v, a, ra).to(dt, fp_downcast_rounding="rtne")
         ob = tl.where(is_v, b, rb).to(dt, fp_downcast_rounding="rtne")
         row = head * D + j

@@ -72,13 +72,25 @@ if triton is not None:
         return x.to(dt, fp_downcast_rounding="rtne").to(tl.float32)
 
     @triton.jit
-    def row_rms_scale(h_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr):
-        """rsqrt(mean(h^2) + eps) of one row of HID elements (fp32 math, as RMSNorm), HBLK at a time."""
+    def mul_rn(a, b):
+        # a * b in fp32 rounded to nearest even on its own: PTX never contracts an explicit mul.rn into an
+        # FMA, and it keeps subnormals (libdevice's mul_rn is the .ftz form in Triton's build)
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def row_rms_scale(h_ptr, HID: tl.constexpr, eps, HBLK: tl.constexpr, RN: tl.constexpr = False):
+        """rsqrt(mean(h^2) + eps) of one row of HID elements (fp32 math, as RMSNorm), HBLK at a time. ``RN``: each
+        square rounded on its own (``mul_rn``), so a kernel compiled with FMA contraction sums what a kernel
+        compiled without it sums."""
         ss = tl.zeros((HBLK,), tl.float32)
         for k0 in tl.static_range(0, HID, HBLK):
             kk = k0 + tl.arange(0, HBLK)
             x = tl.load(h_ptr + kk, mask=kk < HID, other=0.0).to(tl.float32)
-            ss += x * x
+            if RN:
+                ss += mul_rn(x, x)
+            else:
+                ss += x * x
         return tl.math.rsqrt(tl.sum(ss, 0) / HID + eps)
 
     @triton.jit
