@@ -155,6 +155,7 @@ def main() -> None:
     warm, _ = _run(eng, prompts, {**json_sp, "max_new_tokens": 16})
     print(f"full-batch warm-up ({args.num} requests x 16 tokens): {warm:.2f} s")
     rows: dict[str, Any] = {"free": [], "json": []}
+    matched: list[float] = []    # free time / json time at the json run's output lengths (where outputs completed)
     last: dict[str, list] = {}
     timer = StepTimer(eng)
     phases = PhaseTimer(eng) if args.phases else None
@@ -181,6 +182,10 @@ def main() -> None:
             if phases is not None:
                 print(f"{kind_at:5s} {phases.line(st['steps'])}", flush=True)
         pairs[threads].append((rows["json"][-1]["out_tok_s"] / rows["free"][-1]["out_tok_s"], rows["json"][-1]["host_ms"]))
+        lens = [o["meta_info"]["completion_tokens"] for o in last["json"]]
+        if min(lens) < args.max_new_tokens:   # outputs that completed their grammar: free runs of the same lengths too
+            msecs, _ = _run(eng, prompts, [{**base, "max_new_tokens": n} for n in lens])
+            matched.append(msecs / rows["json"][-1]["seconds"])
     if args.threads:
         for t, got in pairs.items():
             print(f"threads {t}: json/free median {100 * statistics.median(r for r, _ in got):.1f}% "
@@ -208,6 +213,10 @@ def main() -> None:
           f"{valid['complete']}/{args.num} completed the grammar, {valid['valid']} of those valid; "
           f"{consistent} accepted token by token by a fresh matcher; "
           f"completion tokens min/median/max {lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}")
+    if matched:   # a json run's outputs that complete their grammar stop early; its batch thins out
+        print(f"json/free at the json runs' output lengths (free requests generate as many tokens as each json "
+              f"request did): median {100 * statistics.median(matched):.1f}%, best {100 * max(matched):.1f}% "
+              f"({len(matched)} runs)")
     host = {k: statistics.median(r["host_ms"] for r in v) for k, v in rows.items()}
     print(f"host time per step (median): free {host['free']:.2f} ms, json {host['json']:.2f} ms "
           f"({'device wait excluded' if args.device == 'cuda' else 'model forward excluded'})")
@@ -232,6 +241,7 @@ def main() -> None:
     eng.shutdown()
     write_json(args.json, {"runs": rows, "best": best, "ratio": ratio, "median": median, "ratio_median": ratio_median,
                            "first_use_s": first_use, "validity": valid, "consistent": consistent,
+                           "ratio_same_lengths": matched,
                            "host_ms_median": host, "jump_forward": args.jump_forward, "extract": extract,
                            "checks": checks,
                            "model": args.model,
