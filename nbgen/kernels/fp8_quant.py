@@ -15,7 +15,8 @@ one launch each:
 ``QuantizedRows`` hands quantized rows to the next product in place of its bf16 input.
 
 The quantizer rounds as ``nbgen.models.fp8_scaled``'s torch reference does: q = e4m3(clamp(x / s, ±448)),
-with IEEE divisions (``tl.div_rn``; Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly.
+with ``tl.div_rn``'s quotients (Triton's ``/`` may be approximate) so the e4m3 bytes match it exactly: the
+scale by an IEEE division, the values through its reciprocal with one exact correction (``kv_write.div_rcp``).
 """
 from __future__ import annotations
 

@@ -58,8 +58,8 @@ class FillJob:
         return side.to_device(self.bitmask[:n], device)
 
     def into(self, target: DeviceBitmask, n: int) -> bool:
-        """Queue the first n filled rows into ``target``'s first rows on the current stream (call after
-        ``wait``); False (nothing queued) where they do not fit."""
+        """Queue the first n filled rows into ``target``'s first rows (``DeviceBitmask.copy_in``: on a side
+        stream the current one waits for; call after ``wait``); False (nothing queued) where they do not fit."""
         if not target.fits(n, self.bitmask.shape[1]):
             return False
         target.copy_in(self.bitmask[:n], self.vocab)

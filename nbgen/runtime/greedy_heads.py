@@ -14,8 +14,8 @@ Masked heads: a decode step whose rows all take the argmax of their grammar-mask
 constrained and greedy, ``grammar_batch.greedy_grammar``; no forced rows) replays the same head with the
 argmax reading a token bitmask beside the logits (``gpu_argmax.masked_argmax``), one more graph per decode
 graph. The bitmask is a static device buffer [max bs, ceil(vocab / 32)] int32 (``fill_worker.DeviceBitmask``):
-the step's sampling queues the copy of its filled rows into it (``FillJob.into``), then replays the masked
-head behind it on the same stream (runner.sample). A row allowing nothing gets id 0 (its
+the step's sampling queues the copy of its filled rows into it (``FillJob.into``, on a side stream the
+current one waits for), then replays the masked head behind it (runner.sample). A row allowing nothing gets id 0 (its
 grammar then refuses it: the request aborts), as the eager masked argmax gives.
 """
 from __future__ import annotations
