@@ -47,18 +47,12 @@ class QuantizedRows:
     dtype: torch.dtype
 
 if triton is not None:
-    from nbgen.kernels.kv_write import div_rcp
+    from nbgen.kernels.kv_write import to_e4m3
 
     @triton.jit
     def e4m3_scale(amax):
         # a token's scale from its amax: max(amax, 1e-10) / 448, an IEEE division (Triton's ``/`` may not be)
         return tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
-
-    @triton.jit
-    def to_e4m3(v, s):
-        # fp32 values v over their scale s (a row's or a tensor's, shared by many v: one division for all,
-        # kv_write.div_rcp), clamped to the e4m3 range and rounded to e4m3
-        return tl.clamp(div_rcp(v, s, tl.div_rn(1.0, s)), -448.0, 448.0).to(tl.float8e4nv)
 
     @triton.jit
     def _quant_rowwise_kernel(x_ptr, g_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, HAS_G: tl.constexpr,

@@ -56,12 +56,18 @@ if triton is not None:
         return tl.fma(e * -1.0, r, q)
 
     @triton.jit
+    def to_e4m3(v, s):
+        # fp32 values v over their scale s (a row's or a tensor's, shared by many v: one division for all,
+        # div_rcp), clamped to the e4m3 range and rounded to nearest even e4m3
+        return tl.clamp(div_rcp(v, s, tl.div_rn(1.0, s)), -448.0, 448.0).to(tl.float8e4nv)
+
+    @triton.jit
     def to_cache(x, scale, FP8: tl.constexpr, dt: tl.constexpr):
-        """Values as the cache's element type ``dt``: an fp8 cache stores x / scale (fp32, correctly
-        rounded) clamped to +-448 and rounded to nearest even (``kv_quant.store``); else a plain cast."""
+        """Values as the cache's element type ``dt``: an fp8 (e4m3) cache stores x / scale (fp32, correctly
+        rounded) clamped to +-448 and rounded to nearest even (``kv_quant.store``, ``to_e4m3``); else a
+        plain cast."""
         if FP8:
-            y = tl.clamp(div_rcp(x.to(tl.float32), scale, tl.math.div_rn(1.0, scale)), -448.0, 448.0)
-            return y.to(dt, fp_downcast_rounding="rtne")
+            return to_e4m3(x.to(tl.float32), scale)
         return x.to(dt)
 
     @triton.jit
