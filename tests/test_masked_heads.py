@@ -81,6 +81,9 @@ class _Graphs:
     def padded_output(self, staged: Staged) -> torch.Tensor:
         return self.hidden[: staged.bs]
 
+    def sampling_output(self, staged: Staged) -> torch.Tensor:
+        return CudaGraphRunner.sampling_output(self, staged)
+
 
 def _runner() -> ModelRunner:
     r = object.__new__(ModelRunner)
@@ -129,6 +132,40 @@ def test_graphs_masked_head_needs_heads_every_row_and_no_variant():
     assert not g.masked_head(Staged(3, 4, False), seqs[:2] + [_seq(None)])
     g.heads = None
     assert not g.masked_head(Staged(3, 4, False), seqs)
+
+
+def test_graphs_heads_serve_steps_whose_sampling_rows_lead():
+    """A step staged with its sampling rows first (jump-forward's forced rows after them): the masked head
+    serves it when those rows are exactly its sampling seqs, and its ids are the leading rows of ``prev``."""
+    g = object.__new__(CudaGraphRunner)
+    g.heads = SimpleNamespace(run_masked=lambda bs, cascade: None)
+    g.prev = torch.arange(16)
+    seqs = [_seq(_grammar()) for _ in range(3)]
+    lead = Staged(7, 8, False, lead=3)               # 3 sampling rows, then 4 forced rows
+    assert lead.sampled == 3 and Staged(7, 8, False).sampled == 7
+    assert g.masked_head(lead, seqs)
+    assert not g.masked_head(Staged(7, 8, False, lead=2), seqs)
+    assert g.masked_ids(lead).tolist() == [0, 1, 2]
+
+
+def test_sampling_output_is_the_leading_rows_padded_to_a_graph_size():
+    """The LM head of a step whose sampling rows lead reads a view of the graph's first rows, padded to the
+    graph batch size of the sampling rows (no gather), never past the graph's own rows."""
+    g = _Graphs()
+    g.hidden = torch.randn(448, 4)
+    out = CudaGraphRunner.sampling_output(g, Staged(414, 448, False, lead=250))
+    assert out.shape == (256, 4) and out.data_ptr() == g.hidden.data_ptr()
+    assert CudaGraphRunner.sampling_output(g, Staged(300, 300, False, lead=290)).shape == (300, 4)
+    assert CudaGraphRunner.sampling_output(g, Staged(5, 8, False)).shape == (8, 4)
+
+
+def test_deferred_head_logits_of_a_leading_step_cover_its_sampling_rows():
+    """Without a greedy fill a deferred step whose sampling rows lead computes its logits over those rows."""
+    r = _runner()
+    fwd = Forwarded(SimpleNamespace(), [object()] * 3, None, order=1, head=Staged(6, 8, False, lead=3))
+    assert r._masked_head(fwd, None) is None
+    assert fwd.logits.shape == (3, 6)
+    assert torch.equal(fwd.logits, (r.graphs.hidden[:3] @ torch.ones(4, 6)))
 
 
 @pytest.mark.gpu

@@ -20,6 +20,12 @@ Where rows share leading KV pages (a cached prompt prefix), a second graph per b
 shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
 tables, writes its tables into the same input buffer, and the step replays that graph.
 
+A step with rows that sample nothing (jump-forward's forced tokens, runtime/forced_rows.py) is staged with
+its sampling rows first (``stage(sampling_first=True)``, the runner's overlap path): every row's inputs,
+page table and KV slot travel with it and every row's K/V is written before any row attends, so the order
+changes nothing but where the sampling rows' hidden states land, graph rows 0..S-1; the LM head then reads
+them without a gather, and the heads below serve such a step too.
+
 A step whose rows all take the argmax of their raw logits gets its ids from a greedy head
 (runtime/greedy_heads.py: the LM head and the argmax captured as one more small graph per decode graph),
 written into ``prev`` with no logits computed from Python; a step whose rows all take the argmax of their
@@ -43,13 +49,14 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta
 from nbgen.kernels import gpu_argmax
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
 from nbgen.core.batch import ScheduledBatch, SeqWork
-from nbgen.kernels.batch_sizes import graph_batch_sizes
+from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
 from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout
 from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.greedy_heads import GreedyHeads
 from nbgen.runtime.sampler_rows import raw_kinds
+from nbgen.runtime.step_inputs import sampling_rows_first
 
 logger = logging.getLogger("nbgen")
 
@@ -66,6 +73,14 @@ class Staged:
     placeholders: bool     # some token ids come from the previous step's sampled ids
     variant: bool = False  # replay the variant's graph (GraphVariant)
     cascade: bool = False  # replay the shared-prefix graph (runtime/cascade_graphs.py)
+    lead: int = 0          # > 0: the batch's ``lead`` sampling rows are graph rows 0..lead-1, its other rows
+    #                        (jump-forward's forced rows) after them (``stage(sampling_first=True)``)
+
+    @property
+    def sampled(self) -> int:
+        """The graph rows 0..sampled-1 that are the step's sampling rows, in order, when every row samples
+        or the sampling rows lead."""
+        return self.lead or self.n
 
 
 @dataclass
@@ -236,42 +251,50 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.backend.spec.device)
 
     def greedy_ids(self, staged: Staged, seqs: list[SeqWork]) -> Optional[torch.Tensor]:
-        """For a replayed step whose sampling rows are all its rows and all take the argmax of their raw
-        logits: its ids [n], computed by replaying its greedy head into ``prev``; else None (no logits made)."""
-        if self.heads is None or staged.variant or len(seqs) != staged.n or not raw_kinds(seqs) <= {"argmax"}:
+        """For a replayed step whose sampling rows are its first rows (all its rows, or leading) and all take the
+        argmax of their raw logits: their ids [S], computed by replaying its greedy head into ``prev``; else None
+        (no logits made)."""
+        if self.heads is None or staged.variant or len(seqs) != staged.sampled or not raw_kinds(seqs) <= {"argmax"}:
             return None
         self.heads.run(staged.bs, staged.cascade)
-        return self.prev[: staged.n]
+        return self.prev[: staged.sampled]
 
     def masked_head(self, staged: Staged, seqs: list[SeqWork]) -> bool:
-        """The replayed step's sampling rows are all its rows and all take the argmax of their grammar-masked
-        logits (``grammar_batch.greedy_grammar``): its ids may come from ``masked_ids`` at its sampling."""
-        return self.heads is not None and not staged.variant and len(seqs) == staged.n and greedy_grammar(seqs)
+        """The replayed step's sampling rows are its first rows (all its rows, or leading) and all take the
+        argmax of their grammar-masked logits (``grammar_batch.greedy_grammar``): its ids may come from
+        ``masked_ids`` at its sampling."""
+        return (self.heads is not None and not staged.variant and len(seqs) == staged.sampled
+                and greedy_grammar(seqs))
 
     def masked_ids(self, staged: Staged) -> torch.Tensor:
         """Replay the masked head of a step (``masked_head``) whose bitmask rows are in ``heads.bitmask`` for
-        the current stream; its ids [n] (in ``prev``)."""
+        the current stream; its sampling rows' ids [S] (in ``prev``)."""
         self.heads.run_masked(staged.bs, staged.cascade)
-        return self.prev[: staged.n]
+        return self.prev[: staged.sampled]
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
         """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""
         return batch.is_decode_only and len(batch.seqs) <= self.max_bs and n_prev <= PREV_CAPACITY
 
-    def stage(self, batch: ScheduledBatch, ids: Optional[list[int]] = None) -> Staged:
+    def stage(self, batch: ScheduledBatch, ids: Optional[list[int]] = None, sampling_first: bool = False) -> Staged:
         """Copy a decode-only batch's inputs to the GPU and plan its graph's attention (queued
         work only). Safe while an earlier step is still queued: everything here lands in stream
         order after it. ``ids``: the seqs' token ids (default: each seq's token); ids < 0 are
-        placeholders for rows of the previous step's sampled ids."""
+        placeholders for rows of the previous step's sampled ids. ``sampling_first`` (without ``ids``,
+        not with a graph variant): a batch with rows that sample nothing puts its sampling rows first
+        (``Staged.lead``; the hidden states ``replay`` returns are then in that row order)."""
         st, npv = self._ring.next()
-        n = len(batch.seqs)
-        step = self.staging.write(npv[0], batch.seqs, ids, self.staging.bs_of[n] in self.cascade_graphs)
+        seqs, lead = batch.seqs, 0
+        if sampling_first and ids is None and self.variant is None:
+            seqs, lead = sampling_rows_first(seqs)
+        n = len(seqs)
+        step = self.staging.write(npv[0], seqs, ids, self.staging.bs_of[n] in self.cascade_graphs)
         if step.plan is not None:
             self.cascade_steps += 1
         self._send(st, step)
         self._ring.done()
         return Staged(n, step.bs, step.placeholders, self.variant is not None and self.variant.wanted(batch),
-                      step.plan is not None)
+                      step.plan is not None, lead)
 
     def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay a staged step; ``prev``: the previous step's sampled ids (GPU) its placeholders
@@ -286,6 +309,12 @@ class CudaGraphRunner:
     def padded_output(self, staged: Staged) -> torch.Tensor:
         """The replayed step's hidden states with its padding rows: [bs, H] (rows n.. are padding)."""
         return self._graphs_of(staged)[1][staged.bs]
+
+    def sampling_output(self, staged: Staged) -> torch.Tensor:
+        """The hidden states of a replayed step whose sampling rows are its first rows (``Staged.sampled``),
+        padded to a graph batch size: [>= S, H], rows S.. padding or other rows (a view, no gather)."""
+        out = self.padded_output(staged)
+        return out[: min(padded_batch_size(staged.lead), staged.bs)] if staged.lead else out
 
     def _graphs_of(self, staged: Staged) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
         """The graphs (and outputs) a staged step replays: the variant's, the shared-prefix ones or the plain."""
