@@ -42,7 +42,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
-import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
@@ -52,7 +51,7 @@ from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
-from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout
+from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout, StagingRing
 from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.greedy_heads import GreedyHeads
 from nbgen.runtime.sampler_rows import raw_kinds
@@ -89,32 +88,6 @@ class GraphVariant:
 
     capturing: Callable[[], ContextManager[None]]
     wanted: Callable[[ScheduledBatch], bool]
-
-
-class StagingRing:
-    """Two sets of pinned host buffers used in turn for host->device copies: a set is handed out again
-    only once the GPU has run the copies queued from it (an event per set; see the module docstring)."""
-
-    def __init__(self, make: Callable[[], list[torch.Tensor]]) -> None:
-        self._sets = [[t.pin_memory() for t in make()] for _ in range(2)]
-        self._np = [[t.numpy() for t in st] for st in self._sets]
-        self._events: list[Optional[torch.cuda.Event]] = [None, None]
-        self._i = 0
-
-    def next(self) -> tuple[list[torch.Tensor], list[np.ndarray]]:
-        """The next set (pinned tensors, their numpy views), once its previous copies have run."""
-        self._i ^= 1
-        ev = self._events[self._i]
-        if ev is not None:
-            ev.synchronize()
-        return self._sets[self._i], self._np[self._i]
-
-    def done(self) -> None:
-        """Mark the copies from the current set as queued (recorded behind them on the stream)."""
-        ev = self._events[self._i]
-        if ev is None:
-            ev = self._events[self._i] = torch.cuda.Event()
-        ev.record()                 # re-recorded: synchronize waits for the latest record
 
 
 class CudaGraphRunner:
