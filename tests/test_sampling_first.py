@@ -35,8 +35,9 @@ class _Staging:
         self.bs_of = [next(b for b in (1, 2, 4, 8) if b >= n) for n in range(9)]
         self.written: list[list[str]] = []
 
-    def write(self, buf, seqs, ids, cascade) -> HostStep:
+    def write(self, buf, seqs, ids, cascade, lead=0) -> HostStep:
         self.written.append([s.name for s in seqs])
+        self.lead = lead
         return HostStep(len(seqs), self.bs_of[len(seqs)], 0, False, None)
 
 
@@ -56,6 +57,7 @@ def test_stage_puts_the_sampling_rows_first_only_when_asked():
     g = _graphs()
     st = g.stage(batch, sampling_first=True)
     assert g.staging.written[-1] == ["a", "b", "f1", "f2"] and st.lead == 2 and st.sampled == 2 and st.n == 4
+    assert g.staging.lead == 2                               # the shared-prefix plan covers those rows
     st = g.stage(batch)
     assert g.staging.written[-1] == ["f1", "a", "f2", "b"] and st.lead == 0 and st.sampled == 4
     st = g.stage(batch, [1, 2, 3, 4], sampling_first=True)

@@ -261,7 +261,7 @@ class CudaGraphRunner:
         if sampling_first and ids is None and self.variant is None:
             seqs, lead = sampling_rows_first(seqs)
         n = len(seqs)
-        step = self.staging.write(npv[0], seqs, ids, self.staging.bs_of[n] in self.cascade_graphs)
+        step = self.staging.write(npv[0], seqs, ids, self.staging.bs_of[n] in self.cascade_graphs, lead)
         if step.plan is not None:
             self.cascade_steps += 1
         self._send(st, step)

@@ -85,14 +85,16 @@ class DecodeStaging:
         return v
 
     def write(self, buf: np.ndarray, seqs: Sequence[SeqWork], ids: Optional[Sequence[int]] = None,
-              cascade: bool = False) -> HostStep:
+              cascade: bool = False, lead: int = 0) -> HostStep:
         """Write a decode step of one-token ``seqs`` into ``buf`` (a staging buffer kept alive by its
         owner). ``ids``: their token ids (default: each seq's token), ids < 0 placeholders for rows of the
-        previous step's sampled ids. ``cascade``: plan the shared-prefix graph (its batch size has one)."""
+        previous step's sampled ids. ``cascade``: plan the shared-prefix graph (its batch size has one).
+        ``lead`` > 0: only the first ``lead`` rows (the sampling rows; forced rows after them) may share a
+        prefix chunk, so the plan is reused while they stay, whatever forced rows come and go."""
         n = len(seqs)
         bs = self.bs_of[n]
         io64, ip, last, order, idx, region, _ = self._views_of(buf)
-        r = self.tables.fill(seqs, ip, idx, last)
+        r = self.tables.fill(seqs, ip, idx, last, lead)
         nnz, pad = r.nnz, bs - n
         io = io64[: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids if ids is not None else [s.token_ids[0] for s in seqs], dtype=np.int64, count=n)
@@ -107,11 +109,13 @@ class DecodeStaging:
             ip[n + 1: bs + 1] = self._ramp[1: pad + 1] + nnz
             last[n:bs] = 1
             idx[nnz: nnz + pad] = SCRATCH_PAGE
-        plan = self.cascade.plan(ip, idx, n, self.tables.version) if cascade and self.cascade else None
+        m = lead or n                                       # the rows the plan covers
+        plan = self.cascade.plan(ip, idx, m, self.tables.version) if cascade and self.cascade else None
         kv = r.positions                                    # KV lengths less 1
         if plan is not None:
-            self.cascade.fill(region, plan, n, bs)
-            kv = kv - plan.skip.astype(np.int64) * self.P
+            self.cascade.fill(region, plan, m, bs)
+            kv = kv.copy()
+            kv[:m] -= plan.skip.astype(np.int64) * self.P
         # the decode kernel's row order: longest first (ties in row order), padding rows (one token) last
         order[:n] = np.argsort(-kv, kind="stable")
         order[n:bs] = self._ramp[n:bs]
