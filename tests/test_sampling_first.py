@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from nbgen.runtime.cuda_graphs import CudaGraphRunner, Staged
+from nbgen.runtime.cuda_graphs import CudaGraphRunner
+from nbgen.runtime.decode_staging import Staged
 from nbgen.runtime.decode_staging import HostStep
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.step_inputs import sampling_rows_first

@@ -20,10 +20,9 @@ Where rows share leading KV pages (a cached prompt prefix), a second graph per b
 shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
 tables, writes its tables into the same input buffer, and the step replays that graph.
 
-A step with rows that sample nothing (jump-forward's forced tokens, runtime/forced_rows.py) is staged with
-its sampling rows first (``stage(sampling_first=True)``, the runner's overlap path): every row's inputs,
-page table and KV slot travel with it and every row's K/V is written before any row attends, so the order
-changes nothing but where the sampling rows' hidden states land, graph rows 0..S-1; the LM head then reads
+A step with rows that sample nothing (jump-forward's forced tokens) is staged with its sampling rows first
+(``stage(sampling_first=True)``): each row's inputs travel with it and every row's K/V is written before any
+row attends, so only where the sampling rows' hidden states land changes (rows 0..S-1): the LM head reads
 them without a gather, and the heads below serve such a step too.
 
 A step whose rows all take the argmax of their raw logits gets its ids from a greedy head
@@ -51,7 +50,7 @@ from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
-from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout, StagingRing
+from nbgen.runtime.decode_staging import DecodeStaging, HostStep, Staged, StagingLayout, StagingRing
 from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.greedy_heads import GreedyHeads
 from nbgen.runtime.sampler_rows import raw_kinds
@@ -61,25 +60,6 @@ logger = logging.getLogger("nbgen")
 
 # previous step's sampled ids that placeholders can refer to inside a graph (larger batches: eager)
 PREV_CAPACITY = 4096
-
-
-@dataclass
-class Staged:
-    """A decode step whose inputs and plan are queued for replay of the bs-sized graph."""
-
-    n: int                 # live rows
-    bs: int                # graph batch size (rows n..bs-1 are padding)
-    placeholders: bool     # some token ids come from the previous step's sampled ids
-    variant: bool = False  # replay the variant's graph (GraphVariant)
-    cascade: bool = False  # replay the shared-prefix graph (runtime/cascade_graphs.py)
-    lead: int = 0          # > 0: the batch's ``lead`` sampling rows are graph rows 0..lead-1, its other rows
-    #                        (jump-forward's forced rows) after them (``stage(sampling_first=True)``)
-
-    @property
-    def sampled(self) -> int:
-        """The graph rows 0..sampled-1 that are the step's sampling rows, in order, when every row samples
-        or the sampling rows lead."""
-        return self.lead or self.n
 
 
 @dataclass
@@ -229,8 +209,18 @@ class CudaGraphRunner:
         (no logits made)."""
         if self.heads is None or staged.variant or len(seqs) != staged.sampled or not raw_kinds(seqs) <= {"argmax"}:
             return None
-        self.heads.run(staged.bs, staged.cascade)
+        self.heads.run(*self._head_of(staged))
         return self.prev[: staged.sampled]
+
+    def _head_of(self, staged: Staged) -> tuple[int, bool]:
+        """(batch size, shared-prefix) of the head a step's ids come from: its graph's, or for a step whose S
+        sampling rows lead, the plain head of padded(S) rows, those rows copied into its graph's output first
+        (the LM head over the rows an eager step's covers: the same logits as that, on fewer rows)."""
+        b = padded_batch_size(staged.lead) if staged.lead else staged.bs
+        if b >= staged.bs or (b, False) not in self.heads.graphs:
+            return staged.bs, staged.cascade
+        self.outputs[b].copy_(self.padded_output(staged)[:b])
+        return b, False
 
     def masked_head(self, staged: Staged, seqs: list[SeqWork]) -> bool:
         """The replayed step's sampling rows are its first rows (all its rows, or leading) and all take the
@@ -242,7 +232,7 @@ class CudaGraphRunner:
     def masked_ids(self, staged: Staged) -> torch.Tensor:
         """Replay the masked head of a step (``masked_head``) whose bitmask rows are in ``heads.bitmask`` for
         the current stream; its sampling rows' ids [S] (in ``prev``)."""
-        self.heads.run_masked(staged.bs, staged.cascade)
+        self.heads.run_masked(*self._head_of(staged))
         return self.prev[: staged.sampled]
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:

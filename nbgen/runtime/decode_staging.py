@@ -8,7 +8,7 @@ reads the first 4 * bs as [4, bs]), the decode kernel's page tables: indptr [max
 lengths [max_bs], the rows longest first [max_bs], then the shared-prefix tables
 (runtime/cascade_graphs.py) where those graphs exist, then kv indices. Rows n..bs-1 of a step padded to
 graph size bs hold token 0 at position 0 with one page, the scratch page, written at its slot 0.
-``StagingRing``: the pinned host buffers such a step (and the other graph runners' steps) is written into, used
+``Staged``: such a step once queued, as the graph runner replays it. ``StagingRing``: the pinned host buffers such a step (and the other graph runners' steps) is written into, used
 in turn behind an event each.
 """
 from __future__ import annotations
@@ -59,6 +59,25 @@ class HostStep:
     end: int                        # int32 entries of the buffer to copy (inputs, tables, indices)
     placeholders: bool              # some token ids come from the previous step's sampled ids
     plan: Optional[SharedPlan]      # the shared-prefix plan, when the step replays that graph
+
+
+@dataclass
+class Staged:
+    """A decode step whose inputs and plan are queued for replay of the bs-sized graph."""
+
+    n: int                 # live rows
+    bs: int                # graph batch size (rows n..bs-1 are padding)
+    placeholders: bool     # some token ids come from the previous step's sampled ids
+    variant: bool = False  # replay the variant's graph (GraphVariant)
+    cascade: bool = False  # replay the shared-prefix graph (runtime/cascade_graphs.py)
+    lead: int = 0          # > 0: the batch's ``lead`` sampling rows are graph rows 0..lead-1, its other rows
+    #                        (jump-forward's forced rows) after them (``stage(sampling_first=True)``)
+
+    @property
+    def sampled(self) -> int:
+        """The graph rows 0..sampled-1 that are the step's sampling rows, in order, when every row samples
+        or the sampling rows lead."""
+        return self.lead or self.n
 
 
 class DecodeStaging:
