@@ -277,47 +277,6 @@ def test_rows_of_two_jumpers_each_jump(compiled):
     assert all(VOCAB.index("a") in _allowed(r.grammar) for r in reqs)   # inside the name string now
 
 
-def test_a_kept_token_with_queued_kv_counts_computed(compiled):
-    """A jump that keeps the token just sampled, of a request whose next row (queued by the overlap stepper
-    before the jump) computes that token's K/V, counts it computed: the forced rows start after it. Where
-    the jump re-encodes that token (a merge across the boundary, here ``{`` + ``"`` -> ``{"``) or no row
-    computes it, nothing is counted."""
-    from nbgen.runtime.jump_forward import JumpForward
-
-    class CharTok:                       # one character per token: the sampled token is always kept
-        def encode(self, text, add_special_tokens=False):
-            return [VOCAB.index(c) for c in text]
-
-        def decode(self, ids, clean_up_tokenization_spaces=False):
-            return "".join(VOCAB[i] for i in ids)
-
-    class MergingTok(CharTok):           # the longest piece first: '{' + '"name": "' starts with '{"'
-        def encode(self, text, add_special_tokens=False):
-            out, k = [], 0
-            while k < len(text):
-                piece = max((v for v in VOCAB[:EOS] if text.startswith(v, k)), key=len)
-                out.append(VOCAB.index(piece))
-                k += len(piece)
-            return out
-
-    brace = VOCAB.index("{")
-    for tok, replaced in ((CharTok(), False), (MergingTok(), True)):
-        jumper = JumpForward(tok)
-        step, reqs = StepGrammar(), []
-        for i in range(4):
-            req = Request(f"r{i}", [1, 2], SamplingParams(max_new_tokens=40))
-            req.stop_ids = frozenset([EOS])
-            req.grammar = GrammarState(compiled, req.stop_ids, len(VOCAB), jumper)
-            req.output_ids = [brace]
-            req.num_computed = len(req.prompt_ids)           # the sampled "{" has no K/V counted yet
-            step.add(req, brace, None)
-            reqs.append(req)
-        step.queued = frozenset(id(r) for r in reqs[:2])      # rows 0, 1: a queued forward computes "{"
-        assert step.settle(None) == [] and len(step.jumped) == 4
-        assert "".join(VOCAB[t] for t in reqs[0].output_ids) == '{"name": "'
-        assert [r.num_computed for r in reqs] == [2, 2, 2, 2] if replaced else [3, 3, 2, 2]
-
-
 def test_split_accept_reports_refused_rows_of_both_halves(compiled):
     """FillWorker.accept over 2 x SPLIT_ACCEPT_MIN rows runs half of them in its side thread: the
     refused positions of both halves come back (the side half's offset by the first half's size),

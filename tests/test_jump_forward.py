@@ -293,25 +293,6 @@ def test_forced_tokens_wait_one_step_for_rows():
     assert [(s.req.rid, s.token_ids) for s in batch.seqs] == [("a", [7]), ("a", [8]), ("b", [7, 8, 9])]
 
 
-def test_forced_rows_sit_at_their_requests_place_among_the_decodes():
-    """A jump's rows come where its request's decode row would (running order), so the step's sampling rows
-    are in the same order as in a step without jumps (the shared-prefix plan over them is reused); prompt
-    chunks still follow the one-token rows."""
-    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, forced_token_rows=16))
-    reqs = [Request(r, [1, 2, 3], SamplingParams(max_new_tokens=20)) for r in "abc"]
-    for r in reqs:
-        sched.add(r)
-    sched.update(sched.schedule(), StepOutput([7, 7, 7], [None] * 3, [None] * 3))   # prefills sample 7
-    plain = [s.req.rid for s in sched.schedule().seqs if s.sample]
-    reqs[1].output_ids.extend([8, 9])                                              # b jumps
-    late = Request("d", list(range(1, 12)), SamplingParams(max_new_tokens=4))
-    sched.add(late)
-    batch = sched.schedule()
-    assert [(s.req.rid, s.q_len, s.sample) for s in batch.seqs] == [
-        ("a", 1, True), ("b", 1, False), ("b", 1, False), ("b", 1, True), ("c", 1, True), ("d", 11, True)]
-    assert [s.req.rid for s in batch.seqs if s.sample][:3] == plain == ["a", "b", "c"]
-
-
 def test_forced_tokens_beyond_the_row_cap_run_as_a_chunk():
     sched, _req = _jumped_scheduler(2)           # 3 rows do not fit
     batch = sched.schedule()

@@ -1,19 +1,29 @@
-"""CPU: a decode graph step with rows that sample nothing (jump-forward's forced rows) is staged with its
-sampling rows first, so its LM head reads the graph's leading rows and the greedy / masked heads serve it
-(runtime/cuda_graphs.py ``stage(sampling_first=True)``, runtime/runner.py's forward path)."""
+"""CPU: the steps that carry jump-forward's forced rows. The scheduler puts a jump's rows at its request's place
+among the decode rows (so the sampling rows keep their order from step to step); a decode graph step with such
+rows is staged with its sampling rows first, so its LM head reads the graph's leading rows and the greedy /
+masked heads serve it (runtime/cuda_graphs.py ``stage(sampling_first=True)``, runtime/runner.py's forward path);
+a jump that keeps the token just sampled counts its K/V computed where the queued next step computes it."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
+from nbgen.core.batch import StepOutput
+from nbgen.core.request import Request
+from nbgen.core.sampling import SamplingParams
+from nbgen.core.scheduler_config import SchedulerConfig
 from nbgen.runtime.cuda_graphs import CudaGraphRunner
-from nbgen.runtime.decode_staging import Staged
-from nbgen.runtime.decode_staging import HostStep
+from nbgen.runtime.decode_staging import HostStep, Staged
+from nbgen.runtime.grammar import GrammarState
+from nbgen.runtime.grammar_batch import StepGrammar
+from nbgen.runtime.jump_forward import JumpForward
 from nbgen.runtime.runner import ModelRunner
+from nbgen.runtime.scheduler import Scheduler
 from nbgen.runtime.step_inputs import sampling_rows_first
-
 
 def _seq(name: str, sample: bool) -> SimpleNamespace:
     return SimpleNamespace(name=name, sample=sample)
@@ -121,3 +131,73 @@ def test_forward_of_a_step_with_forced_rows_reads_the_leading_rows():
     r = _runner(masked=True)
     fwd = r.forward(batch)
     assert fwd.logits is None and fwd.head is not None and fwd.head.lead == 3
+
+
+def test_forced_rows_sit_at_their_requests_place_among_the_decodes():
+    """A jump's rows come where its request's decode row would (running order), so the step's sampling rows
+    are in the same order as in a step without jumps (the shared-prefix plan over them is reused); prompt
+    chunks still follow the one-token rows."""
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, forced_token_rows=16))
+    reqs = [Request(r, [1, 2, 3], SamplingParams(max_new_tokens=20)) for r in "abc"]
+    for r in reqs:
+        sched.add(r)
+    sched.update(sched.schedule(), StepOutput([7, 7, 7], [None] * 3, [None] * 3))   # prefills sample 7
+    plain = [s.req.rid for s in sched.schedule().seqs if s.sample]
+    reqs[1].output_ids.extend([8, 9])                                              # b jumps
+    late = Request("d", list(range(1, 12)), SamplingParams(max_new_tokens=4))
+    sched.add(late)
+    batch = sched.schedule()
+    assert [(s.req.rid, s.q_len, s.sample) for s in batch.seqs] == [
+        ("a", 1, True), ("b", 1, False), ("b", 1, False), ("b", 1, True), ("c", 1, True), ("d", 11, True)]
+    assert [s.req.rid for s in batch.seqs if s.sample][:3] == plain == ["a", "b", "c"]
+
+VOCAB = list('{}":, abcdemnrt') + ['{"', '"name": "'] + ["</s>"]
+EOS = len(VOCAB) - 1
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    xgr = pytest.importorskip("xgrammar")
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+              "additionalProperties": False}
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+def test_a_kept_token_with_queued_kv_counts_computed(compiled):
+    """A jump that keeps the token just sampled, of a request whose next row (queued by the overlap stepper
+    before the jump) computes that token's K/V, counts it computed: the forced rows start after it. Where
+    the jump re-encodes that token (a merge across the boundary, here ``{`` + ``"`` -> ``{"``) or no row
+    computes it, nothing is counted."""
+    class CharTok:                       # one character per token: the sampled token is always kept
+        def encode(self, text, add_special_tokens=False):
+            return [VOCAB.index(c) for c in text]
+
+        def decode(self, ids, clean_up_tokenization_spaces=False):
+            return "".join(VOCAB[i] for i in ids)
+
+    class MergingTok(CharTok):           # the longest piece first: '{' + '"name": "' starts with '{"'
+        def encode(self, text, add_special_tokens=False):
+            out, k = [], 0
+            while k < len(text):
+                piece = max((v for v in VOCAB[:EOS] if text.startswith(v, k)), key=len)
+                out.append(VOCAB.index(piece))
+                k += len(piece)
+            return out
+
+    brace = VOCAB.index("{")
+    for tok, replaced in ((CharTok(), False), (MergingTok(), True)):
+        jumper = JumpForward(tok)
+        step, reqs = StepGrammar(), []
+        for i in range(4):
+            req = Request(f"r{i}", [1, 2], SamplingParams(max_new_tokens=40))
+            req.stop_ids = frozenset([EOS])
+            req.grammar = GrammarState(compiled, req.stop_ids, len(VOCAB), jumper)
+            req.output_ids = [brace]
+            req.num_computed = len(req.prompt_ids)           # the sampled "{" has no K/V counted yet
+            step.add(req, brace, None)
+            reqs.append(req)
+        step.queued = frozenset(id(r) for r in reqs[:2])      # rows 0, 1: a queued forward computes "{"
+        assert step.settle(None) == [] and len(step.jumped) == 4
+        assert "".join(VOCAB[t] for t in reqs[0].output_ids) == '{"name": "'
+        assert [r.num_computed for r in reqs] == [2, 2, 2, 2] if replaced else [3, 3, 2, 2]
