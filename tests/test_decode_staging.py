@@ -54,9 +54,10 @@ def _valid_plan(plan: SharedPlan, seqs: list[SeqWork], ip: np.ndarray, P: int) -
 
 
 def _reference(layout: StagingLayout, casc: CascadeTables, seqs: list[SeqWork], ids: list[int], bs: int, P: int,
-               cascade: bool, fresh: bool = True, plan: Optional[SharedPlan] = None) -> tuple[np.ndarray, int, bool]:
+               cascade: bool, fresh: bool = True, plan: Optional[SharedPlan] = None,
+               lead: int = 0) -> tuple[np.ndarray, int, bool]:
     """The staging buffer built from the page lists alone, the entries to copy, whether it plans a cascade
-    (``fresh``: planned here, else ``plan`` is used)."""
+    (``fresh``: planned here, else ``plan`` is used; over the first ``lead`` rows only when given)."""
     buf = np.zeros(layout.size, dtype=np.int32)
     io64, ip, last, order, idx = layout.views(buf)
     n = len(seqs)
@@ -72,13 +73,16 @@ def _reference(layout: StagingLayout, casc: CascadeTables, seqs: list[SeqWork], 
     io[2, :n] = [s.pages[s.start_pos // P] * P + s.start_pos % P for s in seqs]
     io[3, :n] = [-t - 1 if t < 0 else -1 for t in ids]
     io[3, n:] = -1
-    if fresh and cascade and n >= 2:
-        plan = plan_shared(ip, idx, n, casc.R, cascade_graphs.MAX_CHUNKS)
+    m = lead or n
+    if fresh and cascade and m >= 2:
+        plan = plan_shared(ip, idx, m, casc.R, cascade_graphs.MAX_CHUNKS)
         if plan is not None and plan.saved_pages * P < cascade_graphs.MIN_SAVED_TOKENS:
             plan = None
+    elif fresh:
+        plan = None
     skip = None
     if plan is not None:
-        casc.fill(layout.cascade_region(buf), plan, n, bs)
+        casc.fill(layout.cascade_region(buf), plan, m, bs)
         skip = casc.views(layout.cascade_region(buf))[0][:bs]
     order[:bs] = longest_first(ip[: bs + 1], last[:bs], P, skip)
     return buf, layout.cut[4] + nnz + pad, plan is not None
@@ -94,8 +98,11 @@ def _new_request(rng: random.Random, k: int, P: int, prefixes: list[list[int]], 
     return req
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_staging_matches_page_lists(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("seed,leading", [(seed, False) for seed in range(6)] + [(seed, True) for seed in range(3)])
+def test_staging_matches_page_lists(seed: int, leading: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``leading``: steps with forced rows put their sampling rows first (``write(lead=S)``, as the forward
+    path stages them): the shared-prefix plan covers those rows only, and is reused while they stay the same
+    rows in the same order, whatever forced rows follow."""
     monkeypatch.setattr(cascade_graphs, "MIN_SAVED_TOKENS", 256)     # plans at this small scale too
     rng = random.Random(seed)
     P = rng.choice([4, 16])
@@ -109,7 +116,7 @@ def test_staging_matches_page_lists(seed: int, monkeypatch: pytest.MonkeyPatch) 
     bufs = [np.zeros(layout.size, dtype=np.int32) for _ in range(2)]
     live = [_new_request(rng, k, P, prefixes, pool) for k in range(rng.randint(20, 60))]
     k_next = len(live)
-    cascades = reused = 0
+    cascades = reused = leads = forced_reused = 0
     for step in range(120):
         if rng.random() < 0.25 and live:                      # a request finishes
             live.pop(rng.randrange(len(live)))
@@ -124,7 +131,7 @@ def test_staging_matches_page_lists(seed: int, monkeypatch: pytest.MonkeyPatch) 
             tables.forget(ScheduledBatch([SeqWork(r, [1, 1], 0, r.pages, True)], P))
             r.pages[-1] = pool.pop()
         seqs, ids = [], []
-        forced = rng.randrange(len(live)) if rng.random() < 0.1 else -1     # forced rows: a request's tokens
+        forced = rng.randrange(len(live)) if rng.random() < (0.5 if leading else 0.1) else -1   # a request's forced rows
         prompt = rng.randrange(len(live)) if rng.random() < 0.05 else -1    # a row at its last prompt token
         for row, r in enumerate(live):
             r.output_ids.append(0)
@@ -134,25 +141,32 @@ def test_staging_matches_page_lists(seed: int, monkeypatch: pytest.MonkeyPatch) 
             k = 2 if row == forced else 1
             for j in range(k):
                 start = kv - k + j if row != prompt else len(r.prompt_ids) - 1
-                seqs.append(SeqWork(r, [0], start, r.pages, True))
+                seqs.append(SeqWork(r, [0], start, r.pages, j == k - 1))
                 ids.append(placeholder(row) if rng.random() < 0.7 else rng.randrange(1000))
         seqs = seqs[:64]
         ids = ids[: len(seqs)]
+        lead = 0
+        if leading:                                            # the sampling rows first, forced rows after
+            order = [i for i, s in enumerate(seqs) if s.sample] + [i for i, s in enumerate(seqs) if not s.sample]
+            lead = sum(s.sample for s in seqs) if len(order) and not seqs[order[-1]].sample else 0
+            seqs, ids = [seqs[i] for i in order], [ids[i] for i in order]
         n = len(seqs)
         bs = staging.bs_of[n]
         cascade = bs >= cascade_graphs.MIN_BS
         buf = bufs[step % 2]
         buf[:] = 7
         version = tables.version
-        host = staging.write(buf, seqs, ids, cascade)
+        host = staging.write(buf, seqs, ids, cascade, lead)
         same_rows = tables.version == version                  # the plan may be the one of earlier steps
         reuse = host.plan is not None and same_rows
-        ref, end, planned = _reference(layout, casc, seqs, ids, bs, P, cascade, not same_rows, host.plan)
+        ref, end, planned = _reference(layout, casc, seqs, ids, bs, P, cascade, not same_rows, host.plan, lead)
+        leads += lead > 0 and planned
+        forced_reused += lead > 0 and reuse
         assert (host.n, host.bs, host.end) == (n, bs, end)
         assert host.placeholders == any(t < 0 for t in ids)
         assert (host.plan is not None) == planned
         if host.plan is not None:
-            _valid_plan(host.plan, seqs, layout.views(ref)[1], P)
+            _valid_plan(host.plan, seqs[: lead or n], layout.views(ref)[1], P)
         cascades += planned
         reused += reuse
         got, want = layout.views(buf), layout.views(ref)
@@ -166,6 +180,8 @@ def test_staging_matches_page_lists(seed: int, monkeypatch: pytest.MonkeyPatch) 
                 m = bs if k < 3 else cascade_graphs.MAX_CHUNKS if k == 5 else C
                 assert np.array_equal(a[:m], b[:m]), (step, k)
     assert cascades > 0 and reused > 0
+    if leading:
+        assert leads > 0 and forced_reused > 0                # planned and reused over steps with forced rows
 
 
 def test_padding_step() -> None:

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nbgen.runtime.cuda_graphs import CudaGraphRunner, Staged
+from nbgen.runtime.cuda_graphs import CudaGraphRunner
+from nbgen.runtime.decode_staging import Staged
 from nbgen.runtime.fill_worker import DeviceBitmask, FillJob
 from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.runner import ModelRunner
@@ -81,6 +82,9 @@ class _Graphs:
     def padded_output(self, staged: Staged) -> torch.Tensor:
         return self.hidden[: staged.bs]
 
+    def sampling_output(self, staged: Staged) -> torch.Tensor:
+        return CudaGraphRunner.sampling_output(self, staged)
+
 
 def _runner() -> ModelRunner:
     r = object.__new__(ModelRunner)
@@ -129,6 +133,55 @@ def test_graphs_masked_head_needs_heads_every_row_and_no_variant():
     assert not g.masked_head(Staged(3, 4, False), seqs[:2] + [_seq(None)])
     g.heads = None
     assert not g.masked_head(Staged(3, 4, False), seqs)
+
+
+def test_graphs_heads_serve_steps_whose_sampling_rows_lead():
+    """A step staged with its sampling rows first (jump-forward's forced rows after them): the masked head
+    serves it when those rows are exactly its sampling seqs; its ids are the leading rows of ``prev``, from the
+    plain head of padded(S) rows (those rows copied into that graph's output: the LM head over as many rows as
+    an eager step's), or from its own graph's head where no smaller head exists."""
+    g = object.__new__(CudaGraphRunner)
+    ran: list[tuple[int, bool]] = []
+    g.heads = SimpleNamespace(run_masked=lambda bs, cascade: ran.append((bs, cascade)),
+                              graphs={(4, False): None, (8, False): None, (8, True): None})
+    g.prev = torch.arange(16)
+    g.variant = None
+    g.outputs = {4: torch.zeros(4, 2), 8: torch.arange(16.0).view(8, 2)}
+    g.cascade_outputs = {8: torch.arange(16.0).view(8, 2) + 100}
+    g.graphs, g.cascade_graphs = {}, {}
+    seqs = [_seq(_grammar()) for _ in range(3)]
+    lead = Staged(7, 8, False, cascade=True, lead=3)       # 3 sampling rows, then 4 forced rows
+    assert lead.sampled == 3 and Staged(7, 8, False).sampled == 7
+    assert g.masked_head(lead, seqs)
+    assert not g.masked_head(Staged(7, 8, False, lead=2), seqs)
+    assert g.masked_ids(lead).tolist() == [0, 1, 2] and ran == [(4, False)]
+    assert torch.equal(g.outputs[4], g.cascade_outputs[8][:4])          # the replayed graph's leading rows
+    g.masked_ids(Staged(7, 8, False, lead=5))                            # padded(5) = 8: the graph's own head
+    g.masked_ids(Staged(3, 4, False))                                    # every row samples
+    assert ran[1:] == [(8, False), (4, False)]
+    del g.heads.graphs[4, False]
+    g.masked_ids(lead)                                                   # no smaller head: its own
+    assert ran[-1] == (8, True)
+
+
+def test_sampling_output_is_the_leading_rows_padded_to_a_graph_size():
+    """The LM head of a step whose sampling rows lead reads a view of the graph's first rows, padded to the
+    graph batch size of the sampling rows (no gather), never past the graph's own rows."""
+    g = _Graphs()
+    g.hidden = torch.randn(448, 4)
+    out = CudaGraphRunner.sampling_output(g, Staged(414, 448, False, lead=250))
+    assert out.shape == (256, 4) and out.data_ptr() == g.hidden.data_ptr()
+    assert CudaGraphRunner.sampling_output(g, Staged(300, 300, False, lead=290)).shape == (300, 4)
+    assert CudaGraphRunner.sampling_output(g, Staged(5, 8, False)).shape == (8, 4)
+
+
+def test_deferred_head_logits_of_a_leading_step_cover_its_sampling_rows():
+    """Without a greedy fill a deferred step whose sampling rows lead computes its logits over those rows."""
+    r = _runner()
+    fwd = Forwarded(SimpleNamespace(), [object()] * 3, None, order=1, head=Staged(6, 8, False, lead=3))
+    assert r._masked_head(fwd, None) is None
+    assert fwd.logits.shape == (3, 6)
+    assert torch.equal(fwd.logits, (r.graphs.hidden[:3] @ torch.ones(4, 6)))
 
 
 @pytest.mark.gpu

@@ -65,7 +65,10 @@ class DecodeTables:
         self._keys: list[int] = []                      # the previous fill's row keys and slots
         self._rows = np.zeros(0, dtype=np.int64)
         self._shared = False                            # some rows of the previous fill share a slot
-        self.version = 0     # changes whenever a fill's rows are not the previous fill's page lists in order
+        # changes whenever a fill's leading rows (its first ``lead`` rows, or all) are not the previous fill's
+        # leading page lists in order (the shared-prefix plan over them is reused until it changes)
+        self.version = 0
+        self._head: Optional[list[int]] = None          # the previous fill's leading row keys
         self._ramp = np.arange(1 << 14, dtype=np.int64)
 
     def forget(self, batch: ScheduledBatch) -> None:
@@ -80,6 +83,7 @@ class DecodeTables:
             self._lists[slot] = None
             self._free.append(slot)
             self._keys = []
+            self._head = None
 
     # ---- slots --------------------------------------------------------------------------------
     def _new_slot(self, s: SeqWork) -> int:
@@ -130,12 +134,17 @@ class DecodeTables:
             self._drop(key)
 
     # ---- tables -------------------------------------------------------------------------------
-    def fill(self, seqs: Sequence[SeqWork], indptr: np.ndarray, indices: np.ndarray, last: np.ndarray
-             ) -> DecodeRows:
+    def fill(self, seqs: Sequence[SeqWork], indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+             lead: int = 0) -> DecodeRows:
         """Write the page tables of one-token seqs: ``indptr`` [B + 1], ``indices`` [nnz], ``last`` [B]
-        (page lengths), int32 arrays at least that long; returns the row values besides them."""
+        (page lengths), int32 arrays at least that long; returns the row values besides them. ``lead``: the
+        rows ``version`` follows (0: all; a step's sampling rows, its forced rows after them)."""
         P, B = self.P, len(seqs)
         keys = [id(s.pages) for s in seqs]
+        head = keys[:lead] if lead else keys
+        if head != self._head:
+            self.version += 1
+            self._head = head
         start = np.fromiter([s.start_pos for s in seqs], dtype=np.int64, count=B)
         npages = start // P + 1                              # pages of start_pos + 1 tokens
         fresh = None
@@ -143,7 +152,6 @@ class DecodeTables:
             rows = self._rows
             count = self._count[rows]
         else:
-            self.version += 1
             found = list(map(self._slot.get, keys))
             if None in found:
                 for i, f in enumerate(found):

@@ -24,7 +24,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 from nbgen.bench import grammar_extract
 from nbgen.bench.phases import PhaseTimer
@@ -99,8 +99,23 @@ def _gpu_profile(eng: Any, prompts: list[str], sp: dict[str, Any], label: str, t
     print(f"[{label}]", end=" ")
     busy = print_gpu_profile(prof, secs)
     steps = timer.summary()["steps"]
-    print(f"[{label}] GPU idle per step: {1e3 * (secs - busy) / max(steps, 1):.3f} ms over {steps} steps "
-          f"(under the profiler)")
+    n = max(steps, 1)
+    print(f"[{label}] GPU busy per step {1e3 * busy / n:.3f} ms, idle per step {1e3 * (secs - busy) / n:.3f} ms "
+          f"over {steps} steps (under the profiler)")
+
+
+def _profiles(host: bool, gpu: bool) -> Optional[Callable[[Any, list[str], dict[str, Any], str, StepTimer], None]]:
+    """One more run of a kind under the profiles asked for (cProfile of the loop thread, the GPU's busy
+    time), as ``(eng, prompts, sampling params, label, step timer)``; None when none is asked."""
+    if not (host or gpu):
+        return None
+
+    def run(eng: Any, prompts: list[str], sp: dict[str, Any], label: str, timer: StepTimer) -> None:
+        if host:
+            _host_profile(eng, prompts, sp, label)
+        if gpu:
+            _gpu_profile(eng, prompts, sp, label, timer)
+    return run
 
 
 def main() -> None:
@@ -117,7 +132,7 @@ def main() -> None:
                     help="one more run of each kind (extract: with and without jump-forward) under cProfile "
                          "of the engine's loop thread")
     ap.add_argument("--gpu-profile", action="store_true",
-                    help="one more run of each kind under torch.profiler (GPU busy and idle time per step)")
+                    help="one more run of each kind (extraction too) under torch.profiler (GPU busy and idle time per step)")
     ap.add_argument("--jump-forward", action="store_true", help="the json runs with jump-forward decoding")
     ap.add_argument("--phases", action="store_true",
                     help="each run also prints its host time per step by phase (bench/phases.py)")
@@ -191,11 +206,9 @@ def main() -> None:
             print(f"threads {t}: json/free median {100 * statistics.median(r for r, _ in got):.1f}% "
                   f"(runs {', '.join(f'{100 * r:.1f}' for r, _ in got)}), json host per step median "
                   f"{statistics.median(h for _, h in got):.2f} ms", flush=True)
-    for kind, sp in (("free", base), ("json", json_sp)):
-        if args.host_profile:
-            _host_profile(eng, prompts, sp, kind)
-        if args.gpu_profile:
-            _gpu_profile(eng, prompts, sp, kind, timer)
+    profile = _profiles(args.host_profile, args.gpu_profile)
+    for kind, sp in (("free", base), ("json", json_sp)) if profile is not None else ():
+        profile(eng, prompts, sp, kind, timer)
     if phases is not None:
         phases.close()                              # before the step timer: its wrappers are on top
     timer.close()
@@ -223,7 +236,7 @@ def main() -> None:
     print("sample:", repr(last["json"][0]["text"][:160]))
     eng.loop.call(lambda: setattr(service, "jumper", jumper))
     extract = grammar_extract.run(eng, args.extract, args.extract_max_new_tokens, args.repeats,
-                                  _host_profile if args.host_profile else None,
+                                  profile,
                                   args.extract_chunks, args.phases) if args.extract else None
     # checks on this device: free requests give the same greedy text beside constrained ones
     free_sp = {**base, "max_new_tokens": 24}

@@ -75,11 +75,11 @@ def check(outs: list[dict]) -> dict[str, int]:
 
 
 def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
-        profile: Optional[Callable[[Any, list[str], dict[str, Any], str], None]] = None,
+        profile: Optional[Callable[[Any, list[str], dict[str, Any], str, StepTimer], None]] = None,
         chunks: bool = False, phases: bool = False) -> dict[str, Any]:
     """Alternate runs with and without jump-forward (the engine must have been built with
     ``enable_jump_forward=True``; the switch is the grammar service's jumper). Prints each run.
-    ``profile(eng, prompts, sampling params, label)``: one more run of each kind under it.
+    ``profile(eng, prompts, sampling params, label, step timer)``: one more run of each kind under it.
     ``chunks``: a third kind, jump-forward with its forced tokens computed as chunks (mixed steps)
     instead of decode rows (``SchedulerConfig.forced_token_rows`` 0; runtime/forced_rows.py).
     ``phases``: each run also prints its host time per step by phase (bench/phases.py)."""
@@ -122,7 +122,7 @@ def run(eng: Any, n: int, max_new_tokens: int, repeats: int,
                     print(f"extract {kind:19s} {phase.line(r['steps'])}", flush=True)
         for kind in rows if profile is not None else ():
             eng.loop.call(lambda: switch(kind))
-            profile(eng, ps, sp, f"extract {kind}")
+            profile(eng, ps, sp, f"extract {kind}", timer)
     finally:
         eng.loop.call(lambda: switch("jump_forward"))
         if phase is not None:

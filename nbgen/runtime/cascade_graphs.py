@@ -6,7 +6,8 @@ cascade wrapper (kernels/triton_cascade.py) over the same page-table buffers plu
 A decode step's plan comes from its page tables (attention/cascade_plan.py, numpy, ~0.1 ms at 256
 rows) and it replays the cascade graph when the plan saves at least ``MIN_SAVED_TOKENS`` KV token reads
 per layer and kv head; the tables go to the GPU in the step's one input copy. Steps over the same rows
-(the same page lists in the same order: ``DecodeTables.version``) reuse the plan: the rows' lists only
+(the same page lists in the same order: ``DecodeTables.version``; a step with jump-forward's forced rows
+plans over its leading sampling rows only, the forced rows in no chunk) reuse the plan: the rows' lists only
 grew since, so a chunk's shared pages are still shared by its rows and still before their new pages
 (only where its first row's table starts moved); it is computed again every ``REPLAN_STEPS`` steps,
 when a row's shared run may have grown. Off (plain graphs only)

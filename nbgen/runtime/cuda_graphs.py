@@ -20,6 +20,11 @@ Where rows share leading KV pages (a cached prompt prefix), a second graph per b
 shared-prefix decode attention instead (runtime/cascade_graphs.py): ``stage`` plans it from the page
 tables, writes its tables into the same input buffer, and the step replays that graph.
 
+A step with rows that sample nothing (jump-forward's forced tokens) is staged with its sampling rows first
+(``stage(sampling_first=True)``): each row's inputs travel with it and every row's K/V is written before any
+row attends, so only where the sampling rows' hidden states land changes (rows 0..S-1): the LM head reads
+them without a gather, and the heads below serve such a step too.
+
 A step whose rows all take the argmax of their raw logits gets its ids from a greedy head
 (runtime/greedy_heads.py: the LM head and the argmax captured as one more small graph per decode graph),
 written into ``prev`` with no logits computed from Python; a step whose rows all take the argmax of their
@@ -36,20 +41,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional
 
-import numpy as np
 import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.kernels import gpu_argmax
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
 from nbgen.core.batch import ScheduledBatch, SeqWork
-from nbgen.kernels.batch_sizes import graph_batch_sizes
+from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
-from nbgen.runtime.decode_staging import DecodeStaging, HostStep, StagingLayout
+from nbgen.runtime.decode_staging import DecodeStaging, HostStep, Staged, StagingLayout, StagingRing
 from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.greedy_heads import GreedyHeads
 from nbgen.runtime.sampler_rows import raw_kinds
+from nbgen.runtime.step_inputs import sampling_rows_first
 
 logger = logging.getLogger("nbgen")
 
@@ -58,48 +63,11 @@ PREV_CAPACITY = 4096
 
 
 @dataclass
-class Staged:
-    """A decode step whose inputs and plan are queued for replay of the bs-sized graph."""
-
-    n: int                 # live rows
-    bs: int                # graph batch size (rows n..bs-1 are padding)
-    placeholders: bool     # some token ids come from the previous step's sampled ids
-    variant: bool = False  # replay the variant's graph (GraphVariant)
-    cascade: bool = False  # replay the shared-prefix graph (runtime/cascade_graphs.py)
-
-
-@dataclass
 class GraphVariant:
     """Second graphs captured inside ``capturing()``, replayed for the batches ``wanted`` accepts."""
 
     capturing: Callable[[], ContextManager[None]]
     wanted: Callable[[ScheduledBatch], bool]
-
-
-class StagingRing:
-    """Two sets of pinned host buffers used in turn for host->device copies: a set is handed out again
-    only once the GPU has run the copies queued from it (an event per set; see the module docstring)."""
-
-    def __init__(self, make: Callable[[], list[torch.Tensor]]) -> None:
-        self._sets = [[t.pin_memory() for t in make()] for _ in range(2)]
-        self._np = [[t.numpy() for t in st] for st in self._sets]
-        self._events: list[Optional[torch.cuda.Event]] = [None, None]
-        self._i = 0
-
-    def next(self) -> tuple[list[torch.Tensor], list[np.ndarray]]:
-        """The next set (pinned tensors, their numpy views), once its previous copies have run."""
-        self._i ^= 1
-        ev = self._events[self._i]
-        if ev is not None:
-            ev.synchronize()
-        return self._sets[self._i], self._np[self._i]
-
-    def done(self) -> None:
-        """Mark the copies from the current set as queued (recorded behind them on the stream)."""
-        ev = self._events[self._i]
-        if ev is None:
-            ev = self._events[self._i] = torch.cuda.Event()
-        ev.record()                 # re-recorded: synchronize waits for the latest record
 
 
 class CudaGraphRunner:
@@ -236,42 +204,60 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.backend.spec.device)
 
     def greedy_ids(self, staged: Staged, seqs: list[SeqWork]) -> Optional[torch.Tensor]:
-        """For a replayed step whose sampling rows are all its rows and all take the argmax of their raw
-        logits: its ids [n], computed by replaying its greedy head into ``prev``; else None (no logits made)."""
-        if self.heads is None or staged.variant or len(seqs) != staged.n or not raw_kinds(seqs) <= {"argmax"}:
+        """For a replayed step whose sampling rows are its first rows (all its rows, or leading) and all take the
+        argmax of their raw logits: their ids [S], computed by replaying its greedy head into ``prev``; else None
+        (no logits made)."""
+        if self.heads is None or staged.variant or len(seqs) != staged.sampled or not raw_kinds(seqs) <= {"argmax"}:
             return None
-        self.heads.run(staged.bs, staged.cascade)
-        return self.prev[: staged.n]
+        self.heads.run(*self._head_of(staged))
+        return self.prev[: staged.sampled]
+
+    def _head_of(self, staged: Staged) -> tuple[int, bool]:
+        """(batch size, shared-prefix) of the head a step's ids come from: its graph's, or for a step whose S
+        sampling rows lead, the plain head of padded(S) rows, those rows copied into its graph's output first
+        (the LM head over the rows an eager step's covers: the same logits as that, on fewer rows)."""
+        b = padded_batch_size(staged.lead) if staged.lead else staged.bs
+        if b >= staged.bs or (b, False) not in self.heads.graphs:
+            return staged.bs, staged.cascade
+        self.outputs[b].copy_(self.padded_output(staged)[:b])
+        return b, False
 
     def masked_head(self, staged: Staged, seqs: list[SeqWork]) -> bool:
-        """The replayed step's sampling rows are all its rows and all take the argmax of their grammar-masked
-        logits (``grammar_batch.greedy_grammar``): its ids may come from ``masked_ids`` at its sampling."""
-        return self.heads is not None and not staged.variant and len(seqs) == staged.n and greedy_grammar(seqs)
+        """The replayed step's sampling rows are its first rows (all its rows, or leading) and all take the
+        argmax of their grammar-masked logits (``grammar_batch.greedy_grammar``): its ids may come from
+        ``masked_ids`` at its sampling."""
+        return (self.heads is not None and not staged.variant and len(seqs) == staged.sampled
+                and greedy_grammar(seqs))
 
     def masked_ids(self, staged: Staged) -> torch.Tensor:
         """Replay the masked head of a step (``masked_head``) whose bitmask rows are in ``heads.bitmask`` for
-        the current stream; its ids [n] (in ``prev``)."""
-        self.heads.run_masked(staged.bs, staged.cascade)
-        return self.prev[: staged.n]
+        the current stream; its sampling rows' ids [S] (in ``prev``)."""
+        self.heads.run_masked(*self._head_of(staged))
+        return self.prev[: staged.sampled]
 
     def can_run(self, batch: ScheduledBatch, n_prev: int = 0) -> bool:
         """A decode-only batch that fits the largest graph (n_prev: ids its placeholders index)."""
         return batch.is_decode_only and len(batch.seqs) <= self.max_bs and n_prev <= PREV_CAPACITY
 
-    def stage(self, batch: ScheduledBatch, ids: Optional[list[int]] = None) -> Staged:
+    def stage(self, batch: ScheduledBatch, ids: Optional[list[int]] = None, sampling_first: bool = False) -> Staged:
         """Copy a decode-only batch's inputs to the GPU and plan its graph's attention (queued
         work only). Safe while an earlier step is still queued: everything here lands in stream
         order after it. ``ids``: the seqs' token ids (default: each seq's token); ids < 0 are
-        placeholders for rows of the previous step's sampled ids."""
+        placeholders for rows of the previous step's sampled ids. ``sampling_first`` (without ``ids``,
+        not with a graph variant): a batch with rows that sample nothing puts its sampling rows first
+        (``Staged.lead``; the hidden states ``replay`` returns are then in that row order)."""
         st, npv = self._ring.next()
-        n = len(batch.seqs)
-        step = self.staging.write(npv[0], batch.seqs, ids, self.staging.bs_of[n] in self.cascade_graphs)
+        seqs, lead = batch.seqs, 0
+        if sampling_first and ids is None and self.variant is None:
+            seqs, lead = sampling_rows_first(seqs)
+        n = len(seqs)
+        step = self.staging.write(npv[0], seqs, ids, self.staging.bs_of[n] in self.cascade_graphs, lead)
         if step.plan is not None:
             self.cascade_steps += 1
         self._send(st, step)
         self._ring.done()
         return Staged(n, step.bs, step.placeholders, self.variant is not None and self.variant.wanted(batch),
-                      step.plan is not None)
+                      step.plan is not None, lead)
 
     def replay(self, staged: Staged, prev: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Replay a staged step; ``prev``: the previous step's sampled ids (GPU) its placeholders
@@ -286,6 +272,12 @@ class CudaGraphRunner:
     def padded_output(self, staged: Staged) -> torch.Tensor:
         """The replayed step's hidden states with its padding rows: [bs, H] (rows n.. are padding)."""
         return self._graphs_of(staged)[1][staged.bs]
+
+    def sampling_output(self, staged: Staged) -> torch.Tensor:
+        """The hidden states of a replayed step whose sampling rows are its first rows (``Staged.sampled``),
+        padded to a graph batch size: [>= S, H], rows S.. padding or other rows (a view, no gather)."""
+        out = self.padded_output(staged)
+        return out[: min(padded_batch_size(staged.lead), staged.bs)] if staged.lead else out
 
     def _graphs_of(self, staged: Staged) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
         """The graphs (and outputs) a staged step replays: the variant's, the shared-prefix ones or the plain."""

@@ -8,11 +8,13 @@ reads the first 4 * bs as [4, bs]), the decode kernel's page tables: indptr [max
 lengths [max_bs], the rows longest first [max_bs], then the shared-prefix tables
 (runtime/cascade_graphs.py) where those graphs exist, then kv indices. Rows n..bs-1 of a step padded to
 graph size bs hold token 0 at position 0 with one page, the scratch page, written at its slot 0.
+``Staged``: such a step once queued, as the graph runner replays it. ``StagingRing``: the pinned host buffers such a step (and the other graph runners' steps) is written into, used
+in turn behind an event each.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +61,25 @@ class HostStep:
     plan: Optional[SharedPlan]      # the shared-prefix plan, when the step replays that graph
 
 
+@dataclass
+class Staged:
+    """A decode step whose inputs and plan are queued for replay of the bs-sized graph."""
+
+    n: int                 # live rows
+    bs: int                # graph batch size (rows n..bs-1 are padding)
+    placeholders: bool     # some token ids come from the previous step's sampled ids
+    variant: bool = False  # replay the variant's graph (GraphVariant)
+    cascade: bool = False  # replay the shared-prefix graph (runtime/cascade_graphs.py)
+    lead: int = 0          # > 0: the batch's ``lead`` sampling rows are graph rows 0..lead-1, its other rows
+    #                        (jump-forward's forced rows) after them (``stage(sampling_first=True)``)
+
+    @property
+    def sampled(self) -> int:
+        """The graph rows 0..sampled-1 that are the step's sampling rows, in order, when every row samples
+        or the sampling rows lead."""
+        return self.lead or self.n
+
+
 class DecodeStaging:
     """Writes decode steps into staging buffers (``write``): token ids, positions, KV slots, placeholder
     rows, page tables (``DecodeTables``), the longest-first row order and, where the shared-prefix graphs
@@ -83,14 +104,16 @@ class DecodeStaging:
         return v
 
     def write(self, buf: np.ndarray, seqs: Sequence[SeqWork], ids: Optional[Sequence[int]] = None,
-              cascade: bool = False) -> HostStep:
+              cascade: bool = False, lead: int = 0) -> HostStep:
         """Write a decode step of one-token ``seqs`` into ``buf`` (a staging buffer kept alive by its
         owner). ``ids``: their token ids (default: each seq's token), ids < 0 placeholders for rows of the
-        previous step's sampled ids. ``cascade``: plan the shared-prefix graph (its batch size has one)."""
+        previous step's sampled ids. ``cascade``: plan the shared-prefix graph (its batch size has one).
+        ``lead`` > 0: only the first ``lead`` rows (the sampling rows; forced rows after them) may share a
+        prefix chunk, so the plan is reused while they stay, whatever forced rows come and go."""
         n = len(seqs)
         bs = self.bs_of[n]
         io64, ip, last, order, idx, region, _ = self._views_of(buf)
-        r = self.tables.fill(seqs, ip, idx, last)
+        r = self.tables.fill(seqs, ip, idx, last, lead)
         nnz, pad = r.nnz, bs - n
         io = io64[: 4 * bs].reshape(4, bs)
         tok = np.fromiter(ids if ids is not None else [s.token_ids[0] for s in seqs], dtype=np.int64, count=n)
@@ -105,11 +128,13 @@ class DecodeStaging:
             ip[n + 1: bs + 1] = self._ramp[1: pad + 1] + nnz
             last[n:bs] = 1
             idx[nnz: nnz + pad] = SCRATCH_PAGE
-        plan = self.cascade.plan(ip, idx, n, self.tables.version) if cascade and self.cascade else None
+        m = lead or n                                       # the rows the plan covers
+        plan = self.cascade.plan(ip, idx, m, self.tables.version) if cascade and self.cascade else None
         kv = r.positions                                    # KV lengths less 1
         if plan is not None:
-            self.cascade.fill(region, plan, n, bs)
-            kv = kv - plan.skip.astype(np.int64) * self.P
+            self.cascade.fill(region, plan, m, bs)
+            kv = kv.copy()
+            kv[:m] -= plan.skip.astype(np.int64) * self.P
         # the decode kernel's row order: longest first (ties in row order), padding rows (one token) last
         order[:n] = np.argsort(-kv, kind="stable")
         order[n:bs] = self._ramp[n:bs]
@@ -128,3 +153,29 @@ class DecodeStaging:
         if self.cascade is not None:       # no chunks: the cascade graph's capture runs level 1 plainly
             self.cascade.fill(region, None, 0, bs)
         return HostStep(0, bs, self.layout.cut[4] + bs, False, None)
+
+
+class StagingRing:
+    """Two sets of pinned host buffers used in turn for host->device copies: a set is handed out again
+    only once the GPU has run the copies queued from it (an event per set; see the module docstring)."""
+
+    def __init__(self, make: Callable[[], list[torch.Tensor]]) -> None:
+        self._sets = [[t.pin_memory() for t in make()] for _ in range(2)]
+        self._np = [[t.numpy() for t in st] for st in self._sets]
+        self._events: list[Optional[torch.cuda.Event]] = [None, None]
+        self._i = 0
+
+    def next(self) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+        """The next set (pinned tensors, their numpy views), once its previous copies have run."""
+        self._i ^= 1
+        ev = self._events[self._i]
+        if ev is not None:
+            ev.synchronize()
+        return self._sets[self._i], self._np[self._i]
+
+    def done(self) -> None:
+        """Mark the copies from the current set as queued (recorded behind them on the stream)."""
+        ev = self._events[self._i]
+        if ev is None:
+            ev = self._events[self._i] = torch.cuda.Event()
+        ev.record()                 # re-recorded: synchronize waits for the latest record

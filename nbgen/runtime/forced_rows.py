@@ -12,7 +12,9 @@ backend writes a step's K/V for all rows before any row attends (the decode grap
 kernel, the Triton / flashinfer decode kernels, the torch backend), so row ``j`` sees the K/V rows
 ``0..j-1`` wrote. The step stays decode-only (a CUDA-graph replay, the padded batch growing by the
 forced tokens); only the last row samples. The scheduler's update walks the rows in order, each
-advancing ``num_computed`` by one.
+advancing ``num_computed`` by one. The rows sit at their request's place among the step's decode rows
+(running order, chunks after them), so the step's sampling rows come in the same order from step to step
+whether their requests jumped or not; the decode graphs stage those first (runtime/cuda_graphs.py).
 
 ``SchedulerConfig.forced_token_rows`` caps the rows of such a step (the largest decode graph on
 CUDA). Requests of one schema move nearly in step, so their jumps come in waves (every request

@@ -157,6 +157,9 @@ class StepGrammar:
     jumper: Any = None                                               # the first row's jumper (one per engine)
     mixed: bool = False                                              # rows of other jumpers, or of none, too
     jumped: list[Any] = field(default_factory=list)                  # after settle: the states whose request jumped
+    # ids of requests whose last output token's K/V a forward already queued computes (the overlap stepper's
+    # next step: its row there); a jump that keeps that token counts it computed (runtime/jump_forward.py)
+    queued: frozenset[int] = frozenset()
 
     def add(self, req: Any, tok: int, reason: Optional[FinishReason]) -> None:
         """Gather one row (req.grammar set, tok >= 0)."""
@@ -223,7 +226,7 @@ class StepGrammar:
             keep = [k for k in range(len(reqs)) if k not in gone]
             reqs, states = [reqs[k] for k in keep], [states[k] for k in keep]
         if not self.mixed:
-            self.jumped = self.jumper.jump_rows(reqs, states, context_length)
+            self.jumped = self.jumper.jump_rows(reqs, states, context_length, self.queued)
             return
         for req, state in zip(reqs, states):      # the engine swapped its jumper between requests
             if state.jumper is not None and state.jumper.jump(req, state, context_length):

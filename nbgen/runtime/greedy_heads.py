@@ -11,7 +11,8 @@ them), so the same ids. The graphs share the decode graphs' memory pool; the arg
 of its own (the shared one may be reallocated by a larger eager step).
 
 Masked heads: a decode step whose rows all take the argmax of their grammar-masked logits (every row
-constrained and greedy, ``grammar_batch.greedy_grammar``; no forced rows) replays the same head with the
+constrained and greedy, ``grammar_batch.greedy_grammar``; a step with jump-forward's forced rows too, whose
+sampling rows the staging put first: ``Staged.lead``, the ids of rows past them unread) replays the same head with the
 argmax reading a token bitmask beside the logits (``gpu_argmax.masked_argmax``), one more graph per decode
 graph. The bitmask is a static device buffer [max bs, ceil(vocab / 32)] int32 (``fill_worker.DeviceBitmask``):
 the step's sampling queues the copy of its filled rows into it (``FillJob.into``, on a side stream the

@@ -13,8 +13,10 @@ encoded again together with the forced text, so a token that merges across the b
 ``"name`` -> ``{"`` + ``name``) is replaced; the matcher rolls it back and its KV had not been
 computed yet. Tokens delivered earlier are never changed. A step scheduled before the jump (overlap
 scheduling queues one ahead) no longer matches the request's length and is ignored by the
-scheduler's update; its KV writes are repeated by the next step, and the overlap stepper leaves the
-request out of that step's bitmask fill and accepts (``jump_rows`` gives the states that jumped).
+scheduler's update, and the overlap stepper leaves the request out of that step's bitmask fill and
+accepts (``jump_rows`` gives the states that jumped); its row there computes the K/V of the token just
+sampled, so a jump that keeps that token counts it computed and the next step's forced rows start
+after it (where the token is replaced, that K/V is of the old token and is written again).
 
 Where outputs can differ from token-by-token decoding: the forced text gets the tokenizer's
 canonical tokenization; a model decoding token by token may split the same text differently (``":``
@@ -90,10 +92,13 @@ class JumpForward:
         output token); True when the request's output changed."""
         return bool(self.jump_rows([req], [state], context_length))
 
-    def jump_rows(self, reqs: list[Any], states: list[Any], context_length: Optional[int]) -> list[Any]:
+    def jump_rows(self, reqs: list[Any], states: list[Any], context_length: Optional[int],
+                  queued: frozenset[int] = frozenset()) -> list[Any]:
         """``jump`` for a step's rows that go on (``states[k]``: ``reqs[k]``'s grammar, which just
         accepted the request's last output token); -> the states of the rows that jumped. The rows'
-        matchers take their forced tokens in one call into xgrammar (``force_rows``)."""
+        matchers take their forced tokens in one call into xgrammar (``force_rows``). ``queued``: ids of
+        requests whose last token's K/V a forward already queued computes (at its position, from it):
+        a jump that keeps that token counts it computed, so its forced rows start after it."""
         # runs for every constrained row of every step: the checks before the search stay few
         todo: list[tuple[Any, Any, int, str]] = []      # (req, state, room, forced text) where text is forced
         searched = 0
@@ -139,6 +144,8 @@ class JumpForward:
             out = req.output_ids
             if replace:
                 out.pop()
+            elif queued and id(req) in queued:
+                req.num_computed += 1             # the queued forward writes its K/V (its own row is stale)
             out.extend(ids)
             jumped.append(state)
             self.num_tokens += len(ids) - replace

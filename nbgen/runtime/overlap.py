@@ -236,6 +236,8 @@ class OverlapStepper:
             except Exception:  # noqa: BLE001 - the caller's fill_async raises it again, for nxt's requests
                 nxt_fill = None
         completing = frozenset(grammar.completing()) if grammar.jumping and live is not None else frozenset()
+        if grammar.jumping and nxt is not None:         # its rows compute K/V of the tokens being accepted
+            grammar.queued = frozenset([id(s.req) for s in nxt.seqs if s.start_pos == s.req.num_computed])
         for req, reason in grammar.settle(sched.cfg.context_length, accepted):
             self._end(req, reason, changed, listed)
         self._undelivered = (changed, n_in)

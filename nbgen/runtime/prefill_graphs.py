@@ -34,7 +34,8 @@ import torch
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.triton_precompile import Precompile
-from nbgen.runtime.cuda_graphs import GraphVariant, StagingRing
+from nbgen.runtime.cuda_graphs import GraphVariant
+from nbgen.runtime.decode_staging import StagingRing
 from nbgen.runtime.step_inputs import positions_into
 
 logger = logging.getLogger("nbgen")

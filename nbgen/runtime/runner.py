@@ -151,11 +151,12 @@ class ModelRunner:
             self.lora.end()
 
     # ---- one step -----------------------------------------------------------------------------
-    def _stage(self, batch: ScheduledBatch) -> PreparedStep:
-        """A decode graph step's inputs (and its LoRA rows) queued for replay."""
+    def _stage(self, batch: ScheduledBatch, sampling_first: bool = False) -> PreparedStep:
+        """A decode graph step's inputs (and its LoRA rows) queued for replay; ``sampling_first``: its
+        sampling rows staged first (``CudaGraphRunner.stage``; the forward path, which reads only those)."""
         if self.lora is not None and self.lora.in_graphs:
             self.lora.stage(batch)
-        return self.graphs.stage(batch)
+        return self.graphs.stage(batch, sampling_first=sampling_first)
 
     def _lora_eager(self, batch: ScheduledBatch) -> bool:
         """The batch has adapter rows and the graphs hold no LoRA kernels (no slot pool)."""
@@ -174,7 +175,7 @@ class ModelRunner:
         None otherwise). ``n_prev``: sampled ids of the step before it, which may still be queued."""
         if not self._graphable(batch, n_prev):
             return None
-        return self._stage(batch)
+        return self._stage(batch, sampling_first=True)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch, staged: Optional[PreparedStep] = None) -> Forwarded:
@@ -191,13 +192,13 @@ class ModelRunner:
             # decode-only graph replay: one token per seq, positions and slots come from the page tables
             seqs, rows = sampling_rows(batch)
             if staged is None:
-                staged = self._stage(batch)
+                staged = self._stage(batch, sampling_first=True)
             hidden = self.graphs.replay(staged, self._last_tokens)
-            if not rows and seqs:             # logits over the graph's padded rows (_logits), or the ids
-                ids = self.graphs.greedy_ids(staged, seqs)    # straight from the greedy head's graph
+            if seqs and (not rows or staged.lead):   # the sampling rows lead the graph's rows: their logits
+                ids = self.graphs.greedy_ids(staged, seqs)    # (_logits), or the ids from a greedy head's graph
                 if ids is None and self.graphs.masked_head(staged, seqs):
                     return Forwarded(batch, seqs, None, head=staged)   # the masked head's, at sampling
-                logits = self._logits(self.graphs.padded_output(staged), len(seqs)) if ids is None else None
+                logits = self._logits(self.graphs.sampling_output(staged), len(seqs)) if ids is None else None
                 return Forwarded(batch, seqs, logits, tokens=ids)
         else:
             flat = flatten(batch)
@@ -263,7 +264,7 @@ class ModelRunner:
             fill.wait()
             if fill.into(self.graphs.heads.bitmask, len(fwd.seqs)):
                 return SamplerOutput(self.graphs.masked_ids(fwd.head), [])
-        fwd.logits = self._logits(self.graphs.padded_output(fwd.head), len(fwd.seqs))
+        fwd.logits = self._logits(self.graphs.sampling_output(fwd.head), len(fwd.seqs))
         return None
 
     @staticmethod

@@ -161,7 +161,8 @@ class Scheduler(StepUpdate):
         budget = self.pacer.budget(self.running, self.waiting.in_order(self.cache), self.budget) \
             if self.pacer is not None and self.waiting else self.budget      # runtime/prefill_pacing.py
         seqs: list[SeqWork] = []
-        prefilling: list[Request] = []                       # running requests with a chunk left (step 2)
+        # running requests with tokens left to compute (step 2), each with the decode rows before it
+        prefilling: list[tuple[Request, int]] = []
         preempted = self.num_preemptions
         P, RUNNING = self.P, Status.RUNNING
         for req in list(self.running):                       # 1. decodes (hot path: O(1) each)
@@ -171,7 +172,7 @@ class Scheduler(StepUpdate):
             left = len(req.prompt_ids) + len(out_ids) - c
             if left != 1:
                 if left > 1:
-                    prefilling.append(req)
+                    prefilling.append((req, len(seqs)))
                 continue
             if c // P >= len(req.pages) and not self._grow(req, c + 1):
                 continue
@@ -182,7 +183,10 @@ class Scheduler(StepUpdate):
         budget -= len(seqs)
         rows = self.cfg.forced_token_rows - len(seqs)         # jump-forward rows (runtime/forced_rows.py)
         self.row_waits.next_step()
-        for req in prefilling:                               # 2. prefill continuation (running order)
+        taken = len(seqs)
+        chunks: list[SeqWork] = []
+        forced: list[tuple[int, list[SeqWork]]] = []        # a jump's rows and the decode rows before them
+        for req, at in prefilling:                           # 2. prefill continuation (running order)
             left = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
             if left <= 1 or req.status is not RUNNING:
                 continue
@@ -191,11 +195,18 @@ class Scheduler(StepUpdate):
             end = req.num_computed + min(left, budget)
             if self._grow(req, end):
                 split = forced_rows(req, req.num_computed, end, rows) if rows > 0 else None
-                if not split and self.row_waits.wait(req, req.num_computed, end, self.cfg.forced_token_rows, len(seqs)):
+                if not split and self.row_waits.wait(req, req.num_computed, end, self.cfg.forced_token_rows, taken):
                     continue                                 # rows next step instead of a chunk now
-                seqs += split or [seq_work(req, req.num_computed, end)]
+                if split:
+                    forced.append((at, split))
+                else:
+                    chunks.append(seq_work(req, req.num_computed, end))
+                taken += len(split) if split else 1
                 rows -= len(split) if split else 1
                 budget -= end - req.num_computed
+        if forced:                       # one-token rows in running order: the sampling rows keep their order
+            seqs = _merge_rows(seqs, forced)                # from step to step (runtime/decode_staging.py)
+        seqs += chunks
         # 3. admissions; not in a step that preempted (damps admit/preempt thrashing)
         if self.num_preemptions == preempted:
             seqs += self.admission.admit(self.running, budget)
@@ -251,3 +262,15 @@ class Scheduler(StepUpdate):
             self.running.remove(req)
         if self.on_finish is not None:
             self.on_finish(req)
+
+
+def _merge_rows(decodes: list[SeqWork], forced: list[tuple[int, list[SeqWork]]]) -> list[SeqWork]:
+    """The decode rows with each jump's rows put after the ``at`` decode rows before its request."""
+    out: list[SeqWork] = []
+    prev = 0
+    for at, rows in forced:
+        out += decodes[prev:at]
+        out += rows
+        prev = at
+    out += decodes[prev:]
+    return out

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from nbgen.core.batch import ScheduledBatch, SeqWork
-from nbgen.runtime.cuda_graphs import Staged
+from nbgen.runtime.decode_staging import Staged
 from nbgen.runtime.logprobs import RowLogprobs
 
 

@@ -73,6 +73,15 @@ def sampling_rows(batch: ScheduledBatch) -> tuple[list[SeqWork], list[int]]:
     return seqs, [i for i, s in enumerate(batch.seqs) if s.sample]
 
 
+def sampling_rows_first(seqs: list[SeqWork]) -> tuple[list[SeqWork], int]:
+    """(seqs with the sampling ones first, each part in its order; S, the sampling seqs) where some seqs
+    sample and some do not (jump-forward's forced rows), else (seqs, 0)."""
+    first = [s for s in seqs if s.sample]
+    if not first or len(first) == len(seqs):
+        return seqs, 0
+    return first + [s for s in seqs if not s.sample], len(first)
+
+
 def positions_into(batch: ScheduledBatch, out: np.ndarray) -> None:
     """``flatten(batch).positions`` written straight into ``out`` (int64, at least the batch's token
     count): numpy ranges per seq, no Python list of ints (the prefill graphs' staging buffer)."""
