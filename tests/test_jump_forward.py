@@ -33,14 +33,18 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 DEVICE = os.environ.get("NBGEN_TEST_DEVICE", "cpu")
 DUMMY_MODEL = os.environ.get("NBGEN_TEST_GRAMMAR_MODEL")   # the GPU host: dummy weights, SmolLM2's tokenizer
+# each GPU engine's KV pool (Qwen3-0.6B in fp32: ~15 GB); a fraction of the card would leave the module's second
+# engine nothing where the first holds that fraction already
+KV_TOKENS = 65536
 
 
 @pytest.fixture(scope="module")
 def eng():
     kw = {"device": DEVICE, "enable_jump_forward": True}
     if DEVICE != "cpu":
-        # fp32: a chunk and a decode of the same tokens agree to the last bits only roughly in bf16
-        kw.update(mem_fraction_static=0.3, dtype="float32")
+        # fp32: a chunk and a decode of the same tokens agree to the last bits only roughly in bf16;
+        # a fixed pool (not a fraction of the card), so eng32 beside it gets one too
+        kw.update(max_total_tokens=KV_TOKENS, dtype="float32")
     e = grammar_engine(**kw)
     yield e
     e.shutdown()
@@ -99,7 +103,7 @@ def eng32():
     agree to the last bits only roughly in bf16 (a near-tie can then flip a greedy token)."""
     kw = {"device": DEVICE, "enable_jump_forward": True, "dtype": "float32"}
     if DEVICE != "cpu":
-        kw["mem_fraction_static"] = 0.3
+        kw["max_total_tokens"] = KV_TOKENS
     e = grammar_engine(**kw)
     yield e
     e.shutdown()
