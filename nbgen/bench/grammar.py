@@ -132,7 +132,8 @@ def main() -> None:
                     help="one more run of each kind (extract: with and without jump-forward) under cProfile "
                          "of the engine's loop thread")
     ap.add_argument("--gpu-profile", action="store_true",
-                    help="one more run of each kind (extraction too) under torch.profiler (GPU busy and idle time per step)")
+                    help="one more run of each kind (extraction too) under torch.profiler "
+                         "(GPU busy and idle time per step)")
     ap.add_argument("--jump-forward", action="store_true", help="the json runs with jump-forward decoding")
     ap.add_argument("--phases", action="store_true",
                     help="each run also prints its host time per step by phase (bench/phases.py)")

@@ -2,10 +2,10 @@
 
 From a torch.profiler Chrome trace of an engine run (``python -m nbgen.bench ... --profile --layer-anchor NAME``):
 the device kernels are cut into layers at each launch of an anchor kernel that runs once a layer (e.g.
-``_qk_rope_kernel``, ``_qk_norm_rope_kernel`` for Qwen3, or ``_qkv_rope_kernel`` for fp8 at one row); the layers whose kernel sequence is the most common one
-(decode layers of one step shape) are lined up position by position, and each position prints its kernel,
-the median time from the previous kernel's end to its start (negative: it overlapped the one before, as
-PDL launches do) and its median duration. A layer's median span, start to start, is the last line. The
+``_qk_rope_kernel``, ``_qk_norm_rope_kernel`` for Qwen3, or ``_qkv_rope_kernel`` for fp8 at one row); the
+layers whose kernel sequence is the most common one (decode layers of one step shape) are lined up position
+by position, and each position prints its kernel, the median time from the previous kernel's end to its
+start (negative: it overlapped the one before, as PDL launches do) and its median duration. A layer's median span, start to start, is the last line. The
 decode_layers bench replays a layer without the engine around it; this reads what the engine did.
 """
 from __future__ import annotations

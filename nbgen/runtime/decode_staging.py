@@ -8,8 +8,8 @@ reads the first 4 * bs as [4, bs]), the decode kernel's page tables: indptr [max
 lengths [max_bs], the rows longest first [max_bs], then the shared-prefix tables
 (runtime/cascade_graphs.py) where those graphs exist, then kv indices. Rows n..bs-1 of a step padded to
 graph size bs hold token 0 at position 0 with one page, the scratch page, written at its slot 0.
-``Staged``: such a step once queued, as the graph runner replays it. ``StagingRing``: the pinned host buffers such a step (and the other graph runners' steps) is written into, used
-in turn behind an event each.
+``Staged``: such a step once queued, as the graph runner replays it. ``StagingRing``: the pinned host
+buffers such a step (and the other graph runners' steps) is written into, used in turn behind an event each.
 """
 from __future__ import annotations
 
