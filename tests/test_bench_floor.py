@@ -137,3 +137,23 @@ def test_bench_stream_mode_returns_what_generate_returns(tiny_engine) -> None:
     assert [g["text"] for g in got] == [r["text"] for r in ref]
     assert [g["output_ids"] for g in got] == [r["output_ids"] for r in ref]
     assert [g["meta_info"]["completion_tokens"] for g in got] == [5, 9, 3]
+
+
+def test_bench_phases_report_each_runs_loop_steps(capsys) -> None:
+    """``--phases``: each timed run prints its loop steps (at least one a new token of the 64) with the
+    device wait and host time a step adding up to the step's time, and the host time by phase."""
+    import re
+
+    from nbgen.bench.run import main
+
+    main(["--device", "cpu", "--phases", "--repeat", "2"])
+    out = capsys.readouterr().out
+    steps = re.findall(r"^run (\d): [\d.]+ s, (\d+) steps: ([\d.]+) ms/step, device wait ([\d.]+), host ([\d.]+)$",
+                       out, re.M)
+    assert [s[0] for s in steps] == ["1", "2"]
+    for _, n, step, wait, host in steps:
+        assert int(n) >= 64
+        assert abs(float(step) - float(wait) - float(host)) < 0.02
+        assert float(wait) > 0          # a CPU step's forward is its device work
+    phases = re.findall(r"^run \d: phases ms/step: (.*)$", out, re.M)
+    assert len(phases) == 2 and all("forward" in p and "schedule" in p for p in phases)

@@ -5,7 +5,8 @@ Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths, launches replay
 (``fp8_kernels.graph_time``): µs per launch and the KV read rate (GB/s) for bf16 pages and for e4m3
 pages, each checked against the fp32 attention of the dequantized pages; then flashinfer's paged
 prefill (one layer, causal chunks after a cached prefix) planned for bf16 and for e4m3 pages (bf16
-queries over e4m3 pages take flashinfer's fa2 kernels; bf16 pages its SM90 ones on Hopper).
+queries over e4m3 pages take flashinfer's fa2 kernels, with or without split KV; bf16 pages its SM90
+ones on Hopper).
 """
 from __future__ import annotations
 
@@ -69,27 +70,32 @@ def decode_rows(model: str) -> list[dict]:
     return rows
 
 
+PREFILL_CASES = [(8, 1536, 512), (1, 512, 128), (1, 896, 128), (2, 640, 64)]   # (chunks, cached, chunk tokens)
+
+
 def prefill_rows(model: str) -> list[dict]:
-    """flashinfer's paged prefill: 8 chunks of 512 tokens after 1536 cached ones, bf16 and e4m3 pages."""
+    """flashinfer's paged prefill, causal chunks after cached tokens (``PREFILL_CASES``: 8 chunks of 512 after
+    1536; the small chunks of a paced mixed step), bf16 pages, e4m3 pages, and e4m3 pages planned without
+    split KV (no merge launch; a small chunk then has fewer programs)."""
     import flashinfer
 
     hq, hkv, D = HEADS[model]
-    bs, cached, chunk = 8, 1536, 512
-    n = cached + chunk
-    kc, vc, indptr, indices, last = _pages(bs, n, hkv, D)
-    q = torch.randn(bs * chunk, hq, D, device="cuda").bfloat16()
-    qo = torch.arange(bs + 1, dtype=torch.int32) * chunk
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
-    for pages in ("bf16", "e4m3"):
-        caches = (kc, vc) if pages == "bf16" else (kv_quant.store(kc, 1.0, kv_quant.FP8),
-                                                   kv_quant.store(vc, 1.0, kv_quant.FP8))
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
-        w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
-               q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype)
-        secs = graph_time(lambda _i: w.run(q, caches), 1, 20, 10)
-        rows.append({"model": model, "pages": pages, "us": secs * 1e6,
-                     "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
+    for bs, cached, chunk in PREFILL_CASES:
+        n = cached + chunk
+        kc, vc, indptr, indices, last = _pages(bs, n, hkv, D)
+        q = torch.randn(bs * chunk, hq, D, device="cuda").bfloat16()
+        out = torch.empty_like(q)
+        qo = torch.arange(bs + 1, dtype=torch.int32) * chunk
+        e4m3 = (kv_quant.store(kc, 1.0, kv_quant.FP8), kv_quant.store(vc, 1.0, kv_quant.FP8))
+        for pages, caches, nosplit in (("bf16", (kc, vc), False), ("e4m3", e4m3, False), ("e4m3 nosplit", e4m3, True)):
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
+            w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
+                   q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype, disable_split_kv=nosplit)
+            secs = graph_time(lambda _i, w=w, caches=caches: w.run(q, caches, out=out), 1, 20, 10)
+            rows.append({"model": model, "case": f"{bs}x{chunk} after {cached}", "pages": pages, "us": secs * 1e6,
+                         "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
     return rows
 
 
@@ -105,7 +111,7 @@ def main() -> None:
             print(f"{r['batch']:>5} {r['kv_len']:>6} {r['pages']:>5} {r['us']:>8.1f} "
                   f"{r['GB/s']:>7.0f} {r['max_err']:>8.4f}", flush=True)
         for r in ([] if args.no_prefill else prefill_rows(model)):
-            print(f"prefill {r['pages']:>5}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s")
+            print(f"prefill {r['case']:>16} {r['pages']:>12}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

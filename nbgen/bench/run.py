@@ -34,7 +34,8 @@ import torch
 from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
                                roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
-from nbgen.bench.profiling import GcPauses, RunProfiles
+from nbgen.bench.phases import PhaseTimer
+from nbgen.bench.profiling import GcPauses, RunProfiles, StepTimer
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
                                    prefix_workload, text_prompts)
@@ -79,16 +80,29 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if args.device != "cpu":
         torch.cuda.synchronize()
     profiles = RunProfiles(eng, args.profile, args.host_profile, args.layer_anchor, args.trace)
+    timer = StepTimer(eng) if args.phases else None
+    phases = PhaseTimer(eng) if args.phases else None
     gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
         if i:
             eng.flush_cache()        # each repeat prefills its prompts again (no prefix-cache hits)
+        if timer is not None and phases is not None:
+            timer.reset()
+            phases.reset()
         t0 = time.perf_counter()
         res = (_stream_all(eng, prompts, sps) if args.stream
                else eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False))
         runs.append(time.perf_counter() - t0)
+        if timer is not None and phases is not None:
+            st = timer.summary()
+            print(f"run {i + 1}: {runs[-1]:.2f} s, {st['steps']} steps: {st['step_ms']:.2f} ms/step, "
+                  f"device wait {st['wait_ms']:.2f}, host {st['host_ms']:.2f}", flush=True)
+            print(f"run {i + 1}: {phases.line(st['steps'])}", flush=True)
     gcs.close()
+    if timer is not None and phases is not None:
+        phases.close()                              # before the step timer: its wrappers are on top
+        timer.close()
     secs = statistics.median(runs)
     print(gcs.summary(sum(runs)))
     if len(runs) > 1:
@@ -184,6 +198,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
                          "(a once-a-layer kernel's name or part of it, e.g. _qk_rope_kernel; bench/layer_trace.py)")
     ap.add_argument("--trace", default=None, metavar="FILE", help="with --layer-anchor: where the Chrome trace goes")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the engine loop thread")
+    ap.add_argument("--phases", action="store_true",
+                    help="each timed run also prints its loop steps' time: device wait and host ms a step, and the "
+                         "host time by phase (bench/phases.py)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="time nbgen's workload this many times on one engine (cache flushed between); report the median")
     add_json_option(ap, "the rows")
