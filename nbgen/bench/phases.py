@@ -6,7 +6,8 @@ or ``forward``), the forward's launch, the sampling's launch and, inside it, the
 grammar bitmask fill (the fill on the critical path), the wait for the device (``resolve``),
 the fill's start, the grammar accepts and jumps (``settle``); and parts of those: the decode page
 tables and the shared-prefix plan (in ``stage``), the graph replay and the LM head (in ``forward``),
-the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read per call), so
+the attention calls of every layer and the prefill plan (in ``forward``, for a step with prompt
+chunks), the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read per call), so
 the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
 (the decode graphs exist), on an engine without other wrappers on these calls, or close in
 reverse order.
@@ -37,6 +38,10 @@ _CALLS: dict[str, tuple[str, str]] = {
     "replay": ("runner.graphs", "replay"),
     "logits": ("runner.model", "compute_logits"),
     "masked_head": ("runner.graphs", "masked_ids"),   # inside sample: a greedy constrained step's head replay
+    # inside forward: the attention calls of every layer (eager ones: a step with prompt chunks, the
+    # piecewise graphs' layers), and the prefill plan (in prepare / stage, inside forward for those steps)
+    "attention": ("runner.backend", "forward"),
+    "plan_prefill": ("runner.backend", "plan_prefill"),
 }
 _CLASSES: dict[str, tuple[type, str]] = {
     "fill_wait": (FillJob, "wait"),
@@ -79,7 +84,7 @@ class PhaseTimer:
     def _install(self) -> None:
         for label, (path, name) in _CALLS.items():
             obj = _resolve_path(self._loop, path)
-            if obj is None:
+            if obj is None or not hasattr(obj, name):
                 continue
             own = name in vars(obj)                 # an instance attribute already (another wrapper)
             prev = vars(obj)[name] if own else None
