@@ -39,17 +39,22 @@ def test_graph_eager_overlap(gpu_model_dir):
 def test_piecewise_prefill_graphs(gpu_model_dir):
     """Steps with prefill chunks replayed as graph pieces around an eager attention per layer give the
     eager forward's logprobs: several token buckets (padding rows), chunks over cached prefixes, mixed
-    steps with decodes (placeholder ids under overlap)."""
+    steps with decodes (their decode rows attended inside the pieces; placeholder ids under overlap)."""
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (3, 31, 100, 257, 600, 1000)]
     prompts += [p[: len(p) // 2] + [7, 8, 9] for p in prompts[3:]]      # shared prefixes
+
+    staged: list[int] = []
 
     def run(logprobs: bool, **cfg) -> tuple[dict, list[dict]]:
         with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=16,
                           chunked_prefill_size=512, **cfg) as eng:
             info = eng.get_server_info()
             kw = {"return_logprob": True, "logprob_start_len": 0} if logprobs else {}
-            return info, eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False, **kw)
+            out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False, **kw)
+            pieces = eng.loop.runner.prefill_graphs
+            staged.append(pieces.decodes.staged if pieces is not None and pieces.decodes is not None else 0)
+            return info, out
 
     info, on = run(True)
     info_off, off = run(True, disable_piecewise_cuda_graph=True)
@@ -61,6 +66,7 @@ def test_piecewise_prefill_graphs(gpu_model_dir):
     print(f"prompt logprobs, graphs vs eager: median |d| {statistics.median(d):.5f}, max {max(d):.4f}")
     assert statistics.median(d) <= 0.01 and max(d) <= 0.25
     assert_close_runs(on, off)
+    assert staged[0] > 0 and staged[1] == 0     # mixed steps whose decode rows the pieces attended
     # the overlap path (no logprobs): greedy tokens of graph and eager prefill steps
     a, b = output_ids(run(False)[1]), output_ids(run(False, disable_piecewise_cuda_graph=True)[1])
     same = sum(x == y for s, t in zip(a, b) for x, y in zip(s, t)) / sum(len(s) for s in a)

@@ -60,11 +60,12 @@ class FlashInferMetadata(AttentionMetadata):
     """Per-step data: slot of each new token and the planned wrapper every layer runs."""
 
     def __init__(self, backend: "FlashInferBackend", slot_mapping: torch.Tensor, wrapper: Any,
-                 decode_rows: int = 0) -> None:
+                 decode_rows: int = 0, decodes_staged: bool = False) -> None:
         self.backend = backend
         self.slot_mapping = slot_mapping      # [T] long, flat cache slot of each new token
         self.wrapper = wrapper                # planned decode or prefill wrapper
         self.decode_rows = decode_rows        # mixed step: leading one-token rows on the Triton decode kernel
+        self.decodes_staged = decodes_staged  # ... attended by the piecewise graphs (runtime/mixed_decode.py)
 
 
 def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -204,9 +205,13 @@ class FlashInferBackend(AttentionBackend):
                                                                                  backend="fa2")
         return self.masked_wrapper
 
-    def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None) -> FlashInferMetadata:
-        """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU)."""
+    def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None,
+                decode_stage: Optional[Callable[[np.ndarray, np.ndarray, np.ndarray], bool]] = None) -> FlashInferMetadata:
+        """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU).
+        ``decode_stage(indptr, indices, last)``: the piecewise graphs take a mixed step's decode rows
+        when it returns True (their tables queued), else they are planned here."""
         d = 0
+        staged = False
         if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
             wrapper = self.triton_wrapper if self.triton_decode else self.decode_wrapper
@@ -216,7 +221,9 @@ class FlashInferBackend(AttentionBackend):
             d = self._leading_decodes(batch.seqs)
             if d:
                 dptr, didx, dlast, _pos, _slots = self.tables.build(batch.seqs[:d])
-                self.plan_decode(self.triton_wrapper, _pinned(dptr), _pinned(didx), _pinned(dlast))
+                staged = decode_stage is not None and decode_stage(dptr, didx, dlast)
+                if not staged:
+                    self.plan_decode(self.triton_wrapper, _pinned(dptr), _pinned(didx), _pinned(dlast))
             qo, kv_ptr, idx, last = page_tables(batch.seqs[d:], self.spec.page_size)
             tree = flat_masks(batch.seqs[d:]) if has_tree(batch.seqs[d:]) else None
             wrapper = self.plan_prefill(qo, kv_ptr, idx, last, tree)
@@ -225,7 +232,7 @@ class FlashInferBackend(AttentionBackend):
             if slots is None:
                 slots = self.slot_mapping(batch)
             slot_mapping = _pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
-        return FlashInferMetadata(self, slot_mapping, wrapper, d)
+        return FlashInferMetadata(self, slot_mapping, wrapper, d, staged)
 
     def _leading_decodes(self, seqs: Sequence[SeqWork]) -> int:
         """How many leading one-token rows of a mixed step the Triton decode kernel takes (the scheduler
@@ -245,6 +252,16 @@ class FlashInferBackend(AttentionBackend):
         for c in self.k_cache + self.v_cache:                       # [pages, Hkv, P, D]
             c = c.view(torch.uint8) if c.element_size() == 1 else c    # fp8 pages copied as bytes
             c[dp, :, do] = c[sp, :, so]                             # the gather copies before the write
+
+    def decode_rows(self, layer_id: int, wrapper: triton_decode.TritonDecodeWrapper, q: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        """One-token rows' attention over ``wrapper``'s page tables, layer ``layer_id``'s pages: q [B, Hq*D]
+        (strided rows allowed) into out [B, Hq*D] (the piecewise graphs' decode rows, captured)."""
+        sp = self.spec
+        B = q.shape[0]
+        ks, vs = self.kv_scales[layer_id]
+        wrapper.run(q.view(B, sp.num_q_heads, sp.head_dim), (self.k_cache[layer_id], self.v_cache[layer_id]),
+                    out=out.view(B, sp.num_q_heads, sp.head_dim), k_scale=ks, v_scale=vs)
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
         """The layer's caches and slots: the fused RoPE kernel writes the step's K/V there."""
@@ -270,7 +287,7 @@ class FlashInferBackend(AttentionBackend):
             o = torch.empty((T, sp.num_q_heads, sp.head_dim), dtype=q.dtype, device=q.device) \
                 if out is None else out.view(T, sp.num_q_heads, sp.head_dim)
             d = meta.decode_rows
-            if d:
+            if d and not meta.decodes_staged:
                 self.triton_wrapper.run(q3[:d], (kc, vc), out=o[:d], k_scale=ks, v_scale=vs)
             meta.wrapper.run(q3[d:], (kc, vc), out=o[d:], **self._fi_scales[layer_id])
             return o.view(T, sp.num_q_heads * sp.head_dim)

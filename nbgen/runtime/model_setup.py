@@ -144,7 +144,7 @@ def make_decode_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: Atten
 
 
 def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: AttentionBackend,
-                        variant: Optional[GraphVariant] = None,
+                        context_length: int, variant: Optional[GraphVariant] = None,
                         precompile: Optional[Precompile] = None) -> Optional[pg.PrefillGraphRunner]:
     """Piecewise graphs for steps with prefill chunks (with the decode graphs; None when off, or when
     the model or memory does not allow them: then those steps run eagerly); ``variant``: a second set
@@ -152,7 +152,8 @@ def make_prefill_graphs(cfg: EngineConfig, model: torch.nn.Module, backend: Atte
     if cfg.disable_piecewise_cuda_graph or not pg.supported(model):
         return None
     try:
-        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens, variant, precompile)
+        return pg.PrefillGraphRunner(model, backend, cfg.piecewise_cuda_graph_max_tokens, context_length, variant,
+                                     precompile)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
         logger.warning("piecewise prefill graphs unavailable (%s); prefill steps run eagerly", e)
         torch.cuda.empty_cache()
@@ -227,7 +228,7 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     with Precompile(device) as pre:
         graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length, variant, pre)
         t3 = time.perf_counter()
-        prefill = make_prefill_graphs(cfg, loaded.model, backend, variant, pre) if graphs is not None else None
+        prefill = make_prefill_graphs(cfg, loaded.model, backend, loaded.context_length, variant, pre) if graphs is not None else None
         t4 = time.perf_counter()
         if graphs is not None:
             report("warming up")

@@ -10,6 +10,10 @@ eager attention call per layer:
     piece i       layer i-1 after attention (o_proj, add+RMSNorm, MLP); layer i up to attention
     piece L       layer L-1 after attention; the final norm
 
+The leading one-token rows of a mixed step (the running decodes) are attended inside the pieces: each
+piece i < L ends with nbgen's Triton decode kernel over layer i's decode rows (runtime/mixed_decode.py),
+and the eager call runs flashinfer's prefill of the chunks only.
+
 captured at a few token counts (``token_buckets``). A step of T tokens replays the smallest bucket
 >= T; rows T.. are padding (token 0 at position 0, its K/V into slot 0 of the scratch page), and
 attention runs over the T real rows only. Every tensor that crosses from one piece to the next is a
@@ -36,6 +40,7 @@ from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime.cuda_graphs import GraphVariant
 from nbgen.runtime.decode_staging import StagingRing
+from nbgen.runtime.mixed_decode import MixedDecodeRows
 from nbgen.runtime.step_inputs import positions_into
 
 logger = logging.getLogger("nbgen")
@@ -71,7 +76,7 @@ def supported(model: torch.nn.Module) -> bool:
 class PrefillGraphRunner:
     """Captures the pieces at every bucket; ``run`` returns the step's hidden states [T, H]."""
 
-    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_tokens: int,
+    def __init__(self, model: torch.nn.Module, backend: FlashInferBackend, max_tokens: int, max_context: int,
                  variant: Optional[GraphVariant] = None, precompile: Optional[Precompile] = None) -> None:
         if not supported(model):
             raise ValueError(f"{type(model).__name__} does not expose pre_attention / post_attention")
@@ -94,6 +99,8 @@ class PrefillGraphRunner:
         self.hidden = torch.zeros(T, w.shape[1], dtype=dt, device=dev)
         self._ring = StagingRing(lambda: [torch.zeros(3 * T, dtype=torch.long)])
         self.kv_written = True
+        # the leading decode rows' attention inside the pieces (runtime/mixed_decode.py)
+        self.decodes = MixedDecodeRows(backend, self.max_tokens, max_context) if backend.triton_decode else None
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.variant = variant
@@ -137,6 +144,10 @@ class PrefillGraphRunner:
                 x, r = self.layers[i - 1].post_attention(attn, res)
             if i < L:
                 (q, _k, _v, written), r = self.layers[i].pre_attention(io[1], x, r, meta, qkv_out=qkv)
+                if self.decodes is not None:     # the decode rows' attention, over the staged tables
+                    B = self.decodes.rows(T)
+                    self.backend.decode_rows(self.layers[i].self_attn.attn.layer_id, self.decodes.wrapper,
+                                             q[:B], attn[:B])
                 return q, written, r
             self.hidden[:T].copy_(self.final_norm(x, r))
             return None
@@ -216,7 +227,9 @@ class PrefillGraphRunner:
         self._ring.done()
         if patch is not None:
             patch(io[0, :n])
-        meta = self.backend.prepare(batch, slot_mapping=io[2, :n])
+        stage = None if self.decodes is None else \
+            (lambda ip, idx, last: self.decodes.stage(T, ip, idx, last))     # type: ignore[union-attr]
+        meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage)
         if self.variant is not None and self.variant.wanted(batch):
             graphs = self.variant_graphs[T]
             self.variant_replays += 1

@@ -81,7 +81,8 @@ class ModelRunner:
         """Capture the CUDA graphs again, as at start-up (after the weights or the KV pool moved)."""
         variant = self.lora.graph_variant() if self.lora is not None else None
         self.graphs = make_decode_graphs(self.cfg, self.model, self.backend, self.loaded.context_length, variant)
-        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend, variant) if self.graphs else None
+        self.prefill_graphs = make_prefill_graphs(self.cfg, self.model, self.backend, self.loaded.context_length,
+                                                  variant) if self.graphs else None
         self._last_tokens = None
         self._capture_heads()
 

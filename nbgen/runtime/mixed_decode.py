@@ -1,0 +1,85 @@
+"""A mixed step's decode rows attended inside the piecewise prefill graphs.
+
+A step with prompt chunks runs as graph pieces around one eager attention call per layer
+(runtime/prefill_graphs.py); its leading one-token rows (the running decodes) take nbgen's Triton decode
+kernel. Launched eagerly, that kernel costs a Triton launch a layer (tens of µs of host time each), which
+makes a paced mixed step host-bound on a large model. Here it is captured at the end of each piece instead,
+over ``rows(T)`` rows of static page tables, so the eager call keeps only flashinfer's prefill of the chunks.
+
+Rows the step does not use read the scratch page (one token): rows d..n-1 (prompt tokens) are attended as
+if they were one-token rows and then overwritten by the prefill kernel, which runs after the piece; rows
+n.. are the bucket's padding. The split count is the captured row count's, so a decode row's sums can
+differ in the last bits from an eager step's.
+
+Per step the host writes the decode rows' page tables, the padding rows and the longest-first order into
+a pinned staging buffer (numpy) and copies them in one transfer. A step whose decode rows do not fit (more
+than ``rows(T)``, or more pages than the buffer holds) runs them eagerly as before; the captured kernel
+then reads the last staged tables (reads only, its output overwritten).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from nbgen.attention.flashinfer_backend import FlashInferBackend
+from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
+from nbgen.runtime.decode_staging import StagingRing
+from nbgen.runtime.pages import SCRATCH_PAGE
+
+MAX_ROWS = 256   # decode rows a mixed step may have for the captured kernel (more: eager, as before)
+
+
+class MixedDecodeRows:
+    """Static page tables and the graph-shaped decode wrapper of the piecewise graphs' decode rows."""
+
+    def __init__(self, backend: FlashInferBackend, max_tokens: int, max_context: int) -> None:
+        sp = backend.spec
+        self.P = sp.page_size
+        self.max_rows = B = min(max_tokens, MAX_ROWS)
+        # pages the rows may hold: each row its context (shared prefixes counted per row), bounded by twice the pool
+        self.cap = min(B * (-(-max_context // self.P) + 1), 2 * sp.num_pages + B)
+        self._cut = (B + 1, 2 * B + 1, 3 * B + 1)    # indptr [B+1] | last [B] | order [B] | indices [cap]
+        size = self._cut[2] + self.cap
+        self._buf = torch.zeros(size, dtype=torch.int32, device=sp.device)
+        ip, last, order, idx = self._views(self._buf)
+        wrapper = backend.make_decode_wrapper(ip, idx, last, order)
+        if not isinstance(wrapper, TritonDecodeWrapper):
+            raise ValueError("the piecewise graphs' decode rows need nbgen's Triton decode kernel")
+        self.wrapper = wrapper
+        self._ring = StagingRing(lambda: [torch.zeros(size, dtype=torch.int32)])
+        self._ramp = np.arange(B + 1, dtype=np.int32)
+        self.staged = 0          # steps whose decode rows the graphs attended (tests, stats)
+        self.stage(B, np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32))
+
+    def _views(self, buf: Any) -> tuple[Any, ...]:
+        """(indptr, last, order, indices) of a flat int32 buffer (torch or numpy)."""
+        a, b, c = self._cut
+        return buf[:a], buf[a:b], buf[b:c], buf[c:]
+
+    def rows(self, T: int) -> int:
+        """Rows the kernel captured at bucket T attends."""
+        return min(T, self.max_rows)
+
+    def stage(self, T: int, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray) -> bool:
+        """Queue the tables of a step at bucket T with these decode rows (``indptr`` [d+1], ``indices``
+        [nnz], ``last`` [d]: DecodeTables.build's); False (nothing queued) where they do not fit."""
+        d, B, nnz = len(last), self.rows(T), len(indices)
+        if d > B or nnz + B - d > self.cap:
+            return False
+        st, npv = self._ring.next()
+        ip, ls, order, idx = self._views(npv[0])
+        ip[: d + 1] = indptr[: d + 1]
+        ip[d + 1: B + 1] = nnz + self._ramp[1: B - d + 1]         # padding rows: one scratch page each
+        ls[:d] = last
+        ls[d:B] = 1
+        order[:d] = longest_first(indptr[: d + 1], last, self.P) if d else order[:0]
+        order[d:B] = self._ramp[d:B]
+        idx[:nnz] = indices
+        idx[nnz: nnz + B - d] = SCRATCH_PAGE
+        end = self._cut[2] + nnz + B - d
+        self._buf[:end].copy_(st[0][:end], non_blocking=True)
+        self._ring.done()
+        self.staged += d > 0
+        return True

@@ -1,0 +1,81 @@
+"""The piecewise graphs' decode rows (runtime/mixed_decode.py): what a step stages into the static page
+tables the captured Triton decode kernel reads (on the CPU, with a plain staging ring); the engine paths
+are GPU tests (tests/test_gpu.py: piecewise graphs against eager steps, mixed steps split or whole)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from nbgen.kernels.triton_decode import TritonDecodeWrapper
+from nbgen.runtime import mixed_decode
+from nbgen.runtime.pages import SCRATCH_PAGE
+
+
+class _Ring:
+    """StagingRing without pinned memory or events: two host buffers used in turn."""
+
+    def __init__(self, make) -> None:
+        self._sets = [make(), make()]
+        self._i = 0
+
+    def next(self):
+        self._i ^= 1
+        st = self._sets[self._i]
+        return st, [t.numpy() for t in st]
+
+    def done(self) -> None:
+        pass
+
+
+def _rows(monkeypatch, num_pages: int = 64, max_context: int = 256) -> mixed_decode.MixedDecodeRows:
+    monkeypatch.setattr(mixed_decode, "StagingRing", _Ring)
+    spec = SimpleNamespace(page_size=16, num_pages=num_pages, device=torch.device("cpu"))
+
+    def wrapper(indptr, indices, last, order):
+        return TritonDecodeWrapper(8, 2, 64, 16, torch.device("cpu"), indptr, indices, last, order)
+
+    return mixed_decode.MixedDecodeRows(SimpleNamespace(spec=spec, make_decode_wrapper=wrapper), 512, max_context)
+
+
+def _tables(m: mixed_decode.MixedDecodeRows, B: int) -> tuple[list[int], ...]:
+    w = m.wrapper
+    return (w.indptr[: B + 1].tolist(), w.last[:B].tolist(), w.order[:B].tolist())
+
+
+def test_a_steps_decode_rows_then_padding_rows_on_the_scratch_page(monkeypatch) -> None:
+    m = _rows(monkeypatch)
+    assert m.rows(8) == 8 and m.rows(4096) == mixed_decode.MAX_ROWS
+    # three decode rows of 21, 16 and 33 tokens (2, 1 and 3 pages)
+    indptr, indices = np.array([0, 2, 3, 6], np.int32), np.array([10, 11, 20, 30, 31, 32], np.int32)
+    last = np.array([5, 16, 1], np.int32)
+    assert m.stage(8, indptr, indices, last)
+    ip, ls, order = _tables(m, 8)
+    assert ip == [0, 2, 3, 6, 7, 8, 9, 10, 11]
+    assert ls == [5, 16, 1, 1, 1, 1, 1, 1]
+    assert order == [2, 0, 1, 3, 4, 5, 6, 7]            # longest first, then the padding rows
+    assert m.wrapper.indices[:11].tolist() == [10, 11, 20, 30, 31, 32] + [SCRATCH_PAGE] * 5
+    assert m.staged == 1
+
+
+def test_a_step_without_decode_rows_stages_padding_only(monkeypatch) -> None:
+    m = _rows(monkeypatch)
+    assert m.stage(4, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+    assert _tables(m, 4) == ([0, 1, 2, 3, 4], [1, 1, 1, 1], [0, 1, 2, 3])
+    assert m.staged == 0                                  # padding only: not a step the graphs attended
+
+
+@pytest.mark.parametrize("what", ["rows", "pages"])
+def test_decode_rows_that_do_not_fit_are_refused_and_nothing_is_staged(monkeypatch, what) -> None:
+    m = _rows(monkeypatch, num_pages=8, max_context=64)     # cap: min(256 * 5, 2 * 8 + 256) = 272 pages
+    before = m.wrapper.indptr.clone(), m.wrapper.indices.clone()
+    if what == "rows":                                       # 5 rows at bucket 4
+        indptr, indices, last = np.arange(6, dtype=np.int32), np.arange(5, dtype=np.int32), np.ones(5, np.int32)
+        assert not m.stage(4, indptr, indices, last)
+    else:                                                    # 2 rows holding 271 pages: 271 + 254 padding > 272
+        indptr = np.array([0, 200, 271], np.int32)
+        assert not m.stage(256, indptr, np.zeros(271, np.int32), np.ones(2, np.int32))
+    assert torch.equal(m.wrapper.indptr, before[0]) and torch.equal(m.wrapper.indices, before[1])
+    assert m.staged == 0
