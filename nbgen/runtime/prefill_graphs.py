@@ -144,7 +144,8 @@ class PrefillGraphRunner:
                 x, r = self.layers[i - 1].post_attention(attn, res)
             if i < L:
                 (q, _k, _v, written), r = self.layers[i].pre_attention(io[1], x, r, meta, qkv_out=qkv)
-                if self.decodes is not None:     # the decode rows' attention, over the staged tables
+                if self.decodes is not None and self.kv_written:   # decode rows' attention, over the staged tables
+                    # (their K/V written above by the fused RoPE kernel; else the eager call writes it first)
                     B = self.decodes.rows(T)
                     self.backend.decode_rows(self.layers[i].self_attn.attn.layer_id, self.decodes.wrapper,
                                              q[:B], attn[:B])
@@ -227,7 +228,7 @@ class PrefillGraphRunner:
         self._ring.done()
         if patch is not None:
             patch(io[0, :n])
-        stage = None if self.decodes is None else \
+        stage = None if self.decodes is None or not self.kv_written else \
             (lambda ip, idx, last: self.decodes.stage(T, ip, idx, last))     # type: ignore[union-attr]
         meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage)
         if self.variant is not None and self.variant.wanted(batch):
