@@ -68,6 +68,10 @@ class FlashInferMetadata(AttentionMetadata):
         self.decodes_staged = decodes_staged  # ... attended by the piecewise graphs (runtime/mixed_decode.py)
 
 
+# a mixed step's decode-row page tables (indptr, indices, last) -> whether the piecewise graphs took them
+DecodeStage = Callable[[np.ndarray, np.ndarray, np.ndarray], bool]
+
+
 def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """A pinned CPU tensor of ``values`` (list or numpy array); numpy converts lists ~3x faster than torch."""
     np_dtype = np.int32 if dtype == torch.int32 else np.int64
@@ -206,7 +210,7 @@ class FlashInferBackend(AttentionBackend):
         return self.masked_wrapper
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None,
-                decode_stage: Optional[Callable[[np.ndarray, np.ndarray, np.ndarray], bool]] = None) -> FlashInferMetadata:
+                decode_stage: Optional[DecodeStage] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU).
         ``decode_stage(indptr, indices, last)``: the piecewise graphs take a mixed step's decode rows
         when it returns True (their tables queued), else they are planned here."""
