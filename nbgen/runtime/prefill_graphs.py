@@ -147,8 +147,7 @@ class PrefillGraphRunner:
                 if self.decodes is not None and self.kv_written:   # decode rows' attention, over the staged tables
                     # (their K/V written above by the fused RoPE kernel; else the eager call writes it first)
                     B = self.decodes.rows(T)
-                    self.backend.decode_rows(self.layers[i].self_attn.attn.layer_id, self.decodes.wrapper,
-                                             q[:B], attn[:B])
+                    self.decodes.attend(self.layers[i].self_attn.attn.layer_id, q[:B], attn[:B])
                 return q, written, r
             self.hidden[:T].copy_(self.final_norm(x, r))
             return None
