@@ -10,13 +10,14 @@ the attention calls of every layer and the prefill plan (in ``forward``, for a s
 chunks), the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read
 per call), so the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
 (the decode graphs exist), on an engine without other wrappers on these calls, or close in
-reverse order.
+reverse order. ``RunPhases`` pairs it with ``StepTimer`` for ``python -m nbgen.bench --phases``.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Callable
 
+from nbgen.bench.profiling import StepTimer
 from nbgen.runtime.fill_worker import FillJob
 from nbgen.runtime.grammar_batch import StepGrammar
 from nbgen.runtime.sampler import Sampler
@@ -116,3 +117,27 @@ class PhaseTimer:
                 fn()
             self._undo.clear()
         self._loop.call(undo)
+
+
+class RunPhases:
+    """A timed run's loop steps (``StepTimer``: device wait and host time a step) and its host time by phase
+    (``PhaseTimer``), installed together; ``reset`` before a run, ``report`` after it, ``close`` at the end."""
+
+    def __init__(self, eng: Any) -> None:
+        self.steps = StepTimer(eng)
+        self.phases = PhaseTimer(eng)        # installed second: its wrappers sit on top
+
+    def reset(self) -> None:
+        self.steps.reset()
+        self.phases.reset()
+
+    def report(self, label: str, seconds: float) -> None:
+        """Print the run's step line and phase line, each starting with ``label``."""
+        st = self.steps.summary()
+        print(f"{label}: {seconds:.2f} s, {st['steps']} steps: {st['step_ms']:.2f} ms/step, "
+              f"device wait {st['wait_ms']:.2f}, host {st['host_ms']:.2f}", flush=True)
+        print(f"{label}: {self.phases.line(st['steps'])}", flush=True)
+
+    def close(self) -> None:
+        self.phases.close()                  # before the step timer: its wrappers are on top
+        self.steps.close()

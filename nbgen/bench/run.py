@@ -34,8 +34,8 @@ import torch
 from nbgen.bench.floor import (copy_bandwidth, floor_seconds, matmul_rate, model_bytes, prefill_flops,
                                roofline_seconds, shared_floor_seconds)
 from nbgen.bench.hf import run_hf
-from nbgen.bench.phases import PhaseTimer
-from nbgen.bench.profiling import GcPauses, RunProfiles, StepTimer
+from nbgen.bench.phases import RunPhases
+from nbgen.bench.profiling import GcPauses, RunProfiles
 from nbgen.bench.report import add_json_option, write_json
 from nbgen.bench.workloads import (PREFIX_LEN, PREFIXES, QUESTIONS, chat32_prompts, make_workload,
                                    prefix_workload, text_prompts)
@@ -80,30 +80,23 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if args.device != "cpu":
         torch.cuda.synchronize()
     profiles = RunProfiles(eng, args.profile, args.host_profile, args.layer_anchor, args.trace)
-    # --phases: (step times, host time by phase) on the loop thread
-    probes: Optional[tuple[StepTimer, PhaseTimer]] = (StepTimer(eng), PhaseTimer(eng)) if args.phases else None
+    probes = RunPhases(eng) if args.phases else None
     gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
         if i:
             eng.flush_cache()        # each repeat prefills its prompts again (no prefix-cache hits)
         if probes is not None:
-            for p in probes:
-                p.reset()
+            probes.reset()
         t0 = time.perf_counter()
         res = (_stream_all(eng, prompts, sps) if args.stream
                else eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False))
         runs.append(time.perf_counter() - t0)
         if probes is not None:
-            timer, phases = probes
-            st = timer.summary()
-            print(f"run {i + 1}: {runs[-1]:.2f} s, {st['steps']} steps: {st['step_ms']:.2f} ms/step, "
-                  f"device wait {st['wait_ms']:.2f}, host {st['host_ms']:.2f}", flush=True)
-            print(f"run {i + 1}: {phases.line(st['steps'])}", flush=True)
+            probes.report(f"run {i + 1}", runs[-1])
     gcs.close()
     if probes is not None:
-        probes[1].close()                           # before the step timer: its wrappers are on top
-        probes[0].close()
+        probes.close()
     secs = statistics.median(runs)
     print(gcs.summary(sum(runs)))
     if len(runs) > 1:
