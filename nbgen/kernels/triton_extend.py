@@ -90,7 +90,7 @@ if triton is not None:
         """The softmax state (m, l, acc) of q [M, D] carried over keys [lo, hi) with row i seeing keys
         up to ``lim`` [M] (the causal mask). A row that sees none of them keeps its state (also m = -inf)."""
         d = tl.arange(0, D)
-        for t0 in tl.range(lo, hi, BLOCK_N):
+        for t0 in tl.range(lo, hi, BLOCK_N, num_stages=1):     # mostly one tile: nothing to pipeline
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
             page = tl.load(indices_ptr + start + t // P, mask=tm, other=0).to(tl.int64)
