@@ -75,7 +75,7 @@ def check_extend(device: str, dtype: torch.dtype, cases: list, fp8: bool, shapes
             for _ in range(2):             # a second run: the split counters re-armed
                 out = w.run(q, (kc, vc), k_scale=ks, v_scale=vs)
             err = (out.float().cpu() - ref).abs()
-            assert bool((err <= tol).all()), (i, shape, w.plan_.splits, err.max().item())
+            assert bool((err <= tol).all()), (i, shape, w.planned.splits, err.max().item())
 
 
 CPU_CASES = [
@@ -119,6 +119,8 @@ def test_plan_rejects_bad_tables() -> None:
     with pytest.raises(ValueError, match="splits"):
         TritonExtendWrapper(8, 2, 64, 16, torch.device("cpu"), ExtendShape(splits=3)).plan(
             i32(0, 8), i32(0, 1), i32(1), i32(8))
+    with pytest.raises(ValueError, match="block_m"):
+        ExtendShape(block_m=24)
     w.plan(i32(0, 8), i32(0, 1), i32(1), i32(8))
     with pytest.raises(ValueError, match="q must be"):
         w.run(torch.zeros(7, 8, 64), (torch.zeros(2, 2, 16, 64),) * 2)

@@ -114,7 +114,7 @@ def prefill_rows(model: str) -> list[dict]:
                 secs = graph_time(lambda _i, t=t, caches=caches: t.run(q, caches, out=out), 1, 20, 10)
                 rows.append({"model": model, "case": f"{bs}x{chunk} after {cached}", "us": secs * 1e6,
                              "pages": f"{pages} triton {name}".strip(), "TFLOP/s": flops / secs / 1e12,
-                             "max_err": err, "splits": t.plan_.splits})
+                             "max_err": err, "splits": t.planned.splits})
     return rows
 
 

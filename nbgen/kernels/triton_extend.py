@@ -48,6 +48,14 @@ class ExtendShape:
     ahead: bool = True
     splits: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {v}")
+        if self.warps < 1 or self.stages < 1:
+            raise ValueError(f"warps and stages must be >= 1, got {self.warps} and {self.stages}")
+
 
 def supported(head_dim: int) -> bool:
     """Head sizes the kernel's tiles take: a power of 2 in [16, 256]."""
@@ -201,7 +209,7 @@ class TritonExtendWrapper:
         self.part = torch.empty(0, dtype=torch.float32, device=device)
         self.ml = torch.empty(0, dtype=torch.float32, device=device)
         self.count = torch.zeros(0, dtype=torch.int32, device=device)
-        self.plan_: Optional[ExtendPlan] = None
+        self.planned: Optional[ExtendPlan] = None
         self.rows = self.batch = 0
 
     def block_m(self) -> int:
@@ -229,7 +237,7 @@ class TritonExtendWrapper:
         splits = self.shape.splits or num_splits(len(seq) * self.hkv, longest, self.sms)
         if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
             raise ValueError(f"splits must be a power of 2 in [1, {MAX_SPLITS}], got {splits}")
-        self.plan_ = ExtendPlan(seq, first, splits)
+        self.planned = ExtendPlan(seq, first, splits)
         self.rows, self.batch = int(qo[-1]) if B else 0, B
         tab = torch.from_numpy(np.concatenate([qo, kvp, last, seq, first]).astype(np.int32))
         if self.device.type == "cuda":
@@ -251,7 +259,7 @@ class TritonExtendWrapper:
         """q [N, Hq, D] (strided rows allowed; N = qo_indptr[-1]) -> o [N, Hq, D] over the planned tables
         (into ``out`` with unit stride over D when given). Pages HND [pages, Hkv, P, D] of q's dtype or e4m3
         (holding K / k_scale and V / v_scale: the scales multiply back in, as flashinfer's run() takes them)."""
-        if self.plan_ is None:
+        if self.planned is None:
             raise ValueError("run() needs plan() first")
         if q.dim() != 3 or tuple(q.shape) != (self.rows, self.hq, self.d) or q.stride(2) != 1:
             raise ValueError(f"q must be [{self.rows}, {self.hq}, {self.d}] with unit stride over D, "
@@ -260,7 +268,7 @@ class TritonExtendWrapper:
         o = torch.empty((self.rows, self.hq, self.d), dtype=q.dtype, device=q.device) if out is None else out
         if tuple(o.shape) != tuple(q.shape) or o.stride(2) != 1:
             raise ValueError(f"out must be [{self.rows}, {self.hq}, {self.d}] with unit stride over D")
-        nb = len(self.plan_.seq)
+        nb = len(self.planned.seq)
         if nb == 0:
             return o
         sh, bm = self.shape, self.block_m()
@@ -268,7 +276,7 @@ class TritonExtendWrapper:
         args = (q, kc, vc, o, self.tab, self.indices, self.part, self.ml, self.count, self.batch, nb,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
-        pdl.launch(_extend_kernel, (self.hkv, self.plan_.splits, nb), args, q.device, G=self.group, BM=bm, D=self.d,
-                   P=self.P, NSPLIT=self.plan_.splits, BLOCK_N=sh.block_n, DN=max(16, triton.next_power_of_2(tokens)),
+        pdl.launch(_extend_kernel, (self.hkv, self.planned.splits, nb), args, q.device, G=self.group, BM=bm, D=self.d,
+                   P=self.P, NSPLIT=self.planned.splits, BLOCK_N=sh.block_n, DN=max(16, triton.next_power_of_2(tokens)),
                    STAGES=sh.stages, FP8=kc.element_size() == 1, AHEAD=sh.ahead, PTX=q.is_cuda, num_warps=sh.warps)
         return o
