@@ -1,6 +1,7 @@
 """The piecewise graphs' decode rows (runtime/mixed_decode.py): what a step stages into the static page
-tables the captured Triton decode kernel reads (on the CPU, with a plain staging ring); the engine paths
-are GPU tests (tests/test_gpu.py: piecewise graphs against eager steps, mixed steps split or whole)."""
+tables the captured Triton decode kernel reads (on the CPU, with a plain staging ring), and the kernel's
+attention over them with the padding rows under the Triton interpreter; the engine paths are GPU tests
+(tests/test_gpu.py: piecewise graphs against eager steps, mixed steps split or whole)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import torch
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
 from nbgen.runtime import mixed_decode
 from nbgen.runtime.pages import SCRATCH_PAGE
+from tests.tiny_models import run_under_triton_interpreter
 
 
 class _Ring:
@@ -30,14 +32,16 @@ class _Ring:
         pass
 
 
-def _rows(monkeypatch, num_pages: int = 64, max_context: int = 256) -> mixed_decode.MixedDecodeRows:
+def _rows(monkeypatch, num_pages: int = 64, max_context: int = 256, hq: int = 8, hkv: int = 2, D: int = 64,
+          P: int = 16, **backend) -> mixed_decode.MixedDecodeRows:
     monkeypatch.setattr(mixed_decode, "StagingRing", _Ring)
-    spec = SimpleNamespace(page_size=16, num_pages=num_pages, device=torch.device("cpu"))
+    spec = SimpleNamespace(page_size=P, num_pages=num_pages, device=torch.device("cpu"), num_q_heads=hq, head_dim=D)
 
     def wrapper(indptr, indices, last, order):
-        return TritonDecodeWrapper(8, 2, 64, 16, torch.device("cpu"), indptr, indices, last, order)
+        return TritonDecodeWrapper(hq, hkv, D, P, torch.device("cpu"), indptr, indices, last, order)
 
-    return mixed_decode.MixedDecodeRows(SimpleNamespace(spec=spec, make_decode_wrapper=wrapper), 512, max_context)
+    be = SimpleNamespace(spec=spec, make_decode_wrapper=wrapper, **backend)
+    return mixed_decode.MixedDecodeRows(be, 512, max_context)
 
 
 def _tables(m: mixed_decode.MixedDecodeRows, B: int) -> tuple[list[int], ...]:
@@ -79,3 +83,37 @@ def test_decode_rows_that_do_not_fit_are_refused_and_nothing_is_staged(monkeypat
         assert not m.stage(256, indptr, np.zeros(271, np.int32), np.ones(2, np.int32))
     assert torch.equal(m.wrapper.indptr, before[0]) and torch.equal(m.wrapper.indices, before[1])
     assert m.staged == 0
+
+
+def _interpreted() -> None:
+    """A bucket of 12 rows: 3 decode rows of a layer's e4m3 pages (scales 0.5 / 2) and 9 other rows (prompt
+    tokens and padding, on the scratch page); q rows strided as in the fused qkv buffer. The decode rows
+    equal the fp32 attention of their dequantized pages; a second step with other rows re-stages."""
+    import pytest as _pytest
+
+    from nbgen.attention import kv_quant
+    from tests.test_fp8_kv import _paged, reference_decode
+
+    mp = _pytest.MonkeyPatch()
+    hq, hkv, D, P, T = 4, 2, 32, 4, 12
+    for step, lens in enumerate(([5, 17, 40], [9, 2])):
+        kc, vc, indptr, indices, last = _paged(lens, hkv, D, P, torch.float16, "cpu", seed=step)
+        k8, v8 = kv_quant.store(kc, 0.5, kv_quant.FP8), kv_quant.store(vc, 2.0, kv_quant.FP8)
+        m = _rows(mp, num_pages=kc.shape[0], hq=hq, hkv=hkv, D=D, P=P,
+                  k_cache=[k8], v_cache=[v8], kv_scales=[(0.5, 2.0)])
+        assert m.stage(T, indptr.numpy(), indices.numpy(), last.numpy())
+        qkv = torch.randn(T, (hq + 2 * hkv) * D).half()
+        out = torch.zeros(T, hq * D).half()
+        m.attend(0, qkv[:, : hq * D], out)             # q: a strided view, as the pieces pass it
+        d = len(lens)
+        ref = reference_decode(qkv[:d, : hq * D].view(d, hq, D), k8, v8, indptr, indices, lens, 0.5, 2.0)
+        err = (out[:d].view(d, hq, D).float() - ref).abs()
+        assert bool((err <= 2 ** -7 * ref.abs() + 4e-2).all()), (step, err.max().item())
+        assert torch.isfinite(out).all()                 # the other rows read the scratch page
+    mp.undo()
+
+
+def test_staged_decode_rows_attend_their_pages_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    res = run_under_triton_interpreter("import tests.test_mixed_decode as t; t._interpreted()")
+    assert res.returncode == 0, res.stderr[-3000:]

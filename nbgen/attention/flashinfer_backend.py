@@ -12,9 +12,10 @@ table:
   * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
     ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
     and chunked prefill need; a step verifying a draft tree plans a ``custom_mask`` instead
-    (attention/tree_mask.py: each tree token sees the prefix and its ancestors). The step's leading one-token rows (the running decodes) go through
-    the Triton decode kernel instead (flashinfer's prefill kernel reads a one-query row's KV at about
-    half the bandwidth).
+    (attention/tree_mask.py: each tree token sees the prefix and its ancestors). The step's leading
+    one-token rows (the running decodes) go through the Triton decode kernel instead (flashinfer's
+    prefill kernel reads a one-query row's KV at about half the bandwidth), inside the piecewise
+    graphs where those run the step (``decode_stage``: runtime/mixed_decode.py).
 An fp8 pool (``kv_cache_dtype="fp8_e4m3"``) holds e4m3 pages: the K/V writes quantize (each layer's
 k_scale / v_scale), the Triton decode kernel widens the tiles in registers, and flashinfer's kernels
 are planned with ``kv_data_type`` e4m3 (bf16 / fp16 queries) and run with the layer's scales.
@@ -66,6 +67,10 @@ class FlashInferMetadata(AttentionMetadata):
         self.wrapper = wrapper                # planned decode or prefill wrapper
         self.decode_rows = decode_rows        # mixed step: leading one-token rows on the Triton decode kernel
         self.decodes_staged = decodes_staged  # ... attended by the piecewise graphs (runtime/mixed_decode.py)
+
+
+# a mixed step's decode-row page tables (indptr, indices, last) -> whether the piecewise graphs took them
+DecodeStage = Callable[[np.ndarray, np.ndarray, np.ndarray], bool]
 
 
 def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -206,7 +211,7 @@ class FlashInferBackend(AttentionBackend):
         return self.masked_wrapper
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None,
-                decode_stage: Optional[Callable[[np.ndarray, np.ndarray, np.ndarray], bool]] = None) -> FlashInferMetadata:
+                decode_stage: Optional[DecodeStage] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU).
         ``decode_stage(indptr, indices, last)``: the piecewise graphs take a mixed step's decode rows
         when it returns True (their tables queued), else they are planned here."""
@@ -252,16 +257,6 @@ class FlashInferBackend(AttentionBackend):
         for c in self.k_cache + self.v_cache:                       # [pages, Hkv, P, D]
             c = c.view(torch.uint8) if c.element_size() == 1 else c    # fp8 pages copied as bytes
             c[dp, :, do] = c[sp, :, so]                             # the gather copies before the write
-
-    def decode_rows(self, layer_id: int, wrapper: triton_decode.TritonDecodeWrapper, q: torch.Tensor,
-                    out: torch.Tensor) -> None:
-        """One-token rows' attention over ``wrapper``'s page tables, layer ``layer_id``'s pages: q [B, Hq*D]
-        (strided rows allowed) into out [B, Hq*D] (the piecewise graphs' decode rows, captured)."""
-        sp = self.spec
-        B = q.shape[0]
-        ks, vs = self.kv_scales[layer_id]
-        wrapper.run(q.view(B, sp.num_q_heads, sp.head_dim), (self.k_cache[layer_id], self.v_cache[layer_id]),
-                    out=out.view(B, sp.num_q_heads, sp.head_dim), k_scale=ks, v_scale=vs)
 
     def kv_target(self, layer_id: int, meta: FlashInferMetadata) -> Optional[KVTarget]:
         """The layer's caches and slots: the fused RoPE kernel writes the step's K/V there."""

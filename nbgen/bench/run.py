@@ -80,29 +80,30 @@ def run_nbgen(args: argparse.Namespace, prompts: Any, outs: list[int]) -> dict[s
     if args.device != "cpu":
         torch.cuda.synchronize()
     profiles = RunProfiles(eng, args.profile, args.host_profile, args.layer_anchor, args.trace)
-    timer = StepTimer(eng) if args.phases else None
-    phases = PhaseTimer(eng) if args.phases else None
+    # --phases: (step times, host time by phase) on the loop thread
+    probes: Optional[tuple[StepTimer, PhaseTimer]] = (StepTimer(eng), PhaseTimer(eng)) if args.phases else None
     gcs = GcPauses()
     runs: list[float] = []
     for i in range(args.repeat):
         if i:
             eng.flush_cache()        # each repeat prefills its prompts again (no prefix-cache hits)
-        if timer is not None and phases is not None:
-            timer.reset()
-            phases.reset()
+        if probes is not None:
+            for p in probes:
+                p.reset()
         t0 = time.perf_counter()
         res = (_stream_all(eng, prompts, sps) if args.stream
                else eng.generate(**_inputs(prompts), sampling_params=sps, use_tqdm=False))
         runs.append(time.perf_counter() - t0)
-        if timer is not None and phases is not None:
+        if probes is not None:
+            timer, phases = probes
             st = timer.summary()
             print(f"run {i + 1}: {runs[-1]:.2f} s, {st['steps']} steps: {st['step_ms']:.2f} ms/step, "
                   f"device wait {st['wait_ms']:.2f}, host {st['host_ms']:.2f}", flush=True)
             print(f"run {i + 1}: {phases.line(st['steps'])}", flush=True)
     gcs.close()
-    if timer is not None and phases is not None:
-        phases.close()                              # before the step timer: its wrappers are on top
-        timer.close()
+    if probes is not None:
+        probes[1].close()                           # before the step timer: its wrappers are on top
+        probes[0].close()
     secs = statistics.median(runs)
     print(gcs.summary(sum(runs)))
     if len(runs) > 1:

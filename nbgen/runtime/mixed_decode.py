@@ -48,6 +48,7 @@ class MixedDecodeRows:
         if not isinstance(wrapper, TritonDecodeWrapper):
             raise ValueError("the piecewise graphs' decode rows need nbgen's Triton decode kernel")
         self.wrapper = wrapper
+        self.backend = backend
         self._ring = StagingRing(lambda: [torch.zeros(size, dtype=torch.int32)])
         self._ramp = np.arange(B + 1, dtype=np.int32)
         self.staged = 0          # steps whose decode rows the graphs attended (tests, stats)
@@ -57,6 +58,15 @@ class MixedDecodeRows:
         """(indptr, last, order, indices) of a flat int32 buffer (torch or numpy)."""
         a, b, c = self._cut
         return buf[:a], buf[a:b], buf[b:c], buf[c:]
+
+    def attend(self, layer_id: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """The staged rows' attention over layer ``layer_id``'s pages (captured in the pieces): q [B, Hq*D]
+        (strided rows allowed: a view of the fused qkv) into out [B, Hq*D]."""
+        be = self.backend
+        sp, B = be.spec, q.shape[0]
+        ks, vs = be.kv_scales[layer_id]
+        self.wrapper.run(q.view(B, sp.num_q_heads, sp.head_dim), (be.k_cache[layer_id], be.v_cache[layer_id]),
+                         out=out.view(B, sp.num_q_heads, sp.head_dim), k_scale=ks, v_scale=vs)
 
     def rows(self, T: int) -> int:
         """Rows the kernel captured at bucket T attends."""

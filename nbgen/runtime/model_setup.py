@@ -228,7 +228,8 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     with Precompile(device) as pre:
         graphs = make_decode_graphs(cfg, loaded.model, backend, loaded.context_length, variant, pre)
         t3 = time.perf_counter()
-        prefill = make_prefill_graphs(cfg, loaded.model, backend, loaded.context_length, variant, pre) if graphs is not None else None
+        prefill = make_prefill_graphs(cfg, loaded.model, backend, loaded.context_length, variant, pre) \
+            if graphs is not None else None
         t4 = time.perf_counter()
         if graphs is not None:
             report("warming up")

@@ -10,16 +10,16 @@ eager attention call per layer:
     piece i       layer i-1 after attention (o_proj, add+RMSNorm, MLP); layer i up to attention
     piece L       layer L-1 after attention; the final norm
 
-The leading one-token rows of a mixed step (the running decodes) are attended inside the pieces: each
-piece i < L ends with nbgen's Triton decode kernel over layer i's decode rows (runtime/mixed_decode.py),
-and the eager call runs flashinfer's prefill of the chunks only.
-
 captured at a few token counts (``token_buckets``). A step of T tokens replays the smallest bucket
 >= T; rows T.. are padding (token 0 at position 0, its K/V into slot 0 of the scratch page), and
 attention runs over the T real rows only. Every tensor that crosses from one piece to the next is a
 static buffer made before capture: the inputs, the residual stream (the fused add+RMSNorm updates it
 in place), q|k|v (the qkv projection writes into it), the attention output and the final hidden
 states. The pieces' private memory pool therefore holds only temporaries, shared by all buckets.
+
+The leading one-token rows of a mixed step (the running decodes) are attended inside the pieces: each
+piece i < L ends with nbgen's Triton decode kernel over layer i's decode rows (runtime/mixed_decode.py),
+and the eager call runs flashinfer's prefill of the chunks only.
 
 A ``GraphVariant`` (LoRA: the adapters' kernels reading the slot pool's static row layout) adds a
 second set of pieces per bucket, captured with its context active into the same pool; a step replays
@@ -147,8 +147,7 @@ class PrefillGraphRunner:
                 if self.decodes is not None and self.kv_written:   # decode rows' attention, over the staged tables
                     # (their K/V written above by the fused RoPE kernel; else the eager call writes it first)
                     B = self.decodes.rows(T)
-                    self.backend.decode_rows(self.layers[i].self_attn.attn.layer_id, self.decodes.wrapper,
-                                             q[:B], attn[:B])
+                    self.decodes.attend(self.layers[i].self_attn.attn.layer_id, q[:B], attn[:B])
                 return q, written, r
             self.hidden[:T].copy_(self.final_norm(x, r))
             return None
