@@ -17,13 +17,13 @@ to the pages' product dtype for P.V, fp32 softmax state and merge, one output ro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from nbgen.kernels import paged_softmax, pdl
+from nbgen.kernels.extend_plan import MAX_SPLITS, ExtendPlan, ExtendShape, TableStaging, num_splits, plan_blocks
 from nbgen.kernels.triton_decode import LOG2E
 
 try:
@@ -32,63 +32,9 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton never build this wrapper
     triton = None
 
-MAX_SPLITS = 8
-MIN_SPLIT = 128        # prefix keys: a block's prefix is cut into splits of at least this many
-
-
-@dataclass(frozen=True)
-class ExtendShape:
-    """The launch shape: tile rows (chunk tokens x q heads), KV tokens per tile, warps, K/V tiles in
-    flight, page numbers one tile ahead, splits per (block, kv head) (None: ``num_splits``)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    warps: int = 4
-    stages: int = 3
-    ahead: bool = True
-    splits: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of 2 >= 16, got {v}")
-        if self.warps < 1 or self.stages < 1:
-            raise ValueError(f"warps and stages must be >= 1, got {self.warps} and {self.stages}")
-
-
 def supported(head_dim: int) -> bool:
     """Head sizes the kernel's tiles take: a power of 2 in [16, 256]."""
     return triton is not None and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-
-
-def num_splits(programs: int, longest: int, num_sms: int) -> int:
-    """Splits per (block, kv head): about two programs an SM over ``programs`` (block, kv head) pairs, a
-    power of 2 in [1, MAX_SPLITS], no split of the ``longest`` prefix under MIN_SPLIT keys."""
-    want = min(2 * num_sms // max(1, programs), longest // MIN_SPLIT, MAX_SPLITS)
-    return 1 << (max(1, want).bit_length() - 1)
-
-
-@dataclass
-class ExtendPlan:
-    """A step's blocks, host side: per block its sequence and first chunk token (int32 [nb], longest
-    prefix first), the split count; the tables' device copy is the wrapper's."""
-
-    seq: np.ndarray
-    first: np.ndarray
-    splits: int
-
-
-def plan_blocks(qo_indptr: np.ndarray, kv_len: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Blocks of ``tokens`` chunk tokens per sequence, ordered by the keys every row of the block sees
-    (longest first, ties in order) -> (seq [nb], first token [nb], longest prefix keys)."""
-    q_len = np.diff(qo_indptr).astype(np.int64)
-    per = -(-q_len // tokens)
-    seq = np.repeat(np.arange(len(q_len), dtype=np.int32), per)
-    first = (np.arange(len(seq)) - np.repeat(np.cumsum(per) - per, per)) * tokens
-    seen = kv_len[seq] - q_len[seq] + first + 1
-    order = np.argsort(-seen, kind="stable")
-    return seq[order], first[order].astype(np.int32), int(seen.max()) if len(seen) else 0
 
 
 if triton is not None:
@@ -205,6 +151,7 @@ class TritonExtendWrapper:
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
         self.scale = head_dim ** -0.5
+        self.staging = TableStaging(device)
         self.tab = self.indices = None
         self.part = torch.empty(0, dtype=torch.float32, device=device)
         self.ml = torch.empty(0, dtype=torch.float32, device=device)
@@ -216,10 +163,10 @@ class TritonExtendWrapper:
         """Tile rows: the shape's, at least the group's q heads (one chunk token a block)."""
         return max(self.shape.block_m, triton.next_power_of_2(self.group))
 
-    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-             last_page_len: torch.Tensor) -> None:
+    def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, last_page_len: Any) -> None:
         """Host qo_indptr [B+1] (chunk rows of each sequence), kv_indptr [B+1] / last_page_len [B] (its
-        pages; the KV length includes the chunk's own tokens); kv_indices host or already on the device."""
+        pages; the KV length includes the chunk's own tokens): lists, numpy arrays or CPU tensors;
+        kv_indices [nnz] host, or a tensor already on the device (read in place)."""
         qo, kvp, last = (np.asarray(t, dtype=np.int64) for t in (qo_indptr, kv_indptr, last_page_len))
         B = len(last)
         if len(qo) != B + 1 or len(kvp) != B + 1:
@@ -239,20 +186,23 @@ class TritonExtendWrapper:
             raise ValueError(f"splits must be a power of 2 in [1, {MAX_SPLITS}], got {splits}")
         self.planned = ExtendPlan(seq, first, splits)
         self.rows, self.batch = int(qo[-1]) if B else 0, B
-        tab = torch.from_numpy(np.concatenate([qo, kvp, last, seq, first]).astype(np.int32))
-        if self.device.type == "cuda":
-            tab = tab.pin_memory()
-        self.tab = tab.to(self.device, non_blocking=True)
-        if kv_indices.device == self.device:
-            self.indices = kv_indices
-        else:
-            self.indices = kv_indices.to(self.device, non_blocking=True)
-        cells = len(seq) * self.hkv * splits
+        # one transfer: qo_indptr | kv_indptr | last | blocks' seq | blocks' first token [| host kv_indices]
+        on_device = isinstance(kv_indices, torch.Tensor) and kv_indices.device == self.device
+        nb, cut = len(seq), 3 * B + 2
+        nnz = 0 if on_device else len(kv_indices)
+        host = self.staging.host(cut + 2 * nb + nnz)
+        host[: B + 1], host[B + 1: 2 * B + 2], host[2 * B + 2: cut] = qo, kvp, last
+        host[cut: cut + nb], host[cut + nb: cut + 2 * nb] = seq, first
+        if nnz:
+            host[cut + 2 * nb:] = kv_indices
+        self.tab = self.staging.send(len(host))
+        self.indices = kv_indices if on_device else self.tab[cut + 2 * nb:]
+        cells = nb * self.hkv * splits
         if splits > 1 and self.ml.numel() < cells * 2 * self.block_m():
             self.part = torch.empty(2 * cells * self.block_m() * self.d, dtype=torch.float32, device=self.device)
             self.ml = torch.empty(4 * cells * self.block_m(), dtype=torch.float32, device=self.device)
-        if splits > 1 and self.count.numel() < len(seq) * self.hkv:
-            self.count = torch.zeros(2 * len(seq) * self.hkv, dtype=torch.int32, device=self.device)
+        if splits > 1 and self.count.numel() < nb * self.hkv:
+            self.count = torch.zeros(2 * nb * self.hkv, dtype=torch.int32, device=self.device)
 
     def run(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
             out: Optional[torch.Tensor] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
