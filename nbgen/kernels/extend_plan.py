@@ -57,10 +57,10 @@ class ExtendPlan:
     splits: int
 
 
-def plan_blocks(qo_indptr: np.ndarray, kv_len: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Blocks of ``tokens`` chunk tokens per sequence, ordered by the keys every row of the block sees
-    (longest first, ties in order) -> (seq [nb], first token [nb], longest prefix keys)."""
-    q_len = np.diff(qo_indptr).astype(np.int64)
+def plan_blocks(q_len: np.ndarray, kv_len: np.ndarray, tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Blocks of ``tokens`` chunk tokens per sequence (``q_len`` [B] chunk tokens, ``kv_len`` [B] KV
+    lengths with them, int64), ordered by the keys every row of the block sees (longest first, ties in
+    order) -> (seq [nb], first token [nb], longest prefix keys)."""
     per = -(-q_len // tokens)
     seq = np.repeat(np.arange(len(q_len), dtype=np.int32), per)
     first = (np.arange(len(seq)) - np.repeat(np.cumsum(per) - per, per)) * tokens

@@ -151,6 +151,9 @@ class TritonExtendWrapper:
         # SM count sets the split count; a CPU device only occurs under the Triton interpreter (tests)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
         self.scale = head_dim ** -0.5
+        # tile rows: the shape's, at least the group's q heads (one chunk token a block)
+        self.bm = max(self.shape.block_m, triton.next_power_of_2(self.group))
+        self.tokens = self.bm // self.group             # chunk tokens a block
         self.staging = TableStaging(device)
         self.tab = self.indices = None
         self.part = torch.empty(0, dtype=torch.float32, device=device)
@@ -158,10 +161,6 @@ class TritonExtendWrapper:
         self.count = torch.zeros(0, dtype=torch.int32, device=device)
         self.planned: Optional[ExtendPlan] = None
         self.rows = self.batch = 0
-
-    def block_m(self) -> int:
-        """Tile rows: the shape's, at least the group's q heads (one chunk token a block)."""
-        return max(self.shape.block_m, triton.next_power_of_2(self.group))
 
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, last_page_len: Any) -> None:
         """Host qo_indptr [B+1] (chunk rows of each sequence), kv_indptr [B+1] / last_page_len [B] (its
@@ -172,15 +171,15 @@ class TritonExtendWrapper:
         if len(qo) != B + 1 or len(kvp) != B + 1:
             raise ValueError(f"qo_indptr and kv_indptr must hold {B + 1} entries (last_page_len has {B}), "
                              f"got {len(qo)} and {len(kvp)}")
-        q_len, pages = np.diff(qo), np.diff(kvp)
+        q_len, pages = qo[1:] - qo[:-1], kvp[1:] - kvp[:-1]
         kv_len = (pages - 1) * self.P + last
-        if B and (qo[0] != 0 or (q_len < 0).any()):
-            raise ValueError(f"qo_indptr must start at 0 and not decrease, got {qo.tolist()}")
-        if B and ((pages < 1) | (last < 1) | (last > self.P) | (kv_len < q_len)).any():
+        bad = (q_len < 0) | (pages < 1) | (last < 1) | (last > self.P) | (kv_len < q_len)
+        if B and (qo[0] != 0 or bad.any()):
+            if qo[0] != 0 or (q_len < 0).any():
+                raise ValueError(f"qo_indptr must start at 0 and not decrease, got {qo.tolist()}")
             raise ValueError("kv_indptr / last_page_len: every sequence needs >= 1 page, last_page_len in "
                              f"[1, {self.P}] and a KV length >= its chunk rows")
-        tokens = self.block_m() // self.group
-        seq, first, longest = plan_blocks(qo, kv_len, tokens)
+        seq, first, longest = plan_blocks(q_len, kv_len, self.tokens)
         splits = self.shape.splits or num_splits(len(seq) * self.hkv, longest, self.sms)
         if splits < 1 or splits > MAX_SPLITS or splits & (splits - 1):
             raise ValueError(f"splits must be a power of 2 in [1, {MAX_SPLITS}], got {splits}")
@@ -198,9 +197,9 @@ class TritonExtendWrapper:
         self.tab = self.staging.send(len(host))
         self.indices = kv_indices if on_device else self.tab[cut + 2 * nb:]
         cells = nb * self.hkv * splits
-        if splits > 1 and self.ml.numel() < cells * 2 * self.block_m():
-            self.part = torch.empty(2 * cells * self.block_m() * self.d, dtype=torch.float32, device=self.device)
-            self.ml = torch.empty(4 * cells * self.block_m(), dtype=torch.float32, device=self.device)
+        if splits > 1 and self.ml.numel() < cells * 2 * self.bm:
+            self.part = torch.empty(2 * cells * self.bm * self.d, dtype=torch.float32, device=self.device)
+            self.ml = torch.empty(4 * cells * self.bm, dtype=torch.float32, device=self.device)
         if splits > 1 and self.count.numel() < nb * self.hkv:
             self.count = torch.zeros(2 * nb * self.hkv, dtype=torch.int32, device=self.device)
 
@@ -221,8 +220,7 @@ class TritonExtendWrapper:
         nb = len(self.planned.seq)
         if nb == 0:
             return o
-        sh, bm = self.shape, self.block_m()
-        tokens = bm // self.group
+        sh, bm, tokens = self.shape, self.bm, self.tokens
         args = (q, kc, vc, o, self.tab, self.indices, self.part, self.ml, self.count, self.batch, nb,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
