@@ -136,6 +136,27 @@ def test_plan_orders_blocks_longest_first() -> None:
     assert num_splits(400, 5000, 132) == 1 and num_splits(1, 1 << 20, 132) == 8
 
 
+def test_plan_stages_its_tables_in_one_buffer() -> None:
+    """The tables and host page indices land in one int32 buffer (indices 16-byte aligned), across plans
+    that grow the staging buffers; indices already on the device are read in place."""
+    pytest.importorskip("triton")
+    from nbgen.kernels.triton_extend import TritonExtendWrapper
+
+    w = TritonExtendWrapper(8, 2, 64, 16, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    for B in (1, 40, 2, 3):
+        lens, qo, ip, idx, last, _ = _tables(rng, [(int(rng.integers(0, 1000)), int(rng.integers(1, 130)))
+                                                  for _ in range(B)], 16)
+        w.plan(qo, ip.tolist(), idx.tolist(), last.tolist())
+        tab, nb = w.tab.tolist(), len(w.planned.seq)
+        assert tab[: 3 * B + 2] == qo + ip.tolist() + last.tolist()
+        assert tab[3 * B + 2: 3 * B + 2 + 2 * nb] == w.planned.seq.tolist() + w.planned.first.tolist()
+        assert w.indices.tolist() == idx.tolist() and (w.indices.data_ptr() - w.tab.data_ptr()) % 16 == 0
+    on_device = torch.from_numpy(idx)
+    w.plan(qo, ip, on_device, last)
+    assert w.indices is on_device
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_extend_matches_reference(fp8):

@@ -188,14 +188,15 @@ class TritonExtendWrapper:
         # one transfer: qo_indptr | kv_indptr | last | blocks' seq | blocks' first token [| host kv_indices]
         on_device = isinstance(kv_indices, torch.Tensor) and kv_indices.device == self.device
         nb, cut = len(seq), 3 * B + 2
+        at = -(-(cut + 2 * nb) // 4) * 4     # host indices 16-byte aligned: the kernel's pointer specialization
         nnz = 0 if on_device else len(kv_indices)
-        host = self.staging.host(cut + 2 * nb + nnz)
+        host = self.staging.host(at + nnz)
         host[: B + 1], host[B + 1: 2 * B + 2], host[2 * B + 2: cut] = qo, kvp, last
         host[cut: cut + nb], host[cut + nb: cut + 2 * nb] = seq, first
         if nnz:
-            host[cut + 2 * nb:] = kv_indices
+            host[at:] = kv_indices
         self.tab = self.staging.send(len(host))
-        self.indices = kv_indices if on_device else self.tab[cut + 2 * nb:]
+        self.indices = kv_indices if on_device else self.tab[at:]
         cells = nb * self.hkv * splits
         if splits > 1 and self.ml.numel() < cells * 2 * self.bm:
             self.part = torch.empty(2 * cells * self.bm * self.d, dtype=torch.float32, device=self.device)
