@@ -162,6 +162,7 @@ def test_mixed_step_forward_under_triton_interpreter() -> None:
 
 
 @gpu
+@pytest.mark.parametrize("gpu_model_dir", ["llama"], indirect=True)
 def test_gpu_mixed_steps_on_the_chunk_attention(gpu_model_dir, monkeypatch):
     """An fp8-KV engine through mixed steps (chunked prefill beside running decodes): the tokens and
     logprobs of the Triton chunk attention against flashinfer's prefill of the same steps."""
