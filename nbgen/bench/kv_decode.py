@@ -72,7 +72,9 @@ def decode_rows(model: str) -> list[dict]:
     return rows
 
 
-PREFILL_CASES = [(8, 1536, 512), (1, 512, 128), (1, 896, 128), (2, 640, 64)]   # (chunks, cached, chunk tokens)
+# (chunks, cached, chunk tokens): long chunks, a paced mixed step's small ones, then 256 and 512 tokens of
+# 128-token chunks (where the Triton chunk attention stops paying: attention/prefill_plans.EXTEND_MAX_TOKENS)
+PREFILL_CASES = [(8, 1536, 512), (1, 512, 128), (1, 896, 128), (2, 640, 64), (2, 640, 128), (4, 640, 128)]
 # the Triton kernel's launch shapes beside its default (tile rows, KV tokens a tile, warps, stages, ahead, splits)
 EXTEND_SHAPES = {"bm32": tx.ExtendShape(32, 64, 4, 3), "bm16": tx.ExtendShape(16, 64, 4, 3),
                  "bn32": tx.ExtendShape(64, 32, 4, 4), "nosplit": tx.ExtendShape(64, 64, 4, 3, splits=1)}
