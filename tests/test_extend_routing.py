@@ -15,7 +15,7 @@ import torch
 
 from nbgen.attention import kv_quant, prefill_plans
 from nbgen.attention.base import KVCacheSpec
-from nbgen.attention.flashinfer_backend import FlashInferBackend
+from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.attention.page_tables import DecodeTables, page_tables
 from nbgen.attention.prefill_plans import PlanFence, PrefillPlans, extend_wrapper
 from nbgen.core.batch import ScheduledBatch, SeqWork
@@ -78,10 +78,10 @@ def _batch(decodes: list[int], chunks: list[tuple[int, int]], tree: bool = False
     return ScheduledBatch(seqs, P)
 
 
-def _planned(be: FlashInferBackend, batch: ScheduledBatch, stage: bool = False) -> object:
-    meta = be.prepare(batch, slot_mapping=torch.zeros(batch.num_tokens, dtype=torch.long),
+def _planned(be: FlashInferBackend, batch: ScheduledBatch, stage: bool = False) -> FlashInferMetadata:
+    """``prepare`` of the step; ``stage``: the piecewise graphs take its decode rows."""
+    return be.prepare(batch, slot_mapping=torch.zeros(batch.num_tokens, dtype=torch.long),
                       decode_stage=(lambda *t: True) if stage else None)
-    return meta
 
 
 def test_small_e4m3_chunks_take_the_triton_chunk_attention() -> None:

@@ -71,10 +71,10 @@ class PlanFence:
 
 class PrefillPlans:
     """The prefill wrappers of one backend (sharing its flashinfer ``workspace``) and their plans.
-    ``extend``: the backend runs nbgen's Triton decode kernel (``extend_wrapper``)."""
+    ``triton_decode``: the backend runs nbgen's Triton decode kernel (``extend_wrapper``)."""
 
     def __init__(self, spec: KVCacheSpec, workspace: torch.Tensor, kv_layout: str, fence: PlanFence,
-                 extend: bool) -> None:
+                 triton_decode: bool) -> None:
         self.spec, self.workspace, self.kv_layout, self.fence = spec, workspace, kv_layout, fence
         self.causal = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend="auto")
         self.masked: Optional[Any] = None     # tree-verify steps (made at the first one)
@@ -82,7 +82,7 @@ class PrefillPlans:
         # True once flashinfer's prefill module loads without compiling (runtime/jit_prebuild.py builds it
         # in the background on a fresh host; the model setup sets this)
         self.ready: Callable[[], bool] = lambda: True
-        self.extend = extend_wrapper(spec, extend)
+        self.extend = extend_wrapper(spec, triton_decode)
 
     def owns(self, wrapper: Any) -> bool:
         """Whether ``wrapper`` is one of the prefill wrappers (its step's rows after the decodes)."""
