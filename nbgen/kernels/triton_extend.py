@@ -62,7 +62,8 @@ if triton is not None:
             m = m_new
         return m, l, acc
 
-    @triton.jit
+    # the step's sequence and block counts vary every step: no variant per value (1, multiples of 16)
+    @triton.jit(do_not_specialize=["B", "NB"])
     def _extend_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, tab_ptr, indices_ptr, part_ptr, ml_ptr, count_ptr,
                        B, NB, sq_t, sq_h, so_t, so_h, s_page, s_head, s_tok, qk_scale, v_scale,
                        G: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
