@@ -100,7 +100,8 @@ def prefill_rows(model: str) -> list[dict]:
         e4m3 = (kv_quant.store(kc, 1.0, kv_quant.FP8), kv_quant.store(vc, 1.0, kv_quant.FP8))
         flops = 4 * hq * D * bs * chunk * (cached + chunk / 2)
         fi_out = {}
-        for pages, caches, nosplit in (("bf16", (kc, vc), False), ("e4m3", e4m3, False), ("e4m3 nosplit", e4m3, True)):
+        for pages, caches, nosplit in (("bf16", (kc, vc), False), ("e4m3", e4m3, False),
+                                       ("e4m3 nosplit", e4m3, True)):
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
             w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
                    q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype, disable_split_kv=nosplit)

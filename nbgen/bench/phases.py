@@ -7,8 +7,8 @@ grammar bitmask fill (the fill on the critical path), the wait for the device (`
 the fill's start, the grammar accepts and jumps (``settle``); and parts of those: the decode page
 tables and the shared-prefix plan (in ``stage``), the graph replay and the LM head (in ``forward``),
 the attention calls of every layer and the prefill plan (in ``forward``, for a step with prompt
-chunks), the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read per call), so
-the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
+chunks), the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read
+per call), so the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
 (the decode graphs exist), on an engine without other wrappers on these calls, or close in
 reverse order.
 """

@@ -46,7 +46,7 @@ class MixedDecodeRows:
         ip, last, order, idx = self._views(self._buf)
         wrapper = backend.make_decode_wrapper(ip, idx, last, order)
         if not isinstance(wrapper, TritonDecodeWrapper):
-            raise ValueError("the piecewise graphs' decode rows need nbgen's Triton decode kernel")
+            raise RuntimeError("the piecewise graphs' decode rows need nbgen's Triton decode kernel")
         self.wrapper = wrapper
         self.backend = backend
         self._ring = StagingRing(lambda: [torch.zeros(size, dtype=torch.int32)])
@@ -84,7 +84,8 @@ class MixedDecodeRows:
         ip[d + 1: B + 1] = nnz + self._ramp[1: B - d + 1]         # padding rows: one scratch page each
         ls[:d] = last
         ls[d:B] = 1
-        order[:d] = longest_first(indptr[: d + 1], last, self.P) if d else order[:0]
+        if d:
+            order[:d] = longest_first(indptr[: d + 1], last, self.P)
         order[d:B] = self._ramp[d:B]
         idx[:nnz] = indices
         idx[nnz: nnz + B - d] = SCRATCH_PAGE

@@ -227,8 +227,8 @@ class PrefillGraphRunner:
         self._ring.done()
         if patch is not None:
             patch(io[0, :n])
-        stage = None if self.decodes is None or not self.kv_written else \
-            (lambda ip, idx, last: self.decodes.stage(T, ip, idx, last))     # type: ignore[union-attr]
+        dec = self.decodes if self.kv_written else None
+        stage = None if dec is None else (lambda ip, idx, last: dec.stage(T, ip, idx, last))
         meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage)
         if self.variant is not None and self.variant.wanted(batch):
             graphs = self.variant_graphs[T]
