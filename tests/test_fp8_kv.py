@@ -250,16 +250,21 @@ def _steps(P: int):
 
 
 @gpu
+@pytest.mark.parametrize("extend", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
-def test_gpu_flashinfer_backend_fp8_matches_the_torch_backend(hq: int, hkv: int) -> None:
-    """Layer by layer, the flashinfer backend on an fp8 pool (its K/V write, flashinfer's prefill over
-    e4m3 pages with the layer's scales, nbgen's decode kernel for the decode rows) against the torch
-    backend on the same fp8 pool (kv_quant's arithmetic): close outputs, equal stored bytes."""
+def test_gpu_flashinfer_backend_fp8_matches_the_torch_backend(hq: int, hkv: int, extend: bool, monkeypatch) -> None:
+    """Layer by layer, the flashinfer backend on an fp8 pool (its K/V write, the steps' chunks over e4m3
+    pages with the layer's scales on nbgen's Triton chunk attention, or with ``extend`` off on flashinfer's
+    prefill; nbgen's decode kernel for the decode rows) against the torch backend on the same fp8 pool
+    (kv_quant's arithmetic): close outputs, equal stored bytes."""
+    from nbgen.attention import prefill_plans
     from nbgen.attention.base import KVCacheSpec
     from nbgen.attention.flashinfer_backend import FlashInferBackend
     from nbgen.attention.torch_backend import TorchAttentionBackend
 
     pytest.importorskip("flashinfer")
+    if not extend:
+        monkeypatch.setattr(prefill_plans, "EXTEND_MAX_TOKENS", 0)
     D, P = 128, 16
     scales = ((1.0, 1.0), (0.25, 4.0))
     spec = KVCacheSpec(2, 16, P, hq, hkv, D, torch.bfloat16, torch.device("cuda"), kv_dtype=FP8, layer_scales=scales)
@@ -268,6 +273,7 @@ def test_gpu_flashinfer_backend_fp8_matches_the_torch_backend(hq: int, hkv: int)
     for step, batch in enumerate(_steps(P)):
         T = batch.num_tokens
         mf, mr = fi.prepare(batch), ref.prepare(batch)
+        assert (mf.wrapper is fi.prefill.extend) == (extend and not batch.is_decode_only)
         for layer in range(2):
             q = torch.randn(T, hq * D, device="cuda", generator=g).bfloat16()
             k = (torch.randn(T, hkv * D, device="cuda", generator=g) * 2).bfloat16()

@@ -9,16 +9,15 @@ table:
     than flashinfer's decode + merge at every batch size measured), for the head sizes it supports;
     other head sizes take BatchDecodeWithPagedKVCacheWrapper, tensor-core variant for grouped-query
     attention (``decode_tensor_cores``);
-  * any step with a prefill chunk -> BatchPrefillWithPagedKVCacheWrapper over its chunks;
-    ``causal=True`` aligns each chunk's queries to the end of its KV, which is what cached prefixes
-    and chunked prefill need; a step verifying a draft tree plans a ``custom_mask`` instead
-    (attention/tree_mask.py: each tree token sees the prefix and its ancestors). The step's leading
-    one-token rows (the running decodes) go through the Triton decode kernel instead (flashinfer's
-    prefill kernel reads a one-query row's KV at about half the bandwidth), inside the piecewise
-    graphs where those run the step (``decode_stage``: runtime/mixed_decode.py).
+  * any step with a prefill chunk -> its chunks (or draft tree) on one of the prefill wrappers
+    (attention/prefill_plans.py: flashinfer's prefill; nbgen's Triton chunk attention for small
+    chunks over e4m3 pages). The step's leading one-token rows (the running decodes) go through the
+    Triton decode kernel instead (flashinfer's prefill kernel reads a one-query row's KV at about half
+    the bandwidth), inside the piecewise graphs where those run the step (``decode_stage``:
+    runtime/mixed_decode.py).
 An fp8 pool (``kv_cache_dtype="fp8_e4m3"``) holds e4m3 pages: the K/V writes quantize (each layer's
-k_scale / v_scale), the Triton decode kernel widens the tiles in registers, and flashinfer's kernels
-are planned with ``kv_data_type`` e4m3 (bf16 / fp16 queries) and run with the layer's scales.
+k_scale / v_scale), the Triton kernels widen the tiles in registers, and flashinfer's kernels are
+planned with ``kv_data_type`` e4m3 (bf16 / fp16 queries) and run with the layer's scales.
 ``plan()`` runs once per step in ``prepare``; all layers reuse it. Page tables (``page_tables``) go to
 the GPU from pinned host memory without a host sync. The module imports without flashinfer; the
 backend raises ImportError when it is missing.
@@ -33,7 +32,7 @@ import torch
 from nbgen.attention.base import AttentionBackend, AttentionMetadata, KVCacheSpec
 from nbgen.attention.flashinfer_replan import DirectReplan
 from nbgen.attention.page_tables import DecodeTables, page_tables
-from nbgen.attention.prefill_standin import SdpaPrefill
+from nbgen.attention.prefill_plans import PlanFence, PrefillPlans, pinned
 from nbgen.attention.tree_mask import flat_masks, has_tree
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels import triton_decode
@@ -73,12 +72,6 @@ class FlashInferMetadata(AttentionMetadata):
 DecodeStage = Callable[[np.ndarray, np.ndarray, np.ndarray], bool]
 
 
-def _pinned(values: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A pinned CPU tensor of ``values`` (list or numpy array); numpy converts lists ~3x faster than torch."""
-    np_dtype = np.int32 if dtype == torch.int32 else np.int64
-    return torch.from_numpy(np.asarray(values, dtype=np_dtype)).pin_memory()
-
-
 class FlashInferBackend(AttentionBackend):
     """Paged attention through flashinfer; also builds the fixed-size wrappers CUDA graphs replay."""
 
@@ -94,26 +87,20 @@ class FlashInferBackend(AttentionBackend):
         self.triton_decode = triton_decode.supported(spec.head_dim)
         self.decode_wrapper = self.make_decode_wrapper()
         self.triton_wrapper = self._triton_wrapper() if self.triton_decode else None
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, self.kv_layout, backend="auto")
-        self.masked_wrapper: Optional[Any] = None     # tree-verify steps (made at the first one)
-        # until flashinfer's prefill module is built (a fresh host: runtime/jit_prebuild.py builds it in the
-        # background), causal prefill steps run on torch's SDPA (attention/prefill_standin.py); the setup
-        # sets ``prefill_ready`` (True once the module loads without compiling)
-        self.prefill_standin = SdpaPrefill(spec.device)
-        self.prefill_ready: Callable[[], bool] = lambda: True
+        # flashinfer's plans stage their data in one pinned host buffer: each waits for the last one's copy
+        self.fence = PlanFence(spec.device)
+        self.prefill = PrefillPlans(spec, self.workspace, self.kv_layout, self.fence, self.triton_decode)
         self.tables = DecodeTables(spec.page_size)
-        # plan() stages its scheduling data in a pinned host buffer and copies it asynchronously;
-        # the next plan() must not overwrite that buffer before the copy ran (matters under overlap)
-        self._plan_done: Optional[torch.cuda.Event] = None
         # a graph wrapper's re-plan straight through flashinfer 0.6's C++ planner (public plan() otherwise)
         self.direct_replan = DirectReplan(spec, flashinfer.__version__)
-        # per layer: (k_scale, v_scale) for the K/V writes and the Triton decode kernel, and the scale
-        # arguments of flashinfer's run() (none for model-dtype pages or unit scales: no extra work)
+        # per layer: (k_scale, v_scale) for the K/V writes and the Triton decode kernel, the scale arguments
+        # of flashinfer's run() (none for model-dtype pages or unit scales: no extra work) and of the
+        # Triton chunk attention's (both, always)
         self.kv_scales = [spec.scales(i) for i in range(spec.num_layers)]
         fp8 = spec.cache_dtype != spec.dtype
         self._fi_scales = [{k: x for k, x in (("k_scale", ks), ("v_scale", vs)) if fp8 and x != 1.0}
                            for ks, vs in self.kv_scales]
+        self._tx_scales = [{"k_scale": ks, "v_scale": vs} for ks, vs in self.kv_scales]
 
     def cache_shape(self) -> tuple[int, ...]:
         """Per-layer K (and V) shape: HND pages [num_pages, Hkv, page_size, D]."""
@@ -138,15 +125,6 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len)
 
-    def _before_plan(self) -> None:
-        if self._plan_done is not None:
-            self._plan_done.synchronize()
-
-    def _after_plan(self) -> None:
-        ev = torch.cuda.Event()
-        ev.record()
-        self._plan_done = ev
-
     def plan_decode(self, wrapper: Any, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last: torch.Tensor) -> None:
         """Plan a decode wrapper from pinned CPU indptr / last_page_len and kv_indices.
 
@@ -158,57 +136,17 @@ class FlashInferBackend(AttentionBackend):
             wrapper.plan(kv_indptr, kv_indices, last)
             return
         sp = self.spec
-        self._before_plan()
+        self.fence.wait()
         if not self.direct_replan(wrapper, kv_indptr, last):
             wrapper.plan(kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads,
                          sp.head_dim, sp.page_size, pos_encoding_mode="NONE", q_data_type=sp.dtype,
                          kv_data_type=sp.cache_dtype, sm_scale=self.scale, non_blocking=True)
-        self._after_plan()
+        self.fence.mark()
 
     def plan_prefill(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int],
                      custom_mask: Optional[torch.Tensor] = None) -> Any:
-        """Plan a prefill wrapper and return it: causal chunks, or ``custom_mask`` (the chunks' [q_len,
-        kv_len] masks flattened, attention/tree_mask.py) when the step verifies a draft tree."""
-        sp = self.spec
-        self._before_plan()
-        mask = {} if custom_mask is None else {"custom_mask": custom_mask.to(sp.device, non_blocking=True)}
-        wrapper = self.prefill_wrapper if custom_mask is None else self._masked()
-        if custom_mask is None and not self.prefill_ready():
-            wrapper = self.prefill_standin
-        wrapper.plan(_pinned(qo), _pinned(kv_indptr), _pinned(kv_indices), _pinned(last),
-                                  sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
-                                  causal=custom_mask is None, sm_scale=self.scale, q_data_type=sp.dtype,
-                                  kv_data_type=sp.cache_dtype, non_blocking=True, **mask)
-        self._after_plan()
-        return wrapper
-
-    def make_verify_wrapper(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                            last_page_len: torch.Tensor) -> Any:
-        """A fixed-batch-size prefill wrapper over these GPU buffers for CUDA-graph verify steps
-        (runtime/verify_graphs.py), on flashinfer's fa2 kernels (its graph-mode path with the most use)."""
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, self.kv_layout, use_cuda_graph=True, qo_indptr_buf=qo_indptr,
-            paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
-            paged_kv_last_page_len_buf=last_page_len, backend="fa2")
-
-    def plan_verify(self, wrapper: Any, qo: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                    last: torch.Tensor) -> None:
-        """Plan a verify wrapper (causal rows): pinned CPU ``qo`` / ``kv_indptr`` / ``last``; ``kv_indices``
-        already on the device (the wrapper's own buffer: flashinfer copies host indices blocking)."""
-        sp = self.spec
-        self._before_plan()
-        wrapper.plan(qo, kv_indptr, kv_indices, last, sp.num_q_heads, sp.num_kv_heads, sp.head_dim, sp.page_size,
-                     causal=True, sm_scale=self.scale, q_data_type=sp.dtype, kv_data_type=sp.dtype,
-                     non_blocking=True)
-        self._after_plan()
-
-    def _masked(self) -> Any:
-        """The prefill wrapper of tree-verify steps: flashinfer's fa2 kernels, since its SM90 (fa3)
-        prefill kernels, which ``backend="auto"`` picks on Hopper, take no custom mask."""
-        if self.masked_wrapper is None:
-            self.masked_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, self.kv_layout,
-                                                                                 backend="fa2")
-        return self.masked_wrapper
+        """Plan the prefill wrapper a step's chunks take and return it (``PrefillPlans.plan``)."""
+        return self.prefill.plan(qo, kv_indptr, kv_indices, last, custom_mask)
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None,
                 decode_stage: Optional[DecodeStage] = None) -> FlashInferMetadata:
@@ -220,7 +158,7 @@ class FlashInferBackend(AttentionBackend):
         if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
             wrapper = self.triton_wrapper if self.triton_decode else self.decode_wrapper
-            self.plan_decode(wrapper, _pinned(kv_ptr), _pinned(idx), _pinned(last))
+            self.plan_decode(wrapper, pinned(kv_ptr), pinned(idx), pinned(last))
         else:
             self.tables.forget(batch)
             d = self._leading_decodes(batch.seqs)
@@ -228,7 +166,7 @@ class FlashInferBackend(AttentionBackend):
                 dptr, didx, dlast, _pos, _slots = self.tables.build(batch.seqs[:d])
                 staged = decode_stage is not None and decode_stage(dptr, didx, dlast)
                 if not staged:
-                    self.plan_decode(self.triton_wrapper, _pinned(dptr), _pinned(didx), _pinned(dlast))
+                    self.plan_decode(self.triton_wrapper, pinned(dptr), pinned(didx), pinned(dlast))
             qo, kv_ptr, idx, last = page_tables(batch.seqs[d:], self.spec.page_size)
             tree = flat_masks(batch.seqs[d:]) if has_tree(batch.seqs[d:]) else None
             wrapper = self.plan_prefill(qo, kv_ptr, idx, last, tree)
@@ -236,7 +174,7 @@ class FlashInferBackend(AttentionBackend):
         if slot_mapping is None:
             if slots is None:
                 slots = self.slot_mapping(batch)
-            slot_mapping = _pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
+            slot_mapping = pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
         return FlashInferMetadata(self, slot_mapping, wrapper, d, staged)
 
     def _leading_decodes(self, seqs: Sequence[SeqWork]) -> int:
@@ -276,7 +214,7 @@ class FlashInferBackend(AttentionBackend):
         # q may be a strided view of the fused qkv projection: flashinfer takes q's row/head strides
         q3 = q.view(T, sp.num_q_heads, sp.head_dim) if q.stride(-1) == 1 else \
             q.reshape(T, sp.num_q_heads, sp.head_dim).contiguous()
-        if any(meta.wrapper is w for w in (self.prefill_wrapper, self.masked_wrapper, self.prefill_standin)):
+        if self.prefill.owns(meta.wrapper):
             # every row is a planned query token, so the kernels write all of `out`: without one,
             # flashinfer zero-fills a fresh buffer first (~11 us a layer at 8k tokens on an H100)
             o = torch.empty((T, sp.num_q_heads, sp.head_dim), dtype=q.dtype, device=q.device) \
@@ -284,7 +222,8 @@ class FlashInferBackend(AttentionBackend):
             d = meta.decode_rows
             if d and not meta.decodes_staged:
                 self.triton_wrapper.run(q3[:d], (kc, vc), out=o[:d], k_scale=ks, v_scale=vs)
-            meta.wrapper.run(q3[d:], (kc, vc), out=o[d:], **self._fi_scales[layer_id])
+            scales = self._tx_scales if meta.wrapper is self.prefill.extend else self._fi_scales
+            meta.wrapper.run(q3[d:], (kc, vc), out=o[d:], **scales[layer_id])
             return o.view(T, sp.num_q_heads * sp.head_dim)
         if isinstance(meta.wrapper, triton_decode.TritonDecodeWrapper):
             o = meta.wrapper.run(q3, (kc, vc), k_scale=ks, v_scale=vs)

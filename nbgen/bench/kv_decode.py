@@ -6,7 +6,8 @@ Qwen3-0.6B and Llama-3.1-8B, several batch sizes and KV lengths, launches replay
 pages, each checked against the fp32 attention of the dequantized pages; then flashinfer's paged
 prefill (one layer, causal chunks after a cached prefix) planned for bf16 and for e4m3 pages (bf16
 queries over e4m3 pages take flashinfer's fa2 kernels, with or without split KV; bf16 pages its SM90
-ones on Hopper).
+ones on Hopper), against nbgen's Triton chunk attention (``kernels/triton_extend.py``: its default
+launch shape and a few others, with the largest difference from flashinfer's output).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from nbgen.attention import kv_quant
 from nbgen.bench.fp8_kernels import graph_time
 from nbgen.kernels import triton_decode as td
+from nbgen.kernels import triton_extend as tx
 
 HEADS = {"qwen3-0.6b": (16, 8, 128), "llama-3.1-8b": (32, 8, 128)}
 CASES = [(1, 1024), (1, 8192), (32, 1024), (256, 600), (256, 1024)]     # (batch, KV tokens a sequence)
@@ -70,13 +72,20 @@ def decode_rows(model: str) -> list[dict]:
     return rows
 
 
-PREFILL_CASES = [(8, 1536, 512), (1, 512, 128), (1, 896, 128), (2, 640, 64)]   # (chunks, cached, chunk tokens)
+# (chunks, cached, chunk tokens): long chunks, a paced mixed step's small ones, then 256 and 512 tokens of
+# 128-token chunks (where the Triton chunk attention stops paying: attention/prefill_plans.EXTEND_MAX_TOKENS)
+PREFILL_CASES = [(8, 1536, 512), (1, 512, 128), (1, 896, 128), (2, 640, 64), (2, 640, 128), (4, 640, 128)]
+# the Triton kernel's launch shapes beside its default (tile rows, KV tokens a tile, warps, stages, ahead, splits)
+EXTEND_SHAPES = {"bm32": tx.ExtendShape(32, 64, 4, 3), "bm16": tx.ExtendShape(16, 64, 4, 3),
+                 "bn32": tx.ExtendShape(64, 32, 4, 4), "nosplit": tx.ExtendShape(64, 64, 4, 3, splits=1)}
 
 
 def prefill_rows(model: str) -> list[dict]:
     """flashinfer's paged prefill, causal chunks after cached tokens (``PREFILL_CASES``: 8 chunks of 512 after
     1536; the small chunks of a paced mixed step), bf16 pages, e4m3 pages, and e4m3 pages planned without
-    split KV (no merge launch; a small chunk then has fewer programs)."""
+    split KV (no merge launch; a small chunk then has fewer programs); then nbgen's Triton chunk attention
+    over bf16 and e4m3 pages (default launch shape, then ``EXTEND_SHAPES``), ``max_err`` its largest
+    difference from flashinfer's output over the same pages."""
     import flashinfer
 
     hq, hkv, D = HEADS[model]
@@ -89,14 +98,26 @@ def prefill_rows(model: str) -> list[dict]:
         out = torch.empty_like(q)
         qo = torch.arange(bs + 1, dtype=torch.int32) * chunk
         e4m3 = (kv_quant.store(kc, 1.0, kv_quant.FP8), kv_quant.store(vc, 1.0, kv_quant.FP8))
+        flops = 4 * hq * D * bs * chunk * (cached + chunk / 2)
+        fi_out = {}
         for pages, caches, nosplit in (("bf16", (kc, vc), False), ("e4m3", e4m3, False),
                                        ("e4m3 nosplit", e4m3, True)):
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "HND", backend="auto")
             w.plan(qo, indptr, indices, last, hq, hkv, D, P, causal=True, sm_scale=D ** -0.5,
                    q_data_type=torch.bfloat16, kv_data_type=caches[0].dtype, disable_split_kv=nosplit)
             secs = graph_time(lambda _i, w=w, caches=caches: w.run(q, caches, out=out), 1, 20, 10)
+            fi_out.setdefault(pages.split()[0], out.clone())
             rows.append({"model": model, "case": f"{bs}x{chunk} after {cached}", "pages": pages, "us": secs * 1e6,
-                         "TFLOP/s": 4 * hq * D * bs * chunk * (cached + chunk / 2) / secs / 1e12})
+                         "TFLOP/s": flops / secs / 1e12})
+        for name, shape in (("", None), *EXTEND_SHAPES.items()):
+            t = tx.TritonExtendWrapper(hq, hkv, D, P, torch.device("cuda"), shape)
+            t.plan(qo, indptr, indices, last)
+            for pages, caches in (("bf16", (kc, vc)), ("e4m3", e4m3)):
+                err = (t.run(q, caches, out=out).float() - fi_out[pages].float()).abs().max().item()
+                secs = graph_time(lambda _i, t=t, caches=caches: t.run(q, caches, out=out), 1, 20, 10)
+                rows.append({"model": model, "case": f"{bs}x{chunk} after {cached}", "us": secs * 1e6,
+                             "pages": f"{pages} triton {name}".strip(), "TFLOP/s": flops / secs / 1e12,
+                             "max_err": err, "splits": t.planned.splits})
     return rows
 
 
@@ -112,7 +133,8 @@ def main() -> None:
             print(f"{r['batch']:>5} {r['kv_len']:>6} {r['pages']:>5} {r['us']:>8.1f} "
                   f"{r['GB/s']:>7.0f} {r['max_err']:>8.4f}", flush=True)
         for r in ([] if args.no_prefill else prefill_rows(model)):
-            print(f"prefill {r['case']:>16} {r['pages']:>12}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s")
+            extra = f", {r['splits']} splits, max_err {r['max_err']:.4f}" if "max_err" in r else ""
+            print(f"prefill {r['case']:>16} {r['pages']:>20}: {r['us']:.1f} us, {r['TFLOP/s']:.0f} TFLOP/s{extra}")
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ def _plan_logger(backend: Any, log: list[str]) -> None:
             return x.cpu().tolist()
         return x if x is None or isinstance(x, (int, float, str)) else list(np.asarray(x).tolist())
 
-    def wrap(name: str) -> None:
-        orig = getattr(backend, name)
+    def wrap(obj: Any, name: str) -> None:
+        orig = getattr(obj, name)
 
         def logged(*a: Any, **kw: Any) -> Any:
             out = orig(*a, **kw)
@@ -111,11 +111,12 @@ def _plan_logger(backend: Any, log: list[str]) -> None:
             log.append(f"{name}: {type(w).__name__} args={args} kw={ {k: show(v) for k, v in kw.items()} } "
                        f"plan_info={None if info is None else list(info)}")
             return out
-        setattr(backend, name, logged)
+        setattr(obj, name, logged)
 
-    for name in ("plan_prefill", "plan_decode", "plan_verify"):
-        if hasattr(backend, name):
-            wrap(name)
+    prefill = getattr(backend, "prefill", None)          # the flashinfer backend's prefill / verify wrappers
+    for obj, name in ((backend, "plan_prefill"), (backend, "plan_decode"), (prefill, "plan_verify")):
+        if hasattr(obj, name):
+            wrap(obj, name)
 
 
 def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool) -> tuple[list[str], Optional[str]]:

@@ -1,7 +1,8 @@
 """Online-softmax pieces over paged KV, inlined by Triton into the kernels that call them.
 
 ``attend_pages``: q rows against one kv head's tokens of a span of pages, the loop of the split-KV
-decode kernel (kernels/triton_decode.py) and of the shared-prefix level 0 (kernels/triton_cascade.py).
+decode kernel (kernels/triton_decode.py), of the shared-prefix level 0 (kernels/triton_cascade.py) and of
+the chunk attention's prefix keys (kernels/triton_extend.py).
 ``fold_shared``: the decode kernel's level-1 merge of a row's level-0 partials (a shared-prefix step).
 """
 from __future__ import annotations

@@ -212,7 +212,7 @@ def setup_model(cfg: EngineConfig, device: torch.device,
     spec = replace(spec, num_pages=agree_min(num_pages(cfg, spec, loaded.context_length, draft), device))
     backend = make_backend(cfg, spec)
     if isinstance(backend, FlashInferBackend):   # prefill on torch's SDPA until flashinfer's module is built
-        backend.prefill_ready = prebuild.ready
+        backend.prefill.ready = prebuild.ready
     # two norm launches a layer fewer; before graph capture, which bakes the weights in
     # adapters loaded after the fold: their A of qkv / gate|up are folded alike (runtime/lora.py);
     # (not with offloaded layers: their device weights are buffers the layers share)

@@ -102,8 +102,8 @@ class VerifyGraphRunner:
         self.io[: 3 * T].copy_(st[0][: 3 * T], non_blocking=True)
         self.indices[:nnz].copy_(st[2][:nnz], non_blocking=True)
         # kv indices passed as the device buffer itself: flashinfer's copy into it is then a no-op
-        self.backend.plan_verify(self.wrappers[bs], st[1][: bs + 1], st[1][bs + 1: 2 * bs + 2], self.indices[:nnz],
-                                 st[1][2 * bs + 2: 3 * bs + 2])
+        self.backend.prefill.plan_verify(self.wrappers[bs], st[1][: bs + 1], st[1][bs + 1: 2 * bs + 2],
+                                         self.indices[:nnz], st[1][2 * bs + 2: 3 * bs + 2])
         self._ring.done()
 
     def forward(self, bs: int) -> torch.Tensor:
@@ -116,8 +116,8 @@ class VerifyGraphRunner:
         """Capture the bs graph; False when flashinfer cannot plan that size: in graph mode its plan keeps
         split-KV scratch for every possible tile (bs * q query rows in tiles of up to 128), which for large
         bs outgrows the workspace it shares with the other wrappers."""
-        self.wrappers[bs] = self.backend.make_verify_wrapper(self.qo[: bs + 1], self.kv_indptr[: bs + 1],
-                                                             self.indices, self.last[:bs])
+        self.wrappers[bs] = self.backend.prefill.make_verify_wrapper(self.qo[: bs + 1], self.kv_indptr[: bs + 1],
+                                                                     self.indices, self.last[:bs])
         try:
             self.stage(verify_layout([], self.q, bs, self.backend.spec.page_size))   # all padding: scratch page
         except RuntimeError as e:
