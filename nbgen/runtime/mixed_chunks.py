@@ -86,15 +86,14 @@ class MixedChunkRows:
         """Queue the tables of a step at bucket T whose chunks (``qo`` [B+1], ``kv_indptr`` [B+1], ``indices``
         [nnz], ``last`` [B]: page_tables') follow ``d`` decode rows; False (nothing queued) where they do not
         fit. The caller routed them to the Triton chunk attention (attention/prefill_plans.py)."""
-        B, nnz = len(last), len(indices)
-        if B > MAX_SEQS or nnz + 1 > self.cap or d + qo[-1] > T:
+        B, nnz, n = len(last), len(indices), qo[-1]
+        if B > MAX_SEQS or nnz + 1 > self.cap or n > prefill_plans.EXTEND_MAX_TOKENS or d + n > T:
             return False
         qa, kvp = np.asarray(qo, dtype=np.int64), np.asarray(kv_indptr, dtype=np.int64)
         la = np.asarray(last, dtype=np.int64)
+        # at most rows(T) blocks: n <= min(T, EXTEND_MAX_TOKENS) tokens over at most MAX_SEQS sequences
         seq, first, _ = plan_blocks(qa[1:] - qa[:-1], (kvp[1:] - kvp[:-1] - 1) * self.P + la, self.tokens)
         nb, R = len(seq), self.rows(T)
-        if nb > R:
-            return False
         st, npv = self._ring.next()
         ip, kp, ls, sq, fs, idx = self._views(npv[0])
         self._write_padding(ip, kp, ls, sq, fs, idx, B, d + qo[-1], nnz, nb, R)
