@@ -176,3 +176,38 @@ def test_captured_chunk_attention_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
     res = run_under_triton_interpreter("import tests.test_mixed_chunks as t; t._interpreted()")
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu_model_dir", ["llama"], indirect=True)
+def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypatch):
+    """An fp8-KV engine through mixed steps (chunked prefill beside running decodes), its chunks attended
+    inside the piecewise graphs, against the same engine with every step's chunks refused (the eager Triton
+    chunk attention): tokens and logprobs close, and steps were captured whole."""
+    import random
+
+    import nbgen
+    from tests.tiny_models import GREEDY_SP, assert_close_runs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 40, 300, 700, 90, 1000, 17, 260)]
+    kw = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, chunked_prefill_size=128,
+              kv_cache_dtype="fp8_e4m3")
+
+    def run() -> tuple[list[dict], list[list[int]], int]:
+        with nbgen.Engine(gpu_model_dir, **kw) as eng:
+            assert eng.get_server_info()["piecewise_cuda_graph_tokens"]
+            out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
+            overlap = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False)  # overlap path
+            return out, [o["output_ids"] for o in overlap], eng.loop.runner.prefill_graphs.chunks.staged
+
+    on, on_overlap, staged = run()
+    assert staged >= 10, staged
+    monkeypatch.setattr(mixed_chunks, "MAX_SEQS", 0)          # no step fits: its chunks run eagerly
+    off, off_overlap, none = run()
+    assert none == 0
+    assert_close_runs(on, off)
+    same = sum(x == y for s, t in zip(on_overlap, off_overlap) for x, y in zip(s, t)) / sum(map(len, on_overlap))
+    assert same >= 0.9, same
