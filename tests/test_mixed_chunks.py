@@ -183,8 +183,11 @@ def test_captured_chunk_attention_under_the_triton_interpreter() -> None:
 def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypatch):
     """An fp8-KV engine through mixed steps (chunked prefill beside running decodes), its chunks attended
     inside the piecewise graphs, against the same engine with every step's chunks refused (the eager Triton
-    chunk attention): tokens and logprobs close, and steps were captured whole."""
+    chunk attention). The captured form runs one split, the eager one the planned split count, so sums
+    differ in the last bits: teacher-forced prompt logprobs close (a wrong table shows at once as large
+    errors on most positions); free-running tokens close up to near-tie forks, with and without overlap."""
     import random
+    import statistics
 
     import nbgen
     from tests.tiny_models import GREEDY_SP, assert_close_runs
@@ -196,18 +199,29 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
     kw = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, chunked_prefill_size=128,
               kv_cache_dtype="fp8_e4m3")
 
-    def run() -> tuple[list[dict], list[list[int]], int]:
+    def run() -> tuple[list[dict], list[dict], list[list[int]], int]:
         with nbgen.Engine(gpu_model_dir, **kw) as eng:
             assert eng.get_server_info()["piecewise_cuda_graph_tokens"]
+            tf = eng.generate(input_ids=prompts, sampling_params={**GREEDY_SP, "max_new_tokens": 4},
+                              return_logprob=True, logprob_start_len=0, use_tqdm=False)
+            eng.flush_cache()
             out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
+            eng.flush_cache()
             overlap = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False)  # overlap path
-            return out, [o["output_ids"] for o in overlap], eng.loop.runner.prefill_graphs.chunks.staged
+            return tf, out, [o["output_ids"] for o in overlap], eng.loop.runner.prefill_graphs.chunks.staged
 
-    on, on_overlap, staged = run()
+    tf_on, on, on_overlap, staged = run()
     assert staged >= 10, staged
     monkeypatch.setattr(mixed_chunks, "MAX_SEQS", 0)          # no step fits: its chunks run eagerly
-    off, off_overlap, none = run()
+    tf_off, off, off_overlap, none = run()
     assert none == 0
+    d = [abs(a[0] - b[0]) for x, y in zip(tf_on, tf_off) for a, b in
+         zip(x["meta_info"]["input_token_logprobs"][1:], y["meta_info"]["input_token_logprobs"][1:])]
+    assert len(d) == sum(len(p) - 1 for p in prompts)
+    print(f"prompt logprobs, captured vs eager chunks: median |d| {statistics.median(d):.5f}, max {max(d):.4f}")
+    assert statistics.median(d) <= 0.01 and max(d) <= 0.25
     assert_close_runs(on, off)
-    same = sum(x == y for s, t in zip(on_overlap, off_overlap) for x, y in zip(s, t)) / sum(map(len, on_overlap))
-    assert same >= 0.9, same
+    # the overlap path: where each sequence first differs (a broken table forks nearly every one at once)
+    forks = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(on_overlap, off_overlap)]
+    print(f"overlap path, first differing token per sequence: {forks}")
+    assert sum(f >= 1 for f in forks) >= 0.85 * len(forks) and statistics.mean(forks) >= 8, forks
