@@ -129,6 +129,74 @@ def test_extend_wrapper_only_for_e4m3_pages_and_the_triton_decode_kernel() -> No
     assert extend_wrapper(KVCacheSpec(1, 8, P, 6, 2, 96, torch.bfloat16, cpu, kv_dtype=FP8), True) is None
 
 
+def _staging(be: FlashInferBackend, batch: ScheduledBatch, decodes: bool,
+             takes: bool) -> tuple[FlashInferMetadata, list]:
+    """``prepare`` with the piecewise graphs' stages: decode rows taken when ``decodes``, chunks when ``takes``;
+    -> (metadata, the chunk stage's calls)."""
+    calls: list[tuple] = []
+
+    def chunk_stage(*t: object) -> bool:
+        calls.append(t)
+        return takes
+
+    meta = be.prepare(batch, slot_mapping=torch.zeros(batch.num_tokens, dtype=torch.long),
+                      decode_stage=lambda *t: decodes, chunk_stage=chunk_stage)
+    return meta, calls
+
+
+def _launches(monkeypatch) -> list[str]:
+    """Record (and skip) every kernel launch the backend's forward can make."""
+    from nbgen.attention import flashinfer_backend
+    from nbgen.kernels.triton_decode import TritonDecodeWrapper
+    from nbgen.kernels.triton_extend import TritonExtendWrapper
+
+    got: list[str] = []
+    monkeypatch.setattr(TritonExtendWrapper, "launch", lambda self, *a, **kw: got.append("chunks"))
+    monkeypatch.setattr(TritonDecodeWrapper, "run", lambda self, *a, **kw: got.append("decodes"))
+    monkeypatch.setattr(flashinfer_backend, "write_kv", lambda *a, **kw: got.append("kv"))
+    return got
+
+
+def test_a_staged_step_is_attended_whole_by_the_graphs_and_its_forward_launches_nothing(monkeypatch) -> None:
+    be = _backend(fp8=True)
+    got = _launches(monkeypatch)
+    batch = _batch([40, 17], [(100, 60), (0, 9)])
+    meta, calls = _staging(be, batch, decodes=True, takes=True)
+    assert meta.chunks_staged and meta.decodes_staged and meta.wrapper is be.prefill.extend
+    assert be.prefill.extend.planned is None                       # no eager plan of the chunks
+    assert calls == [(2, *page_tables(batch.seqs[2:], P))]          # d, the chunks' qo, kv_indptr, indices, last
+    q = torch.randn(batch.num_tokens, HQ * D).half()
+    out = torch.full_like(q, float("nan"))
+    assert be.forward(0, q, q, q, meta, kv_written=True, out=out) is out
+    assert got == [] and bool(out.isnan().all())
+    with pytest.raises(ValueError, match="out="):
+        be.forward(0, q, q, q, meta, kv_written=True)
+    meta, calls = _staging(be, _batch([], [(100, 60)]), decodes=False, takes=True)   # no decode rows: d = 0
+    assert meta.chunks_staged and calls[0][0] == 0 and calls[0][1] == [0, 60]
+
+
+def test_steps_the_graphs_do_not_take_whole_run_eagerly(monkeypatch) -> None:
+    be = _backend(fp8=True)
+    got = _launches(monkeypatch)
+    batch = _batch([40, 17], [(100, 60), (0, 9)])
+    q = torch.randn(batch.num_tokens, HQ * D).half()
+    meta, calls = _staging(be, batch, decodes=True, takes=False)                # the chunk tables do not fit
+    assert len(calls) == 1 and not meta.chunks_staged and be.prefill.extend.planned is not None
+    be.forward(0, q, q, q, meta, kv_written=True, out=torch.empty_like(q))
+    assert got == ["chunks"]                                       # the decode rows are the graphs'
+    got.clear()
+    meta, calls = _staging(be, batch, decodes=False, takes=True)                # decode rows eager: chunks too
+    assert not calls and not meta.chunks_staged
+    be.forward(0, q, q, q, meta, kv_written=True, out=torch.empty_like(q))
+    assert got == ["decodes", "chunks"]
+    for b in (_batch([40], [(100, 5)], tree=True), _batch([40], [(0, prefill_plans.EXTEND_MAX_TOKENS + 1)])):
+        meta, calls = _staging(be, b, decodes=True, takes=True)                 # a tree; more tokens
+        assert not calls and not meta.chunks_staged and meta.wrapper is not be.prefill.extend
+    bf16 = _backend(fp8=False)
+    meta, calls = _staging(bf16, batch, decodes=True, takes=True)               # model-dtype pages
+    assert not calls and not meta.chunks_staged and meta.wrapper is bf16.prefill.causal
+
+
 def _interpreted() -> None:
     """A mixed step over e4m3 pages through the backend's prepare + forward (decode rows on the Triton
     decode kernel, chunks on the Triton chunk attention) against the fp32 causal reference."""
@@ -175,20 +243,27 @@ def test_gpu_mixed_steps_on_the_chunk_attention(gpu_model_dir, monkeypatch):
     """An fp8-KV engine through mixed steps (chunked prefill beside running decodes): the tokens and
     logprobs of the Triton chunk attention against flashinfer's prefill of the same steps."""
     from nbgen.kernels.triton_extend import TritonExtendWrapper
+    from nbgen.runtime.mixed_chunks import MixedChunkRows
 
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 40, 300, 700, 90, 1000)]
     runs = []
-    plan = TritonExtendWrapper.plan
+    plan, stage = TritonExtendWrapper.plan, MixedChunkRows.stage
 
     def spy(self, *a, **kw):
         runs.append(1)
         return plan(self, *a, **kw)
 
+    def stage_spy(self, *a, **kw):     # the steps the piecewise graphs attend whole
+        took = stage(self, *a, **kw)
+        runs.extend([1] * took)
+        return took
+
     monkeypatch.setattr(TritonExtendWrapper, "plan", spy)
+    monkeypatch.setattr(MixedChunkRows, "stage", stage_spy)
     triton = gpu_generate(gpu_model_dir, prompts, logprobs=True, chunked_prefill_size=128,
                           kv_cache_dtype="fp8_e4m3")
-    assert len(runs) >= 5, runs                     # steps planned on the chunk attention
+    assert len(runs) >= 5, runs                     # steps on the chunk attention (eager or in the graphs)
     monkeypatch.setattr(prefill_plans, "EXTEND_MAX_TOKENS", 0)
     runs.clear()
     flashinfer = gpu_generate(gpu_model_dir, prompts, logprobs=True, chunked_prefill_size=128,

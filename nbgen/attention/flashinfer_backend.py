@@ -14,7 +14,8 @@ table:
     chunks over e4m3 pages). The step's leading one-token rows (the running decodes) go through the
     Triton decode kernel instead (flashinfer's prefill kernel reads a one-query row's KV at about half
     the bandwidth), inside the piecewise graphs where those run the step (``decode_stage``:
-    runtime/mixed_decode.py).
+    runtime/mixed_decode.py); so are chunks on the Triton chunk attention (``chunk_stage``:
+    runtime/mixed_chunks.py), and the eager forward of such a step does nothing.
 An fp8 pool (``kv_cache_dtype="fp8_e4m3"``) holds e4m3 pages: the K/V writes quantize (each layer's
 k_scale / v_scale), the Triton kernels widen the tiles in registers, and flashinfer's kernels are
 planned with ``kv_data_type`` e4m3 (bf16 / fp16 queries) and run with the layer's scales.
@@ -60,16 +61,20 @@ class FlashInferMetadata(AttentionMetadata):
     """Per-step data: slot of each new token and the planned wrapper every layer runs."""
 
     def __init__(self, backend: "FlashInferBackend", slot_mapping: torch.Tensor, wrapper: Any,
-                 decode_rows: int = 0, decodes_staged: bool = False) -> None:
+                 decode_rows: int = 0, decodes_staged: bool = False, chunks_staged: bool = False) -> None:
         self.backend = backend
         self.slot_mapping = slot_mapping      # [T] long, flat cache slot of each new token
         self.wrapper = wrapper                # planned decode or prefill wrapper
         self.decode_rows = decode_rows        # mixed step: leading one-token rows on the Triton decode kernel
         self.decodes_staged = decodes_staged  # ... attended by the piecewise graphs (runtime/mixed_decode.py)
+        self.chunks_staged = chunks_staged    # the whole step attended by them (runtime/mixed_chunks.py)
 
 
 # a mixed step's decode-row page tables (indptr, indices, last) -> whether the piecewise graphs took them
 DecodeStage = Callable[[np.ndarray, np.ndarray, np.ndarray], bool]
+# a mixed step's chunk tables after its d decode rows (d, qo_indptr, kv_indptr, kv_indices, last) -> whether the
+# piecewise graphs took them
+ChunkStage = Callable[[int, list[int], list[int], list[int], list[int]], bool]
 
 
 class FlashInferBackend(AttentionBackend):
@@ -149,12 +154,15 @@ class FlashInferBackend(AttentionBackend):
         return self.prefill.plan(qo, kv_indptr, kv_indices, last, custom_mask)
 
     def prepare(self, batch: ScheduledBatch, slot_mapping: Optional[torch.Tensor] = None,
-                decode_stage: Optional[DecodeStage] = None) -> FlashInferMetadata:
+                decode_stage: Optional[DecodeStage] = None,
+                chunk_stage: Optional[ChunkStage] = None) -> FlashInferMetadata:
         """Plan this step's kernels; ``slot_mapping`` may come precomputed (already on the GPU).
         ``decode_stage(indptr, indices, last)``: the piecewise graphs take a mixed step's decode rows
-        when it returns True (their tables queued), else they are planned here."""
+        when it returns True (their tables queued), else they are planned here. ``chunk_stage(d, qo,
+        kv_indptr, indices, last)``: likewise its chunks on the Triton chunk attention, once its decode rows
+        (if any) were staged; then nothing of the step is left to the eager forward."""
         d = 0
-        staged = False
+        staged = chunks = False
         if batch.is_decode_only:
             kv_ptr, idx, last, _pos, slots = self.tables.build(batch.seqs)
             wrapper = self.triton_wrapper if self.triton_decode else self.decode_wrapper
@@ -168,14 +176,17 @@ class FlashInferBackend(AttentionBackend):
                 if not staged:
                     self.plan_decode(self.triton_wrapper, pinned(dptr), pinned(didx), pinned(dlast))
             qo, kv_ptr, idx, last = page_tables(batch.seqs[d:], self.spec.page_size)
-            tree = flat_masks(batch.seqs[d:]) if has_tree(batch.seqs[d:]) else None
-            wrapper = self.plan_prefill(qo, kv_ptr, idx, last, tree)
+            tree = has_tree(batch.seqs[d:])
+            chunks = (staged or not d) and chunk_stage is not None and self.prefill.takes_extend(qo[-1], tree) \
+                and chunk_stage(d, qo, kv_ptr, idx, last)
+            wrapper = self.prefill.extend if chunks else \
+                self.plan_prefill(qo, kv_ptr, idx, last, flat_masks(batch.seqs[d:]) if tree else None)
             slots = None
         if slot_mapping is None:
             if slots is None:
                 slots = self.slot_mapping(batch)
             slot_mapping = pinned(slots, torch.long).to(self.spec.device, non_blocking=True)
-        return FlashInferMetadata(self, slot_mapping, wrapper, d, staged)
+        return FlashInferMetadata(self, slot_mapping, wrapper, d, staged, chunks)
 
     def _leading_decodes(self, seqs: Sequence[SeqWork]) -> int:
         """How many leading one-token rows of a mixed step the Triton decode kernel takes (the scheduler
@@ -203,6 +214,10 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: FlashInferMetadata, kv_written: bool = False,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if meta.chunks_staged:       # the piecewise graphs attended the whole step (K/V written there)
+            if out is None or not kv_written:
+                raise ValueError("a step the piecewise graphs attended needs out= and kv_written=True")
+            return out
         sp = self.spec
         T = q.shape[0]
         kc, vc = self.k_cache[layer_id], self.v_cache[layer_id]

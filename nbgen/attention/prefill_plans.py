@@ -88,12 +88,17 @@ class PrefillPlans:
         """Whether ``wrapper`` is one of the prefill wrappers (its step's rows after the decodes)."""
         return wrapper is not None and any(wrapper is w for w in (self.causal, self.masked, self.standin, self.extend))
 
+    def takes_extend(self, tokens: int, tree: bool) -> bool:
+        """Whether a step's chunks of ``tokens`` rows (``tree``: a draft tree to verify) go to the Triton
+        chunk attention."""
+        return not tree and self.extend is not None and tokens <= EXTEND_MAX_TOKENS
+
     def plan(self, qo: list[int], kv_indptr: list[int], kv_indices: list[int], last: list[int],
              custom_mask: Optional[torch.Tensor] = None) -> Any:
         """Plan the wrapper this step's chunks take and return it: causal chunks, or ``custom_mask`` (the
         chunks' [q_len, kv_len] masks flattened, attention/tree_mask.py) when the step verifies a tree."""
         sp = self.spec
-        if custom_mask is None and self.extend is not None and qo[-1] <= EXTEND_MAX_TOKENS:
+        if self.takes_extend(qo[-1], custom_mask is not None):
             self.extend.plan(qo, kv_indptr, kv_indices, last)
             return self.extend
         self.fence.wait()

@@ -6,11 +6,11 @@ or ``forward``), the forward's launch, the sampling's launch and, inside it, the
 grammar bitmask fill (the fill on the critical path), the wait for the device (``resolve``),
 the fill's start, the grammar accepts and jumps (``settle``); and parts of those: the decode page
 tables and the shared-prefix plan (in ``stage``), the graph replay and the LM head (in ``forward``),
-the attention calls of every layer and the prefill plan (in ``forward``, for a step with prompt
-chunks), the sampler's call or the masked greedy head's replay (in ``sample``). Cheap (a clock read
-per call), so the run's throughput barely moves, unlike under cProfile. Install once the engine has stepped
-(the decode graphs exist), on an engine without other wrappers on these calls, or close in
-reverse order. ``RunPhases`` pairs it with ``StepTimer`` for ``python -m nbgen.bench --phases``.
+the attention calls of every layer and the prefill plan or the chunk tables the piecewise graphs read
+(in ``forward``, for a step with prompt chunks), the sampler's call or the masked greedy head's replay
+(in ``sample``). Cheap (a clock read per call), so the run's throughput barely moves, unlike under
+cProfile. Install once the engine has stepped (the decode graphs exist), on an engine without other
+wrappers on these calls, or close in reverse order. ``RunPhases`` pairs it with ``StepTimer`` for ``python -m nbgen.bench --phases``.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ _CALLS: dict[str, tuple[str, str]] = {
     # piecewise graphs' layers), and the prefill plan (in prepare / stage, inside forward for those steps)
     "attention": ("runner.backend", "forward"),
     "plan_prefill": ("runner.backend", "plan_prefill"),
+    # inside prepare: a mixed step's chunk tables staged for the piecewise graphs (runtime/mixed_chunks.py)
+    "stage_chunks": ("runner.prefill_graphs.chunks", "stage"),
 }
 _CLASSES: dict[str, tuple[type, str]] = {
     "fill_wait": (FillJob, "wait"),

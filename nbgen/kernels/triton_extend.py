@@ -215,18 +215,26 @@ class TritonExtendWrapper:
         if q.dim() != 3 or tuple(q.shape) != (self.rows, self.hq, self.d) or q.stride(2) != 1:
             raise ValueError(f"q must be [{self.rows}, {self.hq}, {self.d}] with unit stride over D, "
                              f"got {tuple(q.shape)}")
-        kc, vc = kv_cache
         o = torch.empty((self.rows, self.hq, self.d), dtype=q.dtype, device=q.device) if out is None else out
         if tuple(o.shape) != tuple(q.shape) or o.stride(2) != 1:
             raise ValueError(f"out must be [{self.rows}, {self.hq}, {self.d}] with unit stride over D")
-        nb = len(self.planned.seq)
-        if nb == 0:
-            return o
-        sh, bm, tokens = self.shape, self.bm, self.tokens
-        args = (q, kc, vc, o, self.tab, self.indices, self.part, self.ml, self.count, self.batch, nb,
+        nb, splits = len(self.planned.seq), self.planned.splits
+        if nb:
+            self.launch(q, kv_cache, o, self.tab, self.indices, self.batch, nb, nb, splits, k_scale, v_scale)
+        return o
+
+    def launch(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], o: torch.Tensor, tab: torch.Tensor,
+               indices: torch.Tensor, batch: int, blocks: int, programs: int, splits: int,
+               k_scale: float, v_scale: float) -> None:
+        """The kernel over device tables ``tab`` (qo_indptr [batch+1] | kv_indptr [batch+1] | last [batch] |
+        blocks' sequence [blocks] | first token [blocks]) and page ``indices``: grid (kv heads, ``splits``,
+        ``programs`` <= blocks), q / o [N, Hq, D] rows as qo_indptr numbers them. ``run`` launches it over its
+        plan; the piecewise graphs capture it over static tables (runtime/mixed_chunks.py)."""
+        kc, vc = kv_cache
+        sh, tokens = self.shape, self.tokens
+        args = (q, kc, vc, o, tab, indices, self.part, self.ml, self.count, batch, blocks,
                 q.stride(0), q.stride(1), o.stride(0), o.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                 self.scale * float(k_scale) * LOG2E, float(v_scale))
-        pdl.launch(_extend_kernel, (self.hkv, self.planned.splits, nb), args, q.device, G=self.group, BM=bm, D=self.d,
-                   P=self.P, NSPLIT=self.planned.splits, BLOCK_N=sh.block_n, DN=max(16, triton.next_power_of_2(tokens)),
+        pdl.launch(_extend_kernel, (self.hkv, splits, programs), args, q.device, G=self.group, BM=self.bm, D=self.d,
+                   P=self.P, NSPLIT=splits, BLOCK_N=sh.block_n, DN=max(16, triton.next_power_of_2(tokens)),
                    STAGES=sh.stages, FP8=kc.element_size() == 1, AHEAD=sh.ahead, PTX=q.is_cuda, num_warps=sh.warps)
-        return o

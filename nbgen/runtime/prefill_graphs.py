@@ -19,7 +19,9 @@ states. The pieces' private memory pool therefore holds only temporaries, shared
 
 The leading one-token rows of a mixed step (the running decodes) are attended inside the pieces: each
 piece i < L ends with nbgen's Triton decode kernel over layer i's decode rows (runtime/mixed_decode.py),
-and the eager call runs flashinfer's prefill of the chunks only.
+and the eager call runs the prefill of the chunks only. Over e4m3 pages the chunks' Triton attention is
+captured there too, after the decode rows' (runtime/mixed_chunks.py): a step whose tables fit then has no
+eager attention call, its pieces replay back to back.
 
 A ``GraphVariant`` (LoRA: the adapters' kernels reading the slot pool's static row layout) adds a
 second set of pieces per bucket, captured with its context active into the same pool; a step replays
@@ -40,6 +42,7 @@ from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime.cuda_graphs import GraphVariant
 from nbgen.runtime.decode_staging import StagingRing
+from nbgen.runtime.mixed_chunks import MixedChunkRows
 from nbgen.runtime.mixed_decode import MixedDecodeRows
 from nbgen.runtime.step_inputs import positions_into
 
@@ -101,6 +104,9 @@ class PrefillGraphRunner:
         self.kv_written = True
         # the leading decode rows' attention inside the pieces (runtime/mixed_decode.py)
         self.decodes = MixedDecodeRows(backend, self.max_tokens, max_context) if backend.triton_decode else None
+        # ... and the chunks' (e4m3 pages: runtime/mixed_chunks.py)
+        self.chunks = MixedChunkRows(backend, self.max_tokens, max_context) \
+            if self.decodes is not None and backend.prefill.extend is not None else None
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.variant = variant
@@ -148,6 +154,8 @@ class PrefillGraphRunner:
                     # (their K/V written above by the fused RoPE kernel; else the eager call writes it first)
                     B = self.decodes.rows(T)
                     self.decodes.attend(self.layers[i].self_attn.attn.layer_id, q[:B], attn[:B])
+                    if self.chunks is not None:     # then the chunk rows', over theirs
+                        self.chunks.attend(self.layers[i].self_attn.attn.layer_id, T, q, attn)
                 return q, written, r
             self.hidden[:T].copy_(self.final_norm(x, r))
             return None
@@ -229,7 +237,11 @@ class PrefillGraphRunner:
             patch(io[0, :n])
         dec = self.decodes if self.kv_written else None
         stage = None if dec is None else (lambda ip, idx, last: dec.stage(T, ip, idx, last))
-        meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage)
+        chunks = self.chunks if self.kv_written else None
+        cstage = None if chunks is None else (lambda d, qo, kp, idx, last: chunks.stage(T, d, qo, kp, idx, last))
+        meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage, chunk_stage=cstage)
+        if chunks is not None and not meta.chunks_staged:
+            chunks.idle()              # the captured chunk kernel stores nothing over the eager call's rows
         if self.variant is not None and self.variant.wanted(batch):
             graphs = self.variant_graphs[T]
             self.variant_replays += 1
@@ -243,7 +255,8 @@ class PrefillGraphRunner:
         for i, (layer, g) in enumerate(zip(self.layers, graphs[1:])):
             if i in cap:     # piece i left the stream at layer i's input in the residual buffer
                 got.extend([self.residual[:n].clone()] * cap.count(i))
-            layer.self_attn.attn(q, k, v, meta, kv_written=self.kv_written, out=attn)
+            if not meta.chunks_staged:         # else the pieces attended the whole step
+                layer.self_attn.attn(q, k, v, meta, kv_written=self.kv_written, out=attn)
             g.replay()
         if cap:
             self.inner.captured = got          # as an eager forward leaves it (EAGLE3's features)
