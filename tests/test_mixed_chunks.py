@@ -226,3 +226,21 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
     forks = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(on_overlap, off_overlap)]
     print(f"overlap path, first differing token per sequence: {forks}")
     assert sum(f >= 1 for f in forks) >= 0.85 * len(forks) and statistics.mean(forks) >= 8, forks
+
+
+def test_whole_step_graphs_only_where_a_staged_step_can_land() -> None:
+    """A bucket gets its pieces as one graph only where a staged step fits: decode rows (at most the decode
+    kernel's rows) plus chunk tokens (at most the chunk attention's) above the bucket below."""
+    from types import SimpleNamespace
+
+    from nbgen.runtime.prefill_graphs import PrefillGraphRunner
+
+    r = PrefillGraphRunner.__new__(PrefillGraphRunner)
+    r.buckets = [32, 64, 128, 256, 384, 512, 768, 1024, 1280]
+    r.decodes = SimpleNamespace(max_rows=256)
+    r.chunks = SimpleNamespace(max_chunk_tokens=512)
+    assert r._whole_buckets() == {32, 64, 128, 256, 384, 512, 768}
+    r.chunks = SimpleNamespace(max_chunk_tokens=128)       # 256 + 128 = 384 tokens at most: the 384 bucket
+    assert r._whole_buckets() == {32, 64, 128, 256, 384}
+    r.chunks = None
+    assert r._whole_buckets() == set()

@@ -120,6 +120,7 @@ class PrefillGraphRunner:
         free0 = torch.cuda.mem_get_info(dev)[0]
         stream = torch.cuda.Stream(dev)
         order = list(reversed(self.buckets))
+        whole = self._whole_buckets()
         with torch.inference_mode():
             # the pieces dry-run first: their Triton variants compile in worker processes meanwhile, each
             # bucket's capture waits for those its dry run met (kernels/triton_precompile.py)
@@ -128,7 +129,7 @@ class PrefillGraphRunner:
                 if precompile is not None:
                     precompile.wait(marks[i])
                 self.graphs[bs] = self._capture(bs, stream)
-                if self.chunks is not None and self.kv_written:
+                if bs in whole:
                     self.whole[bs] = self._capture(bs, stream, whole=True)[0]
                 if variant is not None:
                     with variant.capturing():
@@ -142,6 +143,14 @@ class PrefillGraphRunner:
                     self.capture_seconds, self.memory_bytes / 2**20)
 
     # ---- capture ----------------------------------------------------------------------------------
+    def _whole_buckets(self) -> set[int]:
+        """Buckets a step the pieces attend whole can land in: its decode rows (at most the decode kernel's
+        rows) and chunk tokens (at most the chunk attention's) may pass the bucket below."""
+        if self.chunks is None or self.decodes is None:
+            return set()
+        most = self.decodes.max_rows + self.chunks.max_chunk_tokens
+        return {T for T, below in zip(self.buckets, [0, *self.buckets]) if below < most}
+
     def _piece(self, i: int, T: int, meta: FlashInferMetadata) -> Callable[[], Optional[tuple]]:
         """Piece i at bucket T: reads and writes static buffers only."""
         io = self.io[: 3 * T].view(3, T)
