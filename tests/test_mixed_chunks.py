@@ -199,7 +199,7 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
     kw = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=16, chunked_prefill_size=128,
               kv_cache_dtype="fp8_e4m3")
 
-    def run() -> tuple[list[dict], list[dict], list[list[int]], int]:
+    def run() -> tuple[list[dict], list[dict], list[list[int]], int, int]:
         with nbgen.Engine(gpu_model_dir, **kw) as eng:
             assert eng.get_server_info()["piecewise_cuda_graph_tokens"]
             tf = eng.generate(input_ids=prompts, sampling_params={**GREEDY_SP, "max_new_tokens": 4},
@@ -208,13 +208,14 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
             out = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, return_logprob=True, use_tqdm=False)
             eng.flush_cache()
             overlap = eng.generate(input_ids=prompts, sampling_params=GREEDY_SP, use_tqdm=False)  # overlap path
-            return tf, out, [o["output_ids"] for o in overlap], eng.loop.runner.prefill_graphs.chunks.staged
+            pieces = eng.loop.runner.prefill_graphs
+            return tf, out, [o["output_ids"] for o in overlap], pieces.chunks.staged, pieces.whole_replays
 
-    tf_on, on, on_overlap, staged = run()
-    assert staged >= 10, staged
+    tf_on, on, on_overlap, staged, whole = run()
+    assert staged >= 10 and whole == staged, (staged, whole)    # every staged step on its bucket's one graph
     monkeypatch.setattr(mixed_chunks, "MAX_SEQS", 0)          # no step fits: its chunks run eagerly
-    tf_off, off, off_overlap, none = run()
-    assert none == 0
+    tf_off, off, off_overlap, none, whole = run()
+    assert none == 0 and whole == 0
     d = [abs(a[0] - b[0]) for x, y in zip(tf_on, tf_off) for a, b in
          zip(x["meta_info"]["input_token_logprobs"][1:], y["meta_info"]["input_token_logprobs"][1:])]
     assert len(d) == sum(len(p) - 1 for p in prompts)
@@ -225,3 +226,21 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
     forks = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(on_overlap, off_overlap)]
     print(f"overlap path, first differing token per sequence: {forks}")
     assert sum(f >= 1 for f in forks) >= 0.85 * len(forks) and statistics.mean(forks) >= 8, forks
+
+
+def test_whole_step_graphs_only_where_a_staged_step_can_land() -> None:
+    """A bucket gets its pieces as one graph only where a staged step fits: decode rows (at most the decode
+    kernel's rows) plus chunk tokens (at most the chunk attention's) above the bucket below."""
+    from types import SimpleNamespace
+
+    from nbgen.runtime.prefill_graphs import PrefillGraphRunner
+
+    r = PrefillGraphRunner.__new__(PrefillGraphRunner)
+    r.buckets = [32, 64, 128, 256, 384, 512, 768, 1024, 1280]
+    r.decodes = SimpleNamespace(max_rows=256)
+    r.chunks = SimpleNamespace(max_chunk_tokens=512)
+    assert r._whole_buckets() == {32, 64, 128, 256, 384, 512, 768}
+    r.chunks = SimpleNamespace(max_chunk_tokens=128)       # 256 + 128 = 384 tokens at most: the 384 bucket
+    assert r._whole_buckets() == {32, 64, 128, 256, 384}
+    r.chunks = None
+    assert r._whole_buckets() == set()

@@ -62,6 +62,11 @@ class MixedChunkRows:
         self._live = True        # the static tables name a step's rows (``idle`` clears them)
         self.idle()
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Chunk tokens a staged step may have (the routing's bound for the Triton chunk attention)."""
+        return prefill_plans.EXTEND_MAX_TOKENS
+
     def _views(self, buf: Any) -> tuple[Any, ...]:
         """(qo_indptr, kv_indptr, last, seq, first, indices) of a flat int32 buffer (torch or numpy)."""
         a, b, c, d, e, f = self._cut
@@ -87,7 +92,7 @@ class MixedChunkRows:
         [nnz], ``last`` [B]: page_tables') follow ``d`` decode rows; False (nothing queued) where they do not
         fit. The caller routed them to the Triton chunk attention (attention/prefill_plans.py)."""
         B, nnz, n = len(last), len(indices), qo[-1]
-        if B > MAX_SEQS or nnz + 1 > self.cap or n > prefill_plans.EXTEND_MAX_TOKENS or d + n > T:
+        if B > MAX_SEQS or nnz + 1 > self.cap or n > self.max_chunk_tokens or d + n > T:
             return False
         qa, kvp = np.asarray(qo, dtype=np.int64), np.asarray(kv_indptr, dtype=np.int64)
         la = np.asarray(last, dtype=np.int64)

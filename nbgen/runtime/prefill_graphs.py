@@ -21,7 +21,8 @@ The leading one-token rows of a mixed step (the running decodes) are attended in
 piece i < L ends with nbgen's Triton decode kernel over layer i's decode rows (runtime/mixed_decode.py),
 and the eager call runs the prefill of the chunks only. Over e4m3 pages the chunks' Triton attention is
 captured there too, after the decode rows' (runtime/mixed_chunks.py): a step whose tables fit then has no
-eager attention call, its pieces replay back to back.
+eager attention call. For such steps each bucket also holds its pieces captured as ONE graph (``whole``):
+one launch a step instead of one a layer, and no gap on the GPU between pieces.
 
 A ``GraphVariant`` (LoRA: the adapters' kernels reading the slot pool's static row layout) adds a
 second set of pieces per bucket, captured with its context active into the same pool; a step replays
@@ -112,10 +113,14 @@ class PrefillGraphRunner:
         self.variant = variant
         self.variant_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.variant_replays = 0       # steps that replayed the variant's pieces (tests, stats)
+        # bucket -> all its pieces as one graph, for steps the pieces attend whole (chunks staged)
+        self.whole: dict[int, torch.cuda.CUDAGraph] = {}
+        self.whole_replays = 0         # steps that replayed it (tests, stats)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info(dev)[0]
         stream = torch.cuda.Stream(dev)
         order = list(reversed(self.buckets))
+        whole = self._whole_buckets()
         with torch.inference_mode():
             # the pieces dry-run first: their Triton variants compile in worker processes meanwhile, each
             # bucket's capture waits for those its dry run met (kernels/triton_precompile.py)
@@ -124,6 +129,8 @@ class PrefillGraphRunner:
                 if precompile is not None:
                     precompile.wait(marks[i])
                 self.graphs[bs] = self._capture(bs, stream)
+                if bs in whole:
+                    self.whole[bs] = self._capture(bs, stream, whole=True)[0]
                 if variant is not None:
                     with variant.capturing():
                         self.variant_graphs[bs] = self._capture(bs, stream)
@@ -136,6 +143,14 @@ class PrefillGraphRunner:
                     self.capture_seconds, self.memory_bytes / 2**20)
 
     # ---- capture ----------------------------------------------------------------------------------
+    def _whole_buckets(self) -> set[int]:
+        """Buckets a step the pieces attend whole can land in: its decode rows (at most the decode kernel's
+        rows) and chunk tokens (at most the chunk attention's) may pass the bucket below."""
+        if self.chunks is None or self.decodes is None:
+            return set()
+        most = self.decodes.max_rows + self.chunks.max_chunk_tokens
+        return {T for T, below in zip(self.buckets, [0, *self.buckets]) if below < most}
+
     def _piece(self, i: int, T: int, meta: FlashInferMetadata) -> Callable[[], Optional[tuple]]:
         """Piece i at bucket T: reads and writes static buffers only."""
         io = self.io[: 3 * T].view(3, T)
@@ -181,22 +196,25 @@ class PrefillGraphRunner:
                 for i in range(len(self.layers) + 1):
                     self._piece(i, T, meta)()
 
-    def _capture(self, T: int, stream: torch.cuda.Stream) -> list[torch.cuda.CUDAGraph]:
+    def _capture(self, T: int, stream: torch.cuda.Stream, whole: bool = False) -> list[torch.cuda.CUDAGraph]:
+        """Bucket T's pieces, a graph each; ``whole``: one graph of all of them (a step with no eager call)."""
         io = self.io[: 3 * T].view(3, T)
         meta = FlashInferMetadata(self.backend, io[2], None)   # slots: 0 (scratch) while capturing
         pieces = [self._piece(i, T, meta) for i in range(len(self.layers) + 1)]
-        for p in pieces:            # warm-up: cuBLAS kernel choice, Triton loads, lazy allocations
-            self._check(p())
+        if not whole:
+            for p in pieces:        # warm-up: cuBLAS kernel choice, Triton loads, lazy allocations
+                self._check(p())
         stream.wait_stream(torch.cuda.current_stream())
         graphs = []
         with torch.cuda.stream(stream):
-            for p in pieces:
+            for part in ([pieces] if whole else [[p] for p in pieces]):
                 # capture_begin rather than torch.cuda.graph(): that one runs gc.collect() and
                 # empty_cache() per graph, seconds over the ~500 graphs of a model's buckets
                 g = torch.cuda.CUDAGraph()
                 g.capture_begin(pool=self.pool)
                 try:
-                    p()
+                    for p in part:
+                        p()
                 finally:
                     g.capture_end()
                 graphs.append(g)
@@ -211,6 +229,8 @@ class PrefillGraphRunner:
             for pieces in table.values():
                 for g in pieces:
                     g.reset()
+        for g in self.whole.values():
+            g.reset()
 
     def can_run(self, batch: ScheduledBatch, num_tokens: int) -> bool:
         """A step with a prefill chunk whose tokens fit the largest bucket."""
@@ -242,14 +262,18 @@ class PrefillGraphRunner:
         meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage, chunk_stage=cstage)
         if chunks is not None and not meta.chunks_staged:
             chunks.idle()              # the captured chunk kernel stores nothing over the eager call's rows
+        cap = self.inner.capture_layers
         if self.variant is not None and self.variant.wanted(batch):
             graphs = self.variant_graphs[T]
             self.variant_replays += 1
+        elif meta.chunks_staged and not cap and T in self.whole:
+            self.whole[T].replay()         # the pieces attend the whole step: no eager call between them
+            self.whole_replays += 1
+            return self.hidden[:n]
         else:
             graphs = self.graphs[T]
         q, k, v = self.qkv[:n].split(self.split, dim=-1)
         attn = self.attn[:n]
-        cap = self.inner.capture_layers
         got: list[torch.Tensor] = []
         graphs[0].replay()
         for i, (layer, g) in enumerate(zip(self.layers, graphs[1:])):
