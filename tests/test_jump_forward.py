@@ -326,7 +326,9 @@ def test_grammar_replay_counts_its_steps(tmp_path, monkeypatch, capsys):
     from nbgen.bench import grammar_replay
 
     out = tmp_path / "replay.json"
-    monkeypatch.setattr(sys, "argv", ["grammar_replay", "--num", "8", "--forced-rows", "4", "--json", str(out)])
+    tok = os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER")     # the GPU host has no embedded model to read it from
+    monkeypatch.setattr(sys, "argv", ["grammar_replay", "--num", "8", "--forced-rows", "4", "--json", str(out)]
+                        + (["--tokenizer", tok] if tok else []))
     grammar_replay.main()
     tbt, jf = json.loads(out.read_text())["runs"]
     assert tbt["valid"] == jf["valid"] == 8
