@@ -32,6 +32,7 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton never build this wrapper
     triton = None
 
+
 def supported(head_dim: int) -> bool:
     """Head sizes the kernel's tiles take: a power of 2 in [16, 256]."""
     return triton is not None and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
