@@ -190,7 +190,7 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
     import statistics
 
     import nbgen
-    from tests.tiny_models import GREEDY_SP, assert_close_runs
+    from tests.tiny_models import GREEDY_SP, assert_close_prompt_logprobs, assert_close_runs
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -216,11 +216,7 @@ def test_gpu_chunks_attended_inside_the_piecewise_graphs(gpu_model_dir, monkeypa
     monkeypatch.setattr(mixed_chunks, "MAX_SEQS", 0)          # no step fits: its chunks run eagerly
     tf_off, off, off_overlap, none, whole = run()
     assert none == 0 and whole == 0
-    d = [abs(a[0] - b[0]) for x, y in zip(tf_on, tf_off) for a, b in
-         zip(x["meta_info"]["input_token_logprobs"][1:], y["meta_info"]["input_token_logprobs"][1:])]
-    assert len(d) == sum(len(p) - 1 for p in prompts)
-    print(f"prompt logprobs, captured vs eager chunks: median |d| {statistics.median(d):.5f}, max {max(d):.4f}")
-    assert statistics.median(d) <= 0.01 and max(d) <= 0.25
+    assert_close_prompt_logprobs(tf_on, tf_off, prompts, "captured vs eager chunks")
     assert_close_runs(on, off)
     # the overlap path: where each sequence first differs (a broken table forks nearly every one at once)
     forks = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(on_overlap, off_overlap)]

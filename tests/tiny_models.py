@@ -188,6 +188,17 @@ def assert_close_runs(a: list[dict], b: list[dict], median: float = 0.05, larges
     assert largest is None or max(diffs) <= largest, (statistics.median(diffs), max(diffs))
 
 
+def assert_close_prompt_logprobs(a: list[dict], b: list[dict], prompts: list[list[int]], what: str,
+                                  median: float = 0.01, largest: float = 0.25) -> None:
+    """Two runs' teacher-forced prompt logprobs (``logprob_start_len=0``) over the same prompts: one per
+    prompt token after the first, median |Δ| at most ``median``, each at most ``largest`` (printed)."""
+    d = [abs(x[0] - y[0]) for ra, rb in zip(a, b) for x, y in
+         zip(ra["meta_info"]["input_token_logprobs"][1:], rb["meta_info"]["input_token_logprobs"][1:])]
+    assert len(d) == sum(len(p) - 1 for p in prompts)
+    print(f"prompt logprobs, {what}: median |d| {statistics.median(d):.5f}, max {max(d):.4f}")
+    assert statistics.median(d) <= median and max(d) <= largest, (statistics.median(d), max(d))
+
+
 def teacher_forced_vs_hf(model_dir: str, chunk: Optional[int] = None) -> dict[str, float]:
     """Prompt logprobs of nbgen (bf16, CUDA) against HF bf16 on the same weights, teacher-forced ->
     {agree: top-1 agreement, agree_clear: the same where HF's top-2 gap > 0.1, clear: the share of such
