@@ -178,7 +178,7 @@ class _Graph:
 def test_graph_runners_reset_every_kind_of_graph():
     """A tp engine's shutdown frees rank 0's graphs before the process group goes (they hold captured
     all-reduces): the decode runner's plain, LoRA-variant and shared-prefix graphs and greedy heads, the
-    prefill runner's pieces of both kinds."""
+    prefill runner's pieces of both kinds and its whole-step graphs."""
     from nbgen.runtime.cuda_graphs import CudaGraphRunner
     from nbgen.runtime.greedy_heads import GreedyHeads
     from nbgen.runtime.prefill_graphs import PrefillGraphRunner
@@ -190,8 +190,10 @@ def test_graph_runners_reset_every_kind_of_graph():
     dec.heads.masked = {(1, False): _Graph()}
     pre = object.__new__(PrefillGraphRunner)
     pre.graphs, pre.variant_graphs = {32: [_Graph(), _Graph()]}, {32: [_Graph()]}
+    pre.whole = {32: _Graph()}
     dec.reset()
     pre.reset()
     every = [*dec.graphs.values(), *dec.variant_graphs.values(), *dec.cascade_graphs.values(),
-             *dec.heads.graphs.values(), *dec.heads.masked.values(), *(g for t in (pre.graphs, pre.variant_graphs) for gs in t.values() for g in gs)]
-    assert len(every) == 9 and all(g.freed for g in every)
+             *dec.heads.graphs.values(), *dec.heads.masked.values(),
+             *(g for t in (pre.graphs, pre.variant_graphs) for gs in t.values() for g in gs), *pre.whole.values()]
+    assert len(every) == 10 and all(g.freed for g in every)
