@@ -129,7 +129,7 @@ class PrefillGraphRunner:
                 if precompile is not None:
                     precompile.wait(marks[i])
                 self.graphs[bs] = self._capture(bs, stream)
-                if bs in whole:
+                if bs in whole and self.kv_written:     # else no step is attended whole
                     self.whole[bs] = self._capture(bs, stream, whole=True)[0]
                 if variant is not None:
                     with variant.capturing():
