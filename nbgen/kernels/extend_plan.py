@@ -2,10 +2,9 @@
 rule, a step's block plan (numpy, no per-block Python) and the pinned staging of its tables.
 
 The plan runs on every mixed step, so its tables (qo_indptr, kv_indptr, last_page_len, the blocks, and the
-page indices when they come from the host) go to the device as one int32 transfer from a pinned host buffer.
-Two host buffers are used in turn; a buffer is written again only once the GPU ran the copy queued from it
-(an event per buffer), so a plan made while earlier steps are still queued (overlap scheduling) never
-overwrites host memory a queued copy still reads.
+page indices when they come from the host) go to the device as one int32 transfer from a pinned host buffer
+of a ``StagingRing`` (kernels/host_staging.py): a plan made while earlier steps are still queued (overlap
+scheduling) never overwrites host memory a queued copy still reads.
 """
 from __future__ import annotations
 
@@ -14,6 +13,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from nbgen.kernels.host_staging import StagingRing
 
 MAX_SPLITS = 8
 MIN_SPLIT = 128        # prefix keys: a block's prefix is cut into splits of at least this many
@@ -70,41 +71,30 @@ def plan_blocks(q_len: np.ndarray, kv_len: np.ndarray, tokens: int) -> tuple[np.
 
 
 class TableStaging:
-    """A plan's int32 tables: written into one of two host buffers (pinned on a GPU) in turn, then copied
-    to one device buffer in one transfer; both grow as needed."""
+    """A plan's int32 tables: written into a ``StagingRing``'s host buffers in turn, then copied to one device
+    buffer in one transfer; both grow as needed."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._cuda = device.type == "cuda"
-        self._host: list[Optional[torch.Tensor]] = [None, None]
-        self._np: list[Optional[np.ndarray]] = [None, None]
-        self._events: list[Optional[torch.cuda.Event]] = [None, None]
-        self._i = 0
+        self._ring: Optional[StagingRing] = None
+        self._size = 0                  # entries of each host buffer
+        self._host: Optional[torch.Tensor] = None      # the buffer last handed out
         self._dev = torch.zeros(0, dtype=torch.int32, device=device)
 
     def host(self, n: int) -> np.ndarray:
         """The next host buffer's first ``n`` entries to fill, once the copy queued from it before ran."""
-        self._i ^= 1
-        i = self._i
-        ev = self._events[i]
-        if ev is not None:
-            ev.synchronize()
-        buf = self._host[i]
-        if buf is None or buf.numel() < n:
-            buf = torch.zeros(max(2 * n, 1024), dtype=torch.int32)
-            self._host[i] = buf = buf.pin_memory() if self._cuda else buf
-            self._np[i] = buf.numpy()
-        return self._np[i][:n]
+        if n > self._size:   # a larger ring (torch keeps a dropped pinned buffer until its queued copy ran)
+            self._size = size = max(2 * n, 1024)
+            self._ring = StagingRing(lambda: [torch.zeros(size, dtype=torch.int32)], cuda=self.device.type == "cuda")
+        st, npv = self._ring.next()
+        self._host = st[0]
+        return npv[0][:n]
 
     def send(self, n: int) -> torch.Tensor:
         """Copy the current host buffer's first ``n`` entries to the device buffer -> its view [n]."""
         if self._dev.numel() < n:      # the old buffer: freed in stream order after the kernels that read it
             self._dev = torch.zeros(max(2 * n, 1024), dtype=torch.int32, device=self.device)
         dev = self._dev[:n]
-        dev.copy_(self._host[self._i][:n], non_blocking=True)
-        if self._cuda:
-            ev = self._events[self._i]
-            if ev is None:
-                ev = self._events[self._i] = torch.cuda.Event()
-            ev.record()                 # behind the copy: host() waits for it before reusing the buffer
+        dev.copy_(self._host[:n], non_blocking=True)
+        self._ring.done()               # behind the copy: host() waits for it before reusing the buffer
         return dev

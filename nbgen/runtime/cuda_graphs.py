@@ -48,9 +48,10 @@ from nbgen.kernels import gpu_argmax
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
 from nbgen.core.batch import ScheduledBatch, SeqWork
 from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
+from nbgen.kernels.host_staging import StagingRing
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime import cascade_graphs
-from nbgen.runtime.decode_staging import DecodeStaging, HostStep, Staged, StagingLayout, StagingRing
+from nbgen.runtime.decode_staging import DecodeStaging, HostStep, Staged, StagingLayout
 from nbgen.runtime.grammar_batch import greedy_grammar
 from nbgen.runtime.greedy_heads import GreedyHeads
 from nbgen.runtime.sampler_rows import raw_kinds

@@ -8,13 +8,13 @@ reads the first 4 * bs as [4, bs]), the decode kernel's page tables: indptr [max
 lengths [max_bs], the rows longest first [max_bs], then the shared-prefix tables
 (runtime/cascade_graphs.py) where those graphs exist, then kv indices. Rows n..bs-1 of a step padded to
 graph size bs hold token 0 at position 0 with one page, the scratch page, written at its slot 0.
-``Staged``: such a step once queued, as the graph runner replays it. ``StagingRing``: the pinned host
-buffers such a step (and the other graph runners' steps) is written into, used in turn behind an event each.
+``Staged``: such a step once queued, as the graph runner replays it. The step is written into a
+``kernels/host_staging.StagingRing``'s pinned buffers, used in turn behind an event each.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -153,29 +153,3 @@ class DecodeStaging:
         if self.cascade is not None:       # no chunks: the cascade graph's capture runs level 1 plainly
             self.cascade.fill(region, None, 0, bs)
         return HostStep(0, bs, self.layout.cut[4] + bs, False, None)
-
-
-class StagingRing:
-    """Two sets of pinned host buffers used in turn for host->device copies: a set is handed out again
-    only once the GPU has run the copies queued from it (an event per set; see the module docstring)."""
-
-    def __init__(self, make: Callable[[], list[torch.Tensor]]) -> None:
-        self._sets = [[t.pin_memory() for t in make()] for _ in range(2)]
-        self._np = [[t.numpy() for t in st] for st in self._sets]
-        self._events: list[Optional[torch.cuda.Event]] = [None, None]
-        self._i = 0
-
-    def next(self) -> tuple[list[torch.Tensor], list[np.ndarray]]:
-        """The next set (pinned tensors, their numpy views), once its previous copies have run."""
-        self._i ^= 1
-        ev = self._events[self._i]
-        if ev is not None:
-            ev.synchronize()
-        return self._sets[self._i], self._np[self._i]
-
-    def done(self) -> None:
-        """Mark the copies from the current set as queued (recorded behind them on the stream)."""
-        ev = self._events[self._i]
-        if ev is None:
-            ev = self._events[self._i] = torch.cuda.Event()
-        ev.record()                 # re-recorded: synchronize waits for the latest record

@@ -23,7 +23,7 @@ from torch import nn
 
 from nbgen.models.linear import MergedColumnParallelLinear, QKVParallelLinear
 from nbgen.models.lora_adapter import AdapterWeights
-from nbgen.runtime.decode_staging import StagingRing
+from nbgen.kernels.host_staging import StagingRing
 
 
 @dataclass

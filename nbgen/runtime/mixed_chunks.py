@@ -30,7 +30,7 @@ import torch
 from nbgen.attention import prefill_plans
 from nbgen.attention.flashinfer_backend import FlashInferBackend
 from nbgen.kernels.extend_plan import plan_blocks
-from nbgen.runtime.decode_staging import StagingRing
+from nbgen.kernels.host_staging import StagingRing
 from nbgen.runtime.pages import SCRATCH_PAGE
 
 MAX_SEQS = 16   # chunk sequences a mixed step may have for the captured kernel (more: eager, as before)

@@ -25,7 +25,7 @@ import torch
 
 from nbgen.attention.flashinfer_backend import FlashInferBackend
 from nbgen.kernels.triton_decode import TritonDecodeWrapper, longest_first
-from nbgen.runtime.decode_staging import StagingRing
+from nbgen.kernels.host_staging import StagingRing
 from nbgen.runtime.pages import SCRATCH_PAGE
 
 MAX_ROWS = 256   # decode rows a mixed step may have for the captured kernel (more: eager, as before)

@@ -42,7 +42,7 @@ from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMeta
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.triton_precompile import Precompile
 from nbgen.runtime.cuda_graphs import GraphVariant
-from nbgen.runtime.decode_staging import StagingRing
+from nbgen.kernels.host_staging import StagingRing
 from nbgen.runtime.mixed_chunks import MixedChunkRows
 from nbgen.runtime.mixed_decode import MixedDecodeRows
 from nbgen.runtime.step_inputs import positions_into

@@ -28,7 +28,7 @@ import torch
 from nbgen.attention.flashinfer_backend import FlashInferBackend, FlashInferMetadata
 from nbgen.core.batch import ScheduledBatch
 from nbgen.kernels.batch_sizes import graph_batch_sizes, padded_batch_size
-from nbgen.runtime.decode_staging import StagingRing
+from nbgen.kernels.host_staging import StagingRing
 from nbgen.runtime.runner import ModelRunner
 from nbgen.runtime.step_inputs import to_device
 from nbgen.runtime.verify_layout import VerifyLayout, verify_layout
