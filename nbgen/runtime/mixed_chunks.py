@@ -46,7 +46,6 @@ class MixedChunkRows:
             raise RuntimeError("the piecewise graphs' chunk rows need nbgen's Triton chunk attention")
         self.wrapper, self.backend, self.P = wrapper, backend, sp.page_size
         self.tokens = wrapper.tokens                  # chunk tokens a block
-        self.max_tokens = max_tokens
         S = MAX_SEQS
         self.batch = S + 1                            # the kernel's sequence count: S and the padding one
         self.blocks = self.rows(max_tokens)           # ... its block count
