@@ -19,11 +19,14 @@ from tests.tiny_models import run_under_triton_interpreter
 class _Ring:
     """StagingRing without pinned memory or events: two host buffers used in turn."""
 
+    handed_out = 0   # sets handed out by every ring (a test counts the stagings it queued)
+
     def __init__(self, make) -> None:
         self._sets = [make(), make()]
         self._i = 0
 
     def next(self):
+        _Ring.handed_out += 1
         self._i ^= 1
         st = self._sets[self._i]
         return st, [t.numpy() for t in st]
@@ -69,6 +72,27 @@ def test_a_step_without_decode_rows_stages_padding_only(monkeypatch) -> None:
     assert m.stage(4, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
     assert _tables(m, 4) == ([0, 1, 2, 3, 4], [1, 1, 1, 1], [0, 1, 2, 3])
     assert m.staged == 0                                  # padding only: not a step the graphs attended
+
+
+def test_idle_puts_every_bucket_back_on_its_own_scratch_rows(monkeypatch) -> None:
+    """After a staged step of a large bucket, a step at a smaller bucket without staged decode rows must not
+    read the large step's row order (rows past its own bucket): idle() restages all rows as padding, once."""
+    m = _rows(monkeypatch)
+    start = _Ring.handed_out
+    # 40 decode rows at bucket 64, the longest last: longest-first order starts with row 39
+    lens = np.ones(40, np.int32)
+    lens[39] = 3
+    indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    assert m.stage(64, indptr, np.arange(indptr[-1], dtype=np.int32) % 60, np.full(40, 16, np.int32))
+    assert _tables(m, 8)[2][0] == 39                     # bucket 8 would read row 39's tables
+    m.idle()
+    for B in (8, 64, mixed_decode.MAX_ROWS):
+        ip, ls, order = _tables(m, B)
+        assert order == list(range(B)) and ip == list(range(B + 1)) and ls == [1] * B
+    assert m.wrapper.indices[: mixed_decode.MAX_ROWS].tolist() == [SCRATCH_PAGE] * mixed_decode.MAX_ROWS
+    assert _Ring.handed_out - start == 2                 # the step's tables, then the idle ones
+    m.idle()                                             # already idle: nothing queued
+    assert _Ring.handed_out - start == 2
 
 
 @pytest.mark.parametrize("what", ["rows", "pages"])

@@ -13,8 +13,10 @@ differ in the last bits from an eager step's.
 
 Per step the host writes the decode rows' page tables, the padding rows and the longest-first order into
 a pinned staging buffer (numpy) and copies them in one transfer. A step whose decode rows do not fit (more
-than ``rows(T)``, or more pages than the buffer holds) runs them eagerly as before; the captured kernel
-then reads the last staged tables (reads only, its output overwritten).
+than ``rows(T)``, or more pages than the buffer holds) runs them eagerly as before. Before such a step, and
+before one without decode rows, ``idle()`` puts every row on the scratch page. The kernel of bucket T reads
+the first ``rows(T)`` entries of the row order; left from a staged step of a larger bucket, those name rows
+past T's whose tables are no longer any step's (a GPU run read out of bounds there).
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ class MixedDecodeRows:
         self._ring = StagingRing(lambda: [torch.zeros(size, dtype=torch.int32)])
         self._ramp = np.arange(B + 1, dtype=np.int32)
         self.staged = 0          # steps whose decode rows the graphs attended (tests, stats)
-        self.stage(B, np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32))
+        self._live = True        # the tables hold a step's rows (else: every row on the scratch page)
+        self.idle()
 
     def _views(self, buf: Any) -> tuple[Any, ...]:
         """(indptr, last, order, indices) of a flat int32 buffer (torch or numpy)."""
@@ -93,4 +96,13 @@ class MixedDecodeRows:
         self._buf[:end].copy_(st[0][:end], non_blocking=True)
         self._ring.done()
         self.staged += d > 0
+        self._live = d > 0 or B < self.max_rows
         return True
+
+    def idle(self) -> None:
+        """Before a step whose decode rows are not staged (none, or run eagerly): all ``max_rows`` rows on
+        the scratch page, so that every bucket's kernel reads its own rows in order; queued once after a
+        staged step."""
+        if self._live:
+            self.stage(self.max_rows, np.zeros(1, dtype=np.int32), np.zeros(0, dtype=np.int32),
+                       np.zeros(0, dtype=np.int32))

@@ -260,6 +260,8 @@ class PrefillGraphRunner:
         chunks = self.chunks if self.kv_written else None
         cstage = None if chunks is None else (lambda d, qo, kp, idx, last: chunks.stage(T, d, qo, kp, idx, last))
         meta = self.backend.prepare(batch, slot_mapping=io[2, :n], decode_stage=stage, chunk_stage=cstage)
+        if dec is not None and not meta.decodes_staged:
+            dec.idle()                 # the captured decode kernel reads scratch rows of this bucket only
         if chunks is not None and not meta.chunks_staged:
             chunks.idle()              # the captured chunk kernel stores nothing over the eager call's rows
         cap = self.inner.capture_layers
