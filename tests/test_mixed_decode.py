@@ -4,16 +4,18 @@ attention over them with the padding rows under the Triton interpreter; the engi
 (tests/test_gpu.py: piecewise graphs against eager steps, mixed steps split or whole)."""
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import nbgen
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
 from nbgen.runtime import mixed_decode
 from nbgen.runtime.pages import SCRATCH_PAGE
-from tests.tiny_models import run_under_triton_interpreter
+from tests.tiny_models import GREEDY_SP, gpu_generate, run_under_triton_interpreter
 
 
 class _Ring:
@@ -141,3 +143,25 @@ def test_staged_decode_rows_attend_their_pages_under_the_triton_interpreter() ->
     pytest.importorskip("triton")
     res = run_under_triton_interpreter("import tests.test_mixed_decode as t; t._interpreted()")
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_a_prefill_after_staged_decode_rows_reads_its_own_rows(gpu_model_dir) -> None:
+    """48 decoding requests beside a long prompt's chunks: mixed steps stage 48 decode rows longest first.
+    A later prefill step alone (bucket 32, nothing staged) must give its captured kernel rows 0..31 in order
+    on the scratch page, not the first 32 of the last staged order (rows past its bucket): such a step
+    faulted on the GPU. Its output must equal the same prompt's on a fresh engine."""
+    rng = random.Random(5)
+    short = [[rng.randrange(2, 512) for _ in range(rng.randrange(3, 60))] for _ in range(48)]
+    long = [rng.randrange(2, 512) for _ in range(1500)]
+    late = [[rng.randrange(2, 512) for _ in range(20)]]
+    with nbgen.Engine(gpu_model_dir, device="cuda", dtype="bfloat16", chunked_prefill_size=256) as eng:
+        eng.generate(input_ids=short + [long], sampling_params={**GREEDY_SP, "max_new_tokens": 64}, use_tqdm=False)
+        dec = eng.loop.runner.prefill_graphs.decodes
+        assert dec.staged > 0
+        after = eng.generate(input_ids=late, sampling_params=GREEDY_SP, use_tqdm=False)
+        B = dec.rows(32)
+        assert dec.wrapper.order[:B].tolist() == list(range(B))
+        assert dec.wrapper.indptr[: B + 1].tolist() == list(range(B + 1))
+        assert set(dec.wrapper.indices[:B].tolist()) == {SCRATCH_PAGE}
+    assert after[0]["output_ids"] == gpu_generate(gpu_model_dir, late)[0]["output_ids"]
