@@ -72,6 +72,58 @@ def decode_rows(model: str) -> list[dict]:
     return rows
 
 
+# ragged batches (rows, shortest and longest KV) as W-nano's decode steps meet them, and the launch variants timed
+RAGGED_CASES = [(256, 128, 2048), (128, 256, 2048), (32, 512, 2048)]
+RAGGED_VARIANTS: dict[str, dict] = {
+    "default": {}, "2 splits": {"num_splits": lambda *a: 2}, "4 splits": {"num_splits": lambda *a: 4},
+    "3 stages": {"FP8_STAGES": 3}, "2 stages": {"FP8_STAGES": 2}, "ahead": {"FP8_AHEAD_ROWS": 4096},
+    "64-token tiles": {"block_n": lambda bs, d: 64}}
+
+
+def ragged_rows(model: str) -> list[dict]:
+    """The decode kernel over e4m3 pages at ``RAGGED_CASES`` (row lengths uniform at random, seeded), its
+    default launch against ``RAGGED_VARIANTS`` (module attributes of kernels/triton_decode.py replaced while
+    timed; the split scratch enlarged so that any split count fits), each checked on its first two rows."""
+    hq, hkv, D = HEADS[model]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for bs, lo, hi in RAGGED_CASES:
+        lens = torch.randint(lo, hi + 1, (bs,), generator=gen)
+        per = (lens + P - 1) // P
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), per.cumsum(0)]).to(torch.int32)
+        total = int(indptr[-1])
+        kc = torch.randn(total + 1, hkv, P, D, device="cuda").bfloat16()
+        vc = torch.randn_like(kc)
+        indices = (torch.randperm(total) + 1).to(torch.int32)
+        last = (lens - (per - 1) * P).to(torch.int32)
+        caches = (kv_quant.store(kc, 1.0, kv_quant.FP8), kv_quant.store(vc, 1.0, kv_quant.FP8))
+        del kc, vc
+        q = torch.randn(bs, hq, D, device="cuda").bfloat16()
+        w = td.TritonDecodeWrapper(hq, hkv, D, P, torch.device("cuda"))
+        cells = bs * hkv * td.MAX_SPLITS
+        w.part = torch.empty(cells * w.g2 * D, dtype=torch.float32, device="cuda")
+        w.ml = torch.empty(cells * 2 * w.g2, dtype=torch.float32, device="cuda")
+        w.count = torch.zeros(cells, dtype=torch.int32, device="cuda")
+        w.plan(indptr.pin_memory(), indices.pin_memory(), last.pin_memory())
+        kv_bytes = 2 * int(lens.sum()) * hkv * D
+        for name, attrs in RAGGED_VARIANTS.items():
+            saved = {a: getattr(td, a) for a in attrs}
+            for a, v in attrs.items():
+                setattr(td, a, v)
+            try:
+                got = w.run(q, caches)[:2].float()
+                err = max((got[b] - _reference(q[b: b + 1], *caches, indptr[b: b + 2] - indptr[b],
+                                                indices[int(indptr[b]):], int(lens[b]))[0]).abs().max().item()
+                          for b in range(2))
+                secs = graph_time(lambda _i: w.run(q, caches), 1, 20, 10)
+            finally:
+                for a, v in saved.items():
+                    setattr(td, a, v)
+            rows.append({"model": model, "case": f"{bs} x {lo}-{hi}", "variant": name, "us": secs * 1e6,
+                         "GB/s": kv_bytes / secs / 1e9, "max_err": err})
+    return rows
+
+
 # (chunks, cached, chunk tokens): long chunks, a paced mixed step's small ones, then 256 and 512 tokens of
 # 128-token chunks (where the Triton chunk attention stops paying: attention/prefill_plans.EXTEND_MAX_TOKENS)
 PREFILL_CASES = [(8, 1536, 512), (1, 512, 128), (1, 896, 128), (2, 640, 64), (2, 640, 128), (4, 640, 128)]
@@ -125,8 +177,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(HEADS), action="append", help="head shapes (default: both)")
     ap.add_argument("--no-prefill", action="store_true", help="the decode kernel only")
+    ap.add_argument("--ragged", action="store_true", help="only the decode kernel's ragged batches and variants")
     args = ap.parse_args()
     for model in args.model or sorted(HEADS):
+        if args.ragged:
+            print(f"decode attention over e4m3 pages, ragged rows, one layer, {model} heads {HEADS[model]}")
+            for r in ragged_rows(model):
+                print(f"{r['case']:>16} {r['variant']:>15}: {r['us']:8.1f} us {r['GB/s']:6.0f} GB/s "
+                      f"max_err {r['max_err']:.4f}", flush=True)
+            continue
         print(f"decode attention, one layer, {model} heads {HEADS[model]}")
         print(f"{'batch':>5} {'kv_len':>6} {'pages':>5} {'us':>8} {'GB/s':>7} {'max_err':>8}")
         for r in decode_rows(model):
