@@ -32,9 +32,14 @@ def enable_fused(on: bool = True) -> bool:
     return _ENABLED
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
 def fused_enabled(x: torch.Tensor) -> bool:
-    """True when ``x`` should go through a fused kernel (CUDA tensor, switch on)."""
-    return _ENABLED and x.is_cuda
+    """True when ``x`` should go through a fused kernel: a half-precision CUDA tensor, switch on. The switch
+    is the process's, so the dtype check keeps an fp32 engine's tensors on the torch code while a bf16
+    engine in the same process has turned it on (the kernels take bf16 / fp16 only)."""
+    return _ENABLED and x.is_cuda and x.dtype in HALF
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
