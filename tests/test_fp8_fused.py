@@ -190,7 +190,7 @@ def test_gpu_folded_fp8_layer_takes_the_fused_path(rows: int) -> None:
 def test_gpu_unfolded_fp8_mlp_silu_writes_e4m3(rows: int) -> None:
     # an unfolded layer's MLP (fused kernels on): the same output as its parts called the unfused way,
     # bit for bit; down_proj's input quantized by the SiLU launch (gate|up's own quantizer remains)
-    was = gpu_ops.fused_enabled(torch.empty(0, device="cuda"))
+    was = gpu_ops.fused_enabled(torch.empty(0, device="cuda", dtype=torch.bfloat16))
     try:
         if not gpu_ops.enable_fused(True):
             pytest.skip("fused GPU kernels unavailable (flashinfer does not import)")

@@ -185,7 +185,7 @@ def test_tower_with_fused_kernels_close_to_hf(family: str, tmp_path: Path) -> No
     ours = get_model_class(cfg)(cfg)
     ours.load_weights(iter_safetensors(d))
     ours = ours.to("cuda", torch.bfloat16)
-    was = gpu_ops.fused_enabled(torch.empty(0, device="cuda"))
+    was = gpu_ops.fused_enabled(torch.empty(0, device="cuda", dtype=torch.bfloat16))
     gpu_ops.enable_fused(True)
     try:
         for ims in (random_images(4), [random_images(1)[0]] * 3):
