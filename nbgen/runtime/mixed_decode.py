@@ -16,7 +16,7 @@ a pinned staging buffer (numpy) and copies them in one transfer. A step whose de
 than ``rows(T)``, or more pages than the buffer holds) runs them eagerly as before. Before such a step, and
 before one without decode rows, ``idle()`` puts every row on the scratch page. The kernel of bucket T reads
 the first ``rows(T)`` entries of the row order; left from a staged step of a larger bucket, those name rows
-past T's whose tables are no longer any step's (a GPU run read out of bounds there).
+past T's, whose page tables no step holds any more and which the kernel may read out of bounds.
 """
 from __future__ import annotations
 
