@@ -22,6 +22,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 # (kernel start + model load included); 300 s leaves room for a loaded machine and still ends a hang.
 RUN_ALL_S = float(os.environ.get("NBGEN_BROWSER_RUN_ALL_S", "300"))
 FAILED = pytest.fail.Exception
+# 03_dashboard's batch: 8 prompts x 64 new tokens, long enough on a fast CPU for the dashboard's refreshes
+# (every 0.33 s) to show the running total move at least once
+NEW_TOKENS = 64
 
 
 def _image(kind: str, name: str, ok: bool = True) -> str:
@@ -56,8 +59,8 @@ class DashboardWatch:
         # the total output tokens moved while requests were running: live updates, not one render
         mid = sorted({s["out"] for s in running})
         assert len(mid) >= 2, f"the dashboard's numbers did not change during the generation: {mid}"
-        # the notebook's batch: 8 prompts x 24 tokens (ignore_eos)
-        assert max(s["out"] for s in seen) == 8 * 24, f"final total output tokens: {seen[-3:]}"
+        # the notebook's batch: 8 prompts x NEW_TOKENS tokens (ignore_eos)
+        assert max(s["out"] for s in seen) == 8 * NEW_TOKENS, f"final total output tokens: {seen[-3:]}"
         assert seen[-1]["status"] == "engine shut down", f"the dashboard's last status: {seen[-1]}"
 
 
@@ -115,8 +118,8 @@ def _check_dashboard(nb: Notebook) -> list[str]:
         return ["no static dashboard (.nbgen-dashboard) in the outputs"]
     data = d[0]["data"]
     problems = []
-    if data.get("totalOutputTokens") != str(8 * 24):
-        problems.append(f"dashboard total output tokens {data.get('totalOutputTokens')!r}, want {8 * 24}")
+    if data.get("totalOutputTokens") != str(8 * NEW_TOKENS):
+        problems.append(f"dashboard total output tokens {data.get('totalOutputTokens')!r}, want {8 * NEW_TOKENS}")
     if data.get("status") != "engine shut down":
         problems.append(f"dashboard status {data.get('status')!r}, want 'engine shut down'")
     return problems
