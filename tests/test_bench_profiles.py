@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from nbgen.bench.phases import piece_counts
 from nbgen.bench.profiling import RunProfiles
 
 
@@ -24,3 +25,11 @@ def test_host_profile_covers_the_loop_thread_calls_between_start_and_report(caps
 def test_no_profiles_print_nothing(capsys):
     RunProfiles(SimpleNamespace(loop=None), gpu=False, host=False).report(1.0)
     assert capsys.readouterr().out == ""
+
+
+def test_piece_counts_read_the_piecewise_graphs_counters() -> None:
+    assert piece_counts(SimpleNamespace(runner=SimpleNamespace(prefill_graphs=None))) == (0, 0, 0)
+    pg = SimpleNamespace(decodes=SimpleNamespace(staged=7), chunks=None, whole_replays=0)
+    assert piece_counts(SimpleNamespace(runner=SimpleNamespace(prefill_graphs=pg))) == (7, 0, 0)
+    pg.chunks, pg.whole_replays = SimpleNamespace(staged=5), 3
+    assert piece_counts(SimpleNamespace(runner=SimpleNamespace(prefill_graphs=pg))) == (7, 5, 3)

@@ -10,7 +10,9 @@ the attention calls of every layer and the prefill plan or the chunk tables the 
 (in ``forward``, for a step with prompt chunks), the sampler's call or the masked greedy head's replay
 (in ``sample``). Cheap (a clock read per call), so the run's throughput barely moves, unlike under
 cProfile. Install once the engine has stepped (the decode graphs exist), on an engine without other
-wrappers on these calls, or close in reverse order. ``RunPhases`` pairs it with ``StepTimer`` for ``python -m nbgen.bench --phases``.
+wrappers on these calls, or close in reverse order. ``RunPhases`` pairs it with ``StepTimer`` for ``python -m nbgen.bench --phases``,
+and counts the run's steps on the piecewise graphs and those whose decode rows / chunks were attended inside them
+(the others ran that attention eagerly).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ _CALLS: dict[str, tuple[str, str]] = {
     "plan_prefill": ("runner.backend", "plan_prefill"),
     # inside prepare: a mixed step's chunk tables staged for the piecewise graphs (runtime/mixed_chunks.py)
     "stage_chunks": ("runner.prefill_graphs.chunks", "stage"),
+    # a step with prompt chunks run as the piecewise graphs (its call count: such steps; see piece_counts)
+    "pieces": ("runner.prefill_graphs", "run"),
 }
 _CLASSES: dict[str, tuple[type, str]] = {
     "fill_wait": (FillJob, "wait"),
@@ -121,6 +125,16 @@ class PhaseTimer:
         self._loop.call(undo)
 
 
+def piece_counts(loop: Any) -> tuple[int, int, int]:
+    """Steps so far whose decode rows, whose chunks the piecewise graphs attended, and steps replayed as one
+    graph (runtime/prefill_graphs.py's counters); zeros without piecewise graphs."""
+    pg = getattr(loop.runner, "prefill_graphs", None)
+    if pg is None:
+        return 0, 0, 0
+    return (pg.decodes.staged if pg.decodes is not None else 0, pg.chunks.staged if pg.chunks is not None else 0,
+            pg.whole_replays)
+
+
 class RunPhases:
     """A timed run's loop steps (``StepTimer``: device wait and host time a step) and its host time by phase
     (``PhaseTimer``), installed together; ``reset`` before a run, ``report`` after it, ``close`` at the end."""
@@ -128,10 +142,13 @@ class RunPhases:
     def __init__(self, eng: Any) -> None:
         self.steps = StepTimer(eng)
         self.phases = PhaseTimer(eng)        # installed second: its wrappers sit on top
+        self._loop = eng.loop
+        self._base = (0, 0, 0)
 
     def reset(self) -> None:
         self.steps.reset()
         self.phases.reset()
+        self._base = self._loop.call(lambda: piece_counts(self._loop))
 
     def report(self, label: str, seconds: float) -> None:
         """Print the run's step line and phase line, each starting with ``label``."""
@@ -139,6 +156,12 @@ class RunPhases:
         print(f"{label}: {seconds:.2f} s, {st['steps']} steps: {st['step_ms']:.2f} ms/step, "
               f"device wait {st['wait_ms']:.2f}, host {st['host_ms']:.2f}", flush=True)
         print(f"{label}: {self.phases.line(st['steps'])}", flush=True)
+        pieces = self._loop.call(lambda: self.phases.calls["pieces"])
+        if pieces:
+            now = self._loop.call(lambda: piece_counts(self._loop))
+            d, c, w = (a - b for a, b in zip(now, self._base))
+            print(f"{label}: {pieces} steps on the piecewise graphs: decode rows attended in them {d}, chunks {c}, "
+                  f"one graph a step {w}", flush=True)
 
     def close(self) -> None:
         self.phases.close()                  # before the step timer: its wrappers are on top
