@@ -14,31 +14,10 @@ import torch
 from nbgen.attention import kv_quant, prefill_plans
 from nbgen.runtime import mixed_chunks, mixed_decode
 from nbgen.runtime.pages import SCRATCH_PAGE
-from tests.tiny_models import run_under_triton_interpreter
+from tests.tiny_models import CountingRing, run_under_triton_interpreter
 
 FP8 = torch.float8_e4m3fn
 HQ, HKV, D, P = 8, 2, 64, 4          # 4 q heads a kv head: 64-row tiles hold 16 chunk tokens
-
-
-class _Ring:
-    """StagingRing without pinned memory or events: two host buffers used in turn; counts the sets handed out."""
-
-    made: list["_Ring"] = []
-
-    def __init__(self, make) -> None:
-        self._sets = [make(), make()]
-        self._i = 0
-        self.handed = 0
-        _Ring.made.append(self)
-
-    def next(self):
-        self._i ^= 1
-        self.handed += 1
-        st = self._sets[self._i]
-        return st, [t.numpy() for t in st]
-
-    def done(self) -> None:
-        pass
 
 
 def _backend(mp: pytest.MonkeyPatch, num_pages: int = 256, caches: tuple = ((), ()), scales: tuple = ()):
@@ -46,8 +25,8 @@ def _backend(mp: pytest.MonkeyPatch, num_pages: int = 256, caches: tuple = ((), 
     from nbgen.kernels.triton_decode import TritonDecodeWrapper
     from nbgen.kernels.triton_extend import TritonExtendWrapper
 
-    mp.setattr(mixed_chunks, "StagingRing", _Ring)
-    mp.setattr(mixed_decode, "StagingRing", _Ring)
+    mp.setattr(mixed_chunks, "StagingRing", CountingRing)
+    mp.setattr(mixed_decode, "StagingRing", CountingRing)
     cpu = torch.device("cpu")
     spec = SimpleNamespace(page_size=P, num_pages=num_pages, device=cpu, num_q_heads=HQ, head_dim=D)
 
@@ -91,7 +70,7 @@ def test_a_steps_chunks_then_the_padding_sequence_and_blocks(monkeypatch) -> Non
 
 def test_idle_puts_every_block_on_the_padding_sequence_once(monkeypatch) -> None:
     m = _chunks(monkeypatch)
-    ring = _Ring.made[-1]
+    ring = CountingRing.made[-1]
     handed = ring.handed                         # the constructor staged the padding-only tables
     m.idle()
     assert ring.handed == handed              # nothing staged since: nothing to clear

@@ -15,31 +15,12 @@ import nbgen
 from nbgen.kernels.triton_decode import TritonDecodeWrapper
 from nbgen.runtime import mixed_decode
 from nbgen.runtime.pages import SCRATCH_PAGE
-from tests.tiny_models import GREEDY_SP, gpu_generate, run_under_triton_interpreter
-
-
-class _Ring:
-    """StagingRing without pinned memory or events: two host buffers used in turn."""
-
-    handed_out = 0   # sets handed out by every ring (a test counts the stagings it queued)
-
-    def __init__(self, make) -> None:
-        self._sets = [make(), make()]
-        self._i = 0
-
-    def next(self):
-        _Ring.handed_out += 1
-        self._i ^= 1
-        st = self._sets[self._i]
-        return st, [t.numpy() for t in st]
-
-    def done(self) -> None:
-        pass
+from tests.tiny_models import GREEDY_SP, CountingRing, gpu_generate, run_under_triton_interpreter
 
 
 def _rows(monkeypatch, num_pages: int = 64, max_context: int = 256, hq: int = 8, hkv: int = 2, D: int = 64,
           P: int = 16, **backend) -> mixed_decode.MixedDecodeRows:
-    monkeypatch.setattr(mixed_decode, "StagingRing", _Ring)
+    monkeypatch.setattr(mixed_decode, "StagingRing", CountingRing)
     spec = SimpleNamespace(page_size=P, num_pages=num_pages, device=torch.device("cpu"), num_q_heads=hq, head_dim=D)
 
     def wrapper(indptr, indices, last, order):
@@ -80,7 +61,8 @@ def test_idle_puts_every_bucket_back_on_its_own_scratch_rows(monkeypatch) -> Non
     """After a staged step of a large bucket, a step at a smaller bucket without staged decode rows must not
     read the large step's row order (rows past its own bucket): idle() restages all rows as padding, once."""
     m = _rows(monkeypatch)
-    start = _Ring.handed_out
+    ring = CountingRing.made[-1]                         # m's ring
+    start = ring.handed
     # 40 decode rows at bucket 64, the longest last: longest-first order starts with row 39
     lens = np.ones(40, np.int32)
     lens[39] = 3
@@ -92,9 +74,9 @@ def test_idle_puts_every_bucket_back_on_its_own_scratch_rows(monkeypatch) -> Non
         ip, ls, order = _tables(m, B)
         assert order == list(range(B)) and ip == list(range(B + 1)) and ls == [1] * B
     assert m.wrapper.indices[: mixed_decode.MAX_ROWS].tolist() == [SCRATCH_PAGE] * mixed_decode.MAX_ROWS
-    assert _Ring.handed_out - start == 2                 # the step's tables, then the idle ones
+    assert ring.handed - start == 2                 # the step's tables, then the idle ones
     m.idle()                                             # already idle: nothing queued
-    assert _Ring.handed_out - start == 2
+    assert ring.handed - start == 2
 
 
 @pytest.mark.parametrize("what", ["rows", "pages"])

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 import nbgen
+from nbgen.kernels.host_staging import StagingRing
 
 _CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",
@@ -353,3 +354,19 @@ def broadcast_weights(port: int, path: str, group: str, device: str = "cpu") -> 
     if cuda:
         torch.cuda.synchronize()
     dist.destroy_process_group(pg)
+
+
+class CountingRing(StagingRing):
+    """``StagingRing`` in plain memory (no pinning, no events: CPU tests of the graph runners' staging) that
+    counts the sets it hands out; ``made``: every ring built, in order."""
+
+    made: list["CountingRing"] = []
+
+    def __init__(self, make) -> None:
+        super().__init__(make, cuda=False)
+        self.handed = 0
+        CountingRing.made.append(self)
+
+    def next(self):
+        self.handed += 1
+        return super().next()

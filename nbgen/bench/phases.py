@@ -156,9 +156,8 @@ class RunPhases:
         print(f"{label}: {seconds:.2f} s, {st['steps']} steps: {st['step_ms']:.2f} ms/step, "
               f"device wait {st['wait_ms']:.2f}, host {st['host_ms']:.2f}", flush=True)
         print(f"{label}: {self.phases.line(st['steps'])}", flush=True)
-        pieces = self._loop.call(lambda: self.phases.calls["pieces"])
+        pieces, now = self._loop.call(lambda: (self.phases.calls["pieces"], piece_counts(self._loop)))
         if pieces:
-            now = self._loop.call(lambda: piece_counts(self._loop))
             d, c, w = (a - b for a, b in zip(now, self._base))
             print(f"{label}: {pieces} steps on the piecewise graphs: decode rows attended in them {d}, chunks {c}, "
                   f"one graph a step {w}", flush=True)
