@@ -2,10 +2,13 @@
 # The GPU tests on a CUDA host (CI has no GPU): the `-m gpu` tests, engine-level files first, then the engine
 # API tests with NBGEN_TEST_DEVICE=cuda (the CPU suite's engines on the GPU), then the multi-GPU files where
 # the host has several GPUs. Each group's full log goes to LOGDIR (default /tmp/nbgen-gpu-tests); the failures
-# are printed at the end.   Usage: bash tests/run_gpu.sh [LOGDIR]
+# are printed at the end.   Usage: bash tests/run_gpu.sh [LOGDIR [GROUP...]], GROUP one of engine, kernels,
+# on_device, multi_gpu (default: all of them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-/tmp/nbgen-gpu-tests}
+shift || true
+GROUPS_WANTED=${*:-engine kernels on_device multi_gpu}
 mkdir -p "$LOG"
 PY=${PYTHON:-python3}
 ENGINE="test_gpu test_hidden_states test_mixed_decode test_mixed_chunks test_prefill_overlap_gpu test_spec_gpu
@@ -19,6 +22,7 @@ ON_DEVICE="test_hidden_states test_sessions test_engine_api test_grammar test_ju
 files() { for f in $*; do echo "tests/$f.py"; done; }
 run() {  # name, then pytest arguments
   local name=$1; shift
+  case " $GROUPS_WANTED " in *" $name "*) ;; *) return 0 ;; esac
   $PY -m pytest -v -p no:cacheprovider --timeout=600 -rf "$@" > "$LOG/$name.txt" 2>&1
   echo "$name: $(tail -1 "$LOG/$name.txt")"
 }

@@ -91,25 +91,35 @@ def test_fused_quant_kernels_under_triton_interpreter() -> None:
 
 def _fp8_layer(hidden: int, inter: int, heads: int, device: str, fold: bool = True) -> LlamaDecoderLayer:
     """One fp8 decoder layer, folded or not (random weights, per-feature scales searched as on load)."""
+    return _fp8_model(hidden, inter, heads, device, fold).model.layers[0]
+
+
+def _fp8_model(hidden: int, inter: int, heads: int, device: str, fold: bool = True,
+               n_layers: int = 1) -> torch.nn.Module:
+    """fp8 decoder layers in ``model.model.layers`` (what fold_norms / quantize_linears walk)."""
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                       num_key_value_heads=max(1, heads // 4), head_dim=128, rms_norm_eps=1e-5)
     rope = RotaryEmbedding(128, 256, 10000.0, None)
-    layer = LlamaDecoderLayer(cfg, 0, rope)
+    layers = torch.nn.ModuleList(LlamaDecoderLayer(cfg, i, rope) for i in range(n_layers))
     with torch.no_grad():
-        for p in layer.parameters():
+        for p in layers.parameters():
             p.copy_(torch.randn_like(p) * 0.02 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
-    layer.to(device=device, dtype=torch.bfloat16)
-
-    class Model(torch.nn.Module):     # fold_norms / quantize_linears walk model.model.layers
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = torch.nn.Module()
-            self.model.layers = torch.nn.ModuleList([layer])
-
-    model = Model()
-    assert quantize_linears(model) == 4
+    layers.to(device=device, dtype=torch.bfloat16)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = layers
+    assert quantize_linears(model) == 4 * n_layers
     assert not fold or fold_norms(model)
-    return layer
+    return model
+
+
+def test_folded_layers_know_the_next_qkv_without_owning_it() -> None:
+    model = _fp8_model(256, 512, 2, "cpu", n_layers=3)
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("next_qkv" in n for n in names) and len(names) == len(set(names))
+    layers = model.model.layers
+    assert [len(m.next_qkv) for m in layers] == [1, 1, 0]
+    assert layers[0].next_qkv[0] is layers[1].self_attn.qkv_proj and layers[1].next_qkv[0] is layers[2].self_attn.qkv_proj
 
 
 def test_cpu_layer_falls_back_to_the_separate_quantizer() -> None:
@@ -183,6 +193,30 @@ def test_gpu_folded_fp8_layer_takes_the_fused_path(rows: int) -> None:
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("_quant_rowwise_kernel" in n for n in names) == 1, names
     assert any("_scale_add_quant_kernel" in n for n in names) and any("_silu_scaled_quant" in n for n in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [17, 64, 256, 1000])
+def test_gpu_folded_fp8_layer_quantizes_the_next_layers_input(rows: int) -> None:
+    # down_proj's residual add hands the next layer's qkv its input quantized (the bytes quant_rowwise
+    # gives), and that layer's projection with them equals the one from the stream, bit for bit
+    torch.manual_seed(rows)
+    first, second = _fp8_model(1024, 3072, 16, "cuda", n_layers=2).model.layers
+    attn_out = torch.randn(rows, 16 * 128, device="cuda").to(torch.bfloat16)
+    h = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16) * 3
+    first.post_attention(attn_out, h.clone())                     # compile outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        xq, got = first.post_attention(attn_out, h.clone())
+        torch.cuda.synchronize()
+    qkv = second.self_attn.qkv_proj
+    want_q, want_s = fp8_quant.quant_rowwise(got, qkv.fp8.col_scale)
+    assert isinstance(xq, QuantizedRows) and _same_rows(xq, want_q, want_s)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("_quant_rowwise_kernel" in n for n in names) == 1, names         # o_proj's input only
+    assert sum("_scale_add_quant_kernel" in n for n in names) == 2 and not any("_scale_output" in n for n in names)
+    _, alone = first.post_attention(attn_out, h.clone())          # the stream is the same either way
+    assert torch.equal(alone, got)
+    assert torch.equal(qkv(xq), qkv(got))
 
 
 @pytest.mark.gpu

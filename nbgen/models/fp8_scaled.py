@@ -164,17 +164,18 @@ def scaled_accumulate(x: Activation, w: object, into: torch.Tensor, early_tiles:
     return True
 
 
-def scaled_accumulate_quantized(x: torch.Tensor, w: object, into: torch.Tensor,
+def scaled_accumulate_quantized(x: Activation, w: object, into: torch.Tensor,
                                 then: object) -> Optional[QuantizedRows]:
     """``scaled_accumulate(x, w, into)`` whose residual-add launch also quantizes the updated rows of
     ``into`` for the product with ``then`` (a folded norm's linear: of into * then.col_scale) -> those
     rows, the bytes ``quant_rowwise`` would give; None where this fused path does not apply (nothing
-    done: the caller adds and quantizes its own way)."""
-    if not (quantized_input_usable(x, w) and quantized_input_usable(into, then) and then.col_scale is not None
-            and x.shape[1] % 16 == 0 and into.dtype == x.dtype and into.is_contiguous()
-            and into.shape[1] <= fp8_quant.ADD_QUANT_MAX_COLS):
+    done: the caller adds and quantizes its own way). ``x`` may be rows quantized for w already."""
+    quantized = isinstance(x, QuantizedRows)    # made for w's product (its maker checked it takes them)
+    takes = isinstance(w, Fp8ScaledWeight) if quantized else quantized_input_usable(x, w) and x.shape[1] % 16 == 0
+    if not (takes and quantized_input_usable(into, then) and then.col_scale is not None
+            and into.dtype == x.dtype and into.is_contiguous() and into.shape[1] <= fp8_quant.ADD_QUANT_MAX_COLS):
         return None
-    xq, sa = fp8_quant.quant_rowwise(x, w.col_scale)
+    xq, sa = (x.q, x.scale) if quantized else fp8_quant.quant_rowwise(x, w.col_scale)
     acc = torch._scaled_mm(xq, w.q.t(), scale_a=w.unit, scale_b=w.unit, out_dtype=torch.float32)
     return fp8_quant.scale_add_quant(acc, sa, w.scale_row, into, then.col_scale)
 

@@ -167,11 +167,11 @@ class LinearBase(nn.Module):
         ``QuantizedRows`` in ``forward`` / ``accumulate``: its product quantizes them before cuBLAS."""
         return self.bias is None and not self.lora_active and quantized_input_usable(x, self.fp8)
 
-    def accumulate_quantized(self, x: torch.Tensor, into: torch.Tensor,
+    def accumulate_quantized(self, x: Activation, into: torch.Tensor,
                              then: LinearBase) -> Optional[QuantizedRows]:
         """``accumulate(x, into)``, and where one launch can do both, the updated rows of ``into``
         quantized for ``then`` (the next fp8 linear, taking them in ``forward``) -> those rows, else None
-        (``into`` is updated either way)."""
+        (``into`` is updated either way). ``x`` may be quantized rows where ``takes_quantized``."""
         if get_tp()[0] == 1 and self.bias is None and not self.lora_active and then.takes_quantized(into):
             rows = scaled_accumulate_quantized(x, self.fp8, into, then.fp8)
             if rows is not None:

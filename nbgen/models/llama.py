@@ -21,7 +21,7 @@ from nbgen.models.layers import (
     get_rope,
     rope_settings,
 )
-from nbgen.models.llama_layer import LlamaDecoderLayer, head_dim_of
+from nbgen.models.llama_layer import LlamaDecoderLayer, head_dim_of, in_hand
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -58,14 +58,14 @@ class LlamaModel(nn.Module):
             return self.final_norm(*plan.run(positions, x, meta))
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:      # a copy: the next add+norm updates the stream in place
-                h = x.clone() if residual is None else (residual.clone() if x is None else x + residual)
+                h = x.clone() if residual is None else (x + residual if in_hand(x) else residual.clone())
                 self.captured.extend([h] * self.capture_layers.count(i))
             x, residual = layer(positions, x, residual, meta)
         return self.final_norm(x, residual)
 
     def final_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output (None when folded layers left it in the stream) + residual -> normed."""
-        return self.norm(residual) if x is None else self.norm(x, residual)[0]
+        return self.norm(x, residual)[0] if in_hand(x) else self.norm(residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -34,6 +34,12 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def in_hand(x: object) -> bool:
+    """A layer's x output still to be added to the residual stream (a tensor); folded layers leave theirs
+    in the stream (None, or its rows quantized for the next layer's qkv)."""
+    return isinstance(x, torch.Tensor)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -56,10 +62,13 @@ class LlamaMLP(nn.Module):
             return self.down_proj(silu_mul_quant(gu))
         return self.down_proj(self.act_fn(gu))                         # [T, 2I] -> [T, I] -> [T, H]
 
-    def forward_folded(self, h: torch.Tensor, eps: float, hq: Optional[QuantizedRows] = None) -> torch.Tensor:
+    def forward_folded(self, h: torch.Tensor, eps: float, hq: Optional[QuantizedRows] = None,
+                       then: Optional[nn.Module] = None) -> Optional[QuantizedRows]:
         """Folded post-attention norm (nbgen.models.norm_fold): h [T, H] is the raw residual stream and the
-        norm weight is in gate|up; the MLP's output is added into h in place -> h. ``hq``: h's rows
-        already quantized for gate|up (``LinearBase.accumulate_quantized``)."""
+        norm weight is in gate|up; the MLP's output is added into h in place. ``hq``: h's rows already
+        quantized for gate|up (``LinearBase.accumulate_quantized``). ``then``: the next layer's qkv
+        projection -> the updated rows quantized for it where down_proj's residual add can do that too,
+        else None."""
         w = self.gate_up_proj.weight
         if hq is None and not self.gate_up_proj.lora_active and small_gemm.usable(h, w):   # SiLU in the epilogue
             act = small_gemm.small_gemm(h, w, silu_mul=True, row_scale_eps=eps)
@@ -71,7 +80,10 @@ class LlamaMLP(nn.Module):
                 # down_proj quantizes its input for cuBLAS: the SiLU kernel writes it so ([T, I] e4m3)
                 fused = self.down_proj.takes_quantized(gate_up) and gate_up.stride(1) == 1 and h.stride(1) == 1
                 act = silu_mul_scaled_quant(gate_up, h, eps) if fused else silu_mul_scaled(gate_up, h, eps)
-        return self.down_proj.accumulate(act, h)
+        if then is not None:
+            return self.down_proj.accumulate_quantized(act, h, then)
+        self.down_proj.accumulate(act, h)
+        return None
 
 
 class LlamaAttention(nn.Module):
@@ -107,19 +119,19 @@ class LlamaAttention(nn.Module):
         return None, None, 0.0
 
     def project(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
-                qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+                qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None,
+                xq: Optional[QuantizedRows] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """Everything before attention: qkv projection (into ``qkv_out`` when given), (q/k norm,) RoPE,
         and where the backend allows it the K/V write -> (q, k, v, whether K/V are written).
         ``fold_eps``: x is the raw residual stream and the input norm is folded into qkv (its weight in
-        the projection, its row scale applied here)."""
+        the projection, its row scale applied here). ``xq``: x's rows already quantized for qkv."""
         proj = self.qkv_proj
-        if qkv_out is None and not proj.lora_active and self.qk_norm_weights()[0] is None:
+        if xq is None and qkv_out is None and not proj.lora_active and self.qk_norm_weights()[0] is None:
             qkv = self._project_one_row(positions, x, meta, fold_eps)
             if qkv is not None:
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
                 return q, k, v, True
-        qkv = proj(x, out=qkv_out)                                    # [T, (Hq + 2 Hkv) * D]
+        qkv = proj(x if xq is None else xq, out=qkv_out)              # [T, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
             # one kernel, in place on qkv (q and k stay its strided views): (the folded norm's row
@@ -151,8 +163,13 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
     # norms folded into qkv / gate|up (nbgen.models.norm_fold.fold_norms): the layer then passes the raw
-    # residual stream on (its x outputs are None) and o_proj / down_proj accumulate into it
+    # residual stream on (its x outputs are None, or the stream's rows quantized for the next layer's qkv)
+    # and o_proj / down_proj accumulate into it
     folded: bool = False
+    # folded layers: (the next layer's qkv projection,) set by norm_fold.fold_norms, for which down_proj's
+    # residual add also quantizes the stream where it is fp8; a tuple, so torch does not register the next
+    # layer's module as this one's child (its parameters would get a second name)
+    next_qkv: tuple[nn.Module, ...] = ()
     # weights kept in host memory (nbgen.models.cpu_offload): copies them to the GPU before the layer runs
     stage_in: Optional[Callable[[], None]] = None
 
@@ -169,10 +186,11 @@ class LlamaDecoderLayer(nn.Module):
         residual). The residual is updated in place where the fused add+RMSNorm runs."""
         if self.stage_in is not None:
             self.stage_in()
-        if self.folded:     # x is None (already in the stream) or, before layer 0, the embeddings
+        if self.folded:     # x: None or quantized rows (already in the stream) or, before layer 0, the embeddings
+            xq = x if isinstance(x, QuantizedRows) else None
             residual = x if residual is None else residual
             eps = self.input_layernorm.eps
-            return self.self_attn.project(positions, residual, meta, qkv_out, fold_eps=eps), residual
+            return self.self_attn.project(positions, residual, meta, qkv_out, fold_eps=eps, xq=xq), residual
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -181,10 +199,12 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP. Folded: both
-        outputs go into the residual stream in place -> (None, residual)."""
+        outputs go into the residual stream in place -> (None or the stream's rows quantized for the next
+        layer's qkv, residual)."""
         if self.folded:     # o_proj's residual add also quantizes the stream for gate|up where it can
             hq = self.self_attn.o_proj.accumulate_quantized(attn, residual, self.mlp.gate_up_proj)
-            return None, self.mlp.forward_folded(residual, self.post_attention_layernorm.eps, hq)
+            eps = self.post_attention_layernorm.eps
+            return self.mlp.forward_folded(residual, eps, hq, *self.next_qkv), residual
         x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
 

@@ -69,9 +69,11 @@ def fold_norms(model: torch.nn.Module) -> bool:
     folded (in place, once); False (nothing changed) when ``foldable`` says no."""
     if not foldable(model):
         return False
-    for layer in model.model.layers:
+    layers = model.model.layers
+    for layer, nxt in zip(layers, [*layers[1:], None]):
         if layer.folded:
             continue
+        layer.next_qkv = () if nxt is None else (nxt.self_attn.qkv_proj,)
         qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
         if _is_fp8(layer):   # the kernel scales the activation: the e4m3 bytes stay
             qkv.fp8.col_scale = layer.input_layernorm.weight.data
