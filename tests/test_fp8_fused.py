@@ -16,7 +16,7 @@ from nbgen.kernels.fp8_quant import QuantizedRows
 from nbgen.kernels.silu_scaled import (ONE_BLOCK_MAX, silu_mul_quant, silu_mul_scaled, silu_mul_scaled_kernel,
                                       silu_mul_scaled_quant)
 from nbgen.models.fp8_linear import Fp8Weight, fp8_linear, quantize_linears
-from nbgen.models.fp8_scaled import quantize_activation, quantize_weight, scaled_accumulate
+from nbgen.models.fp8_scaled import TENSORWISE_MAX_ROWS, quantize_activation, quantize_weight, scaled_accumulate
 from nbgen.models.layers import RotaryEmbedding
 from nbgen.models.llama_layer import LlamaDecoderLayer
 from nbgen.models.norm_fold import fold_norms
@@ -213,7 +213,9 @@ def test_gpu_folded_fp8_layer_quantizes_the_next_layers_input(rows: int) -> None
     assert isinstance(xq, QuantizedRows) and _same_rows(xq, want_q, want_s)
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("_quant_rowwise_kernel" in n for n in names) == 1, names         # o_proj's input only
-    assert sum("_scale_add_quant_kernel" in n for n in names) == 2 and not any("_scale_output" in n for n in names)
+    assert sum("_scale_add_quant_kernel" in n for n in names) == 2                # o_proj's and down_proj's adds
+    # the only epilogue launch left is gate|up's, at the few rows that take the unit-scale GEMM
+    assert sum("_scale_output" in n for n in names) == (rows <= TENSORWISE_MAX_ROWS), names
     _, alone = first.post_attention(attn_out, h.clone())          # the stream is the same either way
     assert torch.equal(alone, got)
     assert torch.equal(qkv(xq), qkv(got))
