@@ -26,8 +26,9 @@ norm's column scale applied inside it), then cuBLAS (``torch._scaled_mm``):
 - more rows otherwise: the row-wise GEMM (scale_a [M, 1], scale_b [1, N]), into the caller's buffer.
 On this path a product may take its input already quantized (``kernels.fp8_quant.QuantizedRows``, where
 ``quantized_input_usable``), from the launch that made it: a folded layer's o_proj residual add quantizes
-the updated stream for gate|up (``scaled_accumulate_quantized``), its SiLU-and-mul writes down_proj's
-input as e4m3 (``kernels.silu_scaled.silu_mul_scaled_quant``), each the bytes the quantizer would give.
+the updated stream for gate|up and its down_proj residual add for the next layer's qkv
+(``scaled_accumulate_quantized``), its SiLU-and-mul writes down_proj's input as e4m3
+(``kernels.silu_scaled.silu_mul_scaled_quant``), each the bytes the quantizer would give.
 Elsewhere ``reference_matmul`` computes the same in fp32 torch (the reference the GPU tests compare
 with), so tests and notebooks run these models anywhere.
 """
