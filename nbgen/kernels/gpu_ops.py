@@ -4,21 +4,35 @@
 SiLU-and-mul, RoPE): on CUDA tensors with the switch on, a fused kernel runs — nbgen's Triton norms and
 SiLU-and-mul (``triton_norm``: they compile in under a second, where flashinfer's JIT modules for them
 take 5-35 s on a host with an empty cache), flashinfer's RoPE; otherwise the torch code runs (CPU,
-reference). The runner turns the switch on when flashinfer imports.
+reference).
+
+The switch belongs to the calling thread. An engine's loop thread builds, captures and runs its model, and
+the engine's setup sets that thread's switch with its attention backend (on with flashinfer, off with the
+torch backend on CUDA), so engines of one process do not change each other's kernels: a torch-backend
+engine started beside a bf16 flashinfer engine leaves the latter's fused ops on.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from nbgen.kernels import triton_norm
 
-_ENABLED = False
 _fi_norm = _fi_act = _fi_rope = None
 
 
+class _Switch(threading.local):
+    on = False      # a thread that never set it: off
+
+
+_SWITCH = _Switch()
+
+
 def enable_fused(on: bool = True) -> bool:
-    """Turn the fused kernels on (if flashinfer imports) or off; returns the resulting state."""
-    global _ENABLED, _fi_norm, _fi_act, _fi_rope
+    """Turn the fused kernels on (if flashinfer imports) or off for the calling thread; returns the
+    resulting state."""
+    global _fi_norm, _fi_act, _fi_rope
     if on and _fi_norm is None:
         try:
             import flashinfer.activation as act
@@ -28,18 +42,17 @@ def enable_fused(on: bool = True) -> bool:
             on = False
         else:
             _fi_norm, _fi_act, _fi_rope = norm, act, rope
-    _ENABLED = bool(on)
-    return _ENABLED
+    _SWITCH.on = bool(on)
+    return _SWITCH.on
 
 
 HALF = (torch.bfloat16, torch.float16)
 
 
 def fused_enabled(x: torch.Tensor) -> bool:
-    """True when ``x`` should go through a fused kernel: a half-precision CUDA tensor, switch on. The switch
-    is the process's, so the dtype check keeps an fp32 engine's tensors on the torch code while a bf16
-    engine in the same process has turned it on (the kernels take bf16 / fp16 only)."""
-    return _ENABLED and x.is_cuda and x.dtype in HALF
+    """True when ``x`` should go through a fused kernel: a half-precision CUDA tensor, the calling thread's
+    switch on (the kernels take bf16 / fp16 only, so an fp32 model on the same thread stays on torch)."""
+    return _SWITCH.on and x.is_cuda and x.dtype in HALF
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -106,7 +106,7 @@ def num_pages(cfg: EngineConfig, spec: KVCacheSpec, context_length: int, draft: 
 
 def make_backend(cfg: EngineConfig, spec: KVCacheSpec) -> AttentionBackend:
     """flashinfer on CUDA in half precision (torch when it is missing, unless asked for by name),
-    torch elsewhere; switches the model's fused GPU ops with it."""
+    torch elsewhere; sets the calling (loop) thread's fused GPU ops switch with it (kernels/gpu_ops.py)."""
     on_gpu = spec.device.type == "cuda"
     # flashinfer's kernels are half-precision only: fp32 on a GPU (parity runs) uses the torch backend
     half = spec.dtype in (torch.bfloat16, torch.float16)
