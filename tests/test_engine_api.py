@@ -203,7 +203,9 @@ def test_cancelled_task_aborts_request(tiny_engine):
     async def main():
         task = asyncio.ensure_future(tiny_engine.async_generate(
             "x", {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}))
-        await asyncio.sleep(0.3)
+        deadline = time.time() + 60
+        while tiny_engine.stats()["running"] == 0 and not task.done() and time.time() < deadline:
+            await asyncio.sleep(0.002)     # until the request runs: cancelled mid-generation, however fast
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
