@@ -18,6 +18,7 @@ from nbgen.dataframe_rows import (
     jsonable,
     output_columns,
     output_record,
+    require_column,
     resolve_param_columns,
     row_key,
     row_params,
@@ -183,13 +184,17 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
     """Check the call's arguments (nothing runs when one is wrong) and gather what the rows share."""
     check_call(df, prompt_column, on_error, batch_size)
     template_mode(chat, None, True)  # chat is "auto", True or False
+    if sampling_params is not None and not isinstance(sampling_params, Mapping):
+        raise ValueError(f"sampling_params must be a dict or None, got {type(sampling_params).__name__}")
     base = dict(sampling_params or {})
     row_params(base, {}, {})  # invalid call-wide params fail the whole call, before anything runs
     mapping = resolve_param_columns(list(df.columns), param_columns)
+    for c in mapping:
+        require_column(df, c, "param_columns")
     cols = output_columns(return_logprob, top_logprobs_num)
     check_new_columns(df, cols, prefix, "gen_")
-    if image_column is not None and image_column not in df.columns:
-        raise KeyError(f"image column {image_column!r} is not in the DataFrame (columns: {list(df.columns)})")
+    if image_column is not None:
+        require_column(df, image_column, "image_column")
     gen_kw: dict[str, Any] = {"return_logprob": return_logprob}
     if top_logprobs_num:
         gen_kw["top_logprobs_num"] = top_logprobs_num

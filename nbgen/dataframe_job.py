@@ -12,12 +12,13 @@ an output becomes column values); ``run_job`` does the rest the same way for all
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe_io import Checkpoint
-from nbgen.dataframe_rows import RowError, row_text
+from nbgen.dataframe_rows import RowError, require_column, row_text
 from nbgen.dataframe_window import PendingRow, run_window
 from nbgen.notebook.progress_bar import DONE, FAILED, STOPPED, RowProgress
 
@@ -150,22 +151,32 @@ class _Results:
         return sum(e is not None for e in self.values["error"])
 
 
-def check_call(df: Any, column: str, on_error: str, batch_size: int) -> None:
-    """The arguments every helper takes: a DataFrame with ``column``, ``on_error``, ``batch_size``."""
+def check_call(df: Any, column: str, on_error: str, batch_size: int, param: str = "prompt_column") -> None:
+    """The arguments every helper takes: a DataFrame with ``column`` (the argument ``param``),
+    ``on_error``, ``batch_size``."""
     import pandas as pd
 
+    if isinstance(df, pd.Series):
+        raise TypeError("df must be a pandas DataFrame, got a Series; pass series.to_frame() "
+                        f"(its column is then {df.name if df.name is not None else 0!r})")
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
-    if column not in df.columns:
-        raise KeyError(f"prompt column {column!r} is not in the DataFrame (columns: {list(df.columns)})")
+    require_column(df, column, param)
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+def is_int(v: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_new_columns(df: Any, cols: Sequence[str], prefix: str, example: str) -> None:
     """The output columns must not overwrite the caller's data: ValueError suggesting a prefix."""
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a str, got {prefix!r:.60}")
     clash = [prefix + c for c in cols if prefix + c in df.columns]
     if clash:
         raise ValueError(f"output columns {clash} already exist in df; pass prefix={example!r} (for example)")

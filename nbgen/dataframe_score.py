@@ -36,7 +36,7 @@ def score_df(df: "pd.DataFrame", text_column: str = "text", labels: Optional[Seq
     """
     import pandas as pd
 
-    check_call(df, text_column, on_error, batch_size)
+    check_call(df, text_column, on_error, batch_size, "text_column")
     names = _label_names(labels)
     check_new_columns(df, list(names) + ["error"], prefix, "p_")
     if query is not None and not isinstance(query, str):
