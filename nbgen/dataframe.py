@@ -76,6 +76,9 @@ def generate_df(
                      return_logprob, top_logprobs_num, on_error, batch_size, prefix, image_column)
     # "auto" asks the engine whether it has a chat template; the answer is part of each row's key
     eng = default_engine() if engine is None and not isinstance(chat, bool) else engine
+    if eng is not None and _embeds(eng):
+        raise ValueError("generate_df needs a generative engine; this one was created with is_embedding=True "
+                         "(embed_df embeds a column)")
     spec.template = template_mode(chat, system_prompt, _has_template(eng))
     spec.desc = f"generate_df ({'chat template' if spec.template else 'raw text'})"
 
@@ -95,6 +98,12 @@ def generate_df(
             out_df[prefix + c] = pd.Series(vals, index=df.index, dtype=object)
     out_df.attrs = {**df.attrs, "nbgen": info}
     return out_df
+
+
+def _embeds(eng: Any) -> bool:
+    """Whether ``eng`` was created with ``is_embedding=True`` (it cannot generate)."""
+    info = getattr(eng, "get_model_info", None)
+    return info is not None and info().get("is_generation") is False
 
 
 def _has_template(eng: Any) -> Optional[bool]:

@@ -143,3 +143,31 @@ def test_row_progress_counts_input_tokens_for_prompt_only_rows():
     bar = RowProgress(3, "embed_df", enabled=False)
     bar.settle(in_tokens=40)
     assert bar.in_tokens == 40 and bar.settled == 1
+
+
+def test_helpers_refuse_the_wrong_engine_kind_up_front(emb):
+    with pytest.raises(ValueError, match="generate_df needs a generative engine"):
+        nbgen.generate_df(pd.DataFrame({"prompt": TEXTS}), engine=emb, progress=False)
+    with pytest.raises(ValueError, match="generate_df needs a generative engine"):
+        nbgen.generate_df(pd.DataFrame({"prompt": TEXTS}), engine=emb, progress=False, chat=False)
+
+
+def test_score_df_labels_from_arrays_and_checked_up_front(tiny_engine):
+    df = pd.DataFrame({"text": TEXTS[:2]})
+    ref = nbgen.score_df(df, labels=["Paris", 7], engine=tiny_engine, progress=False)
+    for labels in (np.array(["Paris", "7"], dtype=object), pd.Series(["Paris", np.int64(7)]), ("Paris", 7),
+                   pd.Index(["Paris", 7], dtype=object)):
+        if isinstance(labels, np.ndarray):
+            labels[1] = np.int64(7)
+        out = nbgen.score_df(df, labels=labels, engine=tiny_engine, progress=False)
+        assert list(out.columns) == ["text", "Paris", "7", "error"]
+        assert out["Paris"].tolist() == pytest.approx(ref["Paris"].tolist(), abs=1e-6)
+    vocab = tiny_engine.get_model_info()["vocab_size"]
+    for bad in ([vocab, 7], [-1, 7]):        # not one row runs: the call fails naming labels
+        with pytest.raises(ValueError, match="labels: token ids .* outside the vocabulary"):
+            nbgen.score_df(df, labels=bad, engine=tiny_engine, progress=False)
+    for reserved in ("prompt_tokens", "_row", "error"):  # names the row's record uses
+        with pytest.raises(ValueError, match="labels must be distinct"):
+            nbgen.score_df(df, labels=[reserved, 7], engine=tiny_engine, progress=False)
+    with pytest.raises(ValueError, match="empty one"):
+        nbgen.score_df(df, labels=np.array([]), engine=tiny_engine, progress=False)
