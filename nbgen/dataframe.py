@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
 from nbgen.dataframe_images import image_cell, image_fingerprint, with_image_part
-from nbgen.dataframe_job import check_call, check_new_columns, run_job
+from nbgen.dataframe_job import JobResult, check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import (
     RowError,
     is_messages,
@@ -87,17 +87,18 @@ def generate_df(
         template_mode(chat, system_prompt, _has_template(e))  # chat=True on a model without one
         return e
 
-    res = run_job(spec, checkpoint, the_engine, batch_size, progress)
-    info = {"chat": spec.template, **res.attrs()}
-    out_df = df.copy()
-    for c in spec.cols:
-        vals = res.values.pop(c)
-        if c in ("prompt_tokens", "completion_tokens"):
-            out_df[prefix + c] = pd.array(vals, dtype="Int64")
-        else:
-            out_df[prefix + c] = pd.Series(vals, index=df.index, dtype=object)
-    out_df.attrs = {**df.attrs, "nbgen": info}
-    return out_df
+    def frame(res: JobResult) -> "pd.DataFrame":
+        out_df = df.copy()
+        for c in spec.cols:
+            vals = res.values.pop(c)
+            if c in ("prompt_tokens", "completion_tokens"):
+                out_df[prefix + c] = pd.array(vals, dtype="Int64")
+            else:
+                out_df[prefix + c] = pd.Series(vals, index=df.index, dtype=object)
+        out_df.attrs = {**df.attrs, "nbgen": {"chat": spec.template, **res.attrs()}}
+        return out_df
+
+    return run_job(spec, checkpoint, the_engine, batch_size, progress, frame)
 
 
 def _embeds(eng: Any) -> bool:

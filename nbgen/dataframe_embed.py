@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from nbgen.dataframe_job import TextRows, check_call, check_new_columns, is_int, run_job
+from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, is_int, run_job
 from nbgen.dataframe_rows import abort_message, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
@@ -45,15 +45,18 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
     if engine is not None:
         require_embedding(engine, dimensions)
     job = _EmbedRows(texts=df[text_column].tolist(), labels=df.index, on_error=on_error, dimensions=dimensions)
-    res = run_job(job, checkpoint,
-                  lambda: require_embedding(engine or default_engine(is_embedding=True), dimensions),
-                  batch_size, progress)
-    out = df.copy()
-    vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
-    out[prefix + "embedding"] = pd.Series(vecs, index=df.index, dtype=object)
-    out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
-    out.attrs = {**df.attrs, "nbgen": res.attrs()}
-    return out
+
+    def frame(res: JobResult) -> "pd.DataFrame":
+        out = df.copy()
+        vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
+        out[prefix + "embedding"] = pd.Series(vecs, index=df.index, dtype=object)
+        out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
+        out.attrs = {**df.attrs, "nbgen": res.attrs()}
+        return out
+
+    return run_job(job, checkpoint,
+                   lambda: require_embedding(engine or default_engine(is_embedding=True), dimensions),
+                   batch_size, progress, frame)
 
 
 def require_embedding(engine: Any, dimensions: Optional[int]) -> Any:

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe_io import Checkpoint
 from nbgen.dataframe_rows import RowError, require_column, row_text
 from nbgen.dataframe_window import PendingRow, run_window
 from nbgen.notebook.progress_bar import DONE, FAILED, STOPPED, RowProgress
+
+T = TypeVar("T")
+INTERRUPTED = "interrupted before this row finished"   # the error of rows an interrupt left unrun
 
 
 class RowJob(Protocol):
@@ -94,6 +97,7 @@ class _Results:
         self.job, self.ckpt = job, ckpt
         self.values: dict[str, list[Any]] = {c: [None] * n for c in job.cols}
         self.keys: list[Optional[str]] = [None] * n  # key of the saved (finished, error-free) result
+        self.settled = [False] * n  # restored, failed or finished in this call
         self.progress: Optional[RowProgress] = None  # told of every row that settles while running
 
     def load(self) -> None:
@@ -116,6 +120,7 @@ class _Results:
             raise ValueError(f"row {label!r} (position {pos}): {msg}") from exc
         rec: dict[str, Any] = {c: None for c in self.job.cols}
         rec["error"] = msg
+        self.settled[pos] = True
         for c in self.job.cols:
             self.values[c][pos] = rec[c]
         self.keys[pos] = None
@@ -136,11 +141,21 @@ class _Results:
         for c in self.job.cols:
             self.values[c][row.pos] = rec.get(c)
         self.keys[row.pos] = row.key
+        self.settled[row.pos] = True
         if self.ckpt is not None:
             self.ckpt.append({"_row": row.pos, "_key": row.key, **rec})
         if self.progress is not None:
             n_in, n_out = self.job.tokens(rec)
             self.progress.settle(error=False, out_tokens=n_out, in_tokens=n_in)
+
+    def unsettled_as_interrupted(self) -> None:
+        """Rows that did not settle before an interrupt: no output, ``error`` = INTERRUPTED (values
+        a checkpoint held for a changed row are dropped)."""
+        for pos, ok in enumerate(self.settled):
+            if not ok:
+                for c in self.job.cols:
+                    self.values[c][pos] = None
+                self.values["error"][pos] = INTERRUPTED
 
     def done(self) -> int:
         """Rows with a result (restored or finished in this call)."""
@@ -183,9 +198,11 @@ def check_new_columns(df: Any, cols: Sequence[str], prefix: str, example: str) -
 
 
 def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], batch_size: int,
-            progress: bool) -> JobResult:
-    """Plan, run and record ``job``'s rows (see the module docstring). ``engine()`` is called only
-    when some row still needs it."""
+            progress: bool, build: Callable[[JobResult], T]) -> T:
+    """Plan, run and record ``job``'s rows (see the module docstring); ``build`` makes the output
+    frame of the result. ``engine()`` is called only when some row still needs it. On an interrupt
+    the GenerationInterrupted's ``partial`` is ``build`` of the rows settled so far (the others with
+    ``error`` = INTERRUPTED)."""
     results = _Results(job, Checkpoint(checkpoint) if checkpoint is not None else None)
     todo, restored, failed = _plan(job, results)
     eng = engine() if todo else None
@@ -208,10 +225,16 @@ def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], b
         results.progress = None
         if results.ckpt is not None:
             results.ckpt.close()
+    path = results.ckpt.path if results.ckpt is not None else None
     if outcome == STOPPED:
-        raise _interrupted(results, n) from None
-    return JobResult(results.values, n, results.errors(), restored,
-                     results.ckpt.path if results.ckpt is not None else None)
+        exc = _interrupted(results, n)
+        results.unsettled_as_interrupted()
+        try:
+            exc.partial = build(JobResult(results.values, n, results.errors(), restored, path))
+        except Exception:  # pragma: no cover - the interrupt matters more than its partial frame
+            exc.partial = None
+        raise exc from None
+    return build(JobResult(results.values, n, results.errors(), restored, path))
 
 
 def _plan(job: RowJob, results: _Results) -> tuple[list[int], int, int]:
@@ -226,6 +249,7 @@ def _plan(job: RowJob, results: _Results) -> tuple[list[int], int, int]:
             key = job.key(pos)
             if results.keys[pos] == key:
                 restored += 1
+                results.settled[pos] = True
                 continue
             job.check(pos)
         except RowError as e:
@@ -250,5 +274,6 @@ def _window(job: RowJob, results: _Results, positions: list[int], eng: Any) -> l
 def _interrupted(results: _Results, total: int) -> GenerationInterrupted:
     done, path = results.done(), results.ckpt.path if results.ckpt is not None else None
     msg = (f"interrupted: {done}/{total} rows saved to {path}; run the cell again to resume" if path else
-           f"interrupted: {done}/{total} rows done; pass checkpoint= to keep finished rows across interrupts")
+           f"interrupted: {done}/{total} rows done (kept in this exception's .partial); "
+           "pass checkpoint= to keep finished rows across interrupts")
     return GenerationInterrupted(msg, done=done, total=total, checkpoint=path)

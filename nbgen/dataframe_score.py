@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
-from nbgen.dataframe_job import TextRows, check_call, check_new_columns, run_job
+from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import abort_message, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
@@ -52,13 +52,15 @@ def score_df(df: "pd.DataFrame", text_column: str = "text", labels: Optional[Seq
         job.resolve_labels(eng)
         return eng
 
-    res = run_job(job, checkpoint, the_engine, batch_size, progress)
-    out = df.copy()
-    for name in names:
-        out[prefix + name] = pd.Series(res.values[name], index=df.index, dtype="float64")
-    out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
-    out.attrs = {**df.attrs, "nbgen": res.attrs()}
-    return out
+    def frame(res: JobResult) -> "pd.DataFrame":
+        out = df.copy()
+        for name in names:
+            out[prefix + name] = pd.Series(res.values[name], index=df.index, dtype="float64")
+        out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
+        out.attrs = {**df.attrs, "nbgen": res.attrs()}
+        return out
+
+    return run_job(job, checkpoint, the_engine, batch_size, progress, frame)
 
 
 _RESERVED = ("error", "prompt_tokens", "_row", "_key")   # keys of a row's record and checkpoint line

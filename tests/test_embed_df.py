@@ -171,3 +171,29 @@ def test_score_df_labels_from_arrays_and_checked_up_front(tiny_engine):
             nbgen.score_df(df, labels=[reserved, 7], engine=tiny_engine, progress=False)
     with pytest.raises(ValueError, match="empty one"):
         nbgen.score_df(df, labels=np.array([]), engine=tiny_engine, progress=False)
+
+
+def test_embed_and_score_interrupt_keep_finished_rows_in_partial(emb, tiny_engine):
+    df = pd.DataFrame({"text": TEXTS}, index=[10, 20, 30, 40])
+    with pytest.raises(GenerationInterrupted, match=r"2/4 rows done \(kept in this exception's .partial\)") as info:
+        nbgen.embed_df(df, engine=StopAfter(emb, 2), progress=False)
+    part = info.value.partial
+    ref = nbgen.embed_df(df, engine=emb, progress=False)
+    done = part["error"].isna()
+    assert list(part.index) == [10, 20, 30, 40] and done.sum() == 2
+    for a, b in zip(part["embedding"][done], ref["embedding"][done]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert part["embedding"][~done].isna().all()
+
+    class StopScore(StopAfter):
+        def score_iter(self, *a, **kw):
+            for k, item in enumerate(self.engine.score_iter(*a, **kw)):
+                if k == self.n:
+                    raise KeyboardInterrupt
+                yield item
+
+    with pytest.raises(GenerationInterrupted) as info:
+        nbgen.score_df(df, labels=["Paris", 7], engine=StopScore(tiny_engine, 1), progress=False)
+    part = info.value.partial
+    assert part["error"].notna().sum() == 3 and part["Paris"].notna().sum() == 1
+    assert math.isclose(float(part["Paris"].sum() + part["7"].sum()), 1.0, abs_tol=1e-6)
