@@ -19,6 +19,7 @@ from nbgen.dataframe_rows import (
     output_columns,
     output_record,
     require_column,
+    restore_record,
     resolve_param_columns,
     row_key,
     row_params,
@@ -182,6 +183,9 @@ class _Spec:
 
     def record(self, out: Any) -> dict[str, Any]:
         return output_record(out, self.cols)
+
+    def restore(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return restore_record(rec)
 
     def tokens(self, rec: dict[str, Any]) -> tuple[int, int]:
         return 0, rec["completion_tokens"] or 0

@@ -54,6 +54,9 @@ class RowJob(Protocol):
     def tokens(self, rec: dict[str, Any]) -> tuple[int, int]:
         """(input, output) tokens of a finished row, for the bar's tok/s."""
 
+    def restore(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """A record read back from the checkpoint -> the values a fresh result has (JSON -> tuples)."""
+
 
 @dataclass
 class JobResult:
@@ -88,6 +91,9 @@ class TextRows:
     def pending(self, pos: int, engine: Any) -> PendingRow:
         return PendingRow(pos, row_text(self.texts[pos]), {}, self.key(pos))
 
+    def restore(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return rec
+
 
 class _Results:
     """Output column values per row, the key of each row's saved result, and the checkpoint."""
@@ -108,6 +114,7 @@ class _Results:
         for rec in self.ckpt.load():
             pos = int(rec["_row"])
             if 0 <= pos < n:
+                rec = self.job.restore(rec)
                 for c in self.job.cols:
                     self.values[c][pos] = rec.get(c)
                 self.keys[pos] = rec["_key"] if not rec.get("error") else None

@@ -231,6 +231,20 @@ def output_record(out: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]], co
     return rec
 
 
+def restore_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpointed record with its logprob entries as tuples again, as ``output_record`` gives them
+    (JSON stores ``(logprob, token_id, text)`` as a list)."""
+    return {c: (_entry_tuples(v) if c in LOGPROB_COLUMNS else v) for c, v in rec.items()}
+
+
+def _entry_tuples(v: Any) -> Any:
+    if isinstance(v, list):
+        if len(v) == 3 and isinstance(v[0], (int, float)) and not isinstance(v[0], bool) and isinstance(v[1], int):
+            return tuple(v)
+        return [_entry_tuples(x) for x in v]
+    return v
+
+
 def error_record(message: str) -> dict[str, Any]:
     """Column values of a row that did not run."""
     return {"text": None, "finish_reason": None, "prompt_tokens": None, "completion_tokens": None,

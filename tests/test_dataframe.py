@@ -226,3 +226,19 @@ def test_generate_df_real_engine_n_samples_and_chat(tiny_engine) -> None:
     assert tiny_engine.has_chat_template and auto.attrs["nbgen"]["chat"] is True
     assert auto.loc[1, "text"] == tiny_engine.chat([{"role": "user", "content": "the cat"}],
                                                    {"temperature": 0.0, "max_new_tokens": 4})["text"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_restored_logprobs_equal_fresh_ones(tiny_engine, tmp_path, suffix) -> None:
+    if suffix == "parquet":
+        pytest.importorskip("pyarrow")
+    df = pd.DataFrame({"prompt": ["hello world", "the cat"]})
+    kw = dict(engine=tiny_engine, sampling_params={"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True},
+              chat=False, progress=False, return_logprob=True, top_logprobs_num=2,
+              checkpoint=str(tmp_path / f"lp.{suffix}"))
+    fresh = generate_df(df, **kw)
+    again = generate_df(df, **kw)
+    assert again.attrs["nbgen"]["restored"] == 2
+    assert isinstance(fresh.loc[0, "output_token_logprobs"][0], tuple)  # (logprob, token_id, text)
+    for c in ("output_token_logprobs", "output_top_logprobs", "text"):
+        assert again[c].tolist() == fresh[c].tolist(), c
