@@ -47,7 +47,7 @@ def require_column(df: Any, column: Any, param: str) -> None:
         raise ColumnError(f"{param}={column!r:.80} is not a column of the DataFrame (columns: {shown})")
     if getattr(df[column], "ndim", 1) != 1:
         raise ColumnError(f"{param}={column!r} names {df[column].shape[1]} columns of the DataFrame "
-                          "(duplicate column labels); rename them so it names one")
+                          "(duplicate labels, or a level of MultiIndex columns); pass a label of one column")
 
 
 def is_missing(v: Any) -> bool:

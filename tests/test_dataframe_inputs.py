@@ -39,6 +39,11 @@ def test_duplicate_column_labels_are_a_value_error() -> None:
     df = pd.DataFrame([["a b", 0.1, 0.2]], columns=["prompt", "temperature", "temperature"])
     with pytest.raises(ValueError, match="param_columns='temperature' names 2 columns"):
         _gen(df, param_columns=["temperature"])
+    df = pd.DataFrame([["a b", 1]], columns=pd.MultiIndex.from_tuples([("in", "prompt"), ("in", "x")]))
+    with pytest.raises(ValueError, match="prompt_column='in' names 2 columns"):
+        _gen(df, "in")
+    out = _gen(df, ("in", "prompt"))          # a full label of MultiIndex columns names one
+    assert out[("text", "")].tolist() == ["b a"] and out[("in", "x")].tolist() == [1]
 
 
 def test_param_columns_may_be_one_name() -> None:
