@@ -14,6 +14,7 @@ from nbgen.dataframe_images import image_cell, image_fingerprint, with_image_par
 from nbgen.dataframe_job import JobResult, check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import (
     RowError,
+    column_key,
     is_messages,
     jsonable,
     output_columns,
@@ -93,9 +94,9 @@ def generate_df(
         for c in spec.cols:
             vals = res.values.pop(c)
             if c in ("prompt_tokens", "completion_tokens"):
-                out_df[prefix + c] = pd.array(vals, dtype="Int64")
+                out_df[column_key(out_df.columns, prefix + c)] = pd.array(vals, dtype="Int64")
             else:
-                out_df[prefix + c] = pd.Series(vals, index=df.index, dtype=object)
+                out_df[column_key(out_df.columns, prefix + c)] = pd.Series(vals, index=df.index, dtype=object)
         out_df.attrs = {**df.attrs, "nbgen": {"chat": spec.template, **res.attrs()}}
         return out_df
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, is_int, run_job
-from nbgen.dataframe_rows import abort_message, jsonable, row_key
+from nbgen.dataframe_rows import abort_message, column_key, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
 from nbgen.models.pooling_config import check_dimensions
@@ -49,8 +49,8 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
     def frame(res: JobResult) -> "pd.DataFrame":
         out = df.copy()
         vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
-        out[prefix + "embedding"] = pd.Series(vecs, index=df.index, dtype=object)
-        out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
+        out[column_key(out.columns, prefix + "embedding")] = pd.Series(vecs, index=df.index, dtype=object)
+        out[column_key(out.columns, prefix + "error")] = pd.Series(res.values["error"], index=df.index, dtype=object)
         out.attrs = {**df.attrs, "nbgen": res.attrs()}
         return out
 

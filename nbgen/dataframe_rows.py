@@ -60,6 +60,13 @@ def is_missing(v: Any) -> bool:
         return v.__class__.__name__ in ("NAType", "NaTType")
 
 
+def column_key(columns: Any, name: str) -> Any:
+    """The key of a new output column ``name``: the name itself, or ``(name, "", ...)`` under
+    MultiIndex columns (pandas wants a full-length tuple there)."""
+    levels = getattr(columns, "nlevels", 1)
+    return name if levels == 1 else (name,) + ("",) * (levels - 1)
+
+
 def resolve_param_columns(columns: Sequence[str],
                           param_columns: Union[None, Sequence[str], Mapping[str, str]]) -> dict[str, str]:
     """``param_columns`` -> {column: sampling param}; a ``sampling_params`` param takes dicts, a

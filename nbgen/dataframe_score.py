@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, run_job
-from nbgen.dataframe_rows import abort_message, jsonable, row_key
+from nbgen.dataframe_rows import abort_message, column_key, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
 
@@ -55,8 +55,8 @@ def score_df(df: "pd.DataFrame", text_column: str = "text", labels: Optional[Seq
     def frame(res: JobResult) -> "pd.DataFrame":
         out = df.copy()
         for name in names:
-            out[prefix + name] = pd.Series(res.values[name], index=df.index, dtype="float64")
-        out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
+            out[column_key(out.columns, prefix + name)] = pd.Series(res.values[name], index=df.index, dtype="float64")
+        out[column_key(out.columns, prefix + "error")] = pd.Series(res.values["error"], index=df.index, dtype=object)
         out.attrs = {**df.attrs, "nbgen": res.attrs()}
         return out
 

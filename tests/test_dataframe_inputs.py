@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -42,7 +43,9 @@ def test_duplicate_column_labels_are_a_value_error() -> None:
     df = pd.DataFrame([["a b", 1]], columns=pd.MultiIndex.from_tuples([("in", "prompt"), ("in", "x")]))
     with pytest.raises(ValueError, match="prompt_column='in' names 2 columns"):
         _gen(df, "in")
-    out = _gen(df, ("in", "prompt"))          # a full label of MultiIndex columns names one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")         # pandas deprecates adding a column by a partial key
+        out = _gen(df, ("in", "prompt"))      # a full label of MultiIndex columns names one
     assert out[("text", "")].tolist() == ["b a"] and out[("in", "x")].tolist() == [1]
 
 
