@@ -101,6 +101,18 @@ def test_checkpoint_roundtrip_and_torn_line(tmp_path, suffix) -> None:
 def test_checkpoint_rejects_unknown_suffix(tmp_path) -> None:
     with pytest.raises(ValueError, match="parquet or .jsonl"):
         Checkpoint(str(tmp_path / "run.csv"))
+    with pytest.raises(ValueError, match="checkpoint must be a path"):
+        Checkpoint(True)
+
+
+def test_checkpoint_path_expands_home_and_takes_any_case(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    df = pd.DataFrame({"prompt": ["a b", "c d"]})
+    out = generate_df(df, engine=FakeEngine(), checkpoint="~/runs/r.JSONL", progress=False, chat=False)
+    assert out.attrs["nbgen"]["checkpoint"] == str(tmp_path / "runs" / "r.JSONL")
+    assert len((tmp_path / "runs" / "r.JSONL").read_text().splitlines()) == 2
+    again = generate_df(df, engine=FakeEngine(), checkpoint="~/runs/r.JSONL", progress=False, chat=False)
+    assert again.attrs["nbgen"]["restored"] == 2 and again["text"].tolist() == ["b a", "d c"]
 
 
 # ---- whole runs on the fake engine (logic: ordering, errors, resume) ---------------------------
