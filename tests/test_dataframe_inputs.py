@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -68,3 +69,32 @@ def test_a_series_gets_a_hint_and_bad_argument_types_are_named() -> None:
         _gen(df, batch_size=True)
     out = _gen(df, batch_size=np.int64(1))  # a numpy int is an int
     assert out["text"].tolist() == ["b a"]
+
+
+def test_default_engines_warn_only_about_the_users_own(monkeypatch) -> None:
+    import nbgen.engine as E
+
+    live: list[SimpleNamespace] = []
+
+    class Started:  # Engine's constructor as far as the warning goes
+        def __init__(self, is_embedding: bool = False) -> None:
+            E.warn_others_running([e.model_name for e in E.running_engines()])
+            self.config, self.model_name, self.is_shutdown = SimpleNamespace(is_embedding=is_embedding), "dflt", False
+            live.append(self)
+
+    monkeypatch.setattr(E, "Engine", Started)
+    monkeypatch.setattr(E, "running_engines", lambda: list(live))
+    monkeypatch.setattr(E, "_default_engines", {})
+
+    def said(**kw) -> list[str]:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            E.default_engine(**kw)
+        return [str(w.message) for w in rec]
+
+    assert said() == [] and said(is_embedding=True) == []   # generate_df then embed_df: both nbgen's own
+    live[:] = [SimpleNamespace(config=SimpleNamespace(is_embedding=False), model_name="mine", is_shutdown=False)]
+    monkeypatch.setattr(E, "_default_engines", {})          # a fresh process with the user's own Engine
+    assert said(is_embedding=True) == []                     # the user's engine cannot embed
+    msgs = said()
+    assert len(msgs) == 1 and "beside your running mine: pass engine=<your Engine>" in msgs[0]
