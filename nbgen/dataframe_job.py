@@ -211,13 +211,12 @@ def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], b
     the GenerationInterrupted's ``partial`` is ``build`` of the rows settled so far (the others with
     ``error`` = INTERRUPTED)."""
     results = _Results(job, Checkpoint(checkpoint) if checkpoint is not None else None)
-    todo, restored, failed = _plan(job, results)
-    eng = engine() if todo else None
-    n = len(job)
-    bar = RowProgress(n, job.desc, presettled=n - len(todo), errors=failed, restored=restored, enabled=progress)
-    results.progress = bar
-    outcome = FAILED
-    try:
+    n, restored, outcome, bar = len(job), 0, FAILED, None
+    try:  # the checkpoint is closed (parquet: merged) however the call ends, also while planning or loading
+        todo, restored, failed = _plan(job, results)
+        eng = engine() if todo else None
+        bar = results.progress = RowProgress(n, job.desc, presettled=n - len(todo), errors=failed,
+                                             restored=restored, enabled=progress)
         bar.start()
         for start in range(0, len(todo), batch_size):
             window = _window(job, results, todo[start:start + batch_size], eng)
@@ -225,10 +224,11 @@ def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], b
                 results.finish(row, out)
             del window
         outcome = DONE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the Stop button, also while the default engine loads
         outcome = STOPPED
     finally:
-        bar.close(outcome)
+        if bar is not None:
+            bar.close(outcome)
         results.progress = None
         if results.ckpt is not None:
             results.ckpt.close()

@@ -269,3 +269,23 @@ def test_interrupt_keeps_finished_rows_in_a_partial_frame(tmp_path) -> None:
     part = info.value.partial
     assert part["error"].tolist() == [None, "missing prompt", None, None, None] + [INTERRUPTED] * 5
     assert part["text"].iloc[4] == "v2 w2" and part.attrs["nbgen"]["restored"] == 3
+
+
+def test_stop_while_the_default_engine_loads(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("pyarrow")
+    import nbgen.dataframe
+
+    df = pd.DataFrame({"prompt": ["a b", None, "c d"]})
+    path = tmp_path / "run.parquet"
+    generate_df(df.iloc[:1], engine=FakeEngine(), checkpoint=str(path), progress=False, chat=False)
+
+    def loading() -> FakeEngine:
+        raise KeyboardInterrupt  # the Stop button during the model load
+
+    monkeypatch.setattr(nbgen.dataframe, "default_engine", loading)
+    with pytest.raises(GenerationInterrupted, match="1/3 rows saved") as info:
+        generate_df(df, checkpoint=str(path), progress=False, chat=False)
+    assert info.value.partial["text"].tolist() == ["b a", None, None]
+    assert info.value.partial["error"].tolist() == [None, "missing prompt", INTERRUPTED]
+    assert not os.path.exists(str(path) + ".partial.jsonl")   # the journal was merged, its file closed
+    assert sorted(r["_row"] for r in Checkpoint(str(path)).load()) == [0, 1]
