@@ -211,7 +211,8 @@ def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], b
     the GenerationInterrupted's ``partial`` is ``build`` of the rows settled so far (the others with
     ``error`` = INTERRUPTED)."""
     results = _Results(job, Checkpoint(checkpoint) if checkpoint is not None else None)
-    n, restored, outcome, bar = len(job), 0, FAILED, None
+    n, restored, outcome = len(job), 0, FAILED
+    bar: Optional[RowProgress] = None
     try:  # the checkpoint is closed (parquet: merged) however the call ends, also while planning or loading
         todo, restored, failed = _plan(job, results)
         eng = engine() if todo else None
