@@ -11,13 +11,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence, Union
 
 from nbgen.dataframe_images import image_cell, image_fingerprint, with_image_part
-from nbgen.dataframe_job import check_call, check_new_columns, run_job
+from nbgen.dataframe_job import JobResult, check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import (
     RowError,
+    column_key,
     is_messages,
     jsonable,
     output_columns,
     output_record,
+    require_column,
+    restore_record,
     resolve_param_columns,
     row_key,
     row_params,
@@ -75,6 +78,9 @@ def generate_df(
                      return_logprob, top_logprobs_num, on_error, batch_size, prefix, image_column)
     # "auto" asks the engine whether it has a chat template; the answer is part of each row's key
     eng = default_engine() if engine is None and not isinstance(chat, bool) else engine
+    if eng is not None and _embeds(eng):
+        raise ValueError("generate_df needs a generative engine; this one was created with is_embedding=True "
+                         "(embed_df embeds a column)")
     spec.template = template_mode(chat, system_prompt, _has_template(eng))
     spec.desc = f"generate_df ({'chat template' if spec.template else 'raw text'})"
 
@@ -83,17 +89,24 @@ def generate_df(
         template_mode(chat, system_prompt, _has_template(e))  # chat=True on a model without one
         return e
 
-    res = run_job(spec, checkpoint, the_engine, batch_size, progress)
-    info = {"chat": spec.template, **res.attrs()}
-    out_df = df.copy()
-    for c in spec.cols:
-        vals = res.values.pop(c)
-        if c in ("prompt_tokens", "completion_tokens"):
-            out_df[prefix + c] = pd.array(vals, dtype="Int64")
-        else:
-            out_df[prefix + c] = pd.Series(vals, index=df.index, dtype=object)
-    out_df.attrs = {**df.attrs, "nbgen": info}
-    return out_df
+    def frame(res: JobResult) -> "pd.DataFrame":
+        out_df = df.copy()
+        for c in spec.cols:
+            vals = res.values.pop(c)
+            if c in ("prompt_tokens", "completion_tokens"):
+                out_df[column_key(out_df.columns, prefix + c)] = pd.array(vals, dtype="Int64")
+            else:
+                out_df[column_key(out_df.columns, prefix + c)] = pd.Series(vals, index=df.index, dtype=object)
+        out_df.attrs = {**df.attrs, "nbgen": {"chat": spec.template, **res.attrs()}}
+        return out_df
+
+    return run_job(spec, checkpoint, the_engine, batch_size, progress, frame)
+
+
+def _embeds(eng: Any) -> bool:
+    """Whether ``eng`` was created with ``is_embedding=True`` (it cannot generate)."""
+    info = getattr(eng, "get_model_info", None)
+    return info is not None and info().get("is_generation") is False
 
 
 def _has_template(eng: Any) -> Optional[bool]:
@@ -172,6 +185,9 @@ class _Spec:
     def record(self, out: Any) -> dict[str, Any]:
         return output_record(out, self.cols)
 
+    def restore(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return restore_record(rec)
+
     def tokens(self, rec: dict[str, Any]) -> tuple[int, int]:
         return 0, rec["completion_tokens"] or 0
 
@@ -183,13 +199,17 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
     """Check the call's arguments (nothing runs when one is wrong) and gather what the rows share."""
     check_call(df, prompt_column, on_error, batch_size)
     template_mode(chat, None, True)  # chat is "auto", True or False
+    if sampling_params is not None and not isinstance(sampling_params, Mapping):
+        raise ValueError(f"sampling_params must be a dict or None, got {type(sampling_params).__name__}")
     base = dict(sampling_params or {})
     row_params(base, {}, {})  # invalid call-wide params fail the whole call, before anything runs
     mapping = resolve_param_columns(list(df.columns), param_columns)
+    for c in mapping:
+        require_column(df, c, "param_columns")
     cols = output_columns(return_logprob, top_logprobs_num)
     check_new_columns(df, cols, prefix, "gen_")
-    if image_column is not None and image_column not in df.columns:
-        raise KeyError(f"image column {image_column!r} is not in the DataFrame (columns: {list(df.columns)})")
+    if image_column is not None:
+        require_column(df, image_column, "image_column")
     gen_kw: dict[str, Any] = {"return_logprob": return_logprob}
     if top_logprobs_num:
         gen_kw["top_logprobs_num"] = top_logprobs_num

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from nbgen.dataframe_job import TextRows, check_call, check_new_columns, run_job
-from nbgen.dataframe_rows import abort_message, jsonable, row_key
+from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, is_int, run_job
+from nbgen.dataframe_rows import abort_message, column_key, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
 from nbgen.models.pooling_config import check_dimensions
@@ -37,22 +37,26 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
     import numpy as np
     import pandas as pd
 
-    check_call(df, text_column, on_error, batch_size)
+    check_call(df, text_column, on_error, batch_size, "text_column")
     check_new_columns(df, COLUMNS, prefix, "emb_")
-    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)):
+    if dimensions is not None and not is_int(dimensions):
         raise ValueError(f"dimensions must be an int or None, got {dimensions!r:.60}")
+    dimensions = None if dimensions is None else int(dimensions)  # np.int64(8) -> 8 (the checkpoint key)
     if engine is not None:
         require_embedding(engine, dimensions)
     job = _EmbedRows(texts=df[text_column].tolist(), labels=df.index, on_error=on_error, dimensions=dimensions)
-    res = run_job(job, checkpoint,
-                  lambda: require_embedding(engine or default_engine(is_embedding=True), dimensions),
-                  batch_size, progress)
-    out = df.copy()
-    vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
-    out[prefix + "embedding"] = pd.Series(vecs, index=df.index, dtype=object)
-    out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
-    out.attrs = {**df.attrs, "nbgen": res.attrs()}
-    return out
+
+    def frame(res: JobResult) -> "pd.DataFrame":
+        out = df.copy()
+        vecs = [None if v is None else np.asarray(v, dtype=np.float32) for v in res.values["embedding"]]
+        out[column_key(out.columns, prefix + "embedding")] = pd.Series(vecs, index=df.index, dtype=object)
+        out[column_key(out.columns, prefix + "error")] = pd.Series(res.values["error"], index=df.index, dtype=object)
+        out.attrs = {**df.attrs, "nbgen": res.attrs()}
+        return out
+
+    return run_job(job, checkpoint,
+                   lambda: require_embedding(engine or default_engine(is_embedding=True), dimensions),
+                   batch_size, progress, frame)
 
 
 def require_embedding(engine: Any, dimensions: Optional[int]) -> Any:

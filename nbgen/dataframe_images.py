@@ -13,7 +13,7 @@ import io
 import os
 from typing import Any, Optional
 
-from nbgen.dataframe_rows import RowError, is_missing
+from nbgen.dataframe_rows import RowError, is_missing, require_column
 
 _THUMB_PX = 96
 
@@ -121,8 +121,7 @@ class ImageTable:
 def show_images(df: Any, image_column: str = "image", size: int = _THUMB_PX) -> ImageTable:
     """``df`` as an HTML table with ``size``-pixel thumbnails of ``image_column`` (paths, bytes or PIL
     images) beside the other columns — e.g. generate_df's output with the captions next to the photos."""
-    if image_column not in df.columns:
-        raise KeyError(f"image column {image_column!r} is not in the DataFrame (columns: {list(df.columns)})")
+    require_column(df, image_column, "image_column")
     if not isinstance(size, int) or size < 8:
         raise ValueError(f"size must be an int >= 8 (pixels), got {size!r}")
     return ImageTable(df, image_column, size)

@@ -75,11 +75,14 @@ class Checkpoint:
     """Append-as-you-go record store behind generate_df's ``checkpoint=`` argument."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        if self.path.endswith(".parquet"):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"checkpoint must be a path (str or os.PathLike), got {type(path).__name__}")
+        self.path = os.path.expanduser(os.fspath(path))  # "~/runs/x.jsonl", as pandas' writers take it
+        suffix = self.path.lower()
+        if suffix.endswith(".parquet"):
             _require_pyarrow()  # fail before any generation, not at the end
             self.journal = self.path + ".partial.jsonl"
-        elif self.path.endswith(".jsonl") or self.path.endswith(".json"):
+        elif suffix.endswith(".jsonl") or suffix.endswith(".json"):
             self.journal = self.path
         else:
             raise ValueError(f"checkpoint must end in .parquet or .jsonl, got {self.path!r}")

@@ -12,14 +12,18 @@ an output becomes column values); ``run_job`` does the rest the same way for all
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe_io import Checkpoint
-from nbgen.dataframe_rows import RowError, row_text
+from nbgen.dataframe_rows import RowError, require_column, row_text
 from nbgen.dataframe_window import PendingRow, run_window
 from nbgen.notebook.progress_bar import DONE, FAILED, STOPPED, RowProgress
+
+T = TypeVar("T")
+INTERRUPTED = "interrupted before this row finished"   # the error of rows an interrupt left unrun
 
 
 class RowJob(Protocol):
@@ -49,6 +53,9 @@ class RowJob(Protocol):
 
     def tokens(self, rec: dict[str, Any]) -> tuple[int, int]:
         """(input, output) tokens of a finished row, for the bar's tok/s."""
+
+    def restore(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """A record read back from the checkpoint -> the values a fresh result has (JSON -> tuples)."""
 
 
 @dataclass
@@ -84,6 +91,9 @@ class TextRows:
     def pending(self, pos: int, engine: Any) -> PendingRow:
         return PendingRow(pos, row_text(self.texts[pos]), {}, self.key(pos))
 
+    def restore(self, rec: dict[str, Any]) -> dict[str, Any]:
+        return rec
+
 
 class _Results:
     """Output column values per row, the key of each row's saved result, and the checkpoint."""
@@ -93,6 +103,7 @@ class _Results:
         self.job, self.ckpt = job, ckpt
         self.values: dict[str, list[Any]] = {c: [None] * n for c in job.cols}
         self.keys: list[Optional[str]] = [None] * n  # key of the saved (finished, error-free) result
+        self.settled = [False] * n  # restored, failed or finished in this call
         self.progress: Optional[RowProgress] = None  # told of every row that settles while running
 
     def load(self) -> None:
@@ -103,6 +114,7 @@ class _Results:
         for rec in self.ckpt.load():
             pos = int(rec["_row"])
             if 0 <= pos < n:
+                rec = self.job.restore(rec)
                 for c in self.job.cols:
                     self.values[c][pos] = rec.get(c)
                 self.keys[pos] = rec["_key"] if not rec.get("error") else None
@@ -115,6 +127,7 @@ class _Results:
             raise ValueError(f"row {label!r} (position {pos}): {msg}") from exc
         rec: dict[str, Any] = {c: None for c in self.job.cols}
         rec["error"] = msg
+        self.settled[pos] = True
         for c in self.job.cols:
             self.values[c][pos] = rec[c]
         self.keys[pos] = None
@@ -135,11 +148,21 @@ class _Results:
         for c in self.job.cols:
             self.values[c][row.pos] = rec.get(c)
         self.keys[row.pos] = row.key
+        self.settled[row.pos] = True
         if self.ckpt is not None:
             self.ckpt.append({"_row": row.pos, "_key": row.key, **rec})
         if self.progress is not None:
             n_in, n_out = self.job.tokens(rec)
             self.progress.settle(error=False, out_tokens=n_out, in_tokens=n_in)
+
+    def unsettled_as_interrupted(self) -> None:
+        """Rows that did not settle before an interrupt: no output, ``error`` = INTERRUPTED (values
+        a checkpoint held for a changed row are dropped)."""
+        for pos, ok in enumerate(self.settled):
+            if not ok:
+                for c in self.job.cols:
+                    self.values[c][pos] = None
+                self.values["error"][pos] = INTERRUPTED
 
     def done(self) -> int:
         """Rows with a result (restored or finished in this call)."""
@@ -150,39 +173,51 @@ class _Results:
         return sum(e is not None for e in self.values["error"])
 
 
-def check_call(df: Any, column: str, on_error: str, batch_size: int) -> None:
-    """The arguments every helper takes: a DataFrame with ``column``, ``on_error``, ``batch_size``."""
+def check_call(df: Any, column: str, on_error: str, batch_size: int, param: str = "prompt_column") -> None:
+    """The arguments every helper takes: a DataFrame with ``column`` (the argument ``param``),
+    ``on_error``, ``batch_size``."""
     import pandas as pd
 
+    if isinstance(df, pd.Series):
+        raise TypeError("df must be a pandas DataFrame, got a Series; pass series.to_frame() "
+                        f"(its column is then {df.name if df.name is not None else 0!r})")
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
-    if column not in df.columns:
-        raise KeyError(f"prompt column {column!r} is not in the DataFrame (columns: {list(df.columns)})")
+    require_column(df, column, param)
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+def is_int(v: Any) -> bool:
+    """An integer (Python or numpy), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_new_columns(df: Any, cols: Sequence[str], prefix: str, example: str) -> None:
     """The output columns must not overwrite the caller's data: ValueError suggesting a prefix."""
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a str, got {prefix!r:.60}")
     clash = [prefix + c for c in cols if prefix + c in df.columns]
     if clash:
         raise ValueError(f"output columns {clash} already exist in df; pass prefix={example!r} (for example)")
 
 
 def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], batch_size: int,
-            progress: bool) -> JobResult:
-    """Plan, run and record ``job``'s rows (see the module docstring). ``engine()`` is called only
-    when some row still needs it."""
+            progress: bool, build: Callable[[JobResult], T]) -> T:
+    """Plan, run and record ``job``'s rows (see the module docstring); ``build`` makes the output
+    frame of the result. ``engine()`` is called only when some row still needs it. On an interrupt
+    the GenerationInterrupted's ``partial`` is ``build`` of the rows settled so far (the others with
+    ``error`` = INTERRUPTED)."""
     results = _Results(job, Checkpoint(checkpoint) if checkpoint is not None else None)
-    todo, restored, failed = _plan(job, results)
-    eng = engine() if todo else None
-    n = len(job)
-    bar = RowProgress(n, job.desc, presettled=n - len(todo), errors=failed, restored=restored, enabled=progress)
-    results.progress = bar
-    outcome = FAILED
-    try:
+    n, restored, outcome = len(job), 0, FAILED
+    bar: Optional[RowProgress] = None
+    try:  # the checkpoint is closed (parquet: merged) however the call ends, also while planning or loading
+        todo, restored, failed = _plan(job, results)
+        eng = engine() if todo else None
+        bar = results.progress = RowProgress(n, job.desc, presettled=n - len(todo), errors=failed,
+                                             restored=restored, enabled=progress)
         bar.start()
         for start in range(0, len(todo), batch_size):
             window = _window(job, results, todo[start:start + batch_size], eng)
@@ -190,17 +225,24 @@ def run_job(job: RowJob, checkpoint: Optional[str], engine: Callable[[], Any], b
                 results.finish(row, out)
             del window
         outcome = DONE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the Stop button, also while the default engine loads
         outcome = STOPPED
     finally:
-        bar.close(outcome)
+        if bar is not None:
+            bar.close(outcome)
         results.progress = None
         if results.ckpt is not None:
             results.ckpt.close()
+    path = results.ckpt.path if results.ckpt is not None else None
     if outcome == STOPPED:
-        raise _interrupted(results, n) from None
-    return JobResult(results.values, n, results.errors(), restored,
-                     results.ckpt.path if results.ckpt is not None else None)
+        exc = _interrupted(results, n)
+        results.unsettled_as_interrupted()
+        try:
+            exc.partial = build(JobResult(results.values, n, results.errors(), restored, path))
+        except Exception:  # pragma: no cover - the interrupt matters more than its partial frame
+            exc.partial = None
+        raise exc from None
+    return build(JobResult(results.values, n, results.errors(), restored, path))
 
 
 def _plan(job: RowJob, results: _Results) -> tuple[list[int], int, int]:
@@ -215,6 +257,7 @@ def _plan(job: RowJob, results: _Results) -> tuple[list[int], int, int]:
             key = job.key(pos)
             if results.keys[pos] == key:
                 restored += 1
+                results.settled[pos] = True
                 continue
             job.check(pos)
         except RowError as e:
@@ -239,5 +282,6 @@ def _window(job: RowJob, results: _Results, positions: list[int], eng: Any) -> l
 def _interrupted(results: _Results, total: int) -> GenerationInterrupted:
     done, path = results.done(), results.ckpt.path if results.ckpt is not None else None
     msg = (f"interrupted: {done}/{total} rows saved to {path}; run the cell again to resume" if path else
-           f"interrupted: {done}/{total} rows done; pass checkpoint= to keep finished rows across interrupts")
+           f"interrupted: {done}/{total} rows done (kept in this exception's .partial); "
+           "pass checkpoint= to keep finished rows across interrupts")
     return GenerationInterrupted(msg, done=done, total=total, checkpoint=path)

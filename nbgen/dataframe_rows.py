@@ -27,6 +27,29 @@ class RowError(ValueError):
     """A row that cannot be sent: its message goes into the ``error`` column."""
 
 
+class ColumnError(ValueError, KeyError):
+    """A column argument that names no single column of the DataFrame (a ValueError, and a
+    KeyError as pandas raises for a missing column)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def require_column(df: Any, column: Any, param: str) -> None:
+    """ColumnError naming ``param`` unless ``column`` is exactly one column of ``df``."""
+    names = list(df.columns)
+    shown = f"{names[:20]}" if len(names) <= 20 else f"{names[:20]} (and {len(names) - 20} more)"
+    try:
+        found = column in df.columns
+    except TypeError:  # an unhashable value, e.g. a list of names
+        found = False
+    if not found:
+        raise ColumnError(f"{param}={column!r:.80} is not a column of the DataFrame (columns: {shown})")
+    if getattr(df[column], "ndim", 1) != 1:
+        raise ColumnError(f"{param}={column!r} names {df[column].shape[1]} columns of the DataFrame "
+                          "(duplicate labels, or a level of MultiIndex columns); pass a label of one column")
+
+
 def is_missing(v: Any) -> bool:
     """None, NaN, pd.NA and NaT count as missing."""
     if v is None:
@@ -37,16 +60,25 @@ def is_missing(v: Any) -> bool:
         return v.__class__.__name__ in ("NAType", "NaTType")
 
 
+def column_key(columns: Any, name: str) -> Any:
+    """The key of a new output column ``name``: the name itself, or ``(name, "", ...)`` under
+    MultiIndex columns (pandas wants a full-length tuple there)."""
+    levels = getattr(columns, "nlevels", 1)
+    return name if levels == 1 else (name,) + ("",) * (levels - 1)
+
+
 def resolve_param_columns(columns: Sequence[str],
                           param_columns: Union[None, Sequence[str], Mapping[str, str]]) -> dict[str, str]:
     """``param_columns`` -> {column: sampling param}; a ``sampling_params`` param takes dicts, a
     ``lora_path`` param adapter names (generate()'s keyword: a LoRA adapter per row)."""
     if param_columns is None:
         return {}
+    if isinstance(param_columns, str):  # one column, named like its param
+        param_columns = [param_columns]
     mapping = dict(param_columns) if isinstance(param_columns, Mapping) else {c: c for c in param_columns}
     for col, name in mapping.items():
         if col not in columns:
-            raise KeyError(f"param column {col!r} is not in the DataFrame")
+            raise ColumnError(f"param_columns: {col!r} is not a column of the DataFrame (columns: {list(columns)})")
         if name != "sampling_params" and name not in PARAM_NAMES and name not in GENERATE_KWARGS:
             raise ValueError(f"param column {col!r} maps to unknown sampling param {name!r}")
     return mapping
@@ -204,6 +236,20 @@ def output_record(out: Union[Mapping[str, Any], Sequence[Mapping[str, Any]]], co
             vals = [o.get("meta_info", {}).get(c) for o in outs]
             rec[c] = vals[0] if len(vals) == 1 else vals
     return rec
+
+
+def restore_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpointed record with its logprob entries as tuples again, as ``output_record`` gives them
+    (JSON stores ``(logprob, token_id, text)`` as a list)."""
+    return {c: (_entry_tuples(v) if c in LOGPROB_COLUMNS else v) for c, v in rec.items()}
+
+
+def _entry_tuples(v: Any) -> Any:
+    if isinstance(v, list):
+        if len(v) == 3 and isinstance(v[0], (int, float)) and not isinstance(v[0], bool) and isinstance(v[1], int):
+            return tuple(v)
+        return [_entry_tuples(x) for x in v]
+    return v
 
 
 def error_record(message: str) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
-from nbgen.dataframe_job import TextRows, check_call, check_new_columns, run_job
-from nbgen.dataframe_rows import abort_message, jsonable, row_key
+from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, run_job
+from nbgen.dataframe_rows import abort_message, column_key, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
 
@@ -36,12 +36,13 @@ def score_df(df: "pd.DataFrame", text_column: str = "text", labels: Optional[Seq
     """
     import pandas as pd
 
-    check_call(df, text_column, on_error, batch_size)
-    names = _label_names(labels)
+    check_call(df, text_column, on_error, batch_size, "text_column")
+    values = _label_values(labels)
+    names = tuple(str(lab) for lab in values)
     check_new_columns(df, list(names) + ["error"], prefix, "p_")
     if query is not None and not isinstance(query, str):
         raise ValueError(f"query must be a str or None, got {type(query).__name__}")
-    job = _ScoreRows(texts=df[text_column].tolist(), labels=df.index, on_error=on_error, label_values=list(labels),
+    job = _ScoreRows(texts=df[text_column].tolist(), labels=df.index, on_error=on_error, label_values=values,
                      names=names, query=query or "", item_first=bool(item_first), apply_softmax=bool(apply_softmax))
     if engine is not None:
         job.resolve_labels(engine)
@@ -51,26 +52,36 @@ def score_df(df: "pd.DataFrame", text_column: str = "text", labels: Optional[Seq
         job.resolve_labels(eng)
         return eng
 
-    res = run_job(job, checkpoint, the_engine, batch_size, progress)
-    out = df.copy()
-    for name in names:
-        out[prefix + name] = pd.Series(res.values[name], index=df.index, dtype="float64")
-    out[prefix + "error"] = pd.Series(res.values["error"], index=df.index, dtype=object)
-    out.attrs = {**df.attrs, "nbgen": res.attrs()}
-    return out
+    def frame(res: JobResult) -> "pd.DataFrame":
+        out = df.copy()
+        for name in names:
+            out[column_key(out.columns, prefix + name)] = pd.Series(res.values[name], index=df.index, dtype="float64")
+        out[column_key(out.columns, prefix + "error")] = pd.Series(res.values["error"], index=df.index, dtype=object)
+        out.attrs = {**df.attrs, "nbgen": res.attrs()}
+        return out
+
+    return run_job(job, checkpoint, the_engine, batch_size, progress, frame)
 
 
-def _label_names(labels: Any) -> tuple[str, ...]:
-    """Column names of the labels (ValueError naming ``labels`` when they are not usable)."""
-    if labels is None or isinstance(labels, (str, bytes)) or not isinstance(labels, Sequence) or not labels:
+_RESERVED = ("error", "prompt_tokens", "_row", "_key")   # keys of a row's record and checkpoint line
+
+
+def _label_values(labels: Any) -> list[Label]:
+    """The labels as plain str / int values (a list, tuple, array or Series of them); a ValueError
+    naming ``labels`` when they are not usable."""
+    if labels is None or isinstance(labels, (str, bytes, dict)) or not hasattr(labels, "__iter__"):
         raise ValueError(f"labels must be a non-empty list of label texts or token ids, got {labels!r:.80}")
-    for lab in labels:
+    values = [lab.item() if hasattr(lab, "item") and not isinstance(lab, str) else lab for lab in labels]
+    if not values:
+        raise ValueError("labels must be a non-empty list of label texts or token ids, got an empty one")
+    for lab in values:
         if isinstance(lab, bool) or not isinstance(lab, (str, int)) or lab == "":
             raise ValueError(f"labels must be non-empty strings or token ids, got {lab!r:.60}")
-    names = tuple(str(lab) for lab in labels)
-    if len(set(names)) != len(names) or "error" in names:
-        raise ValueError(f"labels must be distinct (and none named 'error'), got {list(labels)}")
-    return names
+    names = [str(lab) for lab in values]
+    if len(set(names)) != len(names) or set(names) & set(_RESERVED):
+        raise ValueError(f"labels must be distinct (and none named {', '.join(map(repr, _RESERVED))}), "
+                         f"got {values}")
+    return values
 
 
 @dataclass
@@ -104,7 +115,14 @@ class _ScoreRows(TextRows):
             tok = engine.get_tokenizer()
             if tok is None:
                 raise ValueError("text labels need the engine's tokenizer; pass token ids as labels")
-            ids.append(tok.encode(lab, add_special_tokens=False)[0])
+            first = tok.encode(lab, add_special_tokens=False)[:1]
+            if not first:
+                raise ValueError(f"labels: {lab!r} encodes to no token")
+            ids.append(first[0])
+        vocab = engine.get_model_info().get("vocab_size")
+        bad = [i for i in ids if vocab and not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"labels: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         same = [n for n, i in zip(self.names, ids) if ids.count(i) > 1]
         if same:
             raise ValueError(f"labels {same} start with the same token, so their scores would be equal; "

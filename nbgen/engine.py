@@ -29,7 +29,7 @@ from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority
                              make_requests, check_rids, normalize_inputs, per_item)
 from nbgen.engine_images import attach_images, prepare_images
 from nbgen.engine_images_llava import vision_prep_for
-from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
+from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, starting_default, warn_others_running
 from nbgen.request_options import attach_options, check_structured
 from nbgen.models.embedded import default_model_path
 from nbgen.runtime.dp_loop import make_loop
@@ -290,5 +290,8 @@ def default_engine(is_embedding: bool = False) -> Engine:
     with _default_lock:
         e = _default_engines.get(is_embedding)
         if e is None or e.is_shutdown:
-            e = _default_engines[is_embedding] = Engine(is_embedding=True) if is_embedding else Engine()
+            yours = [x.model_name for x in running_engines()
+                     if x not in _default_engines.values() and x.config.is_embedding == is_embedding]
+            with starting_default(yours):
+                e = _default_engines[is_embedding] = Engine(is_embedding=True) if is_embedding else Engine()
         return e

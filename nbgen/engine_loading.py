@@ -11,6 +11,7 @@ warning for a second running Engine.
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import logging
 import re
@@ -18,7 +19,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 logger = logging.getLogger("nbgen")
 
@@ -44,14 +45,33 @@ def model_name(path: Optional[str]) -> str:
     return name or str(path)
 
 
+_default_start = threading.local()   # ``starting`` while default_engine() starts nbgen's own Engine
+
+
 def warn_others_running(models: Sequence[str]) -> None:
     """One UserWarning when other Engines (their ``models``) still run in this process: each holds
-    its model and KV cache in memory. Called from ``Engine.__init__`` (the warning points at its caller)."""
-    if models:
+    its model and KV cache in memory. Called from ``Engine.__init__`` (the warning points at its caller);
+    silent while ``starting_default`` (that warning would tell the user to shut down nbgen's engines)."""
+    if models and not getattr(_default_start, "starting", False):
         n, names = len(models), ", ".join(sorted(set(models)))
         warnings.warn(f"{n} other nbgen Engine{'s are' if n > 1 else ' is'} still running in this process "
                       f"({names}), each holding its model and KV cache in memory: call llm.shutdown() on "
                       "the old one first, or use `with nbgen.Engine() as llm:`", UserWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def starting_default(yours: Sequence[str]) -> Iterator[None]:
+    """Around default_engine() starting nbgen's own Engine: no "other Engines" warning; afterwards one
+    naming the user's own running Engines of that kind (``yours``), which ``engine=`` would have used."""
+    _default_start.starting = True
+    try:
+        yield
+    finally:
+        _default_start.starting = False
+    if yours:
+        warnings.warn(f"engine=None loads nbgen's default Engine beside your running {', '.join(sorted(set(yours)))}"
+                      ": pass engine=<your Engine> to use yours instead of a second model in memory",
+                      UserWarning, stacklevel=5)
 
 
 def _kernel_display(bundle: dict[str, Any]) -> Any:

@@ -101,6 +101,18 @@ def test_checkpoint_roundtrip_and_torn_line(tmp_path, suffix) -> None:
 def test_checkpoint_rejects_unknown_suffix(tmp_path) -> None:
     with pytest.raises(ValueError, match="parquet or .jsonl"):
         Checkpoint(str(tmp_path / "run.csv"))
+    with pytest.raises(ValueError, match="checkpoint must be a path"):
+        Checkpoint(True)
+
+
+def test_checkpoint_path_expands_home_and_takes_any_case(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    df = pd.DataFrame({"prompt": ["a b", "c d"]})
+    out = generate_df(df, engine=FakeEngine(), checkpoint="~/runs/r.JSONL", progress=False, chat=False)
+    assert out.attrs["nbgen"]["checkpoint"] == str(tmp_path / "runs" / "r.JSONL")
+    assert len((tmp_path / "runs" / "r.JSONL").read_text().splitlines()) == 2
+    again = generate_df(df, engine=FakeEngine(), checkpoint="~/runs/r.JSONL", progress=False, chat=False)
+    assert again.attrs["nbgen"]["restored"] == 2 and again["text"].tolist() == ["b a", "d c"]
 
 
 # ---- whole runs on the fake engine (logic: ordering, errors, resume) ---------------------------
@@ -226,3 +238,19 @@ def test_generate_df_real_engine_n_samples_and_chat(tiny_engine) -> None:
     assert tiny_engine.has_chat_template and auto.attrs["nbgen"]["chat"] is True
     assert auto.loc[1, "text"] == tiny_engine.chat([{"role": "user", "content": "the cat"}],
                                                    {"temperature": 0.0, "max_new_tokens": 4})["text"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_restored_logprobs_equal_fresh_ones(tiny_engine, tmp_path, suffix) -> None:
+    if suffix == "parquet":
+        pytest.importorskip("pyarrow")
+    df = pd.DataFrame({"prompt": ["hello world", "the cat"]})
+    kw = dict(engine=tiny_engine, sampling_params={"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": True},
+              chat=False, progress=False, return_logprob=True, top_logprobs_num=2,
+              checkpoint=str(tmp_path / f"lp.{suffix}"))
+    fresh = generate_df(df, **kw)
+    again = generate_df(df, **kw)
+    assert again.attrs["nbgen"]["restored"] == 2
+    assert isinstance(fresh.loc[0, "output_token_logprobs"][0], tuple)  # (logprob, token_id, text)
+    for c in ("output_token_logprobs", "output_top_logprobs", "text"):
+        assert again[c].tolist() == fresh[c].tolist(), c

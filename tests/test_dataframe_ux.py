@@ -2,6 +2,7 @@
 and one-line interrupts. The notebook side runs on a fake IPython display (no browser, no kernel)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -14,6 +15,7 @@ import nbgen.progress
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe import generate_df
 from nbgen.dataframe_io import Checkpoint
+from nbgen.dataframe_job import INTERRUPTED
 from nbgen.dataframe_rows import template_mode
 from nbgen.notebook.progress_bar import RowProgress
 from nbgen.progress import BatchProgress, ProgressBar
@@ -244,4 +246,46 @@ def test_interrupt_without_checkpoint_says_how_to_keep_rows() -> None:
     with pytest.raises(GenerationInterrupted) as info:
         generate_df(df, engine=_Interrupting(after=2), progress=False)
     lines = info.value._render_traceback_()
-    assert lines == ["interrupted: 2/6 rows done; pass checkpoint= to keep finished rows across interrupts"]
+    assert lines == ["interrupted: 2/6 rows done (kept in this exception's .partial); "
+                     "pass checkpoint= to keep finished rows across interrupts"]
+
+
+def test_interrupt_keeps_finished_rows_in_a_partial_frame(tmp_path) -> None:
+    df = pd.DataFrame({"prompt": ["a b", None] + [f"w{i} v{i}" for i in range(8)], "x": range(10)},
+                      index=[f"r{i}" for i in range(10)])
+    path = str(tmp_path / "run.jsonl")
+    with open(path, "w") as f:  # a checkpoint row for a prompt that has changed since: not reused
+        f.write(json.dumps({"_row": 9, "_key": "stale", "text": "old", "error": None}) + "\n")
+    with pytest.raises(GenerationInterrupted) as info:
+        generate_df(df, engine=_Interrupting(after=3), progress=False, batch_size=4, chat=False, checkpoint=path)
+    part = info.value.partial
+    assert list(part.index) == list(df.index) and part["x"].tolist() == list(range(10))
+    assert part["text"].tolist()[:4] == ["b a", None, "v0 w0", "v1 w1"]  # 3 rows finished, 1 failed
+    assert part["error"].tolist() == [None, "missing prompt", None, None] + [INTERRUPTED] * 6
+    assert part["text"].tolist()[4:] == [None] * 6 and part["completion_tokens"].tolist()[:4] == [2, pd.NA, 2, 2]
+    assert part.attrs["nbgen"]["errors"] == 7 and part.attrs["nbgen"]["rows"] == 10
+    with pytest.raises(GenerationInterrupted) as info:  # resumed: the restored rows are in it too
+        generate_df(df, engine=_Interrupting(after=1), progress=False, batch_size=4, chat=False, checkpoint=path)
+    part = info.value.partial
+    assert part["error"].tolist() == [None, "missing prompt", None, None, None] + [INTERRUPTED] * 5
+    assert part["text"].iloc[4] == "v2 w2" and part.attrs["nbgen"]["restored"] == 3
+
+
+def test_stop_while_the_default_engine_loads(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("pyarrow")
+    import nbgen.dataframe
+
+    df = pd.DataFrame({"prompt": ["a b", None, "c d"]})
+    path = tmp_path / "run.parquet"
+    generate_df(df.iloc[:1], engine=FakeEngine(), checkpoint=str(path), progress=False, chat=False)
+
+    def loading() -> FakeEngine:
+        raise KeyboardInterrupt  # the Stop button during the model load
+
+    monkeypatch.setattr(nbgen.dataframe, "default_engine", loading)
+    with pytest.raises(GenerationInterrupted, match="1/3 rows saved") as info:
+        generate_df(df, checkpoint=str(path), progress=False, chat=False)
+    assert info.value.partial["text"].tolist() == ["b a", None, None]
+    assert info.value.partial["error"].tolist() == [None, "missing prompt", INTERRUPTED]
+    assert not os.path.exists(str(path) + ".partial.jsonl")   # the journal was merged, its file closed
+    assert sorted(r["_row"] for r in Checkpoint(str(path)).load()) == [0, 1]

@@ -143,3 +143,57 @@ def test_row_progress_counts_input_tokens_for_prompt_only_rows():
     bar = RowProgress(3, "embed_df", enabled=False)
     bar.settle(in_tokens=40)
     assert bar.in_tokens == 40 and bar.settled == 1
+
+
+def test_helpers_refuse_the_wrong_engine_kind_up_front(emb):
+    with pytest.raises(ValueError, match="generate_df needs a generative engine"):
+        nbgen.generate_df(pd.DataFrame({"prompt": TEXTS}), engine=emb, progress=False)
+    with pytest.raises(ValueError, match="generate_df needs a generative engine"):
+        nbgen.generate_df(pd.DataFrame({"prompt": TEXTS}), engine=emb, progress=False, chat=False)
+
+
+def test_score_df_labels_from_arrays_and_checked_up_front(tiny_engine):
+    df = pd.DataFrame({"text": TEXTS[:2]})
+    ref = nbgen.score_df(df, labels=["Paris", 7], engine=tiny_engine, progress=False)
+    for labels in (np.array(["Paris", "7"], dtype=object), pd.Series(["Paris", np.int64(7)]), ("Paris", 7),
+                   pd.Index(["Paris", 7], dtype=object)):
+        if isinstance(labels, np.ndarray):
+            labels[1] = np.int64(7)
+        out = nbgen.score_df(df, labels=labels, engine=tiny_engine, progress=False)
+        assert list(out.columns) == ["text", "Paris", "7", "error"]
+        assert out["Paris"].tolist() == pytest.approx(ref["Paris"].tolist(), abs=1e-6)
+    vocab = tiny_engine.get_model_info()["vocab_size"]
+    for bad in ([vocab, 7], [-1, 7]):        # not one row runs: the call fails naming labels
+        with pytest.raises(ValueError, match="labels: token ids .* outside the vocabulary"):
+            nbgen.score_df(df, labels=bad, engine=tiny_engine, progress=False)
+    for reserved in ("prompt_tokens", "_row", "error"):  # names the row's record uses
+        with pytest.raises(ValueError, match="labels must be distinct"):
+            nbgen.score_df(df, labels=[reserved, 7], engine=tiny_engine, progress=False)
+    with pytest.raises(ValueError, match="empty one"):
+        nbgen.score_df(df, labels=np.array([]), engine=tiny_engine, progress=False)
+
+
+def test_embed_and_score_interrupt_keep_finished_rows_in_partial(emb, tiny_engine):
+    df = pd.DataFrame({"text": TEXTS}, index=[10, 20, 30, 40])
+    with pytest.raises(GenerationInterrupted, match=r"2/4 rows done \(kept in this exception's .partial\)") as info:
+        nbgen.embed_df(df, engine=StopAfter(emb, 2), progress=False)
+    part = info.value.partial
+    ref = nbgen.embed_df(df, engine=emb, progress=False)
+    done = part["error"].isna()
+    assert list(part.index) == [10, 20, 30, 40] and done.sum() == 2
+    for a, b in zip(part["embedding"][done], ref["embedding"][done]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert part["embedding"][~done].isna().all()
+
+    class StopScore(StopAfter):
+        def score_iter(self, *a, **kw):
+            for k, item in enumerate(self.engine.score_iter(*a, **kw)):
+                if k == self.n:
+                    raise KeyboardInterrupt
+                yield item
+
+    with pytest.raises(GenerationInterrupted) as info:
+        nbgen.score_df(df, labels=["Paris", 7], engine=StopScore(tiny_engine, 1), progress=False)
+    part = info.value.partial
+    assert part["error"].notna().sum() == 3 and part["Paris"].notna().sum() == 1
+    assert math.isclose(float(part["Paris"].sum() + part["7"].sum()), 1.0, abs_tol=1e-6)

@@ -230,6 +230,16 @@ def test_stream_cell_real_engine_matches_generate(tiny_engine) -> None:
 def test_stream_rejects_bad_params_in_the_callers_cell() -> None:
     with pytest.raises(ValueError, match="top_p"):
         stream(FakeEngine(), "x", {"top_p": 2.0}, display=False)
+    for bad in (5, ["a", "b"], []):
+        with pytest.raises(ValueError, match="prompt must be text or a list of chat messages"):
+            stream(FakeEngine(), bad, display=False)
+
+
+def test_stream_takes_a_conversation_through_the_chat_template(tiny_engine) -> None:
+    msgs = [{"role": "user", "content": "The capital of France is"}]
+    sp = {"max_new_tokens": 6, "temperature": 0.0}
+    cell = stream(tiny_engine, msgs, sp, widget=False, display=False)
+    assert cell.wait(30) == tiny_engine.chat(msgs, sp)["text"]
 
 
 # ---- playground ----------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def test_generate_df_image_column_and_thumbnails(vlm, tmp_path):
     assert out["error"][4] is not None and "missing.png" in out["error"][4]
     page = nbgen.show_images(out, "image", size=32)._repr_html_()
     assert page.count("<img") == 3 and "unreadable image" in page and want.split()[0][:3] in page
-    with pytest.raises(KeyError, match="image column"):
+    with pytest.raises(KeyError, match="image_column="):
         nbgen.generate_df(df, "prompt", engine=eng, image_column="photo")
 
 

@@ -7,14 +7,15 @@ queue and threads the interrupt passed through.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class GenerationInterrupted(KeyboardInterrupt):
     """The caller interrupted a generation; ``str(e)`` is the one-line summary.
 
     ``done`` of ``total`` items finished before the interrupt; ``checkpoint`` is where they are
-    saved (None when nothing was saved).
+    saved (None when nothing was saved); ``partial`` is what the call had made so far where it
+    has one (the DataFrame helpers: the output frame, unfinished rows with an ``error``), else None.
     """
 
     def __init__(self, message: str, done: int = 0, total: int = 0, checkpoint: Optional[str] = None) -> None:
@@ -23,6 +24,7 @@ class GenerationInterrupted(KeyboardInterrupt):
         self.done = done
         self.total = total
         self.checkpoint = checkpoint
+        self.partial: Any = None
 
     def __str__(self) -> str:
         return self.message

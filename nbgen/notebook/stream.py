@@ -12,7 +12,7 @@ import html
 import threading
 import time
 import uuid
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from nbgen.notebook import _compat
 from nbgen.notebook._compat import Shown, widgets_or_none
@@ -184,14 +184,21 @@ class StreamCell(Shown):
                 + f'<div style="color:#888;font-size:11px">{html.escape(self.state.status())}</div>')
 
 
-def stream(engine: Any, prompt: str, sampling_params: Optional[dict[str, Any]] = None, *,
-           widget: Optional[bool] = None, show_prompt: bool = False, display: bool = True,
+def stream(engine: Any, prompt: Union[str, list[dict[str, Any]]], sampling_params: Optional[dict[str, Any]] = None,
+           *, widget: Optional[bool] = None, show_prompt: bool = False, display: bool = True,
            **generate_kw: Any) -> StreamCell:
     """Stream one generation into the cell output; returns the StreamCell at once.
 
-    The Stop button (or ``cell.stop()``) aborts the request. ``cell.wait()`` returns the text.
-    Extra keyword arguments go to ``engine.generate`` (e.g. ``return_logprob=True``).
+    ``prompt``: text, or a conversation (a list of ``{"role", "content"}`` dicts) that goes through
+    the model's chat template. The Stop button (or ``cell.stop()``) aborts the request.
+    ``cell.wait()`` returns the text. Extra keyword arguments go to ``engine.generate`` (e.g.
+    ``return_logprob=True``).
     """
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        prompt = engine.apply_chat_template(list(prompt))   # a conversation, as generate_df's cells
+    elif prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"prompt must be text or a list of chat messages, got {type(prompt).__name__}: "
+                         f"{prompt!r:.60}")
     cell = StreamCell(engine, prompt, sampling_params, widget=widget, show_prompt=show_prompt, **generate_kw)
     if display and _compat.ipython_active():
         cell.show()
