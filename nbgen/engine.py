@@ -26,7 +26,7 @@ from nbgen.engine_weights import WeightsMixin
 from nbgen.engine_session import SessionMixin
 from nbgen.engine_sync import SyncBridgeMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
-                             make_requests, check_rids, normalize_inputs, per_item)
+                             make_requests, normalize_inputs, per_item, request_ids)
 from nbgen.engine_images import attach_images, prepare_images
 from nbgen.engine_images_llava import vision_prep_for
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, warn_others_running
@@ -145,7 +145,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                                  "structural_tag are not available (create it with grammar_backend='xgrammar')")
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
-        rids = check_rids(per_item("rid", rid, n))
+        rids = request_ids(rid, n, single)
         prio = check_priority(priority)
         ids_list = self._tokenize_all(items) if kind == "prompt" else items
         ids_list, image_inputs = prepare_images(self._images, self.model_name, ids_list, image_data, single, lps,

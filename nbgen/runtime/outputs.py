@@ -35,6 +35,13 @@ def logprob_fields(req: Request, decode: Decode, start: int = 0) -> dict[str, An
         if lp.token_ids_logprob:
             pad = [None] if first == 0 and req.prompt_ids else []
             out["input_token_ids_logprobs"] = pad + _tops(req.input_ids_logprobs, decode)
+    if lp.return_logprob and lp.logprob_start_len < 0 and start == 0:
+        # no prompt position asked for: SGLang still reports the prompt lists, empty
+        out["input_token_logprobs"] = []
+        if lp.top_logprobs_num > 0:
+            out["input_top_logprobs"] = []
+        if lp.token_ids_logprob:
+            out["input_token_ids_logprobs"] = []
     if lp.return_logprob:
         out["output_token_logprobs"] = [_entry(v, t, decode) for v, t in req.output_token_logprobs[start:]]
         if lp.top_logprobs_num > 0:

@@ -1,0 +1,85 @@
+"""Engine arguments SGLang accepts at its edges: None meaning the default, request ids of a batch."""
+from __future__ import annotations
+
+import pytest
+
+from nbgen.core.sampling import SamplingParams
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+def test_none_sampling_params_mean_the_default() -> None:
+    sp = SamplingParams(temperature=None, top_p=None, top_k=None, min_p=None, frequency_penalty=None,
+                        presence_penalty=None, repetition_penalty=None, min_new_tokens=None, n=None,
+                        ignore_eos=None, skip_special_tokens=None, spaces_between_special_tokens=None,
+                        no_stop_trim=None)
+    assert sp == SamplingParams()
+    assert SamplingParams(stop_token_ids=[None, 5, None]).stop_token_ids == [5]
+    assert SamplingParams(stop_token_ids=[None]).stop_token_ids is None
+
+
+def test_none_sampling_params_through_generate(tiny_engine) -> None:
+    ref = tiny_engine.generate("Hello there", GREEDY)
+    out = tiny_engine.generate("Hello there", {**GREEDY, "top_p": None, "top_k": None, "min_p": None,
+                                               "repetition_penalty": None, "n": None,
+                                               "skip_special_tokens": None, "no_stop_trim": None})
+    assert out["output_ids"] == ref["output_ids"]
+    sampled = tiny_engine.generate("Hello there", {"temperature": None, "max_new_tokens": 4, "ignore_eos": True,
+                                                   "sampling_seed": 3})
+    assert sampled["output_ids"] == tiny_engine.generate(
+        "Hello there", {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 3})["output_ids"]
+
+
+def test_logprob_arguments_none_mean_the_default(tiny_engine) -> None:
+    out = tiny_engine.generate("Hello there", GREEDY, return_logprob=True, top_logprobs_num=None,
+                               logprob_start_len=None)
+    meta = out["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 4
+    assert meta["input_token_logprobs"] == []
+    assert "output_top_logprobs" not in meta or all(not row for row in meta["output_top_logprobs"])
+    plain = tiny_engine.generate("Hello there", GREEDY, return_logprob=None)
+    assert "output_token_logprobs" not in plain["meta_info"]
+
+
+def test_str_rid_of_a_batch_gets_an_index_suffix(tiny_engine) -> None:
+    outs = tiny_engine.generate(["a b", "c d", "e"], GREEDY, rid="job")
+    assert [o["meta_info"]["id"] for o in outs] == ["job_0", "job_1", "job_2"]
+    outs = tiny_engine.generate(["a b", "c d"], {**GREEDY, "n": 2}, rid="par")
+    assert [o["meta_info"]["id"] for o in outs] == ["par_0-0", "par_0-1", "par_1-0", "par_1-1"]
+    assert tiny_engine.generate("a b", GREEDY, rid="one")["meta_info"]["id"] == "one"
+
+
+def test_duplicate_rids_within_a_call(tiny_engine) -> None:
+    with pytest.raises(ValueError, match="rid 'x' appears more than once in the call"):
+        tiny_engine.generate(["a", "b", "c"], GREEDY, rid=["x", "y", "x"])
+    assert tiny_engine.stats()["running"] == 0
+    assert [o["meta_info"]["id"] for o in tiny_engine.generate(["a", "b"], GREEDY, rid=["x", "y"])] == ["x", "y"]
+
+
+def test_prompt_logprob_lists_are_present_and_empty_by_default(tiny_engine) -> None:
+    meta = tiny_engine.generate("Hello there", GREEDY, return_logprob=True, top_logprobs_num=2,
+                                token_ids_logprob=[1, 2])["meta_info"]
+    assert meta["input_token_logprobs"] == []
+    assert meta["input_top_logprobs"] == []
+    assert meta["input_token_ids_logprobs"] == []
+    assert len(meta["output_top_logprobs"]) == len(meta["output_token_ids_logprobs"]) == 4
+    plain = tiny_engine.generate("Hello there", GREEDY, return_logprob=True)["meta_info"]
+    assert plain["input_token_logprobs"] == [] and "input_top_logprobs" not in plain
+
+
+def test_logprob_start_len_past_the_prompt(tiny_engine) -> None:
+    n = len(tiny_engine.tokenizer.encode("Hello there"))
+    with pytest.raises(ValueError, match=r"logprob_start_len=%d is past the end of prompt\[1\]" % (n + 1)):
+        tiny_engine.generate(["Hello there, friend", "Hello there"], GREEDY, return_logprob=True,
+                             logprob_start_len=n + 1)
+    at_end = tiny_engine.generate("Hello there", GREEDY, return_logprob=True, logprob_start_len=n)
+    assert at_end["meta_info"]["input_token_logprobs"] == []
+    assert tiny_engine.generate("Hello there", GREEDY)["meta_info"]["completion_tokens"] == 4
+
+
+def test_logit_bias_past_float32_raises(tiny_engine) -> None:
+    with pytest.raises(ValueError, match=r"logit_bias\['185'\] must be at most 3.403e\+38"):
+        tiny_engine.generate("Hello", {**GREEDY, "logit_bias": {"185": 1e308}})
+    out = tiny_engine.generate("Hello", {**GREEDY, "logit_bias": {"185": 3e38}}, return_logprob=True)
+    assert out["output_ids"] == [185] * 4
+    assert all(lp == 0.0 for lp, _, _ in out["meta_info"]["output_token_logprobs"])
