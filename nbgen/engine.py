@@ -163,12 +163,6 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         self._bind_session(reqs, session_params, session_id)
         return reqs, single
 
-    @staticmethod
-    def _single(reqs: list[Request]) -> Request:
-        if len(reqs) != 1:
-            raise ValueError("stream=True takes a single prompt with n=1")
-        return reqs[0]
-
     # ---- sync -----------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
@@ -179,7 +173,8 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                  lora_path: Any = None, image_data: Any = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
-        ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
+        ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk (a
+        list of prompts or n > 1: chunks of all requests, each with ``index`` into the output list).
         ``return_hidden_states=True`` adds ``meta_info["hidden_states"]`` (one last-layer state per
         generated token); ``custom_logit_processor`` takes ``CustomLogitProcessor.to_str()`` strings
         (Engine(enable_custom_logit_processor=True) only). ``return_text_in_logprobs=True`` fills
@@ -195,7 +190,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
                                      priority, session_params, session_id, lora_path, image_data)
         if stream:
-            return self._stream(self._single(reqs))
+            return self._stream(reqs)
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
         outs = [results[r.rid] for r in reqs]
         return outs[0] if single and len(outs) == 1 else outs

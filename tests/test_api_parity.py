@@ -1,6 +1,8 @@
 """Engine arguments SGLang accepts at its edges: None meaning the default, request ids of a batch."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from nbgen.core.sampling import SamplingParams
@@ -75,6 +77,52 @@ def test_logprob_start_len_past_the_prompt(tiny_engine) -> None:
     at_end = tiny_engine.generate("Hello there", GREEDY, return_logprob=True, logprob_start_len=n)
     assert at_end["meta_info"]["input_token_logprobs"] == []
     assert tiny_engine.generate("Hello there", GREEDY)["meta_info"]["completion_tokens"] == 4
+
+
+def _joined(chunks: list[dict]) -> dict[int, tuple[str, list[int], dict]]:
+    """index -> (text joined, the last chunk's output ids (all of them, nbgen's final chunk), its meta_info)."""
+    out: dict[int, tuple[str, list[int], dict]] = {}
+    for c in chunks:
+        text = out.get(c["index"], ("", [], {}))[0]
+        out[c["index"]] = (text + c["text"], c["output_ids"], c["meta_info"])
+    return out
+
+
+def test_stream_of_a_batch_with_n(tiny_engine) -> None:
+    params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 11, "n": 2}
+    prompts = ["a b", "c d e"]
+    ref = tiny_engine.generate(prompts, params)
+    chunks = list(tiny_engine.generate(prompts, params, stream=True))
+    got = _joined(chunks)
+    assert sorted(got) == [0, 1, 2, 3]
+    for i, o in enumerate(ref):
+        text, ids, meta = got[i]
+        assert (text, ids) == (o["text"], o["output_ids"])
+        assert meta["finish_reason"] == {"type": "length"} and meta["completion_tokens"] == 6
+    single = list(tiny_engine.generate("a b", GREEDY, stream=True))
+    assert all("index" not in c for c in single)
+
+
+def test_closing_a_batch_stream_aborts_every_request(tiny_engine) -> None:
+    it = tiny_engine.generate(["a b", "c d"], {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True},
+                              stream=True, rid=["s0", "s1"])
+    first = next(it)
+    assert first["index"] in (0, 1)
+    it.close()
+    assert tiny_engine.stats()["running"] == 0
+    assert tiny_engine.generate("a b", GREEDY, rid="s0")["meta_info"]["id"] == "s0"
+
+
+def test_async_stream_of_a_batch(tiny_engine) -> None:
+    prompts = ["x y", "z"]
+
+    async def run() -> list[dict]:
+        gen = await tiny_engine.async_generate(prompts, GREEDY, stream=True)
+        return [c async for c in gen]
+
+    got = _joined(asyncio.run(run()))
+    ref = tiny_engine.generate(prompts, GREEDY)
+    assert {i: (t, ids) for i, (t, ids, _) in got.items()} == {i: (o["text"], o["output_ids"]) for i, o in enumerate(ref)}
 
 
 def test_logit_bias_past_float32_raises(tiny_engine) -> None:
