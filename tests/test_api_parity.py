@@ -98,7 +98,7 @@ def test_stream_of_a_batch_with_n(tiny_engine) -> None:
     for i, o in enumerate(ref):
         text, ids, meta = got[i]
         assert (text, ids) == (o["text"], o["output_ids"])
-        assert meta["finish_reason"] == {"type": "length"} and meta["completion_tokens"] == 6
+        assert meta["finish_reason"] == {"type": "length", "length": 6} and meta["completion_tokens"] == 6
     single = list(tiny_engine.generate("a b", GREEDY, stream=True))
     assert all("index" not in c for c in single)
 
@@ -131,3 +131,16 @@ def test_logit_bias_past_float32_raises(tiny_engine) -> None:
     out = tiny_engine.generate("Hello", {**GREEDY, "logit_bias": {"185": 3e38}}, return_logprob=True)
     assert out["output_ids"] == [185] * 4
     assert all(lp == 0.0 for lp, _, _ in out["meta_info"]["output_token_logprobs"])
+
+
+def test_finish_reason_shapes(tiny_engine) -> None:
+    out = tiny_engine.generate("Hello", {**GREEDY, "max_new_tokens": 3})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert tiny_engine.generate("Hello", {"max_new_tokens": 0})["meta_info"]["finish_reason"] == \
+        {"type": "length", "length": 0}
+    it = tiny_engine.generate("Hello", {**GREEDY, "max_new_tokens": 200}, stream=True, rid="to-abort")
+    next(it)
+    tiny_engine.abort("to-abort")
+    last = list(it)[-1]["meta_info"]["finish_reason"]
+    assert last["type"] == "abort" and set(last) == {"type", "message", "status_code", "err_type"}
+    assert (last["status_code"], last["err_type"]) == (None, None)

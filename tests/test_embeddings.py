@@ -106,7 +106,7 @@ def test_output_shape_single_and_meta(emb_llama):
     assert set(out) == {"embedding", "meta_info"}
     assert isinstance(out["embedding"], list) and len(out["embedding"]) == 64
     meta = out["meta_info"]
-    assert meta["id"] == "r-1" and meta["finish_reason"] == {"type": "length"}
+    assert meta["id"] == "r-1" and meta["finish_reason"] == {"type": "length", "length": 0}
     assert meta["prompt_tokens"] == len(emb_llama.tokenizer.encode("Hello, my name is"))
     assert meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
     one = emb_llama.encode(input_ids=[5, 6, 7])

@@ -45,7 +45,7 @@ def test_stream_joins_to_full_text(tiny_engine):
     full = tiny_engine.generate("Caf\u00e9 cr\u00e8me", p)
     chunks = list(tiny_engine.generate("Caf\u00e9 cr\u00e8me", p, stream=True))
     assert "".join(c["text"] for c in chunks) == full["text"]
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
     assert stream_and_merge(tiny_engine, "Caf\u00e9 cr\u00e8me", p) == full["text"]
 
 

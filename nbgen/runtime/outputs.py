@@ -67,7 +67,7 @@ def spec_fields(req: Request) -> dict[str, Any]:
 def embedding_output(req: Request) -> dict[str, Any]:
     """SGLang's encode() dict: the vector (None when the request was aborted) and its meta_info."""
     return {"embedding": req.embedding,
-            "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason),
+            "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason, 0),
                           "prompt_tokens": len(req.prompt_ids), "cached_tokens": req.cached_tokens,
                           "weight_version": req.weight_version, "num_retractions": req.num_retractions,
                           "e2e_latency": time.perf_counter() - req.arrival}}
@@ -87,7 +87,7 @@ def build_output(req: Request, text: Optional[str], output_ids: list[int], decod
         "cached_tokens": req.cached_tokens,
         "reasoning_tokens": 0,               # SGLang counts them with a reasoning parser; nbgen has none
         "num_retractions": req.num_retractions,
-        "finish_reason": finish_dict(req.finish_reason) if finished else None,
+        "finish_reason": finish_dict(req.finish_reason, len(req.output_ids)) if finished else None,
         "weight_version": req.weight_version,
         "e2e_latency": time.perf_counter() - req.arrival,
     }
