@@ -144,3 +144,13 @@ def test_finish_reason_shapes(tiny_engine) -> None:
     last = list(it)[-1]["meta_info"]["finish_reason"]
     assert last["type"] == "abort" and set(last) == {"type", "message", "status_code", "err_type"}
     assert (last["status_code"], last["err_type"]) == (None, None)
+
+
+def test_flush_cache_answers_sglangs_output(tiny_engine) -> None:
+    it = tiny_engine.generate("Hello", {**GREEDY, "max_new_tokens": 200}, stream=True)
+    next(it)
+    busy = tiny_engine.flush_cache()
+    assert (busy.success, bool(busy)) == (False, False) and "requests are running" in busy.message
+    it.close()
+    done = tiny_engine.flush_cache()
+    assert (done.success, bool(done), done.message) == (True, True, "")

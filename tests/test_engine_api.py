@@ -261,7 +261,7 @@ def test_chat_stats_info(tiny_engine):
 def test_flush_cache(tiny_engine):
     tiny_engine.generate("flush me " * 10, {"temperature": 0, "max_new_tokens": 2})
     assert tiny_engine.stats()["prefix_cache_pages"] > 0
-    assert tiny_engine.flush_cache() is True
+    assert tiny_engine.flush_cache().success is True
     assert tiny_engine.stats()["prefix_cache_pages"] == 0
 
 
