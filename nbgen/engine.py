@@ -139,7 +139,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
             raise ValueError("sampling_params is a list but a single prompt was given")
         sps = [build_params(d, self._facts) for d in per_item("sampling_params", sampling_params, n)]
         for sp in sps:
-            check_structured(sp)   # invalid json_schema / regex / ebnf / stop_regex -> ValueError
+            check_structured(sp, self.tokenizer is not None)   # invalid grammar / stop_regex -> ValueError
             if sp.constrained and self.config.grammar_backend == "none":
                 raise ValueError("this Engine has grammar_backend='none': json_schema, regex, ebnf and "
                                  "structural_tag are not available (create it with grammar_backend='xgrammar')")

@@ -154,3 +154,19 @@ def test_flush_cache_answers_sglangs_output(tiny_engine) -> None:
     it.close()
     done = tiny_engine.flush_cache()
     assert (done.success, bool(done), done.message) == (True, True, "")
+
+
+def test_text_matching_params_without_a_tokenizer_raise(tiny_llama_dir) -> None:
+    import nbgen
+
+    eng = nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", skip_tokenizer_init=True)
+    try:
+        for params, name in (({"stop": "ab"}, "stop"), ({"stop": ["ab", "c"]}, "stop"),
+                             ({"stop_regex": "a+"}, "stop_regex"), ({"regex": "[0-9]+"}, "regex"),
+                             ({"json_schema": '{"type": "object"}'}, "json_schema")):
+            with pytest.raises(ValueError, match=rf"^{name}=.* needs the tokenizer"):
+                eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, **params})
+        out = eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "stop_token_ids": [9]})
+        assert out["meta_info"]["completion_tokens"] == 4 and "text" not in out
+    finally:
+        eng.shutdown()
