@@ -26,7 +26,7 @@ from nbgen.engine_weights import WeightsMixin
 from nbgen.engine_session import SessionMixin
 from nbgen.engine_sync import SyncBridgeMixin
 from nbgen.engine_io import (ModelFacts, build_params, check_ids, check_priority, make_logprob_requests,
-                             make_requests, check_rids, normalize_inputs, per_item)
+                             make_requests, normalize_inputs, per_item, request_ids)
 from nbgen.engine_images import attach_images, prepare_images
 from nbgen.engine_images_llava import vision_prep_for
 from nbgen.engine_loading import StageCallback, StartupFeedback, model_name, starting_default, warn_others_running
@@ -139,13 +139,13 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
             raise ValueError("sampling_params is a list but a single prompt was given")
         sps = [build_params(d, self._facts) for d in per_item("sampling_params", sampling_params, n)]
         for sp in sps:
-            check_structured(sp)   # invalid json_schema / regex / ebnf / stop_regex -> ValueError
+            check_structured(sp, self.tokenizer is not None)   # invalid grammar / stop_regex -> ValueError
             if sp.constrained and self.config.grammar_backend == "none":
                 raise ValueError("this Engine has grammar_backend='none': json_schema, regex, ebnf and "
                                  "structural_tag are not available (create it with grammar_backend='xgrammar')")
         lps = make_logprob_requests(n, return_logprob, top_logprobs_num, logprob_start_len,
                                     token_ids_logprob, self._facts.vocab_size, return_text_in_logprobs)
-        rids = check_rids(per_item("rid", rid, n))
+        rids = request_ids(rid, n, single)
         prio = check_priority(priority)
         ids_list = self._tokenize_all(items) if kind == "prompt" else items
         ids_list, image_inputs = prepare_images(self._images, self.model_name, ids_list, image_data, single, lps,
@@ -163,12 +163,6 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         self._bind_session(reqs, session_params, session_id)
         return reqs, single
 
-    @staticmethod
-    def _single(reqs: list[Request]) -> Request:
-        if len(reqs) != 1:
-            raise ValueError("stream=True takes a single prompt with n=1")
-        return reqs[0]
-
     # ---- sync -----------------------------------------------------------------------------------
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  stream: bool = False, return_logprob: Any = False, top_logprobs_num: Any = 0,
@@ -179,7 +173,8 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                  lora_path: Any = None, image_data: Any = None) -> Any:
         """Generate for one prompt (-> dict) or a list (-> list of dicts, prompt-major for n > 1).
 
-        ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk.
+        ``stream=True`` returns an iterator of chunks whose ``text`` is new since the last chunk (a
+        list of prompts or n > 1: chunks of all requests, each with ``index`` into the output list).
         ``return_hidden_states=True`` adds ``meta_info["hidden_states"]`` (one last-layer state per
         generated token); ``custom_logit_processor`` takes ``CustomLogitProcessor.to_str()`` strings
         (Engine(enable_custom_logit_processor=True) only). ``return_text_in_logprobs=True`` fills
@@ -195,7 +190,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
                                      priority, session_params, session_id, lora_path, image_data)
         if stream:
-            return self._stream(self._single(reqs))
+            return self._stream(reqs)
         results = dict(self._run_sync(reqs, use_tqdm if use_tqdm is not None else len(reqs) > 1))
         outs = [results[r.rid] for r in reqs]
         return outs[0] if single and len(outs) == 1 else outs

@@ -14,7 +14,7 @@ import weakref
 from typing import Any, AsyncIterator, Callable
 
 from nbgen.core.request import Request
-from nbgen.runtime.stream_buffer import StreamBuffer
+from nbgen.runtime.stream_buffer import StreamBuffer, take_chunks
 from nbgen.runtime.tracker import Update
 
 
@@ -106,7 +106,7 @@ class AsyncGenerateMixin:
                                      return_hidden_states, custom_logit_processor, return_text_in_logprobs,
                                      priority, session_params, session_id, lora_path, image_data)
         if stream:
-            return self._astream(self._single(reqs))
+            return self._astream(reqs)
         results: dict[str, dict] = {}
         async for upd in self._asubmit(reqs, stream=False):
             results[upd.rid] = upd.output
@@ -132,19 +132,18 @@ class AsyncGenerateMixin:
             if pending:  # cancelled or closed early
                 self._abort_quietly(list(pending), wait=False)   # never block the caller's loop
 
-    async def _astream(self, req: Request) -> AsyncIterator[dict[str, Any]]:
-        """Chunks of one request: each holds everything that arrived since the previous one (merged
-        while the caller's loop was busy), the text made here from the ids (``StreamBuffer``)."""
-        buf = StreamBuffer(req, self.tokenizer, loop_post(asyncio.get_running_loop()), asyncio.Event())
-        self._loop.submit([req], buf, stream=True)
+    async def _astream(self, reqs: list[Request]) -> AsyncIterator[dict[str, Any]]:
+        """Chunks of the call's requests, as ``_stream`` (``index`` with several), on the caller's loop."""
+        ready = asyncio.Event()
+        bufs = [StreamBuffer(r, self.tokenizer, loop_post(asyncio.get_running_loop()), ready) for r in reqs]
+        self._submit_streams(bufs)
         try:
-            while not buf.done:
-                await buf.ready.wait()
-                buf.ready.clear()
-                chunk = buf.take()
-                if chunk is not None:
+            while not all(b.done for b in bufs):
+                await ready.wait()
+                ready.clear()
+                for chunk in take_chunks(bufs):
                     yield chunk
         finally:
-            if not buf.done:  # cancelled or closed early
-                self._abort_quietly([req.rid], wait=False)   # never block the caller's loop
-
+            left = [b.req.rid for b in bufs if not b.done]
+            if left:  # cancelled or closed early
+                self._abort_quietly(left, wait=False)   # never block the caller's loop

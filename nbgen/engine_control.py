@@ -2,9 +2,22 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from nbgen.runtime.profiler import ProfileResult, profile_options
+
+
+@dataclass
+class FlushCacheReqOutput:
+    """flush_cache()'s answer, SGLang's: ``success`` (False while requests run) and a ``message``;
+    in a bool context it is ``success``."""
+
+    success: bool
+    message: str = ""
+
+    def __bool__(self) -> bool:
+        return self.success
 
 
 class ControlMixin:
@@ -16,10 +29,12 @@ class ControlMixin:
         self._check_alive()
         self._loop.abort([rid] if isinstance(rid, str) else list(rid))
 
-    def flush_cache(self) -> bool:
-        """Drop the prefix cache; False (nothing flushed) while requests are running, as SGLang."""
+    def flush_cache(self) -> FlushCacheReqOutput:
+        """Drop the prefix cache; ``success`` False (nothing flushed) while requests are running, as SGLang."""
         self._check_alive()
-        return self._loop.flush_cache()
+        if self._loop.flush_cache():
+            return FlushCacheReqOutput(True)
+        return FlushCacheReqOutput(False, "the cache was not flushed: requests are running")
 
     def start_profile(self, output_dir: Optional[str] = None, num_steps: Optional[int] = None,
                       activities: Optional[Sequence[str]] = None, with_stack: Optional[bool] = None,

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional, Union
 
 from nbgen.core.request import Request
 from nbgen.core.sampling import SamplingParams
-from nbgen.engine_io import check_ids, check_rids, normalize_inputs, per_item
+from nbgen.engine_io import check_ids, normalize_inputs, request_ids
 from nbgen.models.pooling_config import check_dimensions
 
 EmbedOutput = dict[str, Any]
@@ -41,7 +41,7 @@ class EmbedMixin:
                 raise ValueError(f"{name} is not supported by encode() yet; pass text prompts or input_ids")
         dims = check_dimensions(dimensions, self.pooling, self.model_name)
         items, single, kind = normalize_inputs(prompt, input_ids)
-        rids = check_rids(per_item("rid", rid, len(items)))
+        rids = request_ids(rid, len(items), single)
         ids_list = self._tokenize_all(items) if kind == "prompt" else items
         params = SamplingParams(max_new_tokens=0)        # prefill only: finished after the prompt
         for i, ids in enumerate(ids_list):

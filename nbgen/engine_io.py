@@ -9,11 +9,12 @@ import dataclasses
 import numbers
 import random
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from nbgen.core.request import LogprobRequest, Request
-from nbgen.core.sampling import SamplingParams, check_text
+from nbgen.core.sampling import NONE_MEANS_DEFAULT, SamplingParams, check_text
 
 PromptArg = Optional[Union[str, list[str]]]
 IdsArg = Optional[Union[list[int], list[list[int]]]]
@@ -88,7 +89,9 @@ def build_params(d: Any, facts: ModelFacts) -> SamplingParams:
     else:
         if d is not None and not isinstance(d, dict):
             raise TypeError(f"sampling_params must be a dict or a list of dicts, got {type(d).__name__}")
-        sp = SamplingParams.from_dict({**facts.generation_defaults, **(d or {})})
+        # a None that means "the default" is a key not given: the model's generation default applies
+        given = {k: v for k, v in (d or {}).items() if not (v is None and k in NONE_MEANS_DEFAULT)}
+        sp = SamplingParams.from_dict({**facts.generation_defaults, **given})
     sp.verify(facts.vocab_size)
     return sp
 
@@ -124,6 +127,18 @@ def check_rids(rids: list[Any]) -> list[Optional[str]]:
     return rids
 
 
+def request_ids(rid: Any, n: int, single: bool) -> list[Optional[str]]:
+    """One request id per prompt (None: one is made up). A str for a batch gives prompt i the id
+    ``f"{rid}_{i}"`` (SGLang's rule); a list needs one str per prompt, without duplicates."""
+    if isinstance(rid, str) and not single:
+        rid = [f"{rid}_{i}" for i in range(n)]
+    rids = check_rids(per_item("rid", rid, n))
+    dups = [r for r, k in Counter(r for r in rids if r is not None).items() if k > 1]
+    if dups:
+        raise ValueError(f"rid {dups[0]!r} appears more than once in the call (request ids must be unique)")
+    return rids
+
+
 def check_priority(priority: Any) -> Optional[int]:
     """generate()'s ``priority``: None or one int for every prompt of the call (as SGLang's
     GenerateReqInput); anything else is a ValueError naming priority."""
@@ -138,6 +153,10 @@ def make_requests(ids_list: list[list[int]], params: list[SamplingParams], logpr
                   rids: list[Optional[str]], facts: ModelFacts, rng: random.Random) -> list[Request]:
     """Prompt-major list of Requests; n > 1 samples share a group and get distinct seeds."""
     out: list[Request] = []
+    for i, (ids, lp) in enumerate(zip(ids_list, logprobs)):
+        if lp.logprob_start_len > len(ids):    # SGLang aborts such a request
+            raise ValueError(f"logprob_start_len={lp.logprob_start_len} is past the end of prompt[{i}] "
+                             f"({len(ids)} tokens)")
     for ids, sp, lp, rid in zip(ids_list, params, logprobs, rids):
         base = rid if rid is not None else uuid.uuid4().hex
         seed = sp.sampling_seed if sp.sampling_seed is not None else rng.getrandbits(31)
@@ -153,9 +172,10 @@ def make_logprob_requests(n: int, return_logprob: Any, top_logprobs_num: Any, lo
                           token_ids_logprob: Any, vocab_size: int,
                           return_text_in_logprobs: Any = False) -> list[LogprobRequest]:
     """Per-prompt logprob options, validated."""
-    rl = per_item("return_logprob", return_logprob, n)
-    tn = per_item("top_logprobs_num", top_logprobs_num, n)
-    ls = per_item("logprob_start_len", logprob_start_len, n)
+    # None (SGLang's Engine default for these) means the default: no logprobs, 0 top, output only
+    rl = [False if v is None else v for v in per_item("return_logprob", return_logprob, n)]
+    tn = [0 if v is None else v for v in per_item("top_logprobs_num", top_logprobs_num, n)]
+    ls = [-1 if v is None else v for v in per_item("logprob_start_len", logprob_start_len, n)]
     ti = per_item("token_ids_logprob", token_ids_logprob, n)
     out = []
     for i in range(n):

@@ -14,7 +14,7 @@ from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.core.multimodal import submit_in_order
 from nbgen.core.request import Request
 from nbgen.progress import BatchProgress
-from nbgen.runtime.stream_buffer import DIRECT, StreamBuffer
+from nbgen.runtime.stream_buffer import DIRECT, StreamBuffer, take_chunks
 from nbgen.runtime.tracker import Update
 
 
@@ -49,23 +49,35 @@ class SyncBridgeMixin:
             if pending:  # interrupted (KeyboardInterrupt, generator closed): abort what is left
                 self._abort_quietly(list(pending))
 
-    def _stream(self, req: Request) -> Iterator[dict[str, Any]]:
-        """Chunks of one request: each holds everything that arrived since the previous one (merged
-        while the caller was busy), the text made here from the ids (``StreamBuffer``)."""
-        buf = StreamBuffer(req, self.tokenizer, DIRECT, threading.Event())
-        self._loop.submit([req], buf, stream=True)
+    def _stream(self, reqs: list[Request]) -> Iterator[dict[str, Any]]:
+        """Chunks of the call's requests as they come: each holds everything that arrived for its
+        request since that request's previous chunk (merged while the caller was busy), the text made
+        here from the ids (``StreamBuffer``). With several requests (a list of prompts, or n > 1) each
+        chunk carries ``index``: its request's place in the non-streamed output list (SGLang's)."""
+        ready = threading.Event()
+        bufs = [StreamBuffer(r, self.tokenizer, DIRECT, ready) for r in reqs]
+        self._submit_streams(bufs)
         try:
-            while not buf.done:
-                if not buf.ready.wait(0.1):
+            while not all(b.done for b in bufs):
+                if not ready.wait(0.1):
                     self._check_alive()
                     continue
-                buf.ready.clear()
-                chunk = buf.take()
-                if chunk is not None:
-                    yield chunk
+                ready.clear()
+                yield from take_chunks(bufs)
         finally:
-            if not buf.done:
-                self._abort_quietly([req.rid])
+            left = [b.req.rid for b in bufs if not b.done]
+            if left:
+                self._abort_quietly(left)
+
+    def _submit_streams(self, bufs: list[StreamBuffer]) -> None:
+        """Submit each request with its own buffer; if one is refused, abort those already queued."""
+        for k, b in enumerate(bufs):
+            try:
+                self._loop.submit([b.req], b, stream=True)
+            except BaseException:
+                if k:
+                    self._abort_quietly([x.req.rid for x in bufs[:k]], wait=False)
+                raise
 
     def _abort_quietly(self, rids: list[str], wait: bool = True) -> None:
         """Abort an interrupted call's requests; with ``wait``, return once the loop let them go."""

@@ -10,13 +10,20 @@ from typing import Any
 
 from nbgen.core.logit_processor import load_processor
 from nbgen.core.request import Request
-from nbgen.core.sampling import SamplingParams
+from nbgen.core.sampling import GRAMMAR_KINDS, SamplingParams
 from nbgen.runtime.grammar import check_grammar
 from nbgen.runtime.stop_regex import compile_stop_regex
 
 
-def check_structured(sp: SamplingParams) -> None:
-    """ValueError for an invalid grammar or stop_regex (xgrammar / regex parse, cached)."""
+def check_structured(sp: SamplingParams, has_tokenizer: bool = True) -> None:
+    """ValueError for an invalid grammar or stop_regex (xgrammar / regex parse, cached), and for stop
+    strings, stop_regex or a grammar on an engine without a tokenizer (they match text; SGLang
+    refuses stop and stop_regex there too)."""
+    if not has_tokenizer:
+        for name in ("stop", "stop_regex", *GRAMMAR_KINDS):
+            if getattr(sp, name):
+                raise ValueError(f"{name}={getattr(sp, name)!r:.60} needs the tokenizer, which this Engine does not "
+                                 "load (skip_tokenizer_init=True): use stop_token_ids, or an Engine with a tokenizer")
     if sp.constrained:
         check_grammar(sp)
     if sp.stop_regex:

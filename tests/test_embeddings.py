@@ -101,12 +101,19 @@ def test_encode_matches_hf_default_last_token_pooling(family, request):
     assert len(eng.tokenizer.encode(LONG)) > 32
 
 
+def test_str_rid_of_a_batch_gets_an_index_suffix(emb_llama):
+    outs = emb_llama.encode(["a b", "c"], rid="emb")
+    assert [o["meta_info"]["id"] for o in outs] == ["emb_0", "emb_1"]
+    with pytest.raises(ValueError, match="rid 'x' appears more than once in the call"):
+        emb_llama.encode(["a", "b"], rid=["x", "x"])
+
+
 def test_output_shape_single_and_meta(emb_llama):
     out = emb_llama.encode("Hello, my name is", rid="r-1")
     assert set(out) == {"embedding", "meta_info"}
     assert isinstance(out["embedding"], list) and len(out["embedding"]) == 64
     meta = out["meta_info"]
-    assert meta["id"] == "r-1" and meta["finish_reason"] == {"type": "length"}
+    assert meta["id"] == "r-1" and meta["finish_reason"] == {"type": "length", "length": 0}
     assert meta["prompt_tokens"] == len(emb_llama.tokenizer.encode("Hello, my name is"))
     assert meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
     one = emb_llama.encode(input_ids=[5, 6, 7])

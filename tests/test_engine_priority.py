@@ -74,7 +74,8 @@ def test_abort_on_priority_when_disabled_and_config_errors(tiny_llama_dir):
         nbgen.Engine(tiny_llama_dir, priority_scheduling_preemption_threshold=-1)
     with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu", abort_on_priority_when_disabled=True) as e:
         out = e.generate(["a", "b"], {"max_new_tokens": 2}, priority=1)
-        assert [o["meta_info"]["finish_reason"] for o in out] == [{"type": "abort", "message": DISABLED_MESSAGE}] * 2
+        assert [o["meta_info"]["finish_reason"] for o in out] == [{"type": "abort", "message": DISABLED_MESSAGE,
+                                                                   "status_code": None, "err_type": None}] * 2
         assert e.generate("a", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"
 
 

@@ -109,7 +109,7 @@ def _logit_bias(r: random.Random, vocab: int, avoid: set[int]) -> tuple[dict[Any
         return {key(t): -INF for t in range(vocab) if t not in allowed}, mode
     if mode == "ban_all":
         return {key(t): -INF for t in range(vocab)}, mode
-    return {key(r.randrange(vocab)): r.choice([1e308, -1e308, 3.0e38]) for _ in range(r.randint(1, 2))}, mode
+    return {key(r.randrange(vocab)): r.choice([3.4e38, -1e308, 3.0e38]) for _ in range(r.randint(1, 2))}, mode
 
 
 def _params(r: random.Random, vocab: int, eos: set[int], allow_n: bool) -> tuple[dict[str, Any], str]:
@@ -171,25 +171,26 @@ def _params(r: random.Random, vocab: int, eos: set[int], allow_n: bool) -> tuple
 
 
 def bad_values(vocab: int) -> list[tuple[str, Any]]:
-    """(key, bad value) pairs: the call must raise naming key."""
+    """(key, bad value) pairs: the call must raise naming key. (None is SGLang's "the default" for the
+    numeric and bool parameters, and a None stop_token_ids entry is dropped: not bad.)"""
     return [
-        *[("temperature", v) for v in (NAN, INF, -INF, -1, -1e-9, "0.5", [1], {}, None, 1j, True)],
-        *[("top_p", v) for v in (0, 0.0, -0.1, 1.5, NAN, INF, "1", None, [0.5])],
-        *[("top_k", v) for v in (0, -2, -(2**63), 1.5, "5", None, True, 5.0)],
-        *[("min_p", v) for v in (-0.1, 1.1, NAN, INF, None, "0")],
-        *[(k, v) for k in ("frequency_penalty", "presence_penalty") for v in (2.5, -3, NAN, INF, -INF, None, "x")],
-        *[("repetition_penalty", v) for v in (0, -1, 2.5, NAN, INF, None)],
+        *[("temperature", v) for v in (NAN, INF, -INF, -1, -1e-9, "0.5", [1], {}, 1j, True)],
+        *[("top_p", v) for v in (0, 0.0, -0.1, 1.5, NAN, INF, "1", [0.5])],
+        *[("top_k", v) for v in (0, -2, -(2**63), 1.5, "5", True, 5.0)],
+        *[("min_p", v) for v in (-0.1, 1.1, NAN, INF, "0")],
+        *[(k, v) for k in ("frequency_penalty", "presence_penalty") for v in (2.5, -3, NAN, INF, -INF, "x")],
+        *[("repetition_penalty", v) for v in (0, -1, 2.5, NAN, INF)],
         *[("max_new_tokens", v) for v in (-1, 1.5, "8", NAN, INF, [8], True, 10**30, 2**63, 5000)],
-        *[("min_new_tokens", v) for v in (-1, "1", None, 1.0, 10**9)],
-        *[("n", v) for v in (0, -1, 2**40, 1.0, "2", None, True, NAN)],
+        *[("min_new_tokens", v) for v in (-1, "1", 1.0, 10**9)],
+        *[("n", v) for v in (0, -1, 2**40, 1.0, "2", True, NAN)],
         *[("stop", v) for v in ("", [""], [1], 5, ["ok", None], {"a": 1}, "\ud800", ["x", "\udfff"], ("a", ""))],
-        *[("stop_token_ids", v) for v in ([-1], [vocab], [10**9], "12", 12, [1.5], [None], [True], {1: 2})],
+        *[("stop_token_ids", v) for v in ([-1], [vocab], [10**9], "12", 12, [1.5], [True], {1: 2})],
         *[("stop_regex", v) for v in ("(", "", [""], 5, ["ok", "[a-"])],
         *[(k, v) for k in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-            for v in ("yes", 1, None, 0)],
+            for v in ("yes", 1, 0)],
         *[("logit_bias", v) for v in ([1, 2], "x", 5, {"abc": 1.0}, {None: 1.0}, {(1, 2): 1.0}, {1: NAN},
                                       {1: INF}, {"2": "x"}, {3: None}, {vocab: 1.0}, {-1: -INF},
-                                      {10**9: 0.0}, {"1e3": 1.0}, {5: [1]}, {"7": INF})],
+                                      {10**9: 0.0}, {"1e3": 1.0}, {5: [1]}, {"7": INF}, {"9": 1e308})],
         *[("sampling_seed", v) for v in ("1", 1.5, NAN, [1])],
         *[("regex", v) for v in ("(", "[a-", "", 5, ["[a-z]"])],
         *[("json_schema", v) for v in ("not json", "{", "[1, 2]", "5", '"str"', "", "null", 5)],
@@ -290,7 +291,7 @@ class _Builder:
         kinds = ["bad_value"] * 8 + ["odd_value", "unknown_key", "non_str_key", "whole_params", "grammars",
                                      "rid", "logprob", "hidden", "inputs", "inputs", "capacity"]
         if self.mode.startswith("stream"):
-            kinds += ["stream_misuse"] * 2
+            kinds += ["stream_many"] * 2
         kind = r.choice(kinds)
         if kind == "bad_value":
             key, value = r.choice(bad_values(self.vocab))
@@ -343,7 +344,7 @@ class _Builder:
             self.inputs_fault()
         elif kind == "capacity":
             self.capacity_case()
-        else:  # stream_misuse: a batch or n > 1 cannot stream
+        else:  # stream_many: a batch or n > 1 streams every request, chunks tagged with their index
             if r.random() < 0.5:
                 self.items = self.items + [self.items[0]]
                 self.batch = True
@@ -351,7 +352,7 @@ class _Builder:
             else:
                 self.a_dict()["n"] = 2
             self.flatten()
-            self.hard("stream", note="stream with several outputs")
+            self.notes.append("stream with several outputs")
 
     def rid_fault(self) -> None:
         r = self.r
@@ -382,10 +383,10 @@ class _Builder:
         self.extra["return_logprob"] = True
         choice = r.randrange(4)
         if choice == 0:
-            self.extra["top_logprobs_num"] = r.choice([-1, "3", 1.5, None])
+            self.extra["top_logprobs_num"] = r.choice([-1, "3", 1.5])
             self.hard("top_logprobs_num", note="bad top_logprobs_num")
         elif choice == 1:
-            self.extra["logprob_start_len"] = r.choice([-2, "0", 1.5, None])
+            self.extra["logprob_start_len"] = r.choice([-2, "0", 1.5])
             self.hard("logprob_start_len", note="bad logprob_start_len")
         elif choice == 2:
             self.extra["token_ids_logprob"] = r.choice([[self.vocab], [-1], "abc", [1.5],
@@ -607,23 +608,33 @@ class Fuzz:
         if case.mode == "stream":
             if not value or not all(isinstance(c, dict) for c in value):
                 return [f"stream gave no chunks or non-dicts: {_short(value)}"]
-            early = [c["meta_info"]["finish_reason"] for c in value[:-1]]
-            if any(fr is not None for fr in early):
-                return [f"a chunk before the last has a finish_reason: {early}"]
-            streamed = [t for c in value[:-1] for t in c["output_ids"]]
-            final = dict(value[-1], text="".join(c["text"] for c in value))
-            if final["output_ids"][:len(streamed)] != streamed:
-                return [f"streamed ids {streamed} are not a prefix of the final ids {final['output_ids']}"]
-            return self.check_one(final, case.outs[0], case.kwargs)
+            if len(case.outs) > 1:    # several requests: each one's chunks carry its index
+                if sorted({c.get("index") for c in value}, key=str) != list(range(len(case.outs))):
+                    return [f"stream chunks' indexes {sorted({str(c.get('index')) for c in value})} for "
+                            f"{len(case.outs)} outputs"]
+                return [p for i, sp in enumerate(case.outs)
+                        for p in self.check_stream([c for c in value if c["index"] == i], sp, case.kwargs)]
+            return self.check_stream(value, case.outs[0], case.kwargs)
         if case.mode == "stream_close":
             if not isinstance(value, dict) or not isinstance(value.get("text"), str):
                 return [f"first chunk is not an output dict: {_short(value)}"]
             if value["meta_info"]["finish_reason"] is not None:
-                return self.check_one(value, case.outs[0], case.kwargs)
+                return self.check_one(value, case.outs[value.get("index", 0)], case.kwargs)
             return []
         if not (isinstance(value, tuple) and len(value) == 2 and value[0] in range(len(case.outs))):
             return [f"generate_iter gave {_short(value)}; expected (index < {len(case.outs)}, output)"]
         return self.check_one(value[1], case.outs[value[0]], case.kwargs)
+
+    def check_stream(self, value: list[dict[str, Any]], sp: dict[str, Any], kw: dict[str, Any]) -> list[str]:
+        """The chunks of one streamed request: only the last finished, the ids a prefix, the whole valid."""
+        early = [c["meta_info"]["finish_reason"] for c in value[:-1]]
+        if any(fr is not None for fr in early):
+            return [f"a chunk before the last has a finish_reason: {early}"]
+        streamed = [t for c in value[:-1] for t in c["output_ids"]]
+        final = dict(value[-1], text="".join(c["text"] for c in value))
+        if final["output_ids"][:len(streamed)] != streamed:
+            return [f"streamed ids {streamed} are not a prefix of the final ids {final['output_ids']}"]
+        return self.check_one(final, sp, kw)
 
     def check_one(self, o: Any, sp: dict[str, Any], kw: dict[str, Any]) -> list[str]:
         """The invariants of one finished output given its sampling params."""
@@ -662,7 +673,8 @@ class Fuzz:
         if fr["type"] == "stop" and isinstance(matched, int):
             if matched not in enders or not ids or ids[-1] != matched:
                 bad.append(f"stopped on {matched}, stop ids {sorted(stop_ids)}, ids {ids}")
-            if len(ids) < sp.get("min_new_tokens", 0):
+            # a grammar that is complete ends the request, min_new_tokens or not
+            if len(ids) < sp.get("min_new_tokens", 0) and not any(sp.get(k) is not None for k in GRAMMAR_KEYS):
                 bad.append(f"stopped after {len(ids)} < min_new_tokens={sp['min_new_tokens']} tokens")
         bad += self.check_text(o["text"], fr, sp)
         if kw.get("return_logprob") is True and not bad:

@@ -277,7 +277,8 @@ def test_abort_waiting_and_running_frees_pages() -> None:
     runner = FakeRunner(s)
     s.update(batch := s.schedule(), runner.step(batch))
     assert s.pool.num_used == 8 and a.status is Status.RUNNING and b.status is Status.WAITING
-    assert s.abort("b", "bye") is b and b.finish_reason.to_dict() == {"type": "abort", "message": "bye"}
+    assert s.abort("b", "bye") is b and b.finish_reason.to_dict() == {"type": "abort", "message": "bye",
+                                                                   "status_code": None, "err_type": None}
     assert s.abort("a") is a and a.finished and s.pool.num_used == 0 and not s.has_work()
     assert s.abort("a") is None and s.abort("nope") is None
 
@@ -307,7 +308,8 @@ def test_finish_from_outside_and_runner_error() -> None:
     out = runner.step(batch)
     out.errors[1] = "boom"
     changed = s.update(batch, out)
-    assert b in changed and b.finish_reason.to_dict() == {"type": "abort", "message": "boom"}
+    assert b in changed and b.finish_reason.to_dict() == {"type": "abort", "message": "boom",
+                                                           "status_code": None, "err_type": None}
     s.finish(a, {"type": "stop", "matched": "xyz"})              # a stop string matched
     assert a.finished and not s.has_work() and s.cache.num_cached_pages == 2
     assert s.pool.num_used == 2                                  # only a's cached full pages remain

@@ -156,7 +156,7 @@ def test_stream_interval(eng, tiny_engine) -> None:
     chunks = list(eng.generate("hello there", p, stream=True))
     # the first token at once, then every 3 new tokens; the finish at once (its chunk has every id)
     assert [len(c["output_ids"]) for c in chunks[:-1]] == [1, 3, 3]
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     full = eng.generate("hello there", p)
     assert "".join(c["text"] for c in chunks) == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
     per_request = list(eng.generate("hello there", {**p, "stream_interval": 1}, stream=True))

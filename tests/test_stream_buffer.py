@@ -99,7 +99,7 @@ def test_concurrent_async_streams_join_to_the_generated_texts(tiny_engine) -> No
         assert "".join(c["text"] for c in chunks) == r["text"]
         assert sum((c["output_ids"] for c in chunks[:-1]), []) == r["output_ids"][:sum(len(c["output_ids"]) for c in chunks[:-1])]
         assert chunks[-1]["output_ids"] == r["output_ids"]
-        assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+        assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": len(r["output_ids"])}
         assert chunks[-1]["meta_info"]["completion_tokens"] == len(r["output_ids"])
         assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
         counts = [c["meta_info"]["completion_tokens"] for c in chunks[:-1]]
@@ -121,7 +121,7 @@ def test_a_slow_consumer_gets_the_rest_merged_and_loses_nothing(tiny_engine, par
     assert len(rest) == 1                                  # everything since the first chunk, merged
     assert first["text"] + rest[0]["text"] == ref["text"]
     assert rest[0]["output_ids"] == ref["output_ids"]
-    assert rest[0]["meta_info"]["finish_reason"] == {"type": "length"}
+    assert rest[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
     if lp:
         assert [e[1] for e in rest[0]["meta_info"]["output_token_logprobs"]] == ref["output_ids"]
 

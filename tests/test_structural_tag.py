@@ -51,7 +51,7 @@ def test_the_schema_holds_inside_each_triggered_structure(tiny_engine, fmt):
 
 def test_structural_tag_given_as_a_dict(tiny_engine):
     out = tiny_engine.generate("Hello, my name", {**GREEDY, "structural_tag": TAG})
-    assert out["meta_info"]["finish_reason"] == {"type": "length"}
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
 
 
 @pytest.mark.parametrize("bad, match", [

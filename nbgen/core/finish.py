@@ -4,8 +4,10 @@ The three shapes callers receive, exactly as SGLang writes them:
 
 - ``FinishReason.stop(matched)`` -> ``{"type": "stop", "matched": matched}`` (a stop token id, or
   the stop string / stop_regex pattern that matched);
-- ``FinishReason.length()`` -> ``{"type": "length"}`` (max_new_tokens or the context length);
-- ``FinishReason.abort(message)`` -> ``{"type": "abort", "message": message}``.
+- ``FinishReason.length()`` -> ``{"type": "length", "length": n}`` (max_new_tokens or the context
+  length; ``n``: the output tokens, which ``finish_dict`` is given);
+- ``FinishReason.abort(message)`` -> ``{"type": "abort", "message": message, "status_code": None,
+  "err_type": None}`` (SGLang's HTTP fields, unused in-process).
 
 ``reason["type"]`` and ``reason.get("matched")`` read it like the dict it becomes.
 """
@@ -42,14 +44,15 @@ class FinishReason:
     def is_stop(self) -> bool:
         return self.type == STOP
 
-    def to_dict(self) -> dict[str, Any]:
-        """SGLang's dict: ``{"type": "stop", "matched": m}``, ``{"type": "length"}`` or
-        ``{"type": "abort", "message": m}``."""
+    def to_dict(self, length: Optional[int] = None) -> dict[str, Any]:
+        """SGLang's dict: ``{"type": "stop", "matched": m}``, ``{"type": "length", "length": n}``
+        (without ``length`` when none is given) or ``{"type": "abort", "message": m, "status_code":
+        None, "err_type": None}``."""
         if self.type == STOP:
             return {"type": STOP, "matched": self.matched}
         if self.type == ABORT:
-            return {"type": ABORT, "message": self.message}
-        return {"type": self.type}
+            return {"type": ABORT, "message": self.message, "status_code": None, "err_type": None}
+        return {"type": self.type} if length is None else {"type": self.type, "length": length}
 
     # dict-style reads (``reason["type"]``, ``reason.get("matched")``) for code written against the dict
     def __getitem__(self, key: str) -> Any:
@@ -73,6 +76,8 @@ class FinishReason:
 _LENGTH = FinishReason(LENGTH)
 
 
-def finish_dict(reason: Union[FinishReason, dict[str, Any], None]) -> Optional[dict[str, Any]]:
-    """The caller-facing dict of a reason (a plain dict passes through unchanged)."""
-    return reason.to_dict() if isinstance(reason, FinishReason) else reason
+def finish_dict(reason: Union[FinishReason, dict[str, Any], None],
+                length: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """The caller-facing dict of a reason (a plain dict passes through unchanged); ``length``: the
+    request's output tokens, SGLang's ``"length"`` of a length finish."""
+    return reason.to_dict(length) if isinstance(reason, FinishReason) else reason

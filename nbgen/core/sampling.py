@@ -27,8 +27,14 @@ def _int(name: str, v: Any) -> int:
 GREEDY_TEMPERATURE = 1e-6
 # the structured-output parameters; at most one per request
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# the largest finite float32: a larger logit bias is +inf in the logits
+FLOAT32_MAX = 3.4028234663852886e38
 # samples per prompt (n): each is a request holding a copy of its prompt until it finishes
 MAX_N = 4096
+# parameters whose None means "the default" (SGLang's SamplingParams accepts None for these)
+NONE_MEANS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                      "repetition_penalty", "min_new_tokens", "n", "ignore_eos", "skip_special_tokens",
+                      "spaces_between_special_tokens", "no_stop_trim")
 
 
 def check_text(text: str, name: str) -> None:
@@ -44,6 +50,12 @@ def check_text(text: str, name: str) -> None:
 def _init_names(cls: type) -> dict[str, None]:
     """The dataclass's constructor argument names, in order (looked up once per class)."""
     return dict.fromkeys(f.name for f in fields(cls) if f.init)
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> dict[str, Any]:
+    """The dataclass's plain field defaults by name (looked up once per class)."""
+    return {f.name: f.default for f in fields(cls) if f.init}
 
 
 @dataclass
@@ -83,6 +95,9 @@ class SamplingParams:
     stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in NONE_MEANS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, _defaults(type(self))[name])
         if self.max_new_tokens is not None:
             self.max_new_tokens = _int("max_new_tokens", self.max_new_tokens)
             if self.max_new_tokens < 0:
@@ -123,7 +138,8 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple, set)):
                 raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
-            self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids]
+            # None entries are dropped and an empty list means none (as SGLang)
+            self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids if t is not None] or None
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
@@ -134,8 +150,9 @@ class SamplingParams:
                 except (TypeError, ValueError):
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
                 bias[tok] = _num(f"logit_bias[{k!r}]", v)
-                if bias[tok] == math.inf:
-                    raise ValueError(f"logit_bias[{k!r}] must be finite or -inf (a ban), got {v!r}")
+                if bias[tok] > FLOAT32_MAX:   # +inf in the float32 logits: NaN probabilities
+                    raise ValueError(f"logit_bias[{k!r}] must be at most {FLOAT32_MAX:.4g} (float32) or -inf "
+                                     f"(a ban), got {v!r}")
             self.logit_bias = bias
         if self.sampling_seed is not None:
             self.sampling_seed = _int("sampling_seed", self.sampling_seed)

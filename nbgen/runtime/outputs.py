@@ -35,6 +35,13 @@ def logprob_fields(req: Request, decode: Decode, start: int = 0) -> dict[str, An
         if lp.token_ids_logprob:
             pad = [None] if first == 0 and req.prompt_ids else []
             out["input_token_ids_logprobs"] = pad + _tops(req.input_ids_logprobs, decode)
+    if lp.return_logprob and lp.logprob_start_len < 0 and start == 0:
+        # no prompt position asked for: SGLang still reports the prompt lists, empty
+        out["input_token_logprobs"] = []
+        if lp.top_logprobs_num > 0:
+            out["input_top_logprobs"] = []
+        if lp.token_ids_logprob:
+            out["input_token_ids_logprobs"] = []
     if lp.return_logprob:
         out["output_token_logprobs"] = [_entry(v, t, decode) for v, t in req.output_token_logprobs[start:]]
         if lp.top_logprobs_num > 0:
@@ -60,7 +67,7 @@ def spec_fields(req: Request) -> dict[str, Any]:
 def embedding_output(req: Request) -> dict[str, Any]:
     """SGLang's encode() dict: the vector (None when the request was aborted) and its meta_info."""
     return {"embedding": req.embedding,
-            "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason),
+            "meta_info": {"id": req.rid, "finish_reason": finish_dict(req.finish_reason, 0),
                           "prompt_tokens": len(req.prompt_ids), "cached_tokens": req.cached_tokens,
                           "weight_version": req.weight_version, "num_retractions": req.num_retractions,
                           "e2e_latency": time.perf_counter() - req.arrival}}
@@ -80,7 +87,7 @@ def build_output(req: Request, text: Optional[str], output_ids: list[int], decod
         "cached_tokens": req.cached_tokens,
         "reasoning_tokens": 0,               # SGLang counts them with a reasoning parser; nbgen has none
         "num_retractions": req.num_retractions,
-        "finish_reason": finish_dict(req.finish_reason) if finished else None,
+        "finish_reason": finish_dict(req.finish_reason, len(req.output_ids)) if finished else None,
         "weight_version": req.weight_version,
         "e2e_latency": time.perf_counter() - req.arrival,
     }

@@ -15,7 +15,7 @@ final chunk is the finished output with the text not yet handed out, as before.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 from nbgen.core.request import Request
 from nbgen.runtime.detokenizer import IncrementalDetokenizer
@@ -170,3 +170,13 @@ class StreamBuffer:
         else:
             out["text"] = final["text"][self._sent_chars:]
         return out
+
+
+def take_chunks(bufs: list[StreamBuffer]) -> Iterator[dict[str, Any]]:
+    """The chunks ready in ``bufs``; with more than one buffer each is tagged with its ``index``."""
+    for i, b in enumerate(bufs):
+        chunk = None if b.done else b.take()
+        if chunk is not None:
+            if len(bufs) > 1:
+                chunk["index"] = i
+            yield chunk
