@@ -61,7 +61,7 @@ def test_invalid_priority_is_a_value_error_and_the_engine_keeps_serving(tiny_eng
         list(tiny_engine.generate_iter(["a", "b"], {"max_new_tokens": 2}, priority=bad))
     with pytest.raises(ValueError, match="priority"):
         asyncio.run(tiny_engine.async_generate("hello", {"max_new_tokens": 2}, priority=bad))
-    assert tiny_engine.generate("hello", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    assert tiny_engine.generate("hello", {"max_new_tokens": 2, "ignore_eos": True})["meta_info"]["completion_tokens"] == 2
 
 
 def test_priority_ignored_when_disabled(tiny_engine):
