@@ -111,7 +111,7 @@ def test_refused_without_enable_return_hidden_states(tiny_engine):
         tiny_engine.generate(["a", "b"], {"max_new_tokens": 2}, return_hidden_states=[False, True])
     with pytest.raises(TypeError, match="return_hidden_states must be a bool"):
         tiny_engine.generate("a", {"max_new_tokens": 2}, return_hidden_states="yes")
-    out = tiny_engine.generate("a", {"max_new_tokens": 2}, return_hidden_states=False)
+    out = tiny_engine.generate("a", {"max_new_tokens": 2, "ignore_eos": True}, return_hidden_states=False)
     assert "hidden_states" not in out["meta_info"] and out["meta_info"]["completion_tokens"] == 2
     with pytest.raises(ValueError, match="enable_return_hidden_states must be a bool"):
         nbgen.Engine(None, enable_return_hidden_states="yes")
