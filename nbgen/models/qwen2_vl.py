@@ -15,6 +15,7 @@ from torch import nn
 
 from nbgen.kernels import qk_norm_rope as fused_rope
 from nbgen.kernels.gpu_ops import fused_enabled
+from nbgen.kernels.fp8_quant import QuantizedRows
 from nbgen.models.layers import RMSNorm, VocabParallelEmbedding, rope_settings
 from nbgen.models.vision_weights import DirectWeights
 from nbgen.models.llama_layer import head_dim_of
@@ -44,13 +45,13 @@ def flatten_vl_config(hf: Any) -> ModelConfig:
 
 class Qwen2VLAttention(Qwen2Attention):
     def project(self, positions: torch.Tensor, x: torch.Tensor, meta: Any,
-                qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+                qkv_out: Optional[torch.Tensor] = None, fold_eps: Optional[float] = None,
+                xq: Optional[QuantizedRows] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """1-D positions: the Llama path; 3-D [3, T]: the same fused RoPE (+ K/V write) kernel reading
         the step's M-RoPE table at rows 0..T-1 on CUDA, M-RoPE in torch elsewhere."""
         if positions.dim() == 1:
-            return super().project(positions, x, meta, qkv_out, fold_eps)
-        assert fold_eps is None, "Qwen2-VL layers have biases and are never folded"
+            return super().project(positions, x, meta, qkv_out, fold_eps, xq)
+        assert fold_eps is None and xq is None, "Qwen2-VL layers have biases and are never folded"
         qkv = self.qkv_proj(x, out=qkv_out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if fused_enabled(qkv) and fused_rope.supported(qkv, self.head_dim):
