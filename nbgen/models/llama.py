@@ -21,7 +21,7 @@ from nbgen.models.layers import (
     get_rope,
     rope_settings,
 )
-from nbgen.models.llama_layer import LlamaDecoderLayer, head_dim_of, in_hand
+from nbgen.models.llama_layer import LayerOut, LlamaDecoderLayer, head_dim_of, in_hand
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -63,7 +63,7 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual, meta)
         return self.final_norm(x, residual)
 
-    def final_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor) -> torch.Tensor:
+    def final_norm(self, x: LayerOut, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output (None when folded layers left it in the stream) + residual -> normed."""
         return self.norm(x, residual)[0] if in_hand(x) else self.norm(residual)
 

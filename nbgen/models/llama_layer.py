@@ -4,7 +4,7 @@ modules or folded into the projections (``models/norm_fold.py``; o_proj / down_p
 residual stream, all-reduced there at tp > 1)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -34,7 +34,11 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def in_hand(x: object) -> bool:
+# a layer's x output: a tensor still to be added to the stream, or (folded layers) None / QuantizedRows
+LayerOut = Union[torch.Tensor, QuantizedRows, None]
+
+
+def in_hand(x: LayerOut) -> bool:
     """A layer's x output still to be added to the residual stream (a tensor); folded layers leave theirs
     in the stream (None, or its rows quantized for the next layer's qkv)."""
     return isinstance(x, torch.Tensor)
@@ -180,7 +184,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], meta: Any,
+    def pre_attention(self, positions: torch.Tensor, x: LayerOut, residual: Optional[torch.Tensor], meta: Any,
                       qkv_out: Optional[torch.Tensor] = None) -> tuple[tuple, torch.Tensor]:
         """x: the previous layer's output (not yet added to the residual stream) -> ((q, k, v, K/V written),
         residual). The residual is updated in place where the fused add+RMSNorm runs."""
@@ -197,7 +201,7 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         return self.self_attn.project(positions, x, meta, qkv_out), residual
 
-    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def post_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[LayerOut, torch.Tensor]:
         """attention output [T, Hq * D] -> (out, residual): o_proj, add+RMSNorm, MLP. Folded: both
         outputs go into the residual stream in place -> (None or the stream's rows quantized for the next
         layer's qkv, residual)."""
@@ -208,8 +212,8 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
         return self.mlp(x), residual
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: LayerOut, residual: Optional[torch.Tensor],
+                meta: Any) -> tuple[LayerOut, torch.Tensor]:
         """x: the previous layer's output (not yet added to the residual stream) -> (out, residual).
         The same three parts that piecewise CUDA graphs replay around an eager attention."""
         (q, k, v, written), residual = self.pre_attention(positions, x, residual, meta)
