@@ -273,34 +273,3 @@ def test_gpu_mixed_lora_batch(gpu_model_dir, tmp_path):
         base = plain.generate(input_ids=[prompts[i] for i in idx], sampling_params=GREEDY_SP,
                               return_logprob=True, use_tqdm=False)
     assert_close_runs([mixed[i] for i in idx], base)
-
-
-def test_async_load_and_unload_lora_adapter(lora_engine, adapters):
-    """SGLang's async_load_lora_adapter / async_unload_lora_adapter; the unload waits for a request of
-    the same event loop that still uses the adapter, which keeps running meanwhile."""
-    import asyncio
-
-    params = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-
-    async def main():
-        res = await lora_engine.async_load_lora_adapter("c", adapters["c"])
-        assert res.success and "c" in res.loaded_adapters
-        assert not (await lora_engine.async_load_lora_adapter("c", adapters["c"])).success   # name taken
-        running = asyncio.ensure_future(lora_engine.async_generate(PROMPTS[1], params, lora_path="c"))
-        while not lora_engine.stats()["running"] and not running.done():   # admitted before the unload
-            await asyncio.sleep(0)
-        gone = await lora_engine.async_unload_lora_adapter("c")
-        assert running.done()                # the unload returned after the request finished
-        assert gone.success and "c" not in gone.loaded_adapters
-        assert not (await lora_engine.async_unload_lora_adapter("c")).success            # unknown now
-        with pytest.raises(ValueError, match="lora_name"):
-            await lora_engine.async_load_lora_adapter("", adapters["c"])
-        return (await running)["output_ids"]
-
-    try:
-        out = asyncio.run(main())
-    finally:
-        if "c" in lora_engine.list_lora_adapters():
-            lora_engine.unload_lora_adapter("c")
-    assert len(out) == 40
-    assert lora_engine.generate(PROMPTS[1], params)["meta_info"]["completion_tokens"] == 40   # still serving
