@@ -68,4 +68,6 @@ class InfoMixin:
                 "tokenizer_path": self.config.tokenizer_path, "is_generation": not self.config.is_embedding,
                 "architectures": list(self.hf_config.architectures or []),
                 "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length,
-                "weight_version": self.weight_version, "load_format": self.config.load_format}
+                "weight_version": self.weight_version, "load_format": self.config.load_format,
+                # SGLang's parsers of reasoning and tool calls: nbgen has none (the arguments take None only)
+                "reasoning_parser": None, "tool_call_parser": None}

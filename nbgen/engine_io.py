@@ -120,10 +120,11 @@ def check_ids(ids: list[int], idx: int, sp: SamplingParams, facts: ModelFacts) -
 
 
 def check_rids(rids: list[Any]) -> list[Optional[str]]:
-    """Request ids are strings (or None: one is made up); anything else is a TypeError naming rid."""
+    """Request ids are strings (or None: one is made up); anything else is a ValueError naming rid
+    (SGLang's error for it)."""
     for r in rids:
         if r is not None and not isinstance(r, str):
-            raise TypeError(f"rid must be a str or a list of str (one per prompt), got {r!r:.60}")
+            raise ValueError(f"rid must be a str or a list of str (one per prompt), got {r!r:.60}")
     return rids
 
 

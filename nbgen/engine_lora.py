@@ -12,6 +12,7 @@ Arguments of the wrong kind raise ValueError naming the parameter. The loop-thre
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,17 @@ class LoRAMixin:
         while not self._loop.call(lambda: mgr.release_if_unused(lora_id)):
             time.sleep(0.01)
         return LoRAUpdateOutput(True, None, mgr.loaded())
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str,
+                                      pinned: bool = False) -> LoRAUpdateOutput:
+        """Awaitable twin of load_lora_adapter() (SGLang's); it runs in a worker thread, so the
+        event loop goes on serving meanwhile."""
+        return await asyncio.to_thread(self.load_lora_adapter, lora_name, lora_path, pinned)
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        """Awaitable twin of unload_lora_adapter() (SGLang's): it returns once the requests already
+        submitted with the adapter have finished, while the event loop goes on serving them."""
+        return await asyncio.to_thread(self.unload_lora_adapter, lora_name)
 
     def list_lora_adapters(self) -> dict[str, str]:
         """name -> path of the loaded adapters (empty without enable_lora)."""

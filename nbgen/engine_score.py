@@ -4,6 +4,10 @@ The zero-shot classification workhorse: one prefill per (query, item) pair, batc
 generate() call, reading the logprobs of ``label_token_ids`` at the position after the prompt
 (a greedy token's: the raw log-softmax of the model's logits). ``apply_softmax=True`` renormalises
 over the labels; otherwise each label gets its own probability ``exp(logprob)``.
+
+``score`` / ``async_score`` answer a :class:`ScoreResult`: SGLang's ``ScoreResult(scores, prompt_tokens)``
+fields, and a list of the per-item score lists itself, so code reading ``result.scores`` and code
+indexing ``result[i]`` (SGLang's releases before the dataclass) both run.
 """
 from __future__ import annotations
 
@@ -13,13 +17,37 @@ from typing import Any, Iterator, Optional, Sequence, Union
 Ids = list[int]
 
 
+class ScoreResult(list):
+    """One list of label probabilities per item (this list), with SGLang's ``scores`` and
+    ``prompt_tokens`` (the prompt tokens of every query+item prompt together)."""
+
+    def __init__(self, scores: list[list[float]], prompt_tokens: int) -> None:
+        super().__init__(scores)
+        self.prompt_tokens = prompt_tokens
+
+    @property
+    def scores(self) -> list[list[float]]:
+        """The per-item score lists (SGLang's field)."""
+        return list(self)
+
+
+def _result(outs: list[dict[str, Any]], labels: list[int], apply_softmax: bool) -> ScoreResult:
+    return ScoreResult([label_scores(o, labels, apply_softmax) for o in outs],
+                       sum(o["meta_info"].get("prompt_tokens", 0) for o in outs))
+
+
 def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def score_inputs(query: Union[str, Ids, None], items: Union[str, Sequence[str], Sequence[Ids], None],
                  item_first: bool) -> tuple[str, list[Any]]:
-    """("prompt", texts) or ("input_ids", id lists): query and items joined in SGLang's order."""
+    """("prompt", texts) or ("input_ids", id lists): query and items joined in SGLang's order;
+    ("prompt", []) for empty items (SGLang answers them with no scores)."""
+    if items is None:
+        raise ValueError("items must be provided (a str, a list of str or a list of token-id lists)")
+    if isinstance(items, (str, list)) and not items:
+        return "prompt", []
     if isinstance(query, str) and (isinstance(items, str) or (
             isinstance(items, list) and items and all(isinstance(i, str) for i in items))):
         texts = [items] if isinstance(items, str) else list(items)
@@ -72,12 +100,13 @@ class ScoreMixin:
     def score(self, query: Optional[Union[str, Ids]] = None,
               items: Optional[Union[str, list[str], list[Ids]]] = None,
               label_token_ids: Optional[list[int]] = None, apply_softmax: bool = False,
-              item_first: bool = False) -> list[list[float]]:
+              item_first: bool = False) -> ScoreResult:
         """Probability of each label token after ``query + item`` (``item + query`` with item_first),
-        one list per item in order; ``apply_softmax`` normalises over the labels."""
+        one list per item in order (a :class:`ScoreResult`, with ``.scores`` and ``.prompt_tokens``);
+        ``apply_softmax`` normalises over the labels. Empty ``items`` give no scores."""
         kw, labels = self._score_request(query, items, label_token_ids, item_first)
-        outs = self.generate(use_tqdm=False, **kw)
-        return [label_scores(o, labels, apply_softmax) for o in outs]
+        outs = self.generate(use_tqdm=False, **kw) if kw.get("prompt") != [] else []
+        return _result(outs, labels, apply_softmax)
 
     def score_iter(self, query: Optional[Union[str, Ids]] = None,
                    items: Optional[Union[str, list[str], list[Ids]]] = None,
@@ -87,6 +116,8 @@ class ScoreMixin:
         aborted request has ``scores`` None and its abort in ``meta_info["finish_reason"]``.
         Closing early aborts the rest."""
         kw, labels = self._score_request(query, items, label_token_ids, item_first)
+        if kw.get("prompt") == []:
+            return
         for i, out in self.generate_iter(**kw):
             fr = out["meta_info"].get("finish_reason") or {}
             ok = fr.get("type") != "abort"
@@ -96,8 +127,8 @@ class ScoreMixin:
     async def async_score(self, query: Optional[Union[str, Ids]] = None,
                           items: Optional[Union[str, list[str], list[Ids]]] = None,
                           label_token_ids: Optional[list[int]] = None, apply_softmax: bool = False,
-                          item_first: bool = False) -> list[list[float]]:
+                          item_first: bool = False) -> ScoreResult:
         """Awaitable twin of score()."""
         kw, labels = self._score_request(query, items, label_token_ids, item_first)
-        outs = await self.async_generate(**kw)
-        return [label_scores(o, labels, apply_softmax) for o in outs]
+        outs = await self.async_generate(**kw) if kw.get("prompt") != [] else []
+        return _result(outs, labels, apply_softmax)

@@ -58,6 +58,15 @@ def test_duplicate_rids_within_a_call(tiny_engine) -> None:
     assert [o["meta_info"]["id"] for o in tiny_engine.generate(["a", "b"], GREEDY, rid=["x", "y"])] == ["x", "y"]
 
 
+def test_rid_of_another_type_is_a_value_error(tiny_engine) -> None:
+    """SGLang's GenerateReqInput refuses a rid that is neither a str nor a list with ValueError."""
+    for prompt, rid in (("a", 5), (["a", "b"], ["x", 7]), ("a", b"x")):
+        with pytest.raises(ValueError, match="rid must be a str or a list of str"):
+            tiny_engine.generate(prompt, GREEDY, rid=rid)
+    assert tiny_engine.stats()["running"] == 0
+    assert tiny_engine.generate("a", GREEDY, rid="ok")["meta_info"]["id"] == "ok"
+
+
 def test_prompt_logprob_lists_are_present_and_empty_by_default(tiny_engine) -> None:
     meta = tiny_engine.generate("Hello there", GREEDY, return_logprob=True, top_logprobs_num=2,
                                 token_ids_logprob=[1, 2])["meta_info"]

@@ -106,6 +106,9 @@ def test_str_rid_of_a_batch_gets_an_index_suffix(emb_llama):
     assert [o["meta_info"]["id"] for o in outs] == ["emb_0", "emb_1"]
     with pytest.raises(ValueError, match="rid 'x' appears more than once in the call"):
         emb_llama.encode(["a", "b"], rid=["x", "x"])
+    for bad in (5, ["x", 7]):                              # SGLang: ValueError for a rid of another type
+        with pytest.raises(ValueError, match="rid must be a str or a list of str"):
+            emb_llama.encode(["a", "b"], rid=bad)
 
 
 def test_output_shape_single_and_meta(emb_llama):

@@ -260,6 +260,16 @@ def test_chat_stats_info(tiny_engine):
     assert tiny_engine.get_model_info()["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_model_info_has_sglang_keys(tiny_engine):
+    """Every key of SGLang's Engine.get_model_info(), so code reading any of them runs."""
+    info = tiny_engine.get_model_info()
+    for key in ("model_path", "served_model_name", "is_generation", "weight_version", "load_format",
+                "reasoning_parser", "tool_call_parser"):
+        assert key in info, key
+    assert info["reasoning_parser"] is None and info["tool_call_parser"] is None
+    assert info["is_generation"] is True and info["weight_version"] == tiny_engine.weight_version
+
+
 def test_flush_cache(tiny_engine):
     tiny_engine.generate("flush me " * 10, {"temperature": 0, "max_new_tokens": 2})
     assert tiny_engine.stats()["prefix_cache_pages"] > 0

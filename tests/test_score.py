@@ -52,3 +52,31 @@ def test_score_token_ids_and_async(tiny_engine, tiny_llama_dir):
 def test_score_bad_input_names_the_problem(tiny_engine, kw, needle):
     with pytest.raises(ValueError, match=needle):
         tiny_engine.score(**kw)
+
+
+def test_score_result_has_sglang_fields_and_is_the_list(tiny_engine):
+    """SGLang's score answers ScoreResult(scores, prompt_tokens); older code indexes the list itself."""
+    import pickle
+
+    query, items, labels = "Is this good? ", ["yes it is", "no"], [5, 17]
+    res = tiny_engine.score(query, items, labels)
+    want = sum(len(tiny_engine.tokenizer.encode(query + i)) for i in items)
+    assert res.prompt_tokens == want
+    assert res.scores == list(res) and len(res.scores) == 2 and res[1] == res.scores[1]
+    again = asyncio.run(tiny_engine.async_score(query, items, labels))
+    assert again.prompt_tokens == want
+    for a, b in zip(again.scores, res.scores):
+        assert a == pytest.approx(b, rel=1e-5)
+    copy = pickle.loads(pickle.dumps(res))
+    assert copy == res and copy.prompt_tokens == want
+
+
+@pytest.mark.parametrize("query, items", [("q", []), ([1, 2], []), ("q", "")])
+def test_score_empty_items_give_no_scores(tiny_engine, query, items):
+    """SGLang answers empty items with no scores rather than an error."""
+    res = tiny_engine.score(query, items, [1, 2])
+    assert res == [] and res.scores == [] and res.prompt_tokens == 0
+    assert asyncio.run(tiny_engine.async_score(query, items, [1, 2])).scores == []
+    assert list(tiny_engine.score_iter(query, items, [1, 2])) == []
+    with pytest.raises(ValueError, match="items"):
+        tiny_engine.score(query, None, [1, 2])

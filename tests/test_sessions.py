@@ -301,7 +301,9 @@ def test_bad_session_input_raises_and_the_engine_keeps_serving(tiny_engine, sid)
            ({"id": sid, "offset": 1.5}, r"session_params\['offset'\] must be an int"),
            ({"id": sid, "replace": "yes"}, r"session_params\['replace'\] must be a bool"),
            ({"id": sid, "turn": 2}, "unknown key 'turn'"),
-           ({"id": 7}, r"session_params\['id'\] must be a non-empty str")]
+           ({"id": 7}, r"session_params\['id'\] must be a non-empty str"),
+           ([sid], "session_params must be a dict"),
+           (sid, "session_params must be a dict")]
     for sp, msg in bad:
         with pytest.raises(ValueError, match=msg):
             eng.generate(input_ids=[5, 6], sampling_params=GREEDY, session_params=sp)

@@ -37,7 +37,7 @@ class SessionParams:
         if isinstance(d, SessionParams):
             return d
         if not isinstance(d, dict):
-            raise TypeError(f"session_params must be a dict, got {type(d).__name__}")
+            raise ValueError(f"session_params must be a dict or None, got {type(d).__name__}")
         for k in d:
             if k not in SESSION_KEYS:
                 raise ValueError(f"session_params has an unknown key {k!r} (valid: {', '.join(SESSION_KEYS)})")
