@@ -203,9 +203,7 @@ def _validate(df: Any, prompt_column: str, sampling_params: Optional[Mapping[str
         raise ValueError(f"sampling_params must be a dict or None, got {type(sampling_params).__name__}")
     base = dict(sampling_params or {})
     row_params(base, {}, {})  # invalid call-wide params fail the whole call, before anything runs
-    mapping = resolve_param_columns(list(df.columns), param_columns)
-    for c in mapping:
-        require_column(df, c, "param_columns")
+    mapping = resolve_param_columns(df, param_columns)
     cols = output_columns(return_logprob, top_logprobs_num)
     check_new_columns(df, cols, prefix, "gen_")
     if image_column is not None:

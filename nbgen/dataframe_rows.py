@@ -67,18 +67,18 @@ def column_key(columns: Any, name: str) -> Any:
     return name if levels == 1 else (name,) + ("",) * (levels - 1)
 
 
-def resolve_param_columns(columns: Sequence[str],
+def resolve_param_columns(df: Any,
                           param_columns: Union[None, Sequence[str], Mapping[str, str]]) -> dict[str, str]:
-    """``param_columns`` -> {column: sampling param}; a ``sampling_params`` param takes dicts, a
-    ``lora_path`` param adapter names (generate()'s keyword: a LoRA adapter per row)."""
+    """``param_columns`` (each naming one column of ``df``) -> {column: sampling param}; a
+    ``sampling_params`` param takes dicts, a ``lora_path`` param adapter names (generate()'s keyword: a
+    LoRA adapter per row)."""
     if param_columns is None:
         return {}
     if isinstance(param_columns, str):  # one column, named like its param
         param_columns = [param_columns]
     mapping = dict(param_columns) if isinstance(param_columns, Mapping) else {c: c for c in param_columns}
     for col, name in mapping.items():
-        if col not in columns:
-            raise ColumnError(f"param_columns: {col!r} is not a column of the DataFrame (columns: {list(columns)})")
+        require_column(df, col, "param_columns")
         if name != "sampling_params" and name not in PARAM_NAMES and name not in GENERATE_KWARGS:
             raise ValueError(f"param column {col!r} maps to unknown sampling param {name!r}")
     return mapping

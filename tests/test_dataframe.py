@@ -39,8 +39,8 @@ def test_row_prompt_rules() -> None:
 
 
 def test_row_params_merge_coerce_and_validate() -> None:
-    mapping = resolve_param_columns(["t", "mx", "sp"], {"t": "temperature", "mx": "max_new_tokens",
-                                                        "sp": "sampling_params"})
+    mapping = resolve_param_columns(pd.DataFrame(columns=["t", "mx", "sp"]),
+                                    {"t": "temperature", "mx": "max_new_tokens", "sp": "sampling_params"})
     p = row_params({"top_p": 0.9}, {"t": np.float64(0.5), "mx": 16.0, "sp": {"top_k": np.int64(5)}}, mapping)
     assert p == {"top_p": 0.9, "temperature": 0.5, "max_new_tokens": 16, "top_k": 5}
     assert type(p["max_new_tokens"]) is int and type(p["top_k"]) is int
@@ -53,9 +53,9 @@ def test_row_params_merge_coerce_and_validate() -> None:
     with pytest.raises(RowError, match="dicts"):
         row_params({}, {"t": 1.0, "mx": 3, "sp": "x"}, mapping)
     with pytest.raises(KeyError):
-        resolve_param_columns(["a"], ["b"])
+        resolve_param_columns(pd.DataFrame(columns=["a"]), ["b"])
     with pytest.raises(ValueError, match="tempurature"):
-        resolve_param_columns(["tempurature"], ["tempurature"])
+        resolve_param_columns(pd.DataFrame(columns=["tempurature"]), ["tempurature"])
 
 
 def test_row_key_changes_with_prompt_and_params() -> None:

@@ -28,7 +28,7 @@ def test_missing_column_is_a_value_error_naming_the_argument() -> None:
     assert isinstance(info.value, KeyError)  # still caught by `except KeyError`, as in pandas
     with pytest.raises(ValueError, match="prompt_column=\\['p'\\]"):
         _gen(df, ["p"])                      # a list of names is not a column either
-    with pytest.raises(ValueError, match="param_columns: 'temp'"):
+    with pytest.raises(ValueError, match="param_columns='temp' is not a column"):
         _gen(df, "p", param_columns={"temp": "temperature"})
     with pytest.raises(ColumnError, match="image_column='img'"):
         _gen(df, "p", image_column="img")
