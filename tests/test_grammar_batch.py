@@ -139,28 +139,27 @@ def test_scheduler_update_finishes_and_aborts_constrained_rows(compiled):
     assert {s.req.rid for s in sched.schedule().seqs} == {"r0", "r2", "r3", "r5"}
 
 
-def test_jump_not_searched_without_room(compiled):
-    """JumpForward.jump returns before asking the grammar when max_new_tokens leaves room for fewer
-    than MIN_JUMP tokens (such a jump would be cut to nothing anyway)."""
+def test_no_jump_without_room(compiled):
+    """A request whose max_new_tokens leaves room for fewer than MIN_JUMP tokens is searched with the
+    step's other rows but does not jump (such a jump would be cut to nothing); with room it does."""
     from nbgen.runtime.jump_forward import MIN_JUMP, JumpForward
 
-    jf = JumpForward(tokenizer=None)
-    asked = []
+    class Tok:                                    # one character a token (VOCAB)
+        def encode(self, text, add_special_tokens=False):
+            return [VOCAB.index(c) for c in text]
+
+        def decode(self, ids, clean_up_tokenization_spaces=False):
+            return "".join(VOCAB[i] for i in ids)
+
     for room in (MIN_JUMP - 1, MIN_JUMP):
+        jf = JumpForward(tokenizer=Tok())
         state = _state(compiled)          # one request's grammar (it keeps the request's limits)
-        assert state.force([VOCAB.index(c) for c in '{"name": "ab'])
-
-        def spy(real=state.search):       # the search, counted
-            asked.append(1)
-            return real()
-
-        state.search = spy
+        assert state.force([VOCAB.index(c) for c in '{"name": "ab"'])
         req = Request("r", [1, 2], SamplingParams(max_new_tokens=4 + room))   # room = max_new - len(out) - 1
-        req.output_ids = [VOCAB.index(c) for c in "ab"] + [VOCAB.index('"')]
+        req.output_ids = [VOCAB.index(c) for c in 'ab"']
         req.num_computed = len(req.prompt_ids) + len(req.output_ids) - 1
-        asked.clear()
-        jf.jump(req, state, None)
-        assert len(asked) == (room >= MIN_JUMP), room
+        assert jf.jump(req, state, None) == (room >= MIN_JUMP), room
+        assert jf.num_searches == 1 and len(req.output_ids) == 3 + (room if room >= MIN_JUMP else 0)
 
 
 def test_rows_of_completed_grammars_keep_their_reason(compiled):

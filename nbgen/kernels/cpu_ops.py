@@ -1,5 +1,7 @@
 """nbgen's own CPU kernels (``nbgen/kernels/csrc/cpu_ops.c``, ``cpu_q8.c``: one library): built with the system C compiler on first
-use, cached, called through ctypes — the CPU counterpart of ``gpu_ops`` (flashinfer on CUDA).
+use, cached, called through ctypes — the CPU counterpart of ``gpu_ops`` (flashinfer on CUDA). The same library
+holds a host helper of any device's engine: ``ffi_search.c``, a step's jump-forward searches in one call
+(runtime/grammar_search.py).
 
 The build is plain C with no torch headers (about a second with gcc), so it happens inside the
 first ``Engine()`` rather than at install time. The shared library is cached under the nbgen cache
@@ -30,7 +32,7 @@ from nbgen.kernels.envs import cache_dir, cpu_kernels_enabled
 logger = logging.getLogger("nbgen")
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / name
-           for name in ("cpu_ops.c", "cpu_q8.c", "cpu_q4.c", "cpu_layers.c", "cpu_attn_bf16.c")]
+           for name in ("cpu_ops.c", "cpu_q8.c", "cpu_q4.c", "cpu_layers.c", "cpu_attn_bf16.c", "ffi_search.c")]
 HEADERS = [Path(__file__).resolve().parent / "csrc" / name for name in ("bf16.h", "sum16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
@@ -54,8 +56,9 @@ _SIGNATURES = {
     "q4_decode_layers": [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _int, _int, _int, _int,
                          _int, _f32, _ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _f32, _ptr],
     "decode_layer_ptrs": [],
+    "jump_strings": [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr],
 }
-_RESTYPES = {"q4_grid": _int, "q8_grid": _int, "q4_vnni": _int, "decode_layer_ptrs": _int}                     # the others return nothing
+_RESTYPES = {"q4_grid": _int, "q8_grid": _int, "q4_vnni": _int, "decode_layer_ptrs": _int, "jump_strings": _i64}                     # the others return nothing
 _DTYPES = (torch.bfloat16, torch.float32)
 _checked_positions: Optional[torch.Tensor] = None   # the last positions tensor range-checked by rope_inplace
 

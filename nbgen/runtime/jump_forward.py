@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from nbgen.runtime.grammar_batch import force_rows
+from nbgen.runtime.grammar_search import JumpSearch
 
 MIN_JUMP = 2  # fewer new tokens than this: decode them (a one-token jump saves one row of one step)
 MAX_PLANS = 4096  # (last token, forced text) -> tokenization kept: a batch's requests share keys and punctuation
@@ -49,6 +50,7 @@ class JumpForward:
         self.num_jumps = 0          # jumps made
         self.num_tokens = 0         # tokens appended by them (net of replaced ones)
         self.num_searches = 0       # grammar searches for forced text (find_jump_forward_string)
+        self._search = JumpSearch()
         self._plans: dict[tuple[int, str], Optional[tuple[bool, tuple[int, ...]]]] = {}   # tail's results
 
     def _encode(self, text: str) -> Optional[list[int]]:
@@ -99,10 +101,12 @@ class JumpForward:
         matchers take their forced tokens in one call into xgrammar (``force_rows``). ``queued``: ids of
         requests whose last token's K/V a forward already queued computes (at its position, from it):
         a jump that keeps that token counts it computed, so its forced rows start after it."""
-        # runs for every constrained row of every step: the checks before the search stay few
+        # every row is searched in one call (grammar_search.py: a search is a read, so rows that cannot
+        # jump are asked too); the per-row checks run only for the third or so with forced text
         todo: list[tuple[Any, Any, int, str]] = []      # (req, state, room, forced text) where text is forced
-        searched = 0
-        for req, state in zip(reqs, states):
+        self.num_searches += len(states)
+        for k, forced in self._search.texts(states):
+            req, state = reqs[k], states[k]
             limits = state.jump_limits
             if limits is None:
                 limits = state.jump_limits = _limits(req, context_length)
@@ -110,15 +114,11 @@ class JumpForward:
             out = req.output_ids
             n_out = len(out)
             # room: at least one sampled token must follow (max_new_tokens / the context end it); a jump
-            # adds at most room tokens, so without room for MIN_JUMP the grammar is not even asked
+            # adds at most room tokens
             room = cap - n_out - 1
             if room < MIN_JUMP or req.num_computed != n_prompt + n_out - 1 or out[-1] < 0:
                 continue                          # or the last token is not the one just accepted
-            searched += 1
-            forced = state.search()               # the matcher's find_jump_forward_string
-            if forced:
-                todo.append((req, state, room, forced))
-        self.num_searches += searched
+            todo.append((req, state, room, forced))
         rows: list[tuple[Any, Any, bool, tuple[int, ...]]] = []     # (req, state, replace, ids)
         for req, state, room, forced in todo:
             out = req.output_ids
