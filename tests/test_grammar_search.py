@@ -4,6 +4,7 @@ raise nor stop the engine."""
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -21,11 +22,12 @@ SPLIT_CHAR = {"type": "object", "required": ["a"], "properties": {"a": {"enum": 
 
 @pytest.fixture(scope="module")
 def tok():
+    """The embedded model's tokenizer, or the GPU host's (NBGEN_TEST_GRAMMAR_TOKENIZER: no embedded model there)."""
     from transformers import AutoTokenizer
 
     from nbgen.models.embedded import default_model_path
 
-    return AutoTokenizer.from_pretrained(default_model_path())
+    return AutoTokenizer.from_pretrained(os.environ.get("NBGEN_TEST_GRAMMAR_TOKENIZER") or default_model_path())
 
 
 @pytest.fixture(scope="module")
