@@ -2,11 +2,10 @@
 
 Callers cross only through ``submit`` / ``abort`` / ``call`` (thread-safe) and the per-request sinks
 they pass in (thread-safe callables: a queue.put, or a call_soon_threadsafe onto the caller's loop).
-The loop runs steps while there is work and sleeps on an event otherwise. Building the parts is
-``engine_parts``; requests in and aborts on the loop thread are ``intake``; requests in flight and
-their outputs are ``delivery``; the GC freeze is ``gc_freeze``; the control calls (sessions, profiling,
-cache flush, server info) are ``loop_control``.
-"""
+The loop runs steps while there is work and sleeps on an event otherwise; a step that raises aborts its
+running requests, not the engine. Building the parts is ``engine_parts``; requests in and aborts are
+``intake``; requests in flight and their outputs ``delivery``; the GC freeze ``gc_freeze``; the control
+calls (sessions, profiling, cache flush, server info) ``loop_control``."""
 from __future__ import annotations
 
 import asyncio
@@ -207,11 +206,11 @@ class LoopThread(LoopControl):
         self.weights = WeightService(parts.runner, parts.scheduler, self.memory, parts.cfg.weight_version,
                                      parts.cfg.load_format)
         bos = getattr(parts.tokenizer, "bos_token_id", None)
-        self.sessions = SessionTable(parts.scheduler, self._abort_one, bos, parts.cfg.allow_context_overflow,
-                                     self._later)
+        self.sessions = SessionTable(parts.scheduler, lambda rid, msg: self._delivery.abort([rid], msg), bos,
+                                     parts.cfg.allow_context_overflow,   # timeouts: fn on this thread after delay
+                                     lambda delay, fn: self._loop.call_later(delay, self._wrap, fn, (), None))
         parts.scheduler.on_finish = self.sessions.on_finish
         parts.scheduler.on_flush = self.sessions.unpin_all
-        self._reap = self._delivery.reap
         self._spec = make_spec_stepper(parts.runner, parts.scheduler, parts.cfg, self._stats)
         if getattr(parts.runner, "overlap", False):
             self._overlap = OverlapStepper(parts.runner, parts.scheduler, self.deliver, self.fail_batch,
@@ -225,7 +224,10 @@ class LoopThread(LoopControl):
     async def _main(self) -> None:
         while not self._stopping:
             if self.scheduler.has_work() or (self._overlap is not None and self._overlap.busy):
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - a step raised past the runner's guards
+                    self._step_failed(e)
                 self._stepped = True
                 if self.profiler.active:
                     self.profiler.after_step()
@@ -264,27 +266,25 @@ class LoopThread(LoopControl):
         (replaced by the Delivery's bound method once the engine is built)."""
         self._delivery.deliver(changed, n_in)
 
-    def _reap(self) -> None:
-        self._delivery.reap()
-
     def fail_batch(self, batch: ScheduledBatch, e: Exception) -> None:
         """A failing step aborts its own requests only; the engine goes on."""
         logger.exception("step failed")
         for s in batch.seqs:
             self.scheduler.abort(s.req.rid, f"{type(e).__name__}: {e}")
-        self._reap()
+        self._delivery.reap()
+
+    def _step_failed(self, e: Exception) -> None:
+        """A step raised where no guard caught it (the scheduler's update, a grammar's settle, delivery): the
+        running requests, maybe left half-updated, are aborted with the error and the steps in flight forgotten."""
+        logger.exception("engine step failed: its running requests are aborted, the engine goes on")
+        if self._overlap is not None:
+            self._overlap.drop()
+        self._delivery.abort([r.rid for r in self.scheduler.running], f"{type(e).__name__}: {e}")
 
     def _drained(self) -> bool:
         """No request in flight (grammar compilations included)."""
         s = self._delivery.snapshot()
         return s["running"] + s["waiting"] == 0
-
-    def _abort_one(self, rid: str, message: str) -> None:
-        self._delivery.abort([rid], message)
-
-    def _later(self, delay: float, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread in ``delay`` seconds (a session's timeout)."""
-        self._loop.call_later(delay, self._wrap, fn, (), None)
 
     def flush_overlap(self) -> None:
         """Resolve and deliver the overlap stepper's step in flight, if any (loop thread)."""

@@ -127,6 +127,14 @@ class OverlapStepper:
         self.flush()
         self.pending = (launched, self._apply(batch, len(fwd.seqs)), batch.num_prefill_tokens, len(fwd.seqs))
 
+    def drop(self) -> None:
+        """Forget the steps in flight without reading them (after a step raised where nothing caught it:
+        the loop aborts their requests); a bitmask job still running is waited for first."""
+        if self._pending_fill is not None:
+            self._pending_fill.settle()
+        self.pending = self.staged = self._pending_fill = self._undelivered = self.embedded = None
+        self._stale = frozenset()
+
     def _embed_step(self, batch: ScheduledBatch) -> None:
         """Launch an embedding step, deliver the previous step while it runs, apply it; its vectors
         are read at the next flush."""
