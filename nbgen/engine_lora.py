@@ -1,27 +1,33 @@
-"""LoRA adapters on the Engine (SGLang's calls): ``load_lora_adapter`` / ``unload_lora_adapter`` and
-generate()'s ``lora_path`` (an adapter name per call or per prompt; None = the base model).
+"""LoRA adapters on the Engine (SGLang's calls): ``load_lora_adapter`` (a peft directory),
+``load_lora_adapter_from_tensors`` (an adapter in memory), ``unload_lora_adapter`` and generate()'s ``lora_path`` (an adapter name per call or per prompt; None = the base model).
 
 As SGLang: load and unload answer a ``LoRAUpdateOutput`` (``success``, ``error_message``,
 ``loaded_adapters``); an adapter refused (bad path, rank, shapes, name taken) is ``success=False``
 with the reason, and the engine goes on serving. An unload removes the name at once and returns once
 the requests already submitted with it have finished. A request naming an adapter loaded before but
-not now (unloaded, or evicted past ``max_loaded_loras``) loads it again from its path; a name never
-loaded is a ValueError.
+not now (unloaded, or evicted past ``max_loaded_loras``) loads it again from its path (an adapter given
+as tensors: from the engine's copy of them); a name never loaded is a ValueError.
 Arguments of the wrong kind raise ValueError naming the parameter. The loop-thread side is
 ``runtime/lora.py``; docs/lora.md has the whole story.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+import torch
 
 from nbgen.core.request import Request
+from nbgen.models.lora_adapter import AdapterTensors
 from nbgen.runtime.lora import LoRAManager
 
 logger = logging.getLogger("nbgen")
+_TENSOR_LOADS = itertools.count(1)   # each in-memory adapter's label (its host-cache key) is new
 
 
 @dataclass
@@ -58,6 +64,36 @@ class LoRAMixin:
         _check_name(lora_name)
         if not isinstance(lora_path, str) or not lora_path:
             raise ValueError(f"lora_path must be a non-empty str (a peft adapter directory), got {lora_path!r:.60}")
+        return self._load_lora(lora_name, lora_path, pinned)
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict[str, Any],
+                                       load_format: Optional[str] = None, pinned: bool = False) -> LoRAUpdateOutput:
+        """Load a LoRA adapter held in memory under ``lora_name`` (SGLang's call, e.g. weights fresh from a
+        training step): ``tensors`` maps peft's weight names (``base_model.model.model.layers.0.self_attn.
+        q_proj.lora_A.weight`` ...) to tensors, or is a list of (name, tensor) pairs; ``config_dict`` is the
+        adapter's adapter_config.json as a dict. The tensors are copied (later changes to them do not reach
+        the engine). -> LoRAUpdateOutput, as ``load_lora_adapter``."""
+        self._check_alive()
+        _check_name(lora_name)
+        if load_format is not None:
+            raise ValueError(f"load_format={load_format!r} is not supported: pass the tensors themselves "
+                             f"(a dict of name -> tensor) and load_format=None")
+        if not isinstance(config_dict, dict):
+            raise ValueError(f"config_dict must be a dict (the adapter's adapter_config.json), got "
+                             f"{type(config_dict).__name__}")
+        try:
+            pairs = list(tensors.items() if isinstance(tensors, dict) else tensors)
+            ok = bool(pairs) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in pairs)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError("tensors must be a non-empty dict of weight name -> torch.Tensor (or a list of "
+                             f"(name, tensor) pairs), got {type(tensors).__name__}")
+        copied = {k: v.detach().to("cpu", copy=True) for k, v in pairs}
+        source = AdapterTensors(f"<tensors {next(_TENSOR_LOADS)}>", copy.deepcopy(config_dict), copied)
+        return self._load_lora(lora_name, source, pinned)
+
+    def _load_lora(self, lora_name: str, source: Union[str, AdapterTensors], pinned: Any) -> LoRAUpdateOutput:
         if not isinstance(pinned, bool):
             raise ValueError(f"pinned must be a bool, got {pinned!r}")
         refused = self._lora_refused()
@@ -65,7 +101,7 @@ class LoRAMixin:
             return refused
         mgr = self._lora()
         try:
-            self._loop.call(lambda: mgr.load(lora_name, lora_path, pinned))
+            self._loop.call(lambda: mgr.load(lora_name, source, pinned))
         except ValueError as e:
             logger.warning("nbgen: LoRA adapter %r not loaded: %s", lora_name, e)
             return LoRAUpdateOutput(False, str(e), mgr.loaded())
@@ -93,6 +129,13 @@ class LoRAMixin:
         """Awaitable twin of load_lora_adapter() (SGLang's); it runs in a worker thread, so the
         event loop goes on serving meanwhile."""
         return await asyncio.to_thread(self.load_lora_adapter, lora_name, lora_path, pinned)
+
+    async def async_load_lora_adapter_from_tensors(self, lora_name: str, tensors: Any, config_dict: dict[str, Any],
+                                                   load_format: Optional[str] = None,
+                                                   pinned: bool = False) -> LoRAUpdateOutput:
+        """Awaitable twin of load_lora_adapter_from_tensors(); it runs in a worker thread."""
+        return await asyncio.to_thread(self.load_lora_adapter_from_tensors, lora_name, tensors, config_dict,
+                                       load_format, pinned)
 
     async def async_unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
         """Awaitable twin of unload_lora_adapter() (SGLang's): it returns once the requests already

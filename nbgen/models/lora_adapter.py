@@ -5,7 +5,8 @@ A peft adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, `
 ``lora_B`` [out, r] per targeted module. nbgen's layers fuse q|k|v and gate|up, so each HF module
 becomes one shard of a fused linear: its A rows are stacked per fused linear (one x @ A^T for the
 shards together) and its B writes the shard's output columns. Embedding / lm_head adapters, DoRA,
-per-module rank or alpha patterns and trained biases are refused with a message saying so.
+per-module rank or alpha patterns and trained biases are refused with a message saying so. An adapter
+may also come in memory (``AdapterTensors``: the config as a dict, the tensors by peft's names).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -68,6 +69,16 @@ class AdapterWeights:
     modules: dict[tuple[int, str], ModuleLoRA] = field(default_factory=dict)
 
 
+@dataclass
+class AdapterTensors:
+    """An adapter given in memory (``Engine.load_lora_adapter_from_tensors``): its adapter_config.json as a
+    dict and its CPU tensors by peft's names; ``label`` stands for a directory in messages and listings."""
+
+    label: str
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+
 def read_adapter_config(path: str) -> dict[str, Any]:
     """``adapter_config.json`` of a peft LoRA directory, checked for what nbgen serves."""
     if not isinstance(path, str) or not path:
@@ -79,7 +90,11 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     if not os.path.isfile(cfg_file):
         raise ValueError(f"lora_path {path!r} has no adapter_config.json (not a peft adapter)")
     with open(cfg_file) as f:
-        cfg = json.load(f)
+        return check_adapter_config(json.load(f), path)
+
+
+def check_adapter_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """A peft LoRA config (``path``: the adapter's name in messages), checked for what nbgen serves."""
     ptype = str(cfg.get("peft_type", "LORA")).upper()
     if ptype != "LORA":
         raise ValueError(f"adapter {path!r} is a {ptype} adapter; only LoRA adapters are supported")
@@ -114,18 +129,23 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"lora_path {path!r} has neither adapter_model.safetensors nor adapter_model.bin")
 
 
-def load_adapter(path: str, model: nn.Module, dtype: torch.dtype, device: torch.device,
+def load_adapter(source: Union[str, AdapterTensors], model: nn.Module, dtype: torch.dtype, device: torch.device,
                  max_rank: Optional[int] = None, allowed_targets: Optional[tuple[str, ...]] = None
                  ) -> AdapterWeights:
-    """Read a peft LoRA directory and lay its weights out for ``model``'s fused linears.
+    """Read a peft LoRA directory (or take an adapter in memory) and lay its weights out for ``model``'s
+    fused linears.
 
     ValueError (naming the adapter) for a missing or malformed directory, unsupported features,
     a rank above ``max_rank``, targets outside ``allowed_targets``, or shapes the base model lacks."""
-    cfg = read_adapter_config(path)
-    path = os.path.expanduser(path)
+    if isinstance(source, AdapterTensors):
+        path, tensors = source.label, source.tensors
+        cfg = check_adapter_config(source.config, path)
+    else:
+        cfg = read_adapter_config(source)
+        path = os.path.expanduser(source)
+        tensors = _read_tensors(path)
     r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    tensors = _read_tensors(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         if any(u in key for u in _UNSUPPORTED_TARGETS):

@@ -28,7 +28,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 
 from nbgen.core.batch import ScheduledBatch
 from nbgen.core.request import Request
-from nbgen.models.lora_adapter import AdapterWeights, fold_norms_into, load_adapter
+from nbgen.models.lora_adapter import AdapterTensors, AdapterWeights, fold_norms_into, load_adapter
 from nbgen.runtime.cuda_graphs import GraphVariant
 from nbgen.runtime.lora_batch import LoRABatchLimit
 from nbgen.runtime.lora_cache import AdapterHostCache
@@ -90,17 +90,18 @@ class LoRAManager:
         self._ids = itertools.count(1)
         # SGLang's registry: every name loaded once -> (path, pinned); a request naming one not loaded
         # now (unloaded, or evicted past max_loaded_loras) loads it again (``ensure_loaded``)
-        self._known: dict[str, tuple[str, bool]] = {}
+        self._known: dict[str, tuple[Union[str, AdapterTensors], bool]] = {}
         self._used_at: dict[str, int] = {}                  # name -> last load / request (LRU eviction)
         self._clock = itertools.count()
         self._evicted: set[int] = set()                     # evicted ids whose requests still run
         self.host_cache = AdapterHostCache()                # weights released from the device
 
     # ---- registry ---------------------------------------------------------------------------
-    def load(self, name: str, path: str, pinned: bool = False, keep: Optional[set[str]] = None) -> LoRARef:
-        """Load an adapter under ``name`` (loop thread); ValueError if the name is taken or the
-        adapter is refused (nothing changes then). Past ``max_loaded_loras`` the least recently used
-        unpinned adapter (not in ``keep``) is evicted."""
+    def load(self, name: str, path: Union[str, AdapterTensors], pinned: bool = False,
+             keep: Optional[set[str]] = None) -> LoRARef:
+        """Load an adapter (a directory, or tensors in memory) under ``name`` (loop thread); ValueError if the
+        name is taken or the adapter is refused (nothing changes then). Past ``max_loaded_loras`` the least
+        recently used unpinned adapter (not in ``keep``) is evicted."""
         with self._lock:
             if name in self._refs:
                 raise ValueError(f"LoRA adapter {name!r} is already loaded (unload it first); "
@@ -111,10 +112,10 @@ class LoRAManager:
                                  f"({len(self.batch_limit.pinned)} pinned, max_loras_per_batch="
                                  f"{self.batch_limit.max_loras}), to avoid starvation of unpinned adapters "
                                  f"and the base model")
-        weights = self.host_cache.get(path, self.device) or \
+        weights = self.host_cache.get(path if isinstance(path, str) else path.label, self.device) or \
             load_adapter(path, self._model, self.dtype, self.device, self.max_rank, self.target_modules)
         if self.slots is not None and weights.rank > self.slots.rank:
-            raise ValueError(f"adapter {path!r} is incompatible: rank {weights.rank} is above the GPU slot pool's rank "
+            raise ValueError(f"adapter {weights.path!r} is incompatible: rank {weights.rank} is above the GPU slot pool's rank "
                              f"{self.slots.rank} (set max_lora_rank, or list the adapter in lora_paths)")
         fold_norms_into(weights, self._model)
         self._make_room(keep or set())
