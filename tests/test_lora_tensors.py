@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_lora import GREEDY, PROMPTS, _engine, adapters, hf_greedy  # noqa: F401 - adapters is a fixture
+from tests.test_lora import GREEDY, PROMPTS, _engine, hf_greedy, make_adapter
 
 pytest.importorskip("peft")
 
@@ -23,13 +23,20 @@ def _in_memory(adapter_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 @pytest.fixture(scope="module")
-def eng(tiny_llama_dir, adapters):  # noqa: F811 - the fixture imported above
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_tensors")
+    return {"a": make_adapter(tiny_llama_dir, str(root / "a"), 1),
+            "b": make_adapter(tiny_llama_dir, str(root / "b"), 2, r=8, alpha=16, use_rslora=True)}
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_llama_dir, adapters):
     e = _engine(tiny_llama_dir, enable_lora=True, max_lora_rank=8, max_loras_per_batch=4)
     yield e
     e.shutdown()
 
 
-def test_tensors_serve_as_the_directory_and_peft(eng, adapters, tiny_llama_dir):  # noqa: F811
+def test_tensors_serve_as_the_directory_and_peft(eng, adapters, tiny_llama_dir):
     tensors, config = _in_memory(adapters["b"])
     res = eng.load_lora_adapter_from_tensors("mem", tensors, config)
     assert res.success, res.error_message
@@ -54,7 +61,7 @@ def test_tensors_serve_as_the_directory_and_peft(eng, adapters, tiny_llama_dir):
                 eng.unload_lora_adapter(name)
 
 
-def test_pairs_and_the_async_twin(eng, adapters):  # noqa: F811
+def test_pairs_and_the_async_twin(eng, adapters):
     tensors, config = _in_memory(adapters["a"])
     want = None
     assert eng.load_lora_adapter("a_dir", adapters["a"]).success
@@ -80,7 +87,7 @@ def test_pairs_and_the_async_twin(eng, adapters):  # noqa: F811
     ({"pinned": "yes"}, "pinned"),
     ({"lora_name": ""}, "lora_name"),
 ])
-def test_bad_arguments_raise_naming_them(eng, adapters, kwargs, match):  # noqa: F811
+def test_bad_arguments_raise_naming_them(eng, adapters, kwargs, match):
     tensors, config = _in_memory(adapters["a"])
     args = {"lora_name": "bad", "tensors": tensors, "config_dict": config, **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -88,7 +95,7 @@ def test_bad_arguments_raise_naming_them(eng, adapters, kwargs, match):  # noqa:
     assert "bad" not in eng.list_lora_adapters()
 
 
-def test_refused_adapters_answer_why_and_the_engine_goes_on(eng, adapters):  # noqa: F811
+def test_refused_adapters_answer_why_and_the_engine_goes_on(eng, adapters):
     tensors, config = _in_memory(adapters["a"])
     no_rank = {k: v for k, v in config.items() if k != "r"}
     res = eng.load_lora_adapter_from_tensors("x", tensors, no_rank)
