@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from array import array
 from typing import Any, Optional
 
@@ -45,6 +46,9 @@ class JumpSearch:
         self._idx: Any = None                    # int64 [rows]: the rows with text
         self._lens: Any = None                   # int64 [rows]: their byte lengths (< 0: ask again)
         self._used = ctypes.c_int64()
+        # the helper's library may need a build (~1 s, once per machine): started now, so the first jump
+        # step does not wait for it on the loop thread (CPU engines have it loaded already)
+        threading.Thread(target=cpu_ops.load, name="nbgen-cpu-kernels", daemon=True).start()
 
     def texts(self, states: list[Any]) -> list[tuple[int, str]]:
         """(k, forced text) for each ``states[k]`` (GrammarStates) whose grammar forces text now, in
