@@ -13,6 +13,7 @@ Matryoshka support (``dimensions=`` in ``encode``) comes from config.json: ``is_
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,8 +46,10 @@ def check_dimensions(dimensions: Any, cfg: PoolingConfig, model: str) -> Optiona
     """``dimensions`` validated against the model (a ValueError names ``dimensions``)."""
     if dimensions is None:
         return None
-    if not isinstance(dimensions, int) or isinstance(dimensions, bool):
+    # any integer type (a numpy int read from a config or an array) is a size, as in SGLang
+    if not isinstance(dimensions, numbers.Integral) or isinstance(dimensions, bool):
         raise ValueError(f"dimensions must be an int or None, got {dimensions!r:.60}")
+    dimensions = int(dimensions)
     if not cfg.matryoshka:
         raise ValueError(f"dimensions={dimensions}: model {model!r} does not support matryoshka representation "
                          "(its config.json declares neither is_matryoshka nor matryoshka_dimensions); "
