@@ -24,6 +24,14 @@ EmbedResult = Union[EmbedOutput, list[EmbedOutput]]
 _UNSUPPORTED = ("image_data", "audio_data", "video_data", "lora_path")
 
 
+def _has_data(value: Any) -> bool:
+    """SGLang's ``has_valid_data``: None, and (nested) lists holding only None, give nothing (a
+    ``lora_path`` of ``[None] * n`` means the base model for every prompt)."""
+    if isinstance(value, (list, tuple)):
+        return any(_has_data(v) for v in value)
+    return value is not None
+
+
 class EmbedMixin:
     """encode() / async_encode() / encode_iter() for Engine (uses its config, pooling, _tokenize_all,
     _facts, _check_alive, _run_sync and _asubmit)."""
@@ -37,7 +45,7 @@ class EmbedMixin:
                              "with nbgen.Engine(model_path, is_embedding=True). For token ids use "
                              "llm.tokenizer.encode(text).")
         for name in _UNSUPPORTED:
-            if unsupported.get(name) is not None:
+            if _has_data(unsupported.get(name)):
                 raise ValueError(f"{name} is not supported by encode() yet; pass text prompts or input_ids")
         dims = check_dimensions(dimensions, self.pooling, self.model_name)
         items, single, kind = normalize_inputs(prompt, input_ids)
@@ -53,10 +61,13 @@ class EmbedMixin:
 
     def encode(self, prompt: Prompts = None, image_data: Any = None, audio_data: Any = None,
                video_data: Any = None, dimensions: Optional[int] = None, lora_path: Any = None,
-               rid: Optional[Union[str, list[str]]] = None, input_ids: Ids = None) -> EmbedResult:
+               external_trace_header: Optional[dict[str, Any]] = None, rid: Optional[Union[str, list[str]]] = None,
+               input_ids: Ids = None) -> EmbedResult:
         """Embed one prompt (-> dict) or a list (-> list of dicts in order): ``{"embedding": [...],
         "meta_info": {...}}``. ``dimensions``: keep the first k components, then normalise
-        (Matryoshka models only). image/audio/video data and LoRA are not supported yet."""
+        (Matryoshka models only). image/audio/video data and LoRA are not supported yet (None, or
+        lists of None, are accepted). ``external_trace_header`` is SGLang's tracing context: nbgen
+        traces no requests, so it is accepted and has no effect."""
         reqs, single = self._embed_requests(prompt, input_ids, dimensions, rid, {
             "image_data": image_data, "audio_data": audio_data, "video_data": video_data, "lora_path": lora_path})
         results = dict(self._run_sync(reqs, progress=False))
@@ -65,6 +76,7 @@ class EmbedMixin:
 
     async def async_encode(self, prompt: Prompts = None, image_data: Any = None, audio_data: Any = None,
                            video_data: Any = None, dimensions: Optional[int] = None, lora_path: Any = None,
+                           external_trace_header: Optional[dict[str, Any]] = None,
                            rid: Optional[Union[str, list[str]]] = None, input_ids: Ids = None) -> EmbedResult:
         """Awaitable twin of encode(); cancelling the awaiting task aborts its requests."""
         reqs, single = self._embed_requests(prompt, input_ids, dimensions, rid, {
