@@ -35,7 +35,11 @@ def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise ValueError(f"named_tensors[{i}] must be a (name, torch.Tensor) pair, got {item!r:.80}")
-        pairs.append((item[0], item[1]))
+        t = item[1]
+        if t.is_meta or t.layout != torch.strided:   # no data to copy: found here, before any write
+            raise ValueError(f"named_tensors[{i}] ({item[0]!r}) must be a dense tensor with data, got a "
+                             f"{'meta' if t.is_meta else t.layout} tensor")
+        pairs.append((item[0], t))
     return pairs
 
 
@@ -103,7 +107,8 @@ class WeightsMixin:
                                  weight_version: Optional[str] = None) -> tuple[bool, str, int]:
         """Load every weight of a checkpoint of the same architecture (an HF directory or a .gguf)
         -> ``(success, message, num_paused_requests)`` (0: updates wait instead of pausing). On
-        success ``get_server_info()["model_path"]`` is the new path; the tokenizer stays."""
+        success ``get_server_info()``'s ``model_path`` and ``load_format`` are the new ones; the
+        tokenizer stays."""
         if not isinstance(model_path, (str, os.PathLike)):
             raise ValueError(f"model_path must be a path, got {model_path!r}")
         fmt = load_format if load_format is not None else \
@@ -117,8 +122,8 @@ class WeightsMixin:
         path = os.path.expanduser(os.fspath(model_path))
         ok, message = self._loop.call_exclusive(
             lambda: self._loop.weights.update_from_disk(path, fmt, weight_version))
-        if ok:
-            self.config.model_path = path
+        if ok:    # get_server_info() names what is loaded now, as SGLang's
+            self.config.model_path, self.config.load_format = path, fmt
         return ok, message, 0
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Optional[list]:
