@@ -43,6 +43,11 @@ def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
+def _check_group_name(group_name: Any) -> None:
+    if not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"group_name must be a non-empty str, got {group_name!r}")
+
+
 def _check_version(weight_version: Any) -> None:
     if weight_version is not None and not isinstance(weight_version, str):
         raise ValueError(f"weight_version must be None or a str, got {weight_version!r}")
@@ -150,8 +155,9 @@ class WeightsMixin:
                 raise ValueError(f"{arg} must be an int >= 0, got {value!r}")
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset must be in [1, world_size) (the trainer is rank 0), got {rank_offset}")
-        if not isinstance(master_address, str) or not isinstance(group_name, str) or not group_name:
-            raise ValueError("master_address and group_name must be non-empty strs")
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address must be a non-empty str, got {master_address!r}")
+        _check_group_name(group_name)
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         self._check_one_copy("init_weights_update_group")
@@ -175,6 +181,7 @@ class WeightsMixin:
         if not all(isinstance(s, (list, tuple, torch.Size)) and
                    all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s) for s in shapes):
             raise ValueError(f"shapes must be lists of ints >= 0, got {shapes!r:.80}")
+        _check_group_name(group_name)
         _check_common(load_format, flush_cache, weight_version)
         self._check_one_copy("update_weights_from_distributed")
         self._check_weights_in_place("update_weights_from_distributed")
@@ -184,6 +191,7 @@ class WeightsMixin:
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
         """Leave and destroy a weight-update group -> ``(success, message)``."""
+        _check_group_name(group_name)
         self._check_alive()
         return self._loop.weights.groups.destroy(group_name)
 

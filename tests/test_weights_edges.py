@@ -112,3 +112,20 @@ def test_rollback_after_tensor_update_flushes_cache(ckpts, read_fails):
         assert not ok and "Rolling back" in msg
         assert _cached(eng) == 0
         assert _greedy(eng) == _hf_greedy(_hf(a))
+
+
+def test_group_name_of_wrong_kind(tiny_llama_dir):
+    """A group_name that is not a non-empty str raises ValueError naming it (not a (False, ...) answer
+    quoting a KeyError); the engine serves as before."""
+    with nbgen.Engine(tiny_llama_dir, dtype="float32", device="cpu") as eng:
+        out = _greedy(eng)
+        for bad in (3, "", None):
+            with pytest.raises(ValueError, match="group_name"):
+                eng.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], group_name=bad)
+            with pytest.raises(ValueError, match="group_name"):
+                eng.destroy_weights_update_group(bad)
+            with pytest.raises(ValueError, match="group_name"):
+                eng.init_weights_update_group("127.0.0.1", 29500, 1, 2, bad)
+        with pytest.raises(ValueError, match="master_address"):
+            eng.init_weights_update_group("", 29500, 1, 2, "g")
+        assert _greedy(eng) == out
