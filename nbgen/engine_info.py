@@ -41,8 +41,8 @@ class InfoMixin:
         """The server arguments, the engine's resolved facts, ``internal_states`` and ``version``."""
         sc = self.scheduler_config
         args = dataclasses.asdict(self.resolved_config)
-        args.update(model_path=self.config.model_path, served_model_name=self.served_model_name,
-                    weight_version=self.weight_version)
+        args.update(model_path=self.config.model_path, load_format=self.config.load_format,
+                    served_model_name=self.served_model_name, weight_version=self.weight_version)
         runner = self._loop.server_info()
         capacity = (sc.num_pages - 1) * sc.page_size
         facts = {"model_name": self.model_name, "device": self.device, "dtype": str(self.dtype),

@@ -35,8 +35,17 @@ def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
             raise ValueError(f"named_tensors[{i}] must be a (name, torch.Tensor) pair, got {item!r:.80}")
-        pairs.append((item[0], item[1]))
+        t = item[1]
+        if t.is_meta or t.layout != torch.strided:   # no data to copy: found here, before any write
+            raise ValueError(f"named_tensors[{i}] ({item[0]!r}) must be a dense tensor with data, got a "
+                             f"{'meta' if t.is_meta else t.layout} tensor")
+        pairs.append((item[0], t))
     return pairs
+
+
+def _check_group_name(group_name: Any) -> None:
+    if not isinstance(group_name, str) or not group_name:
+        raise ValueError(f"group_name must be a non-empty str, got {group_name!r}")
 
 
 def _check_version(weight_version: Any) -> None:
@@ -103,7 +112,8 @@ class WeightsMixin:
                                  weight_version: Optional[str] = None) -> tuple[bool, str, int]:
         """Load every weight of a checkpoint of the same architecture (an HF directory or a .gguf)
         -> ``(success, message, num_paused_requests)`` (0: updates wait instead of pausing). On
-        success ``get_server_info()["model_path"]`` is the new path; the tokenizer stays."""
+        success ``get_server_info()``'s ``model_path`` and ``load_format`` are the new ones; the
+        tokenizer stays."""
         if not isinstance(model_path, (str, os.PathLike)):
             raise ValueError(f"model_path must be a path, got {model_path!r}")
         fmt = load_format if load_format is not None else \
@@ -117,8 +127,8 @@ class WeightsMixin:
         path = os.path.expanduser(os.fspath(model_path))
         ok, message = self._loop.call_exclusive(
             lambda: self._loop.weights.update_from_disk(path, fmt, weight_version))
-        if ok:
-            self.config.model_path = path
+        if ok:    # get_server_info() names what is loaded now, as SGLang's
+            self.config.model_path, self.config.load_format = path, fmt
         return ok, message, 0
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Optional[list]:
@@ -145,8 +155,9 @@ class WeightsMixin:
                 raise ValueError(f"{arg} must be an int >= 0, got {value!r}")
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset must be in [1, world_size) (the trainer is rank 0), got {rank_offset}")
-        if not isinstance(master_address, str) or not isinstance(group_name, str) or not group_name:
-            raise ValueError("master_address and group_name must be non-empty strs")
+        if not isinstance(master_address, str) or not master_address:
+            raise ValueError(f"master_address must be a non-empty str, got {master_address!r}")
+        _check_group_name(group_name)
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         self._check_one_copy("init_weights_update_group")
@@ -170,6 +181,7 @@ class WeightsMixin:
         if not all(isinstance(s, (list, tuple, torch.Size)) and
                    all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s) for s in shapes):
             raise ValueError(f"shapes must be lists of ints >= 0, got {shapes!r:.80}")
+        _check_group_name(group_name)
         _check_common(load_format, flush_cache, weight_version)
         self._check_one_copy("update_weights_from_distributed")
         self._check_weights_in_place("update_weights_from_distributed")
@@ -179,6 +191,7 @@ class WeightsMixin:
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
         """Leave and destroy a weight-update group -> ``(success, message)``."""
+        _check_group_name(group_name)
         self._check_alive()
         return self._loop.weights.groups.destroy(group_name)
 

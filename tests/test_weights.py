@@ -293,7 +293,7 @@ def test_update_weights_from_distributed_gloo(pair):
             ok, msg = eng.update_weights_from_distributed([n for n, _ in params], ["float32"] * len(params),
                                                           [list(p.shape) for _, p in params], "rl",
                                                           weight_version="dist-1")
-            assert ok, msg
+            assert ok and msg == "Succeeded to update parameter online. Weight version updated to dist-1.", msg
             assert _greedy(eng) == _hf_greedy(hb)
             assert eng.weight_version == "dist-1"
             assert eng.destroy_weights_update_group("rl")[0]

@@ -79,6 +79,13 @@ class _Writer:
             head.prepack_cpu()     # its packed copy of the (tied) embedding
 
 
+def _succeeded(message: str, weight_version: Optional[str]) -> tuple[bool, str]:
+    """SGLang's success answer: the message, and the new version when the update names one."""
+    if weight_version is None:
+        return True, message
+    return True, f"{message} Weight version updated to {weight_version}."
+
+
 def _failed(errors: list[str]) -> str:
     more = f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
     return f"Failed to update weights (nothing was changed): {'; '.join(errors[:5])}{more}"
@@ -97,7 +104,7 @@ class WeightService:
         self._memory = memory
         self._lora = runner.lora                # adapters folded with the norm weights (refold)
         self._model_dir = runner.loaded.model_dir   # what a failed disk update rolls back to
-        self._from_disk = load_format != "dummy"
+        self._from_disk = load_format != "dummy"    # a checkpoint on disk to roll back to
 
     def close(self) -> None:
         """Let go of the model (engine shutdown); ``version`` stays readable."""
@@ -153,12 +160,15 @@ class WeightService:
             self._load_dir(new_dir)
         except Exception as e:  # noqa: BLE001 - e.g. a file that changed since its header was read
             if not self._from_disk:
+                self._finish(True, None)     # weights changed in part: cached K/V and folds are stale
                 return False, f"Failed to update weights: {e}. The weights are partially updated."
             self._load_dir(self._model_dir)
+            self._finish(True, None)         # the checkpoint may differ from what tensor updates had set
             return False, f"Failed to update weights: {e}.\nRolling back to original weights."
         self._model_dir = new_dir
+        self._from_disk = True               # a later failed load rolls back to this checkpoint
         self._finish(True, weight_version)
-        return True, "Succeeded to update model weights."
+        return _succeeded("Succeeded to update model weights.", weight_version)
 
     # ---- steps ------------------------------------------------------------------------------------
     def _blocked(self) -> Optional[str]:
@@ -198,7 +208,7 @@ class WeightService:
         finally:
             writer.close()
         self._finish(flush_cache, weight_version)
-        return True, ok
+        return _succeeded(ok, weight_version)
 
     def _load_dir(self, model_dir: str) -> None:
         """Stream a checkpoint into the model: folded norms first, then the rest."""
