@@ -161,7 +161,8 @@ def make_requests(ids_list: list[list[int]], params: list[SamplingParams], logpr
     for ids, sp, lp, rid in zip(ids_list, params, logprobs, rids):
         base = rid if rid is not None else uuid.uuid4().hex
         seed = sp.sampling_seed if sp.sampling_seed is not None else rng.getrandbits(31)
-        stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else facts.eos_ids)
+        # ignore_eos turns off every token stop, stop_token_ids too (SGLang's Req._check_token_based_finish)
+        stop_ids = frozenset() if sp.ignore_eos else frozenset(sp.stop_token_ids or ()) | facts.eos_ids
         for j in range(sp.n):
             out.append(Request(rid=base if sp.n == 1 else f"{base}-{j}", prompt_ids=list(ids), params=sp,
                                stop_ids=stop_ids, logprobs=lp, seed=(seed + 1_000_003 * j) % (2**31),

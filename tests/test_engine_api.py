@@ -131,7 +131,7 @@ def test_stop_strings_and_ids(tiny_engine):
     base = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
     ids, text = base["output_ids"], base["text"]
     stop_tok = ids[5]
-    out = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True,
+    out = tiny_engine.generate("The capital", {"temperature": 0, "max_new_tokens": 16,
                                                "stop_token_ids": [stop_tok]})
     first = ids.index(stop_tok)
     assert out["output_ids"] == ids[: first + 1]

@@ -661,9 +661,9 @@ class Fuzz:
         if isinstance(mnt, int) and not isinstance(mnt, bool):
             if len(ids) > mnt or (fr["type"] == "length" and len(ids) != mnt):
                 bad.append(f"{len(ids)} tokens with max_new_tokens={mnt}, finish {fr}")
-        stop_ids = {int(t) for t in (sp.get("stop_token_ids") or ())}
-        if sp.get("ignore_eos") is not True:
-            stop_ids |= self.eos
+        # ignore_eos turns off every token stop, stop_token_ids too (as SGLang)
+        stop_ids = set() if sp.get("ignore_eos") is True else self.eos | {
+            int(t) for t in (sp.get("stop_token_ids") or ())}
         early = [t for t in ids[:-1] if t in stop_ids]
         if early:
             bad.append(f"stop id(s) {early} before the end: ids {ids}")

@@ -57,7 +57,7 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    stop_ids: frozenset[int] = frozenset()   # EOS ids of the model + params.stop_token_ids
+    stop_ids: frozenset[int] = frozenset()   # EOS ids of the model + params.stop_token_ids (none: ignore_eos)
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
     seed: int = 0                            # per-request RNG seed (sampling_seed or drawn at submit)
     group: Optional[str] = None              # samples of one prompt share a group (prefix sharing)

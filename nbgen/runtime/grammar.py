@@ -121,8 +121,8 @@ class GrammarState:
         self.jumper = jumper  # jump-forward decoding (None: off)
 
         self.vocab = vocab   # the tokenizer's ids [0, vocab) are in the bitmask; logits beyond are masked
-        # the request's stop ids (model EOS + stop_token_ids) end the grammar; with ignore_eos and
-        # no stop_token_ids the tokenizer's EOS still does (a grammar needs some way to end). Ids past
+        # the request's stop ids (model EOS + stop_token_ids) end the grammar; with ignore_eos (no stop
+        # ids) the tokenizer's EOS still does (a grammar needs some way to end). Ids past
         # the tokenizer (a model EOS the tokenizer lacks) can never be sampled under a mask: dropped.
         stops = sorted(t for t in stop_ids if 0 <= t < vocab) or list(compiled.tokenizer_info.stop_token_ids)
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
