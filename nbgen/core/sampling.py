@@ -172,9 +172,11 @@ class SamplingParams:
         if v is None:
             return []
         items = [v] if isinstance(v, str) else v
-        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
             raise TypeError(f"{name} must be a non-empty string or a list of them, got {v!r}")
         for i, s in enumerate(items):
+            if not s:   # an empty stop would match before any text: a value error, not a type error
+                raise ValueError(f"{name} must be a non-empty string or a list of them, got {v!r}")
             check_text(s, f"{name}[{i}]")
         return list(items)
 
