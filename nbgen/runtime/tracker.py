@@ -131,7 +131,8 @@ class Tracked:
             if matched is not None:
                 if not req.finished:
                     scheduler.finish(req, FinishReason.stop(matched))
-                else:  # finished by length/token in the same step: the string wins, as SGLang
+                else:  # finished by length/token in the same step: the string wins (SGLang's
+                    # check_finished reports length first; docs/api.md, Output dict)
                     req.finish_reason = FinishReason.stop(matched)
             elif req.finished:
                 emit += self.matcher.flush()
