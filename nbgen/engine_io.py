@@ -41,6 +41,11 @@ def _is_id_list(x: Any) -> bool:
     return types <= {int} or all(issubclass(t, int) and not issubclass(t, bool) for t in types)
 
 
+def _is_int(x: Any) -> bool:
+    """An integer of any type (int, numpy int), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], bool, str]:
     """-> (items, single, kind) where items are str prompts or id lists, kind 'prompt'|'input_ids'."""
     if (prompt is None) == (input_ids is None):
@@ -178,13 +183,17 @@ def make_logprob_requests(n: int, return_logprob: Any, top_logprobs_num: Any, lo
     rl = [False if v is None else v for v in per_item("return_logprob", return_logprob, n)]
     tn = [0 if v is None else v for v in per_item("top_logprobs_num", top_logprobs_num, n)]
     ls = [-1 if v is None else v for v in per_item("logprob_start_len", logprob_start_len, n)]
+    if _is_int(token_ids_logprob):      # one id for every prompt (SGLang's GenerateReqInput wraps it)
+        token_ids_logprob = [int(token_ids_logprob)]
     ti = per_item("token_ids_logprob", token_ids_logprob, n)
     out = []
     for i in range(n):
-        if not isinstance(tn[i], int) or tn[i] < 0:
+        # any integer type (a numpy int) counts; a bool does not (topk would get k=True)
+        if not _is_int(tn[i]) or tn[i] < 0:
             raise ValueError(f"top_logprobs_num must be an int >= 0, got {tn[i]!r}")
-        if not isinstance(ls[i], int) or ls[i] < -1:
+        if not _is_int(ls[i]) or ls[i] < -1:
             raise ValueError(f"logprob_start_len must be -1 or an int >= 0, got {ls[i]!r}")
+        tn[i], ls[i] = int(tn[i]), int(ls[i])
         ids = ti[i]
         if ids is not None:
             if not _is_id_list(ids) or any(not 0 <= t < vocab_size for t in ids):

@@ -92,8 +92,11 @@ class ScoreMixin:
                        item_first: bool) -> tuple[dict[str, Any], list[int]]:
         labels = check_labels(label_token_ids, self.get_model_info()["vocab_size"])
         kind, inputs = score_inputs(query, items, item_first)
-        # one new token, sampled greedily, carries the label logprobs of the position after the prompt
-        kw = {kind: inputs, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        # one new token, sampled greedily, carries the label logprobs of the position after the prompt;
+        # repetition_penalty 1.0 overrides a generation_config default, which would penalise labels
+        # present in the prompt (SGLang's penalties count output tokens only: none before the first)
+        sp = {"max_new_tokens": 1, "temperature": 0.0, "repetition_penalty": 1.0}
+        kw = {kind: inputs, "sampling_params": sp,
               "return_logprob": True, "token_ids_logprob": labels}
         return kw, labels
 

@@ -80,3 +80,32 @@ def test_score_empty_items_give_no_scores(tiny_engine, query, items):
     assert list(tiny_engine.score_iter(query, items, [1, 2])) == []
     with pytest.raises(ValueError, match="items"):
         tiny_engine.score(query, None, [1, 2])
+
+
+def test_score_ignores_a_generation_config_repetition_penalty(tiny_llama_dir, tmp_path):
+    """A model's generation_config repetition_penalty must not reach the label probabilities: SGLang's
+    penalties count output tokens, so its score is the model's own next-token distribution."""
+    import json
+    import shutil
+
+    import nbgen
+
+    model_dir = str(tmp_path / "rep")
+    shutil.copytree(tiny_llama_dir, model_dir)
+    with open(f"{model_dir}/generation_config.json", "w") as f:
+        json.dump({"repetition_penalty": 1.5}, f)
+    eng = nbgen.Engine(model_dir, dtype="float32", device="cpu", random_seed=0)
+    try:
+        query = "a b c a b c"
+        ids = eng.tokenizer.encode(query)
+        labels = sorted(set(ids))[:3]          # tokens of the prompt: the ones a penalty would change
+        ref = _hf_next_logprobs(tiny_llama_dir, ids)
+        assert eng.score(query, [""], labels)[0] == pytest.approx(
+            [math.exp(ref[t].item()) for t in labels], rel=1e-4, abs=1e-7)
+        # generate keeps the model's default
+        out = eng.generate(query, {"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
+                           token_ids_logprob=labels)
+        got = [lp for lp, _, _ in out["meta_info"]["output_token_ids_logprobs"][0]]
+        assert got != pytest.approx([ref[t].item() for t in labels], rel=1e-4)
+    finally:
+        eng.shutdown()
