@@ -196,6 +196,23 @@ def test_dp_session_stays_on_its_replica(engines):
     assert results[1][2] >= 16         # the second turn read the first one's KV: the same replica
 
 
+def test_dp_open_session_refuses_an_id_open_on_another_replica(engines, monkeypatch):
+    """A second open_session of an open id answers None even when another replica is less loaded
+    (as SGLang): that replica must not open a second copy that takes the id's requests."""
+    _one, two = engines
+    assert two.open_session(4096, session_id="dp-dup") == "dp-dup"
+    first = two._loop.router.session_replica("dp-dup")
+    monkeypatch.setattr(two._loop.router, "least_loaded", lambda: 1 - first)
+    try:
+        assert two.open_session(4096, session_id="dp-dup") is None
+        assert [r.sessions.num_open for r in two._loop.replicas] == [int(i == first) for i in range(2)]
+        out = two.generate("Hello there", SP, session_params={"id": "dp-dup"})
+        assert two._loop.router.session_replica("dp-dup") == first and out["meta_info"]["prompt_tokens"] > 0
+    finally:
+        two.close_session("dp-dup")
+    assert [r.sessions.num_open for r in two._loop.replicas] == [0, 0]
+
+
 def test_router_plan_puts_the_longest_requests_together():
     """With a fixed cost per decode step, a call's longest requests share one replica (its steps are
     paid once) and the rest balance the time: 500 + 50 + 10 * 100 on one, 400 + 5 * 50 + 10 * 90 on

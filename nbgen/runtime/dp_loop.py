@@ -180,8 +180,11 @@ class DPLoop:
     # ---- LoopControl's calls ----------------------------------------------------------------------
     def open_session(self, capacity: int, session_id: str, streaming: bool,
                      timeout: Optional[float]) -> Optional[str]:
-        """Open a session on the least-loaded replica; its requests go there."""
-        i = self.router.least_loaded()
+        """Open a session on the least-loaded replica; its requests go there. An id already bound
+        goes back to its replica, which refuses it while open: another replica must not open it too."""
+        i = self.router.session_replica(session_id)
+        if i is None:
+            i = self.router.least_loaded()
         sid = self.replicas[i].open_session(capacity, session_id, streaming, timeout)
         if sid is not None:
             self.router.bind_session(sid, i)

@@ -180,6 +180,11 @@ class Router:
         with self._lock:
             self._sessions[session_id] = replica
 
+    def session_replica(self, session_id: str) -> Optional[int]:
+        """The replica a session was opened on (None if unknown)."""
+        with self._lock:
+            return self._sessions.get(session_id)
+
     def unbind_session(self, session_id: str) -> Optional[int]:
         """Forget a session -> the replica it was on (None if unknown)."""
         with self._lock:
