@@ -26,8 +26,11 @@ class ControlMixin:
 
     def abort(self, rid: Any) -> None:
         """Abort one request id (or a list); unknown or finished ids are ignored."""
+        rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) else None
+        if rids is None or not all(isinstance(r, str) for r in rids):
+            raise ValueError(f"rid must be a request id (str) or a list of them, got {rid!r:.60}")
         self._check_alive()
-        self._loop.abort([rid] if isinstance(rid, str) else list(rid))
+        self._loop.abort(rids)
 
     def flush_cache(self) -> FlushCacheReqOutput:
         """Drop the prefix cache; ``success`` False (nothing flushed) while requests are running, as SGLang."""

@@ -155,6 +155,14 @@ def test_finish_reason_shapes(tiny_engine) -> None:
     assert (last["status_code"], last["err_type"]) == (None, None)
 
 
+def test_abort_refuses_what_is_not_a_request_id(tiny_engine) -> None:
+    for bad in (None, 5, ["ok", 3], {"rid": "x"}):
+        with pytest.raises(ValueError, match="rid must be a request id"):
+            tiny_engine.abort(bad)
+    tiny_engine.abort(["never-sent", "nor-this"])       # unknown ids: ignored
+    assert tiny_engine.generate("Hello", GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_flush_cache_answers_sglangs_output(tiny_engine) -> None:
     it = tiny_engine.generate("Hello", {**GREEDY, "max_new_tokens": 200}, stream=True)
     next(it)
