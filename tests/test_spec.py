@@ -80,7 +80,8 @@ def test_stops_inside_accepted_runs(tiny_llama_dir):
     first = ref.index(stop_tok)
     stop_str = plain[1]["text"][20:24]
     cases = [{**GREEDY, "max_new_tokens": m} for m in (3, 9, 14, 23)]
-    cases += [{**GREEDY, "stop_token_ids": [stop_tok]}, {**GREEDY, "stop": [stop_str]}]
+    # ignore_eos turns stop_token_ids off too (as SGLang): the stop-id case runs without it
+    cases += [{**GREEDY, "ignore_eos": False, "stop_token_ids": [stop_tok]}, {**GREEDY, "stop": [stop_str]}]
     prompts = [PROMPTS[0]] * 5 + [PROMPTS[1]]
     plain, _ = _run(tiny_llama_dir, prompts, cases)
     spec, _ = _run(tiny_llama_dir, prompts, cases, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
