@@ -30,6 +30,7 @@ class InfoMixin:
     config: EngineConfig
     resolved_config: EngineConfig
     scheduler_config: SchedulerConfig
+    _images: Any   # the vision preprocessing of a vision-language model, else None
 
     @property
     def served_model_name(self) -> str:
@@ -37,12 +38,18 @@ class InfoMixin:
         (SGLang's rule)."""
         return self.config.served_model_name or str(self.config.model_path)
 
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer comes from: ``tokenizer_path``, else the model path (SGLang's rule)."""
+        return self.config.tokenizer_path or str(self.config.model_path)
+
     def get_server_info(self) -> dict[str, Any]:
         """The server arguments, the engine's resolved facts, ``internal_states`` and ``version``."""
         sc = self.scheduler_config
         args = dataclasses.asdict(self.resolved_config)
         args.update(model_path=self.config.model_path, load_format=self.config.load_format,
-                    served_model_name=self.served_model_name, weight_version=self.weight_version)
+                    tokenizer_path=self.tokenizer_path, served_model_name=self.served_model_name,
+                    weight_version=self.weight_version)
         runner = self._loop.server_info()
         capacity = (sc.num_pages - 1) * sc.page_size
         facts = {"model_name": self.model_name, "device": self.device, "dtype": str(self.dtype),
@@ -63,10 +70,15 @@ class InfoMixin:
                 "internal_states": [internal], "version": __version__}
 
     def get_model_info(self) -> dict[str, Any]:
-        """What the engine serves: model path and name, generation or embedding, architecture, sizes."""
+        """What the engine serves: SGLang's keys (model and tokenizer paths, generation or embedding,
+        model type and architectures, image / audio input) and nbgen's sizes."""
         return {"model_path": self.config.model_path, "served_model_name": self.served_model_name,
-                "tokenizer_path": self.config.tokenizer_path, "is_generation": not self.config.is_embedding,
+                "tokenizer_path": self.tokenizer_path, "is_generation": not self.config.is_embedding,
+                "model_type": getattr(self.hf_config, "model_type", None),
                 "architectures": list(self.hf_config.architectures or []),
+                "has_image_understanding": self._images is not None, "has_audio_understanding": False,
+                # SGLang's server-side sampling defaults (preferred_sampling_params): nbgen takes none
+                "preferred_sampling_params": None,
                 "vocab_size": self._facts.vocab_size, "context_length": self._facts.context_length,
                 "weight_version": self.weight_version, "load_format": self.config.load_format,
                 # SGLang's parsers of reasoning and tool calls: nbgen has none (the arguments take None only)

@@ -2,25 +2,18 @@
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from nbgen.core.chat_template import check_chat_template
-from nbgen.core.scheduler_config import POLICIES, PriorityConfig, is_int
+from nbgen.core.config_values import apply_sglang_defaults, check_values
+from nbgen.core.scheduler_config import PriorityConfig, is_int
 from nbgen.core.spec_config import SpecConfig
 from nbgen.core.server_args import no_effect_message, split_engine_kwargs, unknown_key_error
 
 __all__ = ["EngineConfig", "unknown_key_error"]
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
-_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = (None, "fp8")            # fp8 checkpoints are detected from config.json whatever this says
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")   # auto: the model dtype
-_BACKENDS = (None, "torch", "flashinfer")
-_GRAMMAR_BACKENDS = (None, "xgrammar", "none")   # SGLang's outlines / llguidance are refused
 _LORA_BACKENDS = ("csgmv", "triton", "torch_native")   # all served by nbgen's torch path for now
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PIECEWISE_MAX_TOKENS = 8192   # the largest token bucket of the piecewise prefill graphs by default
@@ -42,7 +35,7 @@ class EngineConfig:
     quantization: Optional[str] = None     # "fp8": e4m3 weights per output feature (models/fp8_linear.py)
     kv_cache_dtype: str = "auto"           # "fp8_e4m3": the KV pool in e4m3 (attention/kv_quant.py)
     context_length: Optional[int] = None
-    mem_fraction_static: float = 0.85
+    mem_fraction_static: float = 0.85     # None (SGLang's default): 0.85
     # GiB of weights kept in pinned host memory, copied in layer by layer each step (models/cpu_offload.py)
     cpu_offload_gb: float = 0
     max_running_requests: Optional[int] = None
@@ -72,8 +65,8 @@ class EngineConfig:
     piecewise_cuda_graph_max_tokens: Optional[int] = None   # None: the chunk budget, at most 8192
     disable_overlap_schedule: bool = False
     attention_backend: Optional[str] = None
-    random_seed: int = 0
-    log_level: str = "warning"
+    random_seed: int = 0                  # None (SGLang's default): a random seed, as SGLang draws
+    log_level: str = "warning"           # a logging level name, any case
     skip_tokenizer_init: bool = False
     tp_size: int = 1       # tensor parallelism: ranks sharding the model (runtime/tp_group.py)
     dp_size: int = 1       # data parallelism: replicas behind one Engine (runtime/dp_loop.py)
@@ -118,43 +111,9 @@ class EngineConfig:
     speculative_ngram_max_trie_depth: int = 18
 
     def __post_init__(self) -> None:
-        def check(name: str, ok: bool, want: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
-
-        check("dtype", self.dtype in _DTYPES, f"one of {_DTYPES}")
-        check("device", self.device in _DEVICES, f"one of {_DEVICES}")
-        check("load_format", self.load_format in _FORMATS, f"one of {_FORMATS}")
-        check("quantization", self.quantization in QUANTIZATIONS, f"one of {QUANTIZATIONS}")
-        check("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES, f"one of {KV_CACHE_DTYPES}")
-        check("schedule_policy", self.schedule_policy is None or self.schedule_policy in POLICIES,
-              f"None or one of {POLICIES}")
-        check("attention_backend", self.attention_backend in _BACKENDS, f"one of {_BACKENDS}")
-        check("page_size", isinstance(self.page_size, int) and self.page_size >= 1, "an int >= 1")
-        check("mem_fraction_static", 0.0 < float(self.mem_fraction_static) < 1.0, "in (0, 1)")
-        check("cpu_offload_gb", isinstance(self.cpu_offload_gb, (int, float)) and not isinstance(
-            self.cpu_offload_gb, bool) and self.cpu_offload_gb >= 0, "a number >= 0")
-        check("tp_size", is_int(self.tp_size) and self.tp_size >= 1, "an int >= 1")
-        check("dp_size", is_int(self.dp_size) and self.dp_size >= 1, "an int >= 1")
-        check("weight_version", isinstance(self.weight_version, str), "a str")
-        for name in ("enable_return_hidden_states", "return_original_logprob"):
-            check(name, isinstance(getattr(self, name), bool), "a bool")
-        if self.grammar_backend in ("outlines", "llguidance"):
-            raise ValueError(f"grammar_backend={self.grammar_backend!r} is not supported yet by nbgen "
-                             "(its grammar backend is xgrammar); pass None, 'xgrammar' or 'none'")
-        check("grammar_backend", self.grammar_backend in _GRAMMAR_BACKENDS, f"one of {_GRAMMAR_BACKENDS}")
-        check("served_model_name", self.served_model_name is None or isinstance(self.served_model_name, str),
-              "None or a str")
-        for name in ("allow_auto_truncate", "enable_torch_compile"):
-            check(name, isinstance(getattr(self, name), bool), "a bool")
+        apply_sglang_defaults(self)
+        check_values(self)
         check_chat_template(self.chat_template)
-        for name in ("context_length", "max_running_requests", "max_queued_requests", "max_total_tokens",
-                     "chunked_prefill_size", "cuda_graph_max_bs", "piecewise_cuda_graph_max_tokens"):
-            v = getattr(self, name)
-            check(name, v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1")
-        for name in ("stream_interval", "max_prefill_tokens"):
-            v = getattr(self, name)
-            check(name, is_int(v) and v >= 1, "an int >= 1")
         PriorityConfig.of(self)   # validates the priority arguments
         self._check_lora()
         if self.tp_size > 1 and self.enable_lora:
@@ -167,15 +126,12 @@ class EngineConfig:
         if self.cpu_offload_gb and (self.enable_lora or self.tp_size > 1):
             raise ValueError("cpu_offload_gb needs tp_size 1 and no enable_lora (offloaded layers share "
                              "their device buffers, which sharding and adapter hooks do not)")
-        check("base_gpu_id", is_int(self.base_gpu_id) and self.base_gpu_id >= 0, "an int >= 0")
         spec = SpecConfig.of(self)                 # validates the speculative_* arguments
         if spec is not None:
             self.speculative_algorithm = spec.algorithm
             if self.enable_jump_forward:
                 raise ValueError("enable_jump_forward cannot be combined with speculative_algorithm "
                                  "(a jump rewrites the tokens a verify step drafts on)")
-        if self.model_path is not None:
-            self.model_path = os.path.expanduser(str(self.model_path))
 
     def _check_lora(self) -> None:
         """Validate the LoRA arguments; ``lora_paths`` becomes a list of dicts, ``enable_lora`` a bool."""

@@ -91,6 +91,9 @@ def split_engine_kwargs(kwargs: dict[str, Any], own: list[str]) -> tuple[dict[st
         arg = SERVER_ARGS.get(name)
         if name in own:
             mine[name] = value
+        elif name == "server_args":   # SGLang's Engine(server_args=ServerArgs(...)): no ServerArgs here
+            raise ValueError("server_args (a ServerArgs object) is not taken by nbgen: pass its fields as "
+                             "keyword arguments, e.g. Engine(model_path=..., mem_fraction_static=...)")
         elif arg is None:
             raise unknown_key_error("Engine argument", name, list(own) + list(SERVER_ARGS))
         elif arg.status == STATUS_NO_EFFECT:
