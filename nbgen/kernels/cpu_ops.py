@@ -103,7 +103,8 @@ def load() -> Optional[ctypes.CDLL]:
             return None
         cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
         if cc is None:
-            logger.warning("nbgen: no C compiler found; CPU attention uses the slower torch path")
+            logger.warning("nbgen: no C compiler found; the CPU kernels (and jump-forward's one-call search) "
+                           "use their slower torch / Python paths")
             return None
         try:
             lib = ctypes.CDLL(str(_build(cc)))
