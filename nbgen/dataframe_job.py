@@ -16,6 +16,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
+from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.interrupt import GenerationInterrupted
 from nbgen.dataframe_io import Checkpoint
 from nbgen.dataframe_rows import RowError, require_column, row_text
@@ -179,10 +180,10 @@ def check_call(df: Any, column: str, on_error: str, batch_size: int, param: str 
     import pandas as pd
 
     if isinstance(df, pd.Series):
-        raise TypeError("df must be a pandas DataFrame, got a Series; pass series.to_frame() "
+        raise ArgumentTypeError("df must be a pandas DataFrame, got a Series; pass series.to_frame() "
                         f"(its column is then {df.name if df.name is not None else 0!r})")
     if not isinstance(df, pd.DataFrame):
-        raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+        raise ArgumentTypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
     require_column(df, column, param)
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from nbgen.core.config import EngineConfig
+from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.request import Request
 from nbgen.engine_cell_asyncio import install_cell_asyncio_run
 from nbgen.engine_async import AsyncGenerateMixin, ensure_event_loop
@@ -222,7 +223,7 @@ class Engine(SyncBridgeMixin, AsyncGenerateMixin, ScoreMixin, EmbedMixin, Contro
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+            raise ArgumentTypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.request import LogprobRequest, Request
 from nbgen.core.sampling import NONE_MEANS_DEFAULT, SamplingParams, check_text
 
@@ -56,23 +57,23 @@ def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], b
             check_text(prompt, "prompt")
             return [prompt], True, "prompt"
         if not isinstance(prompt, (list, tuple)):
-            raise TypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
+            raise ArgumentTypeError(f"prompt must be a str or a list of str, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt must not be an empty list")
         for i, p in enumerate(prompt):
             if not isinstance(p, str):
-                raise TypeError(f"prompt[{i}] must be a str, got {type(p).__name__}")
+                raise ArgumentTypeError(f"prompt[{i}] must be a str, got {type(p).__name__}")
             check_text(p, f"prompt[{i}]")
         return list(prompt), False, "prompt"
     if not isinstance(input_ids, (list, tuple)):
-        raise TypeError(f"input_ids must be a list of ints or a list of lists, got {type(input_ids).__name__}")
+        raise ArgumentTypeError(f"input_ids must be a list of ints or a list of lists, got {type(input_ids).__name__}")
     if not input_ids:
         raise ValueError("input_ids must not be empty")
     if _is_id_list(input_ids):
         return [list(input_ids)], True, "input_ids"
     for i, ids in enumerate(input_ids):
         if not _is_id_list(ids):
-            raise TypeError(f"input_ids[{i}] must be a list of ints, got {ids!r:.60}")
+            raise ArgumentTypeError(f"input_ids[{i}] must be a list of ints, got {ids!r:.60}")
         if not ids:
             raise ValueError(f"input_ids[{i}] must not be empty")
     return [list(x) for x in input_ids], False, "input_ids"
@@ -93,7 +94,7 @@ def build_params(d: Any, facts: ModelFacts) -> SamplingParams:
         sp = d
     else:
         if d is not None and not isinstance(d, dict):
-            raise TypeError(f"sampling_params must be a dict or a list of dicts, got {type(d).__name__}")
+            raise ArgumentTypeError(f"sampling_params must be a dict or a list of dicts, got {type(d).__name__}")
         # a None that means "the default" is a key not given: the model's generation default applies
         given = {k: v for k, v in (d or {}).items() if not (v is None and k in NONE_MEANS_DEFAULT)}
         sp = SamplingParams.from_dict({**facts.generation_defaults, **given})

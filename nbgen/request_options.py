@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.logit_processor import load_processor
 from nbgen.core.request import Request
 from nbgen.core.sampling import GRAMMAR_KINDS, SamplingParams
@@ -44,7 +45,7 @@ def attach_options(reqs: list[Request], sps: list[SamplingParams], return_hidden
         loaded[i] = load_processor(spec)
     for flag in return_hidden_states:
         if not isinstance(flag, bool):
-            raise TypeError(f"return_hidden_states must be a bool, got {flag!r}")
+            raise ArgumentTypeError(f"return_hidden_states must be a bool, got {flag!r}")
     if any(return_hidden_states) and not allow_hidden_states:
         raise ValueError("return_hidden_states=True needs an Engine created with enable_return_hidden_states=True "
                          "(as SGLang's --enable-return-hidden-states)")

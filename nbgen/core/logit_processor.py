@@ -13,6 +13,8 @@ import pickle
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Optional
 
+from nbgen.core.errors import ArgumentTypeError
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,4 +65,4 @@ def load_processor(spec: Any) -> Any:
             raise ValueError(f"custom_logit_processor could not be loaded: {type(e).__name__}: {e}") from None
     if callable(spec):
         return spec
-    raise TypeError(f"custom_logit_processor must be a string from CustomLogitProcessor.to_str(), got {spec!r:.60}")
+    raise ArgumentTypeError(f"custom_logit_processor must be a string from CustomLogitProcessor.to_str(), got {spec!r:.60}")

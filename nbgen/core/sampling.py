@@ -7,11 +7,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
 from nbgen.core.config import unknown_key_error
+from nbgen.core.errors import ArgumentTypeError
 
 
 def _num(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number, got {v!r}")
+        raise ArgumentTypeError(f"{name} must be a number, got {v!r}")
     if math.isnan(v):
         raise ValueError(f"{name} must not be NaN, got {v!r}")
     return float(v)
@@ -19,7 +20,7 @@ def _num(name: str, v: Any) -> float:
 
 def _int(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {v!r}")
+        raise ArgumentTypeError(f"{name} must be an int, got {v!r}")
     return int(v)
 
 
@@ -137,12 +138,12 @@ class SamplingParams:
         self._str_list("stop_regex", self.stop_regex)
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple, set)):
-                raise TypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+                raise ArgumentTypeError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
             # None entries are dropped and an empty list means none (as SGLang)
             self.stop_token_ids = [_int("stop_token_ids", t) for t in self.stop_token_ids if t is not None] or None
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+                raise ArgumentTypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             bias = {}
             for k, v in self.logit_bias.items():
                 try:
@@ -165,7 +166,7 @@ class SamplingParams:
             raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag may be set, got {grammars}")
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ArgumentTypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @staticmethod
     def _str_list(name: str, v: Any) -> list[str]:
@@ -173,7 +174,7 @@ class SamplingParams:
             return []
         items = [v] if isinstance(v, str) else v
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-            raise TypeError(f"{name} must be a non-empty string or a list of them, got {v!r}")
+            raise ArgumentTypeError(f"{name} must be a non-empty string or a list of them, got {v!r}")
         for i, s in enumerate(items):
             if not s:   # an empty stop would match before any text: a value error, not a type error
                 raise ValueError(f"{name} must be a non-empty string or a list of them, got {v!r}")
@@ -213,7 +214,7 @@ class SamplingParams:
         if isinstance(d, SamplingParams):
             return d
         if not isinstance(d, dict):
-            raise TypeError(f"sampling_params must be a dict, got {type(d).__name__}")
+            raise ArgumentTypeError(f"sampling_params must be a dict, got {type(d).__name__}")
         known = _init_names(cls)
         for key in d:
             if not isinstance(key, str):

@@ -5,10 +5,9 @@
 - ``GrammarService`` (loop thread): compiles grammars against the model's tokenizer in a worker
   thread (xgrammar's GrammarCompiler caches per grammar), holds a request until its grammar is
   ready (the loop decodes others meanwhile), then hands it to the scheduler with a ``GrammarState``.
-- ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before
-  sampling, accepts each sampled token (a step's rows together: runtime/grammar_batch.py), ends
-  the request when the grammar terminates, and (with ``enable_jump_forward``) appends the text the
-  grammar forces next (runtime/jump_forward.py).
+- ``GrammarState`` (loop thread): one request's matcher; fills its token-bitmask row before sampling,
+  accepts each sampled token (a step's rows together: runtime/grammar_batch.py), ends the request when
+  the grammar terminates, and (``enable_jump_forward``) appends the forced text (runtime/jump_forward.py).
 """
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ import json
 import logging
 from typing import Any, Callable, Optional
 
+from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.finish import FinishReason
 from nbgen.core.request import Status
 from nbgen.core.sampling import GRAMMAR_KINDS, SamplingParams
@@ -95,7 +95,7 @@ def check_grammar(p: SamplingParams) -> None:
         return
     kind, text = key
     if not isinstance(text, str) or not text:
-        raise TypeError(f"{kind} must be a non-empty string, got {text!r:.80}")
+        raise ArgumentTypeError(f"{kind} must be a non-empty string, got {text!r:.80}")
     if kind in ("json_schema", "structural_tag") and text != ANY_JSON:
         try:
             json.loads(text)
