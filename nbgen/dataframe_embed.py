@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, is_int, run_job
+from nbgen.core.scheduler_config import is_integral
+from nbgen.dataframe_job import JobResult, TextRows, check_call, check_new_columns, run_job
 from nbgen.dataframe_rows import abort_message, column_key, jsonable, row_key
 from nbgen.dataframe_window import PendingRow
 from nbgen.engine import default_engine
@@ -39,7 +40,7 @@ def embed_df(df: "pd.DataFrame", text_column: str = "text", engine: Any = None, 
 
     check_call(df, text_column, on_error, batch_size, "text_column")
     check_new_columns(df, COLUMNS, prefix, "emb_")
-    if dimensions is not None and not is_int(dimensions):
+    if dimensions is not None and not is_integral(dimensions):
         raise ValueError(f"dimensions must be an int or None, got {dimensions!r:.60}")
     dimensions = None if dimensions is None else int(dimensions)  # np.int64(8) -> 8 (the checkpoint key)
     if engine is not None:

@@ -12,12 +12,12 @@ an output becomes column values); ``run_job`` does the rest the same way for all
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.interrupt import GenerationInterrupted
+from nbgen.core.scheduler_config import is_integral
 from nbgen.dataframe_io import Checkpoint
 from nbgen.dataframe_rows import RowError, require_column, row_text
 from nbgen.dataframe_window import PendingRow, run_window
@@ -187,13 +187,8 @@ def check_call(df: Any, column: str, on_error: str, batch_size: int, param: str 
     require_column(df, column, param)
     if on_error not in ("skip", "raise"):
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-    if not is_int(batch_size) or batch_size < 1:
+    if not is_integral(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-
-
-def is_int(v: Any) -> bool:
-    """An integer (Python or numpy), not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_new_columns(df: Any, cols: Sequence[str], prefix: str, example: str) -> None:

@@ -6,7 +6,6 @@ fails the whole call with a clear error and nothing runs.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import random
 import uuid
 from collections import Counter
@@ -16,6 +15,7 @@ from typing import Any, Optional, Union
 from nbgen.core.errors import ArgumentTypeError
 from nbgen.core.request import LogprobRequest, Request
 from nbgen.core.sampling import NONE_MEANS_DEFAULT, SamplingParams, check_text
+from nbgen.core.scheduler_config import is_integral
 
 PromptArg = Optional[Union[str, list[str]]]
 IdsArg = Optional[Union[list[int], list[list[int]]]]
@@ -40,11 +40,6 @@ def _is_id_list(x: Any) -> bool:
         return False
     types = set(map(type, x))
     return types <= {int} or all(issubclass(t, int) and not issubclass(t, bool) for t in types)
-
-
-def _is_int(x: Any) -> bool:
-    """An integer of any type (int, numpy int), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def normalize_inputs(prompt: PromptArg, input_ids: IdsArg) -> tuple[list[Any], bool, str]:
@@ -151,7 +146,7 @@ def check_priority(priority: Any) -> Optional[int]:
     GenerateReqInput); anything else is a ValueError naming priority."""
     if priority is None:
         return None
-    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+    if not is_integral(priority):
         raise ValueError(f"priority must be an int or None (one value for the whole call), got {priority!r:.60}")
     return int(priority)
 
@@ -184,15 +179,15 @@ def make_logprob_requests(n: int, return_logprob: Any, top_logprobs_num: Any, lo
     rl = [False if v is None else v for v in per_item("return_logprob", return_logprob, n)]
     tn = [0 if v is None else v for v in per_item("top_logprobs_num", top_logprobs_num, n)]
     ls = [-1 if v is None else v for v in per_item("logprob_start_len", logprob_start_len, n)]
-    if _is_int(token_ids_logprob):      # one id for every prompt (SGLang's GenerateReqInput wraps it)
+    if is_integral(token_ids_logprob):      # one id for every prompt (SGLang's GenerateReqInput wraps it)
         token_ids_logprob = [int(token_ids_logprob)]
     ti = per_item("token_ids_logprob", token_ids_logprob, n)
     out = []
     for i in range(n):
         # any integer type (a numpy int) counts; a bool does not (topk would get k=True)
-        if not _is_int(tn[i]) or tn[i] < 0:
+        if not is_integral(tn[i]) or tn[i] < 0:
             raise ValueError(f"top_logprobs_num must be an int >= 0, got {tn[i]!r}")
-        if not _is_int(ls[i]) or ls[i] < -1:
+        if not is_integral(ls[i]) or ls[i] < -1:
             raise ValueError(f"logprob_start_len must be -1 or an int >= 0, got {ls[i]!r}")
         tn[i], ls[i] = int(tn[i]), int(ls[i])
         ids = ti[i]

@@ -2,6 +2,7 @@
 (priority scheduling, SGLang's server-arg names), each validated on construction."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -11,6 +12,11 @@ POLICIES = ("fcfs", "lpm", "lof")
 def is_int(v: Any) -> bool:
     """An int that is not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_integral(v: Any) -> bool:
+    """An integer of any type (a Python or numpy int) that is not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass

@@ -13,12 +13,12 @@ Matryoshka support (``dimensions=`` in ``encode``) comes from config.json: ``is_
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from nbgen.core.request import EmbedRequest
+from nbgen.core.scheduler_config import is_integral
 
 _ST = "sentence_transformers.models."
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
@@ -47,7 +47,7 @@ def check_dimensions(dimensions: Any, cfg: PoolingConfig, model: str) -> Optiona
     if dimensions is None:
         return None
     # any integer type (a numpy int read from a config or an array) is a size, as in SGLang
-    if not isinstance(dimensions, numbers.Integral) or isinstance(dimensions, bool):
+    if not is_integral(dimensions):
         raise ValueError(f"dimensions must be an int or None, got {dimensions!r:.60}")
     dimensions = int(dimensions)
     if not cfg.matryoshka:
