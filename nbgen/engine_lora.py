@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import torch
-
 from nbgen.core.request import Request
+from nbgen.engine_weights import named_pairs
 from nbgen.models.lora_adapter import AdapterTensors
 from nbgen.runtime.lora import LoRAManager
 
@@ -81,14 +80,10 @@ class LoRAMixin:
         if not isinstance(config_dict, dict):
             raise ValueError(f"config_dict must be a dict (the adapter's adapter_config.json), got "
                              f"{type(config_dict).__name__}")
-        try:
-            pairs = list(tensors.items() if isinstance(tensors, dict) else tensors)
-            ok = bool(pairs) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in pairs)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
+        pairs = named_pairs(tensors, "tensors")
+        if not pairs:
             raise ValueError("tensors must be a non-empty dict of weight name -> torch.Tensor (or a list of "
-                             f"(name, tensor) pairs), got {type(tensors).__name__}")
+                             f"(name, tensor) pairs), got an empty {type(tensors).__name__}")
         copied = {k: v.detach().to("cpu", copy=True) for k, v in pairs}
         source = AdapterTensors(f"<tensors {next(_TENSOR_LOADS)}>", copy.deepcopy(config_dict), copied)
         return self._load_lora(lora_name, source, pinned)

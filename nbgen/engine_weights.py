@@ -24,20 +24,21 @@ NamedTensors = Union[Iterable[tuple[str, torch.Tensor]], Mapping[str, torch.Tens
 _DISK_FORMATS = ("auto", "safetensors", "gguf")
 
 
-def _named_pairs(named_tensors: Any) -> list[tuple[str, torch.Tensor]]:
-    """[(name, tensor)] from a list of pairs or a dict (a state_dict); ValueError otherwise."""
+def named_pairs(named_tensors: Any, param: str = "named_tensors") -> list[tuple[str, torch.Tensor]]:
+    """[(name, tensor)] from a list of pairs or a dict (a state_dict); ValueError naming ``param`` otherwise
+    (also for a tensor without data to copy)."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     if isinstance(items, (str, bytes, torch.Tensor)) or not hasattr(items, "__iter__"):
-        raise ValueError("named_tensors must be a list of (name, tensor) pairs or a dict of tensors, "
+        raise ValueError(f"{param} must be a list of (name, tensor) pairs or a dict of tensors, "
                          f"got {type(named_tensors).__name__}")
     pairs = []
     for i, item in enumerate(items):
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
                 and isinstance(item[1], torch.Tensor)):
-            raise ValueError(f"named_tensors[{i}] must be a (name, torch.Tensor) pair, got {item!r:.80}")
+            raise ValueError(f"{param}[{i}] must be a (name, torch.Tensor) pair, got {item!r:.80}")
         t = item[1]
         if t.is_meta or t.layout != torch.strided:   # no data to copy: found here, before any write
-            raise ValueError(f"named_tensors[{i}] ({item[0]!r}) must be a dense tensor with data, got a "
+            raise ValueError(f"{param}[{i}] ({item[0]!r}) must be a dense tensor with data, got a "
                              f"{'meta' if t.is_meta else t.layout} tensor")
         pairs.append((item[0], t))
     return pairs
@@ -100,7 +101,7 @@ class WeightsMixin:
         own parameter names with ``load_format="direct"``) -> ``(success, message)``. Any subset of the
         weights may be sent; ``flush_cache`` drops the prefix cache (its K/V came from the old
         weights); ``weight_version`` renames the weights (``meta_info["weight_version"]``)."""
-        pairs = _named_pairs(named_tensors)
+        pairs = named_pairs(named_tensors)
         _check_common(load_format, flush_cache, weight_version)
         self._check_one_copy("update_weights_from_tensor")
         self._check_weights_in_place("update_weights_from_tensor")
